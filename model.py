@@ -1,0 +1,459 @@
+"""A pre-norm Transformer language model written from plain tensor ops (SPEC §2).
+
+Reading order: basic modules (Linear, Embedding, RMSNorm, SwiGLU, RoPE) -> softmax and attention -> the attention
+layer, the block and TransformerLM -> cross-entropy -> parameter/FLOP accounting and size presets.
+
+The state dict uses the course's reference layout (SPEC §2.7), so checkpoints move both ways:
+token_embeddings.weight, layers.{i}.ln1.weight, layers.{i}.attn.{q_proj,k_proj,v_proj,output_proj}.weight,
+layers.{i}.ln2.weight, layers.{i}.ffn.{w1,w2,w3}.weight, ln_final.weight, lm_head.weight.
+
+attn_impl picks the attention kernel (an attribute read at call time, so it can change after construction):
+    "naive"      our scaled_dot_product_attention (the reference; O(T^2) memory)
+    "sdpa"       torch's F.scaled_dot_product_attention (a baseline for comparison only)
+    "flash"      flash.py's Triton FlashAttention-2 (flash_attention / flash_attn_varlen)
+    "flash_ref"  flash.py's tiled PyTorch twin of that kernel
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import flash
+
+ATTN_IMPLS = ("naive", "sdpa", "flash", "flash_ref")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# basic modules (SPEC §2.1-2.4)
+# ---------------------------------------------------------------------------------------------------------------
+
+class Linear(nn.Module):
+    """y = x W^T, no bias; W (out, in) ~ truncated normal, sigma^2 = 2 / (in + out), cut at +-3 sigma (SPEC §2.1)."""
+
+    def __init__(self, in_features, out_features, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        std = math.sqrt(2.0 / (in_features + out_features))
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+class Embedding(nn.Module):
+    """Lookup table weight (num_embeddings, embedding_dim) ~ truncated normal, sigma 1, cut at +-3 (SPEC §2.1)."""
+
+    def __init__(self, num_embeddings, embedding_dim, device=None, dtype=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
+
+    def forward(self, token_ids):
+        return self.weight[token_ids]
+
+
+class RMSNorm(nn.Module):
+    """out = x / sqrt(mean(x^2) + eps) * g, computed in fp32 (squares overflow in half precision), returned in the
+    input's dtype (SPEC §2.2)."""
+
+    def __init__(self, d_model, eps=1e-5, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x):
+        in_dtype = x.dtype
+        x = x.float()
+        inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x * inv_rms * self.weight.float()).to(in_dtype)
+
+
+def silu(x):
+    """SiLU(x) = x * sigmoid(x) (SPEC §2.3)."""
+    return x * torch.sigmoid(x)
+
+
+class SwiGLU(nn.Module):
+    """FFN(x) = W2 (SiLU(W1 x) * W3 x) (SPEC §2.3); d_ff defaults to (8/3) d rounded to a multiple of 64."""
+
+    def __init__(self, d_model, d_ff=None, device=None, dtype=None):
+        super().__init__()
+        if d_ff is None:
+            d_ff = 64 * round(8 * d_model / 192)
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.w2(silu(self.w1(x)) * self.w3(x))
+
+
+def apply_rope(x, cos, sin):
+    """Rotate interleaved pairs (x[2j], x[2j+1]) of the last dim by angles whose cos/sin broadcast against
+    x[..., ::2] (SPEC §2.4). Computed in fp32, returned in x's dtype; elementwise, so torch.compile fuses it."""
+    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with precomputed cos/sin tables (max_seq_len, d_k/2) as non-persistent buffers (SPEC §2.4).
+
+    forward(x (..., T, d_k), token_positions (..., T) broadcasting over x's leading dims; default 0..T-1)."""
+
+    def __init__(self, theta, d_k, max_seq_len, device=None):
+        super().__init__()
+        if d_k % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got d_k={d_k}")
+        inv_freq = theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float64) / d_k)
+        angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x, token_positions=None):
+        if token_positions is None:
+            token_positions = torch.arange(x.shape[-2], device=x.device)
+        return apply_rope(x, self.cos[token_positions], self.sin[token_positions])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# softmax and attention (SPEC §2.5, §5.7)
+# ---------------------------------------------------------------------------------------------------------------
+
+def softmax(x, dim):
+    """Subtract the max along dim before exponentiating (softmax is shift invariant; avoids inf / inf)."""
+    x = x - x.amax(dim=dim, keepdim=True)
+    e = torch.exp(x)
+    return e / e.sum(dim=dim, keepdim=True)
+
+
+def scaled_dot_product_attention(q, k, v, mask=None):
+    """softmax(Q K^T / sqrt(d_k)) V with q (..., n, d_k), k (..., m, d_k), v (..., m, d_v); mask (n, m) boolean,
+    broadcastable, True = query i may attend key j (SPEC §2.5). Scores and softmax run in fp32."""
+    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return softmax(scores, dim=-1).to(v.dtype) @ v
+
+
+def causal_mask(n, device):
+    """(n, n) boolean, True where key j <= query i; built per call, so no O(context_length^2) buffer is kept."""
+    i = torch.arange(n, device=device)
+    return i[:, None] >= i[None, :]
+
+
+def document_ids(cu_seqlens, n):
+    """Document index of each of n packed rows: doc(t) = k such that cu_seqlens[k] <= t < cu_seqlens[k+1]
+    (SPEC §5.7). On the device, no host sync."""
+    t = torch.arange(n, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), t, right=True)
+
+
+def packed_positions(cu_seqlens, n):
+    """RoPE positions that restart in every packed document: pos(t) = t - cu_seqlens[doc(t)] (SPEC §5.7)."""
+    doc = document_ids(cu_seqlens, n)
+    t = torch.arange(n, device=cu_seqlens.device)
+    return t - cu_seqlens[doc].long()
+
+
+def block_diagonal_causal_mask(cu_seqlens, n):
+    """(n, n) boolean: row t may attend row s iff doc(t) == doc(s) and s <= t (SPEC §5.7 block-diagonal rule).
+    The dense reference for packed attention."""
+    doc = document_ids(cu_seqlens, n)
+    return (doc[:, None] == doc[None, :]) & causal_mask(n, cu_seqlens.device)
+
+
+class KVCache:
+    """Keys and values of earlier tokens for decoding (sample.py), one buffer per layer.
+
+    Slot s of batch row b holds the key/value of that row's token at position s, so rows of different lengths
+    (right-padded prompts) share one cache: a query at position p attends slots 0..p of its own row, and slots past p
+    (padding, or stale values about to be overwritten) are masked. `length` is the number of slots any row may have
+    written (a Python int, so no host sync); TransformerLM.forward advances it by the number of tokens it was fed.
+    """
+
+    def __init__(self, num_layers, batch_size, max_len, num_heads, d_head, device=None, dtype=torch.float32):
+        shape = (num_layers, batch_size, max_len, num_heads, d_head)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer_idx, k, v, positions):
+        """Write k, v (B, T, H, D) at slots positions (B, T); return the keys and values of the slots in use."""
+        end = self.length + k.shape[1]
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        self.k[layer_idx][rows, positions] = k.to(self.k.dtype)
+        self.v[layer_idx][rows, positions] = v.to(self.v.dtype)
+        return self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attention layer, block, language model (SPEC §2.6, §2.7)
+# ---------------------------------------------------------------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE on q and k (SPEC §2.6).
+
+    q_proj, k_proj, v_proj are kept as three modules (the reference state-dict names) but run as one matmul over
+    their concatenated weights: same math, one GEMM instead of three in forward and backward.
+    Heads stay (B, T, H, d_k) in memory; flash and sdpa get (B, H, T, d_k) views of them, no copy.
+    """
+
+    def __init__(self, d_model, num_heads, max_seq_len, theta=10000.0, attn_impl="naive", rope=None,
+                 layer_idx=0, device=None, dtype=None):
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        if attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={attn_impl!r}: expected one of {ATTN_IMPLS}")
+        self.num_heads, self.d_head = num_heads, d_model // num_heads
+        self.attn_impl = attn_impl
+        self.layer_idx = layer_idx  # which KVCache buffer this layer uses
+        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        if rope is None and theta is not None:
+            rope = RotaryEmbedding(theta, self.d_head, max_seq_len, device=device)
+        self.rope = rope  # shared by all layers of a TransformerLM; None = no positional encoding (NoPE)
+
+    def forward(self, x, token_positions=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+        """x (B, T, d). token_positions (..., T) broadcast over the batch (default 0..T-1). Packed mode: B == 1,
+        cu_seqlens/max_seqlen mark the documents (attention stays inside each). kv_cache: decoding, see KVCache."""
+        B, T, d = x.shape
+        w_qkv = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        q, k, v = (x @ w_qkv.T).view(B, T, 3, self.num_heads, self.d_head).unbind(dim=2)
+        if self.rope is not None:
+            if token_positions is None:
+                token_positions = torch.arange(T, device=x.device)
+            # the tables gain a heads axis: (..., T, 1, d_k/2) against q, k (B, T, H, d_k/2)
+            cos = self.rope.cos[token_positions].unsqueeze(-2)
+            sin = self.rope.sin[token_positions].unsqueeze(-2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if kv_cache is not None:
+            out = self._cached_attention(q, k, v, token_positions, kv_cache)
+        elif cu_seqlens is not None:
+            out = self._packed_attention(q, k, v, cu_seqlens, max_seqlen)
+        else:
+            out = self._causal_attention(q, k, v)
+        return self.output_proj(out.reshape(B, T, d))
+
+    def _causal_attention(self, q, k, v):
+        """(B, T, H, D) in, (B, T, H, D) out (possibly a strided view)."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.attn_impl == "flash":
+            out = flash.flash_attention(q, k, v, causal=True)
+        elif self.attn_impl == "flash_ref":
+            out = flash.FlashAttentionPyTorch.apply(q, k, v, True)
+        elif self.attn_impl == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = scaled_dot_product_attention(q, k, v, causal_mask(q.shape[-2], q.device))
+        return out.transpose(1, 2)
+
+    def _packed_attention(self, q, k, v, cu_seqlens, max_seqlen):
+        """Documents packed in one row (1, N, H, D): block-diagonal causal attention (SPEC §5.7)."""
+        N = q.shape[1]
+        if self.attn_impl == "flash":
+            return flash.flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True).unsqueeze(0)
+        if self.attn_impl == "flash_ref":
+            return self._packed_flash_ref(q, k, v, cu_seqlens)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        mask = block_diagonal_causal_mask(cu_seqlens, N)
+        if self.attn_impl == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = scaled_dot_product_attention(q, k, v, mask)
+        return out.transpose(1, 2)
+
+    def _packed_flash_ref(self, q, k, v, cu_seqlens):
+        """The tiled PyTorch twin one document at a time; reads cu_seqlens on the host (a reference path)."""
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != q.shape[1] or any(a > b for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to the {q.shape[1]} packed tokens, got {cu}")
+        heads_first = lambda t, a, b: t[0, a:b].transpose(0, 1)  # (len, H, D) -> (H, len, D), a view
+        outs = [flash.FlashAttentionPyTorch.apply(heads_first(q, a, b), heads_first(k, a, b), heads_first(v, a, b),
+                                                  True).transpose(0, 1)
+                for a, b in zip(cu, cu[1:]) if b > a]
+        return torch.cat(outs).unsqueeze(0)
+
+    def _cached_attention(self, q, k, v, positions, kv_cache):
+        """Decoding: write this call's keys/values at their positions, attend every cached slot <= the query's
+        position. The queries and keys differ in length and rows differ in position, so this uses the masked path
+        (sdpa when selected, else ours) for every attn_impl; its cost per new token is one row of scores."""
+        positions = positions.expand(q.shape[0], q.shape[1])
+        k, v = kv_cache.update(self.layer_idx, k, v, positions)
+        mask = torch.arange(k.shape[1], device=q.device) <= positions[:, None, :, None]  # (B, 1, T, slots)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+        if self.attn_impl == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = scaled_dot_product_attention(q, k, v, mask)
+        return out.transpose(1, 2)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: z = x + MHSA(RMSNorm1(x)); y = z + FFN(RMSNorm2(z)) (SPEC §2.7)."""
+
+    def __init__(self, d_model, num_heads, d_ff, max_seq_len, theta=10000.0, attn_impl="naive", rope=None,
+                 layer_idx=0, device=None, dtype=None):
+        super().__init__()
+        self.ln1 = RMSNorm(d_model, device=device, dtype=dtype)
+        self.attn = CausalSelfAttention(d_model, num_heads, max_seq_len, theta, attn_impl=attn_impl, rope=rope,
+                                        layer_idx=layer_idx, device=device, dtype=dtype)
+        self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
+        self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+
+    def forward(self, x, token_positions=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+        x = x + self.attn(self.ln1(x), token_positions, cu_seqlens, max_seqlen, kv_cache)
+        return x + self.ffn(self.ln2(x))
+
+
+class TransformerLM(nn.Module):
+    """token_embeddings -> num_layers pre-norm blocks -> ln_final -> lm_head; returns logits (SPEC §2.7).
+
+    rope_theta=None disables RoPE. tie_embeddings shares one (vocab_size, d_model) matrix between the embedding
+    and lm_head, initialised like a Linear (std sqrt(2 / (V + d))) since std 1 would blow up the logits.
+    ckpt_every=k > 0 checkpoints segments of k consecutive blocks while training (SPEC §3.9): their activations
+    are recomputed in backward instead of stored.
+    """
+
+    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta=10000.0,
+                 attn_impl="naive", tie_embeddings=False, ckpt_every=0, device=None, dtype=None):
+        super().__init__()
+        if ckpt_every < 0:
+            raise ValueError(f"ckpt_every={ckpt_every} must be >= 0 (0 = no activation checkpointing)")
+        self.vocab_size, self.context_length = vocab_size, context_length
+        self.d_model, self.num_layers, self.num_heads = d_model, num_layers, num_heads
+        self.ckpt_every = ckpt_every
+        self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
+        # one RoPE table for all layers (SPEC §2.4); a non-persistent buffer, so not in the state dict
+        rope = None if rope_theta is None else RotaryEmbedding(rope_theta, d_model // num_heads, context_length,
+                                                               device=device)
+        self.layers = nn.ModuleList(
+            TransformerBlock(d_model, num_heads, d_ff, context_length, rope_theta, attn_impl=attn_impl, rope=rope,
+                             layer_idx=i, device=device, dtype=dtype)
+            for i in range(num_layers))
+        self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
+        self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+        if tie_embeddings:
+            self.token_embeddings.weight = self.lm_head.weight
+        self.attn_impl = attn_impl
+
+    @property
+    def attn_impl(self):
+        return self._attn_impl
+
+    @attn_impl.setter
+    def attn_impl(self, value):
+        if value not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={value!r}: expected one of {ATTN_IMPLS}")
+        self._attn_impl = value
+        for layer in self.layers:
+            layer.attn.attn_impl = value
+
+    def make_kv_cache(self, batch_size, max_len=None, device=None, dtype=torch.float32):
+        """An empty KVCache for this model (max_len defaults to context_length, the RoPE table size)."""
+        max_len = self.context_length if max_len is None else max_len
+        device = self.lm_head.weight.device if device is None else device
+        return KVCache(self.num_layers, batch_size, max_len, self.num_heads, self.d_model // self.num_heads,
+                       device=device, dtype=dtype)
+
+    def forward(self, idx, cu_seqlens=None, max_seqlen=None, position_ids=None, kv_cache=None):
+        """idx (B, T) int64 -> logits (B, T, vocab_size).
+
+        Packed mode (SPEC §5.7): idx (1, N) holds documents back to back, cu_seqlens (int32, num_docs + 1) their
+        boundaries and max_seqlen (Python int) the longest; attention stays inside each document and RoPE
+        positions restart at 0 in each (unless position_ids are given).
+        position_ids (B, T) or (T,): explicit RoPE positions (default 0..T-1).
+        kv_cache (KVCache): decoding; position_ids are then required and also name the cache slot of every token.
+        """
+        B, T = idx.shape
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"packed mode takes idx of shape (1, N), got {tuple(idx.shape)}")
+            if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+                raise ValueError("cu_seqlens must be a 1-D int32 tensor (num_docs + 1 offsets)")
+            if not isinstance(max_seqlen, int):
+                raise ValueError("packed mode needs max_seqlen as a Python int (the longest document)")
+            if max_seqlen > self.context_length:
+                raise ValueError(f"a packed document of {max_seqlen} tokens exceeds context_length "
+                                 f"{self.context_length}")
+            if position_ids is None:
+                position_ids = packed_positions(cu_seqlens, T)
+        elif kv_cache is not None:
+            if position_ids is None:
+                raise ValueError("decoding with a kv_cache needs position_ids (the slot of every token)")
+            if kv_cache.length + T > kv_cache.max_len:
+                raise ValueError(f"KV cache full: {kv_cache.length} + {T} tokens > {kv_cache.max_len} slots")
+        elif position_ids is None and T > self.context_length:
+            raise ValueError(f"sequence of {T} tokens exceeds context_length {self.context_length}")
+
+        x = self.token_embeddings(idx)
+        k = self.ckpt_every
+        if k and self.training and torch.is_grad_enabled():
+            for start in range(0, self.num_layers, k):
+                x = checkpoint(self._run_layers, x, start, start + k, position_ids, cu_seqlens, max_seqlen,
+                               use_reentrant=False)
+        else:
+            x = self._run_layers(x, 0, self.num_layers, position_ids, cu_seqlens, max_seqlen, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += T
+        return self.lm_head(self.ln_final(x))
+
+    def _run_layers(self, x, start, end, position_ids, cu_seqlens, max_seqlen, kv_cache=None):
+        for layer in self.layers[start:end]:
+            x = layer(x, position_ids, cu_seqlens, max_seqlen, kv_cache)
+        return x
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loss (SPEC §2.8)
+# ---------------------------------------------------------------------------------------------------------------
+
+def cross_entropy(logits, targets, ignore_index=-100):
+    """Mean over non-ignored targets of logsumexp(o) - o[target]; logits (..., V) upcast to fp32, targets (...).
+    Targets equal to ignore_index (padding, document ends) contribute nothing; if every target is ignored the
+    result is 0 rather than 0/0, so an all-padding micro-batch cannot poison gradient accumulation."""
+    logits = logits.float()
+    m = logits.amax(dim=-1, keepdim=True)
+    lse = (m + torch.log(torch.exp(logits - m).sum(dim=-1, keepdim=True))).squeeze(-1)
+    keep = targets != ignore_index
+    picked = logits.gather(-1, torch.where(keep, targets, 0).unsqueeze(-1)).squeeze(-1)
+    losses = torch.where(keep, lse - picked, 0.0)
+    return losses.sum() / keep.sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parameter and FLOP accounting, size presets (SPEC §2.9, §2.10)
+# ---------------------------------------------------------------------------------------------------------------
+
+def count_params(model):
+    """Number of parameters, shared (tied) tensors counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(vocab_size, context_length, d_model, num_layers, d_ff, causal=True):
+    """Training FLOPs per token = 3 x forward (SPEC §2.9). Forward per sequence of T tokens:
+    L (8 T d^2 + 4 T^2 d + 6 T d d_ff) + 2 T d V; causal halves the T^2 terms (tile-skipping kernels do half)."""
+    T, d = context_length, d_model
+    attn_t2 = (2 if causal else 4) * T * T * d
+    forward = num_layers * (8 * T * d * d + attn_t2 + 6 * T * d * d_ff) + 2 * T * d * vocab_size
+    return 3 * forward / T
+
+
+PRESETS = {
+    "small": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+    "medium": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+    "large": dict(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+    "xl": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+    "2.7B": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+    "gpt2-xl": dict(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
+    "10B": dict(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
+}
