@@ -1,0 +1,663 @@
+"""Byte-level BPE (SPEC §1): a parallel trainer, its slow reference twin, and a GPT-2 compatible Tokenizer.
+
+    python bpe.py train --input corpus.txt --vocab_size 10000 --special '<|endoftext|>' --out out/tok
+    python bpe.py encode --vocab out/tok/vocab.json --merges out/tok/merges.txt --special '<|endoftext|>' \\
+        --input corpus.txt --out corpus.bin
+    python bpe.py bench --input _dev/bench_corpus.txt --vocab_size 10000   # ours vs HF tokenizers and tiktoken
+
+Training: the file is cut into chunks at special-token boundaries (§1.6), every worker pre-tokenizes its chunks with
+the GPT-2 regex (§1.2) into a Counter of pre-tokens, then one process runs the merge loop with incremental pair
+counts and a max-heap (§1.5). `train_bpe_reference` is the obviously-correct twin that recounts every pair per merge.
+Encoding: `Tokenizer.encode` goes through tiktoken's Rust BPE core built from our ranks (token ids); the pure-Python
+merges-in-order encoder stays as the reference and the fallback for vocabularies tiktoken cannot express.
+"""
+import argparse
+import heapq
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+import warnings
+from collections import Counter, defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import regex
+
+# SPEC §1.2: contractions | letters | numbers | other symbols | trailing whitespace | whitespace
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+PAT = regex.compile(GPT2_PAT)
+CHUNK_BYTES = 4 << 20  # pre-tokenization / encoding work unit: bounds memory at about this times the workers
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers: progress lines, GPT-2 byte<->unicode map, special-token splitting, file chunking
+# ---------------------------------------------------------------------------------------------------------------
+
+class Progress:
+    """Prints `label: done/total unit (rate, ETA)` at most every `every` seconds, and once at the end."""
+
+    def __init__(self, label, total, unit, every=5.0, verbose=True):
+        self.label, self.total, self.unit, self.every, self.verbose = label, total, unit, every, verbose
+        self.t0 = self.t_last = time.time()
+
+    def update(self, done, final=False):
+        now = time.time()
+        if not self.verbose or (not final and now - self.t_last < self.every):
+            return
+        self.t_last = now
+        dt = max(now - self.t0, 1e-9)
+        rate = done / dt
+        eta = (self.total - done) / rate if rate > 0 and not final else 0.0
+        scale, suffix = (1e6, "M") if self.unit == "B" else (1, "")
+        print(f"{self.label}: {done / scale:,.1f}{suffix}/{self.total / scale:,.1f}{suffix} {self.unit} "
+              f"({rate / scale:,.2f}{suffix} {self.unit}/s, {dt:.1f}s elapsed, ETA {eta:.0f}s)", flush=True)
+
+
+def bytes_to_unicode():
+    """SPEC §1.9: byte -> printable character; the 68 unprintable bytes map to chr(256), chr(257), ... in order."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def check_special_tokens(special_tokens):
+    special_tokens = list(special_tokens or [])
+    for s in special_tokens:
+        if not isinstance(s, str):
+            raise TypeError(f"special tokens must be str, got {type(s).__name__}: {s!r}")
+        if not s:
+            raise ValueError("special tokens must be non-empty strings")
+    return special_tokens
+
+
+def special_splitter(special_tokens):
+    """Capturing alternation, longest first (SPEC §1.3, §1.8), so re.split puts the specials at the odd indices.
+    None without specials: an empty alternation would match everywhere."""
+    if not special_tokens:
+        return None
+    return re.compile("(" + "|".join(re.escape(s) for s in sorted(set(special_tokens), key=len, reverse=True)) + ")")
+
+
+def _overlap(a, b):
+    """True if a match of `a` and a match of `b` can share a character: one contains the other or they chain."""
+    return a in b or b in a or any(a.endswith(b[:i]) or b.endswith(a[:i]) for i in range(1, min(len(a), len(b))))
+
+
+def chunk_split_token(special_tokens):
+    """The token whose occurrences are safe chunk boundaries for both training and encoding.
+
+    A boundary at the first byte of special token s is safe when no other special can overlap s (else the longest-
+    first split could place s differently). Without a usable special token, b"\\n" between two printable ASCII
+    characters is safe: that newline is a pre-token of its own whether or not the text continues (SPEC §1.2 regex).
+    None: no safe boundary exists (a special contains a newline), the file is one chunk."""
+    for s in special_tokens:
+        if all(t == s or not _overlap(s, t) for t in special_tokens):
+            return s.encode("utf-8")
+    if any("\n" in s for s in special_tokens):
+        return None
+    return b"\n"
+
+
+_NEWLINE_BOUNDARY = re.compile(rb"[!-~]\n[!-~]")
+
+
+def find_chunk_boundaries(f, desired_chunks, split_token):
+    """SPEC §1.6: byte offsets [0, ..., size] of chunks whose boundaries fall on `split_token` (see
+    chunk_split_token; b"\\n" means the safe newline rule). Fewer chunks than asked when tokens are rare."""
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    if split_token is None or desired_chunks <= 1 or size == 0:
+        return [0, size]
+    step = max(size // desired_chunks, 1)
+    bounds = [0]
+    for k in range(1, desired_chunks):
+        pos = max(k * step, bounds[-1])
+        f.seek(pos)
+        window = b""
+        found = size
+        while True:
+            block = f.read(4096)
+            if not block:
+                break
+            # keep a tail so a token straddling two reads is still found
+            window = window[-(len(split_token) + 2):] if window else b""
+            base = f.tell() - len(block) - len(window)
+            window += block
+            if split_token == b"\n":
+                m = _NEWLINE_BOUNDARY.search(window)
+                hit = m.start() + 2 if m else -1
+            else:
+                hit = window.find(split_token)
+            if hit >= 0:
+                found = base + hit
+                break
+        bounds.append(found)
+    bounds.append(size)
+    return sorted(set(bounds))
+
+
+def _read_chunk(path, start, end):
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 at byte offset {start + e.start}") from None
+
+
+def _file_chunks(path, special_tokens, num_workers, chunk_bytes=CHUNK_BYTES):
+    size = os.path.getsize(path)
+    desired = max(num_workers, -(-size // chunk_bytes))
+    with open(path, "rb") as f:
+        bounds = find_chunk_boundaries(f, desired, chunk_split_token(special_tokens))
+    return [(path, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------------------------
+
+def _check_training_args(input_path, vocab_size, special_tokens):
+    special_tokens = check_special_tokens(special_tokens)
+    if not os.path.isfile(input_path):
+        raise FileNotFoundError(f"training input {input_path} does not exist")
+    if os.path.getsize(input_path) == 0:
+        raise ValueError(f"training input {input_path} is empty")
+    n_new_specials = len({s.encode("utf-8") for s in special_tokens} - {bytes([i]) for i in range(256)})
+    if not isinstance(vocab_size, int) or vocab_size < 256 + n_new_specials:
+        raise ValueError(f"vocab_size={vocab_size} is below 256 byte tokens + {n_new_specials} special tokens")
+    return special_tokens
+
+
+def _initial_vocab(special_tokens):
+    """SPEC §1.1: ids 0..255 are the bytes, then the special tokens in order (skipped if already present)."""
+    vocab = {i: bytes([i]) for i in range(256)}
+    for s in special_tokens:
+        b = s.encode("utf-8")
+        if b not in vocab.values():
+            vocab[len(vocab)] = b
+    return vocab
+
+
+def _pretokenize_chunk(args):
+    """Worker: Counter of pre-token strings of one chunk; special tokens split the text and are dropped (§1.3)."""
+    path, start, end, special_tokens = args
+    text = _read_chunk(path, start, end)
+    splitter = special_splitter(special_tokens)
+    segments = splitter.split(text)[::2] if splitter else [text]
+    counts = Counter()
+    for seg in segments:
+        counts.update(PAT.findall(seg))  # one chunk's matches at a time: memory stays bounded by the chunk size
+    return counts, end - start
+
+
+def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
+    """{pre-token bytes: count} of the whole file, over all cores (SPEC §1.6)."""
+    num_workers = num_workers or os.cpu_count() or 1
+    chunks = _file_chunks(input_path, special_tokens, num_workers)
+    total, done = Counter(), 0
+    progress = Progress("pre-tokenize", os.path.getsize(input_path), "B", verbose=verbose)
+    jobs = [c + (special_tokens,) for c in chunks]
+    if num_workers == 1 or len(jobs) == 1:
+        results = map(_pretokenize_chunk, jobs)
+        pool = None
+    else:
+        pool = multiprocessing.get_context().Pool(min(num_workers, len(jobs)))
+        results = pool.imap_unordered(_pretokenize_chunk, jobs)
+    try:
+        for counts, nbytes in results:
+            total.update(counts)
+            done += nbytes
+            progress.update(done)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    progress.update(done, final=True)
+    return {w.encode("utf-8"): n for w, n in total.items()}
+
+
+def _desc_key(token):
+    """Sort key that orders byte strings in REVERSE of Python's bytes order (a proper prefix sorts lower there, so
+    higher here), so a min-heap on (-count, key) pops the lexicographically greatest pair among equal counts (§1.4).
+    Each byte b becomes the 16-bit unit 256 - b; the terminator 0xFFFF exceeds every unit, making keys prefix-free,
+    so key(a) + key(b) orders pairs (a, b) exactly like the tuple, reversed."""
+    return b"".join((256 - x).to_bytes(2, "big") for x in token) + b"\xff\xff"
+
+
+def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=True):
+    """Byte-level BPE training, SPEC §1.1-1.6. Returns (vocab {id: bytes}, merges [(bytes, bytes)] in order)."""
+    special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
+    t0 = time.time()
+    word_counts = pretokenize(input_path, special_tokens, num_workers, verbose)
+    vocab = _initial_vocab(special_tokens)
+    merges = []
+
+    # §1.5 state: every distinct pre-token as a list of ids, its count, pair counts and pair -> words index.
+    # The index is lazy: a word stays listed under a pair it lost; merging re-checks the word.
+    words = [list(w) for w in word_counts]
+    counts = list(word_counts.values())
+    pair_counts = defaultdict(int)
+    index = defaultdict(set)
+    for wid, w in enumerate(words):
+        n = counts[wid]
+        for pair in zip(w, w[1:]):
+            pair_counts[pair] += n
+            index[pair].add(wid)
+    keys = [_desc_key(vocab[i]) for i in range(len(vocab))]
+    # Lazy max-heap: counts of pairs without the new token only fall, so a popped entry whose count is stale is
+    # re-pushed with the current count; pairs with the new token are pushed once after each merge.
+    heap = [(-n, keys[a] + keys[b], a, b) for (a, b), n in pair_counts.items()]
+    heapq.heapify(heap)
+    n_merges = vocab_size - len(vocab)
+    progress = Progress("merge", n_merges, "merges", verbose=verbose)
+    if verbose:
+        print(f"{len(words):,} distinct pre-tokens, {len(pair_counts):,} pairs ({time.time() - t0:.1f}s)", flush=True)
+
+    while len(merges) < n_merges and heap:
+        negn, key, a, b = heapq.heappop(heap)
+        n_now = pair_counts.get((a, b), 0)
+        if n_now != -negn:
+            if n_now > 0:
+                heapq.heappush(heap, (-n_now, key, a, b))
+            continue
+        new_id = len(vocab)
+        vocab[new_id] = vocab[a] + vocab[b]
+        keys.append(_desc_key(vocab[new_id]))
+        merges.append((vocab[a], vocab[b]))
+        fresh = set()
+        for wid in index.pop((a, b)):
+            w = words[wid]
+            merged, i, L = [], 0, len(w)
+            while i < L:
+                if i + 1 < L and w[i] == a and w[i + 1] == b:
+                    merged.append(new_id)
+                    i += 2
+                else:
+                    merged.append(w[i])
+                    i += 1
+            if len(merged) == L:
+                continue  # the lazy index listed a word that no longer holds the pair
+            n = counts[wid]
+            for pair in zip(w, w[1:]):
+                pair_counts[pair] -= n
+            for pair in zip(merged, merged[1:]):
+                pair_counts[pair] += n
+                if new_id in pair:
+                    fresh.add(pair)
+                    index[pair].add(wid)
+            words[wid] = merged
+        del pair_counts[(a, b)]
+        for pair in fresh:
+            heapq.heappush(heap, (-pair_counts[pair], keys[pair[0]] + keys[pair[1]], pair[0], pair[1]))
+        progress.update(len(merges))
+    progress.update(len(merges), final=True)
+    return vocab, merges
+
+
+def train_bpe_reference(input_path, vocab_size, special_tokens):
+    """The slow twin of train_bpe (SPEC §1.4): one process, and every pair recounted from scratch per merge."""
+    special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
+    with open(input_path, encoding="utf-8") as f:
+        text = f.read()
+    splitter = special_splitter(special_tokens)
+    word_counts = Counter()
+    for seg in (splitter.split(text)[::2] if splitter else [text]):
+        for m in PAT.finditer(seg):
+            word_counts[tuple(bytes([x]) for x in m.group().encode("utf-8"))] += 1
+    vocab = _initial_vocab(special_tokens)
+    merges = []
+    while len(vocab) < vocab_size:
+        pairs = Counter()
+        for w, n in word_counts.items():
+            for pair in zip(w, w[1:]):
+                pairs[pair] += n
+        if not pairs:
+            break
+        best = max(pairs, key=lambda p: (pairs[p], p))  # highest count, then the greatest pair of bytes
+        merges.append(best)
+        vocab[len(vocab)] = best[0] + best[1]
+        new_counts = Counter()
+        for w, n in word_counts.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(best[0] + best[1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new_counts[tuple(out)] += n
+        word_counts = new_counts
+    return vocab, merges
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tokenizer
+# ---------------------------------------------------------------------------------------------------------------
+
+class Tokenizer:
+    """Encode/decode with a trained vocabulary (SPEC §1.8). Special tokens are matched longest first."""
+
+    def __init__(self, vocab, merges, special_tokens=None):
+        self.special_tokens = check_special_tokens(special_tokens)
+        self.vocab = {}
+        for i, b in dict(vocab).items():
+            if not isinstance(i, int) or i < 0 or not isinstance(b, bytes):
+                raise TypeError(f"vocab must map int ids >= 0 to bytes, got {i!r}: {b!r}")
+            self.vocab[i] = b
+        self.merges = [(bytes(a), bytes(b)) for a, b in merges]
+        # a special token reuses an id whose bytes equal it, else gets the next free id (§1.8)
+        ids_of = defaultdict(list)
+        for i in sorted(self.vocab):
+            ids_of[self.vocab[i]].append(i)
+        self.special_ids = {}
+        for s in self.special_tokens:
+            b = s.encode("utf-8")
+            if b not in ids_of:
+                i = max(self.vocab, default=-1) + 1
+                self.vocab[i] = b
+                ids_of[b].append(i)
+            self.special_ids[s] = ids_of[b][-1]
+        special_id_set = set(self.special_ids.values())
+        # ordinary tokens: bytes -> id, the special ids left out (the split emits them)
+        self.bytes_to_id = {}
+        duplicated = []
+        for i in sorted(self.vocab):
+            if i in special_id_set:
+                continue
+            b = self.vocab[i]
+            if b in self.bytes_to_id:
+                duplicated.append(b)
+            else:
+                self.bytes_to_id[b] = i
+        self.ranks = {}
+        for r, (a, b) in enumerate(self.merges):
+            if a + b not in self.bytes_to_id:
+                raise ValueError(f"merge {r} ({a!r}, {b!r}) makes {a + b!r}, which is not in the vocabulary")
+            self.ranks.setdefault((a, b), r)
+        self._splitter = special_splitter(self.special_tokens)
+        self._max_special = max((len(s) for s in self.special_tokens), default=0)
+        self._cache = {}
+        self._tiktoken = None
+        reason = self._tiktoken_obstacle(duplicated)
+        if reason is None:
+            import tiktoken
+            self._tiktoken = tiktoken.Encoding(
+                name=f"bpe_{id(self)}", pat_str=GPT2_PAT, mergeable_ranks=dict(self.bytes_to_id),
+                special_tokens=dict(self.special_ids))
+        else:
+            warnings.warn(f"bpe: tiktoken fast path off ({reason}); using the pure-Python encoder", stacklevel=2)
+
+    def _tiktoken_obstacle(self, duplicated):
+        """tiktoken merges the adjacent pair whose concatenation has the lowest rank; with rank = token id that is
+        merges-in-order exactly when ids grow with merge rank and every ordinary token is a byte or a merge result.
+        Returns why the vocabulary does not fit, or None."""
+        if duplicated:
+            return f"{len(duplicated)} tokens share their bytes with another, e.g. {duplicated[0]!r}"
+        missing = [x for x in range(256) if bytes([x]) not in self.bytes_to_id]
+        if missing:
+            return f"{len(missing)} single bytes have no ordinary token, e.g. byte {missing[0]}"
+        results = [self.bytes_to_id[a + b] for a, b in self.merges]
+        if any(x >= y for x, y in zip(results, results[1:])):
+            return "token ids do not grow with merge rank"
+        made = set(results) | {self.bytes_to_id[bytes([x])] for x in range(256)}
+        if len(made) != len(self.bytes_to_id):
+            return f"{len(self.bytes_to_id) - len(made)} ordinary tokens are neither a byte nor a merge result"
+        return None
+
+    @classmethod
+    def from_files(cls, vocab_path, merges_path, special_tokens=None):
+        """Reads GPT-2 style vocab.json {mapped string: id} and merges.txt (SPEC §1.9)."""
+        special_tokens = check_special_tokens(special_tokens)
+        decoder = {c: b for b, c in bytes_to_unicode().items()}
+
+        def unmap(s, where):
+            try:
+                return bytes(decoder[c] for c in s)
+            except KeyError as e:
+                raise ValueError(f"{where}: {s!r} has character {e.args[0]!r} outside the GPT-2 byte map") from None
+
+        try:
+            with open(vocab_path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read vocab file {vocab_path}: {e}") from None
+        if not isinstance(raw, dict) or not all(isinstance(i, int) for i in raw.values()):
+            raise ValueError(f"{vocab_path}: expected a JSON object of token string -> int id")
+        specials = set(special_tokens)
+        vocab = {}
+        for s, i in raw.items():
+            if i in vocab:
+                raise ValueError(f"{vocab_path}: id {i} appears twice")
+            vocab[i] = s.encode("utf-8") if s in specials else unmap(s, vocab_path)
+        merges = []
+        try:
+            with open(merges_path, encoding="utf-8") as f:
+                lines = f.read().split("\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read merges file {merges_path}: {e}") from None
+        for lineno, line in enumerate(lines, 1):
+            line = line.rstrip("\r")
+            if not line or (lineno == 1 and line.startswith("#version")):
+                continue
+            parts = line.split(" ")
+            if len(parts) != 2 or not all(parts):
+                raise ValueError(f"{merges_path}:{lineno}: expected two tokens separated by one space, got {line!r}")
+            merges.append((unmap(parts[0], f"{merges_path}:{lineno}"), unmap(parts[1], f"{merges_path}:{lineno}")))
+        return cls(vocab, merges, special_tokens)
+
+    def save(self, out_dir):
+        """Writes vocab.json and merges.txt (GPT-2 format, special tokens as their literal text)."""
+        os.makedirs(out_dir, exist_ok=True)
+        enc = bytes_to_unicode()
+        special_id_set = set(self.special_ids.values())
+        mapped = {}
+        for i in sorted(self.vocab):
+            s = self.vocab[i].decode("utf-8") if i in special_id_set else "".join(enc[x] for x in self.vocab[i])
+            if s in mapped:
+                raise ValueError(f"tokens {mapped[s]} and {i} have the same vocab.json string {s!r}")
+            mapped[s] = i
+        vocab_path, merges_path = os.path.join(out_dir, "vocab.json"), os.path.join(out_dir, "merges.txt")
+        _write_atomic(vocab_path, json.dumps(mapped, ensure_ascii=False, indent=0))
+        lines = ["#version: 0.2"] + [
+            "".join(enc[x] for x in a) + " " + "".join(enc[x] for x in b) for a, b in self.merges]
+        _write_atomic(merges_path, "\n".join(lines) + "\n")
+        return vocab_path, merges_path
+
+    # --- encoding ---
+
+    def _encode_pretoken(self, word):
+        """Reference path, SPEC §1.8 step 3: merge the lowest-ranked adjacent pair (all its occurrences) until no
+        adjacent pair is a merge. Cached per pre-token."""
+        ids = self._cache.get(word)
+        if ids is not None:
+            return ids
+        parts = [bytes([x]) for x in word.encode("utf-8")]
+        while len(parts) > 1:
+            ranked = [self.ranks[p] for p in zip(parts, parts[1:]) if p in self.ranks]
+            if not ranked:
+                break
+            a, b = self.merges[min(ranked)]
+            out, i = [], 0
+            while i < len(parts):
+                if i + 1 < len(parts) and parts[i] == a and parts[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(parts[i])
+                    i += 1
+            parts = out
+        try:
+            ids = [self.bytes_to_id[p] for p in parts]
+        except KeyError as e:
+            raise ValueError(f"the vocabulary has no token for byte {e.args[0]!r}") from None
+        if len(self._cache) < 1_000_000:
+            self._cache[word] = ids
+        return ids
+
+    def encode_ordinary_reference(self, text):
+        """Pure-Python encoding of text that holds no special tokens."""
+        ids = []
+        for m in PAT.finditer(text):
+            ids.extend(self._encode_pretoken(m.group()))
+        return ids
+
+    def _segments(self, text):
+        """(is_special, string) pieces of text, specials matched longest first."""
+        if self._splitter is None:
+            return [(False, text)]
+        parts = self._splitter.split(text)
+        return [(k % 2 == 1, p) for k, p in enumerate(parts) if p]
+
+    def encode_reference(self, text):
+        ids = []
+        for is_special, seg in self._segments(text):
+            ids.extend([self.special_ids[seg]] if is_special else self.encode_ordinary_reference(seg))
+        return ids
+
+    def encode(self, text):
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        if self._tiktoken is None:
+            return self.encode_reference(text)
+        ids = []
+        for is_special, seg in self._segments(text):
+            if is_special:
+                ids.append(self.special_ids[seg])
+            else:
+                ids.extend(self._tiktoken.encode_ordinary(seg))
+        return ids
+
+    def encode_to_numpy(self, text, dtype=np.int64):
+        """encode(text) as a NumPy array; the fast path skips building Python ints."""
+        if self._tiktoken is None:
+            return np.asarray(self.encode_reference(text), dtype=dtype)
+        arrays = []
+        for is_special, seg in self._segments(text):
+            if is_special:
+                arrays.append(np.array([self.special_ids[seg]], dtype=dtype))
+            else:
+                arrays.append(self._tiktoken.encode_to_numpy(seg, allowed_special=set(), disallowed_special=())
+                              .astype(dtype, copy=False))
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+
+    def _stable_cut(self, buf):
+        """Largest c with encode(buf + more) == encode(buf[:c]) + encode(buf[c:] + more) for any `more`.
+
+        A special token match is final once a longer special could no longer start at it; ordinary text before
+        len(buf) - (longest special - 1) can no longer become part of a special. Inside that text every pre-token
+        but the last is final, and cutting at the start of one whose previous character is not whitespace leaves the
+        prefix's pre-tokens unchanged (only a whitespace run's end depends on the character after it, §1.2)."""
+        k = self._max_special
+        limit, pos, cut = len(buf) - max(k - 1, 0), 0, 0
+        if self._splitter is not None:
+            for m in self._splitter.finditer(buf):
+                if m.start() + k > len(buf):
+                    limit = min(limit, m.start())
+                    break
+                pos = cut = m.end()
+        region = buf[pos:limit]
+        starts = [m.start() for m in PAT.finditer(region)][1:-1]  # the last may grow; 0 is pos itself
+        for s in reversed(starts):
+            if not region[s - 1].isspace():
+                return pos + s
+        return cut
+
+    def encode_iterable(self, iterable):
+        """Lazily yields encode("".join(iterable)), holding back only the tail that more text could change."""
+        buf = ""
+        for piece in iterable:
+            buf += piece
+            cut = self._stable_cut(buf)
+            if cut:
+                yield from self.encode(buf[:cut])
+                buf = buf[cut:]
+        yield from self.encode(buf)
+
+    def _encode_chunk(self, job):
+        path, start, end = job
+        return self.encode_to_numpy(_read_chunk(path, start, end))
+
+    def encode_file(self, path, num_workers=None, chunk_bytes=CHUNK_BYTES, verbose=True):
+        """Yields the ids of a UTF-8 file as NumPy arrays, in file order, over all cores (SPEC §1.10). Chunks end at
+        safe boundaries, so the concatenation equals encode(whole text). Threads on the fast path (tiktoken's core
+        releases the GIL), processes on the reference path; at most 2 x workers chunks are in flight."""
+        num_workers = num_workers or os.cpu_count() or 1
+        jobs = _file_chunks(path, self.special_tokens, num_workers, chunk_bytes)
+        progress = Progress(f"encode {os.path.basename(path)}", os.path.getsize(path), "B", verbose=verbose)
+        done = 0
+        if self._tiktoken is not None:
+            pool = ThreadPoolExecutor(num_workers)
+            submit = lambda job: pool.submit(self._encode_chunk, job)
+        else:
+            pool = multiprocessing.get_context().Pool(
+                num_workers, initializer=_init_encode_worker, initargs=(self.vocab, self.merges, self.special_tokens))
+            submit = lambda job: pool.apply_async(_encode_chunk_in_worker, (job,))
+        try:
+            pending = deque()
+            for job in jobs:
+                pending.append((job, submit(job)))
+                if len(pending) >= 2 * num_workers:
+                    (_, start, end), fut = pending.popleft()
+                    yield fut.result() if hasattr(fut, "result") else fut.get()
+                    done += end - start
+                    progress.update(done)
+            while pending:
+                (_, start, end), fut = pending.popleft()
+                yield fut.result() if hasattr(fut, "result") else fut.get()
+                done += end - start
+                progress.update(done)
+        finally:
+            if isinstance(pool, ThreadPoolExecutor):
+                pool.shutdown(cancel_futures=True)
+            else:
+                pool.terminate()
+        progress.update(done, final=True)
+
+    def encode_batch(self, texts, num_workers=None):
+        """[encode(t) for t in texts] over all cores (threads: tiktoken's core releases the GIL)."""
+        num_workers = num_workers or os.cpu_count() or 1
+        if self._tiktoken is None or num_workers == 1:
+            return [self.encode(t) for t in texts]
+        with ThreadPoolExecutor(num_workers) as pool:
+            return list(pool.map(self.encode, texts))
+
+    def decode(self, ids):
+        try:
+            data = b"".join(self.vocab[i] for i in ids)
+        except (KeyError, TypeError):
+            bad = next(i for i in ids if not isinstance(i, (int, np.integer)) or i not in self.vocab)
+            raise ValueError(f"cannot decode id {bad!r}: not in the vocabulary") from None
+        return data.decode("utf-8", errors="replace")
+
+
+_WORKER_TOKENIZER = None
+
+
+def _init_encode_worker(vocab, merges, special_tokens):
+    global _WORKER_TOKENIZER
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _WORKER_TOKENIZER = Tokenizer(vocab, merges, special_tokens)
+
+
+def _encode_chunk_in_worker(job):
+    return _WORKER_TOKENIZER._encode_chunk(job)
+
+
+def _write_atomic(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
