@@ -25,6 +25,11 @@ import flash
 ATTN_IMPLS = ("naive", "sdpa", "flash", "flash_ref")
 
 
+def upcast(x):
+    """At least fp32 (bf16/fp16 -> fp32; fp64 stays fp64, so float64 tests keep their precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # basic modules (SPEC §2.1-2.4)
 # ---------------------------------------------------------------------------------------------------------------
@@ -67,9 +72,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         in_dtype = x.dtype
-        x = x.float()
+        x = upcast(x)
         inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x * inv_rms * self.weight.float()).to(in_dtype)
+        return (x * inv_rms * self.weight.to(x.dtype)).to(in_dtype)
 
 
 def silu(x):
@@ -94,8 +99,8 @@ class SwiGLU(nn.Module):
 
 def apply_rope(x, cos, sin):
     """Rotate interleaved pairs (x[2j], x[2j+1]) of the last dim by angles whose cos/sin broadcast against
-    x[..., ::2] (SPEC §2.4). Computed in fp32, returned in x's dtype; elementwise, so torch.compile fuses it."""
-    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    x[..., ::2] (SPEC §2.4). Computed in at least fp32, returned in x's dtype; elementwise, so torch.compile fuses it."""
+    x_even, x_odd = upcast(x).unflatten(-1, (-1, 2)).unbind(-1)
     out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
     return out.flatten(-2).to(x.dtype)
 
@@ -133,8 +138,8 @@ def softmax(x, dim):
 
 def scaled_dot_product_attention(q, k, v, mask=None):
     """softmax(Q K^T / sqrt(d_k)) V with q (..., n, d_k), k (..., m, d_k), v (..., m, d_v); mask (n, m) boolean,
-    broadcastable, True = query i may attend key j (SPEC §2.5). Scores and softmax run in fp32."""
-    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])
+    broadcastable, True = query i may attend key j (SPEC §2.5). Scores and softmax run in at least fp32."""
+    scores = upcast(q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return softmax(scores, dim=-1).to(v.dtype) @ v
@@ -329,6 +334,8 @@ class TransformerLM(nn.Module):
         super().__init__()
         if ckpt_every < 0:
             raise ValueError(f"ckpt_every={ckpt_every} must be >= 0 (0 = no activation checkpointing)")
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.vocab_size, self.context_length = vocab_size, context_length
         self.d_model, self.num_layers, self.num_heads = d_model, num_layers, num_heads
         self.ckpt_every = ckpt_every
@@ -421,7 +428,7 @@ def cross_entropy(logits, targets, ignore_index=-100):
     """Mean over non-ignored targets of logsumexp(o) - o[target]; logits (..., V) upcast to fp32, targets (...).
     Targets equal to ignore_index (padding, document ends) contribute nothing; if every target is ignored the
     result is 0 rather than 0/0, so an all-padding micro-batch cannot poison gradient accumulation."""
-    logits = logits.float()
+    logits = upcast(logits)
     m = logits.amax(dim=-1, keepdim=True)
     lse = (m + torch.log(torch.exp(logits - m).sum(dim=-1, keepdim=True))).squeeze(-1)
     keep = targets != ignore_index
