@@ -1,0 +1,8 @@
+# Padding-free batches (SPEC §5.7): whole documents (pieces of at most context_length tokens) packed into one row
+# with cu_seqlens, batch_size * context_length real tokens per micro-batch; attention never crosses a document.
+#   python train.py config/pack.py                      # CPU default model
+#   python train.py config/small.py config/pack.py      # on a GPU (flash_attn_varlen)
+# Matters on corpora of short documents (python data/prepare.py tinystories, then --dataset=tinystories): the
+# Shakespeare documents are whole works, so nearly every piece is a full context_length window there.
+out_dir = "out-pack"
+batching = "pack"

@@ -1,0 +1,23 @@
+# SPEC §2.10 "small" (GPT-2 small shape, 128M parameters at V=10k) on the Shakespeare data, GPU, a few hundred steps.
+#   torchrun --standalone --nproc_per_node=4 train.py config/small.py
+# 16 x 1024 tokens per micro-batch fits one H200 per rank with room to spare; grad_accum 4 = one micro-batch per
+# rank on 4 GPUs (two on 2 GPUs, four on 1), so the global batch is 64k tokens at any world size.
+out_dir = "out-small"
+d_model = 768
+d_ff = 3072
+num_layers = 12
+num_heads = 12
+context_length = 1024
+batch_size = 16
+grad_accum = 4
+max_iters = 300
+warmup_iters = 30
+learning_rate = 6e-4
+min_lr = 6e-5
+eval_interval = 50
+eval_iters = 20
+log_interval = 10
+ckpt_interval = 1000
+dtype = "bfloat16"
+compile = True
+attn_impl = "flash"
