@@ -1,0 +1,1387 @@
+"""Benchmarks and profilers (SPEC §7): where the time and the memory of training go.
+
+One script, one subcommand per question. Each prints Markdown on stdout (headed by the command, the date and the
+device), writes its numbers to --json FILE, and draws --plot FILE.png when matplotlib is installed.
+
+    python bench.py model --size small --context_length 512 --mode train --dtype bf16 --compile
+    python bench.py model --sweep --sizes small,medium,large,xl --context_lengths 256,512,1024 \\
+        --dtypes fp32,bf16 --modes fwd,fwd_bwd,train --compile_options eager,compiled --json sweep.json --plot sweep.png
+    nsys profile --trace=cuda,nvtx -o small python bench.py model --size small --nvtx   # NVTX ranges (README)
+    python bench.py model --size small --profile trace.json      # top kernels per phase + a Chrome trace
+    python bench.py model --size xl --memory_snapshot xl.pickle   # for pytorch.org/memory_viz
+    python bench.py precision --sizes small,medium                # fp32 vs bf16 autocast + accumulation demo
+    python bench.py compile --sizes small                         # eager vs torch.compile, model and attention
+    python bench.py gpt2                                          # GPT-2-small training throughput vs a peer
+    python bench.py varlen                                        # pad / dynamic_pad / pack on the same documents
+
+Every subcommand runs on CPU at tiny sizes (`--size tiny`, or the tiny defaults of varlen) and on CUDA.
+Timing: warm-up steps, then timed steps with the device synchronized after every step (and every phase), mean and
+standard deviation in ms (SPEC §7.1). Peak memory is the allocator's peak (torch.cuda.max_memory_allocated) per
+phase; the CPU has no such counter, so CPU rows leave it empty.
+"""
+import argparse
+import contextlib
+import datetime
+import gc
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import timeit
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import model as model_py  # the module itself: --nvtx swaps its attention function for an annotated one
+from flash import flash_attn_varlen
+from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token
+from train import AdamW, pack_batch, pad_batch, sample_documents
+
+SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4))  # tiny: CPU tests and smoke runs
+MODES = ("fwd", "fwd_bwd", "train")
+PHASES = ("forward", "backward", "optimizer_step")
+DTYPES = ("fp32", "bf16")
+H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM, the MFU denominator (../shared/ANCHORS.md)
+NANOGPT_TOKENS_PER_S = 463e3  # nanoGPT GPT-2 124M on one H200 (../shared/ANCHORS.md)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# common: device, timing, output
+# ---------------------------------------------------------------------------------------------------------------
+
+def pick_device(name):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this machine")
+    return device
+
+
+def describe_device(device):
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    cpu = platform.processor() or platform.machine()
+    return f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def run_info(command, argv, device):
+    """What every report starts with (STYLE: every table says the command, the date and the device)."""
+    return dict(command="python bench.py " + " ".join([command] + list(argv)),
+                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=describe_device(device))
+
+
+def print_header(title, info):
+    print(f"## {title}\n\n`{info['command']}`  \n{info['date']} · {info['device']}\n", flush=True)
+
+
+def fmt(x, digits=2):
+    """Table cell: numbers rounded, None as a dash, strings (OOM, skipped) as they are."""
+    if x is None:
+        return "—"
+    if isinstance(x, str):
+        return x
+    if isinstance(x, float) and abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if isinstance(x, float) and 0 < abs(x) < 0.1:
+        return f"{x:.2g}"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path, payload):
+    """Atomic (temp file + os.replace), so a sweep that is killed part-way leaves the rows it finished."""
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(tmp, path)
+
+
+def save_plot(path, draw):
+    """draw(plt) -> figure. matplotlib is optional: without it say so and go on."""
+    if not path:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return
+    fig = draw(plt)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def progress(done, total, t_start, text):
+    """A line per finished configuration on stderr (stdout stays Markdown), with the rate and an ETA."""
+    elapsed = timeit.default_timer() - t_start
+    eta = elapsed / done * (total - done) if done else 0.0
+    print(f"[{done}/{total}] {text} | {elapsed:.0f}s elapsed, ETA {eta:.0f}s", file=sys.stderr, flush=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def autocast(dtype, device):
+    """bf16 autocast around forward and loss (SPEC §3.7); fp32 runs with no context at all."""
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def free_memory(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def mib(nbytes):
+    return nbytes / 2**20
+
+
+def csv_list(text, choices=None, cast=str):
+    """'a,b,c' -> [a, b, c]; each item checked against choices, so a typo is an error naming it."""
+    items = [cast(t) for t in text.split(",") if t]
+    for item in items:
+        if choices is not None and item not in choices:
+            raise SystemExit(f"unknown value {item!r}: expected one of {', '.join(map(str, choices))}")
+    return items
+
+
+def allow_recompiles():
+    """A sweep compiles one model under several shapes, dtypes and grad modes; the default limit of 8 compiled
+    variants per function would silently fall back to eager for the rest."""
+    torch._dynamo.config.cache_size_limit = 64
+
+
+@contextlib.contextmanager
+def nvtx_range(name, enabled):
+    """An NVTX range for Nsight Systems (SPEC §7.2); push/pop are looked up at call time (the tests observe them)."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
+def check_nvtx():
+    try:
+        torch.cuda.nvtx.range_push("nvtx_check")
+        torch.cuda.nvtx.range_pop()
+    except RuntimeError as e:
+        raise SystemExit(f"--nvtx needs a CUDA build of torch ({e}); use --profile for a per-phase breakdown "
+                         f"that works everywhere")
+
+
+def annotated_attention(q, k, v, mask=None):
+    """model.scaled_dot_product_attention with an NVTX range around each of its three parts (SPEC §7.2): the
+    same math (fp32 scores, masked_fill, model.softmax, cast back, P V); a test holds it to the original."""
+    with nvtx_range("attention_scores", True):
+        scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+    with nvtx_range("softmax", True):
+        probs = model_py.softmax(scores, dim=-1)
+    with nvtx_range("final_matmul", True):
+        return probs.to(v.dtype) @ v
+
+
+@contextlib.contextmanager
+def annotated_naive_attention():
+    """Swap the model module's attention function for the annotated one (naive attn_impl only), then restore."""
+    original = model_py.scaled_dot_product_attention
+    model_py.scaled_dot_product_attention = annotated_attention
+    try:
+        yield
+    finally:
+        model_py.scaled_dot_product_attention = original
+
+
+class Phases:
+    """Times the phases of a step (forward, backward, optimizer_step), synchronizing at the end of each, and on
+    CUDA records each phase's peak allocated memory (the peak counter is reset when a phase starts). Optionally
+    wraps every phase in an NVTX range (--nvtx) and a profiler range (--profile)."""
+
+    def __init__(self, device, nvtx=False, profiling=False):
+        self.device, self.nvtx, self.profiling = device, nvtx, profiling
+        self.reset()
+
+    def reset(self):
+        self.ms = {p: [] for p in PHASES}
+        self.peak = {p: None for p in PHASES}
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        label = torch.profiler.record_function(name) if self.profiling else contextlib.nullcontext()
+        t0 = timeit.default_timer()
+        with nvtx_range(name, self.nvtx), label:
+            yield
+            sync(self.device)  # inside the ranges: the phase's kernels finish within its window
+        self.ms[name].append((timeit.default_timer() - t0) * 1e3)
+        if cuda:
+            peak = mib(torch.cuda.max_memory_allocated(self.device))
+            self.peak[name] = max(self.peak[name] or 0.0, peak)
+
+
+def measure(step, warmup, steps, device, phases, nvtx=False, profiler=None, snapshot=None):
+    """Run warmup untimed-for-the-mean steps, then `steps` timed ones, synchronizing after each (SPEC §7.1).
+    The first warm-up step's time is kept: it shows the one-off costs (allocator growth, lazy optimizer state,
+    cuBLAS heuristics, compilation). profiler: a torch.profiler.profile around the timed steps only; snapshot: a
+    path to dump a CUDA memory-history snapshot of the timed steps to."""
+    first_ms = None
+    with nvtx_range("warmup", nvtx):
+        for i in range(warmup):
+            t0 = timeit.default_timer()
+            step()
+            sync(device)
+            if i == 0:
+                first_ms = (timeit.default_timer() - t0) * 1e3
+    phases.reset()
+    if snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    times = []
+    try:
+        with profiler if profiler is not None else contextlib.nullcontext():
+            for _ in range(steps):
+                with nvtx_range("step", nvtx):
+                    t0 = timeit.default_timer()
+                    step()
+                    sync(device)
+                    times.append((timeit.default_timer() - t0) * 1e3)
+        if snapshot:
+            torch.cuda.memory._dump_snapshot(snapshot)
+    finally:
+        if snapshot:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    peaks = [v for v in phases.peak.values() if v is not None]
+    return dict(mean_ms=statistics.fmean(times), std_ms=statistics.stdev(times) if len(times) > 1 else 0.0,
+                first_step_ms=first_ms,
+                phase_ms={p: statistics.fmean(v) for p, v in phases.ms.items() if v},
+                phase_peak_mib={p: v for p, v in phases.peak.items() if v is not None},
+                peak_mib=max(peaks) if peaks else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model: end-to-end step timing, sweep, NVTX, profiler, memory (SPEC §7.1-7.3)
+# ---------------------------------------------------------------------------------------------------------------
+
+def model_dims(size, args):
+    """The preset's dims with any explicit --d_model / --d_ff / --num_layers / --num_heads on top."""
+    dims = dict(SIZES[size])
+    for key in dims:
+        if getattr(args, key, None) is not None:
+            dims[key] = getattr(args, key)
+    return dims
+
+
+def build_model(dims, vocab_size, context_length, attn, device):
+    return TransformerLM(vocab_size, context_length, dims["d_model"], dims["num_layers"], dims["num_heads"],
+                         dims["d_ff"], attn_impl=attn, device=device)
+
+
+def random_batch(vocab_size, batch_size, context_length, device, generator):
+    """Random tokens: inputs and next-token targets (B, T) int64 on the device."""
+    seq = torch.randint(vocab_size, (batch_size, context_length + 1), generator=generator)
+    return seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+
+def run_step(net, runner, optimizer, x, y, mode, dtype, phases):
+    """One step of `mode`: fwd = inference forward and loss (no_grad); fwd_bwd adds backward; train adds the AdamW
+    step. net owns the parameters, runner is net or its torch.compile wrapper."""
+    if mode != "fwd":
+        net.zero_grad(set_to_none=True)
+    grad = torch.no_grad() if mode == "fwd" else contextlib.nullcontext()
+    with phases("forward"), grad, autocast(dtype, x.device):
+        loss = cross_entropy(runner(x), y)
+    if mode == "fwd":
+        return
+    with phases("backward"):
+        loss.backward()
+    if mode == "train":
+        with phases("optimizer_step"):
+            optimizer.step()
+
+
+def step_flops(dims, vocab_size, context_length, batch_size, mode, attn):
+    """Model FLOPs of one step per SPEC §2.9: forward = flops_per_token / 3; naive attention computes every T^2
+    score (counted in full), sdpa and flash skip the masked half (counted causal)."""
+    per_token = flops_per_token(vocab_size, context_length, dims["d_model"], dims["num_layers"], dims["d_ff"],
+                                causal=attn != "naive")
+    return per_token / 3 * (1 if mode == "fwd" else 3) * batch_size * context_length
+
+
+def run_config(net, runner, cfg, device, generator, warmup, steps, nvtx=False, profiler=None, snapshot=None):
+    """Measure one configuration (cfg: size, dims, vocab_size, context_length, batch_size, dtype, compile, attn,
+    mode) and return its row; out-of-memory becomes a row with status "OOM" (memory freed) instead of a crash."""
+    row = dict(cfg, params=count_params(net), status="ok")
+    x, y = random_batch(cfg["vocab_size"], cfg["batch_size"], cfg["context_length"], device, generator)
+    optimizer = AdamW(net.parameters(), lr=1e-4) if cfg["mode"] == "train" else None
+    phases = Phases(device, nvtx=nvtx, profiling=profiler is not None)
+    step = lambda: run_step(net, runner, optimizer, x, y, cfg["mode"], cfg["dtype"], phases)
+    oom = False
+    try:
+        row.update(measure(step, warmup, steps, device, phases, nvtx=nvtx, profiler=profiler, snapshot=snapshot))
+    except torch.OutOfMemoryError:
+        oom = True
+    del optimizer, x, y, step
+    net.zero_grad(set_to_none=True)
+    free_memory(device)  # after the except block, so the traceback's frames no longer hold the step's tensors
+    if oom:
+        row["status"] = "OOM"
+        return row
+    tokens = cfg["batch_size"] * cfg["context_length"]
+    row["tokens_per_s"] = tokens / (row["mean_ms"] / 1e3)
+    flops = step_flops(cfg["dims"], cfg["vocab_size"], cfg["context_length"], cfg["batch_size"], cfg["mode"],
+                       cfg["attn"])
+    row["tflops"] = flops / (row["mean_ms"] / 1e3) / 1e12
+    return row
+
+
+def row_cells(row):
+    if row["status"] != "ok":
+        return [row["status"]] * 6
+    phase = row["phase_ms"]
+    split = " / ".join(fmt(phase.get(p)) for p in PHASES if p in phase)
+    return [f"{row['mean_ms']:.2f} ± {row['std_ms']:.2f}", row["first_step_ms"], split, row["peak_mib"],
+            row["tokens_per_s"], row["tflops"]]
+
+
+def print_model_rows(rows):
+    header = ["size", "params", "ctx", "batch", "dtype", "compile", "attn", "mode", "ms/step", "first step ms",
+              "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
+    body = [[r["size"], f"{r['params'] / 1e6:.1f}M", r["context_length"], r["batch_size"], r["dtype"],
+             "yes" if r["compile"] else "no", r["attn"], r["mode"]] + row_cells(r) for r in rows]
+    print(markdown_table(header, body))
+
+
+def sweep_table(rows):
+    """The SPEC §7 table: one line per size x context x dtype x compile, the modes side by side."""
+    cell = {}
+    for r in rows:
+        key = (r["size"], r["context_length"], r["dtype"], r["compile"])
+        cell.setdefault(key, {})[r["mode"]] = r
+    header = ["size", "params", "ctx", "dtype", "compile", "fwd ms", "fwd+bwd ms", "train ms", "peak fwd MiB",
+              "peak train MiB", "train tokens/s", "train TFLOP/s"]
+    body = []
+    for (size, ctx, dtype, compiled), by_mode in cell.items():
+        def get(mode, field):
+            r = by_mode.get(mode)
+            if r is None:
+                return ""
+            return r.get(field) if r["status"] == "ok" else r["status"]
+        params = next(iter(by_mode.values()))["params"]
+        body.append([size, f"{params / 1e6:.1f}M" if params else "—", ctx, dtype, "yes" if compiled else "no",
+                     get("fwd", "mean_ms"), get("fwd_bwd", "mean_ms"), get("train", "mean_ms"),
+                     get("fwd", "peak_mib"), get("train", "peak_mib"), get("train", "tokens_per_s"),
+                     get("train", "tflops")])
+    return markdown_table(header, body)
+
+
+def draw_sweep(rows):
+    """Time and peak memory against context length, one line per size and dtype (dashed: compiled)."""
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+
+    def draw(plt):
+        fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 8), squeeze=False)
+        series = {}
+        for r in rows:
+            if r["status"] == "ok":
+                series.setdefault((r["mode"], r["size"], r["dtype"], r["compile"]), []).append(r)
+        for (mode, size, dtype, compiled), rs in series.items():
+            col = modes.index(mode)
+            rs.sort(key=lambda r: r["context_length"])
+            ctx = [r["context_length"] for r in rs]
+            style = "--" if compiled else "-"
+            label = f"{size} {dtype}{' compiled' if compiled else ''}"
+            axes[0][col].plot(ctx, [r["mean_ms"] for r in rs], style, marker="o", label=label)
+            if rs[0]["peak_mib"] is not None:
+                axes[1][col].plot(ctx, [r["peak_mib"] / 1024 for r in rs], style, marker="o", label=label)
+        for col, mode in enumerate(modes):
+            axes[0][col].set(title=f"{mode}: ms per step", xlabel="context length", yscale="log", xscale="log")
+            axes[1][col].set(title=f"{mode}: peak memory (GiB)", xlabel="context length", xscale="log")
+            axes[0][col].legend(fontsize=6)
+        fig.tight_layout()
+        return fig
+    return draw
+
+
+def run_sweep(args, device, info):
+    """Every size x compile x dtype x context x mode; one model per size (built for the longest context, reused),
+    OOM rows marked, and configurations past --time_budget seconds marked "skipped" rather than run."""
+    sizes = csv_list(args.sizes, SIZES)
+    ctxs = csv_list(args.context_lengths, cast=int)
+    dtypes, modes = csv_list(args.dtypes, DTYPES), csv_list(args.modes, MODES)
+    compile_opts = [c == "compiled" for c in csv_list(args.compile_options, ("eager", "compiled"))]
+    if any(compile_opts):
+        allow_recompiles()
+    total = len(sizes) * len(compile_opts) * len(dtypes) * len(ctxs) * len(modes)
+    rows, done, t_start = [], 0, timeit.default_timer()
+    generator = torch.Generator().manual_seed(args.seed)
+    for size in sizes:
+        dims = model_dims(size, args)
+        configs = [dict(size=size, dims=dims, vocab_size=args.vocab_size, context_length=ctx,
+                        batch_size=args.batch_size, dtype=dtype, compile=compiled, attn=args.attn, mode=mode)
+                   for compiled, dtype, ctx, mode in itertools.product(compile_opts, dtypes, ctxs, modes)]
+        net, compiled_net, build_status = None, None, "skipped"
+        if timeit.default_timer() - t_start <= args.time_budget:
+            try:
+                net = build_model(dims, args.vocab_size, max(ctxs), args.attn, device)
+            except torch.OutOfMemoryError:
+                build_status = "OOM"  # the weights alone do not fit: every row of this size is OOM
+            free_memory(device)
+        for cfg in configs:
+            if net is None or timeit.default_timer() - t_start > args.time_budget:
+                row = dict(cfg, params=None, status=build_status if net is None else "skipped")
+            else:
+                if cfg["compile"] and compiled_net is None:
+                    compiled_net = torch.compile(net)
+                runner = compiled_net if cfg["compile"] else net
+                row = run_config(net, runner, cfg, device, generator, args.warmup, args.steps)
+            rows.append(row)
+            done += 1
+            result = f"{row['mean_ms']:.2f} ms, peak {fmt(row['peak_mib'], 0)} MiB" if row["status"] == "ok" \
+                else row["status"]
+            progress(done, total, t_start, f"{size} ctx {cfg['context_length']} {cfg['dtype']} "
+                                           f"{'compiled' if cfg['compile'] else 'eager'} {cfg['mode']}: {result}")
+            write_json(args.json, dict(info, rows=rows))
+        del net, compiled_net
+        free_memory(device)
+    print(f"batch {args.batch_size}, vocab {args.vocab_size}, attn {args.attn}; warm-up {args.warmup}, timed steps "
+          f"{args.steps}; fwd = inference forward + loss under no_grad; TFLOP/s per SPEC §2.9 "
+          f"({'all T^2 terms counted: naive attention computes them' if args.attn == 'naive' else 'causal half'})\n")
+    print(sweep_table(rows))
+    save_plot(args.plot, draw_sweep(rows))
+    return rows
+
+
+def profile_tables(prof, device, top=8):
+    """Top kernels (CUDA) or top ops by self time (CPU) per phase: an event belongs to the phase whose profiler
+    range its start falls in (each phase synchronizes before its range closes, so its kernels run inside it)."""
+    events = prof.events()
+    windows = {p: [] for p in PHASES}
+    for e in events:
+        if e.name in windows and e.device_type == torch.autograd.DeviceType.CPU:
+            windows[e.name].append((e.time_range.start, e.time_range.end))
+    on_cuda = device.type == "cuda"
+    tables = {}
+    for phase, spans in windows.items():
+        if not spans:
+            continue
+        totals = {}
+        for e in events:
+            if e.name in PHASES or e.name.startswith("ProfilerStep"):
+                continue
+            if on_cuda:
+                if e.device_type != torch.autograd.DeviceType.CUDA:
+                    continue
+                us = e.time_range.end - e.time_range.start
+            else:
+                if e.device_type != torch.autograd.DeviceType.CPU:
+                    continue
+                us = e.self_cpu_time_total
+            if any(a <= e.time_range.start < b for a, b in spans):
+                calls, total = totals.get(e.name, (0, 0.0))
+                totals[e.name] = (calls + 1, total + us)
+        phase_us = sum(t for _, t in totals.values()) or 1.0
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+        tables[phase] = [dict(name=name, calls=calls, total_ms=us / 1e3, share=us / phase_us)
+                         for name, (calls, us) in ranked]
+    return tables
+
+
+def print_profile_tables(tables, device, trace_path):
+    what = "GPU kernels by total time" if device.type == "cuda" else "CPU ops by self time"
+    print(f"### torch.profiler: top {what}, per phase (timed steps; Chrome trace: {trace_path})\n")
+    for phase, rows in tables.items():
+        print(f"**{phase}**\n")
+        body = [[i + 1, r["name"][:90], r["calls"], r["total_ms"], f"{100 * r['share']:.1f}%"]
+                for i, r in enumerate(rows)]
+        print(markdown_table(["#", "kernel" if device.type == "cuda" else "op", "calls", "total ms", "% of phase"],
+                             body))
+
+
+def cpu_memory_by_phase(net, x, y, mode, dtype):
+    """What the CPU allows instead of allocator peaks: live tensor bytes at the end of each phase of one step.
+    forward: parameters + tensors saved for backward (counted once each, parameters skipped) + logits;
+    backward: parameters + gradients; optimizer_step: + AdamW's m and v (2 x parameters, fp32)."""
+    params = sum(p.numel() * p.element_size() for p in net.parameters())
+    saved = {}
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            saved[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+
+    net.zero_grad(set_to_none=True)
+    grad = torch.no_grad() if mode == "fwd" else contextlib.nullcontext()
+    with grad, autocast(dtype, x.device), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = net(x)
+        loss = cross_entropy(logits, y)
+    out = dict(forward=mib(params + sum(saved.values()) + logits.numel() * logits.element_size()))
+    if mode != "fwd":
+        loss.backward()
+        out["backward"] = mib(params + sum(p.grad.numel() * p.grad.element_size() for p in net.parameters()
+                                           if p.grad is not None))
+        if mode == "train":
+            out["optimizer_step"] = out["backward"] + mib(2 * sum(p.numel() * 4 for p in net.parameters()))
+    net.zero_grad(set_to_none=True)
+    return out
+
+
+def cmd_model(argv):
+    p = argparse.ArgumentParser(prog="bench.py model", description="End-to-end step timing (SPEC §7.1-7.3).")
+    p.add_argument("--size", default="small", choices=sorted(SIZES), help="model preset (SPEC §2.10); tiny for CPU")
+    for key in ("d_model", "d_ff", "num_layers", "num_heads"):
+        p.add_argument(f"--{key}", type=int, help="override the preset's value")
+    p.add_argument("--vocab_size", type=int, default=10000)
+    p.add_argument("--context_length", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--mode", choices=MODES, default="train")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="bf16 = autocast around forward and loss")
+    p.add_argument("--compile", action="store_true", help="torch.compile the whole model")
+    p.add_argument("--attn", choices=ATTN_IMPLS, default="naive")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", action="store_true", help="every --sizes x --context_lengths x --dtypes x --modes x "
+                                                        "--compile_options (the SPEC §7 table)")
+    p.add_argument("--sizes", default="small,medium,large,xl,gpt2-xl")
+    p.add_argument("--context_lengths", default="256,512,1024")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--modes", default="fwd,fwd_bwd,train")
+    p.add_argument("--compile_options", default="eager", help="eager, compiled or eager,compiled")
+    p.add_argument("--time_budget", type=float, default=float("inf"),
+                   help="sweep: seconds after which the remaining configurations are marked skipped")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges per phase and inside naive attention (nsys)")
+    p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler over the timed steps: top kernels per "
+                                                           "phase and a Chrome trace written here")
+    p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA memory history of the timed steps")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="sweep only: time and memory by context length")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.sweep and (args.nvtx or args.profile or args.memory_snapshot):
+        raise SystemExit("--nvtx, --profile and --memory_snapshot instrument a single run; drop --sweep")
+    if args.plot and not args.sweep:
+        raise SystemExit("--plot draws the sweep; add --sweep (a single run is one row)")
+    device = pick_device(args.device)
+    torch.manual_seed(args.seed)
+    info = run_info("model", argv, device)
+    print_header("bench.py model" + (" --sweep" if args.sweep else ""), info)
+    if args.sweep:
+        return run_sweep(args, device, info)
+
+    if args.nvtx:
+        check_nvtx()
+    dims = model_dims(args.size, args)
+    cfg = dict(size=args.size, dims=dims, vocab_size=args.vocab_size, context_length=args.context_length,
+               batch_size=args.batch_size, dtype=args.dtype, compile=args.compile, attn=args.attn, mode=args.mode)
+    net = build_model(dims, args.vocab_size, args.context_length, args.attn, device)
+    runner = torch.compile(net) if args.compile else net
+    profiler = None
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
+    snapshot = args.memory_snapshot if device.type == "cuda" else None
+    # the annotated attention would split a compiled graph: inner attention ranges are an eager-mode tool
+    annotate = args.nvtx and args.attn == "naive" and not args.compile
+    with annotated_naive_attention() if annotate else contextlib.nullcontext():
+        row = run_config(net, runner, cfg, device, torch.Generator().manual_seed(args.seed), args.warmup,
+                         args.steps, nvtx=args.nvtx, profiler=profiler, snapshot=snapshot)
+    print_model_rows([row])
+    payload = dict(info, rows=[row])
+    if args.nvtx and not annotate:
+        print("NVTX: phase ranges only (attention_scores / softmax / final_matmul need --attn naive, no --compile)\n")
+    if args.profile and row["status"] == "ok":
+        profiler.export_chrome_trace(args.profile)
+        tables = profile_tables(profiler, device)
+        print_profile_tables(tables, device, args.profile)
+        payload["profile"] = tables
+    if args.memory_snapshot and row["status"] == "ok":
+        if device.type == "cuda":
+            print(f"### Memory: peak allocated per phase (timed steps; snapshot for pytorch.org/memory_viz: "
+                  f"{args.memory_snapshot})\n")
+            print(markdown_table(["phase", "peak MiB"], [[p, row["phase_peak_mib"].get(p)] for p in PHASES
+                                                          if p in row["phase_peak_mib"]]))
+        else:
+            x, y = random_batch(args.vocab_size, args.batch_size, args.context_length, device,
+                                torch.Generator().manual_seed(args.seed))
+            estimate = cpu_memory_by_phase(net, x, y, args.mode, args.dtype)
+            print("### Memory\n\nThe memory snapshot (torch.cuda.memory._record_memory_history / _dump_snapshot) and "
+                  "allocator peaks need CUDA; no snapshot was written. Instead, live tensor memory at the end of "
+                  "each phase of one step (parameters, tensors saved for backward, gradients, AdamW state):\n")
+            print(markdown_table(["phase", "live MiB (estimate)"], [[p, v] for p, v in estimate.items()]))
+            payload["cpu_memory_estimate_mib"] = estimate
+    write_json(args.json, payload)
+    return [row]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# precision: fp32 vs bf16 autocast, and the accumulation demo (SPEC §3.7, §7.1)
+# ---------------------------------------------------------------------------------------------------------------
+
+def accumulation_demo():
+    """Add 0.01 a thousand times (SPEC §3.7): in fp32, in fp16, fp16 increments into an fp32 accumulator, and the
+    same for bf16 (fp32's exponent range, but only 8 bits of mantissa)."""
+    cases = [("fp32", torch.float32, torch.float32), ("fp16", torch.float16, torch.float16),
+             ("fp16 increments into fp32", torch.float32, torch.float16), ("bf16", torch.bfloat16, torch.bfloat16),
+             ("bf16 increments into fp32", torch.float32, torch.bfloat16)]
+    rows = []
+    for name, acc_dtype, inc_dtype in cases:
+        total = torch.tensor(0.0, dtype=acc_dtype)
+        for _ in range(1000):
+            total += torch.tensor(0.01, dtype=inc_dtype)
+        rows.append(dict(case=name, total=float(total), error=float(total) - 10.0))
+    return rows
+
+
+def autocast_dtypes(device):
+    """The dtype each stage has under bf16 autocast in our model (SPEC §3.7: matmuls low precision, RMSNorm and
+    the loss fp32-computed, parameters and gradients fp32), read with forward hooks on a tiny model."""
+    net = build_model(SIZES["tiny"], 64, 16, "naive", device)
+    seen = {}
+
+    def record(name):
+        def hook(module, inputs, output):  # returns None, so the output is left as it is
+            seen.setdefault(name, output.dtype)
+        return hook
+    layer = net.layers[0]
+    hooks = [layer.attn.output_proj.register_forward_hook(record("Linear output")),
+             layer.ln1.register_forward_hook(record("RMSNorm output"))]
+    x = torch.randint(64, (2, 16), device=device)
+    with autocast("bf16", device):
+        logits = net(x)
+        loss = cross_entropy(logits, x)
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    seen.update({"logits": logits.dtype, "loss": loss.dtype, "parameters": net.lm_head.weight.dtype,
+                 "gradients": net.lm_head.weight.grad.dtype})
+    return {k: str(v).replace("torch.", "") for k, v in seen.items()}
+
+
+def cmd_precision(argv):
+    p = argparse.ArgumentParser(prog="bench.py precision", description="fp32 vs bf16 autocast side by side.")
+    p.add_argument("--sizes", default=None, help="default: small,medium,large,xl on CUDA, tiny on CPU")
+    p.add_argument("--modes", default="fwd,fwd_bwd,train")
+    p.add_argument("--context_length", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--vocab_size", type=int, default=10000)
+    p.add_argument("--attn", choices=ATTN_IMPLS, default="naive")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    torch.manual_seed(args.seed)
+    sizes = csv_list(args.sizes or ("small,medium,large,xl" if device.type == "cuda" else "tiny"), SIZES)
+    modes = csv_list(args.modes, MODES)
+    info = run_info("precision", argv, device)
+    print_header("bench.py precision", info)
+    generator = torch.Generator().manual_seed(args.seed)
+    pairs, t_start, total = [], timeit.default_timer(), len(sizes) * len(modes)
+    for size in sizes:
+        dims = SIZES[size]
+        net = build_model(dims, args.vocab_size, args.context_length, args.attn, device)
+        for mode in modes:
+            pair = {}
+            for dtype in DTYPES:
+                cfg = dict(size=size, dims=dims, vocab_size=args.vocab_size, context_length=args.context_length,
+                           batch_size=args.batch_size, dtype=dtype, compile=False, attn=args.attn, mode=mode)
+                pair[dtype] = run_config(net, net, cfg, device, generator, args.warmup, args.steps)
+            pairs.append(pair)
+            progress(len(pairs), total, t_start, f"{size} {mode}")
+        del net
+        free_memory(device)
+    body = []
+    for pair in pairs:
+        a, b = pair["fp32"], pair["bf16"]
+        ok = a["status"] == "ok" and b["status"] == "ok"
+        get = lambda r, f: r.get(f) if r["status"] == "ok" else r["status"]
+        body.append([a["size"], a["mode"], get(a, "mean_ms"), get(b, "mean_ms"),
+                     f"{a['mean_ms'] / b['mean_ms']:.2f}x" if ok else "—", get(a, "peak_mib"), get(b, "peak_mib")])
+    print(f"context {args.context_length}, batch {args.batch_size}, vocab {args.vocab_size}, attn {args.attn}, eager; "
+          f"bf16 = torch.autocast around forward and loss, parameters and optimizer state stay fp32\n")
+    print(markdown_table(["size", "mode", "fp32 ms", "bf16 ms", "bf16 speedup", "fp32 peak MiB", "bf16 peak MiB"],
+                         body))
+    demo = accumulation_demo()
+    print("### Accumulation precision: 0.01 added 1000 times (exact: 10)\n")
+    print(markdown_table(["case", "total", "error"], [[r["case"], f"{r['total']:.6f}", f"{r['error']:+.6f}"]
+                                                     for r in demo]))
+    dtypes_seen = autocast_dtypes(device)
+    print("### dtypes under bf16 autocast (our model)\n")
+    print(markdown_table(["tensor", "dtype"], list(dtypes_seen.items())))
+    rows = [r for pair in pairs for r in pair.values()]
+    write_json(args.json, dict(info, rows=rows, accumulation=demo, autocast_dtypes=dtypes_seen))
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(max(6, len(pairs)), 4))
+        labels = [f"{pr['fp32']['size']}\n{pr['fp32']['mode']}" for pr in pairs]
+        for j, dtype in enumerate(DTYPES):
+            ms = [pr[dtype]["mean_ms"] if pr[dtype]["status"] == "ok" else 0 for pr in pairs]
+            ax.bar([i + 0.4 * j for i in range(len(pairs))], ms, width=0.4, label=dtype)
+        ax.set_xticks([i + 0.2 for i in range(len(pairs))], labels, fontsize=7)
+        ax.set(ylabel="ms per step", yscale="log", title="fp32 vs bf16 autocast")
+        ax.legend()
+        return fig
+    save_plot(args.plot, draw)
+    return dict(rows=rows, accumulation=demo, autocast_dtypes=dtypes_seen)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compile: eager vs torch.compile, whole model and attention alone (SPEC §7.4, §7.6)
+# ---------------------------------------------------------------------------------------------------------------
+
+def time_attention(attn, batch_size, seq_len, d, device, warmup, steps):
+    """SPEC §7.4: one head, random Q, K, V (B, T, d) with the causal mask; forward ms, memory allocated just
+    before backward, backward ms (retain_graph, so each timed backward reuses one forward)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch_size, seq_len, d, generator=g).to(device).requires_grad_() for _ in range(3))
+    mask = model_py.causal_mask(seq_len, device)
+    fwd = lambda: attn(q, k, v, mask)
+    res = dict(fwd_ms=None, bwd_ms=None, mib_before_bwd=None, status="ok")
+    try:
+        for _ in range(warmup):
+            fwd()
+        sync(device)
+        times = []
+        for _ in range(steps):
+            t0 = timeit.default_timer()
+            fwd()
+            sync(device)
+            times.append((timeit.default_timer() - t0) * 1e3)
+        res["fwd_ms"] = statistics.fmean(times)
+        out = fwd()
+        if device.type == "cuda":
+            res["mib_before_bwd"] = mib(torch.cuda.memory_allocated(device))
+        grad = torch.randn_like(out)
+        for _ in range(warmup):
+            out.backward(grad, retain_graph=True)
+        sync(device)
+        times = []
+        for _ in range(steps):
+            t0 = timeit.default_timer()
+            out.backward(grad, retain_graph=True)
+            sync(device)
+            times.append((timeit.default_timer() - t0) * 1e3)
+        res["bwd_ms"] = statistics.fmean(times)
+    except torch.OutOfMemoryError:
+        res["status"] = "OOM"
+    out = grad = None
+    free_memory(device)
+    return res
+
+
+def cmd_compile(argv):
+    p = argparse.ArgumentParser(prog="bench.py compile", description="eager vs torch.compile side by side.")
+    p.add_argument("--sizes", default=None, help="default: small,medium on CUDA, tiny on CPU")
+    p.add_argument("--modes", default="fwd,train")
+    p.add_argument("--context_length", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--vocab_size", type=int, default=10000)
+    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--attn", choices=ATTN_IMPLS, default="naive")
+    p.add_argument("--warmup", type=int, default=3, help="the first compiled step compiles; warm-up absorbs it")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--attn_batch", type=int, default=8)
+    p.add_argument("--attn_d", default=None, help="head dims of the attention grid (default 16,32,64,128; CPU 16)")
+    p.add_argument("--attn_T", default=None, help="sequence lengths (default 256,1024,4096,8192,16384; CPU 64)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    cuda = device.type == "cuda"
+    torch.manual_seed(args.seed)
+    allow_recompiles()
+    sizes = csv_list(args.sizes or ("small,medium" if cuda else "tiny"), SIZES)
+    modes = csv_list(args.modes, MODES)
+    ds = csv_list(args.attn_d or ("16,32,64,128" if cuda else "16"), cast=int)
+    Ts = csv_list(args.attn_T or ("256,1024,4096,8192,16384" if cuda else "64"), cast=int)
+    info = run_info("compile", argv, device)
+    print_header("bench.py compile", info)
+    generator = torch.Generator().manual_seed(args.seed)
+    pairs, t_start = [], timeit.default_timer()
+    total = len(sizes) * len(modes) + len(ds) * len(Ts)
+    for size in sizes:
+        dims = SIZES[size]
+        net = build_model(dims, args.vocab_size, args.context_length, args.attn, device)
+        compiled = torch.compile(net)
+        for mode in modes:
+            pair = {}
+            for name, runner in (("eager", net), ("compiled", compiled)):
+                cfg = dict(size=size, dims=dims, vocab_size=args.vocab_size, context_length=args.context_length,
+                           batch_size=args.batch_size, dtype=args.dtype, compile=name == "compiled", attn=args.attn,
+                           mode=mode)
+                pair[name] = run_config(net, runner, cfg, device, generator, args.warmup, args.steps)
+            pairs.append(pair)
+            progress(len(pairs), total, t_start, f"model {size} {mode}")
+        del net, compiled
+        free_memory(device)
+    print(f"### Whole model: eager vs torch.compile(model)\n\ncontext {args.context_length}, batch "
+          f"{args.batch_size}, {args.dtype}, attn {args.attn}; first step = the compile (compiled column)\n")
+    body = []
+    for pair in pairs:
+        e, c = pair["eager"], pair["compiled"]
+        ok = e["status"] == "ok" and c["status"] == "ok"
+        get = lambda r, f: r.get(f) if r["status"] == "ok" else r["status"]
+        body.append([e["size"], e["mode"], get(e, "mean_ms"), get(c, "mean_ms"),
+                     f"{e['mean_ms'] / c['mean_ms']:.2f}x" if ok else "—", get(c, "first_step_ms"),
+                     get(e, "peak_mib"), get(c, "peak_mib")])
+    print(markdown_table(["size", "mode", "eager ms", "compiled ms", "speedup", "compiled first step ms",
+                          "eager peak MiB", "compiled peak MiB"], body))
+
+    attn_rows = []
+    compiled_attn = torch.compile(model_py.scaled_dot_product_attention)
+    for d, T in itertools.product(ds, Ts):
+        row = dict(d=d, T=T)
+        for name, fn in (("eager", model_py.scaled_dot_product_attention), ("compiled", compiled_attn)):
+            row[name] = time_attention(fn, args.attn_batch, T, d, device, args.warmup, args.steps)
+        attn_rows.append(row)
+        progress(len(pairs) + len(attn_rows), total, t_start, f"attention d {d} T {T}")
+    print(f"### Attention alone: model.scaled_dot_product_attention, eager vs compiled\n\nbatch {args.attn_batch}, "
+          f"one head, fp32, causal mask, forward and backward timed separately (SPEC §7.4)\n")
+    body = []
+    for r in attn_rows:
+        e, c = r["eager"], r["compiled"]
+        cell = lambda x, f: x[f] if x["status"] == "ok" else x["status"]
+        body.append([r["d"], r["T"], cell(e, "fwd_ms"), cell(c, "fwd_ms"), cell(e, "bwd_ms"), cell(c, "bwd_ms"),
+                     cell(e, "mib_before_bwd"), cell(c, "mib_before_bwd")])
+    print(markdown_table(["d", "T", "eager fwd ms", "compiled fwd ms", "eager bwd ms", "compiled bwd ms",
+                          "eager MiB before bwd", "compiled MiB before bwd"], body))
+    model_rows = [r for pair in pairs for r in pair.values()]
+    write_json(args.json, dict(info, model_rows=model_rows, attention_rows=attn_rows))
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        labels = [f"{pr['eager']['size']}\n{pr['eager']['mode']}" for pr in pairs]
+        for j, name in enumerate(("eager", "compiled")):
+            ms = [pr[name]["mean_ms"] if pr[name]["status"] == "ok" else 0 for pr in pairs]
+            axes[0].bar([i + 0.4 * j for i in range(len(pairs))], ms, width=0.4, label=name)
+        axes[0].set_xticks([i + 0.2 for i in range(len(pairs))], labels, fontsize=7)
+        axes[0].set(ylabel="ms per step", title="whole model")
+        axes[0].legend()
+        for d in ds:
+            for name, style in (("eager", "-"), ("compiled", "--")):
+                pts = [(r["T"], r[name]["fwd_ms"] + r[name]["bwd_ms"]) for r in attn_rows
+                       if r["d"] == d and r[name]["status"] == "ok"]
+                if pts:
+                    axes[1].plot(*zip(*pts), style, marker="o", label=f"d={d} {name}")
+        axes[1].set(xlabel="T", ylabel="fwd + bwd ms", xscale="log", yscale="log", title="attention alone")
+        axes[1].legend(fontsize=6)
+        fig.tight_layout()
+        return fig
+    save_plot(args.plot, draw)
+    return dict(model_rows=model_rows, attention_rows=attn_rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gpt2: training throughput of our model vs a torch.nn peer of nanoGPT's architecture (issue 3 §6)
+# ---------------------------------------------------------------------------------------------------------------
+
+class PeerBlock(nn.Module):
+    """GPT-2 block from torch.nn parts: pre-LayerNorm, fused qkv with bias, SDPA causal, GELU MLP of width 4d."""
+
+    def __init__(self, d_model, num_heads, device=None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(d_model, device=device)
+        self.qkv = nn.Linear(d_model, 3 * d_model, device=device)
+        self.out = nn.Linear(d_model, d_model, device=device)
+        self.norm2 = nn.LayerNorm(d_model, device=device)
+        self.up = nn.Linear(d_model, 4 * d_model, device=device)
+        self.down = nn.Linear(4 * d_model, d_model, device=device)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        heads = self.qkv(self.norm1(x)).view(B, T, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(heads[0], heads[1], heads[2], is_causal=True)
+        x = x + self.out(attn.transpose(1, 2).reshape(B, T, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
+
+
+class PeerGPT(nn.Module):
+    """The peer of issue 3 §6: GPT-2's architecture (learned positions, LayerNorm, GELU MLP, tied embeddings)."""
+
+    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, device=None):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model, device=device)
+        self.pos = nn.Embedding(context_length, d_model, device=device)
+        self.blocks = nn.ModuleList(PeerBlock(d_model, num_heads, device) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(d_model, device=device)
+        self.head = nn.Linear(d_model, vocab_size, bias=False, device=device)
+        self.head.weight = self.tok.weight  # tied input and output embeddings
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias") and "norm" not in name:
+                nn.init.zeros_(p)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def peer_flops_per_token(vocab_size, context_length, d_model, num_layers, causal=True):
+    """SPEC §2.9's count applied to the peer: per layer qkv + output 8Td^2, scores and P V 4T^2d (half when
+    causal), MLP 2 x 2 T d (4d) = 16Td^2; plus lm_head 2TdV; training = 3 x forward. Biases and norms ignored."""
+    T, d = context_length, d_model
+    attn_t2 = (2 if causal else 4) * T * T * d
+    forward = num_layers * (8 * T * d * d + attn_t2 + 16 * T * d * d) + 2 * T * d * vocab_size
+    return 3 * forward / T
+
+
+def cmd_gpt2(argv):
+    p = argparse.ArgumentParser(prog="bench.py gpt2", description="Training throughput at GPT-2-small shape: "
+                                "our TransformerLM (sdpa, flash) vs a torch.nn GPT-2 peer, one run.")
+    p.add_argument("--vocab_size", type=int, default=50304)
+    p.add_argument("--context_length", type=int, default=1024)
+    p.add_argument("--d_model", type=int, default=768)
+    p.add_argument("--num_layers", type=int, default=12)
+    p.add_argument("--num_heads", type=int, default=12)
+    p.add_argument("--d_ff", type=int, default=3072, help="ours (SwiGLU); the peer's MLP is 4 x d_model")
+    p.add_argument("--batch_size", type=int, default=12)
+    p.add_argument("--attns", default="sdpa,flash", help="our attn_impl values to run")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--peak_tflops", type=float, default=None, help="MFU denominator (default 989 on CUDA)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    attns = csv_list(args.attns, ATTN_IMPLS)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (H100_BF16_PEAK if device.type == "cuda" else None)
+    torch.manual_seed(args.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT does; under bf16 autocast matmuls are bf16 anyway
+        torch.backends.cudnn.allow_tf32 = True
+    info = run_info("gpt2", argv, device)
+    print_header("bench.py gpt2", info)
+    V, T, B = args.vocab_size, args.context_length, args.batch_size
+    x, y = random_batch(V, B, T, device, torch.Generator().manual_seed(args.seed))
+    tokens = B * T
+
+    def bench(name, attn, net, loss_of, optimizer, flops_per_tok):
+        loss_fn = torch.compile(loss_of) if args.compile else loss_of
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            with autocast(args.dtype, device):
+                loss = loss_fn(x, y)
+            loss.backward()
+            optimizer.step()
+        phases = Phases(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        row = dict(model=name, attn=attn, params=count_params(net), status="ok")
+        try:
+            row.update(measure(step, args.warmup, args.steps, device, phases))
+        except torch.OutOfMemoryError:
+            row["status"] = "OOM"
+        if row["status"] == "ok":
+            row["peak_mib"] = mib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+            row["tokens_per_s"] = tokens / (row["mean_ms"] / 1e3)
+            row["tflops"] = flops_per_tok * row["tokens_per_s"] / 1e12
+            row["mfu"] = flops_per_tok * row["tokens_per_s"] / peak if peak else None
+        print(f"{name} {attn}: {fmt(row.get('mean_ms'))} ms/step, {fmt(row.get('tokens_per_s'))} tokens/s",
+              file=sys.stderr, flush=True)
+        return row
+
+    rows = []
+    ours = TransformerLM(V, T, args.d_model, args.num_layers, args.num_heads, args.d_ff, device=device)
+    ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=True)
+    optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    for attn in attns:
+        ours.attn_impl = attn
+        rows.append(bench("ours: TransformerLM + our AdamW", attn, ours, lambda a, b: cross_entropy(ours(a), b),
+                          optimizer, ours_flops))
+    del ours, optimizer
+    free_memory(device)
+    peer = PeerGPT(V, T, args.d_model, args.num_layers, args.num_heads, device=device)
+    decay = [p for p in peer.parameters() if p.dim() >= 2]
+    no_decay = [p for p in peer.parameters() if p.dim() < 2]
+    peer_opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
+                                 lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    peer_loss = lambda a, b: F.cross_entropy(peer(a).flatten(0, 1), b.flatten())
+    peer_row = bench("peer: torch.nn GPT-2 + torch AdamW(fused)", "sdpa", peer, peer_loss, peer_opt,
+                     peer_flops_per_token(V, T, args.d_model, args.num_layers))
+    rows.append(peer_row)
+    del peer, peer_opt
+    free_memory(device)
+
+    print(f"GPT-2-small shape: {args.num_layers} layers, d_model {args.d_model}, {args.num_heads} heads, context {T}, "
+          f"vocab {V}, batch {B}, {args.dtype} autocast, {'torch.compile' if args.compile else 'eager'}, one fixed "
+          f"random batch, loss inside the compiled function. Ours: SwiGLU d_ff {args.d_ff}, RoPE, RMSNorm, untied "
+          f"embeddings. FLOPs per SPEC §2.9 for each architecture, causal convention (T^2 terms halved); MFU "
+          f"against {fmt(peak / 1e12 if peak else None, 0)} TFLOP/s. Anchor: nanoGPT 463k tokens/s on one H200 "
+          f"(ANCHORS.md).\n")
+    body = []
+    for r in rows:
+        ok = r["status"] == "ok"
+        vs_peer = r["tokens_per_s"] / peer_row["tokens_per_s"] if ok and peer_row["status"] == "ok" else None
+        body.append([r["model"], r["attn"], f"{r['params'] / 1e6:.1f}M",
+                     f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" if ok else r["status"],
+                     r.get("tokens_per_s"), r.get("tflops"), f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "—",
+                     f"{vs_peer:.2f}x" if vs_peer else "—",
+                     f"{r['tokens_per_s'] / NANOGPT_TOKENS_PER_S:.2f}x" if ok and device.type == "cuda" else "—",
+                     r.get("peak_mib")])
+    print(markdown_table(["model", "attn", "params", "ms/step", "tokens/s", "TFLOP/s", "MFU", "vs peer",
+                          "vs 463k anchor", "peak MiB"], body))
+    write_json(args.json, dict(info, rows=rows))
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ok = [r for r in rows if r["status"] == "ok"]
+        ax.barh([f"{r['model'].split(':')[0]} {r['attn']}" for r in ok], [r["tokens_per_s"] / 1e3 for r in ok])
+        if device.type == "cuda":
+            ax.axvline(NANOGPT_TOKENS_PER_S / 1e3, color="k", linestyle="--", label="nanoGPT anchor (H200)")
+            ax.legend()
+        ax.set(xlabel="thousand tokens/s", title="GPT-2-small training throughput")
+        return fig
+    save_plot(args.plot, draw)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# varlen: padding strategies on the same documents (issue 7 §4, SPEC §7.10)
+# ---------------------------------------------------------------------------------------------------------------
+
+VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
+    d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
+    context_length=(1024, 128), batch_size=(8, 2), dtype=("bf16", "fp32"), attn=("flash", "naive"),
+    num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2))
+
+
+def document_lengths(num_docs, median_len, sigma, context_length, generator):
+    """Long-tailed lengths like TinyStories: log-normal with the given median (exp(mu)) and sigma, rounded and
+    clipped to [16, context_length]."""
+    z = torch.randn(num_docs, generator=generator, dtype=torch.float64)
+    return (median_len * torch.exp(sigma * z)).round().clamp(16, context_length).long()
+
+
+def padded_layout(cu_seqlens, length):
+    """Where each packed row goes in a right-padded (num_docs, length) layout: flat indices, and the lengths."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
+    pos = torch.arange(int(cu_seqlens[-1]), device=lens.device) - cu_seqlens[:-1].long()[doc]
+    return doc * length + pos, lens
+
+
+def attention_methods(cu_seqlens, max_seqlen, num_heads, context_length, device, flex):
+    """Attention-only contenders on one packed batch; each maps packed q, k, v (N, H, D) to packed (N, H, D).
+    Built per batch: the block masks and padding layouts are set up outside the timed calls. flex: the compiled
+    flex_attention (compiled once, so batches reuse it)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    N = int(cu_seqlens[-1])
+    cu = cu_seqlens.to(device)
+    methods = {"flash_attn_varlen (ours, packed)":
+               lambda q, k, v: flash_attn_varlen(q, k, v, cu, max_seqlen, causal=True)}
+
+    doc = model_py.document_ids(cu, N)
+    block_mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (doc[qi] == doc[ki]), None, None, N, N,
+                                   device=device)
+
+    def flex_doc(q, k, v):
+        out = flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask)
+        return out[0].transpose(0, 1)
+    methods["FlexAttention document mask (compiled)"] = flex_doc
+
+    def sdpa_padded(length, with_mask):
+        index, lens = padded_layout(cu, length)
+        B = len(lens)
+        keep = torch.arange(length, device=device) < lens[:, None]  # (B, length) real keys
+        mask = (keep[:, None, None, :] & model_py.causal_mask(length, device)) if with_mask else None
+
+        def fn(q, k, v):
+            def pad(t):
+                out = t.new_zeros(B * length, num_heads, t.shape[-1])
+                return out.index_copy(0, index, t).view(B, length, num_heads, -1).transpose(1, 2)
+            out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask, is_causal=not with_mask)
+            return out.transpose(1, 2).reshape(B * length, num_heads, -1)[index]
+        return fn
+    methods["SDPA, padded to context_length, is_causal (pad)"] = sdpa_padded(context_length, False)
+    methods["SDPA, padded to batch max, is_causal (dynamic_pad)"] = sdpa_padded(max_seqlen, False)
+    methods["SDPA, padded to batch max, causal + padding mask"] = sdpa_padded(max_seqlen, True)
+    if device.type == "cuda":
+        def torch_varlen(q, k, v):  # PyTorch's internal FA2 varlen kernel: forward only (no autograd formula)
+            return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True,
+                                                           False, scale=q.shape[-1] ** -0.5)[0]
+        methods["torch internal FA2 varlen (aten, forward only)"] = torch_varlen
+    return methods
+
+
+def cmd_varlen(argv):
+    p = argparse.ArgumentParser(prog="bench.py varlen", description="pad vs dynamic_pad vs pack on the same "
+                                "documents: train step, eval forward, and attention alone (issue 7 §4).")
+    for key, (gpu, cpu) in VARLEN_DEFAULTS.items():
+        p.add_argument(f"--{key}", type=type(gpu), default=None, help=f"default {gpu} on CUDA, {cpu} on CPU")
+    p.add_argument("--median_len", type=float, default=200.0, help="document length median (tokens)")
+    p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
+    p.add_argument("--strategies", default="pad,dynamic_pad,pack")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    cuda = device.type == "cuda"
+    for key, (gpu, cpu) in VARLEN_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, gpu if cuda else cpu)
+    if args.dtype not in DTYPES or args.attn not in ATTN_IMPLS:
+        raise SystemExit(f"--dtype must be one of {DTYPES} and --attn one of {ATTN_IMPLS}")
+    strategies = csv_list(args.strategies, ("pad", "dynamic_pad", "pack"))
+    torch.manual_seed(args.seed)
+    allow_recompiles()
+    info = run_info("varlen", argv, device)
+    print_header("bench.py varlen", info)
+    ctx = args.context_length
+
+    # the documents: random tokens, long-tailed lengths; every strategy sees the same batches of them
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = document_lengths(args.num_docs, args.median_len, args.sigma, ctx, g)
+    docs = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int64)
+    tokens = torch.randint(args.vocab_size, (int(docs[-1]),), generator=g).numpy().astype(np.int64)
+    budget = args.batch_size * ctx
+    batches = [sample_documents(docs, budget, ctx, g) for _ in range(args.warmup + args.steps)]
+    n_lens = lengths.float()
+    print(f"Documents: {args.num_docs}, lengths log-normal with median {args.median_len:g} and sigma {args.sigma:g}, "
+          f"clipped to [16, {ctx}] (TinyStories-like: many short, a few long): mean {n_lens.mean():.0f}, "
+          f"p90 {n_lens.quantile(0.9):.0f}, max {int(lengths.max())}. Batches: {args.warmup} warm-up + {args.steps} "
+          f"timed, each whole documents up to {budget} real tokens (train.sample_documents). Model: d_model "
+          f"{args.d_model}, {args.num_layers} layers, {args.num_heads} heads, d_ff {args.d_ff}, vocab "
+          f"{args.vocab_size}, {args.dtype}, attn {args.attn}, eager.\n")
+
+    def make_inputs(strategy, spans):
+        if strategy == "pack":
+            x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
+            kw = dict(cu_seqlens=cu_seqlens.to(device), max_seqlen=int(max_seqlen))
+        else:
+            length = ctx if strategy == "pad" else max(end - start for start, end in spans)
+            x, y = pad_batch(tokens, spans, length, 0)
+            kw = {}
+        return x.to(device), y.to(device), kw, int((y != -100).sum()), x.numel()
+
+    net = TransformerLM(args.vocab_size, ctx, args.d_model, args.num_layers, args.num_heads, args.d_ff,
+                        attn_impl=args.attn, device=device)
+    inputs_of = {strategy: [make_inputs(strategy, spans) for spans in batches] for strategy in strategies}
+    rows, t_start, total = [], timeit.default_timer(), 2 * len(strategies)
+    for phase in ("eval", "train"):  # every eval first, so the loss column compares the same weights
+        for strategy, inputs in inputs_of.items():
+            optimizer = AdamW(net.parameters(), lr=1e-4) if phase == "train" else None
+            times, first_loss, oom = [], None, False
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            try:
+                for i, (x, y, kw, _, _) in enumerate(inputs):
+                    t0 = timeit.default_timer()
+                    if phase == "eval":
+                        with torch.no_grad(), autocast(args.dtype, device):
+                            loss = cross_entropy(net(x, **kw), y)
+                    else:
+                        net.zero_grad(set_to_none=True)
+                        with autocast(args.dtype, device):
+                            loss = cross_entropy(net(x, **kw), y)
+                        loss.backward()
+                        optimizer.step()
+                    sync(device)
+                    if i >= args.warmup:
+                        times.append(timeit.default_timer() - t0)
+                    if i == 0 and phase == "eval":
+                        first_loss = float(loss)
+                    del loss
+            except torch.OutOfMemoryError:
+                oom = True
+            del optimizer
+            net.zero_grad(set_to_none=True)
+            free_memory(device)
+            timed = inputs[args.warmup:]
+            real = sum(t[3] for t in timed)
+            row = dict(strategy=strategy, phase=phase, status="OOM" if oom else "ok", real_tokens=real,
+                       token_slots=sum(t[4] for t in timed), loss_first_batch=first_loss)
+            if not oom:
+                row.update(ms_per_batch=1e3 * sum(times) / len(times), tokens_per_s=real / sum(times),
+                           peak_mib=mib(torch.cuda.max_memory_allocated(device)) if cuda else None)
+            rows.append(row)
+            progress(len(rows), total, t_start, f"{strategy} {phase}: {fmt(row.get('tokens_per_s'))} real tokens/s")
+    del inputs_of
+    for row in rows:
+        base = next((r for r in rows if r["strategy"] == "pad" and r["phase"] == row["phase"]), None)
+        ok = row["status"] == "ok" and base is not None and base["status"] == "ok"
+        row["speedup_vs_pad"] = row["tokens_per_s"] / base["tokens_per_s"] if ok else None
+    print("### Model: train step (forward, backward, AdamW) and eval forward, same documents\n")
+    body = [[r["phase"], r["strategy"], r.get("ms_per_batch", r["status"]), r.get("tokens_per_s"),
+             f"{r['speedup_vs_pad']:.2f}x" if r["speedup_vs_pad"] else "—",
+             f"{100 * r['real_tokens'] / r['token_slots']:.0f}%", r.get("peak_mib"), r["loss_first_batch"]]
+            for r in sorted(rows, key=lambda r: r["phase"] != "train")]
+    print(markdown_table(["phase", "strategy", "ms/batch", "real tokens/s", "speedup vs pad", "real / slots",
+                          "peak MiB", "loss, batch 1 (equal across strategies)"], body))
+    del net
+    free_memory(device)
+
+    attn_rows = varlen_attention(args, batches, tokens, device)
+    write_json(args.json, dict(info, rows=rows, attention_rows=attn_rows))
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+        for j, phase in enumerate(("train", "eval")):
+            rs = [r for r in rows if r["phase"] == phase and r["status"] == "ok"]
+            axes[0].bar([i + 0.4 * j for i in range(len(rs))], [r["tokens_per_s"] / 1e3 for r in rs], width=0.4,
+                        label=phase)
+            axes[0].set_xticks([i + 0.2 for i in range(len(rs))], [r["strategy"] for r in rs])
+        axes[0].set(ylabel="thousand real tokens/s", title="model")
+        axes[0].legend()
+        rs = [r for r in attn_rows if r.get("fwd_ms")]
+        axes[1].barh([r["method"] for r in rs], [r["fwd_bwd_tflops"] or 0 for r in rs], label="fwd+bwd")
+        axes[1].barh([r["method"] for r in rs], [r["fwd_tflops"] for r in rs], height=0.4, label="fwd")
+        axes[1].set(xlabel="useful TFLOP/s (causal work inside documents)", title="attention alone")
+        axes[1].tick_params(axis="y", labelsize=7)
+        axes[1].legend()
+        fig.tight_layout()
+        return fig
+    save_plot(args.plot, draw)
+    return dict(rows=rows, attention_rows=attn_rows)
+
+
+def varlen_attention(args, batches, tokens, device):
+    """Attention alone on the packed batches: each method's inference forward and forward+backward time summed
+    over the timed batches, useful TFLOP/s (4 H l^2 D / 2 per document forward, x3.5 forward+backward, as in
+    ANCHORS.md), and the largest difference on the first batch from SDPA on dynamic padding computed in fp32."""
+    from torch.nn.attention.flex_attention import flex_attention
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    H, D = args.num_heads, args.d_model // args.num_heads
+    g = torch.Generator().manual_seed(args.seed + 1)
+    flex = torch.compile(flex_attention)
+    stats = {}
+    for i, spans in enumerate(batches):
+        _, _, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
+        N = int(cu_seqlens[-1])
+        q, k, v = (torch.randn(N, H, D, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+        do = torch.randn(N, H, D, generator=g).to(device, dtype)
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
+        useful = float((4 * H * lens * lens * D / 2).sum())
+        methods = attention_methods(cu_seqlens, int(max_seqlen), H, args.context_length, device, flex)
+        reference = None
+        if i == 0:
+            with torch.no_grad():
+                reference = methods["SDPA, padded to batch max, is_causal (dynamic_pad)"](q.float(), k.float(),
+                                                                                          v.float())
+        for name, fn in methods.items():
+            st = stats.setdefault(name, dict(method=name, fwd_s=0.0, fwd_bwd_s=0.0, useful=0.0, error=None,
+                                             max_diff=None, backward=True))
+            if st["error"]:
+                continue
+            try:
+                with torch.no_grad():
+                    out = fn(q.detach(), k.detach(), v.detach())
+                    if reference is not None:
+                        st["max_diff"] = float((out.float() - reference).abs().max())
+                    sync(device)
+                    t0 = timeit.default_timer()
+                    fn(q.detach(), k.detach(), v.detach())
+                    sync(device)
+                    t1 = timeit.default_timer()
+            except Exception as e:  # a contender unavailable here (e.g. Triton without a GPU): a row that says why
+                st["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+                continue
+            if st["backward"]:
+                try:
+                    fn(q, k, v).backward(do)
+                except (RuntimeError, NotImplementedError):  # forward-only kernels; FlexAttention on CPU
+                    st["backward"] = False
+                sync(device)
+            t2 = timeit.default_timer()
+            if i >= args.warmup:
+                st["fwd_s"] += t1 - t0
+                st["fwd_bwd_s"] += t2 - t1
+                st["useful"] += useful
+            q.grad = k.grad = v.grad = None
+        del methods, reference
+        free_memory(device)
+    rows = []
+    for st in stats.values():
+        ok = st["error"] is None and st["fwd_s"] > 0
+        row = dict(method=st["method"], status="ok" if ok else (st["error"] or "no timed batch"),
+                   fwd_ms=1e3 * st["fwd_s"] / args.steps if ok else None,
+                   fwd_bwd_ms=1e3 * st["fwd_bwd_s"] / args.steps if ok and st["backward"] else None,
+                   fwd_tflops=st["useful"] / st["fwd_s"] / 1e12 if ok else None,
+                   fwd_bwd_tflops=3.5 * st["useful"] / st["fwd_bwd_s"] / 1e12 if ok and st["backward"] else None,
+                   max_diff=st["max_diff"])
+        rows.append(row)
+    base = next((r for r in rows if r["method"].endswith("(pad)")), None)
+    for r in rows:
+        r["fwd_bwd_speedup_vs_pad"] = base["fwd_bwd_ms"] / r["fwd_bwd_ms"] \
+            if r["fwd_bwd_ms"] and base and base["fwd_bwd_ms"] else None
+    print(f"### Attention alone on the same packed batches ({H} heads, head dim {D}, {args.dtype}, causal)\n\n"
+          f"Useful FLOPs count only causal work inside documents; times are per batch (mean of {args.steps}); "
+          f"max |diff| on real tokens of the first batch against SDPA on dynamic padding in fp32.\n")
+    body = [[r["method"], r["fwd_ms"] if r["status"] == "ok" else r["status"], r["fwd_bwd_ms"], r["fwd_tflops"],
+             r["fwd_bwd_tflops"], f"{r['fwd_bwd_speedup_vs_pad']:.2f}x" if r["fwd_bwd_speedup_vs_pad"] else "—",
+             fmt(r["max_diff"], 4) if r["max_diff"] is not None else "—"] for r in rows]
+    print(markdown_table(["method", "fwd ms", "fwd+bwd ms", "fwd useful TFLOP/s", "fwd+bwd useful TFLOP/s",
+                          "fwd+bwd speedup vs pad", "max |diff|"], body))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dispatch
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = {
+        "model": cmd_model,
+        "precision": cmd_precision,
+        "compile": cmd_compile,
+        "gpt2": cmd_gpt2,
+        "varlen": cmd_varlen,
+        # subcommands "attention" (cmd_attention, issue 4), "allreduce" and "ddp" (cmd_allreduce, cmd_ddp, issue 5)
+        # join this table when their functions are merged into this file
+    }
+    if not argv or argv[0] not in commands:
+        names = ", ".join(commands)
+        raise SystemExit(f"usage: python bench.py SUBCOMMAND [options]   (SUBCOMMAND: {names}; "
+                         f"python bench.py SUBCOMMAND -h for its options)"
+                         + (f"\nunknown subcommand {argv[0]!r}" if argv else ""))
+    commands[argv[0]](argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
