@@ -235,14 +235,15 @@ def test_flash_attention_impl_matches_naive_in_model():
     _check_impls_agree(m, torch.randint(0, 61, (1, 19)), ("flash",), atol=1e-4)
 
 
-def _packed_matches_separate(impl, doc_lens, atol):
-    m = _tiny_lm(attn_impl=impl)
+def _packed_matches_separate(impl, doc_lens, atol, device="cpu", **model_args):
+    m = _tiny_lm(attn_impl=impl, **model_args).to(device)
     torch.manual_seed(3)
-    docs = [torch.randint(0, 61, (n,)) for n in doc_lens]
+    docs = [torch.randint(0, 61, (n,), device=device) for n in doc_lens]
     idx = torch.cat(docs)[None]
-    cu = torch.tensor([0] + doc_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu = torch.tensor([0] + doc_lens, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
     # targets: next token inside each document, -100 on each document's last token (never cross a document)
-    targets = torch.cat([torch.cat((d[1:], torch.tensor([-100]))) for d in docs])[None]
+    end = torch.tensor([-100], device=device)
+    targets = torch.cat([torch.cat((d[1:], end)) for d in docs])[None]
     n_real = (targets != -100).sum()
     m.zero_grad()
     logits = m(idx, cu_seqlens=cu, max_seqlen=max(doc_lens))
@@ -253,7 +254,7 @@ def _packed_matches_separate(impl, doc_lens, atol):
     for d in docs:
         lg = m(d[None])
         alone.append(lg)
-        t = torch.cat((d[1:], torch.tensor([-100])))[None]
+        t = torch.cat((d[1:], end))[None]
         loss = loss + cross_entropy(lg, t) * (t != -100).sum()
     loss.backward()
     assert torch.allclose(logits, torch.cat(alone, 1), atol=atol), impl
@@ -270,6 +271,24 @@ def test_packed_flash_varlen_equals_each_document_alone():
     if not hasattr(flash, "flash_attn_varlen"):
         raise unittest.SkipTest("flash.flash_attn_varlen has not landed")
     _packed_matches_separate("flash", [5, 1, 13], atol=1e-4)
+
+
+def test_gpu_flash_model_matches_naive_fp32_bf16_packed_and_compiled():
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA GPU (the CPU tests cover flash through the interpreter)")
+    shape = dict(d_model=128, num_heads=2, context_length=300)  # d_head 64; 257 tokens: ragged against every tile
+    m = _tiny_lm(**shape).cuda()
+    idx = torch.randint(0, 61, (2, 257), device="cuda")
+    _check_impls_agree(m, idx, ("sdpa", "flash", "flash_ref"), atol=1e-4)  # fp32 (flash uses IEEE fp32 dots)
+    _packed_matches_separate("flash", [100, 1, 257, 33], atol=1e-4, device="cuda", **shape)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        m.attn_impl = "naive"
+        ref = m(idx).float()
+        m.attn_impl = "flash"
+        out = m(idx).float()
+        compiled = torch.compile(m)(idx).float()
+    scale = ref.abs().max()
+    assert (out - ref).abs().max() / scale < 2e-2 and (compiled - out).abs().max() / scale < 2e-2
 
 
 def test_packed_positions_restart_per_document_and_explicit_positions_override():
