@@ -419,8 +419,13 @@ def draw_sweep(rows):
             if rs[0]["peak_mib"] is not None:
                 axes[1][col].plot(ctx, [r["peak_mib"] / 1024 for r in rs], style, marker="o", label=label)
         for col, mode in enumerate(modes):
-            axes[0][col].set(title=f"{mode}: ms per step", xlabel="context length", yscale="log", xscale="log")
-            axes[1][col].set(title=f"{mode}: peak memory (GiB)", xlabel="context length", xscale="log")
+            ctxs = sorted({r["context_length"] for r in rows})
+            for ax in (axes[0][col], axes[1][col]):
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(ctxs, [str(c) for c in ctxs])
+                ax.set_xlabel("context length")
+            axes[0][col].set(title=f"{mode}: ms per step", yscale="log")
+            axes[1][col].set(title=f"{mode}: peak memory (GiB)")
             axes[0][col].legend(fontsize=6)
         fig.tight_layout()
         return fig
@@ -1025,10 +1030,10 @@ def cmd_gpt2(argv):
 
     rows = []
     ours = TransformerLM(V, T, args.d_model, args.num_layers, args.num_heads, args.d_ff, device=device)
-    ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=True)
     optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
     for attn in attns:
         ours.attn_impl = attn
+        ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         rows.append(bench("ours: TransformerLM + our AdamW", attn, ours, lambda a, b: cross_entropy(ours(a), b),
                           optimizer, ours_flops))
     del ours, optimizer
@@ -1039,18 +1044,20 @@ def cmd_gpt2(argv):
     peer_opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
                                  lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     peer_loss = lambda a, b: F.cross_entropy(peer(a).flatten(0, 1), b.flatten())
-    peer_row = bench("peer: torch.nn GPT-2 + torch AdamW(fused)", "sdpa", peer, peer_loss, peer_opt,
+    peer_name = "peer: torch.nn GPT-2 + torch AdamW" + ("(fused)" if device.type == "cuda" else "")
+    peer_row = bench(peer_name, "sdpa", peer, peer_loss, peer_opt,
                      peer_flops_per_token(V, T, args.d_model, args.num_layers))
     rows.append(peer_row)
     del peer, peer_opt
     free_memory(device)
 
-    print(f"GPT-2-small shape: {args.num_layers} layers, d_model {args.d_model}, {args.num_heads} heads, context {T}, "
-          f"vocab {V}, batch {B}, {args.dtype} autocast, {'torch.compile' if args.compile else 'eager'}, one fixed "
-          f"random batch, loss inside the compiled function. Ours: SwiGLU d_ff {args.d_ff}, RoPE, RMSNorm, untied "
-          f"embeddings. FLOPs per SPEC §2.9 for each architecture, causal convention (T^2 terms halved); MFU "
-          f"against {fmt(peak / 1e12 if peak else None, 0)} TFLOP/s. Anchor: nanoGPT 463k tokens/s on one H200 "
-          f"(ANCHORS.md).\n")
+    compiled = "torch.compile of model + loss" if args.compile else "eager"
+    print(f"Shape: {args.num_layers} layers, d_model {args.d_model}, {args.num_heads} heads, context {T}, vocab {V}, "
+          f"batch {B}; {args.dtype} autocast, {compiled}, one fixed random batch. Ours: SwiGLU d_ff {args.d_ff}, "
+          f"RoPE, RMSNorm, untied embeddings; peer: GELU MLP 4 x d_model, learned positions, LayerNorm, tied "
+          f"embeddings. FLOPs per SPEC §2.9 for each architecture, causal convention (T^2 terms halved; naive "
+          f"attention counted in full); MFU against {fmt(peak / 1e12 if peak else None, 0)} TFLOP/s. Anchor: nanoGPT "
+          f"GPT-2 124M, 463k tokens/s on one H200 (ANCHORS.md).\n")
     body = []
     for r in rows:
         ok = r["status"] == "ok"
@@ -1084,8 +1091,8 @@ def cmd_gpt2(argv):
 
 VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
     d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
-    context_length=(1024, 128), batch_size=(8, 2), dtype=("bf16", "fp32"), attn=("flash", "naive"),
-    num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2))
+    context_length=(1024, 256), median_len=(200.0, 40.0), batch_size=(8, 2), dtype=("bf16", "fp32"),
+    attn=("flash", "naive"), num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2))
 
 
 def document_lengths(num_docs, median_len, sigma, context_length, generator):
@@ -1151,7 +1158,6 @@ def cmd_varlen(argv):
                                 "documents: train step, eval forward, and attention alone (issue 7 §4).")
     for key, (gpu, cpu) in VARLEN_DEFAULTS.items():
         p.add_argument(f"--{key}", type=type(gpu), default=None, help=f"default {gpu} on CUDA, {cpu} on CPU")
-    p.add_argument("--median_len", type=float, default=200.0, help="document length median (tokens)")
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
     p.add_argument("--strategies", default="pad,dynamic_pad,pack")
     p.add_argument("--device", default="auto")
@@ -1251,7 +1257,7 @@ def cmd_varlen(argv):
              f"{100 * r['real_tokens'] / r['token_slots']:.0f}%", r.get("peak_mib"), r["loss_first_batch"]]
             for r in sorted(rows, key=lambda r: r["phase"] != "train")]
     print(markdown_table(["phase", "strategy", "ms/batch", "real tokens/s", "speedup vs pad", "real / slots",
-                          "peak MiB", "loss, batch 1 (equal across strategies)"], body))
+                          "peak MiB", "eval loss, batch 1 (same weights: equal)"], body))
     del net
     free_memory(device)
 
@@ -1350,12 +1356,12 @@ def varlen_attention(args, batches, tokens, device):
             if r["fwd_bwd_ms"] and base and base["fwd_bwd_ms"] else None
     print(f"### Attention alone on the same packed batches ({H} heads, head dim {D}, {args.dtype}, causal)\n\n"
           f"Useful FLOPs count only causal work inside documents; times are per batch (mean of {args.steps}); "
-          f"max |diff| on real tokens of the first batch against SDPA on dynamic padding in fp32.\n")
+          f"max abs diff on real tokens of the first batch against SDPA on dynamic padding in fp32.\n")
     body = [[r["method"], r["fwd_ms"] if r["status"] == "ok" else r["status"], r["fwd_bwd_ms"], r["fwd_tflops"],
              r["fwd_bwd_tflops"], f"{r['fwd_bwd_speedup_vs_pad']:.2f}x" if r["fwd_bwd_speedup_vs_pad"] else "—",
              fmt(r["max_diff"], 4) if r["max_diff"] is not None else "—"] for r in rows]
     print(markdown_table(["method", "fwd ms", "fwd+bwd ms", "fwd useful TFLOP/s", "fwd+bwd useful TFLOP/s",
-                          "fwd+bwd speedup vs pad", "max |diff|"], body))
+                          "fwd+bwd speedup vs pad", "max abs diff"], body))
     return rows
 
 
