@@ -454,3 +454,16 @@ def test_four_process_gloo_bucketed_ddp_with_zero1_equals_one_process(tmp_path):
     _assert_same_weights(tmp_path / "single", tmp_path / "zero1", atol=1e-5)
     ckpt = torch.load(tmp_path / "zero1" / "ckpt.pt", weights_only=True)
     assert ckpt["world_size"] == 4 and len(ckpt["optimizer"]["state"]) == len(ckpt["model"])  # consolidated
+
+
+def test_two_process_gloo_fsdp_and_torch_fsdp_train_save_and_resume(tmp_path):
+    data = tmp_path / "d"
+    _write_dataset(data)
+    common = TINY + [f"--data_dir={data}", "--log_interval=1", "--eval_interval=100", "--grad_accum=2",
+                     "--lr_decay_iters=4"]
+    train.main(common + [f"--out_dir={tmp_path / 'single'}", "--max_iters=4"])
+    for impl in ("torch_fsdp", "fsdp"):
+        out = tmp_path / impl
+        _run_ranks(2, common + [f"--out_dir={out}", f"--ddp_impl={impl}", "--max_iters=2"])
+        _run_ranks(2, common + [f"--out_dir={out}", f"--ddp_impl={impl}", "--max_iters=4", "--init_from=resume"])
+        _assert_same_weights(tmp_path / "single", out, atol=1e-5)  # full weights gathered, optimizer state resumed
