@@ -279,21 +279,27 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
         for wid in index.pop((a, b)):
             w = words[wid]
             merged, i, L = [], 0, len(w)
+            old_at, new_at = set(), set()  # pair positions that touch a merge, in the old and the new word
             while i < L:
                 if i + 1 < L and w[i] == a and w[i + 1] == b:
+                    old_at.update((i - 1, i, i + 1))
+                    new_at.update((len(merged) - 1, len(merged)))
                     merged.append(new_id)
                     i += 2
                 else:
                     merged.append(w[i])
                     i += 1
-            if len(merged) == L:
+            if not new_at:
                 continue  # the lazy index listed a word that no longer holds the pair
+            # pairs away from the merge sites are the same before and after: only the touched ones change
             n = counts[wid]
-            for pair in zip(w, w[1:]):
-                pair_counts[pair] -= n
-            for pair in zip(merged, merged[1:]):
-                pair_counts[pair] += n
-                if new_id in pair:
+            for k in old_at:
+                if 0 <= k < L - 1:
+                    pair_counts[(w[k], w[k + 1])] -= n
+            for k in new_at:
+                if 0 <= k < len(merged) - 1:
+                    pair = (merged[k], merged[k + 1])  # holds new_id
+                    pair_counts[pair] += n
                     fresh.add(pair)
                     index[pair].add(wid)
             words[wid] = merged
