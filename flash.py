@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels use exp2 (SPEC §5.6, "later")
-LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels use exp2 (SPEC §5.6, "later"); the
+# kernels spell log2(e) and ln(2) as literals because Triton reads only constexpr globals
 
 
 # ---------------------------------------------------------------------------------------------------------------
