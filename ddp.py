@@ -604,10 +604,11 @@ class FSDP(nn.Module):
         """Reduce-scatter layer i's full weight gradient (fp32, zero-padded) into this rank's shard gradient."""
         layer = self.layers[i]
         padded_rows = self.world_size * layer.rows_per_rank
-        if grad_w.shape[0] != padded_rows or grad_w.dtype != layer.shard.dtype:
+        if grad_w.shape[0] != padded_rows:
             full = grad_w.new_zeros((padded_rows, layer.cols), dtype=layer.shard.dtype)
             full[:layer.rows] = grad_w
             grad_w = full
+        grad_w = grad_w.to(layer.shard.dtype)  # reduce in fp32, like the master weights (no-op when already)
         shard_grad = torch.empty_like(layer.shard)
         work = _reduce_scatter(shard_grad, grad_w, op=_avg_op(), async_op=True)
         self._pending.append((work, shard_grad, layer.shard))
