@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# torch >= 2.13 renamed the single-tensor collectives; same signatures
+# newer torch renamed the single-tensor collectives (same signatures); older builds have only the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -53,6 +53,7 @@ def init_distributed():
 
 
 def cleanup_distributed():
+    """Barrier, then tear the process group down (nothing to do without one)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -135,24 +136,30 @@ class DDPFlat(_DataParallel):
 class DDPIndividualParameters(_DataParallel):
     """Overlap per parameter (SPEC §6.5): a post-accumulate-grad hook starts an async all-reduce of each gradient
     the moment autograd has finished accumulating it (tied weights: once, after both uses), so communication runs
-    while backward continues. A parameter without gradient this step fires no hook; that must hold on every rank."""
+    while backward continues. A parameter without gradient this step fires no hook; that must hold on every rank.
+    A gradient accumulated under no_sync() whose parameter the last backward did not reach is all-reduced in
+    finish_gradient_synchronization()."""
 
     def __init__(self, module):
         super().__init__(module)
-        self.pending = []  # (work handle, parameter) in launch order
+        self.pending = {}  # parameter -> its all-reduce in flight, in launch order
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._hook)
 
     def _hook(self, p):
         if self.require_sync:
-            self.pending.append((dist.all_reduce(p.grad, op=_avg_op(), async_op=True), p))
+            self.pending[p] = dist.all_reduce(p.grad, op=_avg_op(), async_op=True)
 
     def finish_gradient_synchronization(self):
         if not self.require_sync:
             return
-        for work, p in self.pending:
+        for p, work in self.pending.items():
             work.wait()
             _finish_average(p.grad, self.world_size)
+        for p in self.params:
+            if p.grad is not None and p not in self.pending:
+                dist.all_reduce(p.grad, op=_avg_op())
+                _finish_average(p.grad, self.world_size)
         self.pending.clear()
 
 
@@ -245,8 +252,11 @@ class DDPBucketed(_DataParallel):
         if not self.require_sync:
             return
         for bucket in self.buckets[self.next_bucket:]:  # incomplete on this rank: missing gradients are zeros
-            for j in range(len(bucket.params)):
+            for j, p in enumerate(bucket.params):
                 if not bucket.ready[j]:
+                    if p.grad is not None:  # accumulated under no_sync(), unused in this last backward
+                        bucket.ready[j] = True
+                        bucket.num_ready += 1
                     self._grad_into_view(bucket, j)
             self._launch(bucket)
         for bucket in self.buckets:
@@ -639,17 +649,19 @@ class FSDP(nn.Module):
         shard_grads = [s.grad for s in self.shards if s.grad is not None]
         replicated_grads = [p.grad for p in self.replicated if p.grad is not None]
         device = next(self.module.parameters()).device
-        sharded = torch.zeros((), dtype=torch.float32, device=device)
-        for g in shard_grads:
-            sharded += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-        dist.all_reduce(sharded)
-        total = sharded
-        for g in replicated_grads:
-            total = total + torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-        norm = total.sqrt()
+
+        def sum_of_squares(grads):
+            if not grads:
+                return torch.zeros((), dtype=torch.float32, device=device)
+            return torch.stack(torch._foreach_norm(grads)).float().square().sum()
+
+        total = sum_of_squares(shard_grads)
+        dist.all_reduce(total)
+        norm = (total + sum_of_squares(replicated_grads)).sqrt()
         scale = (max_l2_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in shard_grads + replicated_grads:
-            g.mul_(scale.to(g.dtype))
+        grads = shard_grads + replicated_grads
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
         return norm
 
 

@@ -151,29 +151,37 @@ def test_ddp_wrappers_match_single_process_with_tied_and_frozen_params():
 
 def _worker_no_sync(rank, world_size):
     steps, accum, data, opt_cls = 2, 2, _batches(2, batch_size=8), _adamw()
-    _, want = _reference(steps, lambda: _make_model(0), data, opt_cls)
+
+    def pieces(x, y, r):  # rank r's micro-batches; the `extra` layer is used by the first micro-batch only
+        x, y = _local(x, r, world_size), _local(y, r, world_size)
+        return [(_local(x, m, accum), _local(y, m, accum), m == 0) for m in range(accum)]
+
+    def big_batch(m, x, y):
+        return sum(model.cross_entropy(m(xm, use_extra=e), ym)
+                   for r in range(world_size) for xm, ym, e in pieces(x, y, r)) / (world_size * accum)
+
+    _, want = _reference(steps, lambda: _make_model(0, extra=True), data, opt_cls, loss_fn=big_batch)
     for name, wrap in [("naive", ddp.DDPNaive), ("overlap", ddp.DDP),
                        ("bucketed", lambda m: ddp.DDPBucketed(m, 0.0005))]:
-        wrapped = wrap(_make_model(0))
+        wrapped = wrap(_make_model(0, extra=True))
         opt = opt_cls(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
         for step, (x, y) in enumerate(data):
             opt.zero_grad(set_to_none=True)
-            x, y = _local(x, rank, world_size), _local(y, rank, world_size)
-            for micro in range(accum):
-                xm, ym = _local(x, micro, accum), _local(y, micro, accum)
+            for micro, (xm, ym, use_extra) in enumerate(pieces(x, y, rank)):
                 if micro < accum - 1:
                     with wrapped.no_sync():
-                        (model.cross_entropy(wrapped(xm), ym) / accum).backward()
+                        (model.cross_entropy(wrapped(xm, use_extra=use_extra), ym) / accum).backward()
                         wrapped.finish_gradient_synchronization()  # a no-op inside no_sync()
                 else:
-                    (model.cross_entropy(wrapped(xm), ym) / accum).backward()
+                    (model.cross_entropy(wrapped(xm, use_extra=use_extra), ym) / accum).backward()
             wrapped.finish_gradient_synchronization()
             opt.step()
             _assert_close(wrapped.module.state_dict(), want[step], f"{name} no_sync step {step}")
 
 
 def test_ddp_no_sync_accumulation_equals_one_big_batch():
-    """Two micro-batches per rank, the first under no_sync(), give the same step as one full batch."""
+    """Two micro-batches per rank, the first under no_sync(), give the same step as one full batch, also for a
+    layer that only the first (unsynchronized) micro-batch uses."""
     _spawn(_worker_no_sync)
 
 
