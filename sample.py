@@ -58,6 +58,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, eot_
     if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(f"need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                          f"{max_new_tokens}, {temperature}, {top_p}, {top_k}")
+    if torch.is_tensor(prompt_ids):
+        prompt_ids = prompt_ids.tolist()
     batched = len(prompt_ids) > 0 and not isinstance(prompt_ids[0], int)
     seqs = [list(p) for p in prompt_ids] if batched else [list(prompt_ids)]
     ctx = model.context_length
@@ -73,9 +75,19 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, eot_
     B = len(seqs)
     cache = model.make_kv_cache(B, dtype=cache_dtype) if use_cache else None
     new = [[] for _ in seqs]
-    done = [False] * B
     was_training = model.training
     model.eval()
+    try:
+        _decode(model, seqs, new, max_new_tokens, temperature, top_p, top_k, eot_id, generator, cache)
+    finally:
+        model.train(was_training)
+    return new if batched else new[0]
+
+
+def _decode(model, seqs, new, max_new_tokens, temperature, top_p, top_k, eot_id, generator, cache):
+    """generate's loop: appends to seqs (prompt + new ids) and new (new ids only), row by row."""
+    ctx, device, B = model.context_length, model.lm_head.weight.device, len(seqs)
+    done = [False] * B
     for _ in range(max_new_tokens):
         lens = [len(s) for s in seqs]
         fits = max(lens) <= ctx  # once a window slides, positions shift and cached keys no longer apply
@@ -107,8 +119,6 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, eot_
                 new[b].append(t)
         if all(done):
             break
-    model.train(was_training)
-    return new if batched else new[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,14 +198,22 @@ def main(argv=None):
     p.add_argument("--crop_prompt", action="store_true", help="keep the last context_length tokens of a long prompt")
     p.add_argument("--no_kv_cache", action="store_true", help="rerun the whole window every step (slow; a check)")
     args = p.parse_args(argv)
-    if args.num_samples < 1:
-        p.error(f"--num_samples must be >= 1, got {args.num_samples}")
+    for bad, msg in ((args.num_samples < 1, "--num_samples must be >= 1"),
+                     (args.max_new_tokens < 0, "--max_new_tokens must be >= 0"),
+                     (args.temperature < 0, "--temperature must be >= 0 (0 = greedy)"),
+                     (not 0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
+                     (args.top_k < 0, "--top_k must be >= 0 (0 = off)")):
+        if bad:
+            p.error(msg)
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {device}: CUDA is not available on this machine")
     ckpt_path = args.ckpt or os.path.join(args.out_dir, "ckpt.pt")
-    model, tokenizer, eot_id, _ = load_model(ckpt_path, device)
+    try:
+        model, tokenizer, eot_id, _ = load_model(ckpt_path, device)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        sys.exit(f"sample.py: {e}")
 
     prompts = args.prompt
     if prompts is None:
@@ -210,6 +228,11 @@ def main(argv=None):
     generator = torch.Generator(device=device).manual_seed(args.seed)
     use_bf16 = torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    longest = max(len(ids) for ids in batch)
+    if longest > model.context_length and not args.crop_prompt:
+        sys.exit(f"sample.py: the prompt has {longest} tokens but the model's context_length is "
+                 f"{model.context_length}: shorten it, or pass --crop_prompt to keep its last "
+                 f"{model.context_length} tokens")
     with amp:
         outs = generate(model, batch, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         eot_id=eot_id, top_k=args.top_k, generator=generator, use_cache=not args.no_kv_cache,
