@@ -8,14 +8,12 @@ _HERE = Path(__file__).resolve().parent
 ROOT = _HERE.parent if _HERE.name == "tests_wip" else _HERE
 sys.path.insert(0, str(ROOT))
 
-import json
 import math
 import subprocess
 import unittest
 
 import torch.nn.functional as F
 
-import flash
 import model
 import sample
 from model import (PRESETS, CausalSelfAttention, Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU,
@@ -136,6 +134,8 @@ def test_state_dict_has_reference_names_and_reference_weights_load_strictly():
         names += [f"layers.{i}.ln2.weight"] + [f"layers.{i}.ffn.{w}.weight" for w in ("w1", "w2", "w3")]
     names += ["ln_final.weight", "lm_head.weight"]
     assert list(m.state_dict()) == names
+    block = TransformerBlock(32, 4, 72, 40, 10000.0)  # standalone, as the reference tests build it
+    assert list(block.state_dict()) == [n[len("layers.0."):] for n in names if n.startswith("layers.0.")]
     shapes = {n: t.shape for n, t in m.state_dict().items()}
     assert shapes["layers.0.ffn.w1.weight"] == (72, 32) and shapes["layers.0.ffn.w2.weight"] == (32, 72)
     torch.manual_seed(1)
@@ -229,8 +229,6 @@ def test_attention_impls_agree_forward_and_backward():
 
 
 def test_flash_attention_impl_matches_naive_in_model():
-    if not hasattr(flash, "flash_attention"):
-        raise unittest.SkipTest("flash.flash_attention has not landed")
     m = _tiny_lm(num_layers=1, d_model=32, num_heads=2)  # d_head 16, the kernel's smallest tile dim
     _check_impls_agree(m, torch.randint(0, 61, (1, 19)), ("flash",), atol=1e-4)
 
@@ -268,8 +266,6 @@ def test_packed_forward_and_backward_equal_each_document_alone():
 
 
 def test_packed_flash_varlen_equals_each_document_alone():
-    if not hasattr(flash, "flash_attn_varlen"):
-        raise unittest.SkipTest("flash.flash_attn_varlen has not landed")
     _packed_matches_separate("flash", [5, 1, 13], atol=1e-4)
 
 
@@ -535,9 +531,10 @@ def test_sample_cli_prints_batched_samples(tmp_path):
     assert run.returncode == 0, run.stderr
     blocks = run.stdout.split("-" * 40 + "\n")
     assert len(blocks) == 5 and blocks[0].startswith("the cat") and blocks[3].startswith("a dog sat on")
-    run = subprocess.run(cmd[:2] + [f"--out_dir={tmp_path / 'empty'}"], capture_output=True, text=True, env=env,
-                         timeout=120)
-    assert run.returncode != 0 and "python train.py" in run.stderr
-    long = subprocess.run(cmd[:3] + ["--prompt", "the cat " * 40, "--max_new_tokens=2", "--device=cpu"],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert long.returncode != 0 and "context_length" in long.stderr
+    for argv, words in (([f"--out_dir={tmp_path / 'empty'}"], "python train.py"),
+                        ([f"--out_dir={tmp_path}", "--prompt", "the cat " * 40, "--device=cpu"], "context_length")):
+        try:
+            sample.main(argv)
+            raise AssertionError(f"sample.py accepted {argv}")
+        except SystemExit as e:
+            assert words in str(e.code), e.code
