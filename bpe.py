@@ -314,7 +314,7 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
 def train_bpe_reference(input_path, vocab_size, special_tokens):
     """The slow twin of train_bpe (SPEC §1.4): one process, and every pair recounted from scratch per merge."""
     special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
-    with open(input_path, encoding="utf-8") as f:
+    with open(input_path, encoding="utf-8", newline="") as f:
         text = f.read()
     splitter = special_splitter(special_tokens)
     word_counts = Counter()
@@ -609,25 +609,21 @@ class Tokenizer:
         done = 0
         if self._tiktoken is not None:
             pool = ThreadPoolExecutor(num_workers)
-            submit = lambda job: pool.submit(self._encode_chunk, job)
+            submit = lambda job: pool.submit(self._encode_chunk, job).result
         else:
             pool = multiprocessing.get_context().Pool(
                 num_workers, initializer=_init_encode_worker, initargs=(self.vocab, self.merges, self.special_tokens))
-            submit = lambda job: pool.apply_async(_encode_chunk_in_worker, (job,))
+            submit = lambda job: pool.apply_async(_encode_chunk_in_worker, (job,)).get
         try:
-            pending = deque()
-            for job in jobs:
+            pending = deque()  # (job, result getter), in file order
+            for k, job in enumerate(jobs):
                 pending.append((job, submit(job)))
-                if len(pending) >= 2 * num_workers:
-                    (_, start, end), fut = pending.popleft()
-                    yield fut.result() if hasattr(fut, "result") else fut.get()
+                last = k == len(jobs) - 1
+                while pending and (len(pending) >= 2 * num_workers or last):
+                    (_, start, end), result = pending.popleft()
+                    yield result()
                     done += end - start
                     progress.update(done)
-            while pending:
-                (_, start, end), fut = pending.popleft()
-                yield fut.result() if hasattr(fut, "result") else fut.get()
-                done += end - start
-                progress.update(done)
         finally:
             if isinstance(pool, ThreadPoolExecutor):
                 pool.shutdown(cancel_futures=True)
@@ -686,7 +682,7 @@ def _peak_rss_mb():
 
 def _iter_docs(path, special):
     buf = ""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", newline="") as f:
         while True:
             block = f.read(1 << 20)
             if not block:
@@ -751,7 +747,7 @@ def bench(path, vocab_size, special, num_workers, repeats):
     tok = Tokenizer.from_files(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"), [special])
     peer = tiktoken.Encoding("peer", pat_str=GPT2_PAT, mergeable_ranks=tok._tiktoken_ranks(),
                              special_tokens=dict(tok.special_ids))
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", newline="") as f:
         text = f.read()
     docs = text.split(special)
     pieces, piece = [], []  # ~1 MB pieces of whole documents for the batch APIs

@@ -61,7 +61,7 @@ def documents():
 def build(out, mb):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     n, size = 0, 0
-    with open(out + ".tmp", "w", encoding="utf-8") as f:
+    with open(out + ".tmp", "w", encoding="utf-8", newline="") as f:
         for doc in documents():
             if size >= mb * 1e6:
                 break

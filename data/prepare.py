@@ -98,7 +98,7 @@ def iter_documents(path):
     """Streams the documents of a UTF-8 file, split at <|endoftext|>; holds one document and one block at a time."""
     buf = ""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", newline="") as f:
             while True:
                 block = f.read(READ_BLOCK)
                 if not block:
@@ -116,7 +116,7 @@ class SplitWriter:
 
     def __init__(self, out_dir):
         self.paths = {s: os.path.join(out_dir, f"{s}.txt") for s in ("train", "val")}
-        self.files = {s: open(p + ".tmp", "w", encoding="utf-8") for s, p in self.paths.items()}
+        self.files = {s: open(p + ".tmp", "w", encoding="utf-8", newline="") for s, p in self.paths.items()}
         self.docs = {"train": 0, "val": 0}
 
     def write(self, split, doc):

@@ -87,8 +87,10 @@ def test_train_bpe_matches_reference(tmp_path):
     paragraphs = corpus_en.read_text().split("\n\n")
     joined = tmp_path / "docs.txt"  # many special-token boundaries, so parallel chunks really split the file
     joined.write_text(EOT.join(paragraphs))
+    crlf = tmp_path / "crlf.txt"  # \r\n must reach both trainers unchanged
+    crlf.write_bytes(tiny.read_bytes().replace(b"\n", b"\r\n"))
     cases = [(tiny, 300, [EOT]), (tiny, 700, [EOT]), (tiny, 500, []), (corpus_en, 420, []),
-             (joined, 450, [EOT]), (joined, 330, [EOT, "<|pad|>"])]
+             (joined, 450, [EOT]), (joined, 330, [EOT, "<|pad|>"]), (crlf, 400, [EOT])]
     for path, vocab_size, specials in cases:
         ref = train_bpe_reference(str(path), vocab_size, specials)
         for workers in (1, 3):
@@ -333,6 +335,7 @@ def _check_prepared(out_dir, documents_by_split):
         assert np.all(tokens[docs[1:] - 1] == meta["eot_id"]) and (tokens == meta["eot_id"]).sum() == len(docs) - 1
         if documents_by_split is not None:
             decoded = [tok.decode(tokens[a:b - 1].tolist()) for a, b in zip(docs[:-1], docs[1:])]
+            assert "\r\n" not in "".join(documents_by_split[split]) or "\r\n" in "".join(decoded)
             assert decoded == documents_by_split[split]
     return meta
 
@@ -343,7 +346,8 @@ def test_prepare_local_input_end_to_end(tmp_path):
     words = [w for w in _shared("tinystories_sample.txt").read_text().split() if "<|" not in w]
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "\n" for _ in range(23)]
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
-    a.write_text(EOT.join(docs[:15]) + EOT + "\n")  # the trailing whitespace-only piece is skipped
+    docs[3] = docs[3].replace("\n", "\r\n")  # kept byte for byte
+    a.write_text(EOT.join(docs[:15]) + EOT + "\n", newline="")  # the trailing whitespace-only piece is skipped
     b.write_text(EOT.join(docs[15:]))
     meta = prepare("tiny", vocab_size=300, inputs=[str(a), str(b)], out_root=str(tmp_path / "out"), num_workers=2)
     expected = {"train": [d for k, d in enumerate(docs) if k % 10 != 9], "val": [docs[9], docs[19]]}
