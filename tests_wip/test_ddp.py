@@ -20,9 +20,12 @@ import model  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # ddp.py: every wrapper against single-process training on the full batch (SPEC §6). Each test spawns 2 (one
-# test 4) CPU processes on gloo; each process also trains the single-process reference itself, so the
+# test 4) processes: CPU + gloo, or one GPU each + NCCL where the machine has enough GPUs (so the same tests check
+# the NCCL paths on a GPU host). Each process also trains the single-process reference itself, so the
 # comparison happens inside the workers and a failed assert fails the spawn.
 # ---------------------------------------------------------------------------------------------------------------
+
+DEVICE = torch.device("cpu")  # set per worker process by _ddp_entry
 
 
 def _free_port():
@@ -32,8 +35,13 @@ def _free_port():
 
 
 def _ddp_entry(rank, world_size, port, worker, args):
+    global DEVICE
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    backend = "gloo"
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        backend, DEVICE = "nccl", torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=90))  # a hang becomes an error, not a stuck CI
     try:
         worker(rank, world_size, *args)
@@ -77,13 +85,13 @@ class _ToyLM(nn.Module):
 
 def _make_model(seed, **kw):
     torch.manual_seed(seed)
-    return _ToyLM(**kw)
+    return _ToyLM(**kw).to(DEVICE)
 
 
 def _batches(steps, batch_size=4, seq=7, vocab_size=29, seed=123):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, vocab_size, (batch_size, seq), generator=g),
-             torch.randint(0, vocab_size, (batch_size, seq), generator=g)) for _ in range(steps)]
+    return [(torch.randint(0, vocab_size, (batch_size, seq), generator=g).to(DEVICE),
+             torch.randint(0, vocab_size, (batch_size, seq), generator=g).to(DEVICE)) for _ in range(steps)]
 
 
 def _adamw():
@@ -265,7 +273,7 @@ def _worker_zero1(rank, world_size, opt_names, bucketed):
         for i, s in ref_full["state"].items():
             for k, v in s.items():
                 if torch.is_tensor(v):
-                    assert torch.allclose(full["state"][i][k], v, atol=1e-6, rtol=1e-5), (opt_name, i, k)
+                    assert torch.allclose(full["state"][i][k], v.cpu(), atol=1e-6, rtol=1e-5), (opt_name, i, k)
                 else:
                     assert full["state"][i][k] == v, (opt_name, i, k)
 
@@ -301,7 +309,7 @@ def test_bucketed_ddp_with_zero1_on_four_processes():
 def _tiny_transformer(seed, tie=False):
     torch.manual_seed(seed)
     return model.TransformerLM(vocab_size=29, context_length=8, d_model=12, num_layers=2, num_heads=2, d_ff=19,
-                               tie_embeddings=tie)
+                               tie_embeddings=tie).to(DEVICE)
 
 
 def _worker_fsdp(rank, world_size, models):
@@ -392,7 +400,7 @@ def _worker_fsdp_compute_dtype(rank, world_size):
     opt = opt_cls(sharded.parameters(), lr=1e-2, weight_decay=0.1)
     for x, y in data:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             logits = sharded(_local(x, rank, world_size))
         model.cross_entropy(logits, _local(y, rank, world_size)).backward()
         sharded.finish_gradient_synchronization()
