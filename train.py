@@ -37,8 +37,8 @@ out_dir = "out"                 # checkpoints (ckpt.pt), log.jsonl and loss.png
 init_from = "scratch"           # 'scratch' or 'resume' (from out_dir/ckpt.pt, continuing exactly)
 log_interval = 10               # optimizer steps between log lines
 eval_interval = 100             # steps between validation-loss evaluations (and at the last step)
-eval_iters = 20                 # number of FIXED validation batches per evaluation
-ckpt_interval = 500             # steps between checkpoints (and always one at the end)
+eval_iters = 10                 # number of FIXED validation batches per evaluation
+ckpt_interval = 200             # steps between checkpoints (and always one at the end)
 seed = 1337                     # model init and every data draw derive from it
 # data
 dataset = "shakespeare"         # name under data/ (made by `python data/prepare.py NAME`)
@@ -57,10 +57,10 @@ tie_embeddings = False          # share token_embeddings and lm_head
 attn_impl = "auto"              # 'auto' (flash on CUDA, naive on CPU) | 'flash' | 'flash_ref' | 'sdpa' | 'naive'
 ckpt_every = 0                  # activation checkpointing every k blocks (0 = off, SPEC §3.9)
 # optimizer (SPEC §3.1-3.3, starting points of §3.11)
-learning_rate = 3e-3            # peak learning rate
-min_lr = 3e-4                   # floor of the cosine schedule
-warmup_iters = 30               # linear warm-up steps
-max_iters = 600                 # optimizer steps in total
+learning_rate = 2e-3            # peak learning rate
+min_lr = 2e-4                   # floor of the cosine schedule
+warmup_iters = 20               # linear warm-up steps
+max_iters = 400                 # optimizer steps in total
 lr_decay_iters = 0              # last step of the cosine phase (0 = max_iters)
 weight_decay = 0.1              # decoupled decay of matrices (RMSNorm gains are not decayed)
 beta1 = 0.9
@@ -536,7 +536,7 @@ def main(argv):
 def train(c, rank, world_size, dev):
     check_config(c, world_size)
     master = rank == 0
-    log = print if master else (lambda *a, **k: None)
+    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
     ptdtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
                "float32": torch.float32, "bfloat16": torch.bfloat16}.get(c.dtype)
     if ptdtype is None:
@@ -749,7 +749,7 @@ def train(c, rank, world_size, dev):
             eta = dt * (c.max_iters - step)
             log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, grad norm {float(grad_norm):.3f}, "
                 f"{tok_s:,.0f} tok/s, " + (f"MFU {100 * mfu:.1f}%, " if mfu is not None else "")
-                + f"{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min", flush=True)
+                + f"{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min")
             if master:
                 with open(log_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
