@@ -5,7 +5,7 @@ device), writes its numbers to --json FILE, and draws --plot FILE.png when matpl
 
     python bench.py model --size small --context_length 512 --mode train --dtype bf16 --compile
     python bench.py model --sweep --sizes small,medium,large,xl --context_lengths 256,512,1024 \\
-        --dtypes fp32,bf16 --modes fwd,fwd_bwd,train --compile_options eager,compiled --json sweep.json --plot sweep.png
+        --dtypes fp32,bf16 --modes fwd,fwd_bwd,train --compile_options none,blocks --json sweep.json --plot sweep.png
     nsys profile --trace=cuda,nvtx -o small python bench.py model --size small --nvtx   # NVTX ranges (README)
     python bench.py model --size small --profile trace.json      # top kernels per phase + a Chrome trace
     python bench.py model --size xl --memory_snapshot xl.pickle   # for pytorch.org/memory_viz
@@ -46,6 +46,7 @@ SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4)
 MODES = ("fwd", "fwd_bwd", "train")
 PHASES = ("forward", "backward", "optimizer_step")
 DTYPES = ("fp32", "bf16")
+COMPILE_CHOICES = ("none", "model", "blocks")  # see compiled()
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM, the MFU denominator (../shared/ANCHORS.md)
 NANOGPT_TOKENS_PER_S = 463e3  # nanoGPT GPT-2 124M on one H200 (../shared/ANCHORS.md)
 
@@ -155,6 +156,10 @@ def mib(nbytes):
     return nbytes / 2**20
 
 
+def millions(n):
+    return "—" if n is None else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+
 def csv_list(text, choices=None, cast=str):
     """'a,b,c' -> [a, b, c]; each item checked against choices, so a typo is an error naming it."""
     items = [cast(t) for t in text.split(",") if t]
@@ -260,7 +265,8 @@ def measure(step, warmup, steps, device, phases, nvtx=False, profiler=None, snap
                 first_ms = (timeit.default_timer() - t0) * 1e3
     phases.reset()
     if snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        # Python frames only: symbolizing C++ frames at dump time can take minutes on a large model
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     times = []
     try:
         with profiler if profiler is not None else contextlib.nullcontext():
@@ -299,6 +305,17 @@ def model_dims(size, args):
 def build_model(dims, vocab_size, context_length, attn, device):
     return TransformerLM(vocab_size, context_length, dims["d_model"], dims["num_layers"], dims["num_heads"],
                          dims["d_ff"], attn_impl=attn, device=device)
+
+
+def compiled(net, how):
+    """none: the model as it is; model: torch.compile(model) (SPEC §7.6); blocks: every TransformerBlock compiled in
+    place (regional compilation: the blocks share one compiled code, so compile time does not grow with depth)."""
+    if how == "model":
+        return torch.compile(net)
+    if how == "blocks":
+        for layer in net.layers:
+            layer.compile()
+    return net
 
 
 def random_batch(vocab_size, batch_size, context_length, device, generator):
@@ -371,8 +388,8 @@ def row_cells(row):
 def print_model_rows(rows):
     header = ["size", "params", "ctx", "batch", "dtype", "compile", "attn", "mode", "ms/step", "first step ms",
               "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
-    body = [[r["size"], f"{r['params'] / 1e6:.1f}M", r["context_length"], r["batch_size"], r["dtype"],
-             "yes" if r["compile"] else "no", r["attn"], r["mode"]] + row_cells(r) for r in rows]
+    body = [[r["size"], millions(r["params"]), r["context_length"], r["batch_size"], r["dtype"],
+             r["compile"], r["attn"], r["mode"]] + row_cells(r) for r in rows]
     print(markdown_table(header, body))
 
 
@@ -385,14 +402,14 @@ def sweep_table(rows):
     header = ["size", "params", "ctx", "dtype", "compile", "fwd ms", "fwd+bwd ms", "train ms", "peak fwd MiB",
               "peak train MiB", "train tokens/s", "train TFLOP/s"]
     body = []
-    for (size, ctx, dtype, compiled), by_mode in cell.items():
+    for (size, ctx, dtype, how), by_mode in cell.items():
         def get(mode, field):
             r = by_mode.get(mode)
             if r is None:
                 return ""
             return r.get(field) if r["status"] == "ok" else r["status"]
         params = next(iter(by_mode.values()))["params"]
-        body.append([size, f"{params / 1e6:.1f}M" if params else "—", ctx, dtype, "yes" if compiled else "no",
+        body.append([size, millions(params), ctx, dtype, how,
                      get("fwd", "mean_ms"), get("fwd_bwd", "mean_ms"), get("train", "mean_ms"),
                      get("fwd", "peak_mib"), get("train", "peak_mib"), get("train", "tokens_per_s"),
                      get("train", "tflops")])
@@ -400,7 +417,7 @@ def sweep_table(rows):
 
 
 def draw_sweep(rows):
-    """Time and peak memory against context length, one line per size and dtype (dashed: compiled)."""
+    """Time and peak memory against context length, one line per size, dtype and compile option."""
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
 
     def draw(plt):
@@ -409,12 +426,12 @@ def draw_sweep(rows):
         for r in rows:
             if r["status"] == "ok":
                 series.setdefault((r["mode"], r["size"], r["dtype"], r["compile"]), []).append(r)
-        for (mode, size, dtype, compiled), rs in series.items():
+        for (mode, size, dtype, how), rs in series.items():
             col = modes.index(mode)
             rs.sort(key=lambda r: r["context_length"])
             ctx = [r["context_length"] for r in rs]
-            style = "--" if compiled else "-"
-            label = f"{size} {dtype}{' compiled' if compiled else ''}"
+            style = {"none": "-", "model": "--", "blocks": ":"}[how]
+            label = f"{size} {dtype}" + ("" if how == "none" else f" compile {how}")
             axes[0][col].plot(ctx, [r["mean_ms"] for r in rs], style, marker="o", label=label)
             if rs[0]["peak_mib"] is not None:
                 axes[1][col].plot(ctx, [r["peak_mib"] / 1024 for r in rs], style, marker="o", label=label)
@@ -438,21 +455,22 @@ def run_sweep(args, device, info):
     sizes = csv_list(args.sizes, SIZES)
     ctxs = csv_list(args.context_lengths, cast=int)
     dtypes, modes = csv_list(args.dtypes, DTYPES), csv_list(args.modes, MODES)
-    compile_opts = [c == "compiled" for c in csv_list(args.compile_options, ("eager", "compiled"))]
-    if any(compile_opts):
+    compile_opts = csv_list(args.compile_options, COMPILE_CHOICES)
+    if compile_opts != ["none"]:
         allow_recompiles()
     total = len(sizes) * len(compile_opts) * len(dtypes) * len(ctxs) * len(modes)
     rows, done, t_start = [], 0, timeit.default_timer()
     generator = torch.Generator().manual_seed(args.seed)
-    for size in sizes:
+    for size, how in itertools.product(sizes, compile_opts):
         dims = model_dims(size, args)
         configs = [dict(size=size, dims=dims, vocab_size=args.vocab_size, context_length=ctx,
-                        batch_size=args.batch_size, dtype=dtype, compile=compiled, attn=args.attn, mode=mode)
-                   for compiled, dtype, ctx, mode in itertools.product(compile_opts, dtypes, ctxs, modes)]
-        net, compiled_net, build_status = None, None, "skipped"
+                        batch_size=args.batch_size, dtype=dtype, compile=how, attn=args.attn, mode=mode)
+                   for dtype, ctx, mode in itertools.product(dtypes, ctxs, modes)]
+        net, runner, build_status = None, None, "skipped"
         if timeit.default_timer() - t_start <= args.time_budget:
-            try:
+            try:  # a fresh model per compile option: "blocks" compiles the model's blocks in place
                 net = build_model(dims, args.vocab_size, max(ctxs), args.attn, device)
+                runner = compiled(net, how)
             except torch.OutOfMemoryError:
                 build_status = "OOM"  # the weights alone do not fit: every row of this size is OOM
             free_memory(device)
@@ -460,18 +478,15 @@ def run_sweep(args, device, info):
             if net is None or timeit.default_timer() - t_start > args.time_budget:
                 row = dict(cfg, params=None, status=build_status if net is None else "skipped")
             else:
-                if cfg["compile"] and compiled_net is None:
-                    compiled_net = torch.compile(net)
-                runner = compiled_net if cfg["compile"] else net
                 row = run_config(net, runner, cfg, device, generator, args.warmup, args.steps)
             rows.append(row)
             done += 1
             result = f"{row['mean_ms']:.2f} ms, peak {fmt(row['peak_mib'], 0)} MiB" if row["status"] == "ok" \
                 else row["status"]
-            progress(done, total, t_start, f"{size} ctx {cfg['context_length']} {cfg['dtype']} "
-                                           f"{'compiled' if cfg['compile'] else 'eager'} {cfg['mode']}: {result}")
+            progress(done, total, t_start, f"{size} ctx {cfg['context_length']} {cfg['dtype']} compile "
+                                           f"{how} {cfg['mode']}: {result}")
             write_json(args.json, dict(info, rows=rows))
-        del net, compiled_net
+        del net, runner
         free_memory(device)
     print(f"batch {args.batch_size}, vocab {args.vocab_size}, attn {args.attn}; warm-up {args.warmup}, timed steps "
           f"{args.steps}; fwd = inference forward + loss under no_grad; TFLOP/s per SPEC §2.9 "
@@ -567,7 +582,8 @@ def cmd_model(argv):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="bf16 = autocast around forward and loss")
-    p.add_argument("--compile", action="store_true", help="torch.compile the whole model")
+    p.add_argument("--compile", nargs="?", const="model", default="none", choices=COMPILE_CHOICES,
+                   help="--compile = torch.compile(model); --compile blocks = each block compiled (shared code)")
     p.add_argument("--attn", choices=ATTN_IMPLS, default="naive")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -577,7 +593,7 @@ def cmd_model(argv):
     p.add_argument("--context_lengths", default="256,512,1024")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--modes", default="fwd,fwd_bwd,train")
-    p.add_argument("--compile_options", default="eager", help="eager, compiled or eager,compiled")
+    p.add_argument("--compile_options", default="none", help="any of none,model,blocks (see --compile)")
     p.add_argument("--time_budget", type=float, default=float("inf"),
                    help="sweep: seconds after which the remaining configurations are marked skipped")
     p.add_argument("--nvtx", action="store_true", help="NVTX ranges per phase and inside naive attention (nsys)")
@@ -606,7 +622,7 @@ def cmd_model(argv):
     cfg = dict(size=args.size, dims=dims, vocab_size=args.vocab_size, context_length=args.context_length,
                batch_size=args.batch_size, dtype=args.dtype, compile=args.compile, attn=args.attn, mode=args.mode)
     net = build_model(dims, args.vocab_size, args.context_length, args.attn, device)
-    runner = torch.compile(net) if args.compile else net
+    runner = compiled(net, args.compile)
     profiler = None
     if args.profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -615,7 +631,7 @@ def cmd_model(argv):
         profiler = torch.profiler.profile(activities=activities)
     snapshot = args.memory_snapshot if device.type == "cuda" else None
     # the annotated attention would split a compiled graph: inner attention ranges are an eager-mode tool
-    annotate = args.nvtx and args.attn == "naive" and not args.compile
+    annotate = args.nvtx and args.attn == "naive" and args.compile == "none"
     with annotated_naive_attention() if annotate else contextlib.nullcontext():
         row = run_config(net, runner, cfg, device, torch.Generator().manual_seed(args.seed), args.warmup,
                          args.steps, nvtx=args.nvtx, profiler=profiler, snapshot=snapshot)
@@ -721,7 +737,7 @@ def cmd_precision(argv):
             pair = {}
             for dtype in DTYPES:
                 cfg = dict(size=size, dims=dims, vocab_size=args.vocab_size, context_length=args.context_length,
-                           batch_size=args.batch_size, dtype=dtype, compile=False, attn=args.attn, mode=mode)
+                           batch_size=args.batch_size, dtype=dtype, compile="none", attn=args.attn, mode=mode)
                 pair[dtype] = run_config(net, net, cfg, device, generator, args.warmup, args.steps)
             pairs.append(pair)
             progress(len(pairs), total, t_start, f"{size} {mode}")
@@ -841,17 +857,17 @@ def cmd_compile(argv):
     for size in sizes:
         dims = SIZES[size]
         net = build_model(dims, args.vocab_size, args.context_length, args.attn, device)
-        compiled = torch.compile(net)
+        whole = torch.compile(net)
         for mode in modes:
             pair = {}
-            for name, runner in (("eager", net), ("compiled", compiled)):
+            for name, runner in (("eager", net), ("compiled", whole)):
                 cfg = dict(size=size, dims=dims, vocab_size=args.vocab_size, context_length=args.context_length,
-                           batch_size=args.batch_size, dtype=args.dtype, compile=name == "compiled", attn=args.attn,
-                           mode=mode)
+                           batch_size=args.batch_size, dtype=args.dtype, compile="none" if name == "eager" else "model",
+                           attn=args.attn, mode=mode)
                 pair[name] = run_config(net, runner, cfg, device, generator, args.warmup, args.steps)
             pairs.append(pair)
             progress(len(pairs), total, t_start, f"model {size} {mode}")
-        del net, compiled
+        del net, whole
         free_memory(device)
     print(f"### Whole model: eager vs torch.compile(model)\n\ncontext {args.context_length}, batch "
           f"{args.batch_size}, {args.dtype}, attn {args.attn}; first step = the compile (compiled column)\n")
@@ -1051,9 +1067,9 @@ def cmd_gpt2(argv):
     del peer, peer_opt
     free_memory(device)
 
-    compiled = "torch.compile of model + loss" if args.compile else "eager"
+    how = "torch.compile of model + loss" if args.compile else "eager"
     print(f"Shape: {args.num_layers} layers, d_model {args.d_model}, {args.num_heads} heads, context {T}, vocab {V}, "
-          f"batch {B}; {args.dtype} autocast, {compiled}, one fixed random batch. Ours: SwiGLU d_ff {args.d_ff}, "
+          f"batch {B}; {args.dtype} autocast, {how}, one fixed random batch. Ours: SwiGLU d_ff {args.d_ff}, "
           f"RoPE, RMSNorm, untied embeddings; peer: GELU MLP 4 x d_model, learned positions, LayerNorm, tied "
           f"embeddings. FLOPs per SPEC §2.9 for each architecture, causal convention (T^2 terms halved; naive "
           f"attention counted in full); MFU against {fmt(peak / 1e12 if peak else None, 0)} TFLOP/s. Anchor: nanoGPT "
@@ -1062,7 +1078,7 @@ def cmd_gpt2(argv):
     for r in rows:
         ok = r["status"] == "ok"
         vs_peer = r["tokens_per_s"] / peer_row["tokens_per_s"] if ok and peer_row["status"] == "ok" else None
-        body.append([r["model"], r["attn"], f"{r['params'] / 1e6:.1f}M",
+        body.append([r["model"], r["attn"], millions(r["params"]),
                      f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" if ok else r["status"],
                      r.get("tokens_per_s"), r.get("tflops"), f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "—",
                      f"{vs_peer:.2f}x" if vs_peer else "—",
