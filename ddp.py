@@ -395,7 +395,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups, start = [], 0
         for group in self.param_groups:
             n = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + n))})
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(start, start + n))})
             start += n
         return {"state": state, "param_groups": groups}
 
@@ -432,8 +433,8 @@ class _ShardedLayer:
     rank r keeps rows [r * rows_per_rank, (r + 1) * rows_per_rank) as the fp32 nn.Parameter `shard` (a row block is
     a slice of the flattened weight, so this is SPEC §6.8's flat sharding; it stays 2-D for weight-decay rules)."""
 
-    def __init__(self, module, shard, rows, cols, is_embedding):
-        self.module, self.shard, self.rows, self.cols = module, shard, rows, cols
+    def __init__(self, shard, rows, cols, is_embedding):
+        self.shard, self.rows, self.cols = shard, rows, cols
         self.rows_per_rank = shard.shape[0]
         self.is_embedding = is_embedding
 
@@ -524,7 +525,7 @@ class FSDP(nn.Module):
                 shards[w] = self._make_shard(w)
             m.weight = shards[w]
             i = len(self.layers)
-            self.layers.append(_ShardedLayer(m, shards[w], w.shape[0], w.shape[1], isinstance(m, Embedding)))
+            self.layers.append(_ShardedLayer(shards[w], w.shape[0], w.shape[1], isinstance(m, Embedding)))
             fn = _FSDPEmbedding if isinstance(m, Embedding) else _FSDPLinear
             m.forward = lambda x, fn=fn, i=i: fn.apply(x, self.layers[i].shard, self, i)
         self.shards = list(shards.values())

@@ -136,8 +136,10 @@ def _build_variant(variant, net, device, opt_cls, lr):
         wrapped = {"naive": ddp.DDPNaive, "flat": ddp.DDPFlat, "overlap": ddp.DDPIndividualParameters}.get(
             variant, lambda m: ddp.DDPBucketed(m, float(size)))(net)
         if variant.endswith("+zero1"):
-            return wrapped, ddp.ShardedOptimizer(net.parameters(), opt_cls, **kwargs), wrapped.finish_gradient_synchronization
-        return wrapped, opt_cls(net.parameters(), **kwargs), wrapped.finish_gradient_synchronization
+            optimizer = ddp.ShardedOptimizer(net.parameters(), opt_cls, **kwargs)
+        else:
+            optimizer = opt_cls(net.parameters(), **kwargs)
+        return wrapped, optimizer, wrapped.finish_gradient_synchronization
     if variant in ("fsdp", "fsdp-bf16"):
         wrapped = ddp.FSDP(net, compute_dtype=torch.bfloat16 if variant == "fsdp-bf16" else None)
         return wrapped, opt_cls(wrapped.parameters(), **kwargs), wrapped.finish_gradient_synchronization
