@@ -31,6 +31,7 @@ import platform
 import statistics
 import sys
 import timeit
+import traceback
 
 import numpy as np
 import torch
@@ -96,7 +97,7 @@ def fmt(x, digits=2):
 
 def markdown_table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(fmt(c).replace("|", "\\|") for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -167,6 +168,23 @@ def csv_list(text, choices=None, cast=str):
         if choices is not None and item not in choices:
             raise SystemExit(f"unknown value {item!r}: expected one of {', '.join(map(str, choices))}")
     return items
+
+
+def is_oom(error):
+    """The caching allocator raises torch.OutOfMemoryError; cuBLAS / cuDNN workspace allocations that fail surface
+    as a plain RuntimeError saying so. Both mean "this configuration does not fit"."""
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
+def failure(error):
+    """The status of a row whose run raised: "OOM" when it did not fit, else "error" with the exception named on
+    stderr (traceback included), so one failing configuration does not take the rest of a long run down."""
+    if is_oom(error):
+        return "OOM"
+    print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+    traceback.print_exception(error, file=sys.stderr)
+    return "error"
 
 
 def allow_recompiles():
@@ -357,16 +375,14 @@ def run_config(net, runner, cfg, device, generator, warmup, steps, nvtx=False, p
     optimizer = AdamW(net.parameters(), lr=1e-4) if cfg["mode"] == "train" else None
     phases = Phases(device, nvtx=nvtx, profiling=profiler is not None)
     step = lambda: run_step(net, runner, optimizer, x, y, cfg["mode"], cfg["dtype"], phases)
-    oom = False
     try:
         row.update(measure(step, warmup, steps, device, phases, nvtx=nvtx, profiler=profiler, snapshot=snapshot))
-    except torch.OutOfMemoryError:
-        oom = True
+    except Exception as e:
+        row["status"] = failure(e)
     del optimizer, x, y, step
     net.zero_grad(set_to_none=True)
     free_memory(device)  # after the except block, so the traceback's frames no longer hold the step's tensors
-    if oom:
-        row["status"] = "OOM"
+    if row["status"] != "ok":
         return row
     tokens = cfg["batch_size"] * cfg["context_length"]
     row["tokens_per_s"] = tokens / (row["mean_ms"] / 1e3)
@@ -467,11 +483,15 @@ def run_sweep(args, device, info):
                         batch_size=args.batch_size, dtype=dtype, compile=how, attn=args.attn, mode=mode)
                    for dtype, ctx, mode in itertools.product(dtypes, ctxs, modes)]
         net, runner, build_status = None, None, "skipped"
+        if how != "none":
+            torch._dynamo.reset()  # drop the previous model's compiled code (and its guards) before compiling anew
         if timeit.default_timer() - t_start <= args.time_budget:
             try:  # a fresh model per compile option: "blocks" compiles the model's blocks in place
                 net = build_model(dims, args.vocab_size, max(ctxs), args.attn, device)
                 runner = compiled(net, how)
-            except torch.OutOfMemoryError:
+            except RuntimeError as e:  # torch.OutOfMemoryError included
+                if not is_oom(e):
+                    raise
                 build_status = "OOM"  # the weights alone do not fit: every row of this size is OOM
             free_memory(device)
         for cfg in configs:
@@ -526,18 +546,19 @@ def profile_tables(prof, device, top=8):
                 totals[e.name] = (calls + 1, total + us)
         phase_us = sum(t for _, t in totals.values()) or 1.0
         ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
-        tables[phase] = [dict(name=name, calls=calls, total_ms=us / 1e3, share=us / phase_us)
-                         for name, (calls, us) in ranked]
+        tables[phase] = dict(total_ms=phase_us / 1e3, steps=len(spans),
+                             top=[dict(name=name, calls=calls, total_ms=us / 1e3, share=us / phase_us)
+                                  for name, (calls, us) in ranked])
     return tables
 
 
 def print_profile_tables(tables, device, trace_path):
     what = "GPU kernels by total time" if device.type == "cuda" else "CPU ops by self time"
     print(f"### torch.profiler: top {what}, per phase (timed steps; Chrome trace: {trace_path})\n")
-    for phase, rows in tables.items():
-        print(f"**{phase}**\n")
+    for phase, table in tables.items():
+        print(f"**{phase}**: {table['total_ms']:.2f} ms in all over {table['steps']} steps\n")
         body = [[i + 1, r["name"][:90], r["calls"], r["total_ms"], f"{100 * r['share']:.1f}%"]
-                for i, r in enumerate(rows)]
+                for i, r in enumerate(table["top"])]
         print(markdown_table(["#", "kernel" if device.type == "cuda" else "op", "calls", "total ms", "% of phase"],
                              body))
 
@@ -815,7 +836,9 @@ def time_attention(attn, batch_size, seq_len, d, device, warmup, steps):
             sync(device)
             times.append((timeit.default_timer() - t0) * 1e3)
         res["bwd_ms"] = statistics.fmean(times)
-    except torch.OutOfMemoryError:
+    except RuntimeError as e:  # torch.OutOfMemoryError included
+        if not is_oom(e):
+            raise
         res["status"] = "OOM"
     out = grad = None
     free_memory(device)
@@ -1033,8 +1056,8 @@ def cmd_gpt2(argv):
         row = dict(model=name, attn=attn, params=count_params(net), status="ok")
         try:
             row.update(measure(step, args.warmup, args.steps, device, phases))
-        except torch.OutOfMemoryError:
-            row["status"] = "OOM"
+        except Exception as e:
+            row["status"] = failure(e)
         if row["status"] == "ok":
             row["peak_mib"] = mib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
             row["tokens_per_s"] = tokens / (row["mean_ms"] / 1e3)
@@ -1248,7 +1271,9 @@ def cmd_varlen(argv):
                     if i == 0 and phase == "eval":
                         first_loss = float(loss)
                     del loss
-            except torch.OutOfMemoryError:
+            except RuntimeError as e:  # torch.OutOfMemoryError included
+                if not is_oom(e):
+                    raise
                 oom = True
             del optimizer
             net.zero_grad(set_to_none=True)

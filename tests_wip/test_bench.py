@@ -57,12 +57,14 @@ def test_bench_model_row_is_complete(tmp_path):
     assert row["tokens_per_s"] > 0 and row["tflops"] > 0
 
 
-def test_bench_sweep_marks_oom_and_continues(tmp_path):
+def test_bench_sweep_marks_oom_and_errors_and_continues(tmp_path):
     original = bench.run_step
 
     def failing_step(net, runner, optimizer, x, y, mode, dtype, phases):
         if x.shape[1] == 24 and mode == "train":  # pretend this configuration does not fit
             raise torch.OutOfMemoryError("injected by the test")
+        if x.shape[1] == 16 and mode == "fwd":  # any other failure: an "error" row, the sweep goes on
+            raise ValueError("injected by the test")
         return original(net, runner, optimizer, x, y, mode, dtype, phases)
 
     path, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
@@ -75,10 +77,10 @@ def test_bench_sweep_marks_oom_and_continues(tmp_path):
         bench.run_step = original
     rows = json.loads(path.read_text())["rows"]
     assert [(r["context_length"], r["mode"], r["status"]) for r in rows] == \
-        [(16, "fwd", "ok"), (16, "train", "ok"), (24, "fwd", "ok"), (24, "train", "OOM")]
+        [(16, "fwd", "error"), (16, "train", "ok"), (24, "fwd", "ok"), (24, "train", "OOM")]
     assert all(r["mean_ms"] > 0 for r in rows if r["status"] == "ok")
     table = [line for line in text.splitlines() if line.startswith("| tiny")]
-    assert len(table) == 2 and "OOM" in table[1] and "OOM" not in table[0]
+    assert len(table) == 2 and "OOM" in table[1] and "OOM" not in table[0] and "error" in table[0]
     try:
         import matplotlib  # noqa: F401 -- the plot is optional
         assert png.stat().st_size > 0
@@ -122,9 +124,11 @@ def test_bench_profile_tables_and_trace(tmp_path):
     assert "traceEvents" in json.loads(trace.read_text())
     tables = json.loads(path.read_text())["profile"]
     assert set(tables) == {"forward", "backward", "optimizer_step"}
-    for rows in tables.values():
+    for table in tables.values():
+        rows = table["top"]
+        assert table["steps"] == 1 and table["total_ms"] > 0
         assert rows and all(r["calls"] > 0 and r["total_ms"] >= 0 for r in rows)
-        assert rows[0]["total_ms"] > 0
+        assert rows[0]["total_ms"] > 0 and sum(r["share"] for r in rows) <= 1 + 1e-9
     assert "**forward**" in text and "**optimizer_step**" in text
 
 
