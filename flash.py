@@ -9,16 +9,19 @@ variable-length attention, and plain PyTorch references the kernels are held to.
 Both public functions are torch.library custom ops with a registered autograd formula and fake (meta) kernel, so a
 model that calls them compiles under torch.compile without graph breaks. Causal masking is top-left aligned
 (query i sees keys j <= i, SPEC §5.2), the same convention as SDPA's is_causal.
-On a machine without CUDA the Triton kernels run only under the interpreter: TRITON_INTERPRET=1 must be set before
-triton is imported (tests do this); it is slow, so keep shapes tiny there.
+On a machine without CUDA the Triton kernels run only under the interpreter, so importing this file there sets
+TRITON_INTERPRET=1 (unless it is already set) before importing triton; it is slow, so keep shapes tiny there.
 """
 import inspect
 import math
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+if not torch.cuda.is_available():  # no GPU: run the kernels in Triton's interpreter (slow; must be set
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels use exp2 (SPEC §5.6, "later"); the
