@@ -14,6 +14,7 @@ attn_impl picks the attention kernel (an attribute read at call time, so it can 
     "flash_ref"  flash.py's tiled PyTorch twin of that kernel
 """
 import math
+import numbers
 
 import torch
 import torch.nn as nn
@@ -387,8 +388,9 @@ class TransformerLM(nn.Module):
                 raise ValueError(f"packed mode takes idx of shape (1, N), got {tuple(idx.shape)}")
             if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
                 raise ValueError("cu_seqlens must be a 1-D int32 tensor (num_docs + 1 offsets)")
-            if not isinstance(max_seqlen, int):
+            if not isinstance(max_seqlen, numbers.Integral):
                 raise ValueError("packed mode needs max_seqlen as a Python int (the longest document)")
+            max_seqlen = int(max_seqlen)  # a NumPy integer becomes the plain int the kernel grid wants
             if max_seqlen > self.context_length:
                 raise ValueError(f"a packed document of {max_seqlen} tokens exceeds context_length "
                                  f"{self.context_length}")
@@ -403,10 +405,10 @@ class TransformerLM(nn.Module):
             raise ValueError(f"sequence of {T} tokens exceeds context_length {self.context_length}")
 
         x = self.token_embeddings(idx)
-        k = self.ckpt_every
-        if k and self.training and torch.is_grad_enabled():
-            for start in range(0, self.num_layers, k):
-                x = checkpoint(self._run_layers, x, start, start + k, position_ids, cu_seqlens, max_seqlen,
+        seg = self.ckpt_every
+        if seg and self.training and torch.is_grad_enabled():
+            for start in range(0, self.num_layers, seg):
+                x = checkpoint(self._run_layers, x, start, start + seg, position_ids, cu_seqlens, max_seqlen,
                                use_reentrant=False)
         else:
             x = self._run_layers(x, 0, self.num_layers, position_ids, cu_seqlens, max_seqlen, kv_cache)
