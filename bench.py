@@ -1631,29 +1631,42 @@ def cmd_attention(argv):
     p.add_argument("--json", help="write all rows to this JSON file")
     p.add_argument("--plot", help="write a PNG of the sweep (needs matplotlib)")
     p.add_argument("--rep", type=int, default=50, help="do_bench repetition time per measurement, ms")
+    p.add_argument("--time_budget", type=float, default=0, help="seconds; cases that would start later are "
+                   "marked skipped (0 = no limit)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     methods = dense_methods()
-    jobs = []  # (tag, b, h, s, d, dtype)
+    # Most important first (ANCHORS shapes, then packed documents, then the §7.5 sweep), so a time budget cuts the
+    # least important rows. FlexAttention compiles once per shape: in the sweep it runs at a few lengths only.
+    jobs = []  # (tag, b, h, s, d, dtype) or ("varlen", d)
     if not cuda:
-        jobs += [("sweep", 1, 2, s, 16, torch.float32) for s in (16, 40)]
+        jobs += [("sweep", 1, 2, s, 16, torch.float32) for s in (16, 40)] + [("varlen", 16)]
     elif args.quick:
         jobs += [("sweep", 1, 16, s, d, torch.bfloat16) for d in (64, 128) for s in (1024, 4096)]
+        jobs += [("varlen", 64), ("varlen", 128)]
     else:
-        jobs += [("sweep", 1, 1, s, d, dt) for dt in (torch.bfloat16, torch.float32) for d in SWEEP_D for s in SWEEP_SEQ]
         jobs += [("anchors", 16384 // s, 2048 // d, s, d, torch.bfloat16) for d, s in ANCHOR_SHAPES]
+        jobs += [("varlen", 64), ("varlen", 128)]
+        jobs += [("sweep", 1, 1, s, d, dt) for dt in (torch.bfloat16, torch.float32) for d in SWEEP_D for s in SWEEP_SEQ]
     rows, t0 = [], time.time()
-    for i, (tag, b, h, s, d, dt) in enumerate(jobs):
-        ms = {n: m for n, m in methods.items() if n != "flex" or (dt != torch.float32 and d >= 64)}
-        rows += dense_case(b, h, s, d, dt, ms, args.rep, tag)
-        el = time.time() - t0
-        print(f"[{i + 1}/{len(jobs)}] {tag} B={b} H={h} S={s} D={d} {dt}: {el:.0f}s elapsed, "
-              f"ETA {el / (i + 1) * (len(jobs) - i - 1):.0f}s", flush=True)
     gen = torch.Generator().manual_seed(1)
-    for d in ((16,) if not cuda else (64, 128)):
-        lens = anchor_doc_lengths(gen=gen) if cuda else [1, 5, 17, 9]
-        rows += varlen_case(lens, 2048 // d if cuda else 2, d, torch.bfloat16 if cuda else torch.float32, args.rep)
-        print(f"varlen D={d}: {time.time() - t0:.0f}s elapsed", flush=True)
+    for i, job in enumerate(jobs):
+        if args.time_budget and time.time() - t0 > args.time_budget:
+            print(f"time budget reached: {len(jobs) - i} cases skipped", flush=True)
+            break
+        if job[0] == "varlen":
+            d = job[1]
+            lens = anchor_doc_lengths(gen=gen) if cuda else [1, 5, 17, 9]
+            rows += varlen_case(lens, 2048 // d if cuda else 2, d, torch.bfloat16 if cuda else torch.float32,
+                                args.rep)
+        else:
+            tag, b, h, s, d, dt = job
+            flex_ok = dt != torch.float32 and d >= 64 and (tag == "anchors" or s in (1024, 16384))
+            rows += dense_case(b, h, s, d, dt, {n: m for n, m in methods.items() if n != "flex" or flex_ok},
+                               args.rep, tag)
+        el = time.time() - t0
+        print(f"[{i + 1}/{len(jobs)}] {job}: {el:.0f}s elapsed, ETA {el / (i + 1) * (len(jobs) - i - 1):.0f}s",
+              flush=True)
     device = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"
     print(f"\n`python bench.py attention {' '.join(argv)}` — {datetime.date.today()} — {device}, torch "
           f"{torch.__version__}; causal; TFLOP/s as in the module docstring\n")
