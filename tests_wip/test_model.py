@@ -20,8 +20,6 @@ from model import (PRESETS, CausalSelfAttention, Embedding, Linear, RMSNorm, Rot
                    TransformerBlock, TransformerLM, count_params, cross_entropy, flops_per_token,
                    scaled_dot_product_attention, silu, softmax)
 
-SHARED = ROOT.parent / "shared"
-
 
 # --- model.py ---
 
