@@ -1017,7 +1017,8 @@ def cmd_gpt2(argv):
     p.add_argument("--d_model", type=int, default=768)
     p.add_argument("--num_layers", type=int, default=12)
     p.add_argument("--num_heads", type=int, default=12)
-    p.add_argument("--d_ff", type=int, default=3072, help="ours (SwiGLU); the peer's MLP is 4 x d_model")
+    p.add_argument("--d_ff", type=int, default=2048, help="ours (SwiGLU): 2048 = 3 matrices with the parameters "
+                   "of the peer's 4 x d_model GELU MLP (2 matrices), so both models have GPT-2 small's size")
     p.add_argument("--batch_size", type=int, default=12)
     p.add_argument("--attns", default="sdpa,flash", help="our attn_impl values to run")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
