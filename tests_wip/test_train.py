@@ -366,14 +366,14 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     data = tmp_path / "d"
     _write_dataset(data)
     for batching in ("concat", "pack"):
-        common = TINY + [f"--data_dir={data}", "--log_interval=1", "--eval_interval=3", "--lr_decay_iters=8",
+        common = TINY + [f"--data_dir={data}", "--log_interval=1", "--eval_interval=2", "--lr_decay_iters=6",
                          f"--batching={batching}", "--grad_accum=2"]
-        train.main(common + [f"--out_dir={tmp_path / 'full'}", "--max_iters=8"])
-        train.main(common + [f"--out_dir={tmp_path / 'part'}", "--max_iters=4"])
-        train.main(common + [f"--out_dir={tmp_path / 'part'}", "--max_iters=8", "--init_from=resume"])
+        train.main(common + [f"--out_dir={tmp_path / 'full'}", "--max_iters=6"])
+        train.main(common + [f"--out_dir={tmp_path / 'part'}", "--max_iters=3"])
+        train.main(common + [f"--out_dir={tmp_path / 'part'}", "--max_iters=6", "--init_from=resume"])
         full = [(r["step"], r["loss"], r["grad_norm"]) for r in _log(tmp_path / "full") if "loss" in r]
         part = [(r["step"], r["loss"], r["grad_norm"]) for r in _log(tmp_path / "part") if "loss" in r]
-        assert len(full) == 8 and full == part, (full, part)  # bit-for-bit
+        assert len(full) == 6 and full == part, (full, part)  # bit-for-bit
         a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)["model"]
         b = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)["model"]
         assert all(torch.equal(a[k], b[k]) for k in a)
