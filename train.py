@@ -669,15 +669,23 @@ def train(c, rank, world_size, dev):
                        meta["eot_id"])
         val_batches.append(b if i < c.eval_iters else b[:4] + (0,))
 
-    def run_eval():
+    log_path = os.path.join(c.out_dir, "log.jsonl")
+
+    def eval_and_log(step):
+        """Validation loss over the fixed batches (all ranks), logged by rank 0; returns the seconds it took."""
+        t0 = time.time()
         total, count = evaluate(model, val_batches, autocast)
         if world_size > 1:
             t = torch.tensor([total.item(), float(count)], dtype=torch.float64, device=dev)
             torch.distributed.all_reduce(t)
             total, count = t[0].cpu(), int(t[1].item())
-        return float(total) / count
-
-    log_path = os.path.join(c.out_dir, "log.jsonl")
+        val_loss = float(total) / count
+        log(f"step {step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
+        if master:
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"step": step, "val_loss": val_loss, "time_s": time.time() - t_start}) + "\n")
+            plot_losses(log_path, os.path.join(c.out_dir, "loss.png"))
+        return time.time() - t0
     if master and c.init_from == "scratch":
         open(log_path, "w").close()
         counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64)
@@ -699,12 +707,7 @@ def train(c, rank, world_size, dev):
     loss_sum = torch.zeros((), device=dev)
     for it in range(start_iter, c.max_iters):
         if it % c.eval_interval == 0 and not (it == start_iter and c.init_from == "resume"):
-            val_loss = run_eval()
-            log(f"step {it}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
-            if master:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": it, "val_loss": val_loss, "time_s": time.time() - t_start}) + "\n")
-                plot_losses(log_path, os.path.join(c.out_dir, "loss.png"))
+            t_last += eval_and_log(it)  # evaluation time is not training time
 
         lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
         for group in optimizer.param_groups:
@@ -756,16 +759,10 @@ def train(c, rank, world_size, dev):
             t_last, it_last, tokens_since = now, step, 0
             loss_sum.zero_()
         if step == c.max_iters:
-            val_loss = run_eval()
-            log(f"step {step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
-            if master:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": step, "val_loss": val_loss, "time_s": time.time() - t_start}) + "\n")
+            eval_and_log(step)
         if step % c.ckpt_interval == 0 or step == c.max_iters:
             checkpoint(step)
             log(f"saved {ckpt_path} at step {step}")
-    if master and os.path.isfile(log_path):
-        plot_losses(log_path, os.path.join(c.out_dir, "loss.png"))
     log(f"done: {c.max_iters - start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
 
 
