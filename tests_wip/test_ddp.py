@@ -50,7 +50,13 @@ def _ddp_entry(rank, world_size, port, worker, args):
 
 
 def _spawn(worker, *args, world_size=2):
-    mp.spawn(_ddp_entry, args=(world_size, _free_port(), worker, args), nprocs=world_size, join=True)
+    for attempt in range(3):
+        try:
+            mp.spawn(_ddp_entry, args=(world_size, _free_port(), worker, args), nprocs=world_size, join=True)
+            return
+        except mp.ProcessRaisedException as e:  # another process took the free port before rank 0 bound it
+            if "address already in use" not in str(e).lower() or attempt == 2:
+                raise
 
 
 class _ToyLM(nn.Module):
