@@ -205,8 +205,8 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on q and k (SPEC §2.6).
 
-    q_proj, k_proj, v_proj are kept as three modules (the reference state-dict names) but run as one matmul over
-    their concatenated weights: same math, one GEMM instead of three in forward and backward.
+    q_proj, k_proj, v_proj are three modules (the reference state-dict names), each called as a module, so wrappers
+    that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection.
     Heads stay (B, T, H, d_k) in memory; flash and sdpa get (B, H, T, d_k) views of them, no copy.
     """
 
@@ -232,8 +232,7 @@ class CausalSelfAttention(nn.Module):
         """x (B, T, d). token_positions (..., T) broadcast over the batch (default 0..T-1). Packed mode: B == 1,
         cu_seqlens/max_seqlen mark the documents (attention stays inside each). kv_cache: decoding, see KVCache."""
         B, T, d = x.shape
-        w_qkv = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
-        q, k, v = (x @ w_qkv.T).view(B, T, 3, self.num_heads, self.d_head).unbind(dim=2)
+        q, k, v = (proj(x).view(B, T, self.num_heads, self.d_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.rope is not None:
             if token_positions is None:
                 token_positions = torch.arange(T, device=x.device)

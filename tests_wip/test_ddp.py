@@ -378,9 +378,7 @@ def _attention_calls_its_linears():
 
 def test_fsdp_on_transformer_lm_matches_single_process():
     """The same checks on a tiny TransformerLM (the model train.py wraps)."""
-    if not _attention_calls_its_linears():
-        raise unittest.SkipTest("model.CausalSelfAttention reads q_proj/k_proj/v_proj.weight directly (fused QKV) "
-                                "instead of calling those Linears, so FSDP cannot gather them")
+    assert _attention_calls_its_linears(), "CausalSelfAttention must call q_proj/k_proj/v_proj for FSDP to gather them"
     _spawn(_worker_fsdp, ("TransformerLM",))
 
 
