@@ -439,12 +439,13 @@ def _assert_same_weights(dir_a, dir_b, atol):
 def test_two_process_gloo_training_equals_one_process_with_accumulation(tmp_path):
     data = tmp_path / "d"
     _write_dataset(data)
-    common = TINY + [f"--data_dir={data}", "--max_iters=4", "--log_interval=1", "--eval_interval=100",
+    common = TINY + [f"--data_dir={data}", "--max_iters=3", "--log_interval=1", "--eval_interval=100",
                      "--grad_accum=2", "--batching=pack"]
     train.main(common + [f"--out_dir={tmp_path / 'single'}"])
-    _run_ranks(2, common + [f"--out_dir={tmp_path / 'ddp'}", "--ddp_impl=bucketed"])
-    _assert_same_weights(tmp_path / "single", tmp_path / "ddp", atol=1e-5)
-    assert not os.path.exists(tmp_path / "ddp" / "ckpt.pt.tmp")
+    for impl in ("bucketed", "naive", "flat", "overlap", "torch"):
+        _run_ranks(2, common + [f"--out_dir={tmp_path / impl}", f"--ddp_impl={impl}"])
+        _assert_same_weights(tmp_path / "single", tmp_path / impl, atol=1e-5)
+        assert not os.path.exists(tmp_path / impl / "ckpt.pt.tmp")
 
 
 def test_four_process_gloo_bucketed_ddp_with_zero1_equals_one_process(tmp_path):
