@@ -59,21 +59,24 @@ step() {
 SIZES=small,medium,large,gpt2-xl,xl,10B
 SWEEP=(model --sweep --context_lengths 256,512,1024 --dtypes bf16,fp32 --modes fwd,fwd_bwd,train --warmup 1 --steps 2)
 
+# ONLY=name,name,... runs just those steps (e.g. to spread them over several GPUs of one machine); default: all.
+want() { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 if [ "$PART" = all ]; then
-    step gpt2 170 gpt2 --warmup 6 --steps 15 --plot @W@/gpt2.png
-    step varlen 90 varlen --plot @W@/varlen.png
-    step sweep_eager 150 "${SWEEP[@]}" --sizes $SIZES --compile_options none --time_budget @BUDGET@ \
-        --plot @W@/sweep_eager.png
-    step profile_small 60 model --size small --context_length 512 --mode train --warmup 3 --steps 2 \
-        --profile @W@/small_trace.json
-    step memory_xl 60 model --size xl --context_length 512 --mode train --warmup 1 --steps 1 \
+    want gpt2 && step gpt2 170 gpt2 --warmup 6 --steps 15 --plot @W@/gpt2.png
+    want varlen && step varlen 90 varlen --plot @W@/varlen.png
+    want sweep_eager && step sweep_eager 150 "${SWEEP[@]}" --sizes $SIZES --compile_options none \
+        --time_budget @BUDGET@ --plot @W@/sweep_eager.png
+    want profile_small && step profile_small 60 model --size small --context_length 512 --mode train --warmup 3 \
+        --steps 2 --profile @W@/small_trace.json
+    want memory_xl && step memory_xl 60 model --size xl --context_length 512 --mode train --warmup 1 --steps 1 \
         --memory_snapshot @W@/xl_snapshot.pickle
-    step precision 45 precision --sizes small,medium --context_length 512 --warmup 2 --steps 3 \
+    want precision && step precision 45 precision --sizes small,medium --context_length 512 --warmup 2 --steps 3 \
         --plot @W@/precision.png
-    step compile 100 compile --sizes small --modes fwd,train --attn_d 16,64,128 --attn_T 256,1024,4096,16384 \
-        --warmup 2 --steps 5 --plot @W@/compile.png
-    step sweep_compiled 600 "${SWEEP[@]}" --sizes small,medium --compile_options blocks --time_budget @BUDGET@ \
-        --plot @W@/sweep_compiled.png
+    want compile && step compile 100 compile --sizes small --modes fwd,train --attn_d 16,64,128 \
+        --attn_T 256,1024,4096,16384 --warmup 2 --steps 5 --plot @W@/compile.png
+    want sweep_compiled && step sweep_compiled 600 "${SWEEP[@]}" --sizes small,medium --compile_options blocks \
+        --time_budget @BUDGET@ --plot @W@/sweep_compiled.png
+    want attention && step attention 420 attention --rep 30 --time_budget @BUDGET@ --plot @W@/attention.png
 elif [ "$PART" = compiled ]; then
     step sweep_compiled 600 "${SWEEP[@]}" --sizes small,medium,large,gpt2-xl,xl --compile_options blocks \
         --time_budget @BUDGET@ --plot @W@/sweep_compiled.png
