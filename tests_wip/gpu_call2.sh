@@ -17,7 +17,8 @@ run() {  # name, gpus, nproc, extra args...
 }
 run 1gpu-bucketed 0 1 &
 run 2gpu-bucketed 1,2 2 &
-(CUDA_VISIBLE_DEVICES=3 OUT=$O/sweep BUDGET_S=190 ONLY=sweep_eager bash tests_wip/gpu_bench.sh > $O/sweep.log 2>&1) &
+(export CUDA_VISIBLE_DEVICES=3; OUT=$O/sweep BUDGET_S=190 ONLY=sweep_eager bash tests_wip/gpu_bench.sh > $O/sweep.log 2>&1;
+ timeout 120 python -m pytest -q tests_wip/test_flash.py tests_wip/test_model.py -k gpu > $O/gputests.log 2>&1) &
 wait
 run 4gpu-bucketed 0,1,2,3 4
 run 4gpu-torch 0,1,2,3 4 --ddp_impl=torch
@@ -41,4 +42,4 @@ for name in ("1gpu-bucketed", "2gpu-bucketed", "4gpu-bucketed", "4gpu-torch"):
     print(f"| {name} | {tok:,.0f} | {ms:.1f} | {100 * mfu:.1f}% | {tok / base / n:.1%} | {val[-1] if val else float('nan'):.3f} |")
 PY
 tail -3 $O/train/allreduce4.md
-cd $O && tar -czf train.tar.gz train sweep.log && ls -la
+cd $O && tar -czf train.tar.gz train sweep.log gputests.log && ls -la
