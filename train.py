@@ -57,8 +57,8 @@ tie_embeddings = False          # share token_embeddings and lm_head
 attn_impl = "auto"              # 'auto' (flash on CUDA, naive on CPU) | 'flash' | 'flash_ref' | 'sdpa' | 'naive'
 ckpt_every = 0                  # activation checkpointing every k blocks (0 = off, SPEC §3.9)
 # optimizer (SPEC §3.1-3.3, starting points of §3.11)
-learning_rate = 2e-3            # peak learning rate
-min_lr = 2e-4                   # floor of the cosine schedule
+learning_rate = 3e-3            # peak learning rate
+min_lr = 3e-4                   # floor of the cosine schedule
 warmup_iters = 20               # linear warm-up steps
 max_iters = 400                 # optimizer steps in total
 lr_decay_iters = 0              # last step of the cosine phase (0 = max_iters)
