@@ -282,8 +282,8 @@ def get_batch(dataset, batch_size, context_length, device, generator=None):
         raise ValueError(f"dataset has {n} tokens, fewer than context_length + 1 = {context_length + 1}")
     starts = torch.randint(0, n - context_length, (batch_size,), generator=generator).tolist()
     rows = np.stack([np.asarray(dataset[s:s + context_length + 1], dtype=np.int64) for s in starts])
-    xy = torch.from_numpy(rows)
-    return _to_device(xy[:, :-1], device), _to_device(xy[:, 1:], device)
+    x, y = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
+    return _to_device(x, device), _to_device(y, device)
 
 
 def sample_documents(docs, token_budget, context_length, generator):
@@ -523,6 +523,9 @@ def plot_losses(log_path, png_path):
 
 
 def main(argv):
+    if "-h" in argv or "--help" in argv:
+        print(__doc__ + "\nconfig keys and defaults:\n" + "\n".join(f"  --{k}={v!r}" for k, v in default_config().items()))
+        return
     c = SimpleNamespace(**apply_config(argv, default_config()))
     rank, _, world_size, dev = ddp.init_distributed()
     if c.device != "auto" and world_size == 1:
