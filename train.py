@@ -71,7 +71,7 @@ grad_clip = 1.0                 # global-norm clip (0 = off; the norm is still l
 device = "auto"                 # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...
 dtype = "auto"                  # 'auto' (bfloat16 on CUDA, float32 on CPU) | 'float32' | 'bfloat16' (autocast)
 compile = False                 # torch.compile the model
-ddp_impl = "bucketed"           # under torchrun: 'bucketed' | 'naive' | 'flat' | 'overlap' | 'fsdp' | 'torch' | 'torch_fsdp'
+ddp_impl = "bucketed"           # torchrun: 'bucketed'|'naive'|'flat'|'overlap'|'fsdp'|'torch'|'torch_fsdp'
 zero1 = False                   # shard AdamW state across ranks (ddp.ShardedOptimizer; not with fsdp)
 bucket_size_mb = 25.0           # bucket size of ddp_impl='bucketed'
 peak_flops = 0.0                # per-GPU peak FLOP/s for MFU (0 = 989e12 on H100/H200, else MFU is not reported)
@@ -389,8 +389,9 @@ def _unwrap(model):
 def save_checkpoint(model, optimizer, iteration, out, **extra):
     """Write {"model", "optimizer", "iteration", **extra} with torch.save. model is a module (wrappers and
     torch.compile are unwrapped, "_orig_mod." stripped) or a ready state dict (e.g. ddp.gather_full_params under
-    FSDP); optimizer is an optimizer, a ready state dict (a collective one gathered on every rank) or None. A path is written atomically: a temp file in the same directory, then os.replace,
-    so an interrupted save never leaves a broken checkpoint."""
+    FSDP); optimizer is an optimizer, a ready state dict (a collective one gathered on every rank) or None.
+    A path is written atomically: a temp file in the same directory, then os.replace, so an interrupted save never
+    leaves a broken checkpoint."""
     state_dict = model if isinstance(model, dict) else _unwrap(model).state_dict()
     ckpt = {"model": _clean_state_dict(state_dict),
             "optimizer": optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer,
@@ -524,7 +525,8 @@ def plot_losses(log_path, png_path):
 
 def main(argv):
     if "-h" in argv or "--help" in argv:
-        print(__doc__ + "\nconfig keys and defaults:\n" + "\n".join(f"  --{k}={v!r}" for k, v in default_config().items()))
+        keys = "\n".join(f"  --{k}={v!r}" for k, v in default_config().items())
+        print(f"{__doc__}\nconfig keys and defaults:\n{keys}")
         return
     c = SimpleNamespace(**apply_config(argv, default_config()))
     rank, _, world_size, dev = ddp.init_distributed()
@@ -543,7 +545,8 @@ def train(c, rank, world_size, dev):
     ptdtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
                "float32": torch.float32, "bfloat16": torch.bfloat16}.get(c.dtype)
     if ptdtype is None:
-        raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss scaling for float16), got {c.dtype!r}")
+        raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss scaling for float16), "
+                         f"got {c.dtype!r}")
     autocast = (torch.autocast(device_type=dev.type, dtype=ptdtype) if ptdtype != torch.float32
                 else contextlib.nullcontext())
     if dev.type == "cuda":
@@ -637,7 +640,8 @@ def train(c, rank, world_size, dev):
             optimizer.load_state_dict(read_checkpoint(fsdp_opt_path)["optimizer"])
         elif c.ddp_impl == "torch_fsdp" and world_size > 1:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            set_optimizer_state_dict(model, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(model, optimizer, ckpt["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
         else:
             optimizer.load_state_dict(ckpt["optimizer"])
         _set_rng_state(ckpt["rng"], dev)
