@@ -910,6 +910,8 @@ def cmd_compile(argv):
                           "eager peak MiB", "compiled peak MiB"], body))
 
     attn_rows = []
+    # the timed backward reuses one graph (retain_graph), which compiled autograd's donated buffers forbid
+    torch._functorch.config.donated_buffer = False
     compiled_attn = torch.compile(model_py.scaled_dot_product_attention)
     for d, T in itertools.product(ds, Ts):
         row = dict(d=d, T=T)
@@ -1668,14 +1670,13 @@ def cmd_attention(argv):
                                args.rep, tag)
         el = time.time() - t0
         print(f"[{i + 1}/{len(jobs)}] {job}: {el:.0f}s elapsed, ETA {el / (i + 1) * (len(jobs) - i - 1):.0f}s",
-              flush=True)
+              file=sys.stderr, flush=True)
+        write_json(args.json, dict(argv=argv, partial=True, rows=rows))  # a run cut short keeps what it measured
     device = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"
     print(f"\n`python bench.py attention {' '.join(argv)}` — {datetime.date.today()} — {device}, torch "
           f"{torch.__version__}; causal; TFLOP/s as in the module docstring\n")
     print(attention_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(argv=argv, device=device, date=str(datetime.date.today()), rows=rows), f, indent=1)
+    write_json(args.json, dict(argv=argv, device=device, date=str(datetime.date.today()), rows=rows))
     if args.plot:
         plot_attention(rows, args.plot)
     return rows

@@ -18,6 +18,7 @@ averages gradients (NCCL's AVG; SUM then / N on gloo). Collectives must be issue
 """
 import contextlib
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,19 @@ def _broadcast_from_rank0(module):
 # DDP, four ways (SPEC §6.3-6.6)
 # ---------------------------------------------------------------------------------------------------------------
 
+
+def weak_hook(method):
+    """A gradient hook that holds its wrapper weakly. Tensor hooks live in C++, where Python's cycle collector cannot
+    see them: a strong reference (parameter -> hook -> wrapper -> module -> parameter) would keep a dropped wrapper,
+    its model and its gradient buffers alive for good."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return hook
+
 class _DataParallel(nn.Module):
     """What all four DDP wrappers share: .module, forward passthrough, the rank-0 broadcast at wrap time, no_sync().
     Parameters are taken once from module.parameters(), so tied weights count once; frozen ones are skipped."""
@@ -144,7 +158,7 @@ class DDPIndividualParameters(_DataParallel):
         super().__init__(module)
         self.pending = {}  # parameter -> its all-reduce in flight, in launch order
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._hook)
+            p.register_post_accumulate_grad_hook(weak_hook(self._hook))
 
     def _hook(self, p):
         if self.require_sync:
@@ -208,9 +222,10 @@ class DDPBucketed(_DataParallel):
         if current:
             self.buckets.append(_Bucket(current))
         self.next_bucket = 0  # index of the first bucket not launched yet in this step
+        hook = weak_hook(self._hook)
         for b, bucket in enumerate(self.buckets):
             for j, p in enumerate(bucket.params):
-                p.register_post_accumulate_grad_hook(lambda p, b=b, j=j: self._hook(b, j))
+                p.register_post_accumulate_grad_hook(lambda p, b=b, j=j: hook(b, j))
 
     @staticmethod
     def _grad_into_view(bucket, j):
