@@ -4,7 +4,7 @@
 #      (issue 3: ours must be within 1.2x of fused);
 #   2. `train.py config/small.py` on 1 GPU, then `torchrun --nproc_per_node=N` with our bucketed DDP and with torch
 #      DDP (issue 8 on the GPUs available: N = 2 on nvidia-h200-x2, 4 on nvidia-h200-x4), tokens/s and scaling.
-# Usage (repo root): bash tests_wip/gpu_train.sh   (writes summaries, log.jsonl files and loss PNGs under $OUT).
+# Usage (repo root): bash gpu/train.sh   (writes summaries, log.jsonl files and loss PNGs under $OUT).
 # data/shakespeare is prepared on first use (carry it to skip that: carry ["data/shakespeare"]).
 set -uo pipefail
 OUT=${OUT:-out-gpu}

@@ -20,15 +20,15 @@ run() {  # name, gpus, nproc, max seconds, extra args...
     cp /tmp/run-$name/loss.png $R/train/$name.loss.png 2>/dev/null
 }
 run 1gpu-bucketed 0 1 140 &
-(CUDA_VISIBLE_DEVICES=1 OUT=$R/sweep BUDGET_S=135 ONLY=sweep_eager bash tests_wip/gpu_bench.sh > $R/sweep.log 2>&1
+(CUDA_VISIBLE_DEVICES=1 OUT=$R/sweep BUDGET_S=135 ONLY=sweep_eager bash gpu/h200_bench.sh > $R/sweep.log 2>&1
  echo "sweep: exit $?") &
 wait
 run 2gpu-bucketed 0,1 2 110
 (CUDA_VISIBLE_DEVICES=0 timeout 105 python bench.py attention --rep 25 --time_budget 70 --json $R/attention.json \
     --plot $R/attention.png > $R/attention.md 2> $R/attention.log; echo "attention: exit $?") &
-(export CUDA_VISIBLE_DEVICES=1; timeout 60 python -m pytest -q -x tests_wip/test_flash.py tests_wip/test_model.py -k gpu \
+(export CUDA_VISIBLE_DEVICES=1; timeout 60 python test_all.py gpu \
     > $R/gputests.log 2>&1; echo "gpu tests: exit $?"; tail -3 $R/gputests.log
- timeout 40 python tests_wip/gpu_adamw.py > $R/adamw.md 2>&1; cat $R/adamw.md) &
+ timeout 40 python gpu/adamw.py > $R/adamw.md 2>&1; cat $R/adamw.md) &
 wait
 CUDA_VISIBLE_DEVICES=0,1 timeout 170 torchrun --standalone --nproc_per_node=2 bench.py ddp --preset gpt2-xl \
     --batch_size 8 --context_length 1024 --steps 5 --warmup 2 --json $R/ddp2.json --variants local naive flat \

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench.py's measurements for BENCHMARKS.md on one H200, in ONE device call of at most ~9 minutes.
 #
-#     bash tests_wip/gpu_bench.sh                   # call 1: every measurement, most important first
-#     PART=compiled bash tests_wip/gpu_bench.sh     # optional call 2: the compiled (per-block) sweep, every size
+#     bash gpu/h200_bench.sh                   # call 1: every measurement, most important first
+#     PART=compiled bash gpu/h200_bench.sh     # optional call 2: the compiled (per-block) sweep, every size
 #
 # Run from the repository root. Steps, in order of priority: gpt2 (issue 3 §6), varlen (issue 7 §4), the eager
 # sweep (every size x context 256/512/1024 x fp32/bf16 x fwd/fwd_bwd/train, peak memory), the --profile breakdown

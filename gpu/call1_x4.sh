@@ -9,14 +9,14 @@ O=${OUT:-out-gpu}
 mkdir -p $O/g0 $O/g1 $O/ddp
 nvidia-smi -L > $O/gpus.txt
 B=${BUDGET_S:-400}
-(CUDA_VISIBLE_DEVICES=0 OUT=$O/g0 BUDGET_S=$B ONLY=gpt2,varlen,profile_small,memory_xl bash tests_wip/gpu_bench.sh > $O/g0.log 2>&1) &
-(CUDA_VISIBLE_DEVICES=1 OUT=$O/g1 BUDGET_S=$B ONLY=attention,precision,compile bash tests_wip/gpu_bench.sh > $O/g1.log 2>&1) &
+(CUDA_VISIBLE_DEVICES=0 OUT=$O/g0 BUDGET_S=$B ONLY=gpt2,varlen,profile_small,memory_xl bash gpu/h200_bench.sh > $O/g0.log 2>&1) &
+(CUDA_VISIBLE_DEVICES=1 OUT=$O/g1 BUDGET_S=$B ONLY=attention,precision,compile bash gpu/h200_bench.sh > $O/g1.log 2>&1) &
 (
   export CUDA_VISIBLE_DEVICES=2,3
   timeout 60 torchrun --standalone --nproc_per_node=2 bench.py allreduce --json $O/ddp/allreduce2.json > $O/ddp/allreduce2.md 2>&1
   timeout $((B - 90)) torchrun --standalone --nproc_per_node=2 bench.py ddp --preset gpt2-xl --batch_size 8 \
       --context_length 1024 --steps 6 --warmup 2 --json $O/ddp/ddp2.json > $O/ddp/ddp2.md 2>&1
-  CUDA_VISIBLE_DEVICES=2 timeout 90 python tests_wip/gpu_adamw.py > $O/ddp/adamw.md 2>&1
+  CUDA_VISIBLE_DEVICES=2 timeout 90 python gpu/adamw.py > $O/ddp/adamw.md 2>&1
 ) > $O/ddp.log 2>&1 &
 wait
 cd $O && tar -czf extra.tar.gz ddp g0.log g1.log gpus.txt g0/results.tar.gz g1/results.tar.gz 2>/dev/null
