@@ -14,34 +14,7 @@ NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 nvidia-smi -L | tee "$OUT/gpus.txt"
 export NCCL_NVLS_ENABLE=0
 
-python - <<'EOF' 2>&1 | tee "$OUT/adamw.txt"
-import time, torch, train
-from model import TransformerLM
-torch.manual_seed(0)
-model = TransformerLM(50304, 1024, 768, 12, 12, 3072, device="cuda")
-def bench(make):
-    params = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = make(params)
-    for _ in range(5):
-        opt.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        opt.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / 50 * 1000
-kw = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-ours = bench(lambda ps: train.AdamW(ps, **kw))
-fused = bench(lambda ps: torch.optim.AdamW(ps, fused=True, **kw))
-foreach = bench(lambda ps: torch.optim.AdamW(ps, foreach=True, **kw))
-n = sum(p.numel() for p in model.parameters())
-print(f"AdamW step, {n / 1e6:.1f}M fp32 params, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
-print(f"| optimizer | ms/step | vs fused |\n|---|---|---|")
-for name, ms in (("ours (train.AdamW, foreach)", ours), ("torch fused=True", fused), ("torch foreach=True", foreach)):
-    print(f"| {name} | {ms:.3f} | {ms / fused:.2f}x |")
-EOF
+python gpu/adamw.py 2>&1 | tee "$OUT/adamw.txt"
 
 run() {  # name, nproc, extra args...
     local name=$1 nproc=$2; shift 2
