@@ -13,6 +13,9 @@ device), writes its numbers to --json FILE, and draws --plot FILE.png when matpl
     python bench.py compile --sizes small                         # eager vs torch.compile, model and attention
     python bench.py gpt2                                          # GPT-2-small training throughput vs a peer
     python bench.py varlen                                        # pad / dynamic_pad / pack on the same documents
+    python bench.py attention                                     # our FlashAttention-2 vs SDPA backends, Flex, naive
+    torchrun --nproc_per_node=2 bench.py allreduce                # all-reduce 1 MB .. 1 GB: ms, algbw, busbw
+    torchrun --nproc_per_node=2 bench.py ddp --preset gpt2-xl     # our DDP / ZeRO-1 / FSDP vs torch's, one run
 
 Every subcommand runs on CPU at tiny sizes (`--size tiny`, or the tiny defaults of varlen) and on CUDA.
 Timing: warm-up steps, then timed steps with the device synchronized after every step (and every phase), mean and
