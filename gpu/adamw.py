@@ -27,6 +27,6 @@ fused = bench(lambda ps: torch.optim.AdamW(ps, fused=True, **kw))
 foreach = bench(lambda ps: torch.optim.AdamW(ps, foreach=True, **kw))
 n = sum(p.numel() for p in model.parameters())
 print(f"AdamW step, {n / 1e6:.1f}M fp32 params, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
-print(f"| optimizer | ms/step | vs fused |\n|---|---|---|")
+print("| optimizer | ms/step | vs fused |\n|---|---|---|")
 for name, ms in (("ours (train.AdamW, foreach)", ours), ("torch fused=True", fused), ("torch foreach=True", foreach)):
     print(f"| {name} | {ms:.3f} | {ms / fused:.2f}x |")
