@@ -63,6 +63,14 @@ NANOGPT_TOKENS_PER_S = 463e3  # nanoGPT GPT-2 124M on one H200 (../shared/ANCHOR
 # common: device, timing, output
 # ---------------------------------------------------------------------------------------------------------------
 
+def add_common_args(p, plot_help=None):
+    """--device, --seed, --json and --plot, taken by every model-level subcommand."""
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png", help=plot_help)
+
+
 def pick_device(name):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -613,8 +621,7 @@ def cmd_model(argv):
     p.add_argument("--compile", nargs="?", const="model", default="none", choices=COMPILE_CHOICES,
                    help="--compile = torch.compile(model); --compile blocks = each block compiled (shared code)")
     p.add_argument("--attn", choices=ATTN_IMPLS, default="naive")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    add_common_args(p, plot_help="sweep only: time and memory by context length")
     p.add_argument("--sweep", action="store_true", help="every --sizes x --context_lengths x --dtypes x --modes x "
                                                         "--compile_options (the SPEC §7 table)")
     p.add_argument("--sizes", default="small,medium,large,xl,gpt2-xl")
@@ -628,8 +635,6 @@ def cmd_model(argv):
     p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler over the timed steps: top kernels per "
                                                            "phase and a Chrome trace written here")
     p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA memory history of the timed steps")
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png", help="sweep only: time and memory by context length")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
@@ -745,10 +750,7 @@ def cmd_precision(argv):
     p.add_argument("--attn", choices=ATTN_IMPLS, default="naive")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
+    add_common_args(p)
     args = p.parse_args(argv)
     device = pick_device(args.device)
     torch.manual_seed(args.seed)
@@ -866,10 +868,7 @@ def cmd_compile(argv):
     p.add_argument("--attn_batch", type=int, default=8)
     p.add_argument("--attn_d", default=None, help="head dims of the attention grid (default 16,32,64,128; CPU 16)")
     p.add_argument("--attn_T", default=None, help="sequence lengths (default 256,1024,4096,8192,16384; CPU 64)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
+    add_common_args(p)
     args = p.parse_args(argv)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
@@ -1033,10 +1032,7 @@ def cmd_gpt2(argv):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--peak_tflops", type=float, default=None, help="MFU denominator (default 989 on CUDA)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
+    add_common_args(p)
     args = p.parse_args(argv)
     device = pick_device(args.device)
     attns = csv_list(args.attns, ATTN_IMPLS)
@@ -1209,10 +1205,7 @@ def cmd_varlen(argv):
         p.add_argument(f"--{key}", type=type(gpu), default=None, help=f"default {gpu} on CUDA, {cpu} on CPU")
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
     p.add_argument("--strategies", default="pad,dynamic_pad,pack")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
+    add_common_args(p)
     args = p.parse_args(argv)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
