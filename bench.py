@@ -1026,7 +1026,8 @@ def cmd_gpt2(argv):
     p.add_argument("--d_ff", type=int, default=2048, help="ours (SwiGLU): 2048 = 3 matrices with the parameters "
                    "of the peer's 4 x d_model GELU MLP (2 matrices), so both models have GPT-2 small's size")
     p.add_argument("--batch_size", type=int, default=12)
-    p.add_argument("--attns", default="sdpa,flash", help="our attn_impl values to run")
+    p.add_argument("--variants", default="sdpa,flash,flash:tied", help="ours to run: attn_impl, with ':tied' for "
+                   "tied input/output embeddings (as GPT-2 and the peer)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)
@@ -1035,7 +1036,10 @@ def cmd_gpt2(argv):
     add_common_args(p)
     args = p.parse_args(argv)
     device = pick_device(args.device)
-    attns = csv_list(args.attns, ATTN_IMPLS)
+    variants = [v.split(":") for v in args.variants.split(",") if v]
+    for v in variants:
+        if v[0] not in ATTN_IMPLS or v[1:] not in ([], ["tied"]):
+            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied] with ATTN one of {ATTN_IMPLS}")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (H100_BF16_PEAK if device.type == "cuda" else None)
     torch.manual_seed(args.seed)
     if device.type == "cuda":
@@ -1074,15 +1078,15 @@ def cmd_gpt2(argv):
         return row
 
     rows = []
-    ours = TransformerLM(V, T, args.d_model, args.num_layers, args.num_heads, args.d_ff, device=device)
-    optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    for attn in attns:
-        ours.attn_impl = attn
+    for attn, *tied in variants:
+        ours = TransformerLM(V, T, args.d_model, args.num_layers, args.num_heads, args.d_ff, attn_impl=attn,
+                             tie_embeddings=bool(tied), device=device)
+        optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
-        rows.append(bench("ours: TransformerLM + our AdamW", attn, ours, lambda a, b: cross_entropy(ours(a), b),
-                          optimizer, ours_flops))
-    del ours, optimizer
-    free_memory(device)
+        name = "ours: TransformerLM" + (", tied" if tied else "") + " + our AdamW"
+        rows.append(bench(name, attn, ours, lambda a, b, net=ours: cross_entropy(net(a), b), optimizer, ours_flops))
+        del ours, optimizer
+        free_memory(device)
     peer = PeerGPT(V, T, args.d_model, args.num_layers, args.num_heads, device=device)
     decay = [p for p in peer.parameters() if p.dim() >= 2]
     no_decay = [p for p in peer.parameters() if p.dim() < 2]
@@ -1099,7 +1103,7 @@ def cmd_gpt2(argv):
     how = "torch.compile of model + loss" if args.compile else "eager"
     print(f"Shape: {args.num_layers} layers, d_model {args.d_model}, {args.num_heads} heads, context {T}, vocab {V}, "
           f"batch {B}; {args.dtype} autocast, {how}, one fixed random batch. Ours: SwiGLU d_ff {args.d_ff}, "
-          f"RoPE, RMSNorm, untied embeddings; peer: GELU MLP 4 x d_model, learned positions, LayerNorm, tied "
+          f"RoPE, RMSNorm, embeddings untied unless marked tied; peer: GELU MLP 4 x d_model, learned positions, LayerNorm, tied "
           f"embeddings. FLOPs per SPEC §2.9 for each architecture, causal convention (T^2 terms halved; naive "
           f"attention counted in full); MFU against {fmt(peak / 1e12 if peak else None, 0)} TFLOP/s. Anchor: nanoGPT "
           f"GPT-2 124M, 463k tokens/s on one H200 (ANCHORS.md).\n")

@@ -1294,6 +1294,43 @@ def test_adamw_low_precision_params_keep_fp32_state():
     torch.testing.assert_close(p16.float(), p32.detach(), rtol=2e-2, atol=2e-2)
 
 
+def test_adamw_fused_kernel_matches_spec_algorithm():
+    """The fused Triton step (interpreter on CPU) against SPEC §3.1 in float64: ragged sizes around the chunk size,
+    two groups, fp32 and bf16 parameters, and gradients reallocated between steps (the chunk table
+    must follow them)."""
+    torch.manual_seed(4)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    block = train.ADAMW_BLOCK
+    shapes = [(7, 5), (block + 3,), (1,), (2 * block,), (3, 17)]
+    ours = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+    half = torch.nn.Parameter(torch.randn(33, device=device).to(torch.bfloat16))
+    ref = [p.detach().double().clone() for p in ours + [half]]
+    betas, eps = (0.9, 0.95), 1e-8
+    opt = train.AdamW([{"params": ours[:3] + [half], "weight_decay": 0.1}, {"params": ours[3:], "weight_decay": 0.0}],
+                      lr=1e-2, betas=betas, eps=eps, fused=True)
+    states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ref]
+    for step in range(3):
+        grads = [torch.randn(p.shape, device=device) for p in ours + [half]]
+        for p, g in zip(ours + [half], grads):
+            p.grad = g.to(p.dtype).clone()  # fresh tensors every step
+        opt.step()
+        grads = [g.double() for g in grads]
+        _spec_adamw_step(ref[:3] + ref[5:], grads[:3] + grads[5:], states[:3] + states[5:], 1e-2, betas, eps, 0.1)
+        _spec_adamw_step(ref[3:5], grads[3:5], states[3:5], 1e-2, betas, eps, 0.0)
+    for p, r, s in zip(ours, ref, states):
+        torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"].double(), s["v"], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(half.detach().double(), ref[5], rtol=1e-2, atol=1e-2)  # bf16: one rounding
+    assert opt.state[half]["exp_avg"].dtype == torch.float32
+    bad = torch.nn.Parameter(torch.randn(4, 6, device=device).t())
+    bad.grad = torch.randn(6, 4, device=device)
+    try:
+        train.AdamW([bad], fused=True).step()
+        raise AssertionError("a transposed parameter reached the fused kernel")
+    except ValueError as e:
+        assert "contiguous" in str(e)
+
+
 def test_lr_cosine_schedule_values():
     f = lambda it: train.get_lr_cosine_schedule(it, 1.0, 0.1, 10, 110)
     assert f(0) == 0.0 and abs(f(5) - 0.5) < 1e-12 and abs(f(10) - 1.0) < 1e-12
@@ -2214,14 +2251,15 @@ def test_bench_compile_side_by_side(tmp_path):
 def test_bench_gpt2_rows_and_flops(tmp_path):
     path = tmp_path / "gpt2.json"
     run_bench(["gpt2", "--no-compile", "--vocab_size", "96", "--context_length", "16", "--d_model", "32",
-               "--num_layers", "1", "--num_heads", "2", "--d_ff", "64", "--batch_size", "2", "--attns", "sdpa",
-               "--warmup", "1", "--steps", "1", "--json", str(path)])
+               "--num_layers", "1", "--num_heads", "2", "--d_ff", "64", "--batch_size", "2",
+               "--variants", "sdpa,naive:tied", "--warmup", "1", "--steps", "1", "--json", str(path)])
     rows = json.loads(path.read_text())["rows"]
-    assert [r["model"].split(":")[0] for r in rows] == ["ours", "peer"]
+    assert [r["model"].split(":")[0] for r in rows] == ["ours", "ours", "peer"]
+    assert rows[0]["params"] - rows[1]["params"] == 96 * 32  # tying drops one vocab x d_model matrix
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["tflops"] > 0 for r in rows)
     V, T, d, L = 96, 16, 32, 1
     # peer: embeddings (tied) + positions, per layer 12 d^2 weights + biases + 2 LayerNorms, final LayerNorm
-    assert rows[1]["params"] == V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d
+    assert rows[2]["params"] == V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d
     # SPEC §2.9 on the peer: qkv + out 8Td^2, MLP 16Td^2, causal T^2 terms 2T^2d, lm_head 2TdV; training x3
     assert math.isclose(bench.peer_flops_per_token(V, T, d, L), 3 * (L * (24 * T * d * d + 2 * T * T * d)
                                                                       + 2 * T * d * V) / T)

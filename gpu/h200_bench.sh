@@ -62,7 +62,7 @@ SWEEP=(model --sweep --context_lengths 256,512,1024 --dtypes bf16,fp32 --modes f
 # ONLY=name,name,... runs just those steps (e.g. to spread them over several GPUs of one machine); default: all.
 want() { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 if [ "$PART" = all ]; then
-    want gpt2 && step gpt2 170 gpt2 --warmup 6 --steps 15 --plot @W@/gpt2.png
+    want gpt2 && step gpt2 320 gpt2 --warmup 6 --steps 15 --plot @W@/gpt2.png
     want varlen && step varlen 90 varlen --plot @W@/varlen.png
     want sweep_eager && step sweep_eager 150 "${SWEEP[@]}" --sizes $SIZES --compile_options none \
         --time_budget @BUDGET@ --plot @W@/sweep_eager.png
