@@ -1140,7 +1140,7 @@ def cmd_gpt2(argv):
 
 VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
     d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
-    context_length=(1024, 256), median_len=(200.0, 40.0), batch_size=(8, 2), dtype=("bf16", "fp32"),
+    context_length=(1024, 256), median_len=(200.0, 40.0), batch_size=(32, 2), dtype=("bf16", "fp32"),
     attn=("flash", "naive"), num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2))
 
 
@@ -1209,10 +1209,14 @@ def cmd_varlen(argv):
         p.add_argument(f"--{key}", type=type(gpu), default=None, help=f"default {gpu} on CUDA, {cpu} on CPU")
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
     p.add_argument("--strategies", default="pad,dynamic_pad,pack")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model with dynamic shapes (batches differ in size); default on CUDA")
     add_common_args(p)
     args = p.parse_args(argv)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
+    if args.compile is None:
+        args.compile = cuda
     for key, (gpu, cpu) in VARLEN_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, gpu if cuda else cpu)
@@ -1238,7 +1242,8 @@ def cmd_varlen(argv):
           f"p90 {n_lens.quantile(0.9):.0f}, max {int(lengths.max())}. Batches: {args.warmup} warm-up + {args.steps} "
           f"timed, each whole documents up to {budget} real tokens (train.sample_documents). Model: d_model "
           f"{args.d_model}, {args.num_layers} layers, {args.num_heads} heads, d_ff {args.d_ff}, vocab "
-          f"{args.vocab_size}, {args.dtype}, attn {args.attn}, eager.\n")
+          f"{args.vocab_size}, {args.dtype}, attn {args.attn}, "
+          f"{'torch.compile(dynamic=True)' if args.compile else 'eager'}.\n")
 
     def make_inputs(strategy, spans):
         if strategy == "pack":
@@ -1252,6 +1257,7 @@ def cmd_varlen(argv):
 
     net = TransformerLM(args.vocab_size, ctx, args.d_model, args.num_layers, args.num_heads, args.d_ff,
                         attn_impl=args.attn, device=device)
+    runner = torch.compile(net, dynamic=True) if args.compile else net  # one graph for every batch size
     inputs_of = {strategy: [make_inputs(strategy, spans) for spans in batches] for strategy in strategies}
     rows, t_start, total = [], timeit.default_timer(), 2 * len(strategies)
     for phase in ("eval", "train"):  # every eval first, so the loss column compares the same weights
@@ -1265,11 +1271,11 @@ def cmd_varlen(argv):
                     t0 = timeit.default_timer()
                     if phase == "eval":
                         with torch.no_grad(), autocast(args.dtype, device):
-                            loss = cross_entropy(net(x, **kw), y)
+                            loss = cross_entropy(runner(x, **kw), y)
                     else:
                         net.zero_grad(set_to_none=True)
                         with autocast(args.dtype, device):
-                            loss = cross_entropy(net(x, **kw), y)
+                            loss = cross_entropy(runner(x, **kw), y)
                         loss.backward()
                         optimizer.step()
                     sync(device)
@@ -1306,7 +1312,7 @@ def cmd_varlen(argv):
             for r in sorted(rows, key=lambda r: r["phase"] != "train")]
     print(markdown_table(["phase", "strategy", "ms/batch", "real tokens/s", "speedup vs pad", "real / slots",
                           "peak MiB", "eval loss, batch 1 (same weights: equal)"], body))
-    del net
+    del net, runner
     free_memory(device)
 
     attn_rows = varlen_attention(args, batches, tokens, device)
@@ -1333,6 +1339,16 @@ def cmd_varlen(argv):
     return dict(rows=rows, attention_rows=attn_rows)
 
 
+def mean_time(fn, reps, device):
+    """Seconds per call of fn, averaged over reps back-to-back calls between two device synchronizations."""
+    sync(device)
+    t0 = timeit.default_timer()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (timeit.default_timer() - t0) / reps
+
+
 def varlen_attention(args, batches, tokens, device):
     """Attention alone on the packed batches: each method's inference forward and forward+backward time summed
     over the timed batches, useful TFLOP/s (4 H l^2 D / 2 per document forward, x3.5 forward+backward, as in
@@ -1342,6 +1358,7 @@ def varlen_attention(args, batches, tokens, device):
     H, D = args.num_heads, args.d_model // args.num_heads
     g = torch.Generator().manual_seed(args.seed + 1)
     flex = torch.compile(flex_attention)
+    reps = 5 if device.type == "cuda" else 1  # steady state: each shape's first call is untimed, then reps timed
     stats = {}
     for i, spans in enumerate(batches):
         _, _, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
@@ -1361,29 +1378,26 @@ def varlen_attention(args, batches, tokens, device):
                                              max_diff=None, backward=True))
             if st["error"]:
                 continue
+            qd, kd, vd = q.detach(), k.detach(), v.detach()
             try:
                 with torch.no_grad():
-                    out = fn(q.detach(), k.detach(), v.detach())
+                    out = fn(qd, kd, vd)  # untimed first call: compiles, plans, autotunes for this shape
                     if reference is not None:
                         st["max_diff"] = float((out.float() - reference).abs().max())
-                    sync(device)
-                    t0 = timeit.default_timer()
-                    fn(q.detach(), k.detach(), v.detach())
-                    sync(device)
-                    t1 = timeit.default_timer()
+                    fwd_s = mean_time(lambda: fn(qd, kd, vd), reps, device)
             except Exception as e:  # a contender unavailable here (e.g. Triton without a GPU): a row that says why
                 st["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
                 continue
+            fwd_bwd_s = 0.0
             if st["backward"]:
                 try:
                     fn(q, k, v).backward(do)
+                    fwd_bwd_s = mean_time(lambda: fn(q, k, v).backward(do), reps, device)
                 except (RuntimeError, NotImplementedError):  # forward-only kernels; FlexAttention on CPU
                     st["backward"] = False
-                sync(device)
-            t2 = timeit.default_timer()
             if i >= args.warmup:
-                st["fwd_s"] += t1 - t0
-                st["fwd_bwd_s"] += t2 - t1
+                st["fwd_s"] += fwd_s
+                st["fwd_bwd_s"] += fwd_bwd_s
                 st["useful"] += useful
             q.grad = k.grad = v.grad = None
         del methods, reference
@@ -1403,7 +1417,8 @@ def varlen_attention(args, batches, tokens, device):
         r["fwd_bwd_speedup_vs_pad"] = base["fwd_bwd_ms"] / r["fwd_bwd_ms"] \
             if r["fwd_bwd_ms"] and base and base["fwd_bwd_ms"] else None
     print(f"### Attention alone on the same packed batches ({H} heads, head dim {D}, {args.dtype}, causal)\n\n"
-          f"Useful FLOPs count only causal work inside documents; times are per batch (mean of {args.steps}); "
+          f"Useful FLOPs count only causal work inside documents; times are per batch (mean of {args.steps} batches, "
+          f"each timed over {reps} calls after an untimed first call that compiles or plans for its shape); "
           f"max abs diff on real tokens of the first batch against SDPA on dynamic padding in fp32.\n")
     body = [[r["method"], r["fwd_ms"] if r["status"] == "ok" else r["status"], r["fwd_bwd_ms"], r["fwd_tflops"],
              r["fwd_bwd_tflops"], f"{r['fwd_bwd_speedup_vs_pad']:.2f}x" if r["fwd_bwd_speedup_vs_pad"] else "—",

@@ -139,7 +139,7 @@ def apply_config(argv, config):
 # plus its length. Offsets are stored in units of UNIT elements, so when every tensor starts 16 elements apart the
 # compiler sees the alignment and vectorizes the loads. One pass reads p, g, m, v and writes p, m, v: 28 bytes per
 # fp32 parameter, the least possible (the foreach path makes about 8 passes).
-ADAMW_BLOCK = 4096
+ADAMW_BLOCK = 2048  # measured on the H200: 2048 beat 4096 and 8192 (BENCHMARKS.md)
 
 
 @triton.jit
@@ -679,9 +679,11 @@ def train(c, rank, world_size, dev):
         f"attn_impl={attn}, dtype={ptdtype}, device={dev}, world_size={world_size}, ddp_impl={c.ddp_impl}"
         f"{' + zero1' if c.zero1 else ''}, batching={c.batching}")
 
-    # data parallelism (SPEC §6): our wrappers compile inside, FSDP variants compile around
+    # data parallelism (SPEC §6): our wrappers compile inside, FSDP variants compile around. Document batches
+    # differ in shape from step to step: compile for dynamic shapes at once instead of recompiling on the second
+    compile_kw = dict(dynamic=True) if c.batching != "concat" else {}
     if c.compile and c.ddp_impl not in ("fsdp", "torch_fsdp"):
-        model = torch.compile(model)
+        model = torch.compile(model, **compile_kw)
     if world_size > 1:
         if c.ddp_impl == "bucketed":
             model = ddp.DDPBucketed(model, c.bucket_size_mb)
@@ -703,7 +705,7 @@ def train(c, rank, world_size, dev):
                 fully_shard(block, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
     if c.compile and c.ddp_impl in ("fsdp", "torch_fsdp"):
-        model = torch.compile(model)
+        model = torch.compile(model, **compile_kw)
 
     # optimizer: decay matrices, not the RMSNorm gains (named ln1, ln2, ln_final in SPEC §2.7)
     decay, no_decay = [], []
