@@ -1652,7 +1652,10 @@ def cmd_attention(argv):
     p.add_argument("--rep", type=int, default=50, help="do_bench repetition time per measurement, ms")
     p.add_argument("--time_budget", type=float, default=0, help="seconds; cases that would start later are "
                    "marked skipped (0 = no limit)")
+    p.add_argument("--parts", default="anchors,varlen,sweep", help="on CUDA without --quick, which case groups run "
+                   "(in this order): the ANCHORS shapes, the packed documents, the SPEC §7.5 sweep")
     args = p.parse_args(argv)
+    parts = csv_list(args.parts, ("anchors", "varlen", "sweep"))
     cuda = torch.cuda.is_available()
     methods = dense_methods()
     # Most important first (ANCHORS shapes, then packed documents, then the §7.5 sweep), so a time budget cuts the
@@ -1664,9 +1667,13 @@ def cmd_attention(argv):
         jobs += [("sweep", 1, 16, s, d, torch.bfloat16) for d in (64, 128) for s in (1024, 4096)]
         jobs += [("varlen", 64), ("varlen", 128)]
     else:
-        jobs += [("anchors", 16384 // s, 2048 // d, s, d, torch.bfloat16) for d, s in ANCHOR_SHAPES]
-        jobs += [("varlen", 64), ("varlen", 128)]
-        jobs += [("sweep", 1, 1, s, d, dt) for dt in (torch.bfloat16, torch.float32) for d in SWEEP_D for s in SWEEP_SEQ]
+        if "anchors" in parts:
+            jobs += [("anchors", 16384 // s, 2048 // d, s, d, torch.bfloat16) for d, s in ANCHOR_SHAPES]
+        if "varlen" in parts:
+            jobs += [("varlen", 64), ("varlen", 128)]
+        if "sweep" in parts:
+            jobs += [("sweep", 1, 1, s, d, dt) for d in SWEEP_D for s in SWEEP_SEQ
+                     for dt in (torch.bfloat16, torch.float32)]
     rows, t0 = [], time.time()
     gen = torch.Generator().manual_seed(1)
     for i, job in enumerate(jobs):
