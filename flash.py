@@ -6,8 +6,9 @@ variable-length attention, and plain PyTorch references the kernels are held to.
     FlashAttentionPyTorch.apply(q, k, v, is_causal)                   (batch, seq, d): the readable twin
     FlashAttentionTriton.apply(q, k, v, is_causal)                    (batch, seq, d): the kernels
 
-Both public functions are torch.library custom ops with a registered autograd formula and fake (meta) kernel, so a
-model that calls them compiles under torch.compile without graph breaks. Causal masking is top-left aligned
+Under torch.compile both public functions call torch.library custom ops with a registered autograd formula and fake
+(meta) kernel, so a model that calls them compiles without graph breaks; eager calls take a lighter
+autograd.Function. Causal masking is top-left aligned
 (query i sees keys j <= i, SPEC §5.2), the same convention as SDPA's is_causal.
 On a machine without CUDA the Triton kernels run only under the interpreter, so importing this file there sets
 TRITON_INTERPRET=1 (unless it is already set) before importing triton; it is slow, so keep shapes tiny there.
@@ -24,6 +25,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+AUTOTUNE = os.environ.get("FLASH_AUTOTUNE", "1") != "0"  # 0: take each class's first (measured best) config, no
+# benchmarking: a faster cold start, e.g. for the GPU test run, where every new shape class would be tuned
 LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels use exp2 (SPEC §5.6, "later"); the
 # kernels spell log2(e) and ln(2) as literals because Triton reads only constexpr globals
 
@@ -467,7 +470,7 @@ def _autotuned(kernel, table):
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
 
     def prune(configs, named_args, **kwargs):
-        wanted = table[_tune_class(kwargs["HEAD_DIM"], named_args["Q"].dtype)]
+        wanted = table[_tune_class(kwargs["HEAD_DIM"], named_args["Q"].dtype)][:None if AUTOTUNE else 1]
         return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
     # results cached on disk where this Triton has the option, so a second cold start skips the benchmarking
@@ -684,6 +687,23 @@ def _varlen_grad(ctx, do, dlse):
 _varlen_fwd.register_autograd(_varlen_grad, setup_context=_varlen_setup)
 
 
+# Eager calls skip the custom-op layer: its Python dispatch and autograd wrapping cost about 0.6 ms per
+# forward+backward on the H200 (gpu/overhead.py), several times the kernels' own launch cost. Under torch.compile
+# the custom ops above are used, so the graph stays whole.
+class _Eager(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        o, lse = _forward(q, k, v, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*_backward(do, q, k, v, o, lse, *ctx.args), None, None, None, None, None)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------------------
@@ -706,7 +726,9 @@ def flash_attention(q, k, v, causal=True):
     _check_qkv(q, k, v, 4)
     if q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"flash: batch must match and H_kv divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    return _attention_fwd(q, k, v, causal)[0]
+    if torch.compiler.is_compiling():
+        return _attention_fwd(q, k, v, causal)[0]
+    return _Eager.apply(q, k, v, causal, None, None, 0, 0)
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None, max_seqlen_k=None):
@@ -725,7 +747,9 @@ def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k
                              f"{tuple(cu.shape)} on {cu.device}")
     if cu_seqlens.shape != cu_seqlens_k.shape:
         raise ValueError("flash: cu_seqlens and cu_seqlens_k must have the same number of sequences")
-    return _varlen_fwd(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal)[0]
+    if torch.compiler.is_compiling():
+        return _varlen_fwd(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal)[0]
+    return _Eager.apply(q, k, v, causal, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k))
 
 
 class FlashAttentionTriton(torch.autograd.Function):

@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
+os.environ.setdefault("FLASH_AUTOTUNE", "0")  # GPU runs: one config per shape class, no tuning (tests many classes)
 if not torch.cuda.is_available():  # before anything imports triton (flash.py would also set it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
