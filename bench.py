@@ -1195,10 +1195,10 @@ def attention_methods(cu_seqlens, max_seqlen, num_heads, context_length, device,
     methods["SDPA, padded to batch max, is_causal (dynamic_pad)"] = sdpa_padded(max_seqlen, False)
     methods["SDPA, padded to batch max, causal + padding mask"] = sdpa_padded(max_seqlen, True)
     if device.type == "cuda":
-        def torch_varlen(q, k, v):  # PyTorch's internal FA2 varlen kernel: forward only (no autograd formula)
+        def torch_varlen(q, k, v):  # PyTorch's internal FA2 varlen kernel (aten op; it has an autograd formula)
             return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True,
                                                            False, scale=q.shape[-1] ** -0.5)[0]
-        methods["torch internal FA2 varlen (aten, forward only)"] = torch_varlen
+        methods["torch internal FA2 varlen (aten)"] = torch_varlen
     return methods
 
 
@@ -1657,6 +1657,7 @@ def cmd_attention(argv):
     args = p.parse_args(argv)
     parts = csv_list(args.parts, ("anchors", "varlen", "sweep"))
     cuda = torch.cuda.is_available()
+    allow_recompiles()  # FlexAttention compiles once per shape: past the default 8 it would fall back to eager
     methods = dense_methods()
     # Most important first (ANCHORS shapes, then packed documents, then the §7.5 sweep), so a time budget cuts the
     # least important rows. FlexAttention compiles once per shape: in the sweep it runs at a few lengths only.
