@@ -198,7 +198,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"AdamW: betas must lie in [0, 1) (got {betas})")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.fused = fused
-        self._tables = {}  # bucket -> (key of data pointers, bases, device table, unit)
+        self._tables = {}  # bucket -> (key: data pointers and sizes, bases, device table, unit)
 
     def _use_kernel(self, p):
         if self.fused is False or p.dtype == torch.float64:
@@ -247,7 +247,7 @@ class AdamW(torch.optim.Optimizer):
         columns = [[t for t in col if t.numel()] for col in columns]
         if not columns[0]:
             return
-        key = tuple(t.data_ptr() for col in columns for t in col)
+        key = tuple(t.data_ptr() for col in columns for t in col) + tuple(t.numel() for t in columns[0])
         bucket = (gi, columns[0][0].device, columns[0][0].dtype, columns[1][0].dtype)
         cached = self._tables.get(bucket)
         if cached is None or cached[0] != key:  # rebuilt only when a tensor moved (e.g. grads set to None)
