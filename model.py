@@ -100,10 +100,15 @@ class SwiGLU(nn.Module):
 
 def apply_rope(x, cos, sin):
     """Rotate interleaved pairs (x[2j], x[2j+1]) of the last dim by angles whose cos/sin broadcast against
-    x[..., ::2] (SPEC §2.4). Computed in at least fp32, returned in x's dtype; elementwise, so torch.compile fuses it."""
-    x_even, x_odd = upcast(x).unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    x[..., ::2] (SPEC §2.4). Computed in at least fp32, returned in x's dtype.
+    Written as x * C + swap(x) * S with C = (c0, c0, c1, c1, ...), S = (-s0, s0, -s1, s1, ...) and swap exchanging
+    the two elements of each pair: every term is elementwise or a fixed reindexing, so torch.compile makes one
+    kernel of it forward and one backward (about 23 us each per GPT-2-small layer on the H200)."""
+    xf = upcast(x)
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    c = cos.repeat_interleave(2, dim=-1)
+    s = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    return (xf * c + swapped * s).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -206,7 +211,9 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on q and k (SPEC §2.6).
 
     q_proj, k_proj, v_proj are three modules (the reference state-dict names), each called as a module, so wrappers
-    that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection.
+    that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection. (One matmul
+    against the concatenated weights was measured slower in compiled training on the H200: inductor fuses the
+    concatenation of the three gradients with RoPE's backward into one slow kernel; BENCHMARKS.md.)
     Heads stay (B, T, H, d_k) in memory; flash and sdpa get (B, H, T, d_k) views of them, no copy.
     """
 
@@ -425,17 +432,41 @@ class TransformerLM(nn.Module):
 # loss (SPEC §2.8)
 # ---------------------------------------------------------------------------------------------------------------
 
+class _CrossEntropy(torch.autograd.Function):
+    """Forward as SPEC §2.8; backward written out: d loss / d o = (softmax(o) - onehot(target)) / count, one
+    elementwise pass over the logits. (Autograd's own backward of the gather would first build a dense zero
+    tensor of the logits' size in fp32 and scatter into it, two extra full passes: 2.4 ms of a 30 ms GPT-2-small
+    step on the H200, gpu/gpt2_profile.py.)"""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index):
+        o = upcast(logits)
+        m = o.amax(dim=-1, keepdim=True)
+        lse = (m + torch.log(torch.exp(o - m).sum(dim=-1, keepdim=True))).squeeze(-1)
+        keep = targets != ignore_index
+        safe = torch.where(keep, targets, 0)
+        picked = o.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+        count = keep.sum().clamp(min=1)
+        ctx.save_for_backward(logits, safe, keep, lse, count)
+        return torch.where(keep, lse - picked, 0.0).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, safe, keep, lse, count = ctx.saved_tensors
+        o = upcast(logits)
+        onehot = torch.arange(o.shape[-1], device=o.device) == safe.unsqueeze(-1)
+        scale = torch.where(keep, grad / count, 0.0).unsqueeze(-1)
+        return ((torch.exp(o - lse.unsqueeze(-1)) - onehot.to(o.dtype)) * scale).to(logits.dtype), None, None
+
+
 def cross_entropy(logits, targets, ignore_index=-100):
     """Mean over non-ignored targets of logsumexp(o) - o[target]; logits (..., V) upcast to fp32, targets (...).
     Targets equal to ignore_index (padding, document ends) contribute nothing; if every target is ignored the
     result is 0 rather than 0/0, so an all-padding micro-batch cannot poison gradient accumulation."""
-    logits = upcast(logits)
-    m = logits.amax(dim=-1, keepdim=True)
-    lse = (m + torch.log(torch.exp(logits - m).sum(dim=-1, keepdim=True))).squeeze(-1)
-    keep = targets != ignore_index
-    picked = logits.gather(-1, torch.where(keep, targets, 0).unsqueeze(-1)).squeeze(-1)
-    losses = torch.where(keep, lse - picked, 0.0)
-    return losses.sum() / keep.sum().clamp(min=1)
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} need targets of shape "
+                         f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
+    return _CrossEntropy.apply(logits, targets, ignore_index)
 
 
 # ---------------------------------------------------------------------------------------------------------------
