@@ -134,23 +134,27 @@ def apply_config(argv, config):
 # -----------------------------------------------------------------------------------------------------------------
 # optimizer, schedule, clipping (SPEC §3.1-3.3)
 
-# One Triton launch steps every parameter of a (group, dtype) bucket: the tensors are cut into BLOCK-element
-# chunks and a table gives each chunk's element offset from a base tensor (the lowest address) for p, grad, m and v,
-# plus its length. Offsets are stored in units of UNIT elements, so when every tensor starts 16 elements apart the
-# compiler sees the alignment and vectorizes the loads. One pass reads p, g, m, v and writes p, m, v: 28 bytes per
-# fp32 parameter, the least possible (the foreach path makes about 8 passes).
+# One Triton launch steps every parameter of a (group, dtype) bucket. The tensors are cut into BLOCK-element chunks;
+# a table built once gives each chunk's element offset from a base tensor (the lowest address) for p, m and v, its
+# tensor's index, its index inside the tensor and its length. Gradients are new tensors after every backward (grads
+# set to None), so their offsets live in a separate per-tensor array, the only thing re-sent when they move (a few
+# hundred bytes, pinned and non-blocking: rebuilding and sending the 2 MB chunk table every step cost 8 ms of host
+# time per GPT-2-small step on the H200, gpu/adamw_host.py). Offsets are stored in units of UNIT elements, so when
+# every tensor starts 16 elements apart the compiler sees the alignment and vectorizes the loads. One pass reads p,
+# g, m, v and writes p, m, v: 28 bytes per fp32 parameter, the least possible (the foreach path makes about 8).
 ADAMW_BLOCK = 2048  # measured on the H200: 2048 beat 4096 and 8192 (BENCHMARKS.md)
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, table, n_chunks, neg_step, beta1, beta2, eps, decay,
-                  BLOCK: tl.constexpr, UNIT: tl.constexpr):
+def _adamw_kernel(P, G, M, V, table, g_offsets, n_chunks, neg_step, beta1, beta2, eps, decay,
+                  BLOCK: tl.constexpr, UNIT: tl.constexpr, G_UNIT: tl.constexpr):
     c = tl.program_id(0)
-    p_off = tl.load(table + c) * UNIT
-    g_off = tl.load(table + n_chunks + c) * UNIT
-    m_off = tl.load(table + 2 * n_chunks + c) * UNIT
-    v_off = tl.load(table + 3 * n_chunks + c) * UNIT
-    n = tl.load(table + 4 * n_chunks + c)
+    start = tl.load(table + 4 * n_chunks + c) * BLOCK  # the chunk's first element inside its tensor
+    p_off = tl.load(table + c) * UNIT + start
+    m_off = tl.load(table + n_chunks + c) * UNIT + start
+    v_off = tl.load(table + 2 * n_chunks + c) * UNIT + start
+    g_off = tl.load(g_offsets + tl.load(table + 3 * n_chunks + c)) * G_UNIT + start
+    n = tl.load(table + 5 * n_chunks + c)
     offs = tl.arange(0, BLOCK)
     ok = offs < n
     p = tl.load(P + p_off + offs, mask=ok).to(tl.float32)
@@ -165,23 +169,28 @@ def _adamw_kernel(P, G, M, V, table, n_chunks, neg_step, beta1, beta2, eps, deca
     tl.store(V + v_off + offs, v, mask=ok)
 
 
+def _offsets(tensors):
+    """(base tensor, offsets of every tensor from it in units, unit): base = the lowest address."""
+    ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    base = int(np.argmin(ptrs))
+    offsets = (ptrs - ptrs[base]) // tensors[0].element_size()
+    unit = 16 if (offsets % 16 == 0).all() else 1
+    return tensors[base], offsets // unit, unit
+
+
 def _chunk_table(columns, block):
-    """columns: [params, grads, exp_avgs, exp_avg_sqs], equal-length lists of contiguous tensors. Returns (bases,
-    table int64 (5, n_chunks), unit): base tensors (lowest address of each column), per-chunk offsets from them in
-    units, and chunk lengths."""
+    """columns: [params, exp_avgs, exp_avg_sqs], equal-length lists of contiguous tensors. Returns (bases, table
+    int64 (6, n_chunks), unit): rows p/m/v tensor offsets in units, tensor index, chunk index inside the tensor
+    (the kernel adds chunk * block to every offset), length."""
     numels = np.array([t.numel() for t in columns[0]], dtype=np.int64)
     n_chunks = -(-numels // block)
-    starts = np.concatenate([np.arange(0, n, block, dtype=np.int64) for n in numels])
-    bases, offsets = [], []
-    for col in columns:
-        ptrs = np.array([t.data_ptr() for t in col], dtype=np.int64)
-        base = int(np.argmin(ptrs))
-        bases.append(col[base])
-        offsets.append((ptrs - ptrs[base]) // col[0].element_size())
-    unit = 16 if all((o % 16 == 0).all() for o in offsets) else 1
-    table = [np.repeat(o // unit, n_chunks) + starts // unit for o in offsets]
-    table.append(np.minimum(block, np.repeat(numels, n_chunks) - starts))
-    return bases, torch.from_numpy(np.stack(table)), unit
+    chunk = np.concatenate([np.arange(n, dtype=np.int64) for n in n_chunks])
+    tensor = np.repeat(np.arange(len(numels), dtype=np.int64), n_chunks)
+    bases, offsets, units = zip(*(_offsets(col) for col in columns))
+    unit = min(units)
+    table = [np.repeat(o * u // unit, n_chunks) for o, u in zip(offsets, units)]
+    table += [tensor, chunk, np.minimum(block, numels[tensor] - chunk * block)]
+    return list(bases), torch.from_numpy(np.stack(table)), unit
 
 
 class AdamW(torch.optim.Optimizer):
@@ -198,7 +207,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"AdamW: betas must lie in [0, 1) (got {betas})")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.fused = fused
-        self._tables = {}  # bucket -> (key: data pointers and sizes, bases, device table, unit)
+        self._tables = {}  # bucket -> chunk table and gradient offsets (_fused_step)
 
     def _use_kernel(self, p):
         if self.fused is False or p.dtype == torch.float64:
@@ -244,19 +253,29 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _fused_step(self, gi, columns, neg_step, beta1, beta2, eps, decay):
-        columns = [[t for t in col if t.numel()] for col in columns]
-        if not columns[0]:
+        params, grads, exp_avgs, exp_avg_sqs = ([t for t in col if t.numel()] for col in columns)
+        if not params:
             return
-        key = tuple(t.data_ptr() for col in columns for t in col) + tuple(t.numel() for t in columns[0])
-        bucket = (gi, columns[0][0].device, columns[0][0].dtype, columns[1][0].dtype)
+        device = params[0].device
+        key = tuple(t.data_ptr() for col in (params, exp_avgs, exp_avg_sqs) for t in col) + tuple(
+            t.numel() for t in params)
+        bucket = (gi, device, params[0].dtype, grads[0].dtype)
         cached = self._tables.get(bucket)
-        if cached is None or cached[0] != key:  # rebuilt only when a tensor moved (e.g. grads set to None)
-            bases, table, unit = _chunk_table(columns, ADAMW_BLOCK)
-            cached = self._tables[bucket] = (key, bases, table.to(bases[0].device), unit)
-        _, bases, table, unit = cached
-        n_chunks = table.shape[1]
-        _adamw_kernel[(n_chunks,)](*bases, table, n_chunks, neg_step, beta1, beta2, eps, decay,
-                                   BLOCK=ADAMW_BLOCK, UNIT=unit, num_warps=8)
+        if cached is None or cached["key"] != key:  # built once (again only if a parameter or its state moved)
+            bases, table, unit = _chunk_table([params, exp_avgs, exp_avg_sqs], ADAMW_BLOCK)
+            cached = self._tables[bucket] = dict(key=key, bases=bases, table=table.to(device), unit=unit, g_key=None)
+        g_key = tuple(g.data_ptr() for g in grads)
+        if cached["g_key"] != g_key:  # new gradient tensors: send their offsets, without waiting for the GPU
+            g_base, g_offsets, g_unit = _offsets(grads)
+            g_offsets = torch.from_numpy(g_offsets)
+            if device.type == "cuda":
+                g_offsets = g_offsets.pin_memory().to(device, non_blocking=True)
+            cached.update(g_key=g_key, g_base=g_base, g_offsets=g_offsets, g_unit=g_unit)
+        p, m, v = cached["bases"]
+        n_chunks = cached["table"].shape[1]
+        _adamw_kernel[(n_chunks,)](p, cached["g_base"], m, v, cached["table"], cached["g_offsets"], n_chunks, neg_step,
+                                   beta1, beta2, eps, decay, BLOCK=ADAMW_BLOCK, UNIT=cached["unit"],
+                                   G_UNIT=cached["g_unit"], num_warps=8)
 
     @staticmethod
     def _foreach_step(params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, lr_wd):
