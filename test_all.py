@@ -750,6 +750,25 @@ def test_cross_entropy_matches_log_softmax_and_ignores_targets():
     assert cross_entropy(logits, torch.full_like(targets, -100)).item() == 0  # all padding: 0, not NaN
     big = torch.tensor([[1e4, 0.0, -1e4]])
     assert torch.isfinite(cross_entropy(big.bfloat16(), torch.tensor([2]))).all()
+    # the written-out backward against autograd through F.cross_entropy, with ignored targets, and numerically
+    x = logits.detach().requires_grad_()
+    cross_entropy(x, targets).mul(3.0).backward()
+    y = logits.detach().requires_grad_()
+    F.cross_entropy(y.flatten(0, 1), targets.flatten(), ignore_index=-100).mul(3.0).backward()
+    assert torch.allclose(x.grad, y.grad, atol=1e-12)
+    small = (torch.randn(4, 6, dtype=torch.float64) * 3).requires_grad_()
+    assert torch.autograd.gradcheck(lambda o: cross_entropy(o, torch.tensor([1, -100, 5, 0])), (small,))
+    x = logits.detach().requires_grad_()
+    cross_entropy(x, torch.full_like(targets, -100)).backward()
+    assert x.grad.abs().max() == 0  # all padding: zero gradient, not NaN
+    half = torch.randn(2, 7, dtype=torch.bfloat16, requires_grad=True)
+    cross_entropy(half, torch.tensor([3, 6])).backward()
+    assert half.grad.dtype == torch.bfloat16
+    try:
+        cross_entropy(logits, targets[:, :4])
+        raise AssertionError("mismatched targets accepted")
+    except ValueError as e:
+        assert "targets" in str(e)
 
 
 def test_state_dict_has_reference_names_and_reference_weights_load_strictly():
@@ -1297,8 +1316,8 @@ def test_adamw_low_precision_params_keep_fp32_state():
 
 def test_adamw_fused_kernel_matches_spec_algorithm():
     """The fused Triton step (interpreter on CPU) against SPEC §3.1 in float64: ragged sizes around the chunk size,
-    two groups, fp32 and bf16 parameters, and gradients reallocated between steps (the chunk table
-    must follow them)."""
+    two groups, fp32 and bf16 parameters, and gradients reallocated between steps (the kernel must follow them),
+    the last time as unaligned views into one buffer."""
     torch.manual_seed(4)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     block = train.ADAMW_BLOCK
@@ -1310,10 +1329,16 @@ def test_adamw_fused_kernel_matches_spec_algorithm():
     opt = train.AdamW([{"params": ours[:3] + [half], "weight_decay": 0.1}, {"params": ours[3:], "weight_decay": 0.0}],
                       lr=1e-2, betas=betas, eps=eps, fused=True)
     states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ref]
-    for step in range(3):
+    for step in range(4):
         grads = [torch.randn(p.shape, device=device) for p in ours + [half]]
         for p, g in zip(ours + [half], grads):
             p.grad = g.to(p.dtype).clone()  # fresh tensors every step
+        if step == 3:  # views into one buffer at odd offsets: gradient offsets not 16-aligned
+            flat, at = torch.zeros(sum(g.numel() + 1 for g in grads), device=device), 1
+            for p, g in zip(ours, grads):
+                p.grad = flat[at:at + g.numel()].view(g.shape)
+                p.grad.copy_(g)
+                at += g.numel() + 1
         opt.step()
         grads = [g.double() for g in grads]
         _spec_adamw_step(ref[:3] + ref[5:], grads[:3] + grads[5:], states[:3] + states[5:], 1e-2, betas, eps, 0.1)
