@@ -6,24 +6,13 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import flash  # noqa: E402
-
-
-def per_call_us(fn, n=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+from overhead import per_call_us  # noqa: E402  (gpu/ is on the path when this file runs)
 
 
 def profile(name, fn, n=100, top=22):
