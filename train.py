@@ -120,7 +120,7 @@ def apply_config(argv, config):
         else:
             if not os.path.isfile(arg):
                 raise FileNotFoundError(f"config file {arg!r} not found")
-            scope = dict(config)
+            scope = dict(config, __file__=os.path.abspath(arg))  # so a config file can build on a sibling
             with open(arg) as f:
                 exec(builtins.compile(f.read(), arg, "exec"), scope)  # the config global `compile` shadows the builtin
             for key, value in scope.items():

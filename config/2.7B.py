@@ -1,25 +1,8 @@
-# SPEC §2.10 legacy "2.7B" (the same shape as the 2026 "xl": 3.4B parameters at V=10k) on the Shakespeare data, GPU.
+# SPEC §2.10 legacy "2.7B": the same shape as the 2026 "xl" (3.4B parameters at V=10k), so this file takes
+# config/xl.py whole and changes only the output directory.
 #   torchrun --standalone --nproc_per_node=4 train.py config/2.7B.py
-# fp32 weights + grads + AdamW state are 16 bytes/parameter = 54 GB replicated (SPEC §6.9): ZeRO-1 brings that to
-# 8 + 8/N bytes; checkpointing every block keeps activations small. --ddp_impl=fsdp shards everything instead.
+import os as _os
+
+with open(_os.path.join(_os.path.dirname(__file__), "xl.py")) as _f:
+    exec(_f.read())
 out_dir = "out-2.7B"
-d_model = 2560
-d_ff = 10240
-num_layers = 32
-num_heads = 32
-context_length = 1024
-batch_size = 4
-grad_accum = 8
-ckpt_every = 1
-zero1 = True
-max_iters = 200
-warmup_iters = 20
-learning_rate = 1.5e-4
-min_lr = 1.5e-5
-eval_interval = 50
-eval_iters = 10
-log_interval = 5
-ckpt_interval = 1000
-dtype = "bfloat16"
-compile = True
-attn_impl = "flash"
