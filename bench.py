@@ -1482,14 +1482,26 @@ def _flex(q, k, v, doc_ids=None):
     return lambda q, k, v: _flex_compiled(q, k, v, block_mask=block_mask)
 
 
+@contextlib.contextmanager
+def flash_mode(method):
+    """'ours-TMA' rows run flash.py with TMA descriptor loads (flash.TMA = True) for forward and backward alike."""
+    old = flash.TMA
+    flash.TMA = method.endswith("-TMA") or old
+    try:
+        yield
+    finally:
+        flash.TMA = old
+
+
 def dense_methods():
     """name -> make(q, k, v) returning a callable (q, k, v) -> O for causal (B, H, S, D) attention."""
-    methods = {"ours": lambda q, k, v: (lambda q, k, v: flash.flash_attention(q, k, v, causal=True)),
-               "naive": lambda q, k, v: (lambda q, k, v: flash.attention_reference(q, k, v, True)[0])}
+    ours = lambda q, k, v: (lambda q, k, v: flash.flash_attention(q, k, v, causal=True))
+    methods = {"ours": ours, "naive": lambda q, k, v: (lambda q, k, v: flash.attention_reference(q, k, v, True)[0])}
     if not torch.cuda.is_available():
         if not flash.INTERPRET:
             del methods["ours"]
         return methods
+    methods["ours-TMA"] = ours
     from torch.nn.attention import SDPBackend
     methods.update({"sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
                     "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION), "flex": _flex})
@@ -1536,7 +1548,8 @@ def dense_case(b, h, s, d, dtype, methods, rep, tag):
         elif name in ("sdpa-cudnn", "sdpa-flash") and dtype == torch.float32:
             t = ("n/a",) * 3
         else:
-            t = time_fwd_bwd(make, q, k, v, do, rep)
+            with flash_mode(name):
+                t = time_fwd_bwd(make, q, k, v, do, rep)
         rows.append(dict(tag=tag, case=f"B={b} H={h} S={s} D={d} {str(dtype)[6:]}", method=name,
                          fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2], fwd_tflops=_tflops(flops, t[0]),
                          bwd_tflops=_tflops(2.5 * flops, t[1]), fwd_bwd_tflops=_tflops(3.5 * flops, t[2])))
@@ -1555,7 +1568,11 @@ def anchor_doc_lengths(total=16384, max_len=4096, gen=None):
     return lens
 
 
-def varlen_case(lens, h, d, dtype, rep, with_peers=True):
+VARLEN_AS_DENSE = {"ours varlen": "ours", "ours varlen-TMA": "ours-TMA", "flex doc-mask": "flex",
+                   "sdpa-flash dyn-pad": "sdpa-flash"}  # the dense method each packed-documents row stands for
+
+
+def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
     """Ours (packed) vs FlexAttention with a document mask vs SDPA flash on documents padded to the batch max."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     total, max_len = sum(lens), max(lens)
@@ -1565,7 +1582,10 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True):
     do = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
     useful = sum(4 * h * n * n * d / 2 for n in lens)
     case = f"docs={len(lens)} max={max_len} tokens={total} H={h} D={d}"
-    makes = {"ours varlen": lambda q, k, v: (lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_len))}
+    ours = lambda q, k, v: (lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_len))
+    makes = {"ours varlen": ours}
+    if torch.cuda.is_available():
+        makes["ours varlen-TMA"] = ours
     if torch.cuda.is_available() and with_peers:
         from torch.nn.attention import SDPBackend
         doc_ids = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
@@ -1574,6 +1594,8 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True):
         makes["sdpa-flash dyn-pad"] = ("padded", _sdpa(SDPBackend.FLASH_ATTENTION))
     rows = []
     for name, make in makes.items():
+        if methods is not None and VARLEN_AS_DENSE[name] not in methods:
+            continue
         if isinstance(make, tuple) and make[0] == "dense":
             qq, kk, vv = (to_dense(x) for x in (q, k, v))
             t = time_fwd_bwd(make[1], qq, kk, vv, do.transpose(0, 1)[None].contiguous(), rep)
@@ -1583,7 +1605,8 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True):
                           for _ in range(3))
             t = time_fwd_bwd(make[1], qq, kk, vv, torch.randn(shape, device=device, dtype=dtype, generator=gen), rep)
         else:
-            t = time_fwd_bwd(make, q, k, v, do, rep)
+            with flash_mode(name):
+                t = time_fwd_bwd(make, q, k, v, do, rep)
         rows.append(dict(tag="varlen", case=case, method=name, fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2],
                          fwd_tflops=_tflops(useful, t[0]), bwd_tflops=_tflops(2.5 * useful, t[1]),
                          fwd_bwd_tflops=_tflops(3.5 * useful, t[2])))
@@ -1596,7 +1619,10 @@ def _fmt(x, digits=0):
 
 def attention_table(rows):
     """One line per (case, method): ms and TFLOP/s, plus ours' fwd+bwd speed over the method's (>1: ours faster)."""
-    ours = {r["case"]: r for r in rows if r["method"].startswith("ours")}
+    ours = {}
+    for r in rows:  # the first "ours" row of each case (not its TMA variant)
+        if r["method"].startswith("ours"):
+            ours.setdefault(r["case"], r)
     out = ["| case | method | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | ours vs it (fwd / fwd+bwd) |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -1654,11 +1680,15 @@ def cmd_attention(argv):
                    "marked skipped (0 = no limit)")
     p.add_argument("--parts", default="anchors,varlen,sweep", help="on CUDA without --quick, which case groups run "
                    "(in this order): the ANCHORS shapes, the packed documents, the SPEC §7.5 sweep")
+    p.add_argument("--methods", help="comma list of methods to time (default all: ours, ours-TMA, naive, "
+                   "sdpa-cudnn, sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     args = p.parse_args(argv)
     parts = csv_list(args.parts, ("anchors", "varlen", "sweep"))
     cuda = torch.cuda.is_available()
     allow_recompiles()  # FlexAttention compiles once per shape: past the default 8 it would fall back to eager
     methods = dense_methods()
+    if args.methods:
+        methods = {n: m for n, m in methods.items() if n in csv_list(args.methods, tuple(methods))}
     # Most important first (ANCHORS shapes, then packed documents, then the §7.5 sweep), so a time budget cuts the
     # least important rows. FlexAttention compiles once per shape: in the sweep it runs at a few lengths only.
     jobs = []  # (tag, b, h, s, d, dtype) or ("varlen", d)
@@ -1685,7 +1715,7 @@ def cmd_attention(argv):
             d = job[1]
             lens = anchor_doc_lengths(gen=gen) if cuda else [1, 5, 17, 9]
             rows += varlen_case(lens, 2048 // d if cuda else 2, d, torch.bfloat16 if cuda else torch.float32,
-                                args.rep)
+                                args.rep, methods=methods)
         else:
             tag, b, h, s, d, dt = job
             flex_ok = dt != torch.float32 and d >= 64 and (tag == "anchors" or s in (1024, 16384))

@@ -13,6 +13,7 @@ autograd.Function. Causal masking is top-left aligned
 On a machine without CUDA the Triton kernels run only under the interpreter, so importing this file there sets
 TRITON_INTERPRET=1 (unless it is already set) before importing triton; it is slow, so keep shapes tiny there.
 """
+import functools
 import inspect
 import math
 import os
@@ -27,6 +28,9 @@ import triton.language as tl  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("FLASH_AUTOTUNE", "1") != "0"  # 0: take each class's first (measured best) config, no
 # benchmarking: a faster cold start, e.g. for the GPU test run, where every new shape class would be tuned
+TMA = os.environ.get("FLASH_TMA", "0") == "1"  # 1: tile loads and stores through TMA descriptors built on the device
+# (Hopper and later GPUs, and the interpreter). Off by default: on the H200 with Triton 3.6 the forward ran 0-31%
+# slower than with pointer loads, forward+backward up to 15% slower (2% faster at S=16384; BENCHMARKS.md, call 16)
 LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels use exp2 (SPEC §5.6, "later"); the
 # kernels spell log2(e) and ln(2) as literals because Triton reads only constexpr globals
 
@@ -150,16 +154,46 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+def _rows(base, seqlen, stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TMA: tl.constexpr):
+    """The rows [0, seqlen) of one head of one sequence, read and written BLOCK rows at a time: a TMA descriptor
+    (Hopper's tensor memory accelerator; rows past seqlen load as zeros and are never stored) or, without TMA, a
+    BLOCK x HEAD_DIM tile of pointers at row 0 that _load_rows and _store_rows mask the same way."""
+    if TMA:
+        src = tl.make_tensor_descriptor(base, shape=[tl.maximum(seqlen, 1), HEAD_DIM], strides=[stride, 1],
+                                        block_shape=[BLOCK, HEAD_DIM])
+    else:
+        src = base + tl.arange(0, BLOCK)[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
+    return src
+
+
+@triton.jit
+def _load_rows(src, start, stride, seqlen, offs, MASKED: tl.constexpr, TMA: tl.constexpr):
+    if TMA:
+        x = src.load([start, 0])
+    elif MASKED:  # rows past the end load as zeros
+        x = tl.load(src + start * stride, mask=(start + offs)[:, None] < seqlen, other=0.0)
+    else:
+        x = tl.load(src + start * stride)
+    return x
+
+
+@triton.jit
+def _store_rows(dst, start, stride, seqlen, offs, x, TMA: tl.constexpr):
+    if TMA:
+        dst.store([start, 0], x.to(dst.dtype))
+    else:
+        tl.store(dst + start * stride, x.to(dst.dtype.element_ty), mask=(start + offs)[:, None] < seqlen)
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+               TMA: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        if MASKED:
-            k = tl.load(k_ptrs + start_n * stride_ks, mask=cols[:, None] < seqlen_k, other=0.0)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_ks)
+        k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if MASKED:  # ragged end and, when causal, the diagonal: the only tiles that compare indices (§5.5)
+            cols = start_n + offs_n
             keep = cols[None, :] < seqlen_k
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
@@ -168,13 +202,25 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, lo, hi, o
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs + start_n * stride_vs, mask=cols[:, None] < seqlen_k, other=0.0)
-        else:
-            v = tl.load(v_ptrs + start_n * stride_vs)
+        v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """First row and length of sequence b's queries and keys: b's slice of the packed rows when VARLEN."""
+    q_start = tl.full([], 0, tl.int64)  # 64-bit: start * stride can pass 2^31 in a long packed batch
+    k_start = tl.full([], 0, tl.int64)
+    if VARLEN:
+        q0 = tl.load(cu_seqlens_q + b)
+        k0 = tl.load(cu_seqlens_k + b)
+        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q0
+        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k0
+        q_start = q0.to(tl.int64)
+        k_start = k0.to(tl.int64)
+    return q_start, seqlen_q, k_start, seqlen_k
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "SEQ_BUCKET", "stride_lb", "stride_lh"])
@@ -183,30 +229,28 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
               stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
               seqlen_q, seqlen_k, num_heads, group, qk_scale, SEQ_BUCKET,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest causal tiles launch first
     b = pid_bh // num_heads
     h = pid_bh % num_heads
-    q_start = 0
-    k_start = 0
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + b)
-        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q_start
-        k_start = tl.load(cu_seqlens_k + b)
-        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k_start
+    q_start, seqlen_q, k_start, seqlen_k = _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN)
     start_m = pid_m * BLOCK_M
-    if start_m >= seqlen_q:  # a tile past its document's end exits at once
+    if start_m >= seqlen_q:  # a tile past its sequence's end exits at once
         return
     b64 = b.to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_m0
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + b64 * stride_qb + h * stride_qh + (q_start + offs_m[:, None]) * stride_qs + offs_d[None, :]
-    k_ptrs = K + b64 * stride_kb + (h // group) * stride_kh + (k_start + offs_n[:, None]) * stride_ks + offs_d[None, :]
-    v_ptrs = V + b64 * stride_vb + (h // group) * stride_vh + (k_start + offs_n[:, None]) * stride_vs + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
+    kv_h = h // group
+    q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M,
+                  TMA)
+    k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, seqlen_k, stride_ks, HEAD_DIM,
+                  BLOCK_N, TMA)
+    v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, seqlen_k, stride_vs, HEAD_DIM,
+                  BLOCK_N, TMA)
+    q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True, TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -217,18 +261,17 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
     else:
         hi = seqlen_k
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, False, CAUSAL, BLOCK_N, PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, True, CAUSAL, BLOCK_N, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
+                               seqlen_k, qk_scale, False, CAUSAL, BLOCK_N, PREC, TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
+                               seqlen_k, qk_scale, True, CAUSAL, BLOCK_N, PREC, TMA)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys (empty key document) writes O = 0
-    o = acc / l_safe[:, None]
-    row_ok = offs_m < seqlen_q
-    o_ptrs = O + b64 * stride_ob + h * stride_oh + (q_start + offs_m[:, None]) * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys (empty key sequence) writes O = 0
+    o_dst = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, seqlen_q, stride_os, HEAD_DIM, BLOCK_M,
+                  TMA)
+    _store_rows(o_dst, start_m, stride_os, seqlen_q, offs_m0, acc / l_safe[:, None], TMA)
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453  # back to natural log: L = m + log(l)
-    tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
+    tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "stride_lb", "stride_lh"])
@@ -238,42 +281,40 @@ def _attn_bwd_delta(O, DO, DELTA, cu_seqlens_q, stride_ob, stride_oh, stride_os,
     pid_bh = tl.program_id(0)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
-    q_start = 0
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + b)
-        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q_start
+    q_start, seqlen_q, _, _ = _seq_bounds(cu_seqlens_q, cu_seqlens_q, b, seqlen_q, seqlen_q, VARLEN)
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= seqlen_q:
         return
     b64 = b.to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < seqlen_q
-    rows = (q_start + offs_m[:, None])
-    o = tl.load(O + b64 * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :], mask=row_ok[:, None],
-                 other=0.0)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    o = _load_rows(_rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, seqlen_q, stride_os, HEAD_DIM,
+                         BLOCK_M, False), start_m, stride_os, seqlen_q, offs_m0, True, False)
+    do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, seqlen_q, stride_dos,
+                          HEAD_DIM, BLOCK_M, False), start_m, stride_dos, seqlen_q, offs_m0, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # D = rowsum(dO ∘ O), SPEC §5.4 pre-pass
-    tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=row_ok)
+    offs_m = start_m + offs_m0
+    tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k,
-              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k,
+              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+              TMA: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # Where V is loaded matters on the H200 (gpu/bwd_probe.py, calls 18-19): beside K is 13% faster at D=128, after
+    # P is 15% faster at D=64 (with the 128 x 64 tiles D=64 now takes).
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        if MASKED:
-            k = tl.load(k_ptrs + start_n * stride_ks, mask=cols[:, None] < seqlen_k, other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vs, mask=cols[:, None] < seqlen_k, other=0.0)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_ks)
-            v = tl.load(v_ptrs + start_n * stride_vs)
+        k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED, TMA)
+        if HEAD_DIM > 64:
+            v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED, TMA)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
         if MASKED:
+            cols = start_n + offs_n
             keep = cols[None, :] < seqlen_k
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
             p = tl.where(keep, p, 0.0)
+        if HEAD_DIM <= 64:
+            v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED, TMA)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])  # dS = P ∘ (dP − D), SPEC §5.2
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
@@ -286,38 +327,34 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                  stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh,
                  seqlen_q, seqlen_k, num_heads, group, qk_scale, sm_scale, SEQ_BUCKET,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pass 1 (SPEC §5.4): one program per query tile, a loop over key tiles up to the diagonal; dQ stored once."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
-    q_start = 0
-    k_start = 0
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + b)
-        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q_start
-        k_start = tl.load(cu_seqlens_k + b)
-        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k_start
+    q_start, seqlen_q, k_start, seqlen_k = _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
     b64 = b.to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_m0
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    kv_h = h // group
+    q = _load_rows(_rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, seqlen_q, stride_qs, HEAD_DIM,
+                         BLOCK_M, TMA), start_m, stride_qs, seqlen_q, offs_m0, True, TMA)
+    do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, seqlen_q, stride_dos,
+                          HEAD_DIM, BLOCK_M, TMA), start_m, stride_dos, seqlen_q, offs_m0, True, TMA)
     row_ok = offs_m < seqlen_q
-    rows = q_start + offs_m[:, None]
-    q = tl.load(Q + b64 * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=row_ok[:, None],
-                other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :], mask=row_ok[:, None],
-                 other=0.0)
     l_off = b64 * stride_lb + h * stride_lh + q_start + offs_m
     lse2 = tl.load(LSE + l_off, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
-    k_ptrs = K + b64 * stride_kb + (h // group) * stride_kh + (k_start + offs_n[:, None]) * stride_ks + offs_d[None, :]
-    v_ptrs = V + b64 * stride_vb + (h // group) * stride_vh + (k_start + offs_n[:, None]) * stride_vs + offs_d[None, :]
+    k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, seqlen_k, stride_ks, HEAD_DIM,
+                  BLOCK_N, TMA)
+    v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, seqlen_k, stride_vs, HEAD_DIM,
+                  BLOCK_N, TMA)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
         hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
@@ -325,36 +362,39 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     else:
         hi = seqlen_k
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, False, CAUSAL, BLOCK_N, PREC)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, True, CAUSAL, BLOCK_N, PREC)
-    dq_ptrs = DQ + b64 * stride_dqb + h * stride_dqh + rows * stride_dqs + offs_d[None, :]
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
+                   seqlen_k, qk_scale, False, CAUSAL, BLOCK_N, PREC, TMA, HEAD_DIM)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
+                   seqlen_k, qk_scale, True, CAUSAL, BLOCK_N, PREC, TMA, HEAD_DIM)
+    dq_dst = _rows(DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs, seqlen_q, stride_dqs, HEAD_DIM,
+                   BLOCK_M, TMA)
+    _store_rows(dq_dst, start_m, stride_dqs, seqlen_q, offs_m0, dq * sm_scale, TMA)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE_h, DELTA_h, stride_qs, stride_dos, lo, hi, offs_n, seqlen_q,
-                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
-    # Works on the transposed scores (keys x queries) so P^T, dP^T and dS^T need no transposes.
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, hi, offs_n, seqlen_q,
+                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
+                TMA: tl.constexpr):
+    # Works on the transposed scores (keys x queries) so P^T, dP^T and dS^T need no transposes. Each operand is
+    # loaded just before the matmul that needs it (L first, dO after P^T, Delta after dV): FlexAttention's order.
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        if MASKED:  # rows past the end load as zeros, so they add nothing to dK and dV
-            row_ok = offs_m < seqlen_q
-            q = tl.load(q_ptrs + start_m * stride_qs, mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_ptrs + start_m * stride_dos, mask=row_ok[:, None], other=0.0)
-            lse2 = tl.load(LSE_h + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA_h + offs_m, mask=row_ok, other=0.0)
+        if MASKED:  # rows past the end load as zeros (L = 0 too), so they add nothing to dK and dV
+            lse2 = tl.load(LSE_h + offs_m, mask=offs_m < seqlen_q, other=0.0) * 1.4426950408889634
         else:
-            q = tl.load(q_ptrs + start_m * stride_qs)
-            do = tl.load(do_ptrs + start_m * stride_dos)
             lse2 = tl.load(LSE_h + offs_m) * 1.4426950408889634
-            delta = tl.load(DELTA_h + offs_m)
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse2[None, :])
+        q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, MASKED, TMA)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         if MASKED and CAUSAL:
-            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, -1.0e6)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        do = _load_rows(do_src, start_m, stride_dos, seqlen_q, offs_m0, MASKED, TMA)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
+        if MASKED:
+            delta = tl.load(DELTA_h + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        else:
+            delta = tl.load(DELTA_h + offs_m)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
@@ -366,36 +406,29 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                    stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks,
                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh,
-                   seqlen_q, seqlen_k, num_kv_heads, group, qk_scale, sm_scale, SEQ_BUCKET,
+                   seqlen_q, seqlen_k, num_kv_heads, qk_scale, sm_scale, SEQ_BUCKET,
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   TMA: tl.constexpr, GROUP: tl.constexpr, EVEN_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     """Pass 2 (SPEC §5.4): one program per key tile and K/V head, K_j and V_j held in registers, a loop over the
     query heads of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
+    tl.static_assert(128 % BLOCK_M == 0)  # EVEN_Q (no ragged query tile) is decided on the host for 128 rows
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)  # causal: the first key tiles have the most query rows, so they launch first
     b = pid_bh // num_kv_heads
     hk = pid_bh % num_kv_heads
-    q_start = 0
-    k_start = 0
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + b)
-        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q_start
-        k_start = tl.load(cu_seqlens_k + b)
-        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k_start
+    q_start, seqlen_q, k_start, seqlen_k = _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
     b64 = b.to(tl.int64)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    col_ok = offs_n < seqlen_k
-    cols = k_start + offs_n[:, None]
-    k = tl.load(K + b64 * stride_kb + hk * stride_kh + cols * stride_ks + offs_d[None, :], mask=col_ok[:, None],
-                other=0.0)
-    v = tl.load(V + b64 * stride_vb + hk * stride_vh + cols * stride_vs + offs_d[None, :], mask=col_ok[:, None],
-                other=0.0)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_n0
+    k = _load_rows(_rows(K + b64 * stride_kb + hk * stride_kh + k_start * stride_ks, seqlen_k, stride_ks, HEAD_DIM,
+                         BLOCK_N, TMA), start_n, stride_ks, seqlen_k, offs_n0, True, TMA)
+    v = _load_rows(_rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs, seqlen_k, stride_vs, HEAD_DIM,
+                         BLOCK_N, TMA), start_n, stride_vs, seqlen_k, offs_n0, True, TMA)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:  # query rows before start_n see none of these keys; rows past start_n + BLOCK_N see all of them
@@ -405,22 +438,31 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
         lo = 0
         diag_hi = 0
     full_hi = tl.maximum(diag_hi, (seqlen_q // BLOCK_M) * BLOCK_M)
-    for g in range(0, group):
-        h = hk * group + g
-        q_ptrs = Q + b64 * stride_qb + h * stride_qh + (q_start + offs_m[:, None]) * stride_qs + offs_d[None, :]
-        do_ptrs = DO + b64 * stride_dob + h * stride_doh + (q_start + offs_m[:, None]) * stride_dos + offs_d[None, :]
+    # GROUP (query heads per K/V head) and EVEN_Q are constexprs: with one head per group the compiler drops the
+    # outer loop, and the ragged-tile loop exists only when needed. Compiled for sm_90 this takes the kernel from 192
+    # spill loads and 10,368 instructions to none and 6,400 (gpu/sass_stats.py), though the time at S=4096 stayed
+    # within 1% (call 19).
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, seqlen_q, stride_qs, HEAD_DIM,
+                      BLOCK_M, TMA)
+        do_src = _rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, seqlen_q, stride_dos, HEAD_DIM,
+                       BLOCK_M, TMA)
         LSE_h = LSE + b64 * stride_lb + h * stride_lh + q_start
         DELTA_h = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE_h, DELTA_h, stride_qs, stride_dos, lo, diag_hi,
-                             offs_n, seqlen_q, qk_scale, True, CAUSAL, BLOCK_M, PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE_h, DELTA_h, stride_qs, stride_dos, diag_hi, full_hi,
-                             offs_n, seqlen_q, qk_scale, False, CAUSAL, BLOCK_M, PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE_h, DELTA_h, stride_qs, stride_dos, full_hi, seqlen_q,
-                             offs_n, seqlen_q, qk_scale, True, False, BLOCK_M, PREC)
-    dk_ptrs = DK + b64 * stride_dkb + hk * stride_dkh + cols * stride_dks + offs_d[None, :]
-    dv_ptrs = DV + b64 * stride_dvb + hk * stride_dvh + cols * stride_dvs + offs_d[None, :]
-    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, diag_hi,
+                             offs_n, seqlen_q, qk_scale, True, CAUSAL, BLOCK_M, PREC, TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, diag_hi, full_hi,
+                             offs_n, seqlen_q, qk_scale, False, CAUSAL, BLOCK_M, PREC, TMA)
+        if not EVEN_Q:  # the ragged last query tile
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, full_hi,
+                                 seqlen_q, offs_n, seqlen_q, qk_scale, True, False, BLOCK_M, PREC, TMA)
+    dk_dst = _rows(DK + b64 * stride_dkb + hk * stride_dkh + k_start * stride_dks, seqlen_k, stride_dks, HEAD_DIM,
+                   BLOCK_N, TMA)
+    dv_dst = _rows(DV + b64 * stride_dvb + hk * stride_dvh + k_start * stride_dvs, seqlen_k, stride_dvs, HEAD_DIM,
+                   BLOCK_N, TMA)
+    _store_rows(dk_dst, start_n, stride_dks, seqlen_k, offs_n0, dk * sm_scale, TMA)
+    _store_rows(dv_dst, start_n, stride_dvs, seqlen_k, offs_n0, dv, TMA)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,24 +481,25 @@ FWD_CONFIGS = {  # (64, 2) and (128, 2) from a sweep of 6-8 candidates per kerne
     (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
     (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)],
 }
-DQ_CONFIGS = {
-    (64, 2): [(128, 32, 4, 3), (64, 64, 4, 3)],
+DQ_CONFIGS = {  # (64, 2): 128 x 64 tiles with V loaded after P (gpu/bwd_probe.py, calls 17-19)
+    (64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)],
     (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)],
     (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)],
     (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
     (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
     (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)],
 }
-DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in registers
-    (64, 2): [(32, 64, 4, 3), (32, 128, 4, 3)],
-    (128, 2): [(64, 128, 8, 3), (32, 128, 4, 3)],
+DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in registers; (64, 2), (128, 2): the
+    # fastest of 5 candidates in FlexAttention's loop order (gpu/bwd_probe.py, call 17)
+    (64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)],
+    (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)],
     (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)],
     (64, 4): [(32, 64, 4, 2), (64, 64, 4, 2)],
     (128, 4): [(32, 64, 4, 2), (32, 32, 4, 2)],
     (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)],
 }
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dq": (32, 16), "dkdv": (16, 32)}
-TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC"]
+TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC", "TMA"]
 
 
 def _tune_class(head_dim, dtype):
@@ -531,6 +574,27 @@ def _require_triton_device(q):
                            "TRITON_INTERPRET=1 before triton is imported, or use FlashAttentionPyTorch")
 
 
+@functools.cache
+def _has_tma(device_index):
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _tma_allocator(size, alignment, stream):  # scratch for the descriptors the kernels build on the device
+    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
+
+
+def _use_tma(*xs):
+    """TMA when FLASH_TMA=1, the GPU has it, and every tensor is 16-byte aligned in its base and its row, head and
+    batch strides (a requirement of the descriptors); otherwise the kernels use pointer loads, which take any layout."""
+    if not TMA or not (INTERPRET or _has_tma(xs[0].device.index)):
+        return False
+    if not all(x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0
+                                              for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1) for x in xs):
+        return False
+    triton.set_allocator(_tma_allocator)
+    return True
+
+
 def _forward(q, k, v, causal, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     _require_triton_device(q)
     varlen = cu_seqlens_q is not None
@@ -557,7 +621,8 @@ def _forward(q, k, v, causal, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
                       *_strides(vp, varlen), *_strides(op, varlen), *lse_strides,
                       seqlen_q, seqlen_k, heads, heads // kv_heads, LOG2E / math.sqrt(d),
                       max(16, triton.next_power_of_2(seqlen_q)),
-                      HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))
+                      HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype),
+                      TMA=_use_tma(qp, kp, vp, op), **_blocks("fwd"))
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
@@ -586,7 +651,8 @@ def _backward(do, q, k, v, o, lse, causal, cu_seqlens_q=None, cu_seqlens_k=None,
         op, dop, delta, cu_q, *_strides(op, varlen), *_strides(dop, varlen), *lse_strides, seqlen_q, heads,
         HEAD_DIM=d_pad, VARLEN=varlen, BLOCK_M=64)
     scale = 1.0 / math.sqrt(d)
-    common = dict(HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype))
+    common = dict(HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype),
+                  TMA=_use_tma(qp, kp, vp, dop, dqp, dkp, dvp))
     bucket = max(16, triton.next_power_of_2(max(seqlen_q, seqlen_k)))
     grid_q = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))
     _dq_kernel[grid_q](qp, kp, vp, dop, dqp, lse, delta, cu_q, cu_k, *_strides(qp, varlen), *_strides(kp, varlen),
@@ -596,8 +662,9 @@ def _backward(do, q, k, v, o, lse, causal, cu_seqlens_q=None, cu_seqlens_k=None,
     grid_k = lambda meta: (batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"]))
     _dkdv_kernel[grid_k](qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k, *_strides(qp, varlen),
                          *_strides(kp, varlen), *_strides(vp, varlen), *_strides(dop, varlen), *_strides(dkp, varlen),
-                         *_strides(dvp, varlen), *lse_strides, seqlen_q, seqlen_k, kv_heads, heads // kv_heads,
-                         LOG2E * scale, scale, bucket, **common, **_blocks("dkdv"))
+                         *_strides(dvp, varlen), *lse_strides, seqlen_q, seqlen_k, kv_heads, LOG2E * scale, scale,
+                         bucket, GROUP=heads // kv_heads, EVEN_Q=not varlen and seqlen_q % 128 == 0, **common,
+                         **_blocks("dkdv"))
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
             g.copy_(gp[..., :d])

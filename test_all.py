@@ -525,8 +525,8 @@ def test_flash_reference_twin_matches_naive_attention():
 def test_flash_triton_dense_ragged_lengths_and_head_dims():
     gen = torch.Generator().manual_seed(1)
     for causal in (False, True):
-        for b, h, s, d in ((2, 2, 1, 16), (1, 2, 17, 32), (1, 1, 100, 64), (1, 1, 257, 16)):
-            _check_dense(b, h, h, s, s, d, causal, gen=gen)
+        for b, h, s, d in ((2, 2, 1, 16), (1, 2, 17, 32), (1, 1, 100, 64), (1, 1, 257, 16), (1, 2, 128, 16)):
+            _check_dense(b, h, h, s, s, d, causal, gen=gen)  # 128: no ragged tile (the dK/dV kernel's EVEN_Q)
 
 
 def test_flash_triton_gqa_strided_views_and_odd_head_dim():
@@ -535,6 +535,7 @@ def test_flash_triton_gqa_strided_views_and_odd_head_dim():
         o = _check_dense(2, 4, 2, 45, 45, 32, causal, layout="bshd", gen=gen)
         assert o.transpose(1, 2).is_contiguous()  # output keeps the (B, S, H, D) memory: the merge is free
         _check_dense(1, 3, 1, 33, 33, 24, causal, gen=gen)  # head dim 24 runs zero-padded to 32
+        _check_dense(1, 4, 2, 128, 128, 16, causal, gen=gen)  # grouped heads without a ragged tile
     _check_dense(1, 2, 2, 20, 50, 16, False, gen=gen)  # more keys than queries
     _check_dense(1, 2, 1, 50, 20, 16, True, gen=gen)  # causal, fewer keys than queries (top-left aligned)
 
@@ -587,6 +588,34 @@ def test_flash_varlen_separate_key_lengths():
     gen = torch.Generator().manual_seed(5)
     _check_varlen([5, 30, 1, 12], 2, 1, 16, False, lens_k=[40, 3, 17, 1], gen=gen)
     _check_varlen([20, 33, 7], 2, 2, 16, True, lens_k=[20, 40, 3], gen=gen)
+
+
+def test_flash_tma_descriptor_loads_match_reference():
+    """FLASH_TMA=1 makes the kernels read and write tiles through TMA descriptors (rows past a sequence's end load as
+    zeros and are never stored) instead of masked pointer loads, the default every other test runs. Same ragged,
+    GQA, strided and packed cases, in the interpreter and natively on Hopper; a misaligned view falls back to
+    pointer loads."""
+    gen = torch.Generator().manual_seed(11)
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        raise unittest.SkipTest("TMA needs a Hopper or later GPU")
+    old, flash.TMA = flash.TMA, True
+    taken = []
+    use_tma = flash._use_tma
+    flash._use_tma = lambda *xs: taken.append(use_tma(*xs)) or taken[-1]
+    try:
+        for causal in (False, True):
+            _check_dense(1, 2, 2, 37, 37, 32, causal, gen=gen)
+            _check_dense(2, 4, 2, 45, 45, 16, causal, layout="bshd", gen=gen)
+            _check_varlen([1, 5, 17, 3, 40], 2, 1, 16, causal, gen=gen)
+        _check_varlen([5, 30, 1], 2, 2, 16, False, lens_k=[40, 3, 17], gen=gen)
+        assert taken and all(taken), taken
+        taken.clear()  # a row stride of 17 floats is not 16-byte aligned: pointer loads, still correct
+        q, k, v = (torch.randn(1, 2, 20, 17, generator=gen).to(DEVICE)[..., 1:] for _ in range(3))
+        o = flash.flash_attention(q, k, v, causal=True)
+        ref = flash.attention_reference(q.double(), k.double(), v.double(), True)[0]
+        assert taken == [False] and _rel(o, ref) < 1e-5
+    finally:
+        flash.TMA, flash._use_tma = old, use_tma
 
 
 def test_flash_compiles_without_graph_breaks():
@@ -875,8 +904,8 @@ def test_attention_impls_agree_forward_and_backward():
 
 
 def test_flash_attention_impl_matches_naive_in_model():
-    m = _tiny_lm(num_layers=1, d_model=32, num_heads=2)  # d_head 16, the kernel's smallest tile dim
-    _check_impls_agree(m, torch.randint(0, 61, (1, 19)), ("flash",), atol=1e-4)
+    m = _tiny_lm(num_layers=1, d_model=32, num_heads=2).to(DEVICE)  # d_head 16, the kernel's smallest tile dim
+    _check_impls_agree(m, torch.randint(0, 61, (1, 19), device=DEVICE), ("flash",), atol=1e-4)
 
 
 def _packed_matches_separate(impl, doc_lens, atol, device="cpu", **model_args):
@@ -912,7 +941,7 @@ def test_packed_forward_and_backward_equal_each_document_alone():
 
 
 def test_packed_flash_varlen_equals_each_document_alone():
-    _packed_matches_separate("flash", [5, 1, 13], atol=1e-4)
+    _packed_matches_separate("flash", [5, 1, 13], atol=1e-4, device=DEVICE)
 
 
 def test_gpu_flash_model_matches_naive_fp32_bf16_packed_and_compiled():

@@ -12,19 +12,20 @@ import torch  # noqa: E402
 import flash  # noqa: E402  (first: on a machine without CUDA it selects Triton's interpreter)
 import triton  # noqa: E402
 
-CANDIDATES = {  # head dim -> kernel -> configs; the first is the current choice
+CANDIDATES = {  # head dim -> kernel -> configs; the first is flash.py's current choice (FLASH_TMA picks the load
+    # path being tuned: with TMA the best tiles can differ from the pointer-load kernels')
     128: {"fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3),
                   (128, 64, 4, 3), (128, 32, 8, 3)],
           "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                 (64, 32, 4, 3), (128, 64, 4, 3)],
+                 (64, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4)],
           "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 4, 3),
-                   (128, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)]},
-    64: {"fwd": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 4),
+                   (128, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 4)]},
+    64: {"fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 4, 4),
                  (64, 64, 4, 4)],
-         "dq": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4),
-                (128, 32, 4, 3)],
-         "dkdv": [(32, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3),
-                  (128, 128, 8, 3), (32, 64, 4, 3)]},
+         "dq": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+                (64, 64, 4, 4)],
+         "dkdv": [(32, 128, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (64, 128, 4, 3), (32, 128, 4, 4),
+                  (64, 64, 4, 3), (128, 128, 8, 3)]},
 }
 NAMES = {"fwd": ("_fwd_kernel", flash._attn_fwd), "dq": ("_dq_kernel", flash._attn_bwd_dq),
          "dkdv": ("_dkdv_kernel", flash._attn_bwd_dkdv)}
@@ -88,7 +89,7 @@ def main():
                 cur = next((r for r in results if r[1] == cfgs[0]), None)
                 lines.append(f"| {d} | {name} | {cfgs[0]} | {cur[0] if cur else float('nan'):.3f} | {best[1]} | "
                              f"{best[0]:.3f} | {best[2]:.1e} |")
-    print(f"\nB*S = 16384, H*D = 2048, causal bf16, {torch.cuda.get_device_name() if not smoke else 'CPU smoke run'}, {time.strftime('%Y-%m-%d')}")
+    print(f"\nB*S = 16384, H*D = 2048, causal bf16, FLASH_TMA={flash.TMA}, {torch.cuda.get_device_name() if not smoke else 'CPU smoke run'}, {time.strftime('%Y-%m-%d')}")
     print("| D | kernel | current config | ms | best config | ms | max diff |\n|---|---|---|---|---|---|---|")
     print("\n".join(lines))
 
