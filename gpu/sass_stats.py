@@ -1,0 +1,75 @@
+"""Compile flash.py's kernels for an H100/H200 (sm_90) on any machine, no GPU needed, and print what the compiler
+made of them: registers per thread, stack bytes, spill loads and stores, SASS instructions. A free first look
+before spending device time; it found that flash.py's dK/dV kernel is twice the probe's dkdv-flex kernel in SASS
+(6400 vs 3392 instructions at D=128) and that do_not_specialize accounts for most of it (4624 without).
+
+Use the Triton the GPU machine has, e.g. 3.6, installed aside so the project's own stays:
+    pip install --no-deps --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36 python gpu/sass_stats.py [--head_dims 128,64] [--no_specialize]
+
+Integer arguments are marked divisible by 16 as the runtime would mark them for the benchmark shapes (B·S = 16384,
+H·D = 2048), except those in a kernel's do_not_specialize list (or none of them with --no_specialize, to see what
+specializing would give)."""
+import argparse
+import os
+import subprocess
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile for real even without a GPU (flash.py would pick the interpreter)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import bwd_probe  # noqa: E402
+import flash  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
+         "sm_scale": "fp32", **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}  # other args: i32
+
+
+def stats(fn, constexprs, warps, stages, specialize_all=False):
+    sig = {n: "constexpr" if n in constexprs else TYPES.get(n, "i32") for n in fn.arg_names}
+    skip = set() if specialize_all else {fn.arg_names[d] if isinstance(d, int) else d
+                                         for d in getattr(fn, "do_not_specialize", ()) or ()}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n not in skip)}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    path = f"/tmp/sass_stats_{os.getpid()}.cubin"
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    res = subprocess.run([CUOBJDUMP, "-res-usage", path], capture_output=True, text=True).stdout
+    sass = subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True).stdout
+    os.remove(path)
+    usage = dict(t.split(":", 1) for t in next(l for l in res.splitlines() if "REG:" in l).split() if ":" in t)
+    instr = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line.strip()[2:])
+    return f"{usage['REG']} | {usage['STACK']} | {sass.count(' LDL')} | {sass.count(' STL')} | {instr}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--head_dims", default="128,64")
+    p.add_argument("--no_specialize", action="store_true", help="ignore do_not_specialize (all ints specialized)")
+    args = p.parse_args()
+    print(f"Triton {triton.__version__}, sm_90, bf16, causal, dense; "
+          f"{'every int specialized' if args.no_specialize else 'as flash.py compiles them'}\n")
+    print("| D | kernel | config | registers | stack bytes | spill loads | spill stores | SASS instructions |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d in (int(x) for x in args.head_dims.split(",")):
+        common = dict(HEAD_DIM=d, CAUSAL=True, VARLEN=False, PREC="tf32", TMA=False)
+        rows = [("fwd", flash._attn_fwd, flash.FWD_CONFIGS[(d, 2)][0], {}),
+                ("dq", flash._attn_bwd_dq, flash.DQ_CONFIGS[(d, 2)][0], {}),
+                ("dkdv", flash._attn_bwd_dkdv, flash.DKDV_CONFIGS[(d, 2)][0], dict(GROUP=1, EVEN_Q=True))]
+        for name, fn, (m, n, w, s), extra in rows:
+            cx = dict(common, BLOCK_M=m, BLOCK_N=n, **extra)
+            print(f"| {d} | {name} | {(m, n, w, s)} | {stats(fn, cx, w, s, args.no_specialize)} |", flush=True)
+        m, n, w, s = flash.DKDV_CONFIGS[(d, 2)][0]
+        cx = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, QT=1, ONE_LOOP=False)
+        print(f"| {d} | probe dkdv-flex | {(m, n, w, s)} | {stats(bwd_probe._dkdv_probe, cx, w, s)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
