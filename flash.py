@@ -321,7 +321,10 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi
     return dq
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "SEQ_BUCKET", "stride_lb", "stride_lh"])
+# The backward kernels specialize the lengths (divisible by 16 or not, so a few binaries at most): the dQ pass at
+# D=64 went from 0.92 to 0.77 ms for it (gpu/bwd_probe.py, calls 21 and 24), the dK/dV pass did not move but follows
+# the same rule. The forward compiles one binary for every length.
+@triton.jit(do_not_specialize=["SEQ_BUCKET", "stride_lb", "stride_lh"])
 def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                  stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh,
@@ -375,6 +378,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, hi, offs_n, seqlen_q,
                 qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
                 TMA: tl.constexpr):
+    # MASKED: rows may pass seqlen_q (bounds masks on every load); CAUSAL: the tiles cross the diagonal
     # Works on the transposed scores (keys x queries) so P^T, dP^T and dS^T need no transposes. Each operand is
     # loaded just before the matmul that needs it (L first, dO after P^T, Delta after dV): FlexAttention's order.
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -386,7 +390,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
             lse2 = tl.load(LSE_h + offs_m) * 1.4426950408889634
         q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, MASKED, TMA)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-        if MASKED and CAUSAL:
+        if CAUSAL:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, -1.0e6)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         do = _load_rows(do_src, start_m, stride_dos, seqlen_q, offs_m0, MASKED, TMA)
@@ -401,7 +405,17 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "SEQ_BUCKET", "stride_lb", "stride_lh"])
+@triton.jit
+def _store_dkdv(dk_dst, dv_dst, dk, dv, start_n, stride_dks, stride_dvs, seqlen_k, offs_n0, HEAD_DIM: tl.constexpr,
+                BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    # the row tiles are built here, not held across the loops (a BLOCK_N x HEAD_DIM tile of pointers costs registers)
+    _store_rows(_rows(dk_dst, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N, TMA), start_n, stride_dks, seqlen_k, offs_n0, dk,
+                TMA)
+    _store_rows(_rows(dv_dst, seqlen_k, stride_dvs, HEAD_DIM, BLOCK_N, TMA), start_n, stride_dvs, seqlen_k, offs_n0, dv,
+                TMA)
+
+
+@triton.jit(do_not_specialize=["SEQ_BUCKET", "stride_lb", "stride_lh"])
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                    stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks,
@@ -413,7 +427,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     """Pass 2 (SPEC §5.4): one program per key tile and K/V head, K_j and V_j held in registers, a loop over the
     query heads of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
-    tl.static_assert(128 % BLOCK_M == 0)  # EVEN_Q (no ragged query tile) is decided on the host for 128 rows
+    tl.static_assert(128 % BLOCK_N == 0)  # EVEN_Q (no ragged query tile) is decided on the host for 128 rows
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)  # causal: the first key tiles have the most query rows, so they launch first
     b = pid_bh // num_kv_heads
@@ -431,45 +445,50 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                          BLOCK_N, TMA), start_n, stride_vs, seqlen_k, offs_n0, True, TMA)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk_dst = DK + b64 * stride_dkb + hk * stride_dkh + k_start * stride_dks
+    dv_dst = DV + b64 * stride_dvb + hk * stride_dvh + k_start * stride_dvs
     if CAUSAL:  # query rows before start_n see none of these keys; rows past start_n + BLOCK_N see all of them
-        lo = start_n
-        diag_hi = tl.minimum(start_n + BLOCK_N, seqlen_q)
+        if start_n >= seqlen_q:  # keys that no query reaches (seqlen_k > seqlen_q): zero gradients
+            _store_dkdv(dk_dst, dv_dst, dk, dv, start_n, stride_dks, stride_dvs, seqlen_k, offs_n0, HEAD_DIM, BLOCK_N,
+                        TMA)
+            return
+        lo = start_n + BLOCK_N
     else:
         lo = 0
-        diag_hi = 0
-    full_hi = tl.maximum(diag_hi, (seqlen_q // BLOCK_M) * BLOCK_M)
-    # GROUP (query heads per K/V head) and EVEN_Q are constexprs: with one head per group the compiler drops the
-    # outer loop, and the ragged-tile loop exists only when needed. Compiled for sm_90 this takes the kernel from 192
-    # spill loads and 10,368 instructions to none and 6,400 (gpu/sass_stats.py), though the time at S=4096 stayed
-    # within 1% (call 19).
+    # Loop bounds matter to the compiler here. The diagonal loop has a fixed trip count (BLOCK_N / BLOCK_M; rows past
+    # a ragged end are masked), and the remaining rows, ragged end included, are one loop, masked only when there is
+    # a ragged end (EVEN_Q). With a diagonal loop of variable length, or a separate loop for the ragged tile, ptxas
+    # serializes the wgmma instructions of the whole kernel (its C7515 note; gpu/sass_stats.py): 16% slower at D=128.
+    # The loop starts at a multiple of BLOCK_N and, with no ragged tile, the L offsets are visibly multiples of 128,
+    # so the L and Delta rows load with wide copies although the L strides are not specialized (do_not_specialize).
+    # GROUP (query heads per K/V head) is a constexpr: with one head per group the compiler drops the outer loop.
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, seqlen_q, stride_qs, HEAD_DIM,
                       BLOCK_M, TMA)
         do_src = _rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, seqlen_q, stride_dos, HEAD_DIM,
                        BLOCK_M, TMA)
-        LSE_h = LSE + b64 * stride_lb + h * stride_lh + q_start
-        DELTA_h = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, diag_hi,
-                             offs_n, seqlen_q, qk_scale, True, CAUSAL, BLOCK_M, PREC, TMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, diag_hi, full_hi,
-                             offs_n, seqlen_q, qk_scale, False, CAUSAL, BLOCK_M, PREC, TMA)
-        if not EVEN_Q:  # the ragged last query tile
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, full_hi,
-                                 seqlen_q, offs_n, seqlen_q, qk_scale, True, False, BLOCK_M, PREC, TMA)
-    dk_dst = _rows(DK + b64 * stride_dkb + hk * stride_dkh + k_start * stride_dks, seqlen_k, stride_dks, HEAD_DIM,
-                   BLOCK_N, TMA)
-    dv_dst = _rows(DV + b64 * stride_dvb + hk * stride_dvh + k_start * stride_dvs, seqlen_k, stride_dvs, HEAD_DIM,
-                   BLOCK_N, TMA)
-    _store_rows(dk_dst, start_n, stride_dks, seqlen_k, offs_n0, dk * sm_scale, TMA)
-    _store_rows(dv_dst, start_n, stride_dvs, seqlen_k, offs_n0, dv, TMA)
+        if EVEN_Q:  # dense with seqlen_q % 128 == 0, so the L strides are multiples of 128: written so to the compiler
+            l_off = (b64 * (stride_lb // 128) + h * (stride_lh // 128)) * 128
+        else:
+            l_off = b64 * stride_lb + h * stride_lh + q_start
+        LSE_h = LSE + l_off
+        DELTA_h = DELTA + l_off
+        if CAUSAL:  # with EVEN_Q, a diagonal tile that starts before seqlen_q ends before it (BLOCK_N divides 128)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, start_n,
+                                 start_n + BLOCK_N, offs_n, seqlen_q, qk_scale, not EVEN_Q, True, BLOCK_M, PREC, TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, seqlen_q,
+                             offs_n, seqlen_q, qk_scale, not EVEN_Q, False, BLOCK_M, PREC, TMA)
+    _store_dkdv(dk_dst, dv_dst, dk * sm_scale, dv, start_n, stride_dks, stride_dvs, seqlen_k, offs_n0, HEAD_DIM,
+                BLOCK_N, TMA)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tuning (SPEC §5.6). Short lists per head-dim class and element size, (BLOCK_M, BLOCK_N, num_warps, num_stages);
 # autotune keys on the bucketed sequence length, D, dtype, causal and the packed flag, and caches results on disk.
 # Compiling is the cold-start cost (measured on the H200: several seconds per config), hence two configs per class
-# and no integer specialization on lengths (do_not_specialize), so ragged lengths reuse the compiled kernels.
+# and little integer specialization (do_not_specialize): the forward reuses one binary for every length, the backward
+# kernels one per length class (1, a multiple of 16, other).
 # The interpreter runs one small fixed config (tiles smaller than the test lengths so every code path runs).
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -538,6 +538,9 @@ def test_flash_triton_gqa_strided_views_and_odd_head_dim():
         _check_dense(1, 4, 2, 128, 128, 16, causal, gen=gen)  # grouped heads without a ragged tile
     _check_dense(1, 2, 2, 20, 50, 16, False, gen=gen)  # more keys than queries
     _check_dense(1, 2, 1, 50, 20, 16, True, gen=gen)  # causal, fewer keys than queries (top-left aligned)
+    # causal, more keys than queries: key tiles past the last query get zero dK, dV (ragged, then no ragged tile)
+    _check_dense(1, 2, 2, 20, 70, 16, True, gen=gen)
+    _check_dense(1, 2, 1, 128, 192, 16, True, gen=gen)
 
 
 def test_flash_triton_apply_interface_saves_one_lse():
