@@ -3,7 +3,7 @@ programs, 7 tile matmuls like ours) take 1.9 ms where our two passes took 2.2 ms
 below is a stripped copy of flash.py's kernels (dense, causal, S a multiple of the tiles, MHA) changing one thing:
 
     dkdv-cur        flash.py's dK/dV kernel as it is (forced tiles)
-    dkdv-spec       flash.py's dK/dV kernel without do_not_specialize (lengths and L strides specialized)
+    dkdv-spec       flash.py's dK/dV kernel without do_not_specialize (the L strides specialized too)
     dkdv-flex       loop body in FlexAttention's order: L loaded before QK^T, dO after P^T, Delta after dV; the
                     mask applied to the scores before exp2; Q read as a (D, BLOCK_M) transposed tile
     dq-cur          flash.py's dQ kernel (forced tiles)
@@ -14,8 +14,11 @@ below is a stripped copy of flash.py's kernels (dense, causal, S a multiple of t
 Call 17 (BENCHMARKS.md) also timed variants since dropped from the list: dkdv-flex with Q read as (BLOCK_M, D) rows
 (as fast as dkdv-flex: the load order is what matters), with the diagonal and full tiles in one loop (as fast), and
 one fused launch of dQ and dK/dV programs as FlexAttention has (slower than two launches: 2.05 vs 1.83 ms at D=128).
-flash.py's dK/dV kernel has taken FlexAttention's order since (call 18), yet stays 20% slower than dkdv-flex (calls
-19, 20); dkdv-spec tests the next suspect, not yet run on a GPU.
+flash.py's dK/dV kernel took FlexAttention's order (call 18) yet stayed 16-20% slower than dkdv-flex (calls 19-21):
+ptxas serialized its wgmma instructions (a diagonal loop of variable length before the main loop; gpu/sass_stats.py
+shows the note). Since session 5 it matches dkdv-flex (calls 22, 24), and flash.py specializes the lengths in both
+backward kernels, so dkdv-spec and dq-spec differ from dkdv-cur and dq-cur only in the L strides: their gaps (up to
+9%) show this probe's run-to-run noise between variants.
 
 Checks every variant against flash.py's backward, times each with do_bench and prints one table.
 Run from the repository root on a GPU: python gpu/bwd_probe.py"""
@@ -143,9 +146,8 @@ def _dq_probe(Q, K, V, DO, DQ, LSE, DELTA, S, stride_h, stride_s, qk_scale, sm_s
              HEAD_DIM, BLOCK_M, BLOCK_N, KT)
 
 
-# flash.py's own kernels compiled without do_not_specialize: Triton then specializes the lengths and the L/Delta
-# strides (divisible by 16 or not), which shrinks the D=128 dK/dV kernel from 6400 to 4624 SASS instructions
-# (the dkdv-flex kernel: 3392; Triton 3.6 compiling for sm_90 on a CPU machine, gpu/sass_stats.py)
+# flash.py's own kernels compiled without do_not_specialize: Triton then also specializes the L/Delta strides and the
+# length bucket (divisible by 16 or not); calls 21-22 measured the lengths' specialization, which flash.py now has
 DKDV_SPECIALIZED = triton.jit(flash._attn_bwd_dkdv.fn)
 DQ_SPECIALIZED = triton.jit(flash._attn_bwd_dq.fn)
 

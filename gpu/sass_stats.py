@@ -1,11 +1,12 @@
 """Compile flash.py's kernels for an H100/H200 (sm_90) on any machine, no GPU needed, and print what the compiler
-made of them: registers per thread, stack bytes, spill loads and stores, SASS instructions. A free first look
-before spending device time; it found that flash.py's dK/dV kernel is twice the probe's dkdv-flex kernel in SASS
-(6400 vs 3392 instructions at D=128) and that do_not_specialize accounts for most of it (4624 without).
+made of them: registers per thread, stack bytes, spill loads and stores, SASS instructions, and whether ptxas
+serialized the wgmma (tensor-core) instructions (its note C7515, "Potential Performance Loss: wgmma.mma_async
+instructions are serialized"). A free first look before spending device time: the serialization note is what made
+flash.py's dK/dV pass 16-20% slower than the same loop in gpu/bwd_probe.py (fixed in session 5, BENCHMARKS.md).
 
 Use the Triton the GPU machine has, e.g. 3.6, installed aside so the project's own stays:
     pip install --no-deps --target /tmp/triton36 triton==3.6.0
-    PYTHONPATH=/tmp/triton36 python gpu/sass_stats.py [--head_dims 128,64] [--no_specialize]
+    PYTHONPATH=/tmp/triton36 python gpu/sass_stats.py [--head_dims 128,64] [--no_specialize] [--varlen] [--full]
 
 Integer arguments are marked divisible by 16 as the runtime would mark them for the benchmark shapes (B·S = 16384,
 H·D = 2048), except those in a kernel's do_not_specialize list (or none of them with --no_specialize, to see what
@@ -26,6 +27,7 @@ import bwd_probe  # noqa: E402
 import flash  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+PTXAS = os.path.join(os.path.dirname(CUOBJDUMP), "ptxas")
 TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
          "sm_scale": "fp32", **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}  # other args: i32
 
@@ -43,26 +45,36 @@ def stats(fn, constexprs, warps, stages, specialize_all=False):
         f.write(kernel.asm["cubin"])
     res = subprocess.run([CUOBJDUMP, "-res-usage", path], capture_output=True, text=True).stdout
     sass = subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True).stdout
-    os.remove(path)
+    with open(path[:-5] + "ptx", "w") as f:  # ptxas again, verbose, for its performance notes
+        f.write(kernel.asm["ptx"])
+    notes = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path[:-5] + "ptx", "-o", path], capture_output=True,
+                           text=True).stderr
+    for p in (path, path[:-5] + "ptx"):
+        os.remove(p)
     usage = dict(t.split(":", 1) for t in next(l for l in res.splitlines() if "REG:" in l).split() if ":" in t)
     instr = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line.strip()[2:])
-    return f"{usage['REG']} | {usage['STACK']} | {sass.count(' LDL')} | {sass.count(' STL')} | {instr}"
+    serialized = "yes" if "C7515" in notes else "no"
+    return f"{usage['REG']} | {usage['STACK']} | {sass.count(' LDL')} | {sass.count(' STL')} | {instr} | {serialized}"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head_dims", default="128,64")
     p.add_argument("--no_specialize", action="store_true", help="ignore do_not_specialize (all ints specialized)")
+    p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
+    p.add_argument("--full", action="store_true", help="non-causal instead of causal")
     args = p.parse_args()
-    print(f"Triton {triton.__version__}, sm_90, bf16, causal, dense; "
+    print(f"Triton {triton.__version__}, sm_90, bf16, {'non-causal' if args.full else 'causal'}, "
+          f"{'packed' if args.varlen else 'dense'}; "
           f"{'every int specialized' if args.no_specialize else 'as flash.py compiles them'}\n")
-    print("| D | kernel | config | registers | stack bytes | spill loads | spill stores | SASS instructions |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| D | kernel | config | registers | stack bytes | spill loads | spill stores | SASS instructions "
+          "| wgmma serialized |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d in (int(x) for x in args.head_dims.split(",")):
-        common = dict(HEAD_DIM=d, CAUSAL=True, VARLEN=False, PREC="tf32", TMA=False)
+        common = dict(HEAD_DIM=d, CAUSAL=not args.full, VARLEN=args.varlen, PREC="tf32", TMA=False)
         rows = [("fwd", flash._attn_fwd, flash.FWD_CONFIGS[(d, 2)][0], {}),
                 ("dq", flash._attn_bwd_dq, flash.DQ_CONFIGS[(d, 2)][0], {}),
-                ("dkdv", flash._attn_bwd_dkdv, flash.DKDV_CONFIGS[(d, 2)][0], dict(GROUP=1, EVEN_Q=True))]
+                ("dkdv", flash._attn_bwd_dkdv, flash.DKDV_CONFIGS[(d, 2)][0], dict(GROUP=1, EVEN_Q=not args.varlen))]
         for name, fn, (m, n, w, s), extra in rows:
             cx = dict(common, BLOCK_M=m, BLOCK_N=n, **extra)
             print(f"| {d} | {name} | {(m, n, w, s)} | {stats(fn, cx, w, s, args.no_specialize)} |", flush=True)
