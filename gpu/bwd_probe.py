@@ -37,16 +37,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile_t(X, base, offs, offs_d, stride_s, T: tl.constexpr):
+    """Rows offs of X as a (D, len(offs)) tile: read transposed from memory (T) or read as rows and transposed."""
+    if T:
+        x_t = tl.load(X + base + offs[None, :] * stride_s + offs_d[:, None])
+    else:
+        x_t = tl.trans(tl.load(X + base + offs[:, None] * stride_s + offs_d[None, :]))
+    return x_t
+
+
+@triton.jit
 def _dkdv_loop(dk, dv, k, v, Q, DO, LSE_h, DELTA_h, base, offs_n, lo, hi, stride_s, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QT: tl.constexpr, MASK: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         lse2 = tl.load(LSE_h + offs_m) * 1.4426950408889634
-        if QT:
-            q_t = tl.load(Q + base + offs_m[None, :] * stride_s + offs_d[:, None])
-        else:
-            q_t = tl.trans(tl.load(Q + base + offs_m[:, None] * stride_s + offs_d[None, :]))
+        q_t = _tile_t(Q, base, offs_m, offs_d, stride_s, QT)
         s_t = tl.dot(k, q_t) * qk_scale
         if MASK:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, -1.0e6)
@@ -92,18 +99,12 @@ def _dq_loop(dq, q, do, lse2, delta, K, V, base, offs_m, lo, hi, stride_s, qk_sc
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if KT:
-            k_t = tl.load(K + base + offs_n[None, :] * stride_s + offs_d[:, None])
-        else:
-            k_t = tl.trans(tl.load(K + base + offs_n[:, None] * stride_s + offs_d[None, :]))
+        k_t = _tile_t(K, base, offs_n, offs_d, stride_s, KT)
         s = tl.dot(q, k_t) * qk_scale
         if MASK:
             s = tl.where(offs_m[:, None] >= offs_n[None, :], s, -1.0e6)
         p = tl.math.exp2(s - lse2[:, None])
-        if KT:
-            v_t = tl.load(V + base + offs_n[None, :] * stride_s + offs_d[:, None])
-        else:
-            v_t = tl.trans(tl.load(V + base + offs_n[:, None] * stride_s + offs_d[None, :]))
+        v_t = _tile_t(V, base, offs_n, offs_d, stride_s, KT)
         dp = tl.dot(do, v_t)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq)
