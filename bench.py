@@ -1482,17 +1482,6 @@ def _flex(q, k, v, doc_ids=None):
     return lambda q, k, v: _flex_compiled(q, k, v, block_mask=block_mask)
 
 
-@contextlib.contextmanager
-def flash_mode(method):
-    """'ours-TMA' rows run flash.py with TMA descriptor loads (flash.TMA = True) for forward and backward alike."""
-    old = flash.TMA
-    flash.TMA = method.endswith("-TMA") or old
-    try:
-        yield
-    finally:
-        flash.TMA = old
-
-
 def dense_methods():
     """name -> make(q, k, v) returning a callable (q, k, v) -> O for causal (B, H, S, D) attention."""
     ours = lambda q, k, v: (lambda q, k, v: flash.flash_attention(q, k, v, causal=True))
@@ -1501,7 +1490,6 @@ def dense_methods():
         if not flash.INTERPRET:
             del methods["ours"]
         return methods
-    methods["ours-TMA"] = ours
     from torch.nn.attention import SDPBackend
     methods.update({"sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
                     "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION), "flex": _flex})
@@ -1548,8 +1536,7 @@ def dense_case(b, h, s, d, dtype, methods, rep, tag):
         elif name in ("sdpa-cudnn", "sdpa-flash") and dtype == torch.float32:
             t = ("n/a",) * 3
         else:
-            with flash_mode(name):
-                t = time_fwd_bwd(make, q, k, v, do, rep)
+            t = time_fwd_bwd(make, q, k, v, do, rep)
         rows.append(dict(tag=tag, case=f"B={b} H={h} S={s} D={d} {str(dtype)[6:]}", method=name,
                          fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2], fwd_tflops=_tflops(flops, t[0]),
                          bwd_tflops=_tflops(2.5 * flops, t[1]), fwd_bwd_tflops=_tflops(3.5 * flops, t[2])))
@@ -1568,7 +1555,7 @@ def anchor_doc_lengths(total=16384, max_len=4096, gen=None):
     return lens
 
 
-VARLEN_AS_DENSE = {"ours varlen": "ours", "ours varlen-TMA": "ours-TMA", "flex doc-mask": "flex",
+VARLEN_AS_DENSE = {"ours varlen": "ours", "flex doc-mask": "flex",
                    "sdpa-flash dyn-pad": "sdpa-flash"}  # the dense method each packed-documents row stands for
 
 
@@ -1584,8 +1571,6 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
     case = f"docs={len(lens)} max={max_len} tokens={total} H={h} D={d}"
     ours = lambda q, k, v: (lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_len))
     makes = {"ours varlen": ours}
-    if torch.cuda.is_available():
-        makes["ours varlen-TMA"] = ours
     if torch.cuda.is_available() and with_peers:
         from torch.nn.attention import SDPBackend
         doc_ids = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
@@ -1605,8 +1590,7 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
                           for _ in range(3))
             t = time_fwd_bwd(make[1], qq, kk, vv, torch.randn(shape, device=device, dtype=dtype, generator=gen), rep)
         else:
-            with flash_mode(name):
-                t = time_fwd_bwd(make, q, k, v, do, rep)
+            t = time_fwd_bwd(make, q, k, v, do, rep)
         rows.append(dict(tag="varlen", case=case, method=name, fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2],
                          fwd_tflops=_tflops(useful, t[0]), bwd_tflops=_tflops(2.5 * useful, t[1]),
                          fwd_bwd_tflops=_tflops(3.5 * useful, t[2])))
@@ -1620,7 +1604,7 @@ def _fmt(x, digits=0):
 def attention_table(rows):
     """One line per (case, method): ms and TFLOP/s, plus ours' fwd+bwd speed over the method's (>1: ours faster)."""
     ours = {}
-    for r in rows:  # the first "ours" row of each case (not its TMA variant)
+    for r in rows:  # the first "ours" row of each case
         if r["method"].startswith("ours"):
             ours.setdefault(r["case"], r)
     out = ["| case | method | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | ours vs it (fwd / fwd+bwd) |",
@@ -1680,16 +1664,15 @@ def cmd_attention(argv):
                    "marked skipped (0 = no limit)")
     p.add_argument("--parts", default="anchors,varlen,sweep", help="on CUDA without --quick, which case groups run "
                    "(in this order): the ANCHORS shapes, the packed documents, the SPEC §7.5 sweep")
-    p.add_argument("--methods", help="comma list of methods to time (default all but ours-TMA: ours, naive, "
-                   "sdpa-cudnn, sdpa-flash, sdpa-efficient, flex; add ours-TMA for flash.py with FLASH_TMA=1); "
-                   "packed documents follow the same names")
+    p.add_argument("--methods", help="comma list of methods to time (default all: ours, naive, sdpa-cudnn, "
+                   "sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     args = p.parse_args(argv)
     parts = csv_list(args.parts, ("anchors", "varlen", "sweep"))
     cuda = torch.cuda.is_available()
     allow_recompiles()  # FlexAttention compiles once per shape: past the default 8 it would fall back to eager
     methods = dense_methods()
-    wanted = csv_list(args.methods, tuple(methods)) if args.methods else [n for n in methods if n != "ours-TMA"]
-    methods = {n: m for n, m in methods.items() if n in wanted}  # ours-TMA (slower, opt-in) only when named
+    wanted = csv_list(args.methods, tuple(methods)) if args.methods else list(methods)
+    methods = {n: m for n, m in methods.items() if n in wanted}
     # Most important first (ANCHORS shapes, then packed documents, then the §7.5 sweep), so a time budget cuts the
     # least important rows. FlexAttention compiles once per shape: in the sweep it runs at a few lengths only.
     jobs = []  # (tag, b, h, s, d, dtype) or ("varlen", d)

@@ -1,23 +1,33 @@
-"""FlashAttention-2 (SPEC §5): a tiled pure-PyTorch twin, Triton forward and backward kernels, packed
-variable-length attention, and plain PyTorch references the kernels are held to.
+"""Every GPU kernel of the stack, each beside the plain PyTorch it must equal. Sections, in file order:
+
+  1. Attention references: naive attention (dense and packed) and the tiled PyTorch twin of the kernels
+  2. Attention in Triton (FlashAttention-2): forward, backward (Delta pre-pass, dQ pass, dK/dV pass), launchers
+  3. Attention entry points: one autograd Function, torch.compile custom ops, flash_attention / flash_attn_varlen,
+     FlashAttentionTriton (the (batch, seq, d) interface)
+  4. AdamW: one fused step kernel per parameter bucket (train.AdamW is the optimizer that calls it)
 
     flash_attention(q, k, v, causal=True)          q (B, H, S, D), k/v (B, H_kv, S_k, D), any strides -> (B, H, S, D)
     flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True)   packed (total_tokens, H, D) -> same
-    FlashAttentionPyTorch.apply(q, k, v, is_causal)                   (batch, seq, d): the readable twin
-    FlashAttentionTriton.apply(q, k, v, is_causal)                    (batch, seq, d): the kernels
+    FlashAttentionPyTorch.apply(q, k, v, causal)                      (batch, seq, d): the readable twin
+    FlashAttentionTriton.apply(q, k, v, causal)                       (batch, seq, d): the kernels
 
-Under torch.compile both public functions call torch.library custom ops with a registered autograd formula and fake
-(meta) kernel, so a model that calls them compiles without graph breaks; eager calls take a lighter
-autograd.Function. Causal masking is top-left aligned
-(query i sees keys j <= i, SPEC §5.2), the same convention as SDPA's is_causal.
-On a machine without CUDA the Triton kernels run only under the interpreter, so importing this file there sets
-TRITON_INTERPRET=1 (unless it is already set) before importing triton; it is slow, so keep shapes tiny there.
+Attention: S = Q K^T / sqrt(d); P = softmax(S) row by row (causal: key j is masked for query i when j > i, the
+top-left alignment of SDPA's is_causal); O = P V; L = logsumexp of each row of S, saved for backward. The kernels
+never store S or P: the forward keeps a running max m_i and sum l_i (online softmax), the backward recomputes
+P = exp(S - L) tile by tile and uses Delta = rowsum(dO * O) (which equals rowsum(P * dP)), so
+dS = P * (dP - Delta), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), dV = P^T dO.
+Under torch.compile the entry points call torch.library custom ops with fake (meta) kernels, so a model that calls
+them compiles without graph breaks; eager calls skip the custom-op layer (its dispatch costs more host time than
+the launches). On a machine without CUDA the Triton kernels run only under the interpreter, so importing this
+file there sets TRITON_INTERPRET=1 (unless it is already set) before importing triton; it is slow, so keep
+shapes tiny there.
 """
 import functools
 import inspect
 import math
 import os
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():  # no GPU: run the kernels in Triton's interpreter (slow; must be set
@@ -28,20 +38,17 @@ import triton.language as tl  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("FLASH_AUTOTUNE", "1") != "0"  # 0: take each class's first (measured best) config, no
 # benchmarking: a faster cold start, e.g. for the GPU test run, where every new shape class would be tuned
-TMA = os.environ.get("FLASH_TMA", "0") == "1"  # 1: tile loads and stores through TMA descriptors built on the device
-# (Hopper and later GPUs, and the interpreter). Off by default: on the H200 with Triton 3.6 the forward ran 0-31%
-# slower than with pointer loads, forward+backward up to 15% slower (2% faster at S=16384; BENCHMARKS.md, call 16)
-LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels use exp2 (SPEC §5.6, "later"); the
-# kernels spell log2(e) and ln(2) as literals because Triton reads only constexpr globals
+LOG2E = 1.4426950408889634  # the kernels keep scores in base 2 so that they can use exp2; inside kernels log2(e) and
+# ln(2) are spelled as literals because Triton reads only constexpr globals
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# PyTorch references
+# 1. Attention references: naive attention and the tiled PyTorch twin of the kernels
 # ---------------------------------------------------------------------------------------------------------------
 
 def attention_reference(q, k, v, causal=False):
     """Naive attention on (..., H, S, D) with k/v (..., H_kv, S_k, D): returns (O, L), L = logsumexp of the scores
-    (SPEC §5.2). Materializes the (S, S_k) scores: for tests and as the naive baseline only."""
+    Materializes the (S, S_k) scores: for tests and as the naive baseline only."""
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
@@ -54,7 +61,7 @@ def attention_reference(q, k, v, causal=False):
 
 
 def attention_varlen_reference(q, k, v, cu_seqlens, causal=True, cu_seqlens_k=None):
-    """Packed (total_tokens, H, D) attention, one document at a time (SPEC §5.7 block-diagonal rule): returns
+    """Packed (total_tokens, H, D) attention, one document at a time (query t sees key s only inside its own document): returns
     (O, L) with L of shape (H, total_tokens), the flash-attn varlen layout."""
     cu_q = cu_seqlens.tolist()
     cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.tolist()
@@ -70,14 +77,13 @@ def attention_varlen_reference(q, k, v, cu_seqlens, causal=True, cu_seqlens_k=No
     return o, lse
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The readable twin: tiled online softmax in plain PyTorch (SPEC §5.3, §5.4)
-# ---------------------------------------------------------------------------------------------------------------
+# The readable twin: the kernels' tiled online softmax and recomputing backward in plain PyTorch, one query tile and
+# one key tile at a time (the kernels do exactly this, a tile per program).
 
 TWIN_TILE = 64
 
 
-def _twin_forward(q, k, v, is_causal, tile=TWIN_TILE):
+def _twin_forward(q, k, v, causal, tile=TWIN_TILE):
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     n_q, n_k, scale = q.shape[-2], k.shape[-2], 1.0 / math.sqrt(q.shape[-1])
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -88,13 +94,13 @@ def _twin_forward(q, k, v, is_causal, tile=TWIN_TILE):
         m_i = torch.full(q_i.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(q_i.shape[:-1] + (v.shape[-1],), dtype=acc_dtype, device=q.device)
-        n_end = min(n_k, i0 + q_i.shape[-2]) if is_causal else n_k  # fully masked key tiles never visited (§5.5)
+        n_end = min(n_k, i0 + q_i.shape[-2]) if causal else n_k  # key tiles right of the diagonal: never visited
         for j0 in range(0, n_end, tile):
             k_j, v_j = k[..., j0:j0 + tile, :].to(acc_dtype), v[..., j0:j0 + tile, :].to(acc_dtype)
             s = (q_i @ k_j.transpose(-1, -2)) * scale
-            if is_causal and j0 + k_j.shape[-2] - 1 > i0:  # diagonal tile: the one place with a compare
+            if causal and j0 + k_j.shape[-2] - 1 > i0:  # diagonal tile: the one place with a compare
                 cols = torch.arange(j0, j0 + k_j.shape[-2], device=q.device)
-                s = s.masked_fill(cols[None, :] > rows[:, None], -1e6)  # finite, SPEC §5.3 Δ
+                s = s.masked_fill(cols[None, :] > rows[:, None], -1e6)  # finite: a fully masked row gives no inf - inf
             m_new = torch.maximum(m_i, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
             alpha = torch.exp(m_i - m_new)
@@ -106,22 +112,22 @@ def _twin_forward(q, k, v, is_causal, tile=TWIN_TILE):
     return o, lse
 
 
-def _twin_backward(q, k, v, o, lse, do, is_causal, tile=TWIN_TILE):
+def _twin_backward(q, k, v, o, lse, do, causal, tile=TWIN_TILE):
     acc_dtype = lse.dtype
     n_q, n_k, scale = q.shape[-2], k.shape[-2], 1.0 / math.sqrt(q.shape[-1])
-    delta = (do.to(acc_dtype) * o.to(acc_dtype)).sum(-1)  # D = rowsum(dO ∘ O), SPEC §5.2
+    delta = (do.to(acc_dtype) * o.to(acc_dtype)).sum(-1)  # Delta = rowsum(dO * O)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
     for j0 in range(0, n_k, tile):
         k_j, v_j = k[..., j0:j0 + tile, :].to(acc_dtype), v[..., j0:j0 + tile, :].to(acc_dtype)
         cols = torch.arange(j0, j0 + k_j.shape[-2], device=q.device)
-        for i0 in range(j0 if is_causal else 0, n_q, tile):  # causal: start at the diagonal
+        for i0 in range(j0 if causal else 0, n_q, tile):  # causal: start at the diagonal
             sl = slice(i0, i0 + tile)
             q_i, do_i = q[..., sl, :].to(acc_dtype), do[..., sl, :].to(acc_dtype)
             rows = torch.arange(i0, i0 + q_i.shape[-2], device=q.device)
             p = torch.exp((q_i @ k_j.transpose(-1, -2)) * scale - lse[..., sl, None])
-            if is_causal:
+            if causal:
                 p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
             dv[..., j0:j0 + tile, :] += p.transpose(-1, -2) @ do_i
             ds = p * (do_i @ v_j.transpose(-1, -2) - delta[..., sl, None])
@@ -134,78 +140,75 @@ class FlashAttentionPyTorch(torch.autograd.Function):
     """Tiled FlashAttention-2 in plain PyTorch on (..., seq, d); saves L of shape (..., seq_q)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
-        o, lse = _twin_forward(q, k, v, is_causal)
+    def forward(ctx, q, k, v, causal=False):
+        o, lse = _twin_forward(q, k, v, causal)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal = is_causal
+        ctx.causal = causal
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return (*_twin_backward(q, k, v, o, lse, do, ctx.is_causal), None)
+        return (*_twin_backward(q, k, v, o, lse, do, ctx.causal), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Triton kernels. One layout serves dense and packed inputs: a tensor is addressed as
-#   base + batch * stride_b + head * stride_h + (seq_start + row) * stride_s + dim
-# dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch] (SPEC §5.7).
-# L and Delta are fp32, (B, H, S) dense and (H, total) packed.
+# 2. Attention in Triton (FlashAttention-2). One layout serves dense and packed inputs: a tensor is addressed as
+#      base + batch * stride_b + head * stride_h + (seq_start + row) * stride_s + dim
+#    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch].
+#    L and Delta are fp32, (B, H, S) dense and (H, total) packed.
+#    Tuning: a short list of (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class and element size sits
+#    above each kernel; autotune keys on the bucketed sequence length, D, dtype, causal and the packed flag and
+#    caches its pick on disk. Compiling is the cold-start cost (several seconds per config on the H200), hence two
+#    configs per class and little integer specialization (do_not_specialize): the forward reuses one binary for
+#    every length, the backward kernels one per length class (1, a multiple of 16, other). The interpreter runs
+#    one small fixed config (tiles smaller than the test lengths, so every code path runs).
 # ---------------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def _rows(base, seqlen, stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TMA: tl.constexpr):
-    """The rows [0, seqlen) of one head of one sequence, read and written BLOCK rows at a time: a TMA descriptor
-    (Hopper's tensor memory accelerator; rows past seqlen load as zeros and are never stored) or, without TMA, a
-    BLOCK x HEAD_DIM tile of pointers at row 0 that _load_rows and _store_rows mask the same way."""
-    if TMA:
-        src = tl.make_tensor_descriptor(base, shape=[tl.maximum(seqlen, 1), HEAD_DIM], strides=[stride, 1],
-                                        block_shape=[BLOCK, HEAD_DIM])
-    else:
-        src = base + tl.arange(0, BLOCK)[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
-    return src
+TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC"]
+INTERPRET_BLOCKS = {"fwd": (32, 16), "dq": (32, 16), "dkdv": (16, 32)}
+
+
+def _tune_class(head_dim, dtype):
+    return (64 if head_dim <= 64 else head_dim, 4 if dtype == torch.float32 else 2)
+
+
+def _autotuned(table):
+    """triton.autotune over the configs of `table` ({(head-dim class, element size): [configs]}), pruned to the
+    caller's class (to its first config with FLASH_AUTOTUNE=0); the plain kernel under the interpreter."""
+    def wrap(kernel):
+        if INTERPRET:
+            return kernel
+        every = sorted({cfg for cfgs in table.values() for cfg in cfgs})
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
+
+        def prune(configs, named_args, **kwargs):
+            wanted = table[_tune_class(kwargs["HEAD_DIM"], named_args["Q"].dtype)][:None if AUTOTUNE else 1]
+            return [c for c in configs
+                    if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+
+        # results cached on disk where this Triton has the option, so a second cold start skips the benchmarking
+        cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+        return triton.autotune(configs, key=TUNE_KEY, prune_configs_by={"early_config_prune": prune}, **cache)(kernel)
+    return wrap
 
 
 @triton.jit
-def _load_rows(src, start, stride, seqlen, offs, MASKED: tl.constexpr, TMA: tl.constexpr):
-    if TMA:
-        x = src.load([start, 0])
-    elif MASKED:  # rows past the end load as zeros
-        x = tl.load(src + start * stride, mask=(start + offs)[:, None] < seqlen, other=0.0)
-    else:
-        x = tl.load(src + start * stride)
-    return x
+def _rows(base, stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A BLOCK x HEAD_DIM tile of pointers at row 0 of one head of one sequence; _load_rows/_store_rows offset it."""
+    return base + tl.arange(0, BLOCK)[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
 
 
 @triton.jit
-def _store_rows(dst, start, stride, seqlen, offs, x, TMA: tl.constexpr):
-    if TMA:
-        dst.store([start, 0], x.to(dst.dtype))
-    else:
-        tl.store(dst + start * stride, x.to(dst.dtype.element_ty), mask=(start + offs)[:, None] < seqlen)
+def _load_rows(src, start, stride, seqlen, offs, MASKED: tl.constexpr):
+    if MASKED:  # rows past the end load as zeros
+        return tl.load(src + start * stride, mask=(start + offs)[:, None] < seqlen, other=0.0)
+    return tl.load(src + start * stride)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-               TMA: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED, TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if MASKED:  # ragged end and, when causal, the diagonal: the only tiles that compare indices (§5.5)
-            cols = start_n + offs_n
-            keep = cols[None, :] < seqlen_k
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None])
-            qk = tl.where(keep, qk, -1.0e6)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED, TMA)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-        m_i = m_new
-    return acc, l_i, m_i
+def _store_rows(dst, start, stride, seqlen, offs, x):
+    tl.store(dst + start * stride, x.to(dst.dtype.element_ty), mask=(start + offs)[:, None] < seqlen)
 
 
 @triton.jit
@@ -223,13 +226,50 @@ def _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN: tl.co
     return q_start, seqlen_q, k_start, seqlen_k
 
 
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """The online softmax over key tiles [lo, hi): m_i running max, l_i running sum, acc = unnormalized P V."""
+    for start_n in range(lo, hi, BLOCK_N):
+        k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if MASKED:  # ragged end and, when causal, the diagonal: the only tiles that compare indices
+            cols = start_n + offs_n
+            keep = cols[None, :] < seqlen_k
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            qk = tl.where(keep, qk, -1.0e6)  # finite: a fully masked row gives no inf - inf
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+FWD_CONFIGS = {  # (64, 2) and (128, 2): the best of 6-8 candidates each in a tile sweep on the H200
+    (64, 2): [(128, 64, 8, 3), (128, 64, 4, 3)],
+    (128, 2): [(128, 64, 8, 3), (128, 128, 8, 2)],
+    (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)],
+    (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
+    (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)],
+}
+
+
+@_autotuned(FWD_CONFIGS)
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "SEQ_BUCKET", "stride_lb", "stride_lh"])
 def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
               stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
               seqlen_q, seqlen_k, num_heads, group, qk_scale, SEQ_BUCKET,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-              TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query tile, batch x head): O and L of BLOCK_M query rows. Key tiles left of the diagonal
+    run without index compares, the diagonal tile and a ragged end with them; tiles right of it are never
+    visited."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest causal tiles launch first
@@ -244,13 +284,10 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
     offs_m = start_m + offs_m0
     offs_n = tl.arange(0, BLOCK_N)
     kv_h = h // group
-    q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M,
-                  TMA)
-    k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, seqlen_k, stride_ks, HEAD_DIM,
-                  BLOCK_N, TMA)
-    v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, seqlen_k, stride_vs, HEAD_DIM,
-                  BLOCK_N, TMA)
-    q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True, TMA)
+    q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, stride_qs, HEAD_DIM, BLOCK_M)
+    k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
+    v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
+    q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -262,14 +299,13 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
         hi = seqlen_k
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, False, CAUSAL, BLOCK_N, PREC, TMA)
+                               seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, True, CAUSAL, BLOCK_N, PREC, TMA)
+                               seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys (empty key sequence) writes O = 0
-    o_dst = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, seqlen_q, stride_os, HEAD_DIM, BLOCK_M,
-                  TMA)
-    _store_rows(o_dst, start_m, stride_os, seqlen_q, offs_m0, acc / l_safe[:, None], TMA)
+    o_dst = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M)
+    _store_rows(o_dst, start_m, stride_os, seqlen_q, offs_m0, acc / l_safe[:, None])
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453  # back to natural log: L = m + log(l)
     tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
 
@@ -278,6 +314,7 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
 def _attn_bwd_delta(O, DO, DELTA, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos,
                     stride_lb, stride_lh, seqlen_q, num_heads,
                     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Backward pre-pass: Delta = rowsum(dO * O) in fp32, one program per (BLOCK_M rows, batch x head)."""
     pid_bh = tl.program_id(0)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
@@ -287,11 +324,11 @@ def _attn_bwd_delta(O, DO, DELTA, cu_seqlens_q, stride_ob, stride_oh, stride_os,
         return
     b64 = b.to(tl.int64)
     offs_m0 = tl.arange(0, BLOCK_M)
-    o = _load_rows(_rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, seqlen_q, stride_os, HEAD_DIM,
-                         BLOCK_M, False), start_m, stride_os, seqlen_q, offs_m0, True, False)
-    do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, seqlen_q, stride_dos,
-                          HEAD_DIM, BLOCK_M, False), start_m, stride_dos, seqlen_q, offs_m0, True, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # D = rowsum(dO ∘ O), SPEC §5.4 pre-pass
+    o = _load_rows(_rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M),
+                   start_m, stride_os, seqlen_q, offs_m0, True)
+    do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM,
+                          BLOCK_M), start_m, stride_dos, seqlen_q, offs_m0, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     offs_m = start_m + offs_m0
     tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < seqlen_q)
 
@@ -299,13 +336,12 @@ def _attn_bwd_delta(O, DO, DELTA, cu_seqlens_q, stride_ob, stride_oh, stride_os,
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k,
               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-              TMA: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # Where V is loaded matters on the H200 (gpu/bwd_probe.py, calls 18-19): beside K is 13% faster at D=128, after
-    # P is 15% faster at D=64 (with the 128 x 64 tiles D=64 now takes).
+              HEAD_DIM: tl.constexpr):
+    # Where V is loaded matters on the H200: beside K is 13% faster at D=128, after P 15% faster at D=64.
     for start_n in range(lo, hi, BLOCK_N):
-        k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED, TMA)
+        k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED)
         if HEAD_DIM > 64:
-            v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED, TMA)
+            v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
         if MASKED:
             cols = start_n + offs_n
@@ -314,24 +350,34 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi
                 keep = keep & (cols[None, :] <= offs_m[:, None])
             p = tl.where(keep, p, 0.0)
         if HEAD_DIM <= 64:
-            v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED, TMA)
+            v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])  # dS = P ∘ (dP − D), SPEC §5.2
+        ds = p * (dp - delta[:, None])  # dS = P * (dP - Delta)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     return dq
 
 
+DQ_CONFIGS = {  # (64, 2): 128 x 64 tiles with V loaded after P, the best of a backward sweep on the H200
+    (64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)],
+    (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)],
+    (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
+    (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)],
+}
+
+
 # The backward kernels specialize the lengths (divisible by 16 or not, so a few binaries at most): the dQ pass at
-# D=64 went from 0.92 to 0.77 ms for it (gpu/bwd_probe.py, calls 21 and 24), the dK/dV pass did not move but follows
-# the same rule. The forward compiles one binary for every length.
+# D=64 takes 0.77 ms with it against 0.92 ms without on the H200; the dK/dV pass does not move but follows suit.
+@_autotuned(DQ_CONFIGS)
 @triton.jit(do_not_specialize=["SEQ_BUCKET", "stride_lb", "stride_lh"])
 def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                  stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh,
                  seqlen_q, seqlen_k, num_heads, group, qk_scale, sm_scale, SEQ_BUCKET,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 1 (SPEC §5.4): one program per query tile, a loop over key tiles up to the diagonal; dQ stored once."""
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -346,18 +392,16 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     offs_m = start_m + offs_m0
     offs_n = tl.arange(0, BLOCK_N)
     kv_h = h // group
-    q = _load_rows(_rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, seqlen_q, stride_qs, HEAD_DIM,
-                         BLOCK_M, TMA), start_m, stride_qs, seqlen_q, offs_m0, True, TMA)
-    do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, seqlen_q, stride_dos,
-                          HEAD_DIM, BLOCK_M, TMA), start_m, stride_dos, seqlen_q, offs_m0, True, TMA)
+    q = _load_rows(_rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, stride_qs, HEAD_DIM, BLOCK_M),
+                   start_m, stride_qs, seqlen_q, offs_m0, True)
+    do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM,
+                          BLOCK_M), start_m, stride_dos, seqlen_q, offs_m0, True)
     row_ok = offs_m < seqlen_q
     l_off = b64 * stride_lb + h * stride_lh + q_start + offs_m
     lse2 = tl.load(LSE + l_off, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
-    k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, seqlen_k, stride_ks, HEAD_DIM,
-                  BLOCK_N, TMA)
-    v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, seqlen_k, stride_vs, HEAD_DIM,
-                  BLOCK_N, TMA)
+    k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
+    v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
         hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
@@ -366,19 +410,17 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
         hi = seqlen_k
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, False, CAUSAL, BLOCK_N, PREC, TMA, HEAD_DIM)
+                   seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, True, CAUSAL, BLOCK_N, PREC, TMA, HEAD_DIM)
-    dq_dst = _rows(DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs, seqlen_q, stride_dqs, HEAD_DIM,
-                   BLOCK_M, TMA)
-    _store_rows(dq_dst, start_m, stride_dqs, seqlen_q, offs_m0, dq * sm_scale, TMA)
+                   seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
+    dq_dst = _rows(DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs, stride_dqs, HEAD_DIM, BLOCK_M)
+    _store_rows(dq_dst, start_m, stride_dqs, seqlen_q, offs_m0, dq * sm_scale)
 
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, hi, offs_n, seqlen_q,
-                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
-                TMA: tl.constexpr):
-    # MASKED: rows may pass seqlen_q (bounds masks on every load); CAUSAL: the tiles cross the diagonal
+                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+    # MASKED: rows may pass seqlen_q (bounds masks on every load); CAUSAL: the tiles cross the diagonal.
     # Works on the transposed scores (keys x queries) so P^T, dP^T and dS^T need no transposes. Each operand is
     # loaded just before the matmul that needs it (L first, dO after P^T, Delta after dV): FlexAttention's order.
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -388,12 +430,12 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
             lse2 = tl.load(LSE_h + offs_m, mask=offs_m < seqlen_q, other=0.0) * 1.4426950408889634
         else:
             lse2 = tl.load(LSE_h + offs_m) * 1.4426950408889634
-        q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, MASKED, TMA)
+        q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, MASKED)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         if CAUSAL:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, -1.0e6)
         p_t = tl.math.exp2(s_t - lse2[None, :])
-        do = _load_rows(do_src, start_m, stride_dos, seqlen_q, offs_m0, MASKED, TMA)
+        do = _load_rows(do_src, start_m, stride_dos, seqlen_q, offs_m0, MASKED)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
         if MASKED:
             delta = tl.load(DELTA_h + offs_m, mask=offs_m < seqlen_q, other=0.0)
@@ -405,16 +447,18 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
     return dk, dv
 
 
-@triton.jit
-def _store_dkdv(dk_dst, dv_dst, dk, dv, start_n, stride_dks, stride_dvs, seqlen_k, offs_n0, HEAD_DIM: tl.constexpr,
-                BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    # the row tiles are built here, not held across the loops (a BLOCK_N x HEAD_DIM tile of pointers costs registers)
-    _store_rows(_rows(dk_dst, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N, TMA), start_n, stride_dks, seqlen_k, offs_n0, dk,
-                TMA)
-    _store_rows(_rows(dv_dst, seqlen_k, stride_dvs, HEAD_DIM, BLOCK_N, TMA), start_n, stride_dvs, seqlen_k, offs_n0, dv,
-                TMA)
+DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in registers; (64, 2), (128, 2): the
+    # fastest of 5 candidates in FlexAttention's loop order on the H200
+    (64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)],
+    (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)],
+    (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)],
+    (64, 4): [(32, 64, 4, 2), (64, 64, 4, 2)],
+    (128, 4): [(32, 64, 4, 2), (32, 32, 4, 2)],
+    (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)],
+}
 
 
+@_autotuned(DKDV_CONFIGS)
 @triton.jit(do_not_specialize=["SEQ_BUCKET", "stride_lb", "stride_lh"])
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -422,10 +466,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh,
                    seqlen_q, seqlen_k, num_kv_heads, qk_scale, sm_scale, SEQ_BUCKET,
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                   TMA: tl.constexpr, GROUP: tl.constexpr, EVEN_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Pass 2 (SPEC §5.4): one program per key tile and K/V head, K_j and V_j held in registers, a loop over the
-    query heads of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics)."""
+                   GROUP: tl.constexpr, EVEN_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pass 2: one program per key tile and K/V head, K_j and V_j held in registers, a loop over the query heads
+    of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
     tl.static_assert(128 % BLOCK_N == 0)  # EVEN_Q (no ragged query tile) is decided on the host for 128 rows
     pid_bh = tl.program_id(0)
@@ -439,18 +482,18 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     b64 = b.to(tl.int64)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_n0
-    k = _load_rows(_rows(K + b64 * stride_kb + hk * stride_kh + k_start * stride_ks, seqlen_k, stride_ks, HEAD_DIM,
-                         BLOCK_N, TMA), start_n, stride_ks, seqlen_k, offs_n0, True, TMA)
-    v = _load_rows(_rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs, seqlen_k, stride_vs, HEAD_DIM,
-                         BLOCK_N, TMA), start_n, stride_vs, seqlen_k, offs_n0, True, TMA)
+    k = _load_rows(_rows(K + b64 * stride_kb + hk * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N),
+                   start_n, stride_ks, seqlen_k, offs_n0, True)
+    v = _load_rows(_rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N),
+                   start_n, stride_vs, seqlen_k, offs_n0, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dk_dst = DK + b64 * stride_dkb + hk * stride_dkh + k_start * stride_dks
     dv_dst = DV + b64 * stride_dvb + hk * stride_dvh + k_start * stride_dvs
     if CAUSAL:  # query rows before start_n see none of these keys; rows past start_n + BLOCK_N see all of them
         if start_n >= seqlen_q:  # keys that no query reaches (seqlen_k > seqlen_q): zero gradients
-            _store_dkdv(dk_dst, dv_dst, dk, dv, start_n, stride_dks, stride_dvs, seqlen_k, offs_n0, HEAD_DIM, BLOCK_N,
-                        TMA)
+            _store_rows(_rows(dk_dst, stride_dks, HEAD_DIM, BLOCK_N), start_n, stride_dks, seqlen_k, offs_n0, dk)
+            _store_rows(_rows(dv_dst, stride_dvs, HEAD_DIM, BLOCK_N), start_n, stride_dvs, seqlen_k, offs_n0, dv)
             return
         lo = start_n + BLOCK_N
     else:
@@ -458,16 +501,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     # Loop bounds matter to the compiler here. The diagonal loop has a fixed trip count (BLOCK_N / BLOCK_M; rows past
     # a ragged end are masked), and the remaining rows, ragged end included, are one loop, masked only when there is
     # a ragged end (EVEN_Q). With a diagonal loop of variable length, or a separate loop for the ragged tile, ptxas
-    # serializes the wgmma instructions of the whole kernel (its C7515 note; gpu/sass_stats.py): 16% slower at D=128.
-    # The loop starts at a multiple of BLOCK_N and, with no ragged tile, the L offsets are visibly multiples of 128,
-    # so the L and Delta rows load with wide copies although the L strides are not specialized (do_not_specialize).
+    # serializes the wgmma instructions of the whole kernel (its performance note C7515; `bench.py sass` shows it):
+    # 16% slower at D=128. The loop starts at a multiple of BLOCK_N and, with no ragged tile, the L offsets are
+    # visibly multiples of 128, so the L and Delta rows load with wide copies although the L strides are not
+    # specialized (do_not_specialize).
     # GROUP (query heads per K/V head) is a constexpr: with one head per group the compiler drops the outer loop.
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, seqlen_q, stride_qs, HEAD_DIM,
-                      BLOCK_M, TMA)
-        do_src = _rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, seqlen_q, stride_dos, HEAD_DIM,
-                       BLOCK_M, TMA)
+        q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, stride_qs, HEAD_DIM, BLOCK_M)
+        do_src = _rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM, BLOCK_M)
         if EVEN_Q:  # dense with seqlen_q % 128 == 0, so the L strides are multiples of 128: written so to the compiler
             l_off = (b64 * (stride_lb // 128) + h * (stride_lh // 128)) * 128
         else:
@@ -476,78 +518,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
         DELTA_h = DELTA + l_off
         if CAUSAL:  # with EVEN_Q, a diagonal tile that starts before seqlen_q ends before it (BLOCK_N divides 128)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, start_n,
-                                 start_n + BLOCK_N, offs_n, seqlen_q, qk_scale, not EVEN_Q, True, BLOCK_M, PREC, TMA)
+                                 start_n + BLOCK_N, offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q, CAUSAL=True,
+                                 BLOCK_M=BLOCK_M, PREC=PREC)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, seqlen_q,
-                             offs_n, seqlen_q, qk_scale, not EVEN_Q, False, BLOCK_M, PREC, TMA)
-    _store_dkdv(dk_dst, dv_dst, dk * sm_scale, dv, start_n, stride_dks, stride_dvs, seqlen_k, offs_n0, HEAD_DIM,
-                BLOCK_N, TMA)
+                             offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q, CAUSAL=False, BLOCK_M=BLOCK_M, PREC=PREC)
+    _store_rows(_rows(dk_dst, stride_dks, HEAD_DIM, BLOCK_N), start_n, stride_dks, seqlen_k, offs_n0, dk * sm_scale)
+    _store_rows(_rows(dv_dst, stride_dvs, HEAD_DIM, BLOCK_N), start_n, stride_dvs, seqlen_k, offs_n0, dv)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Tuning (SPEC §5.6). Short lists per head-dim class and element size, (BLOCK_M, BLOCK_N, num_warps, num_stages);
-# autotune keys on the bucketed sequence length, D, dtype, causal and the packed flag, and caches results on disk.
-# Compiling is the cold-start cost (measured on the H200: several seconds per config), hence two configs per class
-# and little integer specialization (do_not_specialize): the forward reuses one binary for every length, the backward
-# kernels one per length class (1, a multiple of 16, other).
-# The interpreter runs one small fixed config (tiles smaller than the test lengths so every code path runs).
-# ---------------------------------------------------------------------------------------------------------------
-
-FWD_CONFIGS = {  # (64, 2) and (128, 2) from a sweep of 6-8 candidates per kernel on the H200 (gpu/flash_tune.py)
-    (64, 2): [(128, 64, 8, 3), (128, 64, 4, 3)],
-    (128, 2): [(128, 64, 8, 3), (128, 128, 8, 2)],
-    (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)],
-    (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
-    (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)],
-}
-DQ_CONFIGS = {  # (64, 2): 128 x 64 tiles with V loaded after P (gpu/bwd_probe.py, calls 17-19)
-    (64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)],
-    (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)],
-    (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
-    (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)],
-}
-DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in registers; (64, 2), (128, 2): the
-    # fastest of 5 candidates in FlexAttention's loop order (gpu/bwd_probe.py, call 17)
-    (64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)],
-    (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)],
-    (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)],
-    (64, 4): [(32, 64, 4, 2), (64, 64, 4, 2)],
-    (128, 4): [(32, 64, 4, 2), (32, 32, 4, 2)],
-    (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)],
-}
-INTERPRET_BLOCKS = {"fwd": (32, 16), "dq": (32, 16), "dkdv": (16, 32)}
-TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC", "TMA"]
-
-
-def _tune_class(head_dim, dtype):
-    return (64 if head_dim <= 64 else head_dim, 4 if dtype == torch.float32 else 2)
-
-
-def _autotuned(kernel, table):
-    if INTERPRET:
-        return kernel
-    every = sorted({cfg for cfgs in table.values() for cfg in cfgs})
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
-
-    def prune(configs, named_args, **kwargs):
-        wanted = table[_tune_class(kwargs["HEAD_DIM"], named_args["Q"].dtype)][:None if AUTOTUNE else 1]
-        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-
-    # results cached on disk where this Triton has the option, so a second cold start skips the benchmarking
-    cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-    return triton.autotune(configs, key=TUNE_KEY, prune_configs_by={"early_config_prune": prune}, **cache)(kernel)
-
-
-_fwd_kernel = _autotuned(_attn_fwd, FWD_CONFIGS)
-_dq_kernel = _autotuned(_attn_bwd_dq, DQ_CONFIGS)
-_dkdv_kernel = _autotuned(_attn_bwd_dkdv, DKDV_CONFIGS)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Launchers: dense (B, H, S, D) when cu_seqlens_q is None, packed (total, H, D) otherwise
-# ---------------------------------------------------------------------------------------------------------------
+# Launchers: dense (B, H, S, D) when cu_seqlens_q is None, packed (total, H, D) otherwise.
 
 def _blocks(name):
     if not INTERPRET:
@@ -578,8 +557,10 @@ def _pad(x, d_pad):
     return x if x.shape[-1] == d_pad else torch.nn.functional.pad(x, (0, d_pad - x.shape[-1]))
 
 
-def _strides(x, varlen):
-    return (0, x.stride(1), x.stride(0)) if varlen else (x.stride(0), x.stride(1), x.stride(2))
+def _strides(name, x, varlen):
+    """The kernel's stride_{name}b, stride_{name}h, stride_{name}s arguments for x (packed: no batch stride)."""
+    b, h, s = (0, x.stride(1), x.stride(0)) if varlen else (x.stride(0), x.stride(1), x.stride(2))
+    return {f"stride_{name}b": b, f"stride_{name}h": h, f"stride_{name}s": s}
 
 
 def _precision(dtype):
@@ -593,97 +574,74 @@ def _require_triton_device(q):
                            "TRITON_INTERPRET=1 before triton is imported, or use FlashAttentionPyTorch")
 
 
-@functools.cache
-def _has_tma(device_index):
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+    """(batch, heads, kv_heads, seqlen_q, seqlen_k, L shape, L strides) of a dense or a packed call."""
+    if cu_seqlens_q is not None:
+        heads, total = q.shape[1], q.shape[0]
+        return cu_seqlens_q.shape[0] - 1, heads, k.shape[1], max_seqlen_q, max_seqlen_k, (heads, total), \
+            dict(stride_lb=0, stride_lh=total)
+    b, heads, s = q.shape[:3]
+    return b, heads, k.shape[1], s, k.shape[2], (b, heads, s), dict(stride_lb=heads * s, stride_lh=s)
 
 
-def _tma_allocator(size, alignment, stream):  # scratch for the descriptors the kernels build on the device
-    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
-
-
-def _use_tma(*xs):
-    """TMA when FLASH_TMA=1, the GPU has it, and every tensor is 16-byte aligned in its base and its row, head and
-    batch strides (a requirement of the descriptors); otherwise the kernels use pointer loads, which take any layout."""
-    if not TMA or not (INTERPRET or _has_tma(xs[0].device.index)):
-        return False
-    if not all(x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0
-                                              for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1) for x in xs):
-        return False
-    triton.set_allocator(_tma_allocator)
-    return True
-
-
-def _forward(q, k, v, causal, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+    """(O, L) of attention; dense or packed (cu_seqlens_q given)."""
     _require_triton_device(q)
     varlen = cu_seqlens_q is not None
+    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
+                                                                                 max_seqlen_k)
     o = _empty_out(q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if batch * heads * seqlen_q == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
     d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
     qp, kp, vp = (_unit_last(_pad(x, d_pad)) for x in (q, k, v))
     op = o if d_pad == d else _empty_out(qp)
-    heads, kv_heads = q.shape[-2 if varlen else 1], k.shape[-2 if varlen else 1]
-    if varlen:
-        batch, total = cu_seqlens_q.shape[0] - 1, q.shape[0]
-        lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
-        lse_strides = (0, total)
-        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[2], k.shape[2]
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        lse_strides = (heads * seqlen_q, seqlen_q)
-        cu_q = cu_k = lse  # unused when VARLEN is False
-    if batch * heads * seqlen_q == 0:
-        return o.zero_(), lse.fill_(float("-inf"))
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
     grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))
-    _fwd_kernel[grid](qp, kp, vp, op, lse, cu_q, cu_k, *_strides(qp, varlen), *_strides(kp, varlen),
-                      *_strides(vp, varlen), *_strides(op, varlen), *lse_strides,
-                      seqlen_q, seqlen_k, heads, heads // kv_heads, LOG2E / math.sqrt(d),
-                      max(16, triton.next_power_of_2(seqlen_q)),
-                      HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype),
-                      TMA=_use_tma(qp, kp, vp, op), **_blocks("fwd"))
+    _attn_fwd[grid](qp, kp, vp, op, lse, cu_q, cu_k,
+                    **_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
+                    **_strides("o", op, varlen), **lse_strides,
+                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
+                    qk_scale=LOG2E / math.sqrt(d), SEQ_BUCKET=max(16, triton.next_power_of_2(seqlen_q)),
+                    HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+    """(dQ, dK, dV): the Delta pre-pass, then the dQ pass and the dK/dV pass."""
     _require_triton_device(q)
     varlen = cu_seqlens_q is not None
+    batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
+                                                                         max_seqlen_k)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
+    if batch * heads * seqlen_q == 0 or seqlen_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
     d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
     dop, qp, kp, vp, op = (_unit_last(_pad(x, d_pad)) for x in (do, q, k, v, o))
     dqp, dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dq, qp), (dk, kp), (dv, vp)))
-    heads, kv_heads = q.shape[-2 if varlen else 1], k.shape[-2 if varlen else 1]
-    if varlen:
-        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
-        lse_strides = (0, q.shape[0])
-        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[2], k.shape[2]
-        lse_strides = (heads * seqlen_q, seqlen_q)
-        cu_q = cu_k = lse
-    if batch * heads * seqlen_q == 0 or seqlen_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     delta = torch.empty_like(lse)
     _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
-        op, dop, delta, cu_q, *_strides(op, varlen), *_strides(dop, varlen), *lse_strides, seqlen_q, heads,
-        HEAD_DIM=d_pad, VARLEN=varlen, BLOCK_M=64)
+        op, dop, delta, cu_q, **_strides("o", op, varlen), **_strides("do", dop, varlen), **lse_strides,
+        seqlen_q=seqlen_q, num_heads=heads, HEAD_DIM=d_pad, VARLEN=varlen, BLOCK_M=64)
     scale = 1.0 / math.sqrt(d)
-    common = dict(HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype),
-                  TMA=_use_tma(qp, kp, vp, dop, dqp, dkp, dvp))
-    bucket = max(16, triton.next_power_of_2(max(seqlen_q, seqlen_k)))
+    common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
+                  SEQ_BUCKET=max(16, triton.next_power_of_2(max(seqlen_q, seqlen_k))),
+                  HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype))
     grid_q = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))
-    _dq_kernel[grid_q](qp, kp, vp, dop, dqp, lse, delta, cu_q, cu_k, *_strides(qp, varlen), *_strides(kp, varlen),
-                       *_strides(vp, varlen), *_strides(dop, varlen), *_strides(dqp, varlen), *lse_strides,
-                       seqlen_q, seqlen_k, heads, heads // kv_heads, LOG2E * scale, scale, bucket,
-                       **common, **_blocks("dq"))
+    _attn_bwd_dq[grid_q](qp, kp, vp, dop, dqp, lse, delta, cu_q, cu_k,
+                         **_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
+                         **_strides("do", dop, varlen), **_strides("dq", dqp, varlen),
+                         num_heads=heads, group=heads // kv_heads, **common, **_blocks("dq"))
     grid_k = lambda meta: (batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"]))
-    _dkdv_kernel[grid_k](qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k, *_strides(qp, varlen),
-                         *_strides(kp, varlen), *_strides(vp, varlen), *_strides(dop, varlen), *_strides(dkp, varlen),
-                         *_strides(dvp, varlen), *lse_strides, seqlen_q, seqlen_k, kv_heads, LOG2E * scale, scale,
-                         bucket, GROUP=heads // kv_heads, EVEN_Q=not varlen and seqlen_q % 128 == 0, **common,
-                         **_blocks("dkdv"))
+    _attn_bwd_dkdv[grid_k](qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k,
+                           **_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
+                           **_strides("do", dop, varlen), **_strides("dk", dkp, varlen),
+                           **_strides("dv", dvp, varlen), num_kv_heads=kv_heads, GROUP=heads // kv_heads,
+                           EVEN_Q=not varlen and seqlen_q % 128 == 0, **common, **_blocks("dkdv"))
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
             g.copy_(gp[..., :d])
@@ -691,108 +649,59 @@ def _backward(do, q, k, v, o, lse, causal, cu_seqlens_q=None, cu_seqlens_k=None,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# torch.library custom ops: opaque to torch.compile (no graph breaks), with autograd and fake kernels
+# 3. Attention entry points. One autograd Function serves dense and packed calls; under torch.compile its forward
+#    and backward call the custom ops below (opaque to the compiler, with fake kernels), eagerly they call the
+#    launchers directly: the custom-op layer's dispatch costs about 0.6 ms of host time per forward+backward on
+#    the H200, several times the launches themselves.
 # ---------------------------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("flash::attention_fwd", mutates_args=())
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal)
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
 
 
-@_attention_fwd.register_fake
-def _(q, k, v, causal):
-    return _empty_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+@_attention_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
+    return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("flash::attention_bwd", mutates_args=())
-def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, causal)
+def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                      max_seqlen_q: int, max_seqlen_k: int,
+                      causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
 
 
-@_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, causal):
-    return _empty_out(q), _empty_out(k), _empty_out(v)
-
-
-def _attention_setup(ctx, inputs, output):
-    q, k, v, causal = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.mark_non_differentiable(lse)
-    ctx.causal = causal
-
-
-def _attention_grad(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    return (*_attention_bwd(do, q, k, v, o, lse, ctx.causal), None)
-
-
-_attention_fwd.register_autograd(_attention_grad, setup_context=_attention_setup)
-
-
-@torch.library.custom_op("flash::varlen_fwd", mutates_args=())
-def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-
-@_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-    return _empty_out(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("flash::varlen_bwd", mutates_args=())
-def _varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                max_seqlen_k: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-
-@_varlen_bwd.register_fake
+@_attention_bwd_op.register_fake
 def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
     return _empty_out(q), _empty_out(k), _empty_out(v)
 
 
-def _varlen_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.mark_non_differentiable(lse)
-    ctx.args = (max_seqlen_q, max_seqlen_k, causal)
-
-
-def _varlen_grad(ctx, do, dlse):
-    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    max_seqlen_q, max_seqlen_k, causal = ctx.args
-    dq, dk, dv = _varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
-    return dq, dk, dv, None, None, None, None, None
-
-
-_varlen_fwd.register_autograd(_varlen_grad, setup_context=_varlen_setup)
-
-
-# Eager calls skip the custom-op layer: its Python dispatch and autograd wrapping cost about 0.6 ms per
-# forward+backward on the H200 (gpu/overhead.py), several times the kernels' own launch cost. Under torch.compile
-# the custom ops above are used, so the graph stays whole.
-class _Eager(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        o, lse = _forward(q, k, v, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        return o
+class _FlashAttention(torch.autograd.Function):
+    """(O, L) with gradients for q, k, v; dense when cu_seqlens_q is None, packed otherwise. L is not
+    differentiable."""
 
     @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        return (*_backward(do, q, k, v, o, lse, *ctx.args), None, None, None, None, None)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+        if cu_seqlens_k is None:
+            cu_seqlens_k = cu_seqlens_q
+        fwd = _attention_fwd_op if torch.compiler.is_compiling() else _forward
+        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.mark_non_differentiable(lse)
+        ctx.args = (max_seqlen_q, max_seqlen_k, causal)
+        return o, lse
 
+    @staticmethod
+    def backward(ctx, do, dlse):
+        bwd = _attention_bwd_op if torch.compiler.is_compiling() else _backward
+        dq, dk, dv = bwd(do, *ctx.saved_tensors, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
 
-# ---------------------------------------------------------------------------------------------------------------
-# Public API
-# ---------------------------------------------------------------------------------------------------------------
 
 def _check_qkv(q, k, v, ndim):
     if q.dim() != ndim or k.dim() != ndim or v.dim() != ndim:
@@ -807,52 +716,152 @@ def _check_qkv(q, k, v, ndim):
         raise ValueError(f"flash: head dim {q.shape[-1]} > 256 is not supported")
 
 
+def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None,
+                       max_seqlen_k=None):
+    """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning the logsumexp L
+    ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
+    if cu_seqlens is None:
+        _check_qkv(q, k, v, 4)
+        if q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] != 0:
+            raise ValueError(f"flash: batch must match and H_kv divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        return _FlashAttention.apply(q, k, v, None, None, 0, 0, causal)
+    _check_qkv(q, k, v, 3)
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"flash: H_kv must divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if cu_seqlens_k is None:  # passed on as None: the autograd Function may not take one tensor twice
+        max_seqlen_k = max_seqlen
+    elif max_seqlen_k is None:
+        raise ValueError("flash: cu_seqlens_k needs max_seqlen_k")
+    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is not None and (cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device):
+            raise ValueError(f"flash: {name} must be a 1-D int32 tensor on {q.device}, got {cu.dtype} "
+                             f"{tuple(cu.shape)} on {cu.device}")
+    if cu_seqlens_k is not None and cu_seqlens.shape != cu_seqlens_k.shape:
+        raise ValueError("flash: cu_seqlens and cu_seqlens_k must have the same number of sequences")
+    return _FlashAttention.apply(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal)
+
+
 def flash_attention(q, k, v, causal=True):
     """q (B, H, S, D), k/v (B, H_kv, S_k, D) with H % H_kv == 0, any strides -> O (B, H, S, D); differentiable."""
-    _check_qkv(q, k, v, 4)
-    if q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"flash: batch must match and H_kv divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if torch.compiler.is_compiling():
-        return _attention_fwd(q, k, v, causal)[0]
-    return _Eager.apply(q, k, v, causal, None, None, 0, 0)
+    return attention_with_lse(q, k, v, causal)[0]
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None, max_seqlen_k=None):
     """Packed documents: q (total_q, H, D), k/v (total_k, H_kv, D), int32 cu_seqlens (num_seqs + 1) -> O like q.
-    Each query attends only inside its own document (SPEC §5.7); max_seqlen is a Python int (sizes the grid)."""
-    _check_qkv(q, k, v, 3)
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"flash: H_kv must divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if cu_seqlens_k is None:
-        cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
-    elif max_seqlen_k is None:
-        raise ValueError("flash: cu_seqlens_k needs max_seqlen_k")
-    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device:
-            raise ValueError(f"flash: {name} must be a 1-D int32 tensor on {q.device}, got {cu.dtype} "
-                             f"{tuple(cu.shape)} on {cu.device}")
-    if cu_seqlens.shape != cu_seqlens_k.shape:
-        raise ValueError("flash: cu_seqlens and cu_seqlens_k must have the same number of sequences")
-    if torch.compiler.is_compiling():
-        return _varlen_fwd(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal)[0]
-    return _Eager.apply(q, k, v, causal, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k))
+    Each query attends only inside its own document; max_seqlen is a Python int >= the longest document (it sizes
+    the grid and is not checked on the device, to avoid a host sync per call)."""
+    return attention_with_lse(q, k, v, causal, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)[0]
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """The Triton kernels on (..., seq, d); saves one L of shape (..., seq_q) (SPEC §5.1)."""
+    """The Triton kernels on (..., seq, d) (heads folded into the leading dims); saves one L of shape
+    (..., seq_q)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
+    def forward(ctx, q, k, v, causal=False):
         _check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]), 3)
-        o, lse = _forward(*(x.reshape(-1, 1, *x.shape[-2:]) for x in (q, k, v)), is_causal)
+        o, lse = _forward(*(x.reshape(-1, 1, *x.shape[-2:]) for x in (q, k, v)), None, None, 0, 0, causal)
         o, lse = o.reshape(q.shape), lse.reshape(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal = is_causal
+        ctx.causal = causal
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         as4 = lambda x: x.reshape(-1, 1, *x.shape[-2:])
-        dq, dk, dv = _backward(as4(do), as4(q), as4(k), as4(v), as4(o), lse.reshape(-1, 1, q.shape[-2]), ctx.is_causal)
+        dq, dk, dv = _backward(as4(do), as4(q), as4(k), as4(v), as4(o), lse.reshape(-1, 1, q.shape[-2]), None,
+                               None, 0, 0, ctx.causal)
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. AdamW: one launch steps every parameter of a (group, dtype) bucket (train.AdamW holds the algorithm, the
+#    groups and the state, and calls adamw_step). The tensors are cut into ADAMW_BLOCK-element chunks; a table built
+#    once gives each chunk's element offset from a base tensor (the lowest address) for p, m and v, its tensor's
+#    index, its index inside the tensor and its length. Gradients are new tensors after every backward (grads set to
+#    None), so their offsets live in a separate per-tensor array, the only thing re-sent when they move (a few
+#    hundred bytes, pinned and non-blocking: rebuilding and sending the 2 MB chunk table every step cost 8 ms of host
+#    time per GPT-2-small step on the H200). Offsets are stored in units of UNIT elements, so when every tensor
+#    starts 16 elements apart the compiler sees the alignment and vectorizes the loads. One pass reads p, g, m, v and
+#    writes p, m, v: 28 bytes per fp32 parameter, the least possible (the foreach path makes about 8 passes).
+# ---------------------------------------------------------------------------------------------------------------
+
+ADAMW_BLOCK = 2048  # on the H200 2048 beat 4096 and 8192
+
+
+@triton.jit
+def _adamw_kernel(P, G, M, V, table, g_offsets, n_chunks, neg_step, beta1, beta2, eps, decay,
+                  BLOCK: tl.constexpr, UNIT: tl.constexpr, G_UNIT: tl.constexpr):
+    c = tl.program_id(0)
+    start = tl.load(table + 4 * n_chunks + c) * BLOCK  # the chunk's first element inside its tensor
+    p_off = tl.load(table + c) * UNIT + start
+    m_off = tl.load(table + n_chunks + c) * UNIT + start
+    v_off = tl.load(table + 2 * n_chunks + c) * UNIT + start
+    g_off = tl.load(g_offsets + tl.load(table + 3 * n_chunks + c)) * G_UNIT + start
+    n = tl.load(table + 5 * n_chunks + c)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    p = tl.load(P + p_off + offs, mask=ok).to(tl.float32)
+    g = tl.load(G + g_off + offs, mask=ok).to(tl.float32)
+    m = tl.load(M + m_off + offs, mask=ok)
+    v = tl.load(V + v_off + offs, mask=ok)
+    m = beta1 * m + (1.0 - beta1) * g                       # m <- b1 m + (1 - b1) g
+    v = beta2 * v + (1.0 - beta2) * g * g                   # v <- b2 v + (1 - b2) g^2
+    p = (p + neg_step * m / (tl.sqrt(v) + eps)) * decay     # p <- p - a_t m / (sqrt(v) + eps), then p <- p (1 - a l)
+    tl.store(P + p_off + offs, p.to(P.dtype.element_ty), mask=ok)
+    tl.store(M + m_off + offs, m, mask=ok)
+    tl.store(V + v_off + offs, v, mask=ok)
+
+
+def _offsets(tensors):
+    """(base tensor, offsets of every tensor from it in units, unit): base = the lowest address."""
+    ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    base = int(np.argmin(ptrs))
+    offsets = (ptrs - ptrs[base]) // tensors[0].element_size()
+    unit = 16 if (offsets % 16 == 0).all() else 1
+    return tensors[base], offsets // unit, unit
+
+
+def _chunk_table(columns, block):
+    """columns: [params, exp_avgs, exp_avg_sqs], equal-length lists of contiguous tensors. Returns (bases, table
+    int64 (6, n_chunks), unit): rows p/m/v tensor offsets in units, tensor index, chunk index inside the tensor
+    (the kernel adds chunk * block to every offset), length."""
+    numels = np.array([t.numel() for t in columns[0]], dtype=np.int64)
+    n_chunks = -(-numels // block)
+    chunk = np.concatenate([np.arange(n, dtype=np.int64) for n in n_chunks])
+    tensor = np.repeat(np.arange(len(numels), dtype=np.int64), n_chunks)
+    bases, offsets, units = zip(*(_offsets(col) for col in columns))
+    unit = min(units)
+    table = [np.repeat(o * u // unit, n_chunks) for o, u in zip(offsets, units)]
+    table += [tensor, chunk, np.minimum(block, numels[tensor] - chunk * block)]
+    return list(bases), torch.from_numpy(np.stack(table)), unit
+
+
+def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay):
+    """One AdamW update of equal-length lists of contiguous tensors (one device and dtype each list; m, v fp32):
+    m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; p <- (p + neg_step m / (sqrt(v) + eps)) * decay, with
+    neg_step = -lr sqrt(1 - b2^t) / (1 - b1^t) and decay = 1 - lr weight_decay. `cache` is a dict the caller keeps
+    per bucket between steps (the chunk table and the gradient offsets)."""
+    live = [i for i, p in enumerate(params) if p.numel()]
+    if not live:
+        return
+    params, grads, exp_avgs, exp_avg_sqs = ([col[i] for i in live] for col in (params, grads, exp_avgs, exp_avg_sqs))
+    device = params[0].device
+    key = tuple(t.data_ptr() for col in (params, exp_avgs, exp_avg_sqs) for t in col) + tuple(t.numel() for t in params)
+    if cache.get("key") != key:  # built once (again only if a parameter or its state moved)
+        bases, table, unit = _chunk_table([params, exp_avgs, exp_avg_sqs], ADAMW_BLOCK)
+        cache.clear()
+        cache.update(key=key, bases=bases, table=table.to(device), unit=unit, g_key=None)
+    g_key = tuple(g.data_ptr() for g in grads)
+    if cache["g_key"] != g_key:  # new gradient tensors: send their offsets, without waiting for the GPU
+        g_base, g_offsets, g_unit = _offsets(grads)
+        g_offsets = torch.from_numpy(g_offsets)
+        if device.type == "cuda":
+            g_offsets = g_offsets.pin_memory().to(device, non_blocking=True)
+        cache.update(g_key=g_key, g_base=g_base, g_offsets=g_offsets, g_unit=g_unit)
+    p, m, v = cache["bases"]
+    n_chunks = cache["table"].shape[1]
+    _adamw_kernel[(n_chunks,)](p, cache["g_base"], m, v, cache["table"], cache["g_offsets"], n_chunks, neg_step,
+                               beta1, beta2, eps, decay, BLOCK=ADAMW_BLOCK, UNIT=cache["unit"],
+                               G_UNIT=cache["g_unit"], num_warps=8)

@@ -1,9 +1,9 @@
-"""A pre-norm Transformer language model written from plain tensor ops (SPEC §2).
+"""A pre-norm Transformer language model written from plain tensor ops.
 
 Reading order: basic modules (Linear, Embedding, RMSNorm, SwiGLU, RoPE) -> softmax and attention -> the attention
 layer, the block and TransformerLM -> cross-entropy -> parameter/FLOP accounting and size presets.
 
-The state dict uses the course's reference layout (SPEC §2.7), so checkpoints move both ways:
+The state dict uses the course's reference layout, so checkpoints move both ways:
 token_embeddings.weight, layers.{i}.ln1.weight, layers.{i}.attn.{q_proj,k_proj,v_proj,output_proj}.weight,
 layers.{i}.ln2.weight, layers.{i}.ffn.{w1,w2,w3}.weight, ln_final.weight, lm_head.weight.
 
@@ -32,11 +32,11 @@ def upcast(x):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# basic modules (SPEC §2.1-2.4)
+# basic modules
 # ---------------------------------------------------------------------------------------------------------------
 
 class Linear(nn.Module):
-    """y = x W^T, no bias; W (out, in) ~ truncated normal, sigma^2 = 2 / (in + out), cut at +-3 sigma (SPEC §2.1)."""
+    """y = x W^T, no bias; W (out, in) ~ truncated normal, sigma^2 = 2 / (in + out), cut at +-3 sigma."""
 
     def __init__(self, in_features, out_features, device=None, dtype=None):
         super().__init__()
@@ -50,7 +50,7 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Lookup table weight (num_embeddings, embedding_dim) ~ truncated normal, sigma 1, cut at +-3 (SPEC §2.1)."""
+    """Lookup table weight (num_embeddings, embedding_dim) ~ truncated normal, sigma 1, cut at +-3."""
 
     def __init__(self, num_embeddings, embedding_dim, device=None, dtype=None):
         super().__init__()
@@ -64,7 +64,7 @@ class Embedding(nn.Module):
 
 class RMSNorm(nn.Module):
     """out = x / sqrt(mean(x^2) + eps) * g, computed in fp32 (squares overflow in half precision), returned in the
-    input's dtype (SPEC §2.2)."""
+    input's dtype."""
 
     def __init__(self, d_model, eps=1e-5, device=None, dtype=None):
         super().__init__()
@@ -79,12 +79,12 @@ class RMSNorm(nn.Module):
 
 
 def silu(x):
-    """SiLU(x) = x * sigmoid(x) (SPEC §2.3)."""
+    """SiLU(x) = x * sigmoid(x)."""
     return x * torch.sigmoid(x)
 
 
 class SwiGLU(nn.Module):
-    """FFN(x) = W2 (SiLU(W1 x) * W3 x) (SPEC §2.3); d_ff defaults to (8/3) d rounded to a multiple of 64."""
+    """FFN(x) = W2 (SiLU(W1 x) * W3 x); d_ff defaults to (8/3) d rounded to a multiple of 64."""
 
     def __init__(self, d_model, d_ff=None, device=None, dtype=None):
         super().__init__()
@@ -100,7 +100,7 @@ class SwiGLU(nn.Module):
 
 def apply_rope(x, cos, sin):
     """Rotate interleaved pairs (x[2j], x[2j+1]) of the last dim by angles whose cos/sin broadcast against
-    x[..., ::2] (SPEC §2.4). Computed in at least fp32, returned in x's dtype.
+    x[..., ::2]. Computed in at least fp32, returned in x's dtype.
     Written as x * C + swap(x) * S with C = (c0, c0, c1, c1, ...), S = (-s0, s0, -s1, s1, ...) and swap exchanging
     the two elements of each pair: every term is elementwise or a fixed reindexing, so torch.compile makes one
     kernel of it forward and one backward (about 23 us each per GPT-2-small layer on the H200)."""
@@ -112,27 +112,29 @@ def apply_rope(x, cos, sin):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with precomputed cos/sin tables (max_seq_len, d_k/2) as non-persistent buffers (SPEC §2.4).
+    """RoPE: pair j of the head vector at position i turns by angle i * theta^(-2j / d_k), i.e.
+    x'[2j] = x[2j] cos - x[2j+1] sin, x'[2j+1] = x[2j] sin + x[2j+1] cos. Precomputed cos/sin tables
+    (context_length, d_k/2) as non-persistent buffers.
 
-    forward(x (..., T, d_k), token_positions (..., T) broadcasting over x's leading dims; default 0..T-1)."""
+    forward(x (..., T, d_k), position_ids (..., T) broadcasting over x's leading dims; default 0..T-1)."""
 
-    def __init__(self, theta, d_k, max_seq_len, device=None):
+    def __init__(self, theta, d_k, context_length, device=None):
         super().__init__()
         if d_k % 2:
             raise ValueError(f"RoPE needs an even head dimension, got d_k={d_k}")
         inv_freq = theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float64) / d_k)
-        angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq)
+        angles = torch.outer(torch.arange(context_length, device=device, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x, token_positions=None):
-        if token_positions is None:
-            token_positions = torch.arange(x.shape[-2], device=x.device)
-        return apply_rope(x, self.cos[token_positions], self.sin[token_positions])
+    def forward(self, x, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[-2], device=x.device)
+        return apply_rope(x, self.cos[position_ids], self.sin[position_ids])
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# softmax and attention (SPEC §2.5, §5.7)
+# softmax and attention
 # ---------------------------------------------------------------------------------------------------------------
 
 def softmax(x, dim):
@@ -144,7 +146,7 @@ def softmax(x, dim):
 
 def scaled_dot_product_attention(q, k, v, mask=None):
     """softmax(Q K^T / sqrt(d_k)) V with q (..., n, d_k), k (..., m, d_k), v (..., m, d_v); mask (n, m) boolean,
-    broadcastable, True = query i may attend key j (SPEC §2.5). Scores and softmax run in at least fp32."""
+    broadcastable, True = query i may attend key j. Scores and softmax run in at least fp32."""
     scores = upcast(q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -159,20 +161,20 @@ def causal_mask(n, device):
 
 def document_ids(cu_seqlens, n):
     """Document index of each of n packed rows: doc(t) = k such that cu_seqlens[k] <= t < cu_seqlens[k+1]
-    (SPEC §5.7). On the device, no host sync."""
+   . On the device, no host sync."""
     t = torch.arange(n, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return torch.searchsorted(cu_seqlens[1:].contiguous(), t, right=True)
 
 
 def packed_positions(cu_seqlens, n):
-    """RoPE positions that restart in every packed document: pos(t) = t - cu_seqlens[doc(t)] (SPEC §5.7)."""
+    """RoPE positions that restart in every packed document: pos(t) = t - cu_seqlens[doc(t)]."""
     doc = document_ids(cu_seqlens, n)
     t = torch.arange(n, device=cu_seqlens.device)
     return t - cu_seqlens[doc].long()
 
 
 def block_diagonal_causal_mask(cu_seqlens, n):
-    """(n, n) boolean: row t may attend row s iff doc(t) == doc(s) and s <= t (SPEC §5.7 block-diagonal rule).
+    """(n, n) boolean: row t may attend row s iff doc(t) == doc(s) and s <= t (the block-diagonal rule).
     The dense reference for packed attention."""
     doc = document_ids(cu_seqlens, n)
     return (doc[:, None] == doc[None, :]) & causal_mask(n, cu_seqlens.device)
@@ -204,11 +206,11 @@ class KVCache:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# attention layer, block, language model (SPEC §2.6, §2.7)
+# attention layer, block, language model
 # ---------------------------------------------------------------------------------------------------------------
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE on q and k (SPEC §2.6).
+    """Multi-head causal self-attention with RoPE on q and k.
 
     q_proj, k_proj, v_proj are three modules (the reference state-dict names), each called as a module, so wrappers
     that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection. (One matmul
@@ -217,7 +219,7 @@ class CausalSelfAttention(nn.Module):
     Heads stay (B, T, H, d_k) in memory; flash and sdpa get (B, H, T, d_k) views of them, no copy.
     """
 
-    def __init__(self, d_model, num_heads, max_seq_len, theta=10000.0, attn_impl="naive", rope=None,
+    def __init__(self, d_model, num_heads, context_length, theta=10000.0, attn_impl="naive", rope=None,
                  layer_idx=0, device=None, dtype=None):
         super().__init__()
         if d_model % num_heads:
@@ -232,24 +234,24 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         if rope is None and theta is not None:
-            rope = RotaryEmbedding(theta, self.d_head, max_seq_len, device=device)
+            rope = RotaryEmbedding(theta, self.d_head, context_length, device=device)
         self.rope = rope  # shared by all layers of a TransformerLM; None = no positional encoding (NoPE)
 
-    def forward(self, x, token_positions=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
-        """x (B, T, d). token_positions (..., T) broadcast over the batch (default 0..T-1). Packed mode: B == 1,
+    def forward(self, x, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+        """x (B, T, d). position_ids (..., T) broadcast over the batch (default 0..T-1). Packed mode: B == 1,
         cu_seqlens/max_seqlen mark the documents (attention stays inside each). kv_cache: decoding, see KVCache."""
         B, T, d = x.shape
         q, k, v = (proj(x).view(B, T, self.num_heads, self.d_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.rope is not None:
-            if token_positions is None:
-                token_positions = torch.arange(T, device=x.device)
+            if position_ids is None:
+                position_ids = torch.arange(T, device=x.device)
             # the tables gain a heads axis: (..., T, 1, d_k/2) against q, k (B, T, H, d_k/2)
-            cos = self.rope.cos[token_positions].unsqueeze(-2)
-            sin = self.rope.sin[token_positions].unsqueeze(-2)
+            cos = self.rope.cos[position_ids].unsqueeze(-2)
+            sin = self.rope.sin[position_ids].unsqueeze(-2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         if kv_cache is not None:
-            out = self._cached_attention(q, k, v, token_positions, kv_cache)
+            out = self._cached_attention(q, k, v, position_ids, kv_cache)
         elif cu_seqlens is not None:
             out = self._packed_attention(q, k, v, cu_seqlens, max_seqlen)
         else:
@@ -270,7 +272,7 @@ class CausalSelfAttention(nn.Module):
         return out.transpose(1, 2)
 
     def _packed_attention(self, q, k, v, cu_seqlens, max_seqlen):
-        """Documents packed in one row (1, N, H, D): block-diagonal causal attention (SPEC §5.7)."""
+        """Documents packed in one row (1, N, H, D): block-diagonal causal attention."""
         N = q.shape[1]
         if self.attn_impl == "flash":
             return flash.flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True).unsqueeze(0)
@@ -311,43 +313,43 @@ class CausalSelfAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: z = x + MHSA(RMSNorm1(x)); y = z + FFN(RMSNorm2(z)) (SPEC §2.7)."""
+    """Pre-norm block: z = x + MHSA(RMSNorm1(x)); y = z + FFN(RMSNorm2(z))."""
 
-    def __init__(self, d_model, num_heads, d_ff, max_seq_len, theta=10000.0, attn_impl="naive", rope=None,
+    def __init__(self, d_model, num_heads, d_ff, context_length, theta=10000.0, attn_impl="naive", rope=None,
                  layer_idx=0, device=None, dtype=None):
         super().__init__()
         self.ln1 = RMSNorm(d_model, device=device, dtype=dtype)
-        self.attn = CausalSelfAttention(d_model, num_heads, max_seq_len, theta, attn_impl=attn_impl, rope=rope,
+        self.attn = CausalSelfAttention(d_model, num_heads, context_length, theta, attn_impl=attn_impl, rope=rope,
                                         layer_idx=layer_idx, device=device, dtype=dtype)
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
 
-    def forward(self, x, token_positions=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
-        x = x + self.attn(self.ln1(x), token_positions, cu_seqlens, max_seqlen, kv_cache)
+    def forward(self, x, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+        x = x + self.attn(self.ln1(x), position_ids, cu_seqlens, max_seqlen, kv_cache)
         return x + self.ffn(self.ln2(x))
 
 
 class TransformerLM(nn.Module):
-    """token_embeddings -> num_layers pre-norm blocks -> ln_final -> lm_head; returns logits (SPEC §2.7).
+    """token_embeddings -> num_layers pre-norm blocks -> ln_final -> lm_head; returns logits.
 
     rope_theta=None disables RoPE. tie_embeddings shares one (vocab_size, d_model) matrix between the embedding
     and lm_head, initialised like a Linear (std sqrt(2 / (V + d))) since std 1 would blow up the logits.
-    ckpt_every=k > 0 checkpoints segments of k consecutive blocks while training (SPEC §3.9): their activations
+    act_ckpt_every=k > 0 checkpoints segments of k consecutive blocks while training: their activations
     are recomputed in backward instead of stored.
     """
 
     def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta=10000.0,
-                 attn_impl="naive", tie_embeddings=False, ckpt_every=0, device=None, dtype=None):
+                 attn_impl="naive", tie_embeddings=False, act_ckpt_every=0, device=None, dtype=None):
         super().__init__()
-        if ckpt_every < 0:
-            raise ValueError(f"ckpt_every={ckpt_every} must be >= 0 (0 = no activation checkpointing)")
+        if act_ckpt_every < 0:
+            raise ValueError(f"act_ckpt_every={act_ckpt_every} must be >= 0 (0 = no activation checkpointing)")
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.vocab_size, self.context_length = vocab_size, context_length
         self.d_model, self.num_layers, self.num_heads = d_model, num_layers, num_heads
-        self.ckpt_every = ckpt_every
+        self.act_ckpt_every = act_ckpt_every
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
-        # one RoPE table for all layers (SPEC §2.4); a non-persistent buffer, so not in the state dict
+        # one RoPE table for all layers; a non-persistent buffer, so not in the state dict
         rope = None if rope_theta is None else RotaryEmbedding(rope_theta, d_model // num_heads, context_length,
                                                                device=device)
         self.layers = nn.ModuleList(
@@ -382,7 +384,7 @@ class TransformerLM(nn.Module):
     def forward(self, idx, cu_seqlens=None, max_seqlen=None, position_ids=None, kv_cache=None):
         """idx (B, T) int64 -> logits (B, T, vocab_size).
 
-        Packed mode (SPEC §5.7): idx (1, N) holds documents back to back, cu_seqlens (int32, num_docs + 1) their
+        Packed mode: idx (1, N) holds documents back to back, cu_seqlens (int32, num_docs + 1) their
         boundaries and max_seqlen (Python int) the longest; attention stays inside each document and RoPE
         positions restart at 0 in each (unless position_ids are given).
         position_ids (B, T) or (T,): explicit RoPE positions (default 0..T-1).
@@ -411,7 +413,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"sequence of {T} tokens exceeds context_length {self.context_length}")
 
         x = self.token_embeddings(idx)
-        seg = self.ckpt_every
+        seg = self.act_ckpt_every
         if seg and self.training and torch.is_grad_enabled():
             for start in range(0, self.num_layers, seg):
                 x = checkpoint(self._run_layers, x, start, start + seg, position_ids, cu_seqlens, max_seqlen,
@@ -429,14 +431,14 @@ class TransformerLM(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# loss (SPEC §2.8)
+# loss
 # ---------------------------------------------------------------------------------------------------------------
 
 class _CrossEntropy(torch.autograd.Function):
-    """Forward as SPEC §2.8; backward written out: d loss / d o = (softmax(o) - onehot(target)) / count, one
+    """Forward: loss_i = logsumexp(o_i) - o_i[target_i] in fp32; backward written out: d loss / d o = (softmax(o) - onehot(target)) / count, one
     elementwise pass over the logits. (Autograd's own backward of the gather builds a dense fp32 zero tensor of the
     logits' size and scatters into it: the loss took 4.0 ms of kernel time in a 30 ms GPT-2-small step on the H200,
-    1.6 ms written out; gpu/gpt2_profile.py.)"""
+    1.6 ms written out.)"""
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index):
@@ -470,7 +472,7 @@ def cross_entropy(logits, targets, ignore_index=-100):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# parameter and FLOP accounting, size presets (SPEC §2.9, §2.10)
+# parameter and FLOP accounting, size presets
 # ---------------------------------------------------------------------------------------------------------------
 
 def count_params(model):
@@ -479,7 +481,7 @@ def count_params(model):
 
 
 def flops_per_token(vocab_size, context_length, d_model, num_layers, d_ff, causal=True):
-    """Training FLOPs per token = 3 x forward (SPEC §2.9). Forward per sequence of T tokens:
+    """Training FLOPs per token = 3 x forward (backward = 2 x forward; a matmul (m x n)(n x p) is 2mnp). Forward per sequence of T tokens:
     L (8 T d^2 + 4 T^2 d + 6 T d d_ff) + 2 T d V; causal halves the T^2 terms (tile-skipping kernels do half)."""
     T, d = context_length, d_model
     attn_t2 = (2 if causal else 4) * T * T * d

@@ -153,7 +153,7 @@ def load_model(ckpt_path, device="cpu"):
     model_args = dict(ckpt["model_args"])
     # the prompt runs through the cache's masked attention anyway; flash only serves windows past the context
     model_args["attn_impl"] = "flash" if torch.device(device).type == "cuda" else "naive"
-    model_args["ckpt_every"] = 0
+    model_args["act_ckpt_every"] = 0
     model = TransformerLM(**model_args)
     prefixes = ("_orig_mod.", "module.")  # added by torch.compile and by data-parallel wrappers
     state = {}

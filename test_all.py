@@ -494,7 +494,7 @@ def _check_dense(b, h, h_kv, s, s_k, d, causal, dtype=torch.float32, tol=1e-5, l
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
     with _poisoned_empty():
-        o, lse = flash._attention_fwd(q, k, v, causal)
+        o, lse = flash.attention_with_lse(q, k, v, causal)
         o.backward(do)
     ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ro, rlse = flash.attention_reference(*ref, causal)
@@ -567,7 +567,7 @@ def _check_varlen(lens, h, h_kv, d, causal, lens_k=None, gen=None, tol=1e-5, dty
     k, v = (torch.randn(sum(lens_k), h_kv, d, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(2))
     do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
     with _poisoned_empty():
-        o, lse = flash._varlen_fwd(q, k, v, cu, cu_k, max(lens), max(lens_k), causal)
+        o, lse = flash.attention_with_lse(q, k, v, causal, cu, max(lens), cu_k, max(lens_k))
         o.backward(do)
     ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ro, rlse = flash.attention_varlen_reference(*ref, cu, causal, cu_k)
@@ -591,34 +591,6 @@ def test_flash_varlen_separate_key_lengths():
     gen = torch.Generator().manual_seed(5)
     _check_varlen([5, 30, 1, 12], 2, 1, 16, False, lens_k=[40, 3, 17, 1], gen=gen)
     _check_varlen([20, 33, 7], 2, 2, 16, True, lens_k=[20, 40, 3], gen=gen)
-
-
-def test_flash_tma_descriptor_loads_match_reference():
-    """FLASH_TMA=1 makes the kernels read and write tiles through TMA descriptors (rows past a sequence's end load as
-    zeros and are never stored) instead of masked pointer loads, the default every other test runs. Same ragged,
-    GQA, strided and packed cases, in the interpreter and natively on Hopper; a misaligned view falls back to
-    pointer loads."""
-    gen = torch.Generator().manual_seed(11)
-    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
-        raise unittest.SkipTest("TMA needs a Hopper or later GPU")
-    old, flash.TMA = flash.TMA, True
-    taken = []
-    use_tma = flash._use_tma
-    flash._use_tma = lambda *xs: taken.append(use_tma(*xs)) or taken[-1]
-    try:
-        for causal in (False, True):
-            _check_dense(1, 2, 2, 37, 37, 32, causal, gen=gen)
-            _check_dense(2, 4, 2, 45, 45, 16, causal, layout="bshd", gen=gen)
-            _check_varlen([1, 5, 17, 3, 40], 2, 1, 16, causal, gen=gen)
-        _check_varlen([5, 30, 1], 2, 2, 16, False, lens_k=[40, 3, 17], gen=gen)
-        assert taken and all(taken), taken
-        taken.clear()  # a row stride of 17 floats is not 16-byte aligned: pointer loads, still correct
-        q, k, v = (torch.randn(1, 2, 20, 17, generator=gen).to(DEVICE)[..., 1:] for _ in range(3))
-        o = flash.flash_attention(q, k, v, causal=True)
-        ref = flash.attention_reference(q.double(), k.double(), v.double(), True)[0]
-        assert taken == [False] and _rel(o, ref) < 1e-5
-    finally:
-        flash.TMA, flash._use_tma = old, use_tma
 
 
 def test_flash_compiles_without_graph_breaks():
@@ -736,7 +708,7 @@ def test_silu_and_swiglu_match_formula_and_default_d_ff():
 def test_rope_matches_complex_rotation_with_explicit_positions():
     torch.manual_seed(0)
     d_k, theta = 16, 10000.0
-    rope = RotaryEmbedding(theta, d_k, max_seq_len=50)
+    rope = RotaryEmbedding(theta, d_k, context_length=50)
     x = torch.randn(2, 3, 7, d_k, dtype=torch.float64)
     pos = torch.randint(0, 50, (2, 1, 7))  # broadcast over the middle (heads) dim
     j = torch.arange(d_k // 2, dtype=torch.float64)
@@ -1004,8 +976,8 @@ def test_kv_cache_decoding_matches_full_forward():
 def test_activation_checkpointing_gives_same_loss_and_grads():
     idx = torch.randint(0, 61, (2, 15))
     results = []
-    for ckpt_every in (0, 1, 2):
-        m = _tiny_lm(num_layers=3, ckpt_every=ckpt_every)
+    for act_ckpt_every in (0, 1, 2):
+        m = _tiny_lm(num_layers=3, act_ckpt_every=act_ckpt_every)
         loss = cross_entropy(m(idx), torch.roll(idx, -1, 1))
         loss.backward()
         results.append((loss.detach(), [p.grad for p in m.parameters()]))
@@ -1154,7 +1126,7 @@ def _tiny_checkpoint(tmp_path, compiled_names=False):
     tok_dir = tmp_path / "tok"
     bpe.Tokenizer(vocab, merges, ["<|endoftext|>"]).save(str(tok_dir))
     model_args = dict(vocab_size=len(vocab), context_length=32, d_model=32, num_layers=2, num_heads=4, d_ff=64,
-                      rope_theta=10000.0, tie_embeddings=False, ckpt_every=0)
+                      rope_theta=10000.0, tie_embeddings=False, act_ckpt_every=0)
     torch.manual_seed(0)
     m = TransformerLM(**model_args)
     prefix = "_orig_mod." if compiled_names else ""
@@ -1352,7 +1324,7 @@ def test_adamw_fused_kernel_matches_spec_algorithm():
     the last time as unaligned views into one buffer."""
     torch.manual_seed(4)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    block = train.ADAMW_BLOCK
+    block = flash.ADAMW_BLOCK
     shapes = [(7, 5), (block + 3,), (1,), (2 * block,), (3, 17)]
     ours = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
     half = torch.nn.Parameter(torch.randn(33, device=device).to(torch.bfloat16))

@@ -28,10 +28,9 @@ import numpy as np
 import torch
 
 import ddp
+import flash
 from model import TransformerLM, count_params, cross_entropy, flops_per_token
 
-import triton  # noqa: E402  (after model, whose flash import picks the interpreter on a machine without CUDA)
-import triton.language as tl  # noqa: E402
 
 # -----------------------------------------------------------------------------------------------------------------
 # config: plain globals, overridden by a config file and then --key=value (apply_config). Defaults = a CPU run.
@@ -58,7 +57,7 @@ d_ff = 704                      # SwiGLU hidden width (about 8/3 d_model, a mult
 rope_theta = 10000.0            # RoPE base
 tie_embeddings = False          # share token_embeddings and lm_head
 attn_impl = "auto"              # 'auto' (flash on CUDA, naive on CPU) | 'flash' | 'flash_ref' | 'sdpa' | 'naive'
-ckpt_every = 0                  # activation checkpointing every k blocks (0 = off, SPEC §3.9)
+act_ckpt_every = 0              # activation checkpointing every k blocks (0 = off, SPEC §3.9)
 # optimizer (SPEC §3.1-3.3, starting points of §3.11)
 learning_rate = 3e-3            # peak learning rate
 min_lr = 3e-4                   # floor of the cosine schedule
@@ -134,65 +133,6 @@ def apply_config(argv, config):
 # -----------------------------------------------------------------------------------------------------------------
 # optimizer, schedule, clipping (SPEC §3.1-3.3)
 
-# One Triton launch steps every parameter of a (group, dtype) bucket. The tensors are cut into BLOCK-element chunks;
-# a table built once gives each chunk's element offset from a base tensor (the lowest address) for p, m and v, its
-# tensor's index, its index inside the tensor and its length. Gradients are new tensors after every backward (grads
-# set to None), so their offsets live in a separate per-tensor array, the only thing re-sent when they move (a few
-# hundred bytes, pinned and non-blocking: rebuilding and sending the 2 MB chunk table every step cost 8 ms of host
-# time per GPT-2-small step on the H200, gpu/adamw_host.py). Offsets are stored in units of UNIT elements, so when
-# every tensor starts 16 elements apart the compiler sees the alignment and vectorizes the loads. One pass reads p,
-# g, m, v and writes p, m, v: 28 bytes per fp32 parameter, the least possible (the foreach path makes about 8).
-ADAMW_BLOCK = 2048  # measured on the H200: 2048 beat 4096 and 8192 (BENCHMARKS.md)
-
-
-@triton.jit
-def _adamw_kernel(P, G, M, V, table, g_offsets, n_chunks, neg_step, beta1, beta2, eps, decay,
-                  BLOCK: tl.constexpr, UNIT: tl.constexpr, G_UNIT: tl.constexpr):
-    c = tl.program_id(0)
-    start = tl.load(table + 4 * n_chunks + c) * BLOCK  # the chunk's first element inside its tensor
-    p_off = tl.load(table + c) * UNIT + start
-    m_off = tl.load(table + n_chunks + c) * UNIT + start
-    v_off = tl.load(table + 2 * n_chunks + c) * UNIT + start
-    g_off = tl.load(g_offsets + tl.load(table + 3 * n_chunks + c)) * G_UNIT + start
-    n = tl.load(table + 5 * n_chunks + c)
-    offs = tl.arange(0, BLOCK)
-    ok = offs < n
-    p = tl.load(P + p_off + offs, mask=ok).to(tl.float32)
-    g = tl.load(G + g_off + offs, mask=ok).to(tl.float32)
-    m = tl.load(M + m_off + offs, mask=ok)
-    v = tl.load(V + v_off + offs, mask=ok)
-    m = beta1 * m + (1.0 - beta1) * g                       # m <- b1 m + (1 - b1) g
-    v = beta2 * v + (1.0 - beta2) * g * g                   # v <- b2 v + (1 - b2) g^2
-    p = (p + neg_step * m / (tl.sqrt(v) + eps)) * decay     # p <- p - a_t m / (sqrt(v) + eps), then p <- p (1 - a l)
-    tl.store(P + p_off + offs, p.to(P.dtype.element_ty), mask=ok)
-    tl.store(M + m_off + offs, m, mask=ok)
-    tl.store(V + v_off + offs, v, mask=ok)
-
-
-def _offsets(tensors):
-    """(base tensor, offsets of every tensor from it in units, unit): base = the lowest address."""
-    ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
-    base = int(np.argmin(ptrs))
-    offsets = (ptrs - ptrs[base]) // tensors[0].element_size()
-    unit = 16 if (offsets % 16 == 0).all() else 1
-    return tensors[base], offsets // unit, unit
-
-
-def _chunk_table(columns, block):
-    """columns: [params, exp_avgs, exp_avg_sqs], equal-length lists of contiguous tensors. Returns (bases, table
-    int64 (6, n_chunks), unit): rows p/m/v tensor offsets in units, tensor index, chunk index inside the tensor
-    (the kernel adds chunk * block to every offset), length."""
-    numels = np.array([t.numel() for t in columns[0]], dtype=np.int64)
-    n_chunks = -(-numels // block)
-    chunk = np.concatenate([np.arange(n, dtype=np.int64) for n in n_chunks])
-    tensor = np.repeat(np.arange(len(numels), dtype=np.int64), n_chunks)
-    bases, offsets, units = zip(*(_offsets(col) for col in columns))
-    unit = min(units)
-    table = [np.repeat(o * u // unit, n_chunks) for o, u in zip(offsets, units)]
-    table += [tensor, chunk, np.minimum(block, numels[tensor] - chunk * block)]
-    return list(bases), torch.from_numpy(np.stack(table)), unit
-
-
 class AdamW(torch.optim.Optimizer):
     """AdamW exactly as SPEC §3.1 (t per parameter, ε after sqrt(v), decay by α·λ after the Adam update). m and v
     are fp32 (fp64 for fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded once.
@@ -207,7 +147,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"AdamW: betas must lie in [0, 1) (got {betas})")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.fused = fused
-        self._tables = {}  # bucket -> chunk table and gradient offsets (_fused_step)
+        self._tables = {}  # bucket -> flash.adamw_step's cache (chunk table, gradient offsets)
 
     def _use_kernel(self, p):
         if self.fused is False or p.dtype == torch.float64:
@@ -244,38 +184,14 @@ class AdamW(torch.optim.Optimizer):
                 b = buckets.setdefault(key, ([], [], [], []))
                 for lst, t in zip(b, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
                     lst.append(t)
-            for (fused, _, dt, _, t), columns in buckets.items():
+            for (fused, device, dt, g_dt, t), columns in buckets.items():
                 neg_step = -lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)  # -α_t
-                if fused:
-                    self._fused_step(gi, columns, neg_step, beta1, beta2, eps, 1 - lr * weight_decay)
+                if fused:  # flash.py's kernel; the cache keeps its chunk table between steps
+                    cache = self._tables.setdefault((gi, device, dt, g_dt), {})
+                    flash.adamw_step(cache, *columns, neg_step, beta1, beta2, eps, 1 - lr * weight_decay)
                 else:
                     self._foreach_step(*columns, neg_step, beta1, beta2, eps, lr * weight_decay)
         return loss
-
-    def _fused_step(self, gi, columns, neg_step, beta1, beta2, eps, decay):
-        params, grads, exp_avgs, exp_avg_sqs = ([t for t in col if t.numel()] for col in columns)
-        if not params:
-            return
-        device = params[0].device
-        key = tuple(t.data_ptr() for col in (params, exp_avgs, exp_avg_sqs) for t in col) + tuple(
-            t.numel() for t in params)
-        bucket = (gi, device, params[0].dtype, grads[0].dtype)
-        cached = self._tables.get(bucket)
-        if cached is None or cached["key"] != key:  # built once (again only if a parameter or its state moved)
-            bases, table, unit = _chunk_table([params, exp_avgs, exp_avg_sqs], ADAMW_BLOCK)
-            cached = self._tables[bucket] = dict(key=key, bases=bases, table=table.to(device), unit=unit, g_key=None)
-        g_key = tuple(g.data_ptr() for g in grads)
-        if cached["g_key"] != g_key:  # new gradient tensors: send their offsets, without waiting for the GPU
-            g_base, g_offsets, g_unit = _offsets(grads)
-            g_offsets = torch.from_numpy(g_offsets)
-            if device.type == "cuda":
-                g_offsets = g_offsets.pin_memory().to(device, non_blocking=True)
-            cached.update(g_key=g_key, g_base=g_base, g_offsets=g_offsets, g_unit=g_unit)
-        p, m, v = cached["bases"]
-        n_chunks = cached["table"].shape[1]
-        _adamw_kernel[(n_chunks,)](p, cached["g_base"], m, v, cached["table"], cached["g_offsets"], n_chunks, neg_step,
-                                   beta1, beta2, eps, decay, BLOCK=ADAMW_BLOCK, UNIT=cached["unit"],
-                                   G_UNIT=cached["g_unit"], num_warps=8)
 
     @staticmethod
     def _foreach_step(params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, lr_wd):
@@ -675,11 +591,11 @@ def train(c, rank, world_size, dev):
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
     model_args = dict(vocab_size=vocab_size, context_length=c.context_length, d_model=c.d_model,
                       num_layers=c.num_layers, num_heads=c.num_heads, d_ff=c.d_ff, rope_theta=c.rope_theta,
-                      tie_embeddings=c.tie_embeddings, ckpt_every=c.ckpt_every)
+                      tie_embeddings=c.tie_embeddings, act_ckpt_every=c.act_ckpt_every)
     ckpt = None
     if c.init_from == "resume":
         ckpt = read_checkpoint(ckpt_path)
-        model_args = dict(ckpt["model_args"], ckpt_every=c.ckpt_every)
+        model_args = dict(ckpt["model_args"], act_ckpt_every=c.act_ckpt_every)
         if model_args["vocab_size"] != vocab_size:
             raise ValueError(f"checkpoint {ckpt_path} has vocab_size {model_args['vocab_size']} but dataset "
                              f"{data_dir} has {vocab_size}: resume on the data it was trained on")
