@@ -584,7 +584,7 @@ def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
     return b, heads, k.shape[1], s, k.shape[2], (b, heads, s), dict(stride_lb=heads * s, stride_lh=s)
 
 
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
     """(O, L) of attention; dense or packed (cu_seqlens_q given)."""
     _require_triton_device(q)
     varlen = cu_seqlens_q is not None
@@ -649,11 +649,292 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. Attention entry points. One autograd Function serves dense and packed calls; under torch.compile its forward
+# 3. Attention forward on Hopper in Gluon (sm90: TMA, mbarriers, asynchronous wgmma, warp specialization), the
+#    design of FlashAttention-3. One CTA owns 2 x BLOCK_M query rows and has three partitions: a producer warp
+#    that streams K_j and V_j through a ring of NUM_STAGES shared-memory slots with TMA, and two consumer
+#    warpgroups of BLOCK_M rows each that run independently of each other (each waits only on the ring), so one's
+#    softmax runs while the other's matmuls occupy the tensor cores. Inside a consumer the loop is software
+#    pipelined: S_j = Q K_j^T is issued, then P_(j-1) V_(j-1), and the softmax of S_j runs while that second
+#    matmul is in flight; P stays in registers as the A operand of the wgmma. The producer gets 24 registers, the
+#    consumers 240. Same outputs as the Triton forward (O and the fp32 logsumexp L); the backward stays in Triton.
+#    Used on sm90 for bf16/fp16 with D in (64, 128) (section 4 decides); FLASH_BACKEND=triton forces the Triton
+#    kernels, FLASH_BACKEND=gluon insists on these.
+# ---------------------------------------------------------------------------------------------------------------
+
+BACKEND = os.environ.get("FLASH_BACKEND", "auto")  # 'auto' | 'triton' | 'gluon'
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon: the Triton kernels serve everything
+    gluon = None
+
+GLUON_FWD_CONFIGS = {64: (64, 128, 3), 128: (64, 128, 3)}  # head dim -> (BLOCK_M per warpgroup, BLOCK_N, stages)
+GLUON_HEAD_MAJOR = True
+
+if gluon is not None:
+    @gluon.jit
+    def _gl_softmax(s, m_i, l_i, start_n, offs_m, offs_n, seqlen_k, qk_scale, masked, CAUSAL: gl.constexpr):
+        """One online-softmax step on the scores of one key tile, in base 2: returns P, m_i, l_i and alpha, the
+        factor that rescales the accumulator."""
+        if masked:  # ragged end and, when causal, the diagonal tile: the only tiles that compare indices
+            cols = start_n + offs_n
+            keep = cols[None, :] < seqlen_k
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            s = gl.where(keep, s, -1.0e6)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # the max of the scaled scores (qk_scale > 0)
+        p = gl.exp2(s * qk_scale - m_new[:, None])  # one FMA and one exp2 per score
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _gl_fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                         o_base, l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         CAUSAL: gl.constexpr):
+        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's query tile."""
+        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        start_m = start_m + WG * BLOCK_M
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        q = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
+        mbarrier.wait(q_bar.index(WG), 0)
+
+        mbarrier.wait(k_ready.index(0), 0)  # tile 0: S_0 and its softmax
+        k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+        s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, 0, offs_m, offs_n, seqlen_k, qk_scale, n_full == 0, CAUSAL)
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        for j in range(1, n_tiles):
+            slot = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
+            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)      # S_j = Q K_j^T
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+            acc = warpgroup_mma(p, v, acc, is_async=True)                                # O += P_(j-1) V_(j-1)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))                          # S_j ready; PV runs on
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p_next, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, j * BLOCK_N, offs_m, offs_n, seqlen_k, qk_scale,
+                                                  j >= n_full, CAUSAL)
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(p_next.to(q_smem.dtype), p_layout)
+        last = (n_tiles - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+        v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        rows = start_m + gl.arange(0, BLOCK_M, layout=row_o)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :], out.to(O.dtype.element_ty),
+                 mask=rows[:, None] < seqlen_q)
+        gl.store(LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < seqlen_q)
+
+    # Partition entry points: worker partitions must share one signature, so both take every argument.
+    @gluon.jit
+    def _gl_fwd_wg0(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE, o_base, l_base,
+                    stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        _gl_fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE, o_base,
+                         l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, CAUSAL)
+
+    @gluon.jit
+    def _gl_fwd_wg1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O,
+                    LSE, o_base, l_base, stride_os, b, h, kv_h, q_row, k_row, start_m, seqlen_q, seqlen_k, n_tiles,
+                    n_full, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+        _gl_fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE, o_base,
+                         l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, CAUSAL)
+
+    @gluon.jit
+    def _gl_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O,
+                       LSE, o_base, l_base, stride_os, b, h, kv_h, q_row, k_row, start_m, seqlen_q, seqlen_k, n_tiles,
+                       n_full, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+        """The producer warp: both halves of Q once, then K_j and V_j, each into a ring slot once both consumers
+        have released it (the empty barriers start as if their phase 1 had completed)."""
+        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        for wg in gl.static_range(2):
+            mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+            if VARLEN:  # packed (total, H, D) descriptors; dense ones are (B, H, S, D)
+                tma.async_copy_global_to_shared(q_desc, [q_row + wg * BLOCK_M, h, 0], q_bar.index(wg),
+                                                q_smem.index(wg))
+            else:
+                tma.async_copy_global_to_shared(q_desc, [b, h, q_row + wg * BLOCK_M, 0], q_bar.index(wg),
+                                                q_smem.index(wg))
+        for j in range(n_tiles):
+            slot = j % NUM_STAGES
+            phase = (j // NUM_STAGES) & 1
+            row = k_row + j * BLOCK_N
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            if VARLEN:
+                tma.async_copy_global_to_shared(k_desc, [row, kv_h, 0], k_ready.index(slot), k_smem.index(slot))
+            else:
+                tma.async_copy_global_to_shared(k_desc, [b, kv_h, row, 0], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            if VARLEN:
+                tma.async_copy_global_to_shared(v_desc, [row, kv_h, 0], v_ready.index(slot), v_smem.index(slot))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [b, kv_h, row, 0], v_ready.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _gl_attn_fwd(q_desc, k_desc, v_desc, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
+                     stride_lh, seqlen_q, seqlen_k, num_heads, group, qk_scale, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr):
+        """One program per (2 x BLOCK_M query rows, batch x head); packed: one document's rows (its keys are its
+        own, cu_seqlens_k = cu_seqlens_q). Rows a tile reads past its sequence's end are masked or never stored.
+        HEAD_MAJOR: consecutive programs take the query tiles of one head (longest first), so the CTAs running at
+        once share that head's K and V in L2; else consecutive programs take one tile of every head."""
+        if HEAD_MAJOR:
+            pid_bh = gl.program_id(1)
+            pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        else:
+            pid_bh = gl.program_id(0)
+            pid_m = gl.num_programs(1) - 1 - gl.program_id(1)  # longest causal tiles first
+        b = pid_bh // num_heads
+        h = pid_bh % num_heads
+        q_start = 0
+        if VARLEN:
+            q_start = gl.load(cu_seqlens_q + b)
+            seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
+            seqlen_k = seqlen_q
+        start_m = pid_m * 2 * BLOCK_M
+        if start_m < seqlen_q:
+            if CAUSAL:
+                hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M)
+                n_full = gl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N) // BLOCK_N  # tiles with no compare
+            else:
+                hi = seqlen_k
+                n_full = seqlen_k // BLOCK_N
+            n_tiles = gl.cdiv(hi, BLOCK_N)
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+            k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+            q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar.index(0), count=1)
+            mbarrier.init(q_bar.index(1), count=1)
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.init(k_ready.index(i), count=1)
+                mbarrier.init(k_empty.index(i), count=2)  # released by both consumer warpgroups
+                mbarrier.init(v_ready.index(i), count=1)
+                mbarrier.init(v_empty.index(i), count=2)
+            o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_os
+            l_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
+            kv_h = h // group
+            # (the worker tuples are written out in full: a tuple held in a variable loses its constexprs)
+            gl.warp_specialize([
+                (_gl_fwd_wg0, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE, o_base,
+                               l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM,
+                               BLOCK_M, BLOCK_N, CAUSAL)),
+                (_gl_fwd_wg1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                               v_empty, O, LSE, o_base, l_base, stride_os, b, h, kv_h,
+                               q_start + start_m, q_start, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
+                (_gl_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                                  v_empty, O, LSE, o_base, l_base, stride_os, b, h, kv_h,
+                                  q_start + start_m, q_start, start_m, seqlen_q, seqlen_k, n_tiles, n_full,
+                                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
+            ], [4, 1], [240, 24])
+
+
+@functools.cache
+def _is_sm90(device_index):
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """The Gluon forward takes sm90 bf16/fp16 inputs with D 64 or 128, TMA-compatible strides (unit last stride,
+    the others multiples of 16 bytes, a 16-byte aligned base) and, when packed, keys that share the queries'
+    document boundaries."""
+    if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if q.shape[-1] not in GLUON_FWD_CONFIGS or not _is_sm90(q.device.index):
+        return False
+    if cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q:
+        return False
+    for x in (q, k, v):
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * x.element_size() % 16 for st in x.stride()[:-1]):
+            return False
+    return cu_seqlens_q is not None or k.shape[2] > 0
+
+
+def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
+    varlen = cu_seqlens_q is not None
+    d = q.shape[-1]
+    block_m, block_n, stages = GLUON_FWD_CONFIGS[d]
+    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
+                                                                                 max_seqlen_q)
+    o = _empty_out(q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if batch * heads * seqlen_q == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_block, kv_block = ([block_m, 1, d], [block_n, 1, d]) if varlen else ([1, 1, block_m, d], [1, 1, block_n, d])
+    q_layout = gl.NVMMASharedLayout.get_default_for(q_block, dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, dtype)
+    q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), q_block, q_layout)
+    k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), kv_block, kv_layout)
+    v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), kv_block, kv_layout)
+    o_strides = _strides("o", o, varlen)
+    m_tiles = triton.cdiv(seqlen_q, 2 * block_m)
+    grid = (m_tiles, batch * heads) if GLUON_HEAD_MAJOR else (batch * heads, m_tiles)
+    _gl_attn_fwd[grid](q_desc, k_desc, v_desc, o, lse, cu_seqlens_q if varlen else lse, **o_strides, **lse_strides,
+                       seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
+                       qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                       NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=GLUON_HEAD_MAJOR, num_warps=4,
+                       maxnreg=168)
+    return o, lse
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Attention entry points. One autograd Function serves dense and packed calls; under torch.compile its forward
 #    and backward call the custom ops below (opaque to the compiler, with fake kernels), eagerly they call the
 #    launchers directly: the custom-op layer's dispatch costs about 0.6 ms of host time per forward+backward on
 #    the H200, several times the launches themselves.
 # ---------------------------------------------------------------------------------------------------------------
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+    """(O, L): the one place that picks the forward kernels (BACKEND, from FLASH_BACKEND: 'auto' takes the Gluon
+    kernel wherever it applies, 'triton' never, 'gluon' always or raises)."""
+    if BACKEND != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        return _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal)
+    if BACKEND == "gluon":
+        raise RuntimeError("flash: FLASH_BACKEND=gluon but the Gluon forward needs an sm90 GPU, bf16/fp16, head dim "
+                           f"64 or 128 and TMA-aligned strides (got {q.dtype}, {tuple(q.shape)}, {q.stride()})")
+    return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+
 
 @torch.library.custom_op("flash::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
@@ -760,7 +1041,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal=False):
         _check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]), 3)
-        o, lse = _forward(*(x.reshape(-1, 1, *x.shape[-2:]) for x in (q, k, v)), None, None, 0, 0, causal)
+        o, lse = _triton_forward(*(x.reshape(-1, 1, *x.shape[-2:]) for x in (q, k, v)), None, None, 0, 0, causal)
         o, lse = o.reshape(q.shape), lse.reshape(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
@@ -776,7 +1057,7 @@ class FlashAttentionTriton(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. AdamW: one launch steps every parameter of a (group, dtype) bucket (train.AdamW holds the algorithm, the
+# 5. AdamW: one launch steps every parameter of a (group, dtype) bucket (train.AdamW holds the algorithm, the
 #    groups and the state, and calls adamw_step). The tensors are cut into ADAMW_BLOCK-element chunks; a table built
 #    once gives each chunk's element offset from a base tensor (the lowest address) for p, m and v, its tensor's
 #    index, its index inside the tensor and its length. Gradients are new tensors after every backward (grads set to

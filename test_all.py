@@ -567,7 +567,8 @@ def _check_varlen(lens, h, h_kv, d, causal, lens_k=None, gen=None, tol=1e-5, dty
     k, v = (torch.randn(sum(lens_k), h_kv, d, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(2))
     do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
     with _poisoned_empty():
-        o, lse = flash.attention_with_lse(q, k, v, causal, cu, max(lens), cu_k, max(lens_k))
+        o, lse = flash.attention_with_lse(q, k, v, causal, cu, max(lens), None if lens_k is lens else cu_k,
+                                          max(lens_k))
         o.backward(do)
     ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ro, rlse = flash.attention_varlen_reference(*ref, cu, causal, cu_k)
@@ -575,7 +576,8 @@ def _check_varlen(lens, h, h_kv, d, causal, lens_k=None, gen=None, tol=1e-5, dty
     errs = dict(o=_rel(o, ro), lse=_rel(lse, rlse), dq=_rel(q.grad, ref[0].grad), dk=_rel(k.grad, ref[1].grad),
                 dv=_rel(v.grad, ref[2].grad))
     assert all(e < tol for e in errs.values()), (lens, h, h_kv, d, causal, errs)
-    o2 = flash.flash_attn_varlen(q, k, v, cu, max(lens), causal, cu_k, max(lens_k))  # the public entry point
+    o2 = flash.flash_attn_varlen(q, k, v, cu, max(lens), causal, None if lens_k is lens else cu_k,
+                                 max(lens_k))  # the public entry point
     assert torch.equal(o2, o)
 
 
@@ -633,6 +635,29 @@ def test_flash_rejects_bad_input():
             assert word in str(e), (word, str(e))
         else:
             raise AssertionError(f"no error for bad input ({word})")
+
+
+def test_flash_gpu_gluon_forward_matches_reference():
+    """The Hopper (Gluon) forward, forced on, against float64 attention: O, L and (through the Triton backward)
+    dQ, dK, dV; ragged lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, packed
+    documents of 1 token up to several tiles; outputs poisoned first."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
+        raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
+    gen = torch.Generator().manual_seed(12)
+    old, flash.BACKEND = flash.BACKEND, "gluon"
+    try:
+        for causal in (True, False):
+            for b, h, h_kv, s, d in ((2, 4, 4, 1, 64), (1, 2, 2, 77, 128), (2, 4, 2, 1000, 64), (1, 3, 1, 2049, 128),
+                                     (1, 2, 2, 256, 128)):
+                _check_dense(b, h, h_kv, s, s, d, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+            _check_dense(2, 8, 2, 1025, 1025, 128, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
+            _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float16, tol=5e-3, gen=gen)
+            _check_dense(1, 2, 2, 100, 300, 64, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)  # more keys
+            lens = [1, 7, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3]
+            _check_varlen(lens, 8, 8, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+            _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+    finally:
+        flash.BACKEND = old
 
 
 def test_flash_gpu_bf16_large_shapes():
