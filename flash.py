@@ -1146,3 +1146,76 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
     _adamw_kernel[(n_chunks,)](p, cache["g_base"], m, v, cache["table"], cache["g_offsets"], n_chunks, neg_step,
                                beta1, beta2, eps, decay, BLOCK=ADAMW_BLOCK, UNIT=cache["unit"],
                                G_UNIT=cache["g_unit"], num_warps=8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Cross-entropy over rows of logits, gradient in place (model.linear_cross_entropy runs it chunk by chunk, so
+#    the logits of a whole batch never exist at once). For each row x with target t (t == ignore_index: no loss,
+#    zero gradient): loss = logsumexp(x) - x[t], computed in fp32 by an online max/sum over column blocks; then x is
+#    overwritten with scale * (softmax(x) - onehot(t)), the loss's gradient, where scale = dL/dloss_row (1/count
+#    for a mean) is read from a one-element tensor, so the host never waits for the count.
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _cross_entropy_rows_kernel(LOGITS, TARGETS, LOSS, SCALE, stride_row, n_cols, ignore_index,
+                               BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ptr = LOGITS + row * stride_row
+    target = tl.load(TARGETS + row)
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):  # per lane running max and sum, merged at the end
+        x = tl.load(ptr + start + offs, mask=start + offs < n_cols, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that saw only padding keeps s = 0
+        s = s * tl.exp(m - shift) + tl.exp(x - shift)
+        m = m_new
+    m_row = tl.max(m, 0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
+    valid = target != ignore_index
+    safe = tl.where(valid, target, 0)
+    x_t = tl.load(ptr + safe).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse - x_t, 0.0))
+    scale = tl.where(valid, tl.load(SCALE), 0.0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) * scale - tl.where(cols == safe, scale, 0.0)
+        tl.store(ptr + cols, g.to(LOGITS.dtype.element_ty), mask=cols < n_cols)
+
+
+def cross_entropy_rows_reference(logits, targets, ignore_index, scale):
+    """(loss per row, gradient) in fp32 (fp64 for fp64 logits): the PyTorch twin of _cross_entropy_rows_kernel."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    loss = torch.where(valid, lse - x.gather(-1, safe[:, None])[:, 0], 0.0)
+    onehot = torch.nn.functional.one_hot(safe, x.shape[-1]).to(x.dtype)
+    grad = (torch.exp(x - lse[:, None]) - onehot) * torch.where(valid, scale.to(x.dtype), 0.0)[:, None]
+    return loss, grad
+
+
+@torch.library.custom_op("flash::cross_entropy_rows", mutates_args=("logits", "loss"))
+def _cross_entropy_rows_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, scale: torch.Tensor,
+                           loss: torch.Tensor) -> None:  # what torch.compile sees: opaque, mutating its two outputs
+    cross_entropy_rows(logits, targets, ignore_index, scale, loss)
+
+
+def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
+    """Loss per row into `loss` (fp32) and the gradient into `logits` itself (its dtype), for 2-D contiguous
+    logits; `scale` is a one-element fp32 tensor. The Triton kernel on CUDA (or when kernel=True: the interpreter
+    in tests), else the PyTorch twin."""
+    if kernel is None:
+        if torch.compiler.is_compiling():
+            return _cross_entropy_rows_op(logits, targets, ignore_index, scale, loss)
+        kernel = logits.is_cuda
+    if not kernel:
+        row_loss, grad = cross_entropy_rows_reference(logits, targets, ignore_index, scale)
+        loss.copy_(row_loss)
+        logits.copy_(grad)
+        return
+    assert logits.stride(-1) == 1 and targets.is_contiguous() and loss.is_contiguous()
+    _cross_entropy_rows_kernel[(logits.shape[0],)](logits, targets, loss, scale, logits.stride(0), logits.shape[1],
+                                                   ignore_index, BLOCK=64 if INTERPRET else 2048, num_warps=8)

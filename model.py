@@ -48,6 +48,11 @@ class Linear(nn.Module):
     def forward(self, x):
         return x @ self.weight.T
 
+    def cross_entropy(self, x, targets, ignore_index=-100):
+        """cross_entropy(self(x), targets) without the logits ever existing in full: linear_cross_entropy. A
+        method of the layer, so a wrapper that owns the weight (ddp.FSDP) can supply it."""
+        return linear_cross_entropy(x, self.weight, targets, ignore_index)
+
 
 class Embedding(nn.Module):
     """Lookup table weight (num_embeddings, embedding_dim) ~ truncated normal, sigma 1, cut at +-3."""
@@ -381,8 +386,10 @@ class TransformerLM(nn.Module):
         return KVCache(self.num_layers, batch_size, max_len, self.num_heads, self.d_model // self.num_heads,
                        device=device, dtype=dtype)
 
-    def forward(self, idx, cu_seqlens=None, max_seqlen=None, position_ids=None, kv_cache=None):
-        """idx (B, T) int64 -> logits (B, T, vocab_size).
+    def forward(self, idx, cu_seqlens=None, max_seqlen=None, position_ids=None, kv_cache=None, targets=None):
+        """idx (B, T) int64 -> logits (B, T, vocab_size); with targets (B, T): the mean cross-entropy instead,
+        computed by the fused head (linear_cross_entropy, targets == -100 ignored), so the (tokens x vocab_size)
+        logits are never materialized whole. Training passes targets; sampling and tests ask for logits.
 
         Packed mode: idx (1, N) holds documents back to back, cu_seqlens (int32, num_docs + 1) their
         boundaries and max_seqlen (Python int) the longest; attention stays inside each document and RoPE
@@ -390,6 +397,11 @@ class TransformerLM(nn.Module):
         position_ids (B, T) or (T,): explicit RoPE positions (default 0..T-1).
         kv_cache (KVCache): decoding; position_ids are then required and also name the cache slot of every token.
         """
+        h = self.hidden(idx, cu_seqlens, max_seqlen, position_ids, kv_cache)
+        return self.lm_head(h) if targets is None else self.lm_head.cross_entropy(h, targets)
+
+    def hidden(self, idx, cu_seqlens=None, max_seqlen=None, position_ids=None, kv_cache=None):
+        """The final hidden states (after ln_final), (B, T, d_model): forward() without lm_head."""
         B, T = idx.shape
         if cu_seqlens is not None:
             if B != 1:
@@ -422,7 +434,7 @@ class TransformerLM(nn.Module):
             x = self._run_layers(x, 0, self.num_layers, position_ids, cu_seqlens, max_seqlen, kv_cache)
         if kv_cache is not None:
             kv_cache.length += T
-        return self.lm_head(self.ln_final(x))
+        return self.ln_final(x)
 
     def _run_layers(self, x, start, end, position_ids, cu_seqlens, max_seqlen, kv_cache=None):
         for layer in self.layers[start:end]:
@@ -469,6 +481,69 @@ def cross_entropy(logits, targets, ignore_index=-100):
         raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} need targets of shape "
                          f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
     return _CrossEntropy.apply(logits, targets, ignore_index)
+
+
+LINEAR_CE_CHUNK_ELEMENTS = 2 ** 28  # logits per chunk of the fused head: 512 MiB in bf16
+
+
+def _add_matmul(acc, a, b):
+    """acc + a @ b with acc fp32 and a, b possibly half precision: one GEMM that accumulates in fp32 on CUDA
+    (cuBLAS with a 32-bit output), a plain addmm when the dtypes agree."""
+    if acc.dtype == a.dtype:
+        return acc.addmm_(a, b)
+    if a.is_cuda:
+        return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+    return acc.add_(a @ b)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of x @ weight^T against targets, chunk by chunk over the tokens. Each chunk's logits
+    are computed (in the autocast dtype, as the unfused head would), turned into their gradient in place
+    (flash.cross_entropy_rows: loss_i = logsumexp(o_i) - o_i[t_i] in fp32, do_i = (softmax(o_i) - onehot(t_i)) /
+    count), and consumed at once by the two backward matmuls: dX_chunk = dO W and dW += dO^T X_chunk (fp32). So
+    the forward does the head's backward too, and only one chunk of logits exists at any time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, ignore_index, chunk):
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
+            torch.promote_types(x.dtype, weight.dtype)
+        xc, wc = x.to(dtype), weight.to(dtype)
+        count = (targets != ignore_index).sum().clamp(min=1)
+        acc_dtype = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 stays fp64, for tests)
+        scale = (1.0 / count.to(acc_dtype)).reshape(1)
+        loss_rows = torch.empty(x.shape[0], dtype=acc_dtype, device=x.device)
+        dx = torch.empty_like(xc)
+        dw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=x.device)
+        with torch.autocast(device, enabled=False):
+            for start in range(0, x.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                logits = xc[rows] @ wc.T
+                flash.cross_entropy_rows(logits, targets[rows], ignore_index, scale, loss_rows[rows])
+                torch.mm(logits, wc, out=dx[rows])
+                dw = _add_matmul(dw, logits.T, xc[rows])
+        ctx.save_for_backward(dx, dw)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return loss_rows.sum() * scale[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        return (dx * grad).to(x_dtype), (dw * grad).to(w_dtype), None, None, None
+
+
+def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
+    """cross_entropy(x @ weight.T, targets) with x (..., d) and weight (V, d), without materializing the
+    (tokens x V) logits: chunk (default: as many tokens as make LINEAR_CE_CHUNK_ELEMENTS logits) tokens at a time.
+    Same value and gradients as the unfused head up to rounding (tested against cross_entropy of the logits)."""
+    if x.shape[:-1] != targets.shape:
+        raise ValueError(f"linear_cross_entropy: x {tuple(x.shape)} needs targets of shape {tuple(x.shape[:-1])}, "
+                         f"got {tuple(targets.shape)}")
+    x2, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    if chunk is None:
+        chunk = max(1, LINEAR_CE_CHUNK_ELEMENTS // weight.shape[0])
+    return _LinearCrossEntropy.apply(x2, weight, t.contiguous(), ignore_index, chunk)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -800,6 +800,73 @@ def test_cross_entropy_matches_log_softmax_and_ignores_targets():
         assert "targets" in str(e)
 
 
+def test_cross_entropy_rows_kernel_matches_its_twin():
+    # the fused head's per-row kernel (interpreter on CPU): loss and in-place gradient, ragged vocabularies (one
+    # column block, several, a ragged last block), ignored rows, large logits, fp32 and bf16
+    gen = torch.Generator().manual_seed(21)
+    for vocab, dtype in ((7, torch.float32), (64, torch.float32), (333, torch.float32), (150, torch.bfloat16)):
+        x = (torch.randn(6, vocab, generator=gen) * 20).to(DEVICE, dtype)
+        t = torch.randint(0, vocab, (6,), generator=gen).to(DEVICE)
+        t[2] = -100
+        scale = torch.tensor([0.37], device=DEVICE)
+        loss, grad = torch.empty(6, device=DEVICE), x.clone()
+        flash.cross_entropy_rows(grad, t, -100, scale, loss, kernel=True)
+        ref_loss, ref_grad = flash.cross_entropy_rows_reference(x, t, -100, scale)
+        assert loss[2] == 0 and grad[2].abs().max() == 0
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert _rel(loss, ref_loss) < 1e-6 and _rel(grad, ref_grad) < tol, (vocab, dtype)
+        ref64 = F.cross_entropy(x.double(), t, ignore_index=-100, reduction="none")
+        assert _rel(loss, ref64) < 1e-6
+
+
+def test_linear_cross_entropy_equals_the_unfused_head():
+    # fp64: the chunked head with its backward done in the forward equals cross_entropy(x @ W^T) to rounding;
+    # chunks that do not divide the tokens, ignored targets, a scaled loss, all targets ignored (0, zero grads)
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(2, 19, 24, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(57, 24, generator=gen, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 57, (2, 19), generator=gen)
+    t[0, :4] = -100
+    ref = F.cross_entropy((x @ w.T).flatten(0, 1), t.flatten(), ignore_index=-100)
+    rgx, rgw = torch.autograd.grad(2.5 * ref, (x, w))
+    for chunk in (5, 19, 38, 1000):
+        loss = model_py.linear_cross_entropy(x, w, t, chunk=chunk)
+        gx, gw = torch.autograd.grad(2.5 * loss, (x, w))
+        assert abs(loss.item() - ref.item()) < 1e-12 and _rel(gx, rgx) < 1e-12 and _rel(gw, rgw) < 1e-12, chunk
+    none = model_py.linear_cross_entropy(x, w, torch.full_like(t, -100), chunk=7)
+    gx, gw = torch.autograd.grad(none, (x, w))
+    assert none.item() == 0 and gx.abs().max() == 0 and gw.abs().max() == 0
+    try:
+        model_py.linear_cross_entropy(x, w, t[:, :5])
+        raise AssertionError("mismatched targets accepted")
+    except ValueError as e:
+        assert "targets" in str(e)
+
+
+def test_model_with_targets_returns_the_loss_of_its_logits():
+    # model(idx, targets=y) (the fused head) == cross_entropy(model(idx), y), value and every gradient, fp32:
+    # tied and untied heads, ignored targets, packed documents; and the same under torch.compile(fullgraph)
+    for tie in (False, True):
+        m = _tiny_lm(tie_embeddings=tie, seed=3)
+        idx = torch.randint(0, m.vocab_size, (2, 13))
+        y = torch.randint(0, m.vocab_size, (2, 13))
+        y[1, :6] = -100
+        params = list(m.parameters())
+        fused = m(idx, targets=y)
+        g_fused = torch.autograd.grad(fused, params)
+        plain = cross_entropy(m(idx), y)
+        g_plain = torch.autograd.grad(plain, params)
+        assert abs(fused.item() - plain.item()) < 1e-6
+        assert all(_rel(a, b) < 1e-5 for a, b in zip(g_fused, g_plain))
+    cu = torch.tensor([0, 4, 13], dtype=torch.int32)
+    packed = m(idx[:1], targets=y[:1], cu_seqlens=cu, max_seqlen=9)
+    assert abs(packed.item() - cross_entropy(m(idx[:1], cu_seqlens=cu, max_seqlen=9), y[:1]).item()) < 1e-6
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    loss = compiled(idx, targets=y)
+    assert abs(loss.item() - plain.item()) < 1e-6
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(torch.autograd.grad(loss, params), g_plain))
+
+
 def test_state_dict_has_reference_names_and_reference_weights_load_strictly():
     m = _tiny_lm()
     names = ["token_embeddings.weight"]
