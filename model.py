@@ -492,39 +492,62 @@ def _add_matmul(acc, a, b):
     if acc.dtype == a.dtype:
         return acc.addmm_(a, b)
     if a.is_cuda:
-        return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+        try:
+            return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+        except RuntimeError:  # a build without the mixed-precision GEMM
+            pass
     return acc.add_(a @ b)
 
 
+def _fused_head(x, weight, targets, ignore_index, chunk):
+    """(mean loss, dL/dx, dL/dweight) of cross_entropy(x @ weight^T, targets) for x (N, d) and weight (V, d) of
+    one dtype, chunk tokens at a time: each chunk's logits are computed, turned into their gradient in place
+    (flash.cross_entropy_rows: loss_i = logsumexp(o_i) - o_i[t_i] in fp32, dO_i = (softmax(o_i) - onehot(t_i)) /
+    count) and consumed at once by the two backward matmuls, dx_chunk = dO W and dW += dO^T x_chunk (fp32). A
+    custom op under torch.compile (below), so the compiler treats it as one opaque step."""
+    count = (targets != ignore_index).sum().clamp(min=1)
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64, for tests)
+    scale = (1.0 / count.to(acc_dtype)).reshape(1)
+    loss_rows = torch.empty(x.shape[0], dtype=acc_dtype, device=x.device)
+    dx = torch.empty_like(x)
+    dw = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device)
+    for start in range(0, x.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        logits = x[rows] @ weight.T
+        flash.cross_entropy_rows(logits, targets[rows], ignore_index, scale, loss_rows[rows])
+        torch.mm(logits, weight, out=dx[rows])
+        dw = _add_matmul(dw, logits.T, x[rows])
+    return loss_rows.sum() * scale[0], dx, dw
+
+
+@torch.library.custom_op("model::fused_head", mutates_args=())
+def _fused_head_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                   chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fused_head(x, weight, targets, ignore_index, chunk)
+
+
+@_fused_head_op.register_fake
+def _(x, weight, targets, ignore_index, chunk):
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    return x.new_empty((), dtype=acc_dtype), torch.empty_like(x), weight.new_empty(weight.shape, dtype=acc_dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of x @ weight^T against targets, chunk by chunk over the tokens. Each chunk's logits
-    are computed (in the autocast dtype, as the unfused head would), turned into their gradient in place
-    (flash.cross_entropy_rows: loss_i = logsumexp(o_i) - o_i[t_i] in fp32, do_i = (softmax(o_i) - onehot(t_i)) /
-    count), and consumed at once by the two backward matmuls: dX_chunk = dO W and dW += dO^T X_chunk (fp32). So
-    the forward does the head's backward too, and only one chunk of logits exists at any time."""
+    """The fused head (_fused_head) with autograd: the forward also computes both gradients of the
+    head, which the backward only scales by the incoming gradient. x and weight are cast to the autocast dtype
+    first, as the unfused head's matmul would be."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, ignore_index, chunk):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
             torch.promote_types(x.dtype, weight.dtype)
-        xc, wc = x.to(dtype), weight.to(dtype)
-        count = (targets != ignore_index).sum().clamp(min=1)
-        acc_dtype = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 stays fp64, for tests)
-        scale = (1.0 / count.to(acc_dtype)).reshape(1)
-        loss_rows = torch.empty(x.shape[0], dtype=acc_dtype, device=x.device)
-        dx = torch.empty_like(xc)
-        dw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=x.device)
         with torch.autocast(device, enabled=False):
-            for start in range(0, x.shape[0], chunk):
-                rows = slice(start, start + chunk)
-                logits = xc[rows] @ wc.T
-                flash.cross_entropy_rows(logits, targets[rows], ignore_index, scale, loss_rows[rows])
-                torch.mm(logits, wc, out=dx[rows])
-                dw = _add_matmul(dw, logits.T, xc[rows])
+            op = _fused_head_op if torch.compiler.is_compiling() else _fused_head
+            loss, dx, dw = op(x.to(dtype), weight.to(dtype), targets, ignore_index, chunk)
         ctx.save_for_backward(dx, dw)
         ctx.dtypes = (x.dtype, weight.dtype)
-        return loss_rows.sum() * scale[0]
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
