@@ -1190,6 +1190,141 @@ def test_sample_cli_prints_batched_samples(tmp_path):
             assert words in str(e.code), e.code
 
 
+# --- Llama-format checkpoints (model.save_llama / load_llama, sample.py on a directory) ---
+# transformers and safetensors are optional extras (requirements-hf.txt): without them these tests skip.
+
+def _need_hf(*modules):
+    """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            raise unittest.SkipTest(f"needs {name} (pip install -r requirements-hf.txt)")
+    if "transformers" in modules:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
+def _llama_lm(tie, seed=0, theta=500.0):
+    torch.manual_seed(seed)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
+    m = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta, tie_embeddings=tie).eval()
+    with torch.no_grad():  # RMSNorm gains away from 1, so a swapped or dropped gain would show
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return m
+
+
+def test_llama_export_gives_hf_llama_the_same_logits_tied_and_untied(tmp_path):
+    _need_hf("safetensors", "transformers")
+    from transformers import LlamaForCausalLM
+    idx = torch.randint(97, (2, 29), generator=torch.Generator().manual_seed(1))
+    for tie in (False, True):
+        m = _llama_lm(tie)
+        out = tmp_path / f"tie{tie}"
+        model_py.save_llama(m, str(out))
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["tie_word_embeddings"] is tie and cfg["rope_theta"] == 500.0 and cfg["num_key_value_heads"] == 4
+        assert cfg["intermediate_size"] == 48 and cfg["max_position_embeddings"] == 32 and cfg["rms_norm_eps"] == 1e-5
+        hf = LlamaForCausalLM.from_pretrained(str(out), attn_implementation="eager", dtype=torch.float32).eval()
+        assert (hf.lm_head.weight is hf.model.embed_tokens.weight) is tie
+        with torch.no_grad():
+            ours, theirs = m(idx), hf(idx).logits
+            assert (ours - theirs).abs().max() <= 1e-5, (ours - theirs).abs().max()
+            # without the q/k row reordering the RoPE pairs differ: the check above would fail
+            for layer in hf.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    proj.weight.copy_(model_py.half_to_interleaved_rows(proj.weight, 4))
+            assert (hf(idx).logits - ours).abs().max() > 1e-3
+
+
+def test_llama_load_round_trips_and_reads_hf_save_pretrained(tmp_path):
+    _need_hf("safetensors", "transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    for tie in (False, True):
+        m = _llama_lm(tie, seed=2, theta=12345.0)
+        model_py.save_llama(m, str(tmp_path / "ours"), overwrite=True)
+        back = model_py.load_llama(str(tmp_path / "ours"))
+        assert list(back.state_dict()) == list(m.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values()))
+        assert (back.token_embeddings.weight is back.lm_head.weight) is tie and not back.training
+        assert model_py.rope_theta_of(back) == 12345.0
+    # the other direction from transformers' own files: its random Llama, saved by save_pretrained
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
+                      max_position_embeddings=40, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True)
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    ours = model_py.load_llama(str(tmp_path / "hf"))
+    assert ours.ln_final.eps == 1e-6 and ours.context_length == 40 and ours.token_embeddings.weight is ours.lm_head.weight
+    idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (ours(idx) - hf(idx).logits).abs().max() <= 1e-5
+
+
+def test_llama_checkpoint_errors_name_the_problem(tmp_path):
+    _need_hf("safetensors")
+    m = _llama_lm(False)
+    out = tmp_path / "x"
+    model_py.save_llama(m, str(out))
+    cases = [(lambda: model_py.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
+             (lambda: model_py.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
+             (lambda: model_py.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
+             (lambda: model_py.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
+             (lambda: model_py.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None), str(tmp_path / "n")),
+              ValueError, "RoPE")]
+    cfg = json.loads((out / "config.json").read_text())
+    for name, change, words in (("gqa", dict(num_key_value_heads=2), "num_key_value_heads=2"),
+                                ("act", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+                                ("scaled", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
+                                 "rope_type='llama3'"),
+                                ("layers", dict(num_hidden_layers=3), "missing ['model.layers.2")):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(out / "model.safetensors", d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        cases.append((lambda d=d: model_py.load_llama(str(d)), ValueError, words))
+    (tmp_path / "cut").mkdir()
+    shutil.copy(out / "config.json", tmp_path / "cut" / "config.json")
+    data = (out / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cases.append((lambda: model_py.load_llama(str(tmp_path / "cut")), RuntimeError, "truncated or corrupt"))
+    for fn, exc, words in cases:
+        try:
+            fn()
+        except exc as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"no {exc.__name__} ({words})")
+    model_args, state = model_py.llama_init(str(out), vocab_size=97, context_length=32)
+    fresh = TransformerLM(**model_args)
+    fresh.load_state_dict(state)  # what train.py's init_from=<directory> does
+    assert torch.equal(fresh.layers[1].attn.q_proj.weight, m.layers[1].attn.q_proj.weight)
+
+
+def test_llama_directory_samples_like_the_saved_model(tmp_path):
+    _need_hf("safetensors")
+    ckpt, m = _tiny_checkpoint(tmp_path)
+    tok = Tokenizer.from_files(ckpt["tokenizer"]["vocab"], ckpt["tokenizer"]["merges"], [EOT])
+    out = tmp_path / "llama"
+    model_py.save_llama(m, str(out), tokenizer=tok)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eos_token_id"] == tok.special_ids[EOT]
+    loaded, tokenizer, eot_id, _ = sample.load_model(str(out))
+    assert eot_id == tok.special_ids[EOT] and tokenizer.encode("the cat sat") == tok.encode("the cat sat")
+    prompt = tok.encode("the cat")
+    assert sample.generate(loaded, prompt, 10, temperature=0) == sample.generate(m, prompt, 10, temperature=0)
+    out_text = io.StringIO()
+    with contextlib.redirect_stdout(out_text):
+        sample.main(["--ckpt", str(out), "--prompt", "the dog", "--max_new_tokens", "5", "--device", "cpu"])
+    assert out_text.getvalue().startswith("the dog")
+    (out / "merges.txt").unlink()
+    try:
+        sample.main(["--ckpt", str(out), "--device", "cpu"])
+        raise AssertionError("a directory without merges.txt was accepted")
+    except SystemExit as e:
+        assert "has no merges.txt" in str(e.code), e.code
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # train.py
 # ---------------------------------------------------------------------------------------------------------------
