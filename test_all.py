@@ -650,6 +650,153 @@ def test_flash_gpu_bf16_large_shapes():
         _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
 
 
+# --- Hugging Face interop: flash.register_hf_attention (transformers models on our kernels) ---
+# transformers is an optional extra (requirements-hf.txt): without it these tests skip. Tiny GPT-2 and Llama models
+# (dropout off, no KV cache) with our attention are held to the same models with transformers' eager attention.
+
+def _need_hf(*modules):
+    """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            raise unittest.SkipTest(f"needs {name} (pip install -r requirements-hf.txt)")
+    if "transformers" in modules:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
+HF_VOCAB = 53
+
+
+def _hf_pair(kind, **overrides):
+    """(eager model, model on our kernels) with the same random weights; kind 'gpt2' or 'llama' (GQA: 4 heads
+    sharing 2 key-value heads, head dim 8)."""
+    _need_hf("transformers")
+    import copy
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+    name = flash.register_hf_attention()
+    if kind == "gpt2":  # layer-dependent scaling: exercises folding another `scaling` into q
+        cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=40, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False, scale_attn_by_inverse_layer_idx=True,
+                         bos_token_id=0, eos_token_id=0)
+    else:
+        cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40, use_cache=False,
+                          bos_token_id=0, eos_token_id=0)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name)
+    ours.load_state_dict(eager.state_dict())
+    assert ours.config._attn_implementation == name and eager.config._attn_implementation == "eager"
+    return eager, ours
+
+
+def _hf_grads(m):
+    return {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _hf_run(m, batch):
+    """(logits, parameter gradients) of one forward and backward on the loss transformers computes from labels."""
+    m.zero_grad(set_to_none=True)
+    out = m(**batch)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), _hf_grads(m)
+
+
+def _assert_hf_close(got, want, real=None):
+    (logits, loss, grads), (logits_ref, loss_ref, grads_ref) = got, want
+    keep = (lambda x: x[real]) if real is not None else (lambda x: x)
+    assert _rel(keep(logits), keep(logits_ref)) < 1e-4, _rel(keep(logits), keep(logits_ref))
+    assert abs(loss - loss_ref) <= 1e-4 * abs(loss_ref)
+    assert grads.keys() == grads_ref.keys() and grads
+    for name in grads:
+        assert _rel(grads[name], grads_ref[name]) < 1e-4, (name, _rel(grads[name], grads_ref[name]))
+
+
+def test_hf_attention_padded_batches_match_eager():
+    gen = torch.Generator().manual_seed(11)
+    lens = [21, 14, 3, 21]  # right padding, then the same rows left-padded; 21 is no multiple of a tile
+    ids = torch.randint(HF_VOCAB, (4, 21), generator=gen)
+    for kind in ("gpt2", "llama"):
+        eager, ours = _hf_pair(kind)
+        for side in ("right", "left"):
+            mask = torch.zeros(4, 21, dtype=torch.long)
+            for r, n in enumerate(lens):
+                mask[r, :n] = 1
+            if side == "left":
+                mask = mask.flip(-1)
+            # labels: real tokens after a real one (the model shifts them), so no pad's output is in the loss
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[torch.arange(4), mask.argmax(-1)] = -100
+            batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+            _assert_hf_close(_hf_run(ours, batch), _hf_run(eager, batch), real=mask.bool())
+
+
+def test_hf_attention_padding_free_matches_eager_and_each_document_alone():
+    from transformers import DataCollatorWithFlattening  # noqa: F401 -- checked by _hf_pair's skip first
+    gen = torch.Generator().manual_seed(12)
+    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
+    for kind in ("gpt2", "llama"):
+        eager, ours = _hf_pair(kind)
+        from transformers import DataCollatorWithFlattening
+        for kwargs in (False, True):
+            batch = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
+            assert batch["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in batch) is kwargs
+            got = _hf_run(ours, batch)
+            # eager attention sees the same packing through position_ids (no mask, no cache)
+            ref_batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+            _assert_hf_close(got, _hf_run(eager, ref_batch))
+        # the loss of the packed row is the token-weighted mean of each document's own loss
+        with torch.no_grad():
+            losses = [(len(d) - 1, eager(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss)
+                      for d in docs if len(d) > 1]
+            per_doc = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
+        assert abs(got[1] - per_doc) <= 1e-5 * per_doc, (got[1], per_doc)
+
+
+def test_hf_attention_compiles_without_graph_breaks():
+    # fullgraph=True: a graph break anywhere in the model (our hooks included) raises. Three paths: the collator's
+    # kwargs, a padding mask, and position_ids alone (the fixed-shape boundaries)
+    from transformers import DataCollatorWithFlattening  # noqa: F401
+    gen = torch.Generator().manual_seed(13)
+    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (9, 3, 14)]
+    eager, ours = _hf_pair("llama")
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+    ids = torch.randint(HF_VOCAB, (2, 13), generator=gen)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[0, 10:] = 0
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    positions = {k: packed[k] for k in ("input_ids", "labels", "position_ids")}
+    for batch, real in ((packed, None), (padded, mask.bool()), (positions, None)):
+        _assert_hf_close(_hf_run(compiled, batch), _hf_run(eager, {k: v for k, v in batch.items()
+                                                                     if not k.startswith(("cu_", "max_"))}), real)
+
+
+def test_hf_attention_errors_name_the_problem():
+    eager, ours = _hf_pair("gpt2")
+    ids = torch.randint(HF_VOCAB, (2, 9))
+    holes = torch.ones(2, 9, dtype=torch.long)
+    holes[1, 4] = 0
+    q = torch.randn(1, 2, 3, 16)
+    cases = [(lambda: ours(input_ids=ids, attention_mask=holes), "pad between real tokens"),
+             (lambda: ours(input_ids=ids, attention_mask=torch.ones(2, 1, 9, 9, dtype=torch.bool)), "2-D"),
+             (lambda: flash.hf_attention(ours.transformer.h[0].attn, q, torch.randn(1, 2, 5, 16),
+                                         torch.randn(1, 2, 5, 16), None), "KV cache"),
+             (lambda: flash.register_hf_attention("my_flash"), "'flash'")]
+    _, dropping = _hf_pair("gpt2", attn_pdrop=0.1)
+    cases.append((lambda: dropping.train()(input_ids=ids), "dropout"))
+    for fn, words in cases:
+        try:
+            fn()
+        except ValueError as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"no error ({words})")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # model.py, then sample.py
 # ---------------------------------------------------------------------------------------------------------------
@@ -1191,18 +1338,8 @@ def test_sample_cli_prints_batched_samples(tmp_path):
 
 
 # --- Llama-format checkpoints (model.save_llama / load_llama, sample.py on a directory) ---
-# transformers and safetensors are optional extras (requirements-hf.txt): without them these tests skip.
-
-def _need_hf(*modules):
-    """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
-    for name in modules:
-        if importlib.util.find_spec(name) is None:
-            raise unittest.SkipTest(f"needs {name} (pip install -r requirements-hf.txt)")
-    if "transformers" in modules:
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-
+# transformers and safetensors are optional extras (requirements-hf.txt): without them these tests skip (_need_hf
+# is in the flash.py section).
 
 def _llama_lm(tie, seed=0, theta=500.0):
     torch.manual_seed(seed)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
