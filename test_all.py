@@ -2612,6 +2612,56 @@ def test_bench_bad_input_is_a_clear_error():
             raise AssertionError(f"{argv} did not fail")
 
 
+# --- bench.py hf (transformers GPT-2 on variable-length documents; optional extra, skips without it) ---
+
+def test_bench_hf_rows_columns_and_equal_first_losses(tmp_path):
+    _need_hf("transformers")
+    path = tmp_path / "hf.json"
+    text = run_bench(["hf", "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--warmup", "1", "--steps", "1",
+                      "--json", str(path)])
+    payload = json.loads(path.read_text())
+    assert payload["command"].startswith("python bench.py hf") and payload["date"] and payload["device"]
+    rows = {r["key"]: r for r in payload["rows"]}
+    assert list(rows) == list(bench.HF_ROWS)
+    header = next(line for line in text.splitlines() if line.startswith("| strategy"))
+    for column in ("ms/step", "real tokens/s", "speedup vs sdpa padded", "peak MiB", "loss, batch 1",
+                   "graphs compiled"):
+        assert column in header, column
+    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| strategy")]
+    assert len(table) == len(bench.HF_ROWS)
+    flex = rows.pop("flex_packed")  # GPT-2 has no FlexAttention path in transformers: a row that says why
+    assert flex["status"] == "ok" or len(flex["status"]) > 10
+    for key, r in rows.items():
+        assert r["status"] == "ok" and r["ms_per_step"] > 0 and r["tokens_per_s"] > 0, (key, r["status"])
+    assert len({r["real_tokens"] for r in rows.values()}) == 1  # the same documents in every row
+    assert rows["sdpa_pad"]["speedup"] == 1.0 and rows["ours_packed"]["real_tokens"] == rows["ours_packed"]["token_slots"]
+    losses = [r["loss_first_batch"] for r in rows.values()]
+    assert max(losses) - min(losses) < 1e-4, losses  # every strategy keeps the documents apart
+    for key in ("sdpa_pad_compiled", "ours_packed_compiled"):
+        assert rows[key]["compiles"][1] == 0, (key, rows[key]["compiles"])  # no recompile for a new batch
+
+
+def test_bench_hf_batch_layouts():
+    _need_hf("transformers")
+    docs = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
+    pad = bench.hf_padded(docs, 6)
+    assert pad["input_ids"].shape == (3, 6) and pad["attention_mask"].sum().item() == 9
+    assert pad["labels"][1].tolist() == [8, 9, -100, -100, -100, -100]
+    packed = bench.hf_packed(docs, flash_kwargs=True)
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert packed["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 2, 3, 4]]
+    assert packed["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and packed["max_length_q"] == 4
+    fixed = bench.hf_packed(docs, flash_kwargs=False, fixed_length=16, max_doc=4)
+    assert fixed["input_ids"].shape == (1, 16) and (fixed["labels"][0, 9:] == -100).all()
+    assert fixed["position_ids"][0, 9:].tolist() == [0, 1, 2, 3, 0, 1, 2]  # fillers no longer than max_doc
+    try:
+        bench.hf_packed(docs, flash_kwargs=False, fixed_length=8, max_doc=4)
+        raise AssertionError("a fixed length below the documents' was accepted")
+    except ValueError as e:
+        assert "more than fixed_length" in str(e)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # runner
 # ---------------------------------------------------------------------------------------------------------------
