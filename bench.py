@@ -1159,6 +1159,21 @@ def padded_layout(cu_seqlens, length):
     return doc * length + pos, lens
 
 
+def xformers_varlen(lens):
+    """xFormers' memory-efficient attention on the packed documents (its block-diagonal causal bias), or, when
+    xFormers is missing, a method that raises saying so (its row in the table then says why)."""
+    try:
+        from xformers.ops import fmha
+    except ImportError as e:
+        why = f"xFormers is not installed ({e})"
+
+        def missing(q, k, v):
+            raise ModuleNotFoundError(why)
+        return missing
+    bias = fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(lens)
+    return lambda q, k, v: fmha.memory_efficient_attention(q[None], k[None], v[None], attn_bias=bias)[0]
+
+
 def attention_methods(cu_seqlens, max_seqlen, num_heads, context_length, device, flex):
     """Attention-only contenders on one packed batch; each maps packed q, k, v (N, H, D) to packed (N, H, D).
     Built per batch: the block masks and padding layouts are set up outside the timed calls. flex: the compiled
@@ -1194,6 +1209,24 @@ def attention_methods(cu_seqlens, max_seqlen, num_heads, context_length, device,
     methods["SDPA, padded to context_length, is_causal (pad)"] = sdpa_padded(context_length, False)
     methods["SDPA, padded to batch max, is_causal (dynamic_pad)"] = sdpa_padded(max_seqlen, False)
     methods["SDPA, padded to batch max, causal + padding mask"] = sdpa_padded(max_seqlen, True)
+
+    # the documents back to back with one dense (N, N) block-diagonal causal mask: O(N^2) memory and work
+    block_diagonal = model_py.block_diagonal_causal_mask(cu, N)
+
+    def sdpa_block_diagonal(q, k, v):
+        heads = lambda t: t.transpose(0, 1)[None]  # (N, H, D) -> (1, H, N, D), a view
+        return F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=block_diagonal)[0].transpose(0, 1)
+    methods["SDPA, concatenated, dense block-diagonal mask (O(N^2))"] = sdpa_block_diagonal
+
+    # jagged NestedTensors: the packed rows with their offsets, through SDPA's nested-tensor kernels
+    offsets, lens = cu.long(), (cu[1:] - cu[:-1]).tolist()
+
+    def nested_sdpa(q, k, v):
+        jagged = lambda t: torch.nested.nested_tensor_from_jagged(t, offsets, min_seqlen=min(lens),
+                                                                  max_seqlen=max(lens)).transpose(1, 2)
+        return F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v), is_causal=True).transpose(1, 2).values()
+    methods["NestedTensor (jagged) through SDPA, is_causal"] = nested_sdpa
+    methods["xFormers memory_efficient_attention, block-diagonal causal"] = xformers_varlen(lens)
     if device.type == "cuda":
         def torch_varlen(q, k, v):  # PyTorch's internal FA2 varlen kernel (aten op; it has an autograd formula)
             return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True,

@@ -2662,6 +2662,28 @@ def test_bench_hf_batch_layouts():
         assert "more than fixed_length" in str(e)
 
 
+def test_bench_varlen_block_diagonal_nested_and_xformers_rows():
+    from torch.nn.attention.flex_attention import flex_attention
+    cu = torch.tensor([0, 5, 17, 18, 40], dtype=torch.int32)
+    methods = bench.attention_methods(cu, 22, 2, 48, torch.device("cpu"), flex_attention)
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(40, 2, 16, generator=gen) for _ in range(3))
+    want = flash.attention_varlen_reference(q, k, v, cu, causal=True)[0]
+    got = methods["SDPA, concatenated, dense block-diagonal mask (O(N^2))"](q, k, v)
+    assert _rel(got, want) < 1e-5
+    try:  # SDPA has jagged kernels for is_causal on CUDA only; elsewhere its row carries torch's error
+        assert _rel(methods["NestedTensor (jagged) through SDPA, is_causal"](q, k, v), want) < 1e-5
+    except RuntimeError as e:
+        assert DEVICE == "cpu" and "backend" in str(e)
+    xformers = methods["xFormers memory_efficient_attention, block-diagonal causal"]
+    if importlib.util.find_spec("xformers") is None:
+        try:
+            xformers(q, k, v)
+            raise AssertionError("the xFormers row ran without xFormers")
+        except ModuleNotFoundError as e:
+            assert "not installed" in str(e)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # runner
 # ---------------------------------------------------------------------------------------------------------------
