@@ -2080,6 +2080,7 @@ def hf_counting_backend(name):
 
 def hf_train_row(key, args, cfg, init_state, batches, device):
     """Train one row's model for warmup + steps batches; returns the row dict (status "ok" or why not)."""
+    import copy  # the config is copied: transformers writes the attention implementation into it
     from transformers import AutoModelForCausalLM
     label, attn, layout, compiled = HF_ROWS[key]
     cuda = device.type == "cuda"
@@ -2090,25 +2091,26 @@ def hf_train_row(key, args, cfg, init_state, batches, device):
             row["status"] = "not run: this transformers/torch has no FlexAttention"
             return row
     real = [sum(len(d) for d in docs) for docs in batches]
-    if layout == "pad":
-        inputs = [hf_padded(docs, args.n_positions) for docs in batches]
-    elif layout == "dynamic":
-        inputs = [hf_padded(docs, max(len(d) for d in docs)) for docs in batches]
-    elif layout == "packed":
-        inputs = [hf_packed(docs, flash_kwargs=True) for docs in batches]
-        if compiled:  # max_length only bounds the longest document: a constant compiles once
-            for batch in inputs:
-                batch["max_length_q"] = batch["max_length_k"] = args.n_positions
-    else:  # FlexAttention compiles its kernel for each new length: every row padded to one length
-        fixed = -(-max(real) // 128) * 128
-        inputs = [hf_packed(docs, flash_kwargs=False, fixed_length=fixed, max_doc=args.n_positions)
-                  for docs in batches]
-    inputs = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()} for batch in inputs]
-    row.update(real_tokens=sum(real[args.warmup:]),
-               token_slots=sum(b["input_ids"].numel() for b in inputs[args.warmup:]))
+    net = optimizer = runner = None
     try:
+        if layout == "pad":
+            inputs = [hf_padded(docs, args.n_positions) for docs in batches]
+        elif layout == "dynamic":
+            inputs = [hf_padded(docs, max(len(d) for d in docs)) for docs in batches]
+        elif layout == "packed":
+            inputs = [hf_packed(docs, flash_kwargs=True) for docs in batches]
+            if compiled:  # max_length only bounds the longest document: a constant compiles once
+                for batch in inputs:
+                    batch["max_length_q"] = batch["max_length_k"] = args.n_positions
+        else:  # FlexAttention compiles its kernel for each new length: every row padded to one length
+            fixed = -(-max(real) // 128) * 128
+            inputs = [hf_packed(docs, flash_kwargs=False, fixed_length=fixed, max_doc=args.n_positions)
+                      for docs in batches]
+        inputs = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()} for batch in inputs]
+        row.update(real_tokens=sum(real[args.warmup:]),
+                   token_slots=sum(b["input_ids"].numel() for b in inputs[args.warmup:]))
         torch._dynamo.reset()
-        net = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(device)
+        net = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn).to(device)
         net.load_state_dict(init_state)
         net.loss_type = "ForCausalLM"  # GPT-2 names no loss type: transformers would warn, a graph break
         net.train()

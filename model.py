@@ -623,8 +623,13 @@ def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False)
     bpe.Tokenizer (anything with .save(dir) and .special_ids) whose vocab.json and merges.txt go beside them, with
     <|endoftext|> as bos/eos id and special_tokens_map.json naming its special tokens. Existing files are an error
     unless overwrite=True; each file is written to a temp name and renamed, config.json last."""
-    while hasattr(model, "_orig_mod") or isinstance(getattr(model, "module", None), nn.Module):
-        model = getattr(model, "_orig_mod", None) or model.module
+    while True:  # torch.compile keeps the model as _orig_mod, data-parallel wrappers as .module
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            break
     if not isinstance(model, TransformerLM):
         raise TypeError(f"save_llama needs a TransformerLM, got {type(model).__name__}")
     st = _safetensors()

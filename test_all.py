@@ -11,6 +11,7 @@ Multi-process tests use gloo on CPU (NCCL when there is a GPU per rank) and skip
 """
 import contextlib
 import datetime
+import importlib
 import importlib.util
 import io
 import json
@@ -657,7 +658,9 @@ def test_flash_gpu_bf16_large_shapes():
 def _need_hf(*modules):
     """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
     for name in modules:
-        if importlib.util.find_spec(name) is None:
+        try:
+            importlib.import_module(name)
+        except ImportError:
             raise unittest.SkipTest(f"needs {name} (pip install -r requirements-hf.txt)")
     if "transformers" in modules:
         from transformers.utils import logging as hf_logging
@@ -735,12 +738,12 @@ def test_hf_attention_padded_batches_match_eager():
 
 
 def test_hf_attention_padding_free_matches_eager_and_each_document_alone():
-    from transformers import DataCollatorWithFlattening  # noqa: F401 -- checked by _hf_pair's skip first
+    _need_hf("transformers")
+    from transformers import DataCollatorWithFlattening
     gen = torch.Generator().manual_seed(12)
     docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
     for kind in ("gpt2", "llama"):
         eager, ours = _hf_pair(kind)
-        from transformers import DataCollatorWithFlattening
         for kwargs in (False, True):
             batch = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
             assert batch["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in batch) is kwargs
@@ -759,7 +762,8 @@ def test_hf_attention_padding_free_matches_eager_and_each_document_alone():
 def test_hf_attention_compiles_without_graph_breaks():
     # fullgraph=True: a graph break anywhere in the model (our hooks included) raises. Three paths: the collator's
     # kwargs, a padding mask, and position_ids alone (the fixed-shape boundaries)
-    from transformers import DataCollatorWithFlattening  # noqa: F401
+    _need_hf("transformers")
+    from transformers import DataCollatorWithFlattening
     gen = torch.Generator().manual_seed(13)
     docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (9, 3, 14)]
     eager, ours = _hf_pair("llama")
