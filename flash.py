@@ -877,13 +877,15 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
 #      a 2-D padding mask (batch, keys): every row is cut into three segments, pads before, real tokens, pads
 #        after, and flash_attn_varlen runs on the segments, so real tokens see only real tokens of their row, with
 #        left, right or both-sided padding. The boundaries come from the mask on the device (3 per row: a fixed
-#        shape). A mask with a hole (a pad between real tokens) cannot be cut that way: an error.
+#        shape). A mask with a hole (a pad between real tokens) cannot be cut that way: an error. With a mask, a
+#        row is one document (position_ids are not read).
 #      no mask, position_ids: a document starts wherever the position does not follow the previous one (or a row
 #        starts). Eagerly these are read on the host once per forward (cached by tensor) and a batch without
 #        restarts takes the dense kernel; under torch.compile they cannot be read, so every token's document start
 #        becomes one boundary (a fixed shape of tokens + 1, most segments empty): correct for dense and packed
-#        batches alike, but the kernels launch programs for every empty segment. Pass the collator's kwargs.
-#      neither: dense causal flash_attention.
+#        batches alike, but the kernels launch programs for every empty segment (their length bound is the
+#        config's max_position_embeddings, checked on the device). Pass the collator's kwargs.
+#      neither: dense flash_attention (causal unless the layer says otherwise).
 #    Our kernels scale scores by 1/sqrt(d): another `scaling` (GPT-2's scale_attn_by_inverse_layer_idx, or no
 #    scaling) is folded into q. Not supported, each a clear error: attention dropout, sliding windows, softcapping,
 #    attention sinks, 4-D masks, and queries shorter than keys (decoding with a KV cache: generate with sdpa).
