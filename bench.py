@@ -1159,6 +1159,21 @@ def padded_layout(cu_seqlens, length):
     return doc * length + pos, lens
 
 
+def xformers_varlen(lens):
+    """xFormers' memory-efficient attention on the packed documents (its block-diagonal causal bias), or, when
+    xFormers is missing, a method that raises saying so (its row in the table then says why)."""
+    try:
+        from xformers.ops import fmha
+    except ImportError as e:
+        why = f"xFormers is not installed ({e})"
+
+        def missing(q, k, v):
+            raise ModuleNotFoundError(why)
+        return missing
+    bias = fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(lens)
+    return lambda q, k, v: fmha.memory_efficient_attention(q[None], k[None], v[None], attn_bias=bias)[0]
+
+
 def attention_methods(cu_seqlens, max_seqlen, num_heads, context_length, device, flex):
     """Attention-only contenders on one packed batch; each maps packed q, k, v (N, H, D) to packed (N, H, D).
     Built per batch: the block masks and padding layouts are set up outside the timed calls. flex: the compiled
@@ -1194,6 +1209,24 @@ def attention_methods(cu_seqlens, max_seqlen, num_heads, context_length, device,
     methods["SDPA, padded to context_length, is_causal (pad)"] = sdpa_padded(context_length, False)
     methods["SDPA, padded to batch max, is_causal (dynamic_pad)"] = sdpa_padded(max_seqlen, False)
     methods["SDPA, padded to batch max, causal + padding mask"] = sdpa_padded(max_seqlen, True)
+
+    # the documents back to back with one dense (N, N) block-diagonal causal mask: O(N^2) memory and work
+    block_diagonal = model_py.block_diagonal_causal_mask(cu, N)
+
+    def sdpa_block_diagonal(q, k, v):
+        heads = lambda t: t.transpose(0, 1)[None]  # (N, H, D) -> (1, H, N, D), a view
+        return F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=block_diagonal)[0].transpose(0, 1)
+    methods["SDPA, concatenated, dense block-diagonal mask (O(N^2))"] = sdpa_block_diagonal
+
+    # jagged NestedTensors: the packed rows with their offsets, through SDPA's nested-tensor kernels
+    offsets, lens = cu.long(), (cu[1:] - cu[:-1]).tolist()
+
+    def nested_sdpa(q, k, v):
+        jagged = lambda t: torch.nested.nested_tensor_from_jagged(t, offsets, min_seqlen=min(lens),
+                                                                  max_seqlen=max(lens)).transpose(1, 2)
+        return F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v), is_causal=True).transpose(1, 2).values()
+    methods["NestedTensor (jagged) through SDPA, is_causal"] = nested_sdpa
+    methods["xFormers memory_efficient_attention, block-diagonal causal"] = xformers_varlen(lens)
     if device.type == "cuda":
         def torch_varlen(q, k, v):  # PyTorch's internal FA2 varlen kernel (aten op; it has an autograd formula)
             return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True,
@@ -1308,7 +1341,7 @@ def cmd_varlen(argv):
     print("### Model: train step (forward, backward, AdamW) and eval forward, same documents\n")
     body = [[r["phase"], r["strategy"], r.get("ms_per_batch", r["status"]), r.get("tokens_per_s"),
              f"{r['speedup_vs_pad']:.2f}x" if r["speedup_vs_pad"] else "—",
-             f"{100 * r['real_tokens'] / r['token_slots']:.0f}%", r.get("peak_mib"), r["loss_first_batch"]]
+             f"{100 * r['real_tokens'] / r['token_slots']:.0f}%" if r.get("token_slots") else "—", r.get("peak_mib"), r["loss_first_batch"]]
             for r in sorted(rows, key=lambda r: r["phase"] != "train")]
     print(markdown_table(["phase", "strategy", "ms/batch", "real tokens/s", "speedup vs pad", "real / slots",
                           "peak MiB", "eval loss, batch 1 (same weights: equal)"], body))
@@ -1978,6 +2011,255 @@ def cmd_ddp(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# hf: a Hugging Face GPT-2 trained on variable-length documents: padded, dynamically padded and padding-free
+# batches, with SDPA, our kernels (flash.register_hf_attention) and FlexAttention, the same documents for every row
+# ---------------------------------------------------------------------------------------------------------------
+#     python bench.py hf --json hf.json --plot hf.png
+#     python bench.py hf --n_layer 2 --n_embd 64 --steps 2      # a small run (on CPU: the interpreter, tiny sizes)
+# Every step trains on the same number of whole documents (so padded rows keep one shape and compile once); the
+# rows differ only in how those documents are laid out and attended. transformers is imported inside cmd_hf.
+
+HF_DEFAULTS = dict(  # (CUDA, CPU): GPT2Config's shape on the GPU; a tiny model for the Triton interpreter on CPU
+    n_layer=(12, 2), n_embd=(768, 64), n_head=(12, 4), n_positions=(1024, 32), vocab_size=(50257, 257),
+    median_len=(200.0, 20.0), tokens=(16384, 64), warmup=(3, 1), steps=(10, 1))
+HF_ROWS = {  # key: (label, attn_implementation, layout, compiled); "ours" is what register_hf_attention adds
+    "sdpa_pad": ("sdpa, padded to n_positions", "sdpa", "pad", False),
+    "sdpa_pad_compiled": ("sdpa, padded to n_positions, compiled", "sdpa", "pad", True),
+    "sdpa_dynamic": ("sdpa, dynamic padding (batch's longest)", "sdpa", "dynamic", False),
+    "ours_pad": ("ours, padded to n_positions", "ours", "pad", False),
+    "ours_packed": ("ours, padding-free", "ours", "packed", False),
+    "ours_packed_compiled": ("ours, padding-free, compiled", "ours", "packed", True),
+    "flex_packed": ("flex_attention, padding-free", "flex_attention", "packed_fixed", False),
+}
+
+
+def hf_batches(lengths, docs_per_step, steps, vocab_size, generator):
+    """`steps` batches of `docs_per_step` documents each (lists of token ids), consecutive draws of `lengths`."""
+    tokens = [torch.randint(vocab_size, (int(n),), generator=generator).tolist() for n in lengths]
+    return [tokens[i * docs_per_step:(i + 1) * docs_per_step] for i in range(steps)]
+
+
+def hf_padded(docs, length):
+    """One document per row, right-padded to `length`: input_ids, attention_mask, labels (-100 on pads)."""
+    ids = torch.zeros(len(docs), length, dtype=torch.long)
+    mask = torch.zeros(len(docs), length, dtype=torch.long)
+    for r, d in enumerate(docs):
+        ids[r, :len(d)] = torch.tensor(d)
+        mask[r, :len(d)] = 1
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def hf_packed(docs, flash_kwargs, fixed_length=None, max_doc=None):
+    """The documents in one row by transformers' DataCollatorWithFlattening (position_ids restart per document,
+    each document's first label -100); flash_kwargs adds cu_seq_lens_q/k and max_length_q/k. fixed_length: filler
+    documents of at most max_doc tokens, every label -100, take the row to that length (one shape per step)."""
+    from transformers import DataCollatorWithFlattening
+    features = [{"input_ids": d, "labels": d} for d in docs]  # labels on every feature: the collator reads
+    # them from all features only when the first one has them (else fillers would be targets)
+    if fixed_length is not None:
+        left = fixed_length - sum(len(d) for d in docs)
+        if left < 0:
+            raise ValueError(f"hf_packed: {-left} tokens more than fixed_length {fixed_length}")
+        while left > 0:
+            n = min(left, max_doc)
+            features.append({"input_ids": [0] * n, "labels": [-100] * n})
+            left -= n
+    return dict(DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(features))
+
+
+def hf_counting_backend(name):
+    """A torch.compile backend that counts the graphs it is handed (one per compile or recompile of a frame)."""
+    inner = torch._dynamo.lookup_backend(name)
+    count = [0]
+
+    def backend(gm, example_inputs, **kwargs):
+        count[0] += 1
+        return inner(gm, example_inputs, **kwargs)
+    return backend, count
+
+
+def hf_train_row(key, args, cfg, init_state, batches, device):
+    """Train one row's model for warmup + steps batches; returns the row dict (status "ok" or why not)."""
+    import copy  # the config is copied: transformers writes the attention implementation into it
+    from transformers import AutoModelForCausalLM
+    label, attn, layout, compiled = HF_ROWS[key]
+    cuda = device.type == "cuda"
+    row = dict(key=key, strategy=label, attn=attn, layout=layout, compiled=compiled, status="ok")
+    if attn == "flex_attention":
+        from transformers.utils import is_torch_flex_attn_available
+        if not is_torch_flex_attn_available():
+            row["status"] = "not run: this transformers/torch has no FlexAttention"
+            return row
+    real = [sum(len(d) for d in docs) for docs in batches]
+    net = optimizer = runner = None
+    try:
+        if layout == "pad":
+            inputs = [hf_padded(docs, args.n_positions) for docs in batches]
+        elif layout == "dynamic":
+            inputs = [hf_padded(docs, max(len(d) for d in docs)) for docs in batches]
+        elif layout == "packed":
+            inputs = [hf_packed(docs, flash_kwargs=True) for docs in batches]
+            if compiled:  # max_length only bounds the longest document: a constant compiles once
+                for batch in inputs:
+                    batch["max_length_q"] = batch["max_length_k"] = args.n_positions
+        else:  # FlexAttention compiles its kernel for each new length: every row padded to one length
+            fixed = -(-max(real) // 128) * 128
+            inputs = [hf_packed(docs, flash_kwargs=False, fixed_length=fixed, max_doc=args.n_positions)
+                      for docs in batches]
+        inputs = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()} for batch in inputs]
+        row.update(real_tokens=sum(real[args.warmup:]),
+                   token_slots=sum(b["input_ids"].numel() for b in inputs[args.warmup:]))
+        torch._dynamo.reset()
+        net = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn).to(device)
+        net.load_state_dict(init_state)
+        net.loss_type = "ForCausalLM"  # GPT-2 names no loss type: transformers would warn, a graph break
+        net.train()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+        count = [0]
+        runner = net
+        if compiled:
+            backend, count = hf_counting_backend(args.backend)
+            runner = torch.compile(net, backend=backend)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+        times, compiles_warmup = [], 0
+        for i, batch in enumerate(inputs):
+            if compiled and layout == "packed":  # documents change the row's length every step
+                for name in ("input_ids", "labels", "position_ids"):
+                    torch._dynamo.mark_dynamic(batch[name], 1)
+            t0 = timeit.default_timer()
+            optimizer.zero_grad(set_to_none=True)
+            with amp:
+                loss = runner(**batch).loss
+            loss.backward()
+            optimizer.step()
+            sync(device)
+            dt = timeit.default_timer() - t0
+            if i == 0:
+                row["loss_first_batch"] = float(loss.detach())
+            if i < args.warmup:
+                compiles_warmup = count[0]
+            else:
+                times.append(dt)
+        row.update(ms_per_step=1e3 * statistics.fmean(times), std_ms=statistics.stdev(times) if len(times) > 1 else 0.0,
+                   tokens_per_s=row["real_tokens"] / sum(times),
+                   peak_mib=mib(torch.cuda.max_memory_allocated(device)) if cuda else None,
+                   compiles=(compiles_warmup, count[0] - compiles_warmup) if compiled else None)
+    except Exception as e:  # one failing strategy (OOM, unsupported here) is a row that says why, in one line
+        first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:140]
+        row["status"] = "OOM" if is_oom(e) else f"{type(e).__name__}: {first}"
+        print(f"{label}: {type(e).__name__}: {e}", file=sys.stderr)
+        if not isinstance(e, (ValueError, NotImplementedError)) and not is_oom(e):
+            traceback.print_exception(e, file=sys.stderr)
+        row.pop("token_slots", None)
+    finally:
+        net = optimizer = runner = None
+        free_memory(device)
+    return row
+
+
+def cmd_hf(argv):
+    p = argparse.ArgumentParser(prog="bench.py hf", description="A transformers GPT2LMHeadModel trained on "
+                                "variable-length documents: SDPA padded / dynamically padded, ours padded / "
+                                "padding-free, FlexAttention padding-free; the same documents for every row.")
+    for key, (gpu, cpu) in HF_DEFAULTS.items():
+        flags = [f"--{key}"] + ({"steps": ["-n"], "warmup": ["-w"], "tokens": ["-t"]}.get(key, []))
+        p.add_argument(*flags, type=type(gpu), default=None, help=f"default {gpu} on CUDA, {cpu} on CPU")
+    p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
+    p.add_argument("-r", "--rows", default=",".join(HF_ROWS), help=f"comma list of {', '.join(HF_ROWS)}")
+    p.add_argument("--backend", default=None, help="torch.compile backend (default inductor on CUDA, aot_eager "
+                   "on CPU)")
+    add_common_args(p, plot_help="bar chart of real tokens/s per row")
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    cuda = device.type == "cuda"
+    for key, (gpu, cpu) in HF_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, gpu if cuda else cpu)
+    args.backend = args.backend or ("inductor" if cuda else "aot_eager")
+    keys = csv_list(args.rows, HF_ROWS)
+    if args.steps < 1 or args.warmup < 0 or args.tokens < 1:
+        raise SystemExit("--steps must be >= 1, --warmup >= 0 and --tokens >= 1")
+    try:
+        from transformers import AutoModelForCausalLM, GPT2Config
+    except ImportError:
+        raise SystemExit("bench.py hf needs transformers: pip install -r requirements-hf.txt")
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    flash.register_hf_attention("ours")
+    allow_recompiles()
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    info = run_info("hf", argv, device)
+    print_header("bench.py hf", info)
+
+    # the documents: log-normal lengths clipped to [16, n_positions]; a step holds the number of whole documents
+    # whose expected length adds up to --tokens
+    g = torch.Generator().manual_seed(args.seed)
+    probe = document_lengths(100_000, args.median_len, args.sigma, args.n_positions, g)
+    docs_per_step = max(1, round(args.tokens / probe.double().mean().item()))
+    n_steps = args.warmup + args.steps
+    lengths = document_lengths(docs_per_step * n_steps, args.median_len, args.sigma, args.n_positions, g)
+    batches = hf_batches(lengths, docs_per_step, n_steps, args.vocab_size, g)
+    # GPT2Config defaults but no dropout: our kernels have none, and first-batch losses must be comparable
+    cfg = GPT2Config(vocab_size=args.vocab_size, n_positions=args.n_positions, n_embd=args.n_embd,
+                     n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(args.seed)
+    init = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    init_state = {k: v.clone() for k, v in init.state_dict().items()}
+    params = sum(p.numel() for p in init.parameters())
+    del init
+    per_step = [sum(len(d) for d in docs) for docs in batches]
+    print(f"GPT2LMHeadModel (GPT2Config defaults but: {args.n_layer} layers, n_embd {args.n_embd}, {args.n_head} "
+          f"heads, n_positions {args.n_positions}, vocab {args.vocab_size}; dropout 0), {params / 1e6:.1f}M "
+          f"parameters, random init (the same weights for every row), "
+          f"{'bf16 autocast' if cuda else 'fp32'}, torch AdamW{' (fused)' if cuda else ''}. Documents: log-normal "
+          f"lengths, median {args.median_len:g}, sigma {args.sigma:g}, clipped to [16, {args.n_positions}], random "
+          f"tokens; {docs_per_step} whole documents per step ({statistics.fmean(per_step):,.0f} real tokens on "
+          f"average, {min(per_step):,}-{max(per_step):,}), {args.warmup} warm-up + {args.steps} timed steps, the "
+          f"same batches for every row. Compiled rows: torch.compile(backend={args.backend}); padding-free rows "
+          f"take DataCollatorWithFlattening's cu_seq_lens (compiled: max_length = n_positions, a bound, and the row "
+          f"length marked dynamic); flex_attention's row is filled to one length with label-less filler documents "
+          f"(it compiles its kernel per length).\n", flush=True)
+
+    rows, t_start = [], timeit.default_timer()
+    for key in keys:
+        rows.append(hf_train_row(key, args, cfg, init_state, batches, device))
+        r = rows[-1]
+        progress(len(rows), len(keys), t_start, f"{r['strategy']}: " + (
+            f"{r['ms_per_step']:.1f} ms/step, {fmt(r['tokens_per_s'])} real tokens/s" if r["status"] == "ok"
+            else r["status"]))
+    base = next((r for r in rows if r["key"] == "sdpa_pad" and r["status"] == "ok"), None)
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base and r["status"] == "ok" else None
+    body = [[r["strategy"],
+             f"{r['ms_per_step']:.1f} ± {r['std_ms']:.1f}" if r["status"] == "ok" else r["status"],
+             r.get("tokens_per_s"), f"{r['speedup']:.2f}x" if r["speedup"] else "—",
+             f"{100 * r['real_tokens'] / r['token_slots']:.0f}%" if r.get("token_slots") else "—", r.get("peak_mib"),
+             fmt(r.get("loss_first_batch"), 5) if r.get("loss_first_batch") is not None else "—",
+             f"{r['compiles'][0]} + {r['compiles'][1]}" if r.get("compiles") else "—"]
+            for r in rows]
+    print(markdown_table(["strategy", "ms/step", "real tokens/s", "speedup vs sdpa padded", "real / slots",
+                          "peak MiB", "loss, batch 1", "graphs compiled (warm-up + timed)"], body))
+    print("Speedup: real tokens/s over the uncompiled sdpa padded row. Loss, batch 1: before any update, the same "
+          "weights and targets in every row, so strategies that keep documents apart agree. Graphs compiled: the "
+          "timed steps' count is 0 when the compiled model did not recompile for new batches.\n")
+    write_json(args.json, dict(info, docs_per_step=docs_per_step, rows=rows))
+
+    def draw(plt):
+        ok = [r for r in rows if r["status"] == "ok"]
+        fig, ax = plt.subplots(figsize=(8, 0.5 * len(ok) + 1.5))
+        ax.barh([r["strategy"] for r in ok][::-1], [r["tokens_per_s"] / 1e3 for r in ok][::-1])
+        ax.set(xlabel="thousand real tokens/s", title=f"GPT-2 ({args.n_layer} layers) on variable-length documents")
+        return fig
+    save_plot(args.plot, draw)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # dispatch
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -1992,6 +2274,7 @@ def main(argv=None):
         "attention": cmd_attention,
         "allreduce": cmd_allreduce,
         "ddp": cmd_ddp,
+        "hf": cmd_hf,
     }
     if not argv or argv[0] not in commands:
         names = ", ".join(commands)

@@ -2,9 +2,12 @@
 
   1. Attention references: naive attention (dense and packed) and the tiled PyTorch twin of the kernels
   2. Attention in Triton (FlashAttention-2): forward, backward (Delta pre-pass, dQ pass, dK/dV pass), launchers
-  3. Attention entry points: one autograd Function, torch.compile custom ops, flash_attention / flash_attn_varlen,
-     FlashAttentionTriton (the (batch, seq, d) interface)
-  4. AdamW: one fused step kernel per parameter bucket (train.AdamW is the optimizer that calls it)
+  3. Attention forward on Hopper in Gluon (FlashAttention-3's design: TMA, warp specialization, async wgmma)
+  4. Attention entry points: the one place that picks the kernels, one autograd Function, torch.compile custom
+     ops, flash_attention / flash_attn_varlen, FlashAttentionTriton (the (batch, seq, d) interface)
+  5. AdamW: one fused step kernel per parameter bucket (train.AdamW is the optimizer that calls it)
+  6. Cross-entropy rows with their gradient in place (model.linear_cross_entropy, the fused LM head, uses it)
+  7. Hugging Face interop: these kernels as a transformers attention implementation
 
     flash_attention(q, k, v, causal=True)          q (B, H, S, D), k/v (B, H_kv, S_k, D), any strides -> (B, H, S, D)
     flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True)   packed (total_tokens, H, D) -> same
@@ -1239,3 +1242,185 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
     assert logits.stride(-1) == 1 and targets.is_contiguous() and loss.is_contiguous()
     _cross_entropy_rows_kernel[(logits.shape[0],)](logits, targets, loss, scale, logits.stride(0), logits.shape[1],
                                                    ignore_index, BLOCK=64 if INTERPRET else 2048, num_warps=8)
+
+
+# 7. Hugging Face interop: these kernels as a transformers attention implementation. register_hf_attention() adds
+#    hf_attention (the attention) and hf_attention_mask (what the model's mask builder hands it) under one name, so
+#    AutoModelForCausalLM.from_config(cfg, attn_implementation="ours") runs them (transformers is imported
+#    only inside register_hf_attention). What a call attends to, in order:
+#      cu_seq_lens_q / max_length_q given (DataCollatorWithFlattening(return_flash_attn_kwargs=True)): the packed
+#        documents they name, flash_attn_varlen; nothing is read on the host, so this is the path to compile.
+#      a 2-D padding mask (batch, keys): every row is cut into three segments, pads before, real tokens, pads
+#        after, and flash_attn_varlen runs on the segments, so real tokens see only real tokens of their row, with
+#        left, right or both-sided padding. The boundaries come from the mask on the device (3 per row: a fixed
+#        shape). A mask with a hole (a pad between real tokens) cannot be cut that way: an error. With a mask, a
+#        row is one document (position_ids are not read).
+#      no mask, position_ids: a document starts wherever the position does not follow the previous one (or a row
+#        starts). Eagerly these are read on the host once per forward (cached by tensor) and a batch without
+#        restarts takes the dense kernel; under torch.compile they cannot be read, so every token's document start
+#        becomes one boundary (a fixed shape of tokens + 1, most segments empty): correct for dense and packed
+#        batches alike, but the kernels launch programs for every empty segment (their length bound is the
+#        config's max_position_embeddings, checked on the device). Pass the collator's kwargs.
+#      neither: dense flash_attention (causal unless the layer says otherwise).
+#    Our kernels scale scores by 1/sqrt(d): another `scaling` (GPT-2's scale_attn_by_inverse_layer_idx, or no
+#    scaling) is folded into q. Not supported, each a clear error: attention dropout, sliding windows, softcapping,
+#    attention sinks, 4-D masks, and queries shorter than keys (decoding with a KV cache: generate with sdpa).
+# ---------------------------------------------------------------------------------------------------------------
+
+import weakref  # noqa: E402  (this section's own import, kept beside it)
+
+_HF_DOCS = {}  # eager only: the last position_ids tensor seen -> its documents (every layer of a forward shares it)
+
+
+def _hf_fail(what):
+    raise ValueError(f"flash.hf_attention: {what}")
+
+
+def _hf_documents_eager(position_ids, batch, seqlen):
+    """(cu_seqlens int32, max_seqlen) of the documents position_ids mark in a (batch, seqlen) batch, or None when
+    every row is a single document; read on the host once per position_ids tensor."""
+    cached = _HF_DOCS.get("entry")
+    if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
+        return cached[2]
+    pos = position_ids.expand(batch, seqlen)
+    starts = torch.ones(batch, seqlen, dtype=torch.bool, device=pos.device)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    docs = None
+    if bool(starts[:, 1:].any()):
+        cu = torch.cat([starts.flatten().nonzero().flatten(), starts.new_full((1,), batch * seqlen, dtype=torch.long)])
+        docs = cu.to(torch.int32), int((cu[1:] - cu[:-1]).max())
+    _HF_DOCS["entry"] = (weakref.ref(position_ids), position_ids._version, docs)
+    return docs
+
+
+def _hf_documents_traced(position_ids, batch, seqlen, bound):
+    """The same documents without a host read (for torch.compile): boundary t is the first token of token t's
+    document, plus the end; nondecreasing, so the segments between equal boundaries are empty."""
+    pos = position_ids.expand(batch, seqlen)
+    starts = torch.ones(batch, seqlen, dtype=torch.bool, device=pos.device)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    t = torch.arange(batch * seqlen, device=pos.device)
+    first = torch.cummax(torch.where(starts.flatten(), t, 0), dim=0).values
+    cu = torch.cat([first, first.new_full((1,), batch * seqlen)]).to(torch.int32)
+    max_seqlen = seqlen
+    if bound is not None and bound < seqlen:  # documents longer than the model's positions cannot be valid
+        torch._assert_async((cu[1:] - cu[:-1]).max() <= bound,
+                            "flash.hf_attention: a document is longer than max_position_embeddings")
+        max_seqlen = bound
+    return cu, max_seqlen
+
+
+def _hf_segments(mask):
+    """A (batch, seqlen) padding mask (True = real token) as 3 segments per row, pads / real tokens / pads:
+    int32 boundaries (3 * batch + 1) into the flattened batch, computed on the device."""
+    batch, seqlen = mask.shape
+    real = mask.sum(dim=-1)
+    first = mask.to(torch.int8).argmax(dim=-1)  # the first real token (0 for a row without any)
+    row = torch.arange(batch, device=mask.device) * seqlen
+    cu = torch.stack([row, row + first, row + first + real], dim=-1).flatten()
+    return torch.cat([cu, cu.new_full((1,), batch * seqlen)]).to(torch.int32)
+
+
+def _hf_mask_is_contiguous(mask):
+    """Per row: the real tokens form one run (no pad between two real tokens)."""
+    seqlen = mask.shape[-1]
+    real = mask.sum(dim=-1)
+    first = mask.to(torch.int8).argmax(dim=-1)
+    last = seqlen - 1 - mask.flip(-1).to(torch.int8).argmax(dim=-1)
+    return (real == 0) | (last - first + 1 == real)
+
+
+def hf_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                      attention_mask=None, **kwargs):
+    """transformers' mask hook for hf_attention: the 2-D padding mask (batch, kv_length) as booleans, or None when
+    there is none (or, eagerly, when it has no pad). Checked here, once per forward: a mask with a hole is an error
+    (eagerly a ValueError; under torch.compile an assertion on the device)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        _hf_fail(f"only 2-D padding masks (batch, keys) can be honoured, got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    ok = _hf_mask_is_contiguous(mask)
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok.all(), "flash.hf_attention: a padding mask with a pad between real tokens")
+        return mask
+    if not bool(ok.all()):
+        rows = (~ok).nonzero().flatten().tolist()
+        _hf_fail(f"padding mask rows {rows[:8]} have a pad between real tokens: only one run of real tokens per "
+                 f"row (left and/or right padding) can be honoured")
+    return None if bool(mask.all()) else mask
+
+
+def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
+                 sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """transformers' attention hook: query (B, H, S, D), key/value (B, H_kv, S_k, D), attention_mask from
+    hf_attention_mask -> (output (B, S, H, D), None). See the section comment for what it attends to."""
+    if dropout:
+        _hf_fail(f"attention dropout ({dropout}) is not implemented: set the config's attention dropout "
+                 f"(attn_pdrop / attention_dropout) to 0")
+    for name, val in (("sliding_window", sliding_window), ("softcap", softcap), ("s_aux", s_aux)):
+        if val is not None:
+            _hf_fail(f"{name} is not supported")
+    if attention_mask is not None and (not torch.is_tensor(attention_mask) or attention_mask.dim() != 2):
+        _hf_fail("got a mask that is not a 2-D padding mask: build the model with this attention's name so its "
+                 "mask hook (hf_attention_mask) makes the mask")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    B, H, S, D = query.shape
+    if key.shape[2] != S:
+        _hf_fail(f"{S} queries against {key.shape[2]} keys (decoding with a KV cache) is not supported: use "
+                 f"attn_implementation='sdpa' to generate")
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    if scaling is not None and not math.isclose(scaling, D ** -0.5, rel_tol=1e-6):
+        query = query * (scaling * math.sqrt(D))  # the kernels scale by 1/sqrt(D)
+
+    def packed(cu, max_seqlen, cu_k=None, max_k=None):
+        flat = lambda x: x.transpose(1, 2).reshape(B * S, x.shape[1], D)  # a view for HF's (B, S, H, D) memory
+        out = flash_attn_varlen(flat(query), flat(key), flat(value), cu, max_seqlen, causal=causal,
+                                cu_seqlens_k=cu_k, max_seqlen_k=max_k)
+        return out.view(B, S, H, D), None
+
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        if attention_mask is not None or B != 1:
+            _hf_fail("cu_seq_lens_q describes one packed row (batch 1) without a padding mask, got batch "
+                     f"{B}{' and a mask' if attention_mask is not None else ''}")
+        max_q = kwargs.get("max_length_q")
+        if max_q is None:
+            _hf_fail("cu_seq_lens_q needs max_length_q (a Python int, the longest document)")
+        cu_k = kwargs.get("cu_seq_lens_k")
+        cu_k = None if cu_k is None or cu_k is cu_q else cu_k.to(torch.int32)
+        max_k = kwargs.get("max_length_k", max_q) if cu_k is not None else None
+        return packed(cu_q.to(torch.int32), max_q, cu_k, max_k)
+    if attention_mask is not None:
+        return packed(_hf_segments(attention_mask), S)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None:
+        if torch.compiler.is_compiling():
+            bound = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+            return packed(*_hf_documents_traced(position_ids, B, S, bound))
+        docs = _hf_documents_eager(position_ids, B, S)
+        if docs is not None:
+            return packed(*docs)
+    return flash_attention(query, key, value, causal=causal).transpose(1, 2), None
+
+
+HF_RESERVED = ("flash", "sdpa", "flex", "eager", "paged", "|", "/")  # transformers gives names holding these
+# their own meaning: any name with "flash" in it is taken for a FlashAttention kernel to fetch from the hub
+
+
+def register_hf_attention(name="ours"):
+    """Register hf_attention and its mask hook with transformers under `name`; returns the name. Then
+    AutoModelForCausalLM.from_config(cfg, attn_implementation=name) (or model.set_attn_implementation(name)) uses
+    these kernels. Needs transformers (requirements-hf.txt)."""
+    clash = [word for word in HF_RESERVED if word in name]
+    if clash or not name:
+        raise ValueError(f"register_hf_attention: name {name!r} contains {clash or 'nothing'}; transformers reads "
+                         f"names containing {', '.join(map(repr, HF_RESERVED))} as its own implementations")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError("register_hf_attention needs transformers: pip install -r requirements-hf.txt") from e
+    AttentionInterface.register(name, hf_attention)
+    AttentionMaskInterface.register(name, hf_attention_mask)
+    return name

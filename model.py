@@ -596,3 +596,273 @@ PRESETS = {
     "gpt2-xl": dict(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
     "10B": dict(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
 }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Llama-format checkpoints: a directory Hugging Face's LlamaForCausalLM reads (config.json + model.safetensors)
+# ---------------------------------------------------------------------------------------------------------------
+# The two architectures are the same (pre-norm, RMSNorm, SwiGLU, RoPE, no biases) except for which two elements of a
+# head vector RoPE turns together: ours pairs neighbours (x[2j], x[2j+1]), Llama's rotate-half code pairs the two
+# halves (x[j], x[j + d_k/2]), pair j turning at the same frequency theta^(-2j/d_k) in both. Reordering the output
+# rows of q_proj and k_proj inside every head (ours 0, 2, 4, ..., 1, 3, 5, ... become Llama's 0, 1, 2, ...) turns
+# one into the other: a score q . k sums over the pairs, so it does not change. v_proj and output_proj keep their
+# rows. Only safetensors is needed (imported inside these functions); config.json is plain JSON written here, so
+# exporting and loading work without transformers and without a network.
+
+import inspect  # noqa: E402  (this section's own imports, kept beside it)
+import json  # noqa: E402
+import os  # noqa: E402
+
+LLAMA_WEIGHTS = "model.safetensors"
+LLAMA_INDEX = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {tensor name: file}}
+_LLAMA_LAYER_NAMES = (  # (ours, Llama's) inside layer i; SwiGLU's w1 is gate_proj (under SiLU), w3 up, w2 down
+    ("ln1.weight", "input_layernorm.weight"), ("attn.q_proj.weight", "self_attn.q_proj.weight"),
+    ("attn.k_proj.weight", "self_attn.k_proj.weight"), ("attn.v_proj.weight", "self_attn.v_proj.weight"),
+    ("attn.output_proj.weight", "self_attn.o_proj.weight"), ("ln2.weight", "post_attention_layernorm.weight"),
+    ("ffn.w1.weight", "mlp.gate_proj.weight"), ("ffn.w3.weight", "mlp.up_proj.weight"),
+    ("ffn.w2.weight", "mlp.down_proj.weight"))
+_LLAMA_ROPE_ROWS = ("attn.q_proj.weight", "attn.k_proj.weight")
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise ImportError("Llama-format checkpoints need the safetensors package (pip install -r "
+                          "requirements-hf.txt)") from e
+    return safetensors.torch
+
+
+def interleaved_to_half_rows(w, num_heads):
+    """Rows of a q/k projection (num_heads * d_k, d_model) from our RoPE pairing to Llama's: inside each head, rows
+    2j and 2j+1 (one rotated pair) move to rows j and j + d_k/2."""
+    d_k = w.shape[0] // num_heads
+    return w.reshape(num_heads, d_k // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def half_to_interleaved_rows(w, num_heads):
+    """The inverse of interleaved_to_half_rows: rows j and j + d_k/2 of each head move to rows 2j and 2j+1."""
+    d_k = w.shape[0] // num_heads
+    return w.reshape(num_heads, 2, d_k // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def _is_tied(model):
+    return model.token_embeddings.weight is model.lm_head.weight
+
+
+def rope_theta_of(model):
+    """rope_theta of a TransformerLM, read back from its RoPE tables (the model keeps only the tables): pair 1 at
+    position 1 turns by theta^(-2/d_k); that estimate, rounded to 1, 2, ... significant digits, is checked by
+    rebuilding the fp32 tables, and the first value that gives them bit for bit is returned."""
+    rope = model.layers[0].attn.rope
+    if rope is None:
+        raise ValueError("the model has no RoPE (rope_theta=None): Llama has no equivalent")
+    d_k = model.d_model // model.num_heads
+    if d_k < 4:
+        return 10000.0  # one pair per head, which turns at frequency 1 whatever theta is
+    if rope.cos.shape[0] >= 2:
+        angle = math.atan2(float(rope.sin[1, 1].double()), float(rope.cos[1, 1].double()))
+        estimate = angle ** (-d_k / 2)
+        for digits in range(1, 10):
+            candidate = float(f"{estimate:.{digits}g}")
+            rebuilt = RotaryEmbedding(candidate, d_k, rope.cos.shape[0])
+            if torch.equal(rebuilt.cos, rope.cos.cpu()) and torch.equal(rebuilt.sin, rope.sin.cpu()):
+                return candidate
+    raise ValueError("cannot tell the model's rope_theta from its RoPE tables: pass it (save_llama(..., "
+                     "rope_theta=...))")
+
+
+def llama_config(model, rope_theta=None):
+    """The config.json of LlamaForCausalLM for a TransformerLM: as many key-value heads as heads (no GQA), no
+    biases, SiLU, max_position_embeddings = context_length."""
+    theta = rope_theta_of(model) if rope_theta is None else float(rope_theta)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": model.vocab_size, "hidden_size": model.d_model,
+        "intermediate_size": model.layers[0].ffn.w1.out_features, "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_heads,
+        "head_dim": model.d_model // model.num_heads, "hidden_act": "silu",
+        "max_position_embeddings": model.context_length, "rms_norm_eps": model.ln_final.eps,
+        "tie_word_embeddings": _is_tied(model),
+        # both spellings: older transformers read rope_theta, newer ones rope_parameters
+        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+        "initializer_range": 0.02, "use_cache": True,
+        "dtype": str(model.lm_head.weight.dtype).replace("torch.", ""),
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    }
+
+
+def llama_state_dict(model):
+    """Our weights under Llama's names (CPU tensors, q/k rows reordered for rotate-half RoPE); a tied lm_head is
+    left out, as tie_word_embeddings tells the loader to share the embedding."""
+    ours = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    out = {"model.embed_tokens.weight": ours["token_embeddings.weight"], "model.norm.weight": ours["ln_final.weight"]}
+    if not _is_tied(model):
+        out["lm_head.weight"] = ours["lm_head.weight"]
+    for i in range(model.num_layers):
+        for mine, theirs in _LLAMA_LAYER_NAMES:
+            w = ours[f"layers.{i}.{mine}"]
+            if mine in _LLAMA_ROPE_ROWS:
+                w = interleaved_to_half_rows(w, model.num_heads)
+            out[f"model.layers.{i}.{theirs}"] = w.contiguous()
+    return out
+
+
+def _write_atomic(path, write):
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False):
+    """Write out_dir/config.json and out_dir/model.safetensors that LlamaForCausalLM.from_pretrained(out_dir) loads
+    into the same function as `model` (a TransformerLM, or a torch.compile / wrapper around one). tokenizer: a
+    bpe.Tokenizer (anything with .save(dir) and .special_ids) whose vocab.json and merges.txt go beside them, with
+    <|endoftext|> as bos/eos id and special_tokens_map.json naming its special tokens. Existing files are an error
+    unless overwrite=True; each file is written to a temp name and renamed, config.json last."""
+    while True:  # torch.compile keeps the model as _orig_mod, data-parallel wrappers as .module
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            break
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"save_llama needs a TransformerLM, got {type(model).__name__}")
+    st = _safetensors()
+    config = llama_config(model, rope_theta)
+    tensors = llama_state_dict(model)
+    os.makedirs(out_dir, exist_ok=True)
+    names = ["config.json", LLAMA_WEIGHTS] + (["vocab.json", "merges.txt", "special_tokens_map.json"]
+                                              if tokenizer is not None else [])
+    existing = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
+    if existing and not overwrite:
+        raise FileExistsError(f"save_llama: {out_dir} already holds {', '.join(existing)} (pass overwrite=True)")
+    if tokenizer is not None:
+        eot = tokenizer.special_ids.get("<|endoftext|>")
+        config.update(bos_token_id=eot, eos_token_id=eot)
+        tokenizer.save(out_dir)
+        specials = {"additional_special_tokens": list(tokenizer.special_ids)}
+        if eot is not None:
+            specials.update(bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+        _write_atomic(os.path.join(out_dir, "special_tokens_map.json"),
+                      lambda p: open(p, "w").write(json.dumps(specials, indent=1)))
+    _write_atomic(os.path.join(out_dir, LLAMA_WEIGHTS), lambda p: st.save_file(tensors, p, metadata={"format": "pt"}))
+    _write_atomic(os.path.join(out_dir, "config.json"), lambda p: open(p, "w").write(json.dumps(config, indent=2)))
+    return out_dir
+
+
+def _llama_tensors(path):
+    """Every tensor of a Llama directory (model.safetensors, or the shards its index names), on the CPU."""
+    st = _safetensors()
+    index = os.path.join(path, LLAMA_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, LLAMA_WEIGHTS)):
+        files = [LLAMA_WEIGHTS]
+    else:
+        raise FileNotFoundError(f"{path} has neither {LLAMA_WEIGHTS} nor {LLAMA_INDEX}: not a safetensors Llama "
+                                f"checkpoint (pytorch_model.bin is not read)")
+    tensors = {}
+    for name in files:
+        try:
+            tensors.update(st.load_file(os.path.join(path, name), device="cpu"))
+        except Exception as e:
+            raise RuntimeError(f"cannot read {os.path.join(path, name)}: truncated or corrupt ({e})") from e
+    return tensors
+
+
+def read_llama(path):
+    """A Llama directory as (model_args for TransformerLM, state dict under our names, rms_norm_eps). Only what
+    TransformerLM can express is accepted; anything else (GQA, biases, another activation, RoPE scaling, a head dim
+    other than hidden_size / heads) is an error naming the setting."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in {path}: not a Llama checkpoint directory")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    if cfg.get("model_type", "llama") != "llama":
+        raise ValueError(f"{config_path}: model_type {cfg['model_type']!r}, expected 'llama'")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in cfg]
+    if missing:
+        raise ValueError(f"{config_path} lacks {', '.join(missing)}")
+    d_model, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    rope = dict(cfg.get("rope_parameters") or {})
+    if cfg.get("rope_scaling"):
+        rope.update(cfg["rope_scaling"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    unsupported = [(key, cfg.get(key, default), want) for key, default, want in (
+        ("num_key_value_heads", heads, heads), ("head_dim", d_model // heads, d_model // heads),
+        ("hidden_act", "silu", "silu"), ("attention_bias", False, False), ("mlp_bias", False, False))]
+    unsupported = [(k, got, want) for k, got, want in unsupported if got is not None and got != want]
+    if rope_type != "default":
+        unsupported.append(("rope_type", rope_type, "default"))
+    if unsupported:
+        raise ValueError(f"{config_path}: TransformerLM cannot express " + ", ".join(
+            f"{k}={got!r} (needs {want!r})" for k, got, want in unsupported))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    layers = cfg["num_hidden_layers"]
+    model_args = dict(vocab_size=cfg["vocab_size"], context_length=cfg.get("max_position_embeddings", 2048),
+                      d_model=d_model, num_layers=layers, num_heads=heads, d_ff=cfg["intermediate_size"],
+                      rope_theta=float(theta), tie_embeddings=tied)
+
+    tensors = _llama_tensors(path)
+    if tied:
+        tensors.pop("lm_head.weight", None)  # some writers store the shared matrix twice
+    rename = {"model.embed_tokens.weight": "token_embeddings.weight", "model.norm.weight": "ln_final.weight"}
+    if not tied:
+        rename["lm_head.weight"] = "lm_head.weight"
+    rename.update({f"model.layers.{i}.{theirs}": f"layers.{i}.{mine}"
+                   for i in range(layers) for mine, theirs in _LLAMA_LAYER_NAMES})
+    absent = [name for name in rename if name not in tensors]
+    extra = [name for name in tensors if name not in rename and not name.endswith("rotary_emb.inv_freq")]
+    if absent or extra:
+        raise ValueError(f"{path}: tensors do not match its config.json: missing {absent[:4]}"
+                         f"{' ...' if len(absent) > 4 else ''}, unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}")
+    state = {}
+    for theirs, mine in rename.items():
+        w = tensors[theirs]
+        if mine.endswith(_LLAMA_ROPE_ROWS):
+            w = half_to_interleaved_rows(w, heads).contiguous()
+        state[mine] = w
+    if tied:
+        state["lm_head.weight"] = state["token_embeddings.weight"]
+    return model_args, state, float(cfg.get("rms_norm_eps", 1e-5))
+
+
+def load_llama(path, device=None, attn_impl="naive", dtype=None, act_ckpt_every=0):
+    """A TransformerLM holding the weights of a Llama directory (ours from save_llama, or LlamaForCausalLM's
+    save_pretrained without GQA), in eval mode. Parameters keep TransformerLM's fp32 unless dtype is given; the
+    RMSNorm eps is set from rms_norm_eps."""
+    model_args, state, eps = read_llama(path)
+    model = TransformerLM(**model_args, attn_impl=attn_impl, act_ckpt_every=act_ckpt_every, dtype=dtype)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise RuntimeError(f"{path}: tensor shapes do not match its config.json: {e}") from e
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.eps = eps
+    return model.to(device).eval() if device is not None else model.eval()
+
+
+def llama_init(path, vocab_size=None, context_length=None):
+    """For train.py's init_from=<Llama directory>: (model_args, state dict) to build and fill a TransformerLM,
+    checked against the run: the dataset's vocab_size must equal the checkpoint's, the run's context_length must
+    fit in its max_position_embeddings, and its RMSNorm eps must be TransformerLM's (model_args has no eps, so a
+    resumed run could not restore another)."""
+    model_args, state, eps = read_llama(path)
+    default_eps = inspect.signature(RMSNorm).parameters["eps"].default
+    if eps != default_eps:
+        raise ValueError(f"{path}: rms_norm_eps={eps}, but TransformerLM's RMSNorm uses {default_eps}")
+    if vocab_size is not None and model_args["vocab_size"] != vocab_size:
+        raise ValueError(f"{path} has vocab_size {model_args['vocab_size']} but the dataset has {vocab_size}: "
+                         f"fine-tune on data tokenized with the checkpoint's tokenizer")
+    if context_length is not None and context_length > model_args["context_length"]:
+        raise ValueError(f"context_length={context_length} exceeds {path}'s max_position_embeddings "
+                         f"{model_args['context_length']}")
+    return model_args, state

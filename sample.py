@@ -4,19 +4,21 @@
     python sample.py --prompt "ROMEO:" --num_samples 3 --temperature 0.8 --top_p 0.9
     echo "To be, or not" | python sample.py --max_new_tokens 100
     python sample.py --prompt "KING:" --prompt "First Citizen:" --temperature 0   # batched prompts, greedy
+    python sample.py --ckpt out/llama                  # a Llama-format directory (model.save_llama)
 
 Decoding keeps a KV cache (model.KVCache), so each new token runs the model on one position, not the whole prefix;
 prompts of different lengths decode together in one batch.
 """
 import argparse
 import contextlib
+import json
 import os
 import sys
 
 import torch
 
 from bpe import Tokenizer
-from model import TransformerLM, softmax
+from model import TransformerLM, load_llama, softmax
 
 EOT = "<|endoftext|>"
 
@@ -136,8 +138,41 @@ def _find(path, ckpt_path, what):
                             f"`python data/prepare.py NAME` (the dataset the model was trained on)")
 
 
+def load_llama_dir(path, device="cpu"):
+    """A Llama-format directory (config.json + model.safetensors, e.g. from model.save_llama) with our tokenizer
+    files beside it -> (model in eval mode on device, Tokenizer, eot_id, {"llama_config": its config.json}).
+    The tokenizer must be our BPE's vocab.json + merges.txt (tokenizer.json is not read); special tokens come from
+    special_tokens_map.json when present, else <|endoftext|>."""
+    missing = [name for name in ("vocab.json", "merges.txt") if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        raise FileNotFoundError(f"Llama directory {path} has no {' or '.join(missing)}: sample.py needs our BPE "
+                                f"tokenizer files beside the weights (model.save_llama(..., tokenizer=tok) writes "
+                                f"them; Hugging Face tokenizer.json is not read)")
+    special_tokens = [EOT]
+    specials_path = os.path.join(path, "special_tokens_map.json")
+    if os.path.isfile(specials_path):
+        with open(specials_path) as f:
+            specials = json.load(f)
+        listed = [s if isinstance(s, str) else s.get("content") for s in specials.get("additional_special_tokens", [])]
+        special_tokens = list(dict.fromkeys([s for s in listed if s] + [EOT]))
+    attn_impl = "flash" if torch.device(device).type == "cuda" else "naive"
+    model = load_llama(path, device=device, attn_impl=attn_impl)
+    tokenizer = Tokenizer.from_files(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"),
+                                     special_tokens=special_tokens)
+    num_tokens = max(tokenizer.vocab) + 1
+    if model.vocab_size != num_tokens:
+        raise ValueError(f"vocabulary mismatch: {path}'s model has vocab_size {model.vocab_size} but its tokenizer "
+                         f"has {num_tokens} tokens")
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    return model, tokenizer, tokenizer.special_ids[EOT], {"llama_config": config}
+
+
 def load_model(ckpt_path, device="cpu"):
-    """-> (model in eval mode on device, Tokenizer, eot_id, checkpoint dict)."""
+    """-> (model in eval mode on device, Tokenizer, eot_id, checkpoint dict). A directory is read as a Llama-format
+    checkpoint (load_llama_dir)."""
+    if os.path.isdir(ckpt_path):
+        return load_llama_dir(ckpt_path, device)
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"no checkpoint at {ckpt_path}: train a model first with `python train.py` "
                                 f"(or point --out_dir / --ckpt at one)")
@@ -184,7 +219,8 @@ def load_model(ckpt_path, device="cpu"):
 def main(argv=None):
     p = argparse.ArgumentParser(description="Generate text from a train.py checkpoint (SPEC §4).")
     p.add_argument("--out_dir", default="out", help="where train.py wrote ckpt.pt")
-    p.add_argument("--ckpt", default=None, help="checkpoint path (default OUT_DIR/ckpt.pt)")
+    p.add_argument("--ckpt", default=None, help="checkpoint path (default OUT_DIR/ckpt.pt), or a Llama-format "
+                   "directory (config.json + model.safetensors + our vocab.json / merges.txt)")
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for a batch of prompts; default: read stdin if piped, else start "
                         "from <|endoftext|>")
@@ -212,7 +248,7 @@ def main(argv=None):
     ckpt_path = args.ckpt or os.path.join(args.out_dir, "ckpt.pt")
     try:
         model, tokenizer, eot_id, _ = load_model(ckpt_path, device)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         sys.exit(f"sample.py: {e}")
 
     prompts = args.prompt

@@ -11,6 +11,7 @@ Multi-process tests use gloo on CPU (NCCL when there is a GPU per rank) and skip
 """
 import contextlib
 import datetime
+import importlib
 import importlib.util
 import io
 import json
@@ -675,6 +676,156 @@ def test_flash_gpu_bf16_large_shapes():
         _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
 
 
+# --- Hugging Face interop: flash.register_hf_attention (transformers models on our kernels) ---
+# transformers is an optional extra (requirements-hf.txt): without it these tests skip. Tiny GPT-2 and Llama models
+# (dropout off, no KV cache) with our attention are held to the same models with transformers' eager attention.
+
+def _need_hf(*modules):
+    """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise unittest.SkipTest(f"needs {name} (pip install -r requirements-hf.txt)")
+    if "transformers" in modules:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
+HF_VOCAB = 53
+
+
+def _hf_pair(kind, **overrides):
+    """(eager model, model on our kernels) with the same random weights; kind 'gpt2' or 'llama' (GQA: 4 heads
+    sharing 2 key-value heads, head dim 8)."""
+    _need_hf("transformers")
+    import copy
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+    name = flash.register_hf_attention()
+    if kind == "gpt2":  # layer-dependent scaling: exercises folding another `scaling` into q
+        cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=40, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False, scale_attn_by_inverse_layer_idx=True,
+                         bos_token_id=0, eos_token_id=0)
+    else:
+        cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40, use_cache=False,
+                          bos_token_id=0, eos_token_id=0)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name)
+    ours.load_state_dict(eager.state_dict())
+    assert ours.config._attn_implementation == name and eager.config._attn_implementation == "eager"
+    return eager, ours
+
+
+def _hf_grads(m):
+    return {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _hf_run(m, batch):
+    """(logits, parameter gradients) of one forward and backward on the loss transformers computes from labels."""
+    m.zero_grad(set_to_none=True)
+    out = m(**batch)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), _hf_grads(m)
+
+
+def _assert_hf_close(got, want, real=None):
+    (logits, loss, grads), (logits_ref, loss_ref, grads_ref) = got, want
+    keep = (lambda x: x[real]) if real is not None else (lambda x: x)
+    assert _rel(keep(logits), keep(logits_ref)) < 1e-4, _rel(keep(logits), keep(logits_ref))
+    assert abs(loss - loss_ref) <= 1e-4 * abs(loss_ref)
+    assert grads.keys() == grads_ref.keys() and grads
+    for name in grads:
+        assert _rel(grads[name], grads_ref[name]) < 1e-4, (name, _rel(grads[name], grads_ref[name]))
+
+
+def test_hf_attention_padded_batches_match_eager():
+    gen = torch.Generator().manual_seed(11)
+    lens = [21, 14, 3, 21]  # right padding, then the same rows left-padded; 21 is no multiple of a tile
+    ids = torch.randint(HF_VOCAB, (4, 21), generator=gen)
+    for kind in ("gpt2", "llama"):
+        eager, ours = _hf_pair(kind)
+        for side in ("right", "left"):
+            mask = torch.zeros(4, 21, dtype=torch.long)
+            for r, n in enumerate(lens):
+                mask[r, :n] = 1
+            if side == "left":
+                mask = mask.flip(-1)
+            # labels: real tokens after a real one (the model shifts them), so no pad's output is in the loss
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[torch.arange(4), mask.argmax(-1)] = -100
+            batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+            _assert_hf_close(_hf_run(ours, batch), _hf_run(eager, batch), real=mask.bool())
+
+
+def test_hf_attention_padding_free_matches_eager_and_each_document_alone():
+    _need_hf("transformers")
+    from transformers import DataCollatorWithFlattening
+    gen = torch.Generator().manual_seed(12)
+    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
+    for kind in ("gpt2", "llama"):
+        eager, ours = _hf_pair(kind)
+        for kwargs in (False, True):
+            batch = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
+            assert batch["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in batch) is kwargs
+            got = _hf_run(ours, batch)
+            # eager attention sees the same packing through position_ids (no mask, no cache)
+            ref_batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+            _assert_hf_close(got, _hf_run(eager, ref_batch))
+        # the loss of the packed row is the token-weighted mean of each document's own loss
+        with torch.no_grad():
+            losses = [(len(d) - 1, eager(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss)
+                      for d in docs if len(d) > 1]
+            per_doc = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
+        assert abs(got[1] - per_doc) <= 1e-5 * per_doc, (got[1], per_doc)
+
+
+def test_hf_attention_compiles_without_graph_breaks():
+    # fullgraph=True: a graph break anywhere in the model (our hooks included) raises. Three paths: the collator's
+    # kwargs, a padding mask, and position_ids alone (the fixed-shape boundaries)
+    _need_hf("transformers")
+    from transformers import DataCollatorWithFlattening
+    gen = torch.Generator().manual_seed(13)
+    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (9, 3, 14)]
+    eager, ours = _hf_pair("llama")
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+    ids = torch.randint(HF_VOCAB, (2, 13), generator=gen)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[0, 10:] = 0
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    positions = {k: packed[k] for k in ("input_ids", "labels", "position_ids")}
+    for batch, real in ((packed, None), (padded, mask.bool()), (positions, None)):
+        _assert_hf_close(_hf_run(compiled, batch), _hf_run(eager, {k: v for k, v in batch.items()
+                                                                     if not k.startswith(("cu_", "max_"))}), real)
+
+
+def test_hf_attention_errors_name_the_problem():
+    eager, ours = _hf_pair("gpt2")
+    ids = torch.randint(HF_VOCAB, (2, 9))
+    holes = torch.ones(2, 9, dtype=torch.long)
+    holes[1, 4] = 0
+    q = torch.randn(1, 2, 3, 16)
+    cases = [(lambda: ours(input_ids=ids, attention_mask=holes), "pad between real tokens"),
+             (lambda: ours(input_ids=ids, attention_mask=torch.ones(2, 1, 9, 9, dtype=torch.bool)), "2-D"),
+             (lambda: flash.hf_attention(ours.transformer.h[0].attn, q, torch.randn(1, 2, 5, 16),
+                                         torch.randn(1, 2, 5, 16), None), "KV cache"),
+             (lambda: flash.register_hf_attention("my_flash"), "'flash'")]
+    _, dropping = _hf_pair("gpt2", attn_pdrop=0.1)
+    cases.append((lambda: dropping.train()(input_ids=ids), "dropout"))
+    for fn, words in cases:
+        try:
+            fn()
+        except ValueError as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"no error ({words})")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # model.py, then sample.py
 # ---------------------------------------------------------------------------------------------------------------
@@ -1280,6 +1431,131 @@ def test_sample_cli_prints_batched_samples(tmp_path):
             raise AssertionError(f"sample.py accepted {argv}")
         except SystemExit as e:
             assert words in str(e.code), e.code
+
+
+# --- Llama-format checkpoints (model.save_llama / load_llama, sample.py on a directory) ---
+# transformers and safetensors are optional extras (requirements-hf.txt): without them these tests skip (_need_hf
+# is in the flash.py section).
+
+def _llama_lm(tie, seed=0, theta=500.0):
+    torch.manual_seed(seed)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
+    m = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta, tie_embeddings=tie).eval()
+    with torch.no_grad():  # RMSNorm gains away from 1, so a swapped or dropped gain would show
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return m
+
+
+def test_llama_export_gives_hf_llama_the_same_logits_tied_and_untied(tmp_path):
+    _need_hf("safetensors", "transformers")
+    from transformers import LlamaForCausalLM
+    idx = torch.randint(97, (2, 29), generator=torch.Generator().manual_seed(1))
+    for tie in (False, True):
+        m = _llama_lm(tie)
+        out = tmp_path / f"tie{tie}"
+        model_py.save_llama(m, str(out))
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["tie_word_embeddings"] is tie and cfg["rope_theta"] == 500.0 and cfg["num_key_value_heads"] == 4
+        assert cfg["intermediate_size"] == 48 and cfg["max_position_embeddings"] == 32 and cfg["rms_norm_eps"] == 1e-5
+        hf = LlamaForCausalLM.from_pretrained(str(out), attn_implementation="eager", dtype=torch.float32).eval()
+        assert (hf.lm_head.weight is hf.model.embed_tokens.weight) is tie
+        with torch.no_grad():
+            ours, theirs = m(idx), hf(idx).logits
+            assert (ours - theirs).abs().max() <= 1e-5, (ours - theirs).abs().max()
+            # without the q/k row reordering the RoPE pairs differ: the check above would fail
+            for layer in hf.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    proj.weight.copy_(model_py.half_to_interleaved_rows(proj.weight, 4))
+            assert (hf(idx).logits - ours).abs().max() > 1e-3
+
+
+def test_llama_load_round_trips_and_reads_hf_save_pretrained(tmp_path):
+    _need_hf("safetensors", "transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    for tie in (False, True):
+        m = _llama_lm(tie, seed=2, theta=12345.0)
+        model_py.save_llama(m, str(tmp_path / "ours"), overwrite=True)
+        back = model_py.load_llama(str(tmp_path / "ours"))
+        assert list(back.state_dict()) == list(m.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values()))
+        assert (back.token_embeddings.weight is back.lm_head.weight) is tie and not back.training
+        assert model_py.rope_theta_of(back) == 12345.0
+    # the other direction from transformers' own files: its random Llama, saved by save_pretrained
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
+                      max_position_embeddings=40, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True)
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    ours = model_py.load_llama(str(tmp_path / "hf"))
+    assert ours.ln_final.eps == 1e-6 and ours.context_length == 40 and ours.token_embeddings.weight is ours.lm_head.weight
+    idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (ours(idx) - hf(idx).logits).abs().max() <= 1e-5
+
+
+def test_llama_checkpoint_errors_name_the_problem(tmp_path):
+    _need_hf("safetensors")
+    m = _llama_lm(False)
+    out = tmp_path / "x"
+    model_py.save_llama(m, str(out))
+    cases = [(lambda: model_py.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
+             (lambda: model_py.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
+             (lambda: model_py.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
+             (lambda: model_py.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
+             (lambda: model_py.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None), str(tmp_path / "n")),
+              ValueError, "RoPE")]
+    cfg = json.loads((out / "config.json").read_text())
+    for name, change, words in (("gqa", dict(num_key_value_heads=2), "num_key_value_heads=2"),
+                                ("act", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+                                ("scaled", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
+                                 "rope_type='llama3'"),
+                                ("layers", dict(num_hidden_layers=3), "missing ['model.layers.2")):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(out / "model.safetensors", d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        cases.append((lambda d=d: model_py.load_llama(str(d)), ValueError, words))
+    (tmp_path / "cut").mkdir()
+    shutil.copy(out / "config.json", tmp_path / "cut" / "config.json")
+    data = (out / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cases.append((lambda: model_py.load_llama(str(tmp_path / "cut")), RuntimeError, "truncated or corrupt"))
+    for fn, exc, words in cases:
+        try:
+            fn()
+        except exc as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"no {exc.__name__} ({words})")
+    model_args, state = model_py.llama_init(str(out), vocab_size=97, context_length=32)
+    fresh = TransformerLM(**model_args)
+    fresh.load_state_dict(state)  # what train.py's init_from=<directory> does
+    assert torch.equal(fresh.layers[1].attn.q_proj.weight, m.layers[1].attn.q_proj.weight)
+
+
+def test_llama_directory_samples_like_the_saved_model(tmp_path):
+    _need_hf("safetensors")
+    ckpt, m = _tiny_checkpoint(tmp_path)
+    tok = Tokenizer.from_files(ckpt["tokenizer"]["vocab"], ckpt["tokenizer"]["merges"], [EOT])
+    out = tmp_path / "llama"
+    model_py.save_llama(m, str(out), tokenizer=tok)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eos_token_id"] == tok.special_ids[EOT]
+    loaded, tokenizer, eot_id, _ = sample.load_model(str(out))
+    assert eot_id == tok.special_ids[EOT] and tokenizer.encode("the cat sat") == tok.encode("the cat sat")
+    prompt = tok.encode("the cat")
+    assert sample.generate(loaded, prompt, 10, temperature=0) == sample.generate(m, prompt, 10, temperature=0)
+    out_text = io.StringIO()
+    with contextlib.redirect_stdout(out_text):
+        sample.main(["--ckpt", str(out), "--prompt", "the dog", "--max_new_tokens", "5", "--device", "cpu"])
+    assert out_text.getvalue().startswith("the dog")
+    (out / "merges.txt").unlink()
+    try:
+        sample.main(["--ckpt", str(out), "--device", "cpu"])
+        raise AssertionError("a directory without merges.txt was accepted")
+    except SystemExit as e:
+        assert "has no merges.txt" in str(e.code), e.code
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2430,6 +2706,78 @@ def test_bench_bad_input_is_a_clear_error():
             assert words in str(e), (argv, str(e))
         else:
             raise AssertionError(f"{argv} did not fail")
+
+
+# --- bench.py hf (transformers GPT-2 on variable-length documents; optional extra, skips without it) ---
+
+def test_bench_hf_rows_columns_and_equal_first_losses(tmp_path):
+    _need_hf("transformers")
+    path = tmp_path / "hf.json"
+    text = run_bench(["hf", "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--warmup", "1", "--steps", "1",
+                      "--json", str(path)])
+    payload = json.loads(path.read_text())
+    assert payload["command"].startswith("python bench.py hf") and payload["date"] and payload["device"]
+    rows = {r["key"]: r for r in payload["rows"]}
+    assert list(rows) == list(bench.HF_ROWS)
+    header = next(line for line in text.splitlines() if line.startswith("| strategy"))
+    for column in ("ms/step", "real tokens/s", "speedup vs sdpa padded", "peak MiB", "loss, batch 1",
+                   "graphs compiled"):
+        assert column in header, column
+    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| strategy")]
+    assert len(table) == len(bench.HF_ROWS)
+    flex = rows.pop("flex_packed")  # GPT-2 has no FlexAttention path in transformers: a row that says why
+    assert flex["status"] == "ok" or len(flex["status"]) > 10
+    for key, r in rows.items():
+        assert r["status"] == "ok" and r["ms_per_step"] > 0 and r["tokens_per_s"] > 0, (key, r["status"])
+    assert len({r["real_tokens"] for r in rows.values()}) == 1  # the same documents in every row
+    assert rows["sdpa_pad"]["speedup"] == 1.0 and rows["ours_packed"]["real_tokens"] == rows["ours_packed"]["token_slots"]
+    losses = [r["loss_first_batch"] for r in rows.values()]
+    assert max(losses) - min(losses) < 1e-4, losses  # every strategy keeps the documents apart
+    for key in ("sdpa_pad_compiled", "ours_packed_compiled"):
+        assert rows[key]["compiles"][1] == 0, (key, rows[key]["compiles"])  # no recompile for a new batch
+
+
+def test_bench_hf_batch_layouts():
+    _need_hf("transformers")
+    docs = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
+    pad = bench.hf_padded(docs, 6)
+    assert pad["input_ids"].shape == (3, 6) and pad["attention_mask"].sum().item() == 9
+    assert pad["labels"][1].tolist() == [8, 9, -100, -100, -100, -100]
+    packed = bench.hf_packed(docs, flash_kwargs=True)
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert packed["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 2, 3, 4]]
+    assert packed["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and packed["max_length_q"] == 4
+    fixed = bench.hf_packed(docs, flash_kwargs=False, fixed_length=16, max_doc=4)
+    assert fixed["input_ids"].shape == (1, 16) and (fixed["labels"][0, 9:] == -100).all()
+    assert fixed["position_ids"][0, 9:].tolist() == [0, 1, 2, 3, 0, 1, 2]  # fillers no longer than max_doc
+    try:
+        bench.hf_packed(docs, flash_kwargs=False, fixed_length=8, max_doc=4)
+        raise AssertionError("a fixed length below the documents' was accepted")
+    except ValueError as e:
+        assert "more than fixed_length" in str(e)
+
+
+def test_bench_varlen_block_diagonal_nested_and_xformers_rows():
+    from torch.nn.attention.flex_attention import flex_attention
+    cu = torch.tensor([0, 5, 17, 18, 40], dtype=torch.int32)
+    methods = bench.attention_methods(cu, 22, 2, 48, torch.device("cpu"), flex_attention)
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(40, 2, 16, generator=gen) for _ in range(3))
+    want = flash.attention_varlen_reference(q, k, v, cu, causal=True)[0]
+    got = methods["SDPA, concatenated, dense block-diagonal mask (O(N^2))"](q, k, v)
+    assert _rel(got, want) < 1e-5
+    try:  # SDPA has jagged kernels for is_causal on CUDA only; elsewhere its row carries torch's error
+        assert _rel(methods["NestedTensor (jagged) through SDPA, is_causal"](q, k, v), want) < 1e-5
+    except RuntimeError as e:
+        assert DEVICE == "cpu" and "backend" in str(e)
+    xformers = methods["xFormers memory_efficient_attention, block-diagonal causal"]
+    if importlib.util.find_spec("xformers") is None:
+        try:
+            xformers(q, k, v)
+            raise AssertionError("the xFormers row ran without xFormers")
+        except ModuleNotFoundError as e:
+            assert "not installed" in str(e)
 
 
 # ---------------------------------------------------------------------------------------------------------------
