@@ -2344,10 +2344,20 @@ def test_bench_bad_input_is_a_clear_error():
 # runner
 # ---------------------------------------------------------------------------------------------------------------
 
+def test_runner_fails_when_no_test_matches():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["no_test_is_named_like_this"]) == 2
+    assert "no test name contains any of: no_test_is_named_like_this" in err.getvalue()
+
+
 def main(argv):
     tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
     if argv:
         tests = [(n, f) for n, f in tests if any(w in n for w in argv)]
+        if not tests:  # a typo must not pass as "0 passed"
+            print(f"no test name contains any of: {' '.join(argv)}", file=sys.stderr)
+            return 2
     passed, failed, skipped = 0, [], 0
     t_all = time.time()
     for name, fn in tests:
