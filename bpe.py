@@ -12,6 +12,7 @@ Encoding: `Tokenizer.encode` goes through tiktoken's Rust BPE core built from ou
 merges-in-order encoder stays as the reference and the fallback for vocabularies tiktoken cannot express.
 """
 import argparse
+import contextlib
 import heapq
 import json
 import multiprocessing
@@ -662,11 +663,24 @@ def _encode_chunk_in_worker(job):
     return _WORKER_TOKENIZER._encode_chunk(job)
 
 
-def _write_atomic(path, text):
+@contextlib.contextmanager
+def atomic_open(path, mode="w", **kwargs):
+    """open() for writing whose file appears at `path` only once the block finishes: it is written as path + ".tmp"
+    and renamed into place; on any failure (Ctrl-C included) the temporary file is removed and `path` is untouched."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    try:
+        with open(tmp, mode, **kwargs) as f:
+            yield f
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
+
+
+def _write_atomic(path, text):
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -813,6 +827,13 @@ def main(argv):
         which, path, vocab_size, special, num_workers, out_dir = argv[1:]
         return _bench_train_child(which, path, int(vocab_size), special, int(num_workers), out_dir)
     args = parser.parse_args(argv)
+    try:
+        run_command(args)
+    except (ValueError, TypeError, OSError) as e:  # bad input: one line naming it, not a traceback
+        raise SystemExit(f"bpe.py {args.cmd}: {e}") from None
+
+
+def run_command(args):
     if args.cmd == "train":
         t0 = time.time()
         vocab, merges = train_bpe(args.input, args.vocab_size, args.special, args.num_workers)
@@ -824,11 +845,10 @@ def main(argv):
         tok = Tokenizer.from_files(args.vocab, args.merges, args.special)
         dtype = np.uint16 if max(tok.vocab) < 65536 else np.uint32
         n = 0
-        with open(args.out + ".tmp", "wb") as f:
+        with atomic_open(args.out, "wb") as f:
             for ids in tok.encode_file(args.input, args.num_workers):
                 f.write(ids.astype(dtype).tobytes())
                 n += len(ids)
-        os.replace(args.out + ".tmp", args.out)
         print(f"wrote {args.out}: {n:,} tokens, {np.dtype(dtype).name}")
     else:
         bench(args.input, args.vocab_size, args.special, args.num_workers, args.repeats)

@@ -57,6 +57,7 @@ import sample  # noqa: E402
 import train  # noqa: E402
 from bpe import (GPT2_PAT, Tokenizer, bytes_to_unicode, chunk_split_token, find_chunk_boundaries, train_bpe,
                  train_bpe_reference)
+import data.prepare as data_prepare  # noqa: E402
 from data.prepare import SHAKESPEARE_VAL, download, fetch_gpt2_tokenizer, prepare, strip_gutenberg
 from model import (CausalSelfAttention, Embedding, Linear, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU,
                    TransformerBlock, TransformerLM, count_params, cross_entropy, flops_per_token,
@@ -440,6 +441,29 @@ def test_encode_file_matches_encode(tmp_path):
     assert tok.encode_batch(["ab", text[:500]], num_workers=2) == [tok.encode("ab"), tok.encode(text[:500])]
 
 
+def _run_bpe_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "bpe.py"), *map(str, args)], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=120)
+
+
+def test_bpe_cli_encode_failure_leaves_no_files(tmp_path):
+    tok = _small_tokenizer(specials=(EOT,))
+    vocab_path, merges_path = tok.save(str(tmp_path / "tok"))
+    good = _write_text(tmp_path / "good.txt", _synthetic_text(3000, seed=5))
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(good.read_bytes() + "caf\xe9".encode("latin-1"))  # invalid UTF-8 near the end
+    out = tmp_path / "out.bin"
+    r = _run_bpe_cli("encode", "--vocab", vocab_path, "--merges", merges_path, "--input", bad, "--out", out,
+                     "--num_workers", 2)
+    assert r.returncode != 0 and "not valid UTF-8" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.txt", "latin1.txt", "tok"]  # no out.bin(.tmp)
+    r = _run_bpe_cli("encode", "--vocab", vocab_path, "--merges", merges_path, "--input", good, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert np.fromfile(out, dtype=np.uint16).tolist() == tok.encode(good.read_text(encoding="utf-8"))
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 # --- data/ ---
 
 def test_strip_gutenberg():
@@ -501,6 +525,54 @@ def test_prepare_bad_input(tmp_path):
             assert words in str(e), (words, e)
         else:
             raise AssertionError(f"no error, expected {words!r}")
+
+
+def test_prepare_failure_cleans_up(tmp_path):
+    one = _write_text(tmp_path / "one.txt", "a single document")
+    docs = _write_text(tmp_path / "docs.txt", EOT.join(f"document {i} with words" for i in range(12)))
+    out_root = tmp_path / "out"
+
+    def fails(words, **kwargs):
+        try:
+            prepare(**kwargs)
+        except (SystemExit, RuntimeError, OSError) as e:
+            assert words in str(e), (words, e)
+        else:
+            raise AssertionError(f"no error, expected {words!r}")
+
+    # a folder the call made is removed, however far it got: split files half-written, or tokens half-encoded
+    fails("at least 2", name="x", inputs=[str(one)], out_root=str(out_root))
+    assert not out_root.exists()
+    original = Tokenizer.encode_file
+
+    def broken_encode_file(self, path, *args, **kwargs):
+        yield from original(self, path, *args, **kwargs)
+        raise RuntimeError("injected by the test")
+    Tokenizer.encode_file = broken_encode_file
+    try:
+        fails("injected", name="x", inputs=[str(docs)], out_root=str(out_root), vocab_size=270)
+        assert not out_root.exists()
+        # a folder that was already there stays, with what it held; the unfinished files and the old meta.json go
+        (out_root / "x").mkdir(parents=True)
+        (out_root / "x" / "notes.md").write_text("mine")
+        (out_root / "x" / "meta.json").write_text("{}")
+        fails("injected", name="x", inputs=[str(docs)], out_root=str(out_root), vocab_size=270)
+    finally:
+        Tokenizer.encode_file = original
+    left = sorted(p.name for p in (out_root / "x").iterdir())
+    assert "notes.md" in left and "meta.json" not in left and not [n for n in left if n.endswith(".tmp")], left
+    # a folder the call made keeps only its complete downloads (raw/) when a later step fails
+    def fake_download(url, path):  # a finished download that turns out not to be gzip
+        Path(path).write_bytes(b"not gzip data")
+        return path
+    original_download = data_prepare.download
+    data_prepare.download = fake_download
+    try:
+        fails("gzip", name="owt", out_root=str(out_root), vocab_size=300)
+    finally:
+        data_prepare.download = original_download
+    left = sorted(str(p.relative_to(out_root / "owt")) for p in (out_root / "owt").rglob("*"))
+    assert left == ["raw", "raw/owt_train.txt.gz"], left  # the train file failed to unpack before val came
 
 
 def test_prepare_shakespeare(tmp_path):

@@ -13,6 +13,7 @@ Local files: a file is split into documents at <|endoftext|> (a file without it 
 document goes to validation (the last one when there are fewer than 10); whitespace-only documents are skipped.
 """
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -30,7 +31,7 @@ import zipfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bpe import Progress, Tokenizer, train_bpe  # noqa: E402
+from bpe import Progress, Tokenizer, atomic_open, train_bpe  # noqa: E402
 
 EOT = "<|endoftext|>"
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -161,32 +162,37 @@ def iter_documents(path):
 
 
 class SplitWriter:
-    """Writes documents, each followed by <|endoftext|>, to train.txt or val.txt."""
+    """Writes documents, each followed by <|endoftext|>, to train.txt or val.txt; a context manager: both files
+    appear when the block finishes, and neither (no temporary file left either) when it fails."""
 
     def __init__(self, out_dir):
         self.paths = {s: os.path.join(out_dir, f"{s}.txt") for s in ("train", "val")}
-        self.files = {s: open(p + ".tmp", "w", encoding="utf-8", newline="") for s, p in self.paths.items()}
         self.docs = {"train": 0, "val": 0}
+        self._files = contextlib.ExitStack()
+
+    def __enter__(self):
+        with self._files as stack:  # closes what was opened if the second open fails
+            self.files = {s: stack.enter_context(atomic_open(p, "w", encoding="utf-8", newline=""))
+                          for s, p in self.paths.items()}
+            self._files = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc):
+        return self._files.__exit__(*exc)
 
     def write(self, split, doc):
         self.files[split].write(doc + EOT)
         self.docs[split] += 1
 
-    def close(self):
-        for s, f in self.files.items():
-            f.close()
-            os.replace(self.paths[s] + ".tmp", self.paths[s])
-        return self.paths["train"], self.paths["val"]
-
 
 def prepare_shakespeare_text(out_dir):
     works = shakespeare_works(fetch_shakespeare(os.path.join(out_dir, "raw")))
-    w = SplitWriter(out_dir)
-    for name, text in works:
-        w.write("val" if name.split("_")[0] in SHAKESPEARE_VAL else "train", text)
+    with SplitWriter(out_dir) as w:
+        for name, text in works:
+            w.write("val" if name.split("_")[0] in SHAKESPEARE_VAL else "train", text)
     print(f"shakespeare: {w.docs['train']} works for train, {w.docs['val']} for val ({', '.join(SHAKESPEARE_VAL)})",
           flush=True)
-    return w.close()
+    return w.paths["train"], w.paths["val"]
 
 
 def prepare_local_text(out_dir, inputs):
@@ -195,24 +201,24 @@ def prepare_local_text(out_dir, inputs):
             raise SystemExit(f"--input {path}: no such file")
         if os.path.getsize(path) == 0:
             raise SystemExit(f"--input {path}: the file is empty")
-    w = SplitWriter(out_dir)
     k, held, skipped = 0, None, 0
-    for path in inputs:
-        for doc in iter_documents(path):
-            if not doc.strip():
-                skipped += 1
-                continue
-            if held is not None:  # one document is held back so the last can go to val when there are < 10
-                w.write("val" if k % 10 == 9 else "train", held)
-                k += 1
-            held = doc
-    if held is None or k == 0:
-        raise SystemExit(f"--input: {k + (held is not None)} document(s) in {', '.join(inputs)}; a train/val split "
-                         f"needs at least 2 (separate documents with {EOT} or pass several files)")
-    w.write("val" if k % 10 == 9 or w.docs["val"] == 0 else "train", held)
+    with SplitWriter(out_dir) as w:
+        for path in inputs:
+            for doc in iter_documents(path):
+                if not doc.strip():
+                    skipped += 1
+                    continue
+                if held is not None:  # one document is held back so the last can go to val when there are < 10
+                    w.write("val" if k % 10 == 9 else "train", held)
+                    k += 1
+                held = doc
+        if held is None or k == 0:
+            raise SystemExit(f"--input: {k + (held is not None)} document(s) in {', '.join(inputs)}; a train/val "
+                             f"split needs at least 2 (separate documents with {EOT} or pass several files)")
+        w.write("val" if k % 10 == 9 or w.docs["val"] == 0 else "train", held)
     print(f"input: {w.docs['train']} documents for train, {w.docs['val']} for val"
           + (f", {skipped} whitespace-only skipped" if skipped else ""), flush=True)
-    return w.close()
+    return w.paths["train"], w.paths["val"]
 
 
 def download(url, path):
@@ -221,7 +227,7 @@ def download(url, path):
         return path
     print(f"downloading {url}", flush=True)
     try:
-        with urllib.request.urlopen(url, timeout=60) as r, open(path + ".tmp", "wb") as f:
+        with urllib.request.urlopen(url, timeout=60) as r, atomic_open(path, "wb") as f:
             total = int(r.headers.get("Content-Length") or 0)
             progress, done = Progress(f"download {os.path.basename(path)}", total, "B"), 0
             while True:
@@ -234,7 +240,6 @@ def download(url, path):
     except (urllib.error.URLError, OSError) as e:
         raise SystemExit(f"cannot download {url}: {getattr(e, 'reason', e)}. This dataset needs internet access; "
                          f"offline, use local files: python data/prepare.py NAME --input FILE ...") from None
-    os.replace(path + ".tmp", path)
     return path
 
 
@@ -247,9 +252,8 @@ def prepare_download_text(name, out_dir):
         if path.endswith(".gz"):  # streamed out, never whole in memory
             txt = path[:-len(".gz")]
             if not os.path.exists(txt):
-                with gzip.open(path, "rb") as src, open(txt + ".tmp", "wb") as dst:
+                with gzip.open(path, "rb") as src, atomic_open(txt, "wb") as dst:
                     shutil.copyfileobj(src, dst, READ_BLOCK)
-                os.replace(txt + ".tmp", txt)
             path = txt
         paths.append(path)
     return paths[0], paths[1]
@@ -264,7 +268,7 @@ def encode_split(tok, text_path, bin_path, dtype):
     without a closing <|endoftext|> gets one, so every document ends with it."""
     eot_id = tok.special_ids[EOT]
     n, ends, last = 0, [], None
-    with open(bin_path + ".tmp", "wb") as f:
+    with atomic_open(bin_path, "wb") as f:
         for ids in tok.encode_file(text_path):
             if len(ids) == 0:
                 continue
@@ -276,12 +280,42 @@ def encode_split(tok, text_path, bin_path, dtype):
             f.write(np.array([eot_id], dtype=dtype).tobytes())
             n += 1
             ends.append(np.array([n]))
-    os.replace(bin_path + ".tmp", bin_path)
     return np.concatenate([np.zeros(1, dtype=np.int64)] + [e.astype(np.int64) for e in ends])
 
 
+def _first_missing(path):
+    """The outermost folder of `path` that does not exist yet (None if `path` exists): what makedirs creates."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path):
+        path, missing = os.path.dirname(path), path
+    return missing
+
+
+def _clean_failed(out_dir, created):
+    """After a failed run: temporary files go; a folder this run created goes too, except complete downloads in
+    raw/ (expensive to fetch again, and never mistaken for a dataset: only meta.json marks a finished folder)."""
+    for root, _, files in os.walk(out_dir):
+        for f in files:
+            if f.endswith(".tmp"):
+                os.remove(os.path.join(root, f))
+    if created is None:
+        return
+    raw = os.path.join(out_dir, "raw")
+    if os.path.isdir(raw) and os.listdir(raw):
+        for entry in os.listdir(out_dir):
+            if entry != "raw":
+                path = os.path.join(out_dir, entry)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print(f"prepare failed: removed the unfinished files of {out_dir} (kept the downloads in {raw})",
+              file=sys.stderr, flush=True)
+    else:
+        shutil.rmtree(created)
+        print(f"prepare failed: removed the unfinished {out_dir}", file=sys.stderr, flush=True)
+
+
 def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=None):
-    """Builds out_root/NAME/ (see the module docstring); returns the meta dict."""
+    """Builds out_root/NAME/ (see the module docstring); returns the meta dict. A failure leaves no temporary files,
+    and no folder if this call created it."""
     if inputs is None and name not in DEFAULT_VOCAB_SIZE:
         raise SystemExit(f"unknown dataset {name!r}: choose one of {', '.join(DEFAULT_VOCAB_SIZE)}, "
                          f"or give local files with --input FILE ...")
@@ -291,7 +325,20 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
     if vocab_size < 257:
         raise SystemExit(f"--vocab_size {vocab_size} is below 256 byte tokens + 1 special token ({EOT})")
     out_dir = os.path.join(out_root, name)
+    created = _first_missing(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.exists(meta_path):  # the folder stops being a finished dataset the moment its files are rewritten
+        print(f"{out_dir} holds a finished dataset: rebuilding it", flush=True)
+        os.remove(meta_path)
+    try:
+        return _build(name, vocab_size, inputs, out_dir, num_workers)
+    except BaseException:
+        _clean_failed(out_dir, created)
+        raise
+
+
+def _build(name, vocab_size, inputs, out_dir, num_workers):
     t0 = time.time()
     if inputs:
         train_txt, val_txt = prepare_local_text(out_dir, inputs)
@@ -312,13 +359,12 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
             "special_tokens": [EOT], "vocab": "vocab.json", "merges": "merges.txt"}
     for split, txt in (("train", train_txt), ("val", val_txt)):
         docs = encode_split(tok, txt, os.path.join(out_dir, f"{split}.bin"), dtype)
-        np.save(os.path.join(out_dir, f"{split}_docs.npy"), docs)
+        with atomic_open(os.path.join(out_dir, f"{split}_docs.npy"), "wb") as f:
+            np.save(f, docs)
         meta[f"{split}_tokens"] = int(docs[-1])
         meta[f"{split}_docs"] = len(docs) - 1
-    tmp = os.path.join(out_dir, "meta.json.tmp")
-    with open(tmp, "w") as f:
+    with atomic_open(os.path.join(out_dir, "meta.json"), "w") as f:  # last: its presence means the folder is done
         json.dump(meta, f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "meta.json"))
     print(f"wrote {out_dir}: {meta['train_tokens']:,} train tokens in {meta['train_docs']:,} documents, "
           f"{meta['val_tokens']:,} val tokens in {meta['val_docs']:,} documents, {meta['dtype']} "
           f"({time.time() - t0:.1f}s)", flush=True)
