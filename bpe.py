@@ -309,6 +309,8 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
             heapq.heappush(heap, (-pair_counts[pair], keys[pair[0]] + keys[pair[1]], pair[0], pair[1]))
         progress.update(len(merges))
     progress.update(len(merges), final=True)
+    if verbose and len(vocab) < vocab_size:
+        print(f"asked {vocab_size}, got {len(vocab)}: the corpus has no more pairs to merge", flush=True)
     return vocab, merges
 
 

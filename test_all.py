@@ -446,6 +446,16 @@ def _run_bpe_cli(*args):
                           stdin=subprocess.DEVNULL, timeout=120)
 
 
+def test_bpe_cli_train_says_when_merges_run_out(tmp_path):
+    path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
+    r = _run_bpe_cli("train", "--input", path, "--vocab_size", 400, "--out", tmp_path / "tok")
+    assert r.returncode == 0, r.stderr
+    got = len(json.loads((tmp_path / "tok" / "vocab.json").read_text(encoding="utf-8")))
+    assert got < 400 and f"asked 400, got {got}: the corpus has no more pairs to merge" in r.stdout, r.stdout
+    r = _run_bpe_cli("train", "--input", path, "--vocab_size", 260, "--out", tmp_path / "tok2")
+    assert r.returncode == 0 and "no more pairs" not in r.stdout, r.stdout + r.stderr  # enough pairs: no note
+
+
 def test_bpe_cli_encode_failure_leaves_no_files(tmp_path):
     tok = _small_tokenizer(specials=(EOT,))
     vocab_path, merges_path = tok.save(str(tmp_path / "tok"))

@@ -348,9 +348,7 @@ def _build(name, vocab_size, inputs, out_dir, num_workers):
         train_txt, val_txt = prepare_download_text(name, out_dir)
 
     print(f"training a {vocab_size}-token BPE on {train_txt} ({os.path.getsize(train_txt) / 1e6:.1f} MB)", flush=True)
-    vocab, merges = train_bpe(train_txt, vocab_size, [EOT], num_workers=num_workers)
-    if len(vocab) < vocab_size:
-        print(f"note: the text ran out of pairs: vocabulary has {len(vocab)} tokens, not {vocab_size}", flush=True)
+    vocab, merges = train_bpe(train_txt, vocab_size, [EOT], num_workers=num_workers)  # says if it gets fewer
     tok = Tokenizer(vocab, merges, [EOT])
     tok.save(out_dir)
     dtype = np.uint16 if len(tok.vocab) <= 65536 else np.uint32
