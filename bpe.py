@@ -3,7 +3,6 @@
     python bpe.py train --input corpus.txt --vocab_size 10000 --special '<|endoftext|>' --out out/tok
     python bpe.py encode --vocab out/tok/vocab.json --merges out/tok/merges.txt --special '<|endoftext|>' \\
         --input corpus.txt --out corpus.bin
-    python bpe.py bench --input _dev/bench_corpus.txt --vocab_size 10000   # ours vs HF tokenizers and tiktoken
 
 Training: the file is cut into chunks at special-token boundaries (§1.6), every worker pre-tokenizes its chunks with
 the GPT-2 regex (§1.2) into a Counter of pre-tokens, then one process runs the merge loop with incremental pair
@@ -686,121 +685,19 @@ def _write_atomic(path, text):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# benchmarks (HF tokenizers is a benchmark-only extra, imported here only) and the command line
+# the command line
 # ---------------------------------------------------------------------------------------------------------------
 
-def _peak_rss_mb():
-    """Peak RSS of this process and of its largest finished child (Linux reports KiB)."""
+def peak_rss_mb():
+    """Peak RSS of this process and of its largest finished child, in MB. This process's own comes from
+    /proc/self/status (VmHWM) where there is one: getrusage's figure starts from the parent's RSS, which a
+    child started with fork + exec inherits. Linux reports KiB."""
     import resource
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
-
-
-def _iter_docs(path, special):
-    buf = ""
-    with open(path, encoding="utf-8", newline="") as f:
-        while True:
-            block = f.read(1 << 20)
-            if not block:
-                break
-            parts = (buf + block).split(special)
-            buf = parts.pop()
-            yield from parts
-    yield buf
-
-
-def _bench_train_child(which, path, vocab_size, special, num_workers, out_dir):
-    """One trainer in this (fresh) process; prints a JSON line with wall time and peak RSS."""
-    t0 = time.time()
-    if which == "ours":
-        vocab, merges = train_bpe(path, vocab_size, [special], num_workers=num_workers, verbose=False)
-        Tokenizer(vocab, merges, [special]).save(out_dir)
-        n = len(vocab)
-    else:
-        os.environ["RAYON_NUM_THREADS"] = str(num_workers)  # HF's thread pool, same cores as ours
-        from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
-        hf = HFTokenizer(models.BPE())
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[special], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        hf.train_from_iterator(_iter_docs(path, special), trainer)  # whole documents: no merge crosses a special
-        n = hf.get_vocab_size()
-    rss_self, rss_children = _peak_rss_mb()
-    print(json.dumps({"seconds": time.time() - t0, "rss_mb": rss_self, "worker_rss_mb": rss_children, "vocab": n}))
-
-
-def bench(path, vocab_size, special, num_workers, repeats):
-    """Side by side in one run: training vs HF tokenizers' BpeTrainer, encoding vs tiktoken on our vocabulary."""
-    import platform
-    import statistics
-    import subprocess
-    import tempfile
-    import tiktoken
-    size = os.path.getsize(path)
-    print(f"# bpe bench: {path} ({size / 1e6:.1f} MB), vocab_size {vocab_size}, {num_workers} workers, "
-          f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"python {platform.python_version()}, tiktoken {tiktoken.__version__}", flush=True)
-    tok_dir = tempfile.mkdtemp(prefix="bpe_bench_")
-    train = {}
-    for which in ("ours", "hf") * repeats:
-        cmd = [sys.executable, os.path.abspath(__file__), "_bench_train", which, path, str(vocab_size), special,
-               str(num_workers), tok_dir]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"benchmark child {which} failed:\n{r.stderr[-2000:]}")
-        train.setdefault(which, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
-        print(f"train {which}: {train[which][-1]}", flush=True)
-    med = {w: statistics.median(x["seconds"] for x in runs) for w, runs in train.items()}
-    print(f"\n| train, vocab {vocab_size}, {num_workers} workers | wall s (median of {repeats}) | all runs | "
-          f"peak RSS main MB | peak RSS largest worker MB |\n|---|---|---|---|---|")
-    for which, label in (("ours", "bpe.train_bpe"), ("hf", "HF tokenizers BpeTrainer (ByteLevel)")):
-        runs = train[which]
-        all_runs = ", ".join(f"{x['seconds']:.1f}" for x in runs)
-        print(f"| {label} | {med[which]:.1f} | {all_runs} | "
-              f"{max(x['rss_mb'] for x in runs):.0f} | {max(x['worker_rss_mb'] for x in runs):.0f} |")
-    print(f"ratio ours / HF: {med['ours'] / med['hf']:.2f}x (goal <= 2x)\n", flush=True)
-
-    tok = Tokenizer.from_files(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"), [special])
-    peer = tiktoken.Encoding("peer", pat_str=GPT2_PAT, mergeable_ranks=tok._tiktoken_ranks(),
-                             special_tokens=dict(tok.special_ids))
-    with open(path, encoding="utf-8", newline="") as f:
-        text = f.read()
-    docs = text.split(special)
-    pieces, piece = [], []  # ~1 MB pieces of whole documents for the batch APIs
-    for d in docs:
-        piece.append(d)
-        if sum(map(len, piece)) > 1 << 20:
-            pieces.append(special.join(piece) + special)
-            piece = []
-    pieces.append(special.join(piece))
-
-    def timed(fn):
-        times, out = [], None
-        for _ in range(repeats):
-            t0 = time.time()
-            out = fn()
-            times.append(time.time() - t0)
-        return statistics.median(times), out
-
-    rows = []
-    t_ours, ids_ours = timed(lambda: tok.encode(text))
-    t_peer, ids_peer = timed(lambda: peer.encode(text, allowed_special="all"))
-    assert ids_ours == ids_peer, "ours and tiktoken disagree"
-    rows.append(("1 thread: Tokenizer.encode(text) vs tiktoken encode(text, allowed_special='all')", t_ours, t_peer))
-    t_ours, b_ours = timed(lambda: tok.encode_batch(pieces, num_workers))
-    t_peer, b_peer = timed(lambda: peer.encode_batch(pieces, num_threads=num_workers, allowed_special="all"))
-    assert b_ours == b_peer, "ours and tiktoken disagree (batch)"
-    rows.append((f"{num_workers} threads: Tokenizer.encode_batch(1 MB pieces) vs tiktoken encode_batch", t_ours, t_peer))
-    t_file, arrays = timed(lambda: list(tok.encode_file(path, num_workers, verbose=False)))
-    assert np.concatenate(arrays).tolist() == ids_peer, "encode_file disagrees"
-    rows.append((f"{num_workers} threads: Tokenizer.encode_file(path) (reads the file) vs tiktoken encode_batch",
-                 t_file, t_peer))
-    n_tokens = len(ids_peer)
-    print(f"| encode {size / 1e6:.1f} MB, {n_tokens:,} tokens ({size / n_tokens:.2f} bytes/token) | ours MB/s | "
-          f"tiktoken MB/s | ours / tiktoken |\n|---|---|---|---|")
-    for label, t_o, t_p in rows:
-        print(f"| {label} | {size / t_o / 1e6:.1f} | {size / t_p / 1e6:.1f} | {t_p / t_o:.2f} |")
-    print(f"peak RSS of this process (encode side): {_peak_rss_mb()[0]:.0f} MB", flush=True)
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/status") as f:
+            own = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return own / 1024, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
 def main(argv):
@@ -819,15 +716,6 @@ def main(argv):
     p.add_argument("--input", required=True)
     p.add_argument("--out", required=True, help=".bin file: uint16 if the vocabulary fits, else uint32")
     p.add_argument("--num_workers", type=int, default=None)
-    p = sub.add_parser("bench", help="train vs HF tokenizers and encode vs tiktoken, side by side")
-    p.add_argument("--input", required=True)
-    p.add_argument("--vocab_size", type=int, default=10000)
-    p.add_argument("--special", default="<|endoftext|>")
-    p.add_argument("--num_workers", type=int, default=os.cpu_count())
-    p.add_argument("--repeats", type=int, default=3)
-    if argv[:1] == ["_bench_train"]:
-        which, path, vocab_size, special, num_workers, out_dir = argv[1:]
-        return _bench_train_child(which, path, int(vocab_size), special, int(num_workers), out_dir)
     args = parser.parse_args(argv)
     try:
         run_command(args)
@@ -842,7 +730,7 @@ def run_command(args):
         paths = Tokenizer(vocab, merges, args.special).save(args.out)
         longest = sorted(vocab.values(), key=len)[-3:]
         print(f"wrote {', '.join(paths)}: {len(vocab)} tokens in {time.time() - t0:.1f}s, peak RSS "
-              f"{_peak_rss_mb()[0]:.0f} MB (largest worker {_peak_rss_mb()[1]:.0f} MB), longest {longest}")
+              f"{peak_rss_mb()[0]:.0f} MB (largest worker {peak_rss_mb()[1]:.0f} MB), longest {longest}")
     elif args.cmd == "encode":
         tok = Tokenizer.from_files(args.vocab, args.merges, args.special)
         dtype = np.uint16 if max(tok.vocab) < 65536 else np.uint32
@@ -852,8 +740,6 @@ def run_command(args):
                 f.write(ids.astype(dtype).tobytes())
                 n += len(ids)
         print(f"wrote {args.out}: {n:,} tokens, {np.dtype(dtype).name}")
-    else:
-        bench(args.input, args.vocab_size, args.special, args.num_workers, args.repeats)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -2490,8 +2489,12 @@ def test_bench_varlen_same_documents(tmp_path):
 
 def test_bench_varlen_helpers():
     g = torch.Generator().manual_seed(0)
-    lengths = bench.document_lengths(2000, 200.0, 0.8, 512, g)
-    assert lengths.min() >= 16 and lengths.max() <= 512 and 150 < lengths.median() < 250
+    lengths = bench.document_lengths(200.0, 0.8, 512, g, num_docs=2000)
+    assert len(lengths) == 2000 and lengths.min() >= 16 and lengths.max() <= 512 and 150 < lengths.median() < 250
+    for total in (16384, 1000, 17):  # filling a token budget exactly: only the last document may be cut short
+        lengths = bench.document_lengths(403.0, 1.0, 4096, g, total_tokens=total)
+        assert int(lengths.sum()) == total and lengths.max() <= 4096 and lengths.min() >= 1
+        assert (lengths[:-1] >= 16).all()
     cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
     index, lens = bench.padded_layout(cu, 6)
     assert lens.tolist() == [3, 5, 2]
