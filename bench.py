@@ -2156,25 +2156,39 @@ def cmd_bpe(argv):
 # dispatch
 # ---------------------------------------------------------------------------------------------------------------
 
+COMMANDS = {  # name: (function, what it answers, in one line)
+    "model": (cmd_model, "one model's training step: time per phase, memory, sweeps, NVTX, profiler, snapshot"),
+    "precision": (cmd_precision, "fp32 vs bf16 autocast side by side, and where low-precision sums go wrong"),
+    "compile": (cmd_compile, "eager vs torch.compile: the whole model, and attention alone"),
+    "gpt2": (cmd_gpt2, "GPT-2-small training throughput: our TransformerLM vs a torch.nn GPT-2 peer"),
+    "varlen": (cmd_varlen, "pad vs dynamic_pad vs pack on the same documents: model step and attention"),
+    "attention": (cmd_attention, "our FlashAttention-2 vs PyTorch SDPA backends, FlexAttention and naive"),
+    "allreduce": (cmd_allreduce, "all-reduce time and bandwidth per tensor size (under torchrun)"),
+    "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, one run (under torchrun)"),
+    "bpe": (cmd_bpe, "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken"),
+}
+
+
+def usage():
+    width = max(map(len, COMMANDS))
+    return "\n".join(["usage: python bench.py SUBCOMMAND [options]   (python bench.py SUBCOMMAND -h: its options)",
+                      "", "subcommands:"] + [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()])
+
+
 def main(argv=None):
+    """Runs one subcommand; returns the exit status (-h: the list of subcommands, 0; none or an unknown one: 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {
-        "model": cmd_model,
-        "precision": cmd_precision,
-        "compile": cmd_compile,
-        "gpt2": cmd_gpt2,
-        "varlen": cmd_varlen,
-        "attention": cmd_attention,
-        "allreduce": cmd_allreduce,
-        "ddp": cmd_ddp,
-        "bpe": cmd_bpe,
-    }
-    if not argv or argv[0] not in commands:
-        names = ", ".join(commands)
-        raise SystemExit(f"usage: python bench.py SUBCOMMAND [options]   (SUBCOMMAND: {names}; "
-                         f"python bench.py SUBCOMMAND -h for its options)"
-                         + (f"\nunknown subcommand {argv[0]!r}" if argv else ""))
-    commands[argv[0]](argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
+    if not argv:
+        print(usage(), file=sys.stderr)
+        return 2
+    if argv[0] not in COMMANDS:
+        print(f"bench.py: unknown subcommand {argv[0]!r}; choose one of {', '.join(COMMANDS)} (python bench.py -h)",
+              file=sys.stderr)
+        return 2
+    COMMANDS[argv[0]][0](argv[1:])
     return 0
 
 

@@ -2501,11 +2501,29 @@ def test_bench_varlen_helpers():
     assert index.tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 12, 13]  # row k starts at k * 6
 
 
+def test_bench_help_lists_subcommands_and_unknown_ones_are_one_line_errors():
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--help"], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python bench.py SUBCOMMAND"), r.stdout + r.stderr
+    listed = [line.split()[0] for line in r.stdout.splitlines() if line.startswith("  ")]
+    assert listed == list(bench.COMMANDS) and "bpe" in listed and "model" in listed  # one line each
+    for argv, code in ((["-h"], 0), ([], 2)):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            assert bench.main(argv) == code, argv
+        assert (out.getvalue() or err.getvalue()) == r.stdout, argv  # no arguments: the same list, on stderr
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert bench.main(["nope"]) == 2
+    assert err.getvalue().count("\n") == 1 and "unknown subcommand 'nope'" in err.getvalue()
+    assert all(name in err.getvalue() for name in bench.COMMANDS)
+
+
 def test_bench_bad_input_is_a_clear_error():
-    for argv, words in ((["nope"], "unknown subcommand 'nope'"), ([], "usage"),
-                        (["model", "--plot", "x.png"], "--plot draws the sweep"),
+    for argv, words in ((["model", "--plot", "x.png"], "--plot draws the sweep"),
                         (["model", "--sweep", "--profile", "t.json"], "single run"),
-                        (["model", "--sweep", "--sizes", "huge"], "unknown value 'huge'")):
+                        (["model", "--sweep", "--sizes", "huge"], "unknown value 'huge'"),
+                        (["bpe", "--input", "/nonexistent/corpus.txt"], "no such file")):
         try:
             run_bench(argv)
         except SystemExit as e:
