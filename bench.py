@@ -1,4 +1,4 @@
-"""Benchmarks and profilers (SPEC §7): where the time and the memory of training go.
+"""Benchmarks and profilers: where the time and the memory of training go.
 
 One script, one subcommand per question. Each prints Markdown on stdout (headed by the command, the date and the
 device), writes its numbers to --json FILE, and draws --plot FILE.png when matplotlib is installed.
@@ -16,11 +16,14 @@ device), writes its numbers to --json FILE, and draws --plot FILE.png when matpl
     python bench.py attention                                     # our FlashAttention-2 vs SDPA backends, Flex, naive
     torchrun --nproc_per_node=2 bench.py allreduce                # all-reduce 1 MB .. 1 GB: ms, algbw, busbw
     torchrun --nproc_per_node=2 bench.py ddp --preset gpt2-xl     # our DDP / ZeRO-1 / FSDP vs torch's, one run
+    python bench.py bpe --input _dev/bench_corpus.txt             # our tokenizer vs HF tokenizers and tiktoken
+    python bench.py --help                                        # the subcommands, one line each
 
 Every subcommand runs on CPU at tiny sizes (`--size tiny`, or the tiny defaults of varlen) and on CUDA.
-Timing: warm-up steps, then timed steps with the device synchronized after every step (and every phase), mean and
-standard deviation in ms (SPEC §7.1). Peak memory is the allocator's peak (torch.cuda.max_memory_allocated) per
-phase; the CPU has no such counter, so CPU rows leave it empty.
+Timing: one timer, time_ms: warm-up calls, then timed samples with the device synchronized around each (CUDA events
+on the GPU, perf_counter on the CPU); model steps report the mean and standard deviation in ms, kernels the median.
+Peak memory is the allocator's peak (torch.cuda.max_memory_allocated) per phase; the CPU has no such counter, so
+CPU rows leave it empty.
 """
 import argparse
 import contextlib
@@ -135,7 +138,7 @@ def describe_device(device):
 
 
 def run_info(command, argv, device):
-    """What every report starts with (STYLE: every table says the command, the date and the device)."""
+    """What every report starts with: the command that made it, the date and the device."""
     return dict(command="python bench.py " + " ".join([command] + list(argv)),
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=describe_device(device))
 
@@ -206,7 +209,8 @@ def sync(device):
 
 
 def autocast(dtype, device):
-    """bf16 autocast around forward and loss (SPEC §3.7); fp32 runs with no context at all."""
+    """bf16 autocast around forward and loss (parameters, gradients and optimizer state stay fp32); fp32 runs with
+    no context at all."""
     if dtype == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -260,7 +264,7 @@ def allow_recompiles():
 
 @contextlib.contextmanager
 def nvtx_range(name, enabled):
-    """An NVTX range for Nsight Systems (SPEC §7.2); push/pop are looked up at call time (the tests observe them)."""
+    """An NVTX range for Nsight Systems; push/pop are looked up at call time (the tests observe them)."""
     if not enabled:
         yield
         return
@@ -281,7 +285,7 @@ def check_nvtx():
 
 
 def annotated_attention(q, k, v, mask=None):
-    """model.scaled_dot_product_attention with an NVTX range around each of its three parts (SPEC §7.2): the
+    """model.scaled_dot_product_attention with an NVTX range around each of its three parts (scores, softmax, P V): the
     same math (fp32 scores, masked_fill, model.softmax, cast back, P V); a test holds it to the original."""
     with nvtx_range("attention_scores", True):
         scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])
@@ -422,10 +426,10 @@ def measure(step, warmup, steps, device, phases, nvtx=False, profiler=None, snap
                 peak_mib=max(peaks) if peaks else None)
 
 
-def document_lengths(median_len, sigma, max_len, generator, num_docs=None, total_tokens=None, min_len=16):
+def document_lengths(num_docs, median_len, sigma, max_len, generator, total_tokens=None, min_len=16):
     """Long-tailed document lengths like real corpora (TinyStories: many short, a few long): log-normal with median
     median_len (mu = ln median_len) and the given sigma, rounded and clipped to [min_len, max_len]. Either num_docs
-    of them, or as many as fill exactly total_tokens (the last one cut to fit). An int64 tensor."""
+    of them, or (num_docs None) as many as fill exactly total_tokens, the last one cut to fit. An int64 tensor."""
     def draw(n):
         z = torch.randn(n, generator=generator, dtype=torch.float64)
         return (median_len * torch.exp(sigma * z)).round().clamp(min_len, max_len).long()
@@ -454,7 +458,7 @@ def attention_flops(lengths, num_heads, head_dim):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# model: end-to-end step timing, sweep, NVTX, profiler, memory (SPEC §7.1-7.3)
+# model: end-to-end step timing, sweep, NVTX, profiler, memory
 # ---------------------------------------------------------------------------------------------------------------
 
 def model_dims(size, args):
@@ -472,7 +476,7 @@ def build_model(dims, vocab_size, context_length, attn, device):
 
 
 def compiled(net, how):
-    """none: the model as it is; model: torch.compile(model) (SPEC §7.6); blocks: every TransformerBlock compiled in
+    """none: the model as it is; model: torch.compile(model); blocks: every TransformerBlock compiled in
     place (regional compilation: the blocks share one compiled code, so compile time does not grow with depth)."""
     if how == "model":
         return torch.compile(net)
@@ -506,7 +510,8 @@ def run_step(net, runner, optimizer, x, y, mode, dtype, phases):
 
 
 def step_flops(dims, vocab_size, context_length, batch_size, mode, attn):
-    """Model FLOPs of one step per SPEC §2.9: forward = flops_per_token / 3; naive attention computes every T^2
+    """Model FLOPs of one step by model.flops_per_token (training = 3 x forward, so forward = flops_per_token / 3;
+    backward doubles it); naive attention computes every T^2
     score (counted in full), sdpa and flash skip the masked half (counted causal)."""
     per_token = flops_per_token(vocab_size, context_length, dims["d_model"], dims["num_layers"], dims["d_ff"],
                                 causal=attn != "naive")
@@ -556,7 +561,7 @@ def print_model_rows(rows):
 
 
 def sweep_table(rows):
-    """The SPEC §7 table: one line per size x context x dtype x compile, the modes side by side."""
+    """The sweep's table: one line per size x context x dtype x compile, the modes side by side."""
     cell = {}
     for r in rows:
         key = (r["size"], r["context_length"], r["dtype"], r["compile"])
@@ -655,7 +660,7 @@ def run_sweep(args, device, info):
         del net, runner
         free_memory(device)
     print(f"batch {args.batch_size}, vocab {args.vocab_size}, attn {args.attn}; warm-up {args.warmup}, timed steps "
-          f"{args.steps}; fwd = inference forward + loss under no_grad; TFLOP/s per SPEC §2.9 "
+          f"{args.steps}; fwd = inference forward + loss under no_grad; TFLOP/s by model.flops_per_token "
           f"({'all T^2 terms counted: naive attention computes them' if args.attn == 'naive' else 'causal half'})\n")
     print(sweep_table(rows))
     save_plot(args.plot, draw_sweep(rows))
@@ -738,8 +743,8 @@ def cpu_memory_by_phase(net, x, y, mode, dtype):
 
 
 def cmd_model(argv):
-    p = argparse.ArgumentParser(prog="bench.py model", description="End-to-end step timing (SPEC §7.1-7.3).")
-    p.add_argument("--size", default="small", choices=sorted(SIZES), help="model preset (SPEC §2.10); tiny for CPU")
+    p = argparse.ArgumentParser(prog="bench.py model", description="End-to-end step timing.")
+    p.add_argument("--size", default="small", choices=sorted(SIZES), help="model preset (model.PRESETS); tiny for CPU")
     for key in ("d_model", "d_ff", "num_layers", "num_heads"):
         p.add_argument(f"--{key}", type=int, help="override the preset's value")
     p.add_argument("--vocab_size", type=int, default=10000)
@@ -754,7 +759,7 @@ def cmd_model(argv):
     p.add_argument("--attn", choices=ATTN_IMPLS, default="naive")
     add_common_args(p, plot_help="sweep only: time and memory by context length")
     p.add_argument("--sweep", action="store_true", help="every --sizes x --context_lengths x --dtypes x --modes x "
-                                                        "--compile_options (the SPEC §7 table)")
+                                                        "--compile_options, one table")
     p.add_argument("--sizes", default="small,medium,large,xl,gpt2-xl")
     p.add_argument("--context_lengths", default="256,512,1024")
     p.add_argument("--dtypes", default="fp32,bf16")
@@ -828,11 +833,11 @@ def cmd_model(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# precision: fp32 vs bf16 autocast, and the accumulation demo (SPEC §3.7, §7.1)
+# precision: fp32 vs bf16 autocast, and the accumulation demo
 # ---------------------------------------------------------------------------------------------------------------
 
 def accumulation_demo():
-    """Add 0.01 a thousand times (SPEC §3.7): in fp32, in fp16, fp16 increments into an fp32 accumulator, and the
+    """Add 0.01 a thousand times (exact: 10): in fp32, in fp16, fp16 increments into an fp32 accumulator, and the
     same for bf16 (fp32's exponent range, but only 8 bits of mantissa)."""
     cases = [("fp32", torch.float32, torch.float32), ("fp16", torch.float16, torch.float16),
              ("fp16 increments into fp32", torch.float32, torch.float16), ("bf16", torch.bfloat16, torch.bfloat16),
@@ -847,7 +852,7 @@ def accumulation_demo():
 
 
 def autocast_dtypes(device):
-    """The dtype each stage has under bf16 autocast in our model (SPEC §3.7: matmuls low precision, RMSNorm and
+    """The dtype each stage has under bf16 autocast in our model (matmuls low precision, RMSNorm and
     the loss fp32-computed, parameters and gradients fp32), read with forward hooks on a tiny model."""
     net = build_model(SIZES["tiny"], 64, 16, "naive", device)
     seen = {}
@@ -940,11 +945,11 @@ def cmd_precision(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# compile: eager vs torch.compile, whole model and attention alone (SPEC §7.4, §7.6)
+# compile: eager vs torch.compile, whole model and attention alone
 # ---------------------------------------------------------------------------------------------------------------
 
 def time_attention(attn, batch_size, seq_len, d, device, warmup, steps):
-    """SPEC §7.4: one head, random Q, K, V (B, T, d) with the causal mask; forward ms, memory allocated just
+    """Attention alone: one head, random Q, K, V (B, T, d) with the causal mask; forward ms, memory allocated just
     before backward, backward ms (retain_graph, so each timed backward reuses one forward)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch_size, seq_len, d, generator=g).to(device).requires_grad_() for _ in range(3))
@@ -1036,7 +1041,7 @@ def cmd_compile(argv):
         attn_rows.append(row)
         progress(len(pairs) + len(attn_rows), total, t_start, f"attention d {d} T {T}")
     print(f"### Attention alone: model.scaled_dot_product_attention, eager vs compiled\n\nbatch {args.attn_batch}, "
-          f"one head, fp32, causal mask, forward and backward timed separately (SPEC §7.4)\n")
+          f"one head, fp32, causal mask, forward and backward timed separately\n")
     body = []
     for r in attn_rows:
         e, c = r["eager"], r["compiled"]
@@ -1072,7 +1077,7 @@ def cmd_compile(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# gpt2: training throughput of our model vs a torch.nn peer of nanoGPT's architecture (issue 3 §6)
+# gpt2: training throughput of our model vs a torch.nn peer of nanoGPT's architecture
 # ---------------------------------------------------------------------------------------------------------------
 
 class PeerBlock(nn.Module):
@@ -1097,7 +1102,8 @@ class PeerBlock(nn.Module):
 
 
 class PeerGPT(nn.Module):
-    """The peer of issue 3 §6: GPT-2's architecture (learned positions, LayerNorm, GELU MLP, tied embeddings)."""
+    """The peer: GPT-2's architecture as nanoGPT builds it (learned positions, LayerNorm, GELU MLP, tied
+    embeddings), from torch.nn parts, trained with torch's AdamW."""
 
     def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, device=None):
         super().__init__()
@@ -1257,7 +1263,7 @@ def cmd_gpt2(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# varlen: padding strategies on the same documents (issue 7 §4, SPEC §7.10)
+# varlen: padding strategies on the same documents
 # ---------------------------------------------------------------------------------------------------------------
 
 VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
@@ -1319,7 +1325,7 @@ def attention_methods(cu_seqlens, max_seqlen, num_heads, context_length, device,
 
 def cmd_varlen(argv):
     p = argparse.ArgumentParser(prog="bench.py varlen", description="pad vs dynamic_pad vs pack on the same "
-                                "documents: train step, eval forward, and attention alone (issue 7 §4).")
+                                "documents: train step, eval forward, and attention alone.")
     for key, (gpu, cpu) in VARLEN_DEFAULTS.items():
         p.add_argument(f"--{key}", type=type(gpu), default=None, help=f"default {gpu} on CUDA, {cpu} on CPU")
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
@@ -1346,7 +1352,7 @@ def cmd_varlen(argv):
 
     # the documents: random tokens, long-tailed lengths; every strategy sees the same batches of them
     g = torch.Generator().manual_seed(args.seed)
-    lengths = document_lengths(args.median_len, args.sigma, ctx, g, num_docs=args.num_docs)
+    lengths = document_lengths(args.num_docs, args.median_len, args.sigma, ctx, g)
     docs = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int64)
     tokens = torch.randint(args.vocab_size, (int(docs[-1]),), generator=g).numpy().astype(np.int64)
     budget = args.batch_size * ctx
@@ -1457,8 +1463,8 @@ def cmd_varlen(argv):
 
 def varlen_attention(args, batches, tokens, device):
     """Attention alone on the packed batches: each method's inference forward and forward+backward time summed
-    over the timed batches, useful TFLOP/s (4 H l^2 D / 2 per document forward, x3.5 forward+backward, as in
-    ANCHORS.md), and the largest difference on the first batch from SDPA on dynamic padding computed in fp32."""
+    over the timed batches, useful TFLOP/s (attention_flops: causal work inside documents only), and the largest
+    difference on the first batch from SDPA on dynamic padding computed in fp32."""
     from torch.nn.attention.flex_attention import flex_attention
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     H, D = args.num_heads, args.d_model // args.num_heads
@@ -1535,17 +1541,20 @@ def varlen_attention(args, batches, tokens, device):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# attention: our FlashAttention-2 vs PyTorch's attention (SPEC §7.5, issue 4)
+# attention: our FlashAttention-2 vs PyTorch's attention
 # ---------------------------------------------------------------------------------------------------------------
 #     python bench.py attention --json out.json --plot attention.png
 # Ours (flash.flash_attention / flash_attn_varlen) against PyTorch SDPA's flash, cuDNN and memory-efficient backends,
-# FlexAttention (compiled) and naive PyTorch; forward, backward and forward+backward with triton.testing.do_bench.
-# FLOPs: 4·B·H·S²·D/2 for a causal forward (half of QKᵀ and PV), ×2.5 for backward, ×3.5 for forward+backward
-# (ANCHORS.md convention); packed documents count only the useful work, Σ 4·H·L²·D/2.
+# FlexAttention (compiled) and naive PyTorch; forward, backward and forward+backward, each the median of time_ms
+# samples. FLOPs by attention_flops: 4·B·H·S²·D/2 for a causal forward (half of QKᵀ and PV), ×2.5 for backward,
+# ×3.5 for forward+backward; packed documents count only the useful work, Σ 4·H·L²·D/2.
+# Case groups, most important first: "anchors", the dense causal shapes at B·S = 16384 tokens and H·D = 2048
+# (D 64 and 128, S 1024 to 16384) in bf16; "varlen", packed documents of log-normal lengths filling 16384 tokens;
+# "sweep", one head at S 128 to 65536 and D 16 to 128 in bf16 and fp32.
 
 SWEEP_SEQ = [2 ** i for i in range(7, 17)]
 SWEEP_D = [16, 32, 64, 128]
-ANCHOR_SHAPES = [(d, s) for d in (64, 128) for s in (1024, 4096, 16384)]  # B·S = 16384, H·D = 2048
+DENSE_SHAPES = [(d, s) for d in (64, 128) for s in (1024, 4096, 16384)]  # (D, S); B = 16384 / S, H = 2048 / D
 PEERS_MAX_SEQ = {"naive": 16384, "flex": 65536, "sdpa-efficient": 65536}  # expensive peers capped at long S
 
 
@@ -1640,7 +1649,8 @@ def dense_case(b, h, s, d, dtype, methods, rep, tag):
             t = time_fwd_bwd(make, q, k, v, do, rep)
         rows.append(dict(tag=tag, case=f"B={b} H={h} S={s} D={d} {str(dtype)[6:]}", method=name,
                          fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2], fwd_tflops=_tflops(flops, t[0]),
-                         bwd_tflops=_tflops(BWD_FLOPS * flops, t[1]), fwd_bwd_tflops=_tflops(FWD_BWD_FLOPS * flops, t[2])))
+                         bwd_tflops=_tflops(BWD_FLOPS * flops, t[1]),
+                         fwd_bwd_tflops=_tflops(FWD_BWD_FLOPS * flops, t[2])))
     del q, k, v, do
     return rows
 
@@ -1737,15 +1747,16 @@ def plot_attention(rows, path):
 
 
 def cmd_attention(argv):
-    p = argparse.ArgumentParser(prog="bench.py attention", description="FlashAttention-2 vs PyTorch attention (SPEC §7.5)")
+    p = argparse.ArgumentParser(prog="bench.py attention", description="FlashAttention-2 vs PyTorch attention")
     p.add_argument("--quick", action="store_true", help="a few shapes (CPU: tiny interpreter smoke test)")
     p.add_argument("--json", help="write all rows to this JSON file")
     p.add_argument("--plot", help="write a PNG of the sweep (needs matplotlib)")
-    p.add_argument("--rep", type=int, default=50, help="do_bench repetition time per measurement, ms")
+    p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement (median taken)")
     p.add_argument("--time_budget", type=float, default=0, help="seconds; cases that would start later are "
                    "marked skipped (0 = no limit)")
     p.add_argument("--parts", default="anchors,varlen,sweep", help="on CUDA without --quick, which case groups run "
-                   "(in this order): the ANCHORS shapes, the packed documents, the SPEC §7.5 sweep")
+                   "(in this order): anchors = the dense shapes B·S = 16384, H·D = 2048; varlen = packed "
+                   "documents; sweep = one head, S 128..65536, D 16..128")
     p.add_argument("--methods", help="comma list of methods to time (default all: ours, naive, sdpa-cudnn, "
                    "sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     args = p.parse_args(argv)
@@ -1755,7 +1766,7 @@ def cmd_attention(argv):
     methods = dense_methods()
     wanted = csv_list(args.methods, tuple(methods)) if args.methods else list(methods)
     methods = {n: m for n, m in methods.items() if n in wanted}
-    # Most important first (ANCHORS shapes, then packed documents, then the §7.5 sweep), so a time budget cuts the
+    # Most important first (the dense shapes, then packed documents, then the sweep), so a time budget cuts the
     # least important rows. FlexAttention compiles once per shape: in the sweep it runs at a few lengths only.
     jobs = []  # (tag, b, h, s, d, dtype) or ("varlen", d)
     if not cuda:
@@ -1765,7 +1776,7 @@ def cmd_attention(argv):
         jobs += [("varlen", 64), ("varlen", 128)]
     else:
         if "anchors" in parts:
-            jobs += [("anchors", 16384 // s, 2048 // d, s, d, torch.bfloat16) for d, s in ANCHOR_SHAPES]
+            jobs += [("anchors", 16384 // s, 2048 // d, s, d, torch.bfloat16) for d, s in DENSE_SHAPES]
         if "varlen" in parts:
             jobs += [("varlen", 64), ("varlen", 128)]
         if "sweep" in parts:
@@ -1780,7 +1791,7 @@ def cmd_attention(argv):
         if job[0] == "varlen":
             d = job[1]
             # on CUDA: log-normal lengths of median e^6 ~ 403, sigma 1, in [16, 4096], filling 16384 tokens
-            lens = document_lengths(math.exp(6.0), 1.0, 4096, gen, total_tokens=16384).tolist() if cuda \
+            lens = document_lengths(None, math.exp(6.0), 1.0, 4096, gen, total_tokens=16384).tolist() if cuda \
                 else [1, 5, 17, 9]
             rows += varlen_case(lens, 2048 // d if cuda else 2, d, torch.bfloat16 if cuda else torch.float32,
                                 args.rep, methods=methods)
@@ -1804,7 +1815,7 @@ def cmd_attention(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# allreduce, ddp: collectives and data-parallel variants (SPEC §7.8, §7.9, issue 5)
+# allreduce, ddp: collectives and data-parallel variants
 # ---------------------------------------------------------------------------------------------------------------
 def _env_line(device):
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
@@ -1813,7 +1824,7 @@ def _env_line(device):
 
 
 def cmd_allreduce(argv):
-    """All-reduce of fp32 tensors (SPEC §6.2, §7.8): per size, median and mean ms over timed iterations (each
+    """All-reduce of fp32 tensors: per size, median and mean ms over timed iterations (each
     iteration's time is the slowest rank's, gathered with all_gather_object), algbw = bytes / median time and
     busbw = algbw * 2 (N - 1) / N, in GiB/s. NCCL on GPUs, gloo on CPU."""
 
@@ -1911,13 +1922,13 @@ def _build_variant(variant, net, device, opt_cls, lr):
 
 
 def cmd_ddp(argv):
-    """Data-parallel variants on TransformerLM in one run (SPEC §7.9): ours (naive, flat, per-parameter overlap,
+    """Data-parallel variants on TransformerLM in one run: ours (naive, flat, per-parameter overlap,
     bucketed at several sizes, bucketed + ZeRO-1, FSDP fp32 and bf16 gathers) beside torch DDP,
     ZeroRedundancyOptimizer and FSDP2, plus "local" (no wrapper, no communication: the per-GPU compute that
     scaling is measured against). Per variant: median ms/step over --steps timed steps (each the slowest rank's),
     scaling = local / variant, communication ms (naive, flat: timed between synchronizes around
     finish_gradient_synchronization; others: step - local, the communication not hidden behind compute), peak
-    memory after init, just before optimizer.step() and just after it (SPEC §6.9), and optimizer-state bytes on
+    memory after init, just before optimizer.step() and just after it, and optimizer-state bytes on
     this rank."""
 
     ap = argparse.ArgumentParser(prog="bench.py ddp")

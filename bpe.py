@@ -1,12 +1,14 @@
-"""Byte-level BPE (SPEC §1): a parallel trainer, its slow reference twin, and a GPT-2 compatible Tokenizer.
+"""Byte-level BPE: a parallel trainer, its slow reference twin, and a GPT-2 compatible Tokenizer.
 
     python bpe.py train --input corpus.txt --vocab_size 10000 --special '<|endoftext|>' --out out/tok
     python bpe.py encode --vocab out/tok/vocab.json --merges out/tok/merges.txt --special '<|endoftext|>' \\
         --input corpus.txt --out corpus.bin
 
-Training: the file is cut into chunks at special-token boundaries (§1.6), every worker pre-tokenizes its chunks with
-the GPT-2 regex (§1.2) into a Counter of pre-tokens, then one process runs the merge loop with incremental pair
-counts and a max-heap (§1.5). `train_bpe_reference` is the obviously-correct twin that recounts every pair per merge.
+Training: ids 0-255 are the bytes, then the special tokens; each merge joins the most frequent adjacent pair of
+tokens (ties: the lexicographically greatest pair of byte strings) inside pre-tokens, never across a special token.
+The file is cut into chunks at special-token boundaries, every worker pre-tokenizes its chunks with the GPT-2 regex
+into a Counter of pre-tokens, then one process runs the merge loop with incremental pair counts and a max-heap.
+`train_bpe_reference` is the obviously-correct twin that recounts every pair per merge.
 Encoding: `Tokenizer.encode` goes through tiktoken's Rust BPE core built from our ranks (token ids); the pure-Python
 merges-in-order encoder stays as the reference and the fallback for vocabularies tiktoken cannot express.
 """
@@ -26,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import regex
 
-# SPEC §1.2: contractions | letters | numbers | other symbols | trailing whitespace | whitespace
+# GPT-2's pre-tokenizer: contractions | letters | numbers | other symbols | trailing whitespace | whitespace
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 PAT = regex.compile(GPT2_PAT)
 CHUNK_BYTES = 4 << 20  # pre-tokenization / encoding work unit: bounds memory at about this times the workers
@@ -57,7 +59,8 @@ class Progress:
 
 
 def bytes_to_unicode():
-    """SPEC §1.9: byte -> printable character; the 68 unprintable bytes map to chr(256), chr(257), ... in order."""
+    """GPT-2's file encoding of bytes: byte -> printable character (printable Latin-1 bytes map to themselves; the
+    68 others to chr(256), chr(257), ... in byte order), so vocab.json and merges.txt hold every token as text."""
     keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     table, extra = {}, 0
     for b in range(256):
@@ -80,7 +83,8 @@ def check_special_tokens(special_tokens):
 
 
 def special_splitter(special_tokens):
-    """Capturing alternation, longest first (SPEC §1.3, §1.8), so re.split puts the specials at the odd indices.
+    """Capturing alternation, longest first (where one special contains another, the longer wins), so re.split
+    puts the specials at the odd indices.
     None without specials: an empty alternation would match everywhere."""
     if not special_tokens:
         return None
@@ -97,7 +101,7 @@ def chunk_split_token(special_tokens):
 
     A boundary at the first byte of special token s is safe when no other special can overlap s (else the longest-
     first split could place s differently). Without a usable special token, b"\\n" between two printable ASCII
-    characters is safe: that newline is a pre-token of its own whether or not the text continues (SPEC §1.2 regex).
+    characters is safe: that newline is a pre-token of its own whether or not the text continues (GPT2_PAT).
     None: no safe boundary exists (a special contains a newline), the file is one chunk."""
     for s in special_tokens:
         if all(t == s or not _overlap(s, t) for t in special_tokens):
@@ -111,7 +115,7 @@ _NEWLINE_BOUNDARY = re.compile(rb"[!-~]\n[!-~]")
 
 
 def find_chunk_boundaries(f, desired_chunks, split_token):
-    """SPEC §1.6: byte offsets [0, ..., size] of chunks whose boundaries fall on `split_token` (see
+    """Byte offsets [0, ..., size] of about desired_chunks chunks whose boundaries fall on `split_token` (see
     chunk_split_token; b"\\n" means the safe newline rule). Fewer chunks than asked when tokens are rare."""
     f.seek(0, os.SEEK_END)
     size = f.tell()
@@ -180,7 +184,7 @@ def _check_training_args(input_path, vocab_size, special_tokens):
 
 
 def _initial_vocab(special_tokens):
-    """SPEC §1.1: ids 0..255 are the bytes, then the special tokens in order (skipped if already present)."""
+    """Ids 0..255 are the bytes, then the special tokens in order (skipped if already present)."""
     vocab = {i: bytes([i]) for i in range(256)}
     for s in special_tokens:
         b = s.encode("utf-8")
@@ -190,7 +194,8 @@ def _initial_vocab(special_tokens):
 
 
 def _pretokenize_chunk(args):
-    """Worker: Counter of pre-token strings of one chunk; special tokens split the text and are dropped (§1.3)."""
+    """Worker: Counter of pre-token strings of one chunk; special tokens split the text and are dropped, so no
+    pre-token (and no merge) spans one."""
     path, start, end, special_tokens = args
     text = _read_chunk(path, start, end)
     splitter = special_splitter(special_tokens)
@@ -202,7 +207,7 @@ def _pretokenize_chunk(args):
 
 
 def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
-    """{pre-token bytes: count} of the whole file, over all cores (SPEC §1.6)."""
+    """{pre-token bytes: count} of the whole file, over all cores (chunks cut at safe boundaries)."""
     num_workers = num_workers or os.cpu_count() or 1
     chunks = _file_chunks(input_path, special_tokens, num_workers)
     total, done = Counter(), 0
@@ -229,21 +234,22 @@ def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
 
 def _desc_key(token):
     """Sort key that orders byte strings in REVERSE of Python's bytes order (a proper prefix sorts lower there, so
-    higher here), so a min-heap on (-count, key) pops the lexicographically greatest pair among equal counts (§1.4).
+    higher here), so a min-heap on (-count, key) pops the lexicographically greatest pair among equal counts.
     Each byte b becomes the 16-bit unit 256 - b; the terminator 0xFFFF exceeds every unit, making keys prefix-free,
     so key(a) + key(b) orders pairs (a, b) exactly like the tuple, reversed."""
     return b"".join((256 - x).to_bytes(2, "big") for x in token) + b"\xff\xff"
 
 
 def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=True):
-    """Byte-level BPE training, SPEC §1.1-1.6. Returns (vocab {id: bytes}, merges [(bytes, bytes)] in order)."""
+    """Byte-level BPE training (see the module docstring). Returns (vocab {id: bytes}, merges [(bytes, bytes)] in
+    order); fewer than vocab_size tokens when the corpus runs out of pairs (said when verbose)."""
     special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
     t0 = time.time()
     word_counts = pretokenize(input_path, special_tokens, num_workers, verbose)
     vocab = _initial_vocab(special_tokens)
     merges = []
 
-    # §1.5 state: every distinct pre-token as a list of ids, its count, pair counts and pair -> words index.
+    # State: every distinct pre-token as a list of ids, its count, pair counts and pair -> words index.
     # The index is lazy: a word stays listed under a pair it lost; merging re-checks the word.
     words = [list(w) for w in word_counts]
     counts = list(word_counts.values())
@@ -314,7 +320,7 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
 
 
 def train_bpe_reference(input_path, vocab_size, special_tokens):
-    """The slow twin of train_bpe (SPEC §1.4): one process, and every pair recounted from scratch per merge."""
+    """The slow twin of train_bpe: one process, and every pair recounted from scratch per merge."""
     special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
     with open(input_path, encoding="utf-8", newline="") as f:
         text = f.read()
@@ -355,7 +361,8 @@ def train_bpe_reference(input_path, vocab_size, special_tokens):
 # ---------------------------------------------------------------------------------------------------------------
 
 class Tokenizer:
-    """Encode/decode with a trained vocabulary (SPEC §1.8). Special tokens are matched longest first."""
+    """Encode/decode with a trained vocabulary: specials are matched first (longest first) and become their ids; the
+    text between them is pre-tokenized and each pre-token merged in merge order. Decoding joins the bytes."""
 
     def __init__(self, vocab, merges, special_tokens=None):
         self.special_tokens = check_special_tokens(special_tokens)
@@ -365,7 +372,7 @@ class Tokenizer:
                 raise TypeError(f"vocab must map int ids >= 0 to bytes, got {i!r}: {b!r}")
             self.vocab[i] = b
         self.merges = [(bytes(a), bytes(b)) for a, b in merges]
-        # a special token reuses an id whose bytes equal it, else gets the next free id (§1.8)
+        # a special token reuses an id whose bytes equal it, else gets the next free id
         ids_of = defaultdict(list)
         for i in sorted(self.vocab):
             ids_of[self.vocab[i]].append(i)
@@ -409,8 +416,8 @@ class Tokenizer:
 
     def _tiktoken_obstacle(self, duplicated):
         """tiktoken merges the adjacent pair whose concatenation has the lowest rank; with rank = token id that is
-        merges-in-order when the ids of merge results grow with merge rank (ANCHORS.md; held to the reference by
-        the tests on random, adversarial and GPT-2 text).
+        merges-in-order when the ids of merge results grow with merge rank (held to the reference by the tests on
+        random, adversarial and GPT-2 text).
         Returns why the vocabulary does not fit, or None."""
         if duplicated:
             return f"{len(duplicated)} tokens share their bytes with another, e.g. {duplicated[0]!r}"
@@ -430,7 +437,8 @@ class Tokenizer:
 
     @classmethod
     def from_files(cls, vocab_path, merges_path, special_tokens=None):
-        """Reads GPT-2 style vocab.json {mapped string: id} and merges.txt (SPEC §1.9)."""
+        """Reads GPT-2 style vocab.json {mapped string: id} and merges.txt (one "a b" pair per line, an optional
+        "#version" first line), strings in the bytes_to_unicode encoding; special tokens as their literal text."""
         special_tokens = check_special_tokens(special_tokens)
         decoder = {c: b for b, c in bytes_to_unicode().items()}
 
@@ -490,7 +498,7 @@ class Tokenizer:
     # --- encoding ---
 
     def _encode_pretoken(self, word):
-        """Reference path, SPEC §1.8 step 3: merge the lowest-ranked adjacent pair (all its occurrences) until no
+        """Reference path: merge the lowest-ranked adjacent pair (all its occurrences) until no
         adjacent pair is a merge. Cached per pre-token."""
         ids = self._cache.get(word)
         if ids is not None:
@@ -570,7 +578,7 @@ class Tokenizer:
         A special token match is final once a longer special could no longer start at it; ordinary text before
         len(buf) - (longest special - 1) can no longer become part of a special. Inside that text every pre-token
         but the last is final, and cutting at the start of one whose previous character is not whitespace leaves the
-        prefix's pre-tokens unchanged (only a whitespace run's end depends on the character after it, §1.2)."""
+        prefix's pre-tokens unchanged (only a whitespace run's end depends on the character after it, GPT2_PAT)."""
         k = self._max_special
         limit, pos, cut = len(buf) - max(k - 1, 0), 0, 0
         if self._splitter is not None:
@@ -602,7 +610,7 @@ class Tokenizer:
         return self.encode_to_numpy(_read_chunk(path, start, end))
 
     def encode_file(self, path, num_workers=None, chunk_bytes=CHUNK_BYTES, verbose=True):
-        """Yields the ids of a UTF-8 file as NumPy arrays, in file order, over all cores (SPEC §1.10). Chunks end at
+        """Yields the ids of a UTF-8 file as NumPy arrays, in file order, over all cores. Chunks end at
         safe boundaries, so the concatenation equals encode(whole text). Threads on the fast path (tiktoken's core
         releases the GIL), processes on the reference path; at most 2 x workers chunks are in flight."""
         num_workers = num_workers or os.cpu_count() or 1

@@ -179,7 +179,7 @@ def _adversarial_texts(seed=0):
 # --- training ---
 
 def test_train_bpe_spec_vector(tmp_path):
-    # SPEC §1.4: each word its own document, so pre-tokens are exactly the words
+    # the textbook example (low, lower, widest, newest), each word its own document, so pre-tokens are the words
     words = ["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6
     path = tmp_path / "toy.txt"
     path.write_text(EOT.join(words))
@@ -195,7 +195,7 @@ def test_train_bpe_spec_vector(tmp_path):
 
 
 def test_train_bpe_tie_break_compares_bytes(tmp_path):
-    # equal counts for (A,B), (A,C), (B,ZZ), (BA,A): SPEC §1.4 picks the lexicographically greatest pair of bytes
+    # equal counts for (A,B), (A,C), (B,ZZ), (BA,A): a tie goes to the lexicographically greatest pair of bytes
     path = tmp_path / "ties.txt"
     path.write_text(EOT.join(["ab", "ac", "bzz", "zz", "zz", "baa", "ba", "ba"]))
     for trainer in (train_bpe, train_bpe_reference):
@@ -397,7 +397,8 @@ def test_gpt2_compatibility():
 
 def test_encode_iterable_exact_and_streaming():
     tok = _small_tokenizer()
-    assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")  # SPEC §1.8 example
+    # a whitespace run split across pieces: its end depends on what follows, so the first piece is held back
+    assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")
     rng = random.Random(3)
     for text in _adversarial_texts(seed=4)[:60] + [_synthetic_text(4000, seed=4)]:
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
@@ -2631,10 +2632,10 @@ def test_bench_varlen_same_documents(tmp_path):
 
 def test_bench_varlen_helpers():
     g = torch.Generator().manual_seed(0)
-    lengths = bench.document_lengths(200.0, 0.8, 512, g, num_docs=2000)
+    lengths = bench.document_lengths(2000, 200.0, 0.8, 512, g)
     assert len(lengths) == 2000 and lengths.min() >= 16 and lengths.max() <= 512 and 150 < lengths.median() < 250
     for total in (16384, 1000, 17):  # filling a token budget exactly: only the last document may be cut short
-        lengths = bench.document_lengths(403.0, 1.0, 4096, g, total_tokens=total)
+        lengths = bench.document_lengths(None, 403.0, 1.0, 4096, g, total_tokens=total)
         assert int(lengths.sum()) == total and lengths.max() <= 4096 and lengths.min() >= 1
         assert (lengths[:-1] >= 16).all()
     cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)

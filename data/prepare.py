@@ -6,10 +6,14 @@
     python data/prepare.py mytext --input a.txt b.txt        # local UTF-8 files
     python data/prepare.py mytext --input a.txt --out_dir /scratch/mytext   # anywhere else than data/NAME
 
-Writes data/NAME/ (or --out_dir DIR): vocab.json + merges.txt (GPT-2 format), train.bin / val.bin (header-less token arrays, uint16 when
-vocab_size <= 65536 else uint32), train_docs.npy / val_docs.npy (int64 offsets, n_docs + 1 of them: document k is
-tokens [docs[k], docs[k+1]) and ends with <|endoftext|>), and meta.json, written last (its presence means done).
-Documents are joined with <|endoftext|> (SPEC §1.10); the tokenizer is trained on the train split only.
+    python data/prepare.py --get_gpt2_tokenizer              # GPT-2's vocab.json + merges.txt into _dev/gpt2/ (tests)
+
+Writes data/NAME/ (or --out_dir DIR): vocab.json + merges.txt (GPT-2 format), train.bin / val.bin (header-less token
+arrays, uint16 when vocab_size <= 65536 else uint32), train_docs.npy / val_docs.npy (int64 offsets, n_docs + 1 of
+them: document k is tokens [docs[k], docs[k+1]) and ends with <|endoftext|>), and meta.json, written last (its
+presence means done). Every document ends with <|endoftext|>, so documents never run into each other; the
+tokenizer is trained on the train split only. A run that fails leaves no temporary files, and no folder if it made
+the folder (complete downloads in raw/ excepted).
 Local files: a file is split into documents at <|endoftext|> (a file without it is one document); every 10th
 document goes to validation (the last one when there are fewer than 10); whitespace-only documents are skipped.
 """
@@ -354,8 +358,8 @@ def _build(name, vocab_size, inputs, out_dir, num_workers):
     tok.save(out_dir)
     dtype = np.uint16 if len(tok.vocab) <= 65536 else np.uint32
 
-    meta = {"dataset": name, "dtype": np.dtype(dtype).name, "vocab_size": len(tok.vocab), "eot_id": tok.special_ids[EOT],
-            "special_tokens": [EOT], "vocab": "vocab.json", "merges": "merges.txt"}
+    meta = {"dataset": name, "dtype": np.dtype(dtype).name, "vocab_size": len(tok.vocab),
+            "eot_id": tok.special_ids[EOT], "special_tokens": [EOT], "vocab": "vocab.json", "merges": "merges.txt"}
     for split, txt in (("train", train_txt), ("val", val_txt)):
         docs = encode_split(tok, txt, os.path.join(out_dir, f"{split}.bin"), dtype)
         with atomic_open(os.path.join(out_dir, f"{split}_docs.npy"), "wb") as f:
