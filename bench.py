@@ -1922,13 +1922,13 @@ def _build_variant(variant, net, device, opt_cls, lr):
 
 
 def cmd_ddp(argv):
-    """Data-parallel variants on TransformerLM in one run: ours (naive, flat, per-parameter overlap,
+    """Data-parallel variants on TransformerLM in one run (SPEC §7.9): ours (naive, flat, per-parameter overlap,
     bucketed at several sizes, bucketed + ZeRO-1, FSDP fp32 and bf16 gathers) beside torch DDP,
     ZeroRedundancyOptimizer and FSDP2, plus "local" (no wrapper, no communication: the per-GPU compute that
     scaling is measured against). Per variant: median ms/step over --steps timed steps (each the slowest rank's),
     scaling = local / variant, communication ms (naive, flat: timed between synchronizes around
     finish_gradient_synchronization; others: step - local, the communication not hidden behind compute), peak
-    memory after init, just before optimizer.step() and just after it, and optimizer-state bytes on
+    memory after init, just before optimizer.step() and just after it (SPEC §6.9), and optimizer-state bytes on
     this rank."""
 
     ap = argparse.ArgumentParser(prog="bench.py ddp")
@@ -2011,8 +2011,9 @@ def cmd_ddp(argv):
             record["peak_before_step_gib"] = max(before)
             record["peak_after_step_gib"] = max(after)
             record["optimizer_state_gib"] = _optimizer_state_bytes(optimizer) / gib
-            record["loss"] = last["loss"].item()
-            del wrapped, optimizer, finish, net, last, step
+            loss = last["loss"]  # the last step's
+            record["loss"] = loss.item()
+            del wrapped, optimizer, finish, net, loss
         except Exception as e:  # a baseline missing from this torch build must not sink the other rows
             record["error"] = f"{type(e).__name__}: {e}"[:200]
         statuses = [None] * world_size

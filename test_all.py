@@ -20,6 +20,7 @@ import math
 import os
 import random
 import re
+import shutil
 import socket
 import statistics
 import subprocess
