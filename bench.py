@@ -1,4 +1,4 @@
-"""Benchmarks and profilers (SPEC §7): where the time and the memory of training go.
+"""Benchmarks and profilers: where the time and the memory of training go.
 
 One script, one subcommand per question. Each prints Markdown on stdout (headed by the command, the date and the
 device), writes its numbers to --json FILE, and draws --plot FILE.png when matplotlib is installed.
@@ -16,47 +16,97 @@ device), writes its numbers to --json FILE, and draws --plot FILE.png when matpl
     python bench.py attention                                     # our FlashAttention-2 vs SDPA backends, Flex, naive
     torchrun --nproc_per_node=2 bench.py allreduce                # all-reduce 1 MB .. 1 GB: ms, algbw, busbw
     torchrun --nproc_per_node=2 bench.py ddp --preset gpt2-xl     # our DDP / ZeRO-1 / FSDP vs torch's, one run
+    python bench.py bpe --input _dev/bench_corpus.txt             # our tokenizer vs HF tokenizers and tiktoken
+    python bench.py --help                                        # the subcommands, one line each
 
 Every subcommand runs on CPU at tiny sizes (`--size tiny`, or the tiny defaults of varlen) and on CUDA.
-Timing: warm-up steps, then timed steps with the device synchronized after every step (and every phase), mean and
-standard deviation in ms (SPEC §7.1). Peak memory is the allocator's peak (torch.cuda.max_memory_allocated) per
-phase; the CPU has no such counter, so CPU rows leave it empty.
+Timing: one timer, time_ms: warm-up calls, then timed samples with the device synchronized around each (CUDA events
+on the GPU, perf_counter on the CPU); model steps report the mean and standard deviation in ms, kernels the median.
+Peak memory is the allocator's peak (torch.cuda.max_memory_allocated) per phase; the CPU has no such counter, so
+CPU rows leave it empty.
 """
 import argparse
 import contextlib
 import datetime
 import gc
+import importlib.util
 import itertools
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-import timeit
 import traceback
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
-import ddp
-import flash
-import model as model_py  # the module itself: --nvtx swaps its attention function for an annotated one
-from flash import flash_attn_varlen
-from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token
-from train import AdamW, pack_batch, pad_batch, sample_documents
+def bpe_train_child(argv):
+    """One tokenizer training for `bench.py bpe`, run as `bench.py _bpe_train WHICH PATH VOCAB_SIZE SPECIAL WORKERS
+    OUT_DIR` in a fresh process that never imports torch, so its peak RSS is the trainer's own. WHICH: ours
+    (bpe.train_bpe, the files saved to OUT_DIR) or hf (HF tokenizers' BpeTrainer, byte-level, on as many threads).
+    Prints one JSON line: seconds, peak RSS of this process and of its largest finished child, vocab size."""
+    which, path, vocab_size, special, num_workers, out_dir = argv
+    vocab_size, num_workers = int(vocab_size), int(num_workers)
+    from bpe import Tokenizer, peak_rss_mb, train_bpe
+    t0 = time.perf_counter()
+    if which == "ours":
+        vocab, merges = train_bpe(path, vocab_size, [special], num_workers=num_workers, verbose=False)
+        Tokenizer(vocab, merges, [special]).save(out_dir)
+        n = len(vocab)
+    else:
+        os.environ["RAYON_NUM_THREADS"] = str(num_workers)  # HF's thread pool, on as many cores as ours
+        from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+        hf = HFTokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[special], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        hf.train_from_iterator(documents_of(path, special), trainer)  # whole documents: no merge crosses a special
+        n = hf.get_vocab_size()
+    seconds = time.perf_counter() - t0
+    rss_self, rss_children = peak_rss_mb()
+    print(json.dumps({"seconds": seconds, "rss_mb": rss_self, "worker_rss_mb": rss_children, "vocab": n}))
+    return 0
+
+
+def documents_of(path, special):
+    """The documents of a UTF-8 file split at `special`, streamed (1 MiB reads)."""
+    buf = ""
+    with open(path, encoding="utf-8", newline="") as f:
+        while True:
+            block = f.read(1 << 20)
+            if not block:
+                break
+            parts = (buf + block).split(special)
+            buf = parts.pop()
+            yield from parts
+    yield buf
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["_bpe_train"]:  # before torch is imported: see bpe_train_child
+    sys.exit(bpe_train_child(sys.argv[2:]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ddp  # noqa: E402
+import flash  # noqa: E402
+import model as model_py  # noqa: E402  (the module itself: --nvtx swaps its attention function for an annotated one)
+from flash import flash_attn_varlen  # noqa: E402
+from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token  # noqa: E402
+from train import AdamW, pack_batch, pad_batch, sample_documents  # noqa: E402
 
 SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4))  # tiny: CPU tests and smoke runs
 MODES = ("fwd", "fwd_bwd", "train")
 PHASES = ("forward", "backward", "optimizer_step")
 DTYPES = ("fp32", "bf16")
 COMPILE_CHOICES = ("none", "model", "blocks")  # see compiled()
-H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM, the MFU denominator (../shared/ANCHORS.md)
-NANOGPT_TOKENS_PER_S = 463e3  # nanoGPT GPT-2 124M on one H200 (../shared/ANCHORS.md)
+PEAK_FLOPS = 989e12  # the MFU denominator on CUDA: dense bf16 datasheet figure of the H100/H200 (SXM)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -88,7 +138,7 @@ def describe_device(device):
 
 
 def run_info(command, argv, device):
-    """What every report starts with (STYLE: every table says the command, the date and the device)."""
+    """What every report starts with: the command that made it, the date and the device."""
     return dict(command="python bench.py " + " ".join([command] + list(argv)),
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=describe_device(device))
 
@@ -110,9 +160,12 @@ def fmt(x, digits=2):
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def markdown_table(header, rows):
+def markdown_table(header, rows, digits=2):
+    """The benchmarks' one table formatter: a Markdown table, every cell through fmt. digits: decimals of float
+    cells, one number for all columns or a list with one per column."""
+    per_column = digits if isinstance(digits, (list, tuple)) else [digits] * len(header)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(fmt(c, d).replace("|", "\\|") for c, d in zip(row, per_column)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -145,7 +198,7 @@ def save_plot(path, draw):
 
 def progress(done, total, t_start, text):
     """A line per finished configuration on stderr (stdout stays Markdown), with the rate and an ETA."""
-    elapsed = timeit.default_timer() - t_start
+    elapsed = time.perf_counter() - t_start
     eta = elapsed / done * (total - done) if done else 0.0
     print(f"[{done}/{total}] {text} | {elapsed:.0f}s elapsed, ETA {eta:.0f}s", file=sys.stderr, flush=True)
 
@@ -156,7 +209,8 @@ def sync(device):
 
 
 def autocast(dtype, device):
-    """bf16 autocast around forward and loss (SPEC §3.7); fp32 runs with no context at all."""
+    """bf16 autocast around forward and loss (parameters, gradients and optimizer state stay fp32); fp32 runs with
+    no context at all."""
     if dtype == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -210,7 +264,7 @@ def allow_recompiles():
 
 @contextlib.contextmanager
 def nvtx_range(name, enabled):
-    """An NVTX range for Nsight Systems (SPEC §7.2); push/pop are looked up at call time (the tests observe them)."""
+    """An NVTX range for Nsight Systems; push/pop are looked up at call time (the tests observe them)."""
     if not enabled:
         yield
         return
@@ -231,7 +285,7 @@ def check_nvtx():
 
 
 def annotated_attention(q, k, v, mask=None):
-    """model.scaled_dot_product_attention with an NVTX range around each of its three parts (SPEC §7.2): the
+    """model.scaled_dot_product_attention with an NVTX range around each of its three parts (scores, softmax, P V): the
     same math (fp32 scores, masked_fill, model.softmax, cast back, P V); a test holds it to the original."""
     with nvtx_range("attention_scores", True):
         scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])
@@ -254,10 +308,69 @@ def annotated_naive_attention():
         model_py.scaled_dot_product_attention = original
 
 
+_L2_FLUSH = {}  # device -> a 256 MiB buffer, larger than any L2 cache, zeroed before a timed call to evict it
+
+
+def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, flush_l2=False):
+    """The benchmarks' one timer: milliseconds per call of fn(), one sample per timed step, as a list.
+
+    `warmup` untimed calls come first; then `steps` samples, each the mean of `reps` back-to-back calls. setup(), if
+    given, runs before each sample, untimed (a barrier, a refill). budget_ms: as many samples as fit in about that
+    many milliseconds, judged by the first one (never fewer than `steps`). The device is synchronized before and
+    after every sample. On CUDA a sample is timed by a pair of CUDA events on the current stream, the GPU's own
+    clock; with flush_l2 every call starts with a cold L2 cache (a 256 MiB buffer is zeroed before it, outside the
+    events). On the CPU: time.perf_counter."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        fn()
+    flush = None
+    if cuda and flush_l2:
+        if device not in _L2_FLUSH:
+            _L2_FLUSH[device] = torch.empty(2**28, dtype=torch.int8, device=device)
+        flush = _L2_FLUSH[device]
+
+    def sample():
+        if setup is not None:
+            setup()
+        sync(device)
+        if not cuda:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            return (time.perf_counter() - t0) * 1e3 / reps
+        spans = []
+        for _ in range(reps if flush is not None else 1):  # with a flush, every call gets its own events
+            if flush is not None:
+                flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(1 if flush is not None else reps):
+                fn()
+            end.record()
+            spans.append((start, end))
+        torch.cuda.synchronize(device)
+        return sum(start.elapsed_time(end) for start, end in spans) / reps
+
+    samples = [sample() for _ in range(min(steps, 1) if budget_ms else steps)]
+    if budget_ms and samples:
+        steps = max(steps, min(int(budget_ms / max(samples[0], 1e-3)), 10_000))
+    return samples + [sample() for _ in range(steps - len(samples))]
+
+
+def in_nvtx_range(fn, name, enabled):
+    """fn wrapped in an NVTX range (a no-op when not enabled)."""
+    def run():
+        with nvtx_range(name, enabled):
+            return fn()
+    return run
+
+
 class Phases:
-    """Times the phases of a step (forward, backward, optimizer_step), synchronizing at the end of each, and on
-    CUDA records each phase's peak allocated memory (the peak counter is reset when a phase starts). Optionally
-    wraps every phase in an NVTX range (--nvtx) and a profiler range (--profile)."""
+    """The breakdown of one step that time_ms times as a whole: each phase (forward, backward, optimizer_step) is
+    timed from its start to the end of a device synchronize, and on CUDA its peak allocated memory is recorded (the
+    peak counter is reset when a phase starts). Optionally wraps every phase in an NVTX range (--nvtx) and a
+    profiler range (--profile)."""
 
     def __init__(self, device, nvtx=False, profiling=False):
         self.device, self.nvtx, self.profiling = device, nvtx, profiling
@@ -273,42 +386,33 @@ class Phases:
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         label = torch.profiler.record_function(name) if self.profiling else contextlib.nullcontext()
-        t0 = timeit.default_timer()
+        t0 = time.perf_counter()
         with nvtx_range(name, self.nvtx), label:
             yield
             sync(self.device)  # inside the ranges: the phase's kernels finish within its window
-        self.ms[name].append((timeit.default_timer() - t0) * 1e3)
+        self.ms[name].append((time.perf_counter() - t0) * 1e3)
         if cuda:
             peak = mib(torch.cuda.max_memory_allocated(self.device))
             self.peak[name] = max(self.peak[name] or 0.0, peak)
 
 
 def measure(step, warmup, steps, device, phases, nvtx=False, profiler=None, snapshot=None):
-    """Run warmup untimed-for-the-mean steps, then `steps` timed ones, synchronizing after each (SPEC §7.1).
-    The first warm-up step's time is kept: it shows the one-off costs (allocator growth, lazy optimizer state,
-    cuBLAS heuristics, compilation). profiler: a torch.profiler.profile around the timed steps only; snapshot: a
-    path to dump a CUDA memory-history snapshot of the timed steps to."""
+    """Time `warmup` steps, then `steps` timed ones, with time_ms (the device synchronized around each step). The
+    first warm-up step's time is kept: it shows the one-off costs (allocator growth, lazy optimizer state, cuBLAS
+    heuristics, compilation). profiler: a torch.profiler.profile around the timed steps only; snapshot: a path to
+    dump a CUDA memory-history snapshot of the timed steps to."""
     first_ms = None
     with nvtx_range("warmup", nvtx):
-        for i in range(warmup):
-            t0 = timeit.default_timer()
-            step()
-            sync(device)
-            if i == 0:
-                first_ms = (timeit.default_timer() - t0) * 1e3
+        if warmup:
+            first_ms = time_ms(step, device)[0]
+            time_ms(step, device, warmup=warmup - 1, steps=0)
     phases.reset()
     if snapshot:
         # Python frames only: symbolizing C++ frames at dump time can take minutes on a large model
         torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
-    times = []
     try:
         with profiler if profiler is not None else contextlib.nullcontext():
-            for _ in range(steps):
-                with nvtx_range("step", nvtx):
-                    t0 = timeit.default_timer()
-                    step()
-                    sync(device)
-                    times.append((timeit.default_timer() - t0) * 1e3)
+            times = time_ms(in_nvtx_range(step, "step", nvtx), device, steps=steps)
         if snapshot:
             torch.cuda.memory._dump_snapshot(snapshot)
     finally:
@@ -322,8 +426,39 @@ def measure(step, warmup, steps, device, phases, nvtx=False, profiler=None, snap
                 peak_mib=max(peaks) if peaks else None)
 
 
+def document_lengths(num_docs, median_len, sigma, max_len, generator, total_tokens=None, min_len=16):
+    """Long-tailed document lengths like real corpora (TinyStories: many short, a few long): log-normal with median
+    median_len (mu = ln median_len) and the given sigma, rounded and clipped to [min_len, max_len]. Either num_docs
+    of them, or (num_docs None) as many as fill exactly total_tokens, the last one cut to fit. An int64 tensor."""
+    def draw(n):
+        z = torch.randn(n, generator=generator, dtype=torch.float64)
+        return (median_len * torch.exp(sigma * z)).round().clamp(min_len, max_len).long()
+    if (num_docs is None) == (total_tokens is None):
+        raise ValueError("document_lengths: give num_docs or total_tokens, not both")
+    if num_docs is not None:
+        return draw(num_docs)
+    lengths = draw(0)
+    while int(lengths.sum()) < total_tokens:
+        lengths = torch.cat([lengths, draw(max(1, int(total_tokens / median_len)))])
+    ends = lengths.cumsum(0)
+    last = int(torch.searchsorted(ends, total_tokens))  # the first document that reaches total_tokens
+    lengths = lengths[:last + 1].clone()
+    lengths[-1] -= int(ends[last]) - total_tokens
+    return lengths
+
+
+BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
+
+
+def attention_flops(lengths, num_heads, head_dim):
+    """Useful forward FLOPs of causal attention over sequences (or packed documents) of these lengths: Q K^T and
+    P V are 2 L^2 D each per head, and a causal kernel does half: sum of 4 H L^2 D / 2. The backward recomputes
+    the scores and makes dQ, dK, dV: BWD_FLOPS x forward."""
+    return sum(4 * num_heads * float(n) ** 2 * head_dim / 2 for n in lengths)
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# model: end-to-end step timing, sweep, NVTX, profiler, memory (SPEC §7.1-7.3)
+# model: end-to-end step timing, sweep, NVTX, profiler, memory
 # ---------------------------------------------------------------------------------------------------------------
 
 def model_dims(size, args):
@@ -341,7 +476,7 @@ def build_model(dims, vocab_size, context_length, attn, device):
 
 
 def compiled(net, how):
-    """none: the model as it is; model: torch.compile(model) (SPEC §7.6); blocks: every TransformerBlock compiled in
+    """none: the model as it is; model: torch.compile(model); blocks: every TransformerBlock compiled in
     place (regional compilation: the blocks share one compiled code, so compile time does not grow with depth)."""
     if how == "model":
         return torch.compile(net)
@@ -375,7 +510,8 @@ def run_step(net, runner, optimizer, x, y, mode, dtype, phases):
 
 
 def step_flops(dims, vocab_size, context_length, batch_size, mode, attn):
-    """Model FLOPs of one step per SPEC §2.9: forward = flops_per_token / 3; naive attention computes every T^2
+    """Model FLOPs of one step by model.flops_per_token (training = 3 x forward, so forward = flops_per_token / 3;
+    backward doubles it); naive attention computes every T^2
     score (counted in full), sdpa and flash skip the masked half (counted causal)."""
     per_token = flops_per_token(vocab_size, context_length, dims["d_model"], dims["num_layers"], dims["d_ff"],
                                 causal=attn != "naive")
@@ -425,7 +561,7 @@ def print_model_rows(rows):
 
 
 def sweep_table(rows):
-    """The SPEC §7 table: one line per size x context x dtype x compile, the modes side by side."""
+    """The sweep's table: one line per size x context x dtype x compile, the modes side by side."""
     cell = {}
     for r in rows:
         key = (r["size"], r["context_length"], r["dtype"], r["compile"])
@@ -490,7 +626,7 @@ def run_sweep(args, device, info):
     if compile_opts != ["none"]:
         allow_recompiles()
     total = len(sizes) * len(compile_opts) * len(dtypes) * len(ctxs) * len(modes)
-    rows, done, t_start = [], 0, timeit.default_timer()
+    rows, done, t_start = [], 0, time.perf_counter()
     generator = torch.Generator().manual_seed(args.seed)
     for size, how in itertools.product(sizes, compile_opts):
         dims = model_dims(size, args)
@@ -500,7 +636,7 @@ def run_sweep(args, device, info):
         net, runner, build_status = None, None, "skipped"
         if how != "none":
             torch._dynamo.reset()  # drop the previous model's compiled code (and its guards) before compiling anew
-        if timeit.default_timer() - t_start <= args.time_budget:
+        if time.perf_counter() - t_start <= args.time_budget:
             try:  # a fresh model per compile option: "blocks" compiles the model's blocks in place
                 net = build_model(dims, args.vocab_size, max(ctxs), args.attn, device)
                 runner = compiled(net, how)
@@ -510,7 +646,7 @@ def run_sweep(args, device, info):
                 build_status = "OOM"  # the weights alone do not fit: every row of this size is OOM
             free_memory(device)
         for cfg in configs:
-            if net is None or timeit.default_timer() - t_start > args.time_budget:
+            if net is None or time.perf_counter() - t_start > args.time_budget:
                 row = dict(cfg, params=None, status=build_status if net is None else "skipped")
             else:
                 row = run_config(net, runner, cfg, device, generator, args.warmup, args.steps)
@@ -524,7 +660,7 @@ def run_sweep(args, device, info):
         del net, runner
         free_memory(device)
     print(f"batch {args.batch_size}, vocab {args.vocab_size}, attn {args.attn}; warm-up {args.warmup}, timed steps "
-          f"{args.steps}; fwd = inference forward + loss under no_grad; TFLOP/s per SPEC §2.9 "
+          f"{args.steps}; fwd = inference forward + loss under no_grad; TFLOP/s by model.flops_per_token "
           f"({'all T^2 terms counted: naive attention computes them' if args.attn == 'naive' else 'causal half'})\n")
     print(sweep_table(rows))
     save_plot(args.plot, draw_sweep(rows))
@@ -607,8 +743,8 @@ def cpu_memory_by_phase(net, x, y, mode, dtype):
 
 
 def cmd_model(argv):
-    p = argparse.ArgumentParser(prog="bench.py model", description="End-to-end step timing (SPEC §7.1-7.3).")
-    p.add_argument("--size", default="small", choices=sorted(SIZES), help="model preset (SPEC §2.10); tiny for CPU")
+    p = argparse.ArgumentParser(prog="bench.py model", description="End-to-end step timing.")
+    p.add_argument("--size", default="small", choices=sorted(SIZES), help="model preset (model.PRESETS); tiny for CPU")
     for key in ("d_model", "d_ff", "num_layers", "num_heads"):
         p.add_argument(f"--{key}", type=int, help="override the preset's value")
     p.add_argument("--vocab_size", type=int, default=10000)
@@ -623,7 +759,7 @@ def cmd_model(argv):
     p.add_argument("--attn", choices=ATTN_IMPLS, default="naive")
     add_common_args(p, plot_help="sweep only: time and memory by context length")
     p.add_argument("--sweep", action="store_true", help="every --sizes x --context_lengths x --dtypes x --modes x "
-                                                        "--compile_options (the SPEC §7 table)")
+                                                        "--compile_options, one table")
     p.add_argument("--sizes", default="small,medium,large,xl,gpt2-xl")
     p.add_argument("--context_lengths", default="256,512,1024")
     p.add_argument("--dtypes", default="fp32,bf16")
@@ -697,11 +833,11 @@ def cmd_model(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# precision: fp32 vs bf16 autocast, and the accumulation demo (SPEC §3.7, §7.1)
+# precision: fp32 vs bf16 autocast, and the accumulation demo
 # ---------------------------------------------------------------------------------------------------------------
 
 def accumulation_demo():
-    """Add 0.01 a thousand times (SPEC §3.7): in fp32, in fp16, fp16 increments into an fp32 accumulator, and the
+    """Add 0.01 a thousand times (exact: 10): in fp32, in fp16, fp16 increments into an fp32 accumulator, and the
     same for bf16 (fp32's exponent range, but only 8 bits of mantissa)."""
     cases = [("fp32", torch.float32, torch.float32), ("fp16", torch.float16, torch.float16),
              ("fp16 increments into fp32", torch.float32, torch.float16), ("bf16", torch.bfloat16, torch.bfloat16),
@@ -716,7 +852,7 @@ def accumulation_demo():
 
 
 def autocast_dtypes(device):
-    """The dtype each stage has under bf16 autocast in our model (SPEC §3.7: matmuls low precision, RMSNorm and
+    """The dtype each stage has under bf16 autocast in our model (matmuls low precision, RMSNorm and
     the loss fp32-computed, parameters and gradients fp32), read with forward hooks on a tiny model."""
     net = build_model(SIZES["tiny"], 64, 16, "naive", device)
     seen = {}
@@ -759,7 +895,7 @@ def cmd_precision(argv):
     info = run_info("precision", argv, device)
     print_header("bench.py precision", info)
     generator = torch.Generator().manual_seed(args.seed)
-    pairs, t_start, total = [], timeit.default_timer(), len(sizes) * len(modes)
+    pairs, t_start, total = [], time.perf_counter(), len(sizes) * len(modes)
     for size in sizes:
         dims = SIZES[size]
         net = build_model(dims, args.vocab_size, args.context_length, args.attn, device)
@@ -809,11 +945,11 @@ def cmd_precision(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# compile: eager vs torch.compile, whole model and attention alone (SPEC §7.4, §7.6)
+# compile: eager vs torch.compile, whole model and attention alone
 # ---------------------------------------------------------------------------------------------------------------
 
 def time_attention(attn, batch_size, seq_len, d, device, warmup, steps):
-    """SPEC §7.4: one head, random Q, K, V (B, T, d) with the causal mask; forward ms, memory allocated just
+    """Attention alone: one head, random Q, K, V (B, T, d) with the causal mask; forward ms, memory allocated just
     before backward, backward ms (retain_graph, so each timed backward reuses one forward)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch_size, seq_len, d, generator=g).to(device).requires_grad_() for _ in range(3))
@@ -821,30 +957,13 @@ def time_attention(attn, batch_size, seq_len, d, device, warmup, steps):
     fwd = lambda: attn(q, k, v, mask)
     res = dict(fwd_ms=None, bwd_ms=None, mib_before_bwd=None, status="ok")
     try:
-        for _ in range(warmup):
-            fwd()
-        sync(device)
-        times = []
-        for _ in range(steps):
-            t0 = timeit.default_timer()
-            fwd()
-            sync(device)
-            times.append((timeit.default_timer() - t0) * 1e3)
-        res["fwd_ms"] = statistics.fmean(times)
+        res["fwd_ms"] = statistics.fmean(time_ms(fwd, device, warmup=warmup, steps=steps))
         out = fwd()
         if device.type == "cuda":
             res["mib_before_bwd"] = mib(torch.cuda.memory_allocated(device))
         grad = torch.randn_like(out)
-        for _ in range(warmup):
-            out.backward(grad, retain_graph=True)
-        sync(device)
-        times = []
-        for _ in range(steps):
-            t0 = timeit.default_timer()
-            out.backward(grad, retain_graph=True)
-            sync(device)
-            times.append((timeit.default_timer() - t0) * 1e3)
-        res["bwd_ms"] = statistics.fmean(times)
+        bwd = lambda: out.backward(grad, retain_graph=True)
+        res["bwd_ms"] = statistics.fmean(time_ms(bwd, device, warmup=warmup, steps=steps))
     except RuntimeError as e:  # torch.OutOfMemoryError included
         if not is_oom(e):
             raise
@@ -881,7 +1000,7 @@ def cmd_compile(argv):
     info = run_info("compile", argv, device)
     print_header("bench.py compile", info)
     generator = torch.Generator().manual_seed(args.seed)
-    pairs, t_start = [], timeit.default_timer()
+    pairs, t_start = [], time.perf_counter()
     total = len(sizes) * len(modes) + len(ds) * len(Ts)
     for size in sizes:
         dims = SIZES[size]
@@ -922,7 +1041,7 @@ def cmd_compile(argv):
         attn_rows.append(row)
         progress(len(pairs) + len(attn_rows), total, t_start, f"attention d {d} T {T}")
     print(f"### Attention alone: model.scaled_dot_product_attention, eager vs compiled\n\nbatch {args.attn_batch}, "
-          f"one head, fp32, causal mask, forward and backward timed separately (SPEC §7.4)\n")
+          f"one head, fp32, causal mask, forward and backward timed separately\n")
     body = []
     for r in attn_rows:
         e, c = r["eager"], r["compiled"]
@@ -958,7 +1077,7 @@ def cmd_compile(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# gpt2: training throughput of our model vs a torch.nn peer of nanoGPT's architecture (issue 3 §6)
+# gpt2: training throughput of our model vs a torch.nn peer of nanoGPT's architecture
 # ---------------------------------------------------------------------------------------------------------------
 
 class PeerBlock(nn.Module):
@@ -983,7 +1102,8 @@ class PeerBlock(nn.Module):
 
 
 class PeerGPT(nn.Module):
-    """The peer of issue 3 §6: GPT-2's architecture (learned positions, LayerNorm, GELU MLP, tied embeddings)."""
+    """The peer: GPT-2's architecture as nanoGPT builds it (learned positions, LayerNorm, GELU MLP, tied
+    embeddings), from torch.nn parts, trained with torch's AdamW."""
 
     def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, device=None):
         super().__init__()
@@ -1006,13 +1126,15 @@ class PeerGPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def peer_flops_per_token(vocab_size, context_length, d_model, num_layers, causal=True):
-    """SPEC §2.9's count applied to the peer: per layer qkv + output 8Td^2, scores and P V 4T^2d (half when
-    causal), MLP 2 x 2 T d (4d) = 16Td^2; plus lm_head 2TdV; training = 3 x forward. Biases and norms ignored."""
-    T, d = context_length, d_model
-    attn_t2 = (2 if causal else 4) * T * T * d
-    forward = num_layers * (8 * T * d * d + attn_t2 + 16 * T * d * d) + 2 * T * d * vocab_size
-    return 3 * forward / T
+PEER_MLP_AS_SWIGLU = 8 / 3  # the d_ff / d_model at which our SwiGLU MLP costs the FLOPs of the peer's GELU MLP
+
+
+def peer_flops_per_token(vocab_size, context_length, d_model, num_layers):
+    """Training FLOPs per token of PeerGPT, by model.flops_per_token: the peer differs from ours only in its MLP,
+    two matrices d x 4d (forward 2 x 2 T d (4d) = 16 T d^2 per sequence), which is what our three-matrix SwiGLU
+    costs (6 T d d_ff) at d_ff = 8d / 3. Attention is counted causal (SDPA skips the masked half); biases,
+    LayerNorms and the position embedding are left out, as norms are for ours."""
+    return flops_per_token(vocab_size, context_length, d_model, num_layers, PEER_MLP_AS_SWIGLU * d_model)
 
 
 def cmd_gpt2(argv):
@@ -1032,7 +1154,11 @@ def cmd_gpt2(argv):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--peak_tflops", type=float, default=None, help="MFU denominator (default 989 on CUDA)")
+    p.add_argument("--peak_tflops", type=float, default=None,
+                   help=f"MFU denominator (default on CUDA {PEAK_FLOPS / 1e12:g}, the H100/H200 dense bf16 figure)")
+    p.add_argument("--reference_tokens_per_s", type=float, default=None, help="a throughput to compare every row "
+                   "with, measured elsewhere on the same GPU (e.g. nanoGPT's GPT-2 124M with nanoGPT's own "
+                   "bench.py); adds a 'vs reference' column and a line on the plot")
     add_common_args(p)
     args = p.parse_args(argv)
     device = pick_device(args.device)
@@ -1040,7 +1166,8 @@ def cmd_gpt2(argv):
     for v in variants:
         if v[0] not in ATTN_IMPLS or v[1:] not in ([], ["tied"]):
             raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied] with ATTN one of {ATTN_IMPLS}")
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else (H100_BF16_PEAK if device.type == "cuda" else None)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
+    reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT does; under bf16 autocast matmuls are bf16 anyway
@@ -1103,10 +1230,11 @@ def cmd_gpt2(argv):
     how = "torch.compile of model + loss" if args.compile else "eager"
     print(f"Shape: {args.num_layers} layers, d_model {args.d_model}, {args.num_heads} heads, context {T}, vocab {V}, "
           f"batch {B}; {args.dtype} autocast, {how}, one fixed random batch. Ours: SwiGLU d_ff {args.d_ff}, "
-          f"RoPE, RMSNorm, embeddings untied unless marked tied; peer: GELU MLP 4 x d_model, learned positions, LayerNorm, tied "
-          f"embeddings. FLOPs per SPEC §2.9 for each architecture, causal convention (T^2 terms halved; naive "
-          f"attention counted in full); MFU against {fmt(peak / 1e12 if peak else None, 0)} TFLOP/s. Anchor: nanoGPT "
-          f"GPT-2 124M, 463k tokens/s on one H200 (ANCHORS.md).\n")
+          f"RoPE, RMSNorm, embeddings untied unless marked tied; peer: GELU MLP 4 x d_model, learned positions, "
+          f"LayerNorm, tied embeddings. FLOPs: model.flops_per_token for each architecture (training = 3 x forward, "
+          f"T^2 terms halved for causal kernels, naive attention counted in full); MFU against "
+          f"{fmt(peak / 1e12 if peak else None, 0)} TFLOP/s"
+          + (f"; reference: {fmt(reference, 0)} tokens/s." if reference else ".") + "\n")
     body = []
     for r in rows:
         ok = r["status"] == "ok"
@@ -1114,19 +1242,19 @@ def cmd_gpt2(argv):
         body.append([r["model"], r["attn"], millions(r["params"]),
                      f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" if ok else r["status"],
                      r.get("tokens_per_s"), r.get("tflops"), f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "—",
-                     f"{vs_peer:.2f}x" if vs_peer else "—",
-                     f"{r['tokens_per_s'] / NANOGPT_TOKENS_PER_S:.2f}x" if ok and device.type == "cuda" else "—",
-                     r.get("peak_mib")])
-    print(markdown_table(["model", "attn", "params", "ms/step", "tokens/s", "TFLOP/s", "MFU", "vs peer",
-                          "vs 463k anchor", "peak MiB"], body))
+                     f"{vs_peer:.2f}x" if vs_peer else "—"]
+                    + ([f"{r['tokens_per_s'] / reference:.2f}x" if ok else "—"] if reference else [])
+                    + [r.get("peak_mib")])
+    print(markdown_table(["model", "attn", "params", "ms/step", "tokens/s", "TFLOP/s", "MFU", "vs peer"]
+                         + (["vs reference"] if reference else []) + ["peak MiB"], body))
     write_json(args.json, dict(info, rows=rows))
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 4))
         ok = [r for r in rows if r["status"] == "ok"]
         ax.barh([f"{r['model'].split(':')[0]} {r['attn']}" for r in ok], [r["tokens_per_s"] / 1e3 for r in ok])
-        if device.type == "cuda":
-            ax.axvline(NANOGPT_TOKENS_PER_S / 1e3, color="k", linestyle="--", label="nanoGPT anchor (H200)")
+        if reference:
+            ax.axvline(reference / 1e3, color="k", linestyle="--", label="reference")
             ax.legend()
         ax.set(xlabel="thousand tokens/s", title="GPT-2-small training throughput")
         return fig
@@ -1135,20 +1263,13 @@ def cmd_gpt2(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# varlen: padding strategies on the same documents (issue 7 §4, SPEC §7.10)
+# varlen: padding strategies on the same documents
 # ---------------------------------------------------------------------------------------------------------------
 
 VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
     d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
     context_length=(1024, 256), median_len=(200.0, 40.0), batch_size=(32, 2), dtype=("bf16", "fp32"),
     attn=("flash", "naive"), num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2))
-
-
-def document_lengths(num_docs, median_len, sigma, context_length, generator):
-    """Long-tailed lengths like TinyStories: log-normal with the given median (exp(mu)) and sigma, rounded and
-    clipped to [16, context_length]."""
-    z = torch.randn(num_docs, generator=generator, dtype=torch.float64)
-    return (median_len * torch.exp(sigma * z)).round().clamp(16, context_length).long()
 
 
 def padded_layout(cu_seqlens, length):
@@ -1237,7 +1358,7 @@ def attention_methods(cu_seqlens, max_seqlen, num_heads, context_length, device,
 
 def cmd_varlen(argv):
     p = argparse.ArgumentParser(prog="bench.py varlen", description="pad vs dynamic_pad vs pack on the same "
-                                "documents: train step, eval forward, and attention alone (issue 7 §4).")
+                                "documents: train step, eval forward, and attention alone.")
     for key, (gpu, cpu) in VARLEN_DEFAULTS.items():
         p.add_argument(f"--{key}", type=type(gpu), default=None, help=f"default {gpu} on CUDA, {cpu} on CPU")
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
@@ -1292,31 +1413,32 @@ def cmd_varlen(argv):
                         attn_impl=args.attn, device=device)
     runner = torch.compile(net, dynamic=True) if args.compile else net  # one graph for every batch size
     inputs_of = {strategy: [make_inputs(strategy, spans) for spans in batches] for strategy in strategies}
-    rows, t_start, total = [], timeit.default_timer(), 2 * len(strategies)
+    rows, t_start, total = [], time.perf_counter(), 2 * len(strategies)
     for phase in ("eval", "train"):  # every eval first, so the loss column compares the same weights
         for strategy, inputs in inputs_of.items():
             optimizer = AdamW(net.parameters(), lr=1e-4) if phase == "train" else None
             times, first_loss, oom = [], None, False
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
+
+            def step(x, y, kw, out):
+                if phase == "eval":
+                    with torch.no_grad(), autocast(args.dtype, device):
+                        out["loss"] = cross_entropy(runner(x, **kw), y)
+                else:
+                    net.zero_grad(set_to_none=True)
+                    with autocast(args.dtype, device):
+                        loss = cross_entropy(runner(x, **kw), y)
+                    loss.backward()
+                    optimizer.step()
             try:
-                for i, (x, y, kw, _, _) in enumerate(inputs):
-                    t0 = timeit.default_timer()
-                    if phase == "eval":
-                        with torch.no_grad(), autocast(args.dtype, device):
-                            loss = cross_entropy(runner(x, **kw), y)
-                    else:
-                        net.zero_grad(set_to_none=True)
-                        with autocast(args.dtype, device):
-                            loss = cross_entropy(runner(x, **kw), y)
-                        loss.backward()
-                        optimizer.step()
-                    sync(device)
+                for i, (x, y, kw, _, _) in enumerate(inputs):  # one sample per batch: each batch is timed once
+                    out = {}
+                    ms = time_ms(lambda: step(x, y, kw, out), device)[0]
                     if i >= args.warmup:
-                        times.append(timeit.default_timer() - t0)
+                        times.append(ms / 1e3)
                     if i == 0 and phase == "eval":
-                        first_loss = float(loss)
-                    del loss
+                        first_loss = float(out["loss"])
             except RuntimeError as e:  # torch.OutOfMemoryError included
                 if not is_oom(e):
                     raise
@@ -1372,20 +1494,10 @@ def cmd_varlen(argv):
     return dict(rows=rows, attention_rows=attn_rows)
 
 
-def mean_time(fn, reps, device):
-    """Seconds per call of fn, averaged over reps back-to-back calls between two device synchronizations."""
-    sync(device)
-    t0 = timeit.default_timer()
-    for _ in range(reps):
-        fn()
-    sync(device)
-    return (timeit.default_timer() - t0) / reps
-
-
 def varlen_attention(args, batches, tokens, device):
     """Attention alone on the packed batches: each method's inference forward and forward+backward time summed
-    over the timed batches, useful TFLOP/s (4 H l^2 D / 2 per document forward, x3.5 forward+backward, as in
-    ANCHORS.md), and the largest difference on the first batch from SDPA on dynamic padding computed in fp32."""
+    over the timed batches, useful TFLOP/s (attention_flops: causal work inside documents only), and the largest
+    difference on the first batch from SDPA on dynamic padding computed in fp32."""
     from torch.nn.attention.flex_attention import flex_attention
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     H, D = args.num_heads, args.d_model // args.num_heads
@@ -1398,8 +1510,7 @@ def varlen_attention(args, batches, tokens, device):
         N = int(cu_seqlens[-1])
         q, k, v = (torch.randn(N, H, D, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
         do = torch.randn(N, H, D, generator=g).to(device, dtype)
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
-        useful = float((4 * H * lens * lens * D / 2).sum())
+        useful = attention_flops((cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), H, D)
         methods = attention_methods(cu_seqlens, int(max_seqlen), H, args.context_length, device, flex)
         reference = None
         if i == 0:
@@ -1417,7 +1528,7 @@ def varlen_attention(args, batches, tokens, device):
                     out = fn(qd, kd, vd)  # untimed first call: compiles, plans, autotunes for this shape
                     if reference is not None:
                         st["max_diff"] = float((out.float() - reference).abs().max())
-                    fwd_s = mean_time(lambda: fn(qd, kd, vd), reps, device)
+                    fwd_s = time_ms(lambda: fn(qd, kd, vd), device, reps=reps)[0] / 1e3
             except Exception as e:  # a contender unavailable here (e.g. Triton without a GPU): a row that says why
                 st["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
                 continue
@@ -1425,7 +1536,7 @@ def varlen_attention(args, batches, tokens, device):
             if st["backward"]:
                 try:
                     fn(q, k, v).backward(do)
-                    fwd_bwd_s = mean_time(lambda: fn(q, k, v).backward(do), reps, device)
+                    fwd_bwd_s = time_ms(lambda: fn(q, k, v).backward(do), device, reps=reps)[0] / 1e3
                 except (RuntimeError, NotImplementedError):  # forward-only kernels; FlexAttention on CPU
                     st["backward"] = False
             if i >= args.warmup:
@@ -1442,7 +1553,8 @@ def varlen_attention(args, batches, tokens, device):
                    fwd_ms=1e3 * st["fwd_s"] / args.steps if ok else None,
                    fwd_bwd_ms=1e3 * st["fwd_bwd_s"] / args.steps if ok and st["backward"] else None,
                    fwd_tflops=st["useful"] / st["fwd_s"] / 1e12 if ok else None,
-                   fwd_bwd_tflops=3.5 * st["useful"] / st["fwd_bwd_s"] / 1e12 if ok and st["backward"] else None,
+                   fwd_bwd_tflops=FWD_BWD_FLOPS * st["useful"] / st["fwd_bwd_s"] / 1e12 if ok and st["backward"]
+                   else None,
                    max_diff=st["max_diff"])
         rows.append(row)
     base = next((r for r in rows if r["method"].endswith("(pad)")), None)
@@ -1462,30 +1574,21 @@ def varlen_attention(args, batches, tokens, device):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# attention: our FlashAttention-2 vs PyTorch's attention (SPEC §7.5, issue 4)
+# attention: our FlashAttention-2 vs PyTorch's attention
 # ---------------------------------------------------------------------------------------------------------------
 #     python bench.py attention --json out.json --plot attention.png
 # Ours (flash.flash_attention / flash_attn_varlen) against PyTorch SDPA's flash, cuDNN and memory-efficient backends,
-# FlexAttention (compiled) and naive PyTorch; forward, backward and forward+backward with triton.testing.do_bench.
-# FLOPs: 4·B·H·S²·D/2 for a causal forward (half of QKᵀ and PV), ×2.5 for backward, ×3.5 for forward+backward
-# (ANCHORS.md convention); packed documents count only the useful work, Σ 4·H·L²·D/2.
+# FlexAttention (compiled) and naive PyTorch; forward, backward and forward+backward, each the median of time_ms
+# samples. FLOPs by attention_flops: 4·B·H·S²·D/2 for a causal forward (half of QKᵀ and PV), ×2.5 for backward,
+# ×3.5 for forward+backward; packed documents count only the useful work, Σ 4·H·L²·D/2.
+# Case groups, most important first: "anchors", the dense causal shapes at B·S = 16384 tokens and H·D = 2048
+# (D 64 and 128, S 1024 to 16384) in bf16; "varlen", packed documents of log-normal lengths filling 16384 tokens;
+# "sweep", one head at S 128 to 65536 and D 16 to 128 in bf16 and fp32.
 
 SWEEP_SEQ = [2 ** i for i in range(7, 17)]
 SWEEP_D = [16, 32, 64, 128]
-ANCHOR_SHAPES = [(d, s) for d in (64, 128) for s in (1024, 4096, 16384)]  # B·S = 16384, H·D = 2048
+DENSE_SHAPES = [(d, s) for d in (64, 128) for s in (1024, 4096, 16384)]  # (D, S); B = 16384 / S, H = 2048 / D
 PEERS_MAX_SEQ = {"naive": 16384, "flex": 65536, "sdpa-efficient": 65536}  # expensive peers capped at long S
-
-
-def _bench(fn, rep):
-    if torch.cuda.is_available():
-        import triton
-        return triton.testing.do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median")
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
 
 
 def _sdpa(backend):
@@ -1530,17 +1633,24 @@ def dense_methods():
 
 
 def time_fwd_bwd(make, q, k, v, do, rep, with_bwd=True):
-    """(fwd ms, bwd ms, fwd+bwd ms) for make(q, k, v); 'OOM' or 'n/a' (unsupported) instead of numbers."""
+    """(fwd ms, bwd ms, fwd+bwd ms) for make(q, k, v); 'OOM' or 'n/a' (unsupported) instead of numbers. Each is
+    the median of time_ms samples: on CUDA as many as fit in `rep` ms, every call with a cold L2 cache, after 5
+    warm-up calls; on the CPU (the Triton interpreter: slow) 3 samples."""
+    cuda = q.device.type == "cuda"
+
+    def median_ms(fn):
+        return statistics.median(time_ms(fn, q.device, warmup=5 if cuda else 0, steps=3,
+                                         budget_ms=rep if cuda else None, flush_l2=cuda))
     try:
         fn = make(q, k, v)
         o = fn(q, k, v)
-        t_f = _bench(lambda: fn(q, k, v), rep)
+        t_f = median_ms(lambda: fn(q, k, v))
         if not with_bwd:
             return t_f, None, None
         grad = lambda o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
         grad(o)
-        t_b = _bench(lambda: grad(o), rep)
-        t_fb = _bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), rep)
+        t_b = median_ms(lambda: grad(o))
+        t_fb = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do))
         return t_f, t_b, t_fb
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
@@ -1561,7 +1671,7 @@ def dense_case(b, h, s, d, dtype, methods, rep, tag):
     gen = torch.Generator(device=device).manual_seed(s * 131 + d)
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
     do = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
-    flops = 4 * b * h * s * s * d / 2
+    flops = b * attention_flops([s], h, d)
     rows = []
     for name, make in methods.items():
         if s > PEERS_MAX_SEQ.get(name, 1 << 30):
@@ -1572,20 +1682,10 @@ def dense_case(b, h, s, d, dtype, methods, rep, tag):
             t = time_fwd_bwd(make, q, k, v, do, rep)
         rows.append(dict(tag=tag, case=f"B={b} H={h} S={s} D={d} {str(dtype)[6:]}", method=name,
                          fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2], fwd_tflops=_tflops(flops, t[0]),
-                         bwd_tflops=_tflops(2.5 * flops, t[1]), fwd_bwd_tflops=_tflops(3.5 * flops, t[2])))
+                         bwd_tflops=_tflops(BWD_FLOPS * flops, t[1]),
+                         fwd_bwd_tflops=_tflops(FWD_BWD_FLOPS * flops, t[2])))
     del q, k, v, do
     return rows
-
-
-def anchor_doc_lengths(total=16384, max_len=4096, gen=None):
-    """ANCHORS.md packed-documents case: log-normal lengths in [16, 4096] filling 16384 tokens."""
-    lens = []
-    while sum(lens) < total:
-        lens.append(int(min(max_len, max(16, torch.empty(1).log_normal_(6.0, 1.0, generator=gen).item()))))
-    lens[-1] -= sum(lens) - total
-    if lens[-1] <= 0:
-        lens.pop()
-    return lens
 
 
 VARLEN_AS_DENSE = {"ours varlen": "ours", "flex doc-mask": "flex",
@@ -1600,7 +1700,7 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
     gen = torch.Generator(device=device).manual_seed(total + d)
     q, k, v = (torch.randn(total, h, d, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
     do = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
-    useful = sum(4 * h * n * n * d / 2 for n in lens)
+    useful = attention_flops(lens, h, d)
     case = f"docs={len(lens)} max={max_len} tokens={total} H={h} D={d}"
     ours = lambda q, k, v: (lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_len))
     makes = {"ours varlen": ours}
@@ -1625,13 +1725,9 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
         else:
             t = time_fwd_bwd(make, q, k, v, do, rep)
         rows.append(dict(tag="varlen", case=case, method=name, fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2],
-                         fwd_tflops=_tflops(useful, t[0]), bwd_tflops=_tflops(2.5 * useful, t[1]),
-                         fwd_bwd_tflops=_tflops(3.5 * useful, t[2])))
+                         fwd_tflops=_tflops(useful, t[0]), bwd_tflops=_tflops(BWD_FLOPS * useful, t[1]),
+                         fwd_bwd_tflops=_tflops(FWD_BWD_FLOPS * useful, t[2])))
     return rows
-
-
-def _fmt(x, digits=0):
-    return f"{x:.{digits}f}" if isinstance(x, float) else (x if x is not None else "-")
 
 
 def attention_table(rows):
@@ -1640,63 +1736,60 @@ def attention_table(rows):
     for r in rows:  # the first "ours" row of each case
         if r["method"].startswith("ours"):
             ours.setdefault(r["case"], r)
-    out = ["| case | method | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | ours vs it (fwd / fwd+bwd) |",
-           "|---|---|---|---|---|---|---|---|"]
+    body = []
     for r in rows:
         o = ours.get(r["case"])
-        ratio = "-"
+        ratio = "—"
         if o is not None and r is not o:
-            f = [o[key] / r[key] if isinstance(o[key], float) and isinstance(r[key], float) else None
+            f = [o[key] / r[key] if isinstance(o[key], float) and isinstance(r[key], float) and r[key] else None
                  for key in ("fwd_tflops", "fwd_bwd_tflops")]
-            ratio = " / ".join(f"{x:.2f}x" if x else "-" for x in f)
-        out.append(f"| {r['case']} | {r['method']} | {_fmt(r['fwd_ms'], 3)} | {_fmt(r['bwd_ms'], 3)} | "
-                   f"{_fmt(r['fwd_bwd_ms'], 3)} | {_fmt(r['fwd_tflops'])} | {_fmt(r['fwd_bwd_tflops'])} | {ratio} |")
-    return "\n".join(out)
+            ratio = " / ".join(f"{x:.2f}x" if x is not None else "—" for x in f)
+        body.append([r["case"], r["method"], r["fwd_ms"], r["bwd_ms"], r["fwd_bwd_ms"], r["fwd_tflops"],
+                     r["fwd_bwd_tflops"], ratio])
+    return markdown_table(["case", "method", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
+                           "ours vs it (fwd / fwd+bwd)"], body, digits=[2, 2, 3, 3, 3, 0, 0, 2])
 
 
 def plot_attention(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
+    """Causal fwd+bwd TFLOP/s against sequence length, one panel per head dim and dtype of the sweep."""
     sweep = [r for r in rows if r["tag"] == "sweep"]
-    dims = sorted({int(r["case"].split("D=")[1].split()[0]) for r in sweep})
-    dtypes = sorted({r["case"].split()[-1] for r in sweep})
     if not sweep:
         return
-    fig, axes = plt.subplots(len(dtypes), len(dims), figsize=(4 * len(dims), 3.2 * len(dtypes)), squeeze=False)
-    for i, dt in enumerate(dtypes):
-        for j, d in enumerate(dims):
-            ax = axes[i][j]
-            for method in sorted({r["method"] for r in sweep}):
-                pts = [(int(r["case"].split("S=")[1].split()[0]), r["fwd_bwd_tflops"]) for r in sweep
-                       if r["method"] == method and f"D={d} " in r["case"] and r["case"].endswith(dt)
-                       and isinstance(r["fwd_bwd_tflops"], float)]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=method)
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"causal fwd+bwd, D={d}, {dt}")
-            ax.set_xlabel("sequence length")
-            ax.set_ylabel("TFLOP/s")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
+    dims = sorted({int(r["case"].split("D=")[1].split()[0]) for r in sweep})
+    dtypes = sorted({r["case"].split()[-1] for r in sweep})
+
+    def draw(plt):
+        fig, axes = plt.subplots(len(dtypes), len(dims), figsize=(4 * len(dims), 3.2 * len(dtypes)), squeeze=False)
+        for i, dt in enumerate(dtypes):
+            for j, d in enumerate(dims):
+                ax = axes[i][j]
+                for method in sorted({r["method"] for r in sweep}):
+                    pts = [(int(r["case"].split("S=")[1].split()[0]), r["fwd_bwd_tflops"]) for r in sweep
+                           if r["method"] == method and f"D={d} " in r["case"] and r["case"].endswith(dt)
+                           and isinstance(r["fwd_bwd_tflops"], float)]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=method)
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"causal fwd+bwd, D={d}, {dt}")
+                ax.set_xlabel("sequence length")
+                ax.set_ylabel("TFLOP/s")
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        return fig
+    save_plot(path, draw)
 
 
 def cmd_attention(argv):
-    p = argparse.ArgumentParser(prog="bench.py attention", description="FlashAttention-2 vs PyTorch attention (SPEC §7.5)")
+    p = argparse.ArgumentParser(prog="bench.py attention", description="FlashAttention-2 vs PyTorch attention")
     p.add_argument("--quick", action="store_true", help="a few shapes (CPU: tiny interpreter smoke test)")
     p.add_argument("--json", help="write all rows to this JSON file")
     p.add_argument("--plot", help="write a PNG of the sweep (needs matplotlib)")
-    p.add_argument("--rep", type=int, default=50, help="do_bench repetition time per measurement, ms")
+    p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement (median taken)")
     p.add_argument("--time_budget", type=float, default=0, help="seconds; cases that would start later are "
                    "marked skipped (0 = no limit)")
     p.add_argument("--parts", default="anchors,varlen,sweep", help="on CUDA without --quick, which case groups run "
-                   "(in this order): the ANCHORS shapes, the packed documents, the SPEC §7.5 sweep")
+                   "(in this order): anchors = the dense shapes B·S = 16384, H·D = 2048; varlen = packed "
+                   "documents; sweep = one head, S 128..65536, D 16..128")
     p.add_argument("--methods", help="comma list of methods to time (default all: ours, naive, sdpa-cudnn, "
                    "sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     args = p.parse_args(argv)
@@ -1706,7 +1799,7 @@ def cmd_attention(argv):
     methods = dense_methods()
     wanted = csv_list(args.methods, tuple(methods)) if args.methods else list(methods)
     methods = {n: m for n, m in methods.items() if n in wanted}
-    # Most important first (ANCHORS shapes, then packed documents, then the §7.5 sweep), so a time budget cuts the
+    # Most important first (the dense shapes, then packed documents, then the sweep), so a time budget cuts the
     # least important rows. FlexAttention compiles once per shape: in the sweep it runs at a few lengths only.
     jobs = []  # (tag, b, h, s, d, dtype) or ("varlen", d)
     if not cuda:
@@ -1716,7 +1809,7 @@ def cmd_attention(argv):
         jobs += [("varlen", 64), ("varlen", 128)]
     else:
         if "anchors" in parts:
-            jobs += [("anchors", 16384 // s, 2048 // d, s, d, torch.bfloat16) for d, s in ANCHOR_SHAPES]
+            jobs += [("anchors", 16384 // s, 2048 // d, s, d, torch.bfloat16) for d, s in DENSE_SHAPES]
         if "varlen" in parts:
             jobs += [("varlen", 64), ("varlen", 128)]
         if "sweep" in parts:
@@ -1730,7 +1823,9 @@ def cmd_attention(argv):
             break
         if job[0] == "varlen":
             d = job[1]
-            lens = anchor_doc_lengths(gen=gen) if cuda else [1, 5, 17, 9]
+            # on CUDA: log-normal lengths of median e^6 ~ 403, sigma 1, in [16, 4096], filling 16384 tokens
+            lens = document_lengths(None, math.exp(6.0), 1.0, 4096, gen, total_tokens=16384).tolist() if cuda \
+                else [1, 5, 17, 9]
             rows += varlen_case(lens, 2048 // d if cuda else 2, d, torch.bfloat16 if cuda else torch.float32,
                                 args.rep, methods=methods)
         else:
@@ -1753,7 +1848,7 @@ def cmd_attention(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# allreduce, ddp: collectives and data-parallel variants (SPEC §7.8, §7.9, issue 5)
+# allreduce, ddp: collectives and data-parallel variants
 # ---------------------------------------------------------------------------------------------------------------
 def _env_line(device):
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
@@ -1761,18 +1856,8 @@ def _env_line(device):
             f"torch {torch.__version__}")
 
 
-def _timer(device):
-    """Wall-clock timer that first waits for the device (SPEC §7.1)."""
-
-    def now():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return now
-
-
 def cmd_allreduce(argv):
-    """All-reduce of fp32 tensors (SPEC §6.2, §7.8): per size, median and mean ms over timed iterations (each
+    """All-reduce of fp32 tensors: per size, median and mean ms over timed iterations (each
     iteration's time is the slowest rank's, gathered with all_gather_object), algbw = bytes / median time and
     busbw = algbw * 2 (N - 1) / N, in GiB/s. NCCL on GPUs, gloo on CPU."""
 
@@ -1785,33 +1870,27 @@ def cmd_allreduce(argv):
     rank, _, world_size, device = ddp.init_distributed()
     if not dist.is_initialized():
         raise SystemExit("bench.py allreduce needs several processes: run it under torchrun --nproc_per_node=N")
-    now = _timer(device)
     rows, records = [], []
     for mb in args.sizes_mb:
         nbytes = int(mb * 2**20)
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        for _ in range(args.warmup):
-            dist.all_reduce(x)
+
+        def refill_and_wait():  # values stay finite (a sum of ones grows N-fold per call); ranks start together
             x.fill_(1.0)
-        times = []
-        for _ in range(args.iters):
             dist.barrier()
-            t0 = now()
-            dist.all_reduce(x)
-            times.append(now() - t0)
-            x.fill_(1.0)  # keep values finite (a sum of ones grows by N per call)
+        times = time_ms(lambda: dist.all_reduce(x), device, warmup=args.warmup, steps=args.iters,
+                        setup=refill_and_wait)
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, times)
-        slowest = [max(ts[i] for ts in per_rank) for i in range(args.iters)]
+        slowest = [max(ts[i] for ts in per_rank) for i in range(args.iters)]  # a call ends when every rank has it
         median, mean = statistics.median(slowest), statistics.mean(slowest)
-        algbw = x.numel() * 4 / median / 2**30
+        algbw = x.numel() * 4 / (median / 1e3) / 2**30
         busbw = algbw * 2 * (world_size - 1) / world_size
-        records.append(dict(size_mib=mb, world_size=world_size, median_ms=median * 1e3, mean_ms=mean * 1e3,
+        records.append(dict(size_mib=mb, world_size=world_size, median_ms=median, mean_ms=mean,
                             algbw_gib_s=algbw, busbw_gib_s=busbw, backend=dist.get_backend()))
-        rows.append([f"{mb:g}", world_size, f"{median * 1e3:.3f}", f"{mean * 1e3:.3f}", f"{algbw:.1f}",
-                     f"{busbw:.1f}"])
+        rows.append([f"{mb:g}", world_size, f"{median:.3f}", f"{mean:.3f}", f"{algbw:.1f}", f"{busbw:.1f}"])
         if rank == 0:
-            print(f"all-reduce {mb:g} MiB: median {median * 1e3:.3f} ms, busbw {busbw:.1f} GiB/s", flush=True)
+            print(f"all-reduce {mb:g} MiB: median {median:.3f} ms, busbw {busbw:.1f} GiB/s", flush=True)
         del x
     if rank == 0:
         print(f"\nAll-reduce, fp32, {dist.get_backend()}: {_env_line(device)}\n")
@@ -1914,7 +1993,6 @@ def cmd_ddp(argv):
     else:
         import functools
         opt_cls = functools.partial(torch.optim.AdamW, fused=True) if cuda else torch.optim.AdamW
-    now = _timer(device)
     gib = 2**30
     g = torch.Generator(device=device).manual_seed(1234 + rank)  # each rank its own slice of the global batch
     x = torch.randint(0, args.vocab_size, (args.batch_size, args.context_length), device=device, generator=g)
@@ -1939,35 +2017,34 @@ def cmd_ddp(argv):
                                       device=device)
             wrapped, optimizer, finish = _build_variant(variant, net, device, opt_cls, args.lr)
             record["peak_after_init_gib"] = mem()
-            steps, comm, before, after = [], [], [], []
-            for it in range(args.warmup + args.steps):
-                dist.barrier()
-                t0 = now()
+            comm, before, after, last = [], [], [], {}  # filled by every step, the warm-up ones included
+
+            def step():
                 with autocast():
                     logits = wrapped(x)
                 loss = cross_entropy(logits, y)
                 del logits
                 loss.backward()
                 if finish is not None and variant in ("naive", "flat"):
-                    t1 = now()
-                    finish()
-                    comm.append(now() - t1)
+                    comm.append(time_ms(finish, device)[0])
                 elif finish is not None:
                     finish()
                 before.append(mem())
                 optimizer.step()
                 after.append(mem())
                 optimizer.zero_grad(set_to_none=True)
-                steps.append(now() - t0)
+                last["loss"] = loss.detach()
+            steps = time_ms(step, device, warmup=args.warmup, steps=args.steps, setup=dist.barrier)
             per_rank = [None] * world_size
-            dist.all_gather_object(per_rank, (steps[args.warmup:], comm[args.warmup:]))
-            slowest = [max(r[0][i] for r in per_rank) for i in range(args.steps)]
-            record["ms_per_step"] = statistics.median(slowest) * 1e3
+            dist.all_gather_object(per_rank, (steps, comm[args.warmup:]))
+            slowest = [max(r[0][i] for r in per_rank) for i in range(args.steps)]  # a step ends on its last rank
+            record["ms_per_step"] = statistics.median(slowest)
             if comm:
-                record["comm_ms"] = statistics.median(max(r[1][i] for r in per_rank) for i in range(args.steps)) * 1e3
+                record["comm_ms"] = statistics.median(max(r[1][i] for r in per_rank) for i in range(args.steps))
             record["peak_before_step_gib"] = max(before)
             record["peak_after_step_gib"] = max(after)
             record["optimizer_state_gib"] = _optimizer_state_bytes(optimizer) / gib
+            loss = last["loss"]  # the last step's
             record["loss"] = loss.item()
             del wrapped, optimizer, finish, net, loss
         except Exception as e:  # a baseline missing from this torch build must not sink the other rows
@@ -2128,14 +2205,14 @@ def hf_train_row(key, args, cfg, init_state, batches, device):
             if compiled and layout == "packed":  # documents change the row's length every step
                 for name in ("input_ids", "labels", "position_ids"):
                     torch._dynamo.mark_dynamic(batch[name], 1)
-            t0 = timeit.default_timer()
+            t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             with amp:
                 loss = runner(**batch).loss
             loss.backward()
             optimizer.step()
             sync(device)
-            dt = timeit.default_timer() - t0
+            dt = time.perf_counter() - t0
             if i == 0:
                 row["loss_first_batch"] = float(loss.detach())
             if i < args.warmup:
@@ -2225,7 +2302,7 @@ def cmd_hf(argv):
           f"length marked dynamic); flex_attention's row is filled to one length with label-less filler documents "
           f"(it compiles its kernel per length).\n", flush=True)
 
-    rows, t_start = [], timeit.default_timer()
+    rows, t_start = [], time.perf_counter()
     for key in keys:
         rows.append(hf_train_row(key, args, cfg, init_state, batches, device))
         r = rows[-1]
@@ -2260,28 +2337,153 @@ def cmd_hf(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# bpe: our tokenizer's training vs HF tokenizers, its encoding vs tiktoken
+# ---------------------------------------------------------------------------------------------------------------
+
+def cmd_bpe(argv):
+    """Our byte-level BPE side by side with the libraries: training (bpe.train_bpe vs HF tokenizers' BpeTrainer,
+    each run in a fresh process, see bpe_train_child: wall seconds and peak RSS of the main process and of its
+    largest worker) and encoding of the whole corpus with our vocabulary (Tokenizer.encode, encode_batch and
+    encode_file vs tiktoken built from the same ranks: MB/s, median of --repeats, the ids checked equal)."""
+    import tiktoken
+    from bpe import GPT2_PAT, Tokenizer, peak_rss_mb
+    p = argparse.ArgumentParser(prog="bench.py bpe", description=cmd_bpe.__doc__)
+    p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special "
+                   "(data/bench_corpus.py builds a 50 MB one)")
+    p.add_argument("--vocab_size", type=int, default=10000)
+    p.add_argument("--special", default="<|endoftext|>")
+    p.add_argument("--num_workers", type=int, default=os.cpu_count())
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        raise SystemExit(f"--input {path}: " + ("the file is empty" if os.path.isfile(path) else "no such file"))
+    if repeats < 1 or workers < 1 or not special:
+        raise SystemExit("--repeats and --num_workers must be >= 1 and --special non-empty")
+    cpu = torch.device("cpu")
+    info = run_info("bpe", argv, cpu)
+    print_header("bench.py bpe", info)
+    size = os.path.getsize(path)
+    have_hf = importlib.util.find_spec("tokenizers") is not None
+    print(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, {workers} workers of {os.cpu_count()} CPUs, "
+          f"python {platform.python_version()}, tiktoken {tiktoken.__version__}"
+          + ("" if have_hf else "; HF tokenizers is not installed: its rows are left empty") + "\n", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench_bpe_") as tok_dir:
+        train = {"ours": [], "hf": []}
+        for which in ("ours", "hf") * repeats:
+            if which == "hf" and not have_hf:
+                continue
+            cmd = [sys.executable, os.path.abspath(__file__), "_bpe_train", which, path, str(args.vocab_size),
+                   special, str(workers), tok_dir]
+            r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if r.returncode != 0:
+                raise SystemExit(f"bench.py bpe: the {which} training run failed:\n{r.stderr.strip()[-2000:]}")
+            train[which].append(json.loads(r.stdout.strip().splitlines()[-1]))
+            print(f"train {which}: {train[which][-1]}", file=sys.stderr, flush=True)
+        tok = Tokenizer.from_files(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"),
+                                   [special])
+    median_s = {w: statistics.median(x["seconds"] for x in runs) if runs else None for w, runs in train.items()}
+    body = []
+    for which, label in (("ours", "bpe.train_bpe"), ("hf", "HF tokenizers BpeTrainer (ByteLevel)")):
+        runs = train[which]
+        body.append([label, median_s[which], ", ".join(fmt(x["seconds"], 1) for x in runs) or None,
+                     max((x["rss_mb"] for x in runs), default=None),
+                     max((x["worker_rss_mb"] for x in runs), default=None)])
+    print(markdown_table([f"train, vocab {args.vocab_size}, {workers} workers", f"wall s (median of {repeats})",
+                          "all runs", "peak RSS main MB", "peak RSS largest worker MB"], body, digits=[2, 1, 2, 0, 0]))
+    ratio = median_s["ours"] / median_s["hf"] if median_s["hf"] else None
+    print(f"ratio ours / HF: {fmt(ratio)}x (goal <= 2x)\n" if ratio else "ratio ours / HF: —\n", flush=True)
+
+    peer = tiktoken.Encoding("peer", pat_str=GPT2_PAT, mergeable_ranks=tok._tiktoken_ranks(),
+                             special_tokens=dict(tok.special_ids))
+    with open(path, encoding="utf-8", newline="") as f:
+        text = f.read()
+    pieces, piece = [], []  # ~1 MB pieces of whole documents for the batch APIs
+    for d in text.split(special):
+        piece.append(d)
+        if sum(map(len, piece)) > 1 << 20:
+            pieces.append(special.join(piece) + special)
+            piece = []
+    pieces.append(special.join(piece))
+
+    def timed(fn):
+        """(median seconds over --repeats calls, the last call's result)."""
+        out = {}
+        ms = time_ms(lambda: out.__setitem__("result", fn()), cpu, steps=repeats)
+        return statistics.median(ms) / 1e3, out["result"]
+
+    def same(ours, theirs, what):
+        if ours != theirs:
+            raise SystemExit(f"bench.py bpe: {what} gives other ids than tiktoken on {path}")
+
+    cases = []
+    t_ours, ids_ours = timed(lambda: tok.encode(text))
+    t_peer, ids_peer = timed(lambda: peer.encode(text, allowed_special="all"))
+    same(ids_ours, ids_peer, "Tokenizer.encode")
+    cases.append(("1 thread: Tokenizer.encode(text) vs tiktoken encode(text, allowed_special='all')", t_ours, t_peer))
+    t_ours, b_ours = timed(lambda: tok.encode_batch(pieces, workers))
+    t_peer, b_peer = timed(lambda: peer.encode_batch(pieces, num_threads=workers, allowed_special="all"))
+    same(b_ours, b_peer, "Tokenizer.encode_batch")
+    cases.append((f"{workers} threads: Tokenizer.encode_batch(1 MB pieces) vs tiktoken encode_batch", t_ours, t_peer))
+    t_file, arrays = timed(lambda: list(tok.encode_file(path, workers, verbose=False)))
+    same(np.concatenate(arrays).tolist(), ids_peer, "Tokenizer.encode_file")
+    cases.append((f"{workers} threads: Tokenizer.encode_file(path) (reads the file) vs tiktoken encode_batch",
+                  t_file, t_peer))
+    n_tokens = len(ids_peer)
+    encode = [dict(case=label, ours_s=t_o, tiktoken_s=t_p, ours_mb_s=size / t_o / 1e6, tiktoken_mb_s=size / t_p / 1e6,
+                   ours_vs_tiktoken=t_p / t_o) for label, t_o, t_p in cases]
+    print(markdown_table([f"encode {size / 1e6:.1f} MB, {n_tokens:,} tokens ({size / n_tokens:.2f} bytes/token)",
+                          "ours MB/s", "tiktoken MB/s", "ours / tiktoken"],
+                         [[e["case"], e["ours_mb_s"], e["tiktoken_mb_s"], e["ours_vs_tiktoken"]] for e in encode],
+                         digits=[2, 1, 1, 2]))
+    rss = peak_rss_mb()[0]
+    print(f"peak RSS of this process (encode side, bench.py's torch import included): {rss:.0f} MB", flush=True)
+    result = dict(info, bytes=size, tokens=n_tokens, vocab_size=args.vocab_size, workers=workers, repeats=repeats,
+                  train=train, train_median_s=median_s, ours_vs_hf=ratio, encode=encode, encode_peak_rss_mb=rss)
+    write_json(args.json, result)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # dispatch
 # ---------------------------------------------------------------------------------------------------------------
 
+COMMANDS = {  # name: (function, what it answers, in one line)
+    "model": (cmd_model, "one model's training step: time per phase, memory, sweeps, NVTX, profiler, snapshot"),
+    "precision": (cmd_precision, "fp32 vs bf16 autocast side by side, and where low-precision sums go wrong"),
+    "compile": (cmd_compile, "eager vs torch.compile: the whole model, and attention alone"),
+    "gpt2": (cmd_gpt2, "GPT-2-small training throughput: our TransformerLM vs a torch.nn GPT-2 peer"),
+    "varlen": (cmd_varlen, "pad vs dynamic_pad vs pack on the same documents: model step and attention"),
+    "attention": (cmd_attention, "our FlashAttention-2 vs PyTorch SDPA backends, FlexAttention and naive"),
+    "allreduce": (cmd_allreduce, "all-reduce time and bandwidth per tensor size (under torchrun)"),
+    "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, one run (under torchrun)"),
+    "bpe": (cmd_bpe, "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken"),
+    "hf": (cmd_hf, "a Hugging Face GPT-2 on variable-length documents: padding vs padding-free, SDPA vs ours"),
+}
+
+
+def usage():
+    width = max(map(len, COMMANDS))
+    return "\n".join(["usage: python bench.py SUBCOMMAND [options]   (python bench.py SUBCOMMAND -h: its options)",
+                      "", "subcommands:"] + [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()])
+
+
 def main(argv=None):
+    """Runs one subcommand; returns the exit status (-h: the list of subcommands, 0; none or an unknown one: 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {
-        "model": cmd_model,
-        "precision": cmd_precision,
-        "compile": cmd_compile,
-        "gpt2": cmd_gpt2,
-        "varlen": cmd_varlen,
-        "attention": cmd_attention,
-        "allreduce": cmd_allreduce,
-        "ddp": cmd_ddp,
-        "hf": cmd_hf,
-    }
-    if not argv or argv[0] not in commands:
-        names = ", ".join(commands)
-        raise SystemExit(f"usage: python bench.py SUBCOMMAND [options]   (SUBCOMMAND: {names}; "
-                         f"python bench.py SUBCOMMAND -h for its options)"
-                         + (f"\nunknown subcommand {argv[0]!r}" if argv else ""))
-    commands[argv[0]](argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
+    if not argv:
+        print(usage(), file=sys.stderr)
+        return 2
+    if argv[0] not in COMMANDS:
+        print(f"bench.py: unknown subcommand {argv[0]!r}; choose one of {', '.join(COMMANDS)} (python bench.py -h)",
+              file=sys.stderr)
+        return 2
+    COMMANDS[argv[0]][0](argv[1:])
     return 0
 
 

@@ -1,17 +1,19 @@
-"""Byte-level BPE (SPEC §1): a parallel trainer, its slow reference twin, and a GPT-2 compatible Tokenizer.
+"""Byte-level BPE: a parallel trainer, its slow reference twin, and a GPT-2 compatible Tokenizer.
 
     python bpe.py train --input corpus.txt --vocab_size 10000 --special '<|endoftext|>' --out out/tok
     python bpe.py encode --vocab out/tok/vocab.json --merges out/tok/merges.txt --special '<|endoftext|>' \\
         --input corpus.txt --out corpus.bin
-    python bpe.py bench --input _dev/bench_corpus.txt --vocab_size 10000   # ours vs HF tokenizers and tiktoken
 
-Training: the file is cut into chunks at special-token boundaries (§1.6), every worker pre-tokenizes its chunks with
-the GPT-2 regex (§1.2) into a Counter of pre-tokens, then one process runs the merge loop with incremental pair
-counts and a max-heap (§1.5). `train_bpe_reference` is the obviously-correct twin that recounts every pair per merge.
+Training: ids 0-255 are the bytes, then the special tokens; each merge joins the most frequent adjacent pair of
+tokens (ties: the lexicographically greatest pair of byte strings) inside pre-tokens, never across a special token.
+The file is cut into chunks at special-token boundaries, every worker pre-tokenizes its chunks with the GPT-2 regex
+into a Counter of pre-tokens, then one process runs the merge loop with incremental pair counts and a max-heap.
+`train_bpe_reference` is the obviously-correct twin that recounts every pair per merge.
 Encoding: `Tokenizer.encode` goes through tiktoken's Rust BPE core built from our ranks (token ids); the pure-Python
 merges-in-order encoder stays as the reference and the fallback for vocabularies tiktoken cannot express.
 """
 import argparse
+import contextlib
 import heapq
 import json
 import multiprocessing
@@ -26,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import regex
 
-# SPEC §1.2: contractions | letters | numbers | other symbols | trailing whitespace | whitespace
+# GPT-2's pre-tokenizer: contractions | letters | numbers | other symbols | trailing whitespace | whitespace
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 PAT = regex.compile(GPT2_PAT)
 CHUNK_BYTES = 4 << 20  # pre-tokenization / encoding work unit: bounds memory at about this times the workers
@@ -57,7 +59,8 @@ class Progress:
 
 
 def bytes_to_unicode():
-    """SPEC §1.9: byte -> printable character; the 68 unprintable bytes map to chr(256), chr(257), ... in order."""
+    """GPT-2's file encoding of bytes: byte -> printable character (printable Latin-1 bytes map to themselves; the
+    68 others to chr(256), chr(257), ... in byte order), so vocab.json and merges.txt hold every token as text."""
     keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     table, extra = {}, 0
     for b in range(256):
@@ -80,7 +83,8 @@ def check_special_tokens(special_tokens):
 
 
 def special_splitter(special_tokens):
-    """Capturing alternation, longest first (SPEC §1.3, §1.8), so re.split puts the specials at the odd indices.
+    """Capturing alternation, longest first (where one special contains another, the longer wins), so re.split
+    puts the specials at the odd indices.
     None without specials: an empty alternation would match everywhere."""
     if not special_tokens:
         return None
@@ -97,7 +101,7 @@ def chunk_split_token(special_tokens):
 
     A boundary at the first byte of special token s is safe when no other special can overlap s (else the longest-
     first split could place s differently). Without a usable special token, b"\\n" between two printable ASCII
-    characters is safe: that newline is a pre-token of its own whether or not the text continues (SPEC §1.2 regex).
+    characters is safe: that newline is a pre-token of its own whether or not the text continues (GPT2_PAT).
     None: no safe boundary exists (a special contains a newline), the file is one chunk."""
     for s in special_tokens:
         if all(t == s or not _overlap(s, t) for t in special_tokens):
@@ -111,7 +115,7 @@ _NEWLINE_BOUNDARY = re.compile(rb"[!-~]\n[!-~]")
 
 
 def find_chunk_boundaries(f, desired_chunks, split_token):
-    """SPEC §1.6: byte offsets [0, ..., size] of chunks whose boundaries fall on `split_token` (see
+    """Byte offsets [0, ..., size] of about desired_chunks chunks whose boundaries fall on `split_token` (see
     chunk_split_token; b"\\n" means the safe newline rule). Fewer chunks than asked when tokens are rare."""
     f.seek(0, os.SEEK_END)
     size = f.tell()
@@ -180,7 +184,7 @@ def _check_training_args(input_path, vocab_size, special_tokens):
 
 
 def _initial_vocab(special_tokens):
-    """SPEC §1.1: ids 0..255 are the bytes, then the special tokens in order (skipped if already present)."""
+    """Ids 0..255 are the bytes, then the special tokens in order (skipped if already present)."""
     vocab = {i: bytes([i]) for i in range(256)}
     for s in special_tokens:
         b = s.encode("utf-8")
@@ -190,7 +194,8 @@ def _initial_vocab(special_tokens):
 
 
 def _pretokenize_chunk(args):
-    """Worker: Counter of pre-token strings of one chunk; special tokens split the text and are dropped (§1.3)."""
+    """Worker: Counter of pre-token strings of one chunk; special tokens split the text and are dropped, so no
+    pre-token (and no merge) spans one."""
     path, start, end, special_tokens = args
     text = _read_chunk(path, start, end)
     splitter = special_splitter(special_tokens)
@@ -202,7 +207,7 @@ def _pretokenize_chunk(args):
 
 
 def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
-    """{pre-token bytes: count} of the whole file, over all cores (SPEC §1.6)."""
+    """{pre-token bytes: count} of the whole file, over all cores (chunks cut at safe boundaries)."""
     num_workers = num_workers or os.cpu_count() or 1
     chunks = _file_chunks(input_path, special_tokens, num_workers)
     total, done = Counter(), 0
@@ -229,21 +234,22 @@ def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
 
 def _desc_key(token):
     """Sort key that orders byte strings in REVERSE of Python's bytes order (a proper prefix sorts lower there, so
-    higher here), so a min-heap on (-count, key) pops the lexicographically greatest pair among equal counts (§1.4).
+    higher here), so a min-heap on (-count, key) pops the lexicographically greatest pair among equal counts.
     Each byte b becomes the 16-bit unit 256 - b; the terminator 0xFFFF exceeds every unit, making keys prefix-free,
     so key(a) + key(b) orders pairs (a, b) exactly like the tuple, reversed."""
     return b"".join((256 - x).to_bytes(2, "big") for x in token) + b"\xff\xff"
 
 
 def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=True):
-    """Byte-level BPE training, SPEC §1.1-1.6. Returns (vocab {id: bytes}, merges [(bytes, bytes)] in order)."""
+    """Byte-level BPE training (see the module docstring). Returns (vocab {id: bytes}, merges [(bytes, bytes)] in
+    order); fewer than vocab_size tokens when the corpus runs out of pairs (said when verbose)."""
     special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
     t0 = time.time()
     word_counts = pretokenize(input_path, special_tokens, num_workers, verbose)
     vocab = _initial_vocab(special_tokens)
     merges = []
 
-    # §1.5 state: every distinct pre-token as a list of ids, its count, pair counts and pair -> words index.
+    # State: every distinct pre-token as a list of ids, its count, pair counts and pair -> words index.
     # The index is lazy: a word stays listed under a pair it lost; merging re-checks the word.
     words = [list(w) for w in word_counts]
     counts = list(word_counts.values())
@@ -308,11 +314,13 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
             heapq.heappush(heap, (-pair_counts[pair], keys[pair[0]] + keys[pair[1]], pair[0], pair[1]))
         progress.update(len(merges))
     progress.update(len(merges), final=True)
+    if verbose and len(vocab) < vocab_size:
+        print(f"asked {vocab_size}, got {len(vocab)}: the corpus has no more pairs to merge", flush=True)
     return vocab, merges
 
 
 def train_bpe_reference(input_path, vocab_size, special_tokens):
-    """The slow twin of train_bpe (SPEC §1.4): one process, and every pair recounted from scratch per merge."""
+    """The slow twin of train_bpe: one process, and every pair recounted from scratch per merge."""
     special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
     with open(input_path, encoding="utf-8", newline="") as f:
         text = f.read()
@@ -353,7 +361,8 @@ def train_bpe_reference(input_path, vocab_size, special_tokens):
 # ---------------------------------------------------------------------------------------------------------------
 
 class Tokenizer:
-    """Encode/decode with a trained vocabulary (SPEC §1.8). Special tokens are matched longest first."""
+    """Encode/decode with a trained vocabulary: specials are matched first (longest first) and become their ids; the
+    text between them is pre-tokenized and each pre-token merged in merge order. Decoding joins the bytes."""
 
     def __init__(self, vocab, merges, special_tokens=None):
         self.special_tokens = check_special_tokens(special_tokens)
@@ -363,7 +372,7 @@ class Tokenizer:
                 raise TypeError(f"vocab must map int ids >= 0 to bytes, got {i!r}: {b!r}")
             self.vocab[i] = b
         self.merges = [(bytes(a), bytes(b)) for a, b in merges]
-        # a special token reuses an id whose bytes equal it, else gets the next free id (§1.8)
+        # a special token reuses an id whose bytes equal it, else gets the next free id
         ids_of = defaultdict(list)
         for i in sorted(self.vocab):
             ids_of[self.vocab[i]].append(i)
@@ -407,8 +416,8 @@ class Tokenizer:
 
     def _tiktoken_obstacle(self, duplicated):
         """tiktoken merges the adjacent pair whose concatenation has the lowest rank; with rank = token id that is
-        merges-in-order when the ids of merge results grow with merge rank (ANCHORS.md; held to the reference by
-        the tests on random, adversarial and GPT-2 text).
+        merges-in-order when the ids of merge results grow with merge rank (held to the reference by the tests on
+        random, adversarial and GPT-2 text).
         Returns why the vocabulary does not fit, or None."""
         if duplicated:
             return f"{len(duplicated)} tokens share their bytes with another, e.g. {duplicated[0]!r}"
@@ -428,7 +437,8 @@ class Tokenizer:
 
     @classmethod
     def from_files(cls, vocab_path, merges_path, special_tokens=None):
-        """Reads GPT-2 style vocab.json {mapped string: id} and merges.txt (SPEC §1.9)."""
+        """Reads GPT-2 style vocab.json {mapped string: id} and merges.txt (one "a b" pair per line, an optional
+        "#version" first line), strings in the bytes_to_unicode encoding; special tokens as their literal text."""
         special_tokens = check_special_tokens(special_tokens)
         decoder = {c: b for b, c in bytes_to_unicode().items()}
 
@@ -488,7 +498,7 @@ class Tokenizer:
     # --- encoding ---
 
     def _encode_pretoken(self, word):
-        """Reference path, SPEC §1.8 step 3: merge the lowest-ranked adjacent pair (all its occurrences) until no
+        """Reference path: merge the lowest-ranked adjacent pair (all its occurrences) until no
         adjacent pair is a merge. Cached per pre-token."""
         ids = self._cache.get(word)
         if ids is not None:
@@ -568,7 +578,7 @@ class Tokenizer:
         A special token match is final once a longer special could no longer start at it; ordinary text before
         len(buf) - (longest special - 1) can no longer become part of a special. Inside that text every pre-token
         but the last is final, and cutting at the start of one whose previous character is not whitespace leaves the
-        prefix's pre-tokens unchanged (only a whitespace run's end depends on the character after it, §1.2)."""
+        prefix's pre-tokens unchanged (only a whitespace run's end depends on the character after it, GPT2_PAT)."""
         k = self._max_special
         limit, pos, cut = len(buf) - max(k - 1, 0), 0, 0
         if self._splitter is not None:
@@ -600,7 +610,7 @@ class Tokenizer:
         return self.encode_to_numpy(_read_chunk(path, start, end))
 
     def encode_file(self, path, num_workers=None, chunk_bytes=CHUNK_BYTES, verbose=True):
-        """Yields the ids of a UTF-8 file as NumPy arrays, in file order, over all cores (SPEC §1.10). Chunks end at
+        """Yields the ids of a UTF-8 file as NumPy arrays, in file order, over all cores. Chunks end at
         safe boundaries, so the concatenation equals encode(whole text). Threads on the fast path (tiktoken's core
         releases the GIL), processes on the reference path; at most 2 x workers chunks are in flight."""
         num_workers = num_workers or os.cpu_count() or 1
@@ -662,129 +672,40 @@ def _encode_chunk_in_worker(job):
     return _WORKER_TOKENIZER._encode_chunk(job)
 
 
-def _write_atomic(path, text):
+@contextlib.contextmanager
+def atomic_open(path, mode="w", **kwargs):
+    """open() for writing whose file appears at `path` only once the block finishes: it is written as path + ".tmp"
+    and renamed into place; on any failure (Ctrl-C included) the temporary file is removed and `path` is untouched."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    try:
+        with open(tmp, mode, **kwargs) as f:
+            yield f
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
 
 
+def _write_atomic(path, text):
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# benchmarks (HF tokenizers is a benchmark-only extra, imported here only) and the command line
+# the command line
 # ---------------------------------------------------------------------------------------------------------------
 
-def _peak_rss_mb():
-    """Peak RSS of this process and of its largest finished child (Linux reports KiB)."""
+def peak_rss_mb():
+    """Peak RSS of this process and of its largest finished child, in MB. This process's own comes from
+    /proc/self/status (VmHWM) where there is one: getrusage's figure starts from the parent's RSS, which a
+    child started with fork + exec inherits. Linux reports KiB."""
     import resource
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
-
-
-def _iter_docs(path, special):
-    buf = ""
-    with open(path, encoding="utf-8", newline="") as f:
-        while True:
-            block = f.read(1 << 20)
-            if not block:
-                break
-            parts = (buf + block).split(special)
-            buf = parts.pop()
-            yield from parts
-    yield buf
-
-
-def _bench_train_child(which, path, vocab_size, special, num_workers, out_dir):
-    """One trainer in this (fresh) process; prints a JSON line with wall time and peak RSS."""
-    t0 = time.time()
-    if which == "ours":
-        vocab, merges = train_bpe(path, vocab_size, [special], num_workers=num_workers, verbose=False)
-        Tokenizer(vocab, merges, [special]).save(out_dir)
-        n = len(vocab)
-    else:
-        os.environ["RAYON_NUM_THREADS"] = str(num_workers)  # HF's thread pool, same cores as ours
-        from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
-        hf = HFTokenizer(models.BPE())
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[special], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        hf.train_from_iterator(_iter_docs(path, special), trainer)  # whole documents: no merge crosses a special
-        n = hf.get_vocab_size()
-    rss_self, rss_children = _peak_rss_mb()
-    print(json.dumps({"seconds": time.time() - t0, "rss_mb": rss_self, "worker_rss_mb": rss_children, "vocab": n}))
-
-
-def bench(path, vocab_size, special, num_workers, repeats):
-    """Side by side in one run: training vs HF tokenizers' BpeTrainer, encoding vs tiktoken on our vocabulary."""
-    import platform
-    import statistics
-    import subprocess
-    import tempfile
-    import tiktoken
-    size = os.path.getsize(path)
-    print(f"# bpe bench: {path} ({size / 1e6:.1f} MB), vocab_size {vocab_size}, {num_workers} workers, "
-          f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"python {platform.python_version()}, tiktoken {tiktoken.__version__}", flush=True)
-    tok_dir = tempfile.mkdtemp(prefix="bpe_bench_")
-    train = {}
-    for which in ("ours", "hf") * repeats:
-        cmd = [sys.executable, os.path.abspath(__file__), "_bench_train", which, path, str(vocab_size), special,
-               str(num_workers), tok_dir]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"benchmark child {which} failed:\n{r.stderr[-2000:]}")
-        train.setdefault(which, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
-        print(f"train {which}: {train[which][-1]}", flush=True)
-    med = {w: statistics.median(x["seconds"] for x in runs) for w, runs in train.items()}
-    print(f"\n| train, vocab {vocab_size}, {num_workers} workers | wall s (median of {repeats}) | all runs | "
-          f"peak RSS main MB | peak RSS largest worker MB |\n|---|---|---|---|---|")
-    for which, label in (("ours", "bpe.train_bpe"), ("hf", "HF tokenizers BpeTrainer (ByteLevel)")):
-        runs = train[which]
-        all_runs = ", ".join(f"{x['seconds']:.1f}" for x in runs)
-        print(f"| {label} | {med[which]:.1f} | {all_runs} | "
-              f"{max(x['rss_mb'] for x in runs):.0f} | {max(x['worker_rss_mb'] for x in runs):.0f} |")
-    print(f"ratio ours / HF: {med['ours'] / med['hf']:.2f}x (goal <= 2x)\n", flush=True)
-
-    tok = Tokenizer.from_files(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"), [special])
-    peer = tiktoken.Encoding("peer", pat_str=GPT2_PAT, mergeable_ranks=tok._tiktoken_ranks(),
-                             special_tokens=dict(tok.special_ids))
-    with open(path, encoding="utf-8", newline="") as f:
-        text = f.read()
-    docs = text.split(special)
-    pieces, piece = [], []  # ~1 MB pieces of whole documents for the batch APIs
-    for d in docs:
-        piece.append(d)
-        if sum(map(len, piece)) > 1 << 20:
-            pieces.append(special.join(piece) + special)
-            piece = []
-    pieces.append(special.join(piece))
-
-    def timed(fn):
-        times, out = [], None
-        for _ in range(repeats):
-            t0 = time.time()
-            out = fn()
-            times.append(time.time() - t0)
-        return statistics.median(times), out
-
-    rows = []
-    t_ours, ids_ours = timed(lambda: tok.encode(text))
-    t_peer, ids_peer = timed(lambda: peer.encode(text, allowed_special="all"))
-    assert ids_ours == ids_peer, "ours and tiktoken disagree"
-    rows.append(("1 thread: Tokenizer.encode(text) vs tiktoken encode(text, allowed_special='all')", t_ours, t_peer))
-    t_ours, b_ours = timed(lambda: tok.encode_batch(pieces, num_workers))
-    t_peer, b_peer = timed(lambda: peer.encode_batch(pieces, num_threads=num_workers, allowed_special="all"))
-    assert b_ours == b_peer, "ours and tiktoken disagree (batch)"
-    rows.append((f"{num_workers} threads: Tokenizer.encode_batch(1 MB pieces) vs tiktoken encode_batch", t_ours, t_peer))
-    t_file, arrays = timed(lambda: list(tok.encode_file(path, num_workers, verbose=False)))
-    assert np.concatenate(arrays).tolist() == ids_peer, "encode_file disagrees"
-    rows.append((f"{num_workers} threads: Tokenizer.encode_file(path) (reads the file) vs tiktoken encode_batch",
-                 t_file, t_peer))
-    n_tokens = len(ids_peer)
-    print(f"| encode {size / 1e6:.1f} MB, {n_tokens:,} tokens ({size / n_tokens:.2f} bytes/token) | ours MB/s | "
-          f"tiktoken MB/s | ours / tiktoken |\n|---|---|---|---|")
-    for label, t_o, t_p in rows:
-        print(f"| {label} | {size / t_o / 1e6:.1f} | {size / t_p / 1e6:.1f} | {t_p / t_o:.2f} |")
-    print(f"peak RSS of this process (encode side): {_peak_rss_mb()[0]:.0f} MB", flush=True)
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/status") as f:
+            own = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return own / 1024, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
 def main(argv):
@@ -803,35 +724,30 @@ def main(argv):
     p.add_argument("--input", required=True)
     p.add_argument("--out", required=True, help=".bin file: uint16 if the vocabulary fits, else uint32")
     p.add_argument("--num_workers", type=int, default=None)
-    p = sub.add_parser("bench", help="train vs HF tokenizers and encode vs tiktoken, side by side")
-    p.add_argument("--input", required=True)
-    p.add_argument("--vocab_size", type=int, default=10000)
-    p.add_argument("--special", default="<|endoftext|>")
-    p.add_argument("--num_workers", type=int, default=os.cpu_count())
-    p.add_argument("--repeats", type=int, default=3)
-    if argv[:1] == ["_bench_train"]:
-        which, path, vocab_size, special, num_workers, out_dir = argv[1:]
-        return _bench_train_child(which, path, int(vocab_size), special, int(num_workers), out_dir)
     args = parser.parse_args(argv)
+    try:
+        run_command(args)
+    except (ValueError, TypeError, OSError) as e:  # bad input: one line naming it, not a traceback
+        raise SystemExit(f"bpe.py {args.cmd}: {e}") from None
+
+
+def run_command(args):
     if args.cmd == "train":
         t0 = time.time()
         vocab, merges = train_bpe(args.input, args.vocab_size, args.special, args.num_workers)
         paths = Tokenizer(vocab, merges, args.special).save(args.out)
         longest = sorted(vocab.values(), key=len)[-3:]
         print(f"wrote {', '.join(paths)}: {len(vocab)} tokens in {time.time() - t0:.1f}s, peak RSS "
-              f"{_peak_rss_mb()[0]:.0f} MB (largest worker {_peak_rss_mb()[1]:.0f} MB), longest {longest}")
+              f"{peak_rss_mb()[0]:.0f} MB (largest worker {peak_rss_mb()[1]:.0f} MB), longest {longest}")
     elif args.cmd == "encode":
         tok = Tokenizer.from_files(args.vocab, args.merges, args.special)
         dtype = np.uint16 if max(tok.vocab) < 65536 else np.uint32
         n = 0
-        with open(args.out + ".tmp", "wb") as f:
+        with atomic_open(args.out, "wb") as f:
             for ids in tok.encode_file(args.input, args.num_workers):
                 f.write(ids.astype(dtype).tobytes())
                 n += len(ids)
-        os.replace(args.out + ".tmp", args.out)
         print(f"wrote {args.out}: {n:,} tokens, {np.dtype(dtype).name}")
-    else:
-        bench(args.input, args.vocab_size, args.special, args.num_workers, args.repeats)
 
 
 if __name__ == "__main__":

