@@ -1,20 +1,23 @@
-"""Data parallelism from scratch (SPEC §6): four DDP wrappers, ZeRO-1 optimizer sharding and FSDP (ZeRO-3).
+"""Data parallelism from scratch: four DDP wrappers, ZeRO-1 optimizer sharding and FSDP (ZeRO-3), and wrap(), the
+one factory train.py and bench.py build every data-parallel setup with.
 
 Launch one process per GPU with torchrun; init_distributed() reads its environment:
 
     rank, local_rank, world_size, device = init_distributed()
-    model = DDP(TransformerLM(...).to(device), bucket_size_mb=25)     # or DDPNaive / DDPFlat / FSDP(...)
-    optimizer = ShardedOptimizer(model.parameters(), AdamW, lr=3e-4)  # ZeRO-1, or any plain optimizer
-    for micro in range(grad_accum):                                   # SPEC §3.8
-        with model.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
-            cross_entropy(model(x), y).backward()
-    model.finish_gradient_synchronization()                           # gradients now averaged over ranks
+    w = wrap(TransformerLM(...).to(device), "bucketed")             # or naive, flat, overlap, fsdp, torch, ...
+    optimizer = w.make_optimizer(AdamW, zero1=True, lr=3e-4)        # ZeRO-1 (ShardedOptimizer), or plain
+    for micro in range(grad_accum):                                 # gradient accumulation
+        with w.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
+            cross_entropy(w(x), y).backward()
+    w.finish()                                                      # gradients now averaged over ranks
+    w.clip_grad_norm(1.0)
     optimizer.step()
     cleanup_distributed()
 
-Every wrapper broadcasts rank 0's parameters and buffers when it wraps, so all replicas start identical, and
-averages gradients (NCCL's AVG; SUM then / N on gloo). Collectives must be issued identically on every rank (SPEC
-§6.1): the wrappers only rely on every rank running the same model code.
+The wrapper classes (DDPNaive, DDPFlat, DDPIndividualParameters, DDPBucketed, ShardedOptimizer, FSDP) can also be
+used alone. Every wrapper broadcasts rank 0's parameters and buffers when it wraps, so all replicas start
+identical, and averages gradients (NCCL's AVG; SUM then / N on gloo). Collectives must be issued identically on
+every rank: the wrappers only rely on every rank running the same model code.
 """
 import contextlib
 import inspect
@@ -31,7 +34,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# process group (SPEC §6.1)
+# process group
 # ---------------------------------------------------------------------------------------------------------------
 
 def init_distributed():
@@ -68,7 +71,7 @@ def _rank_and_world():
 
 
 def _avg_op():
-    """NCCL averages inside the collective; gloo sums and the caller divides by N (SPEC §6.1)."""
+    """NCCL averages inside the collective; gloo sums and the caller divides by N."""
     return dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
 
 
@@ -84,7 +87,7 @@ def _broadcast_from_rank0(module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# DDP, four ways (SPEC §6.3-6.6)
+# DDP, four ways
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -117,7 +120,7 @@ class _DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation (SPEC §3.8): backward passes inside communicate nothing (and
+        """Gradient accumulation: backward passes inside communicate nothing (and
         finish_gradient_synchronization() is a no-op there); the next synchronized backward sends the sum."""
         previous, self.require_sync = self.require_sync, False
         try:
@@ -127,7 +130,7 @@ class _DataParallel(nn.Module):
 
 
 class DDPNaive(_DataParallel):
-    """After backward: one all-reduce per parameter gradient (SPEC §6.3). No overlap with backward."""
+    """After backward: one all-reduce per parameter gradient. No overlap with backward."""
 
     def finish_gradient_synchronization(self):
         if not self.require_sync:
@@ -140,7 +143,7 @@ class DDPNaive(_DataParallel):
 
 class DDPFlat(_DataParallel):
     """After backward: all gradients flattened into one buffer per dtype, one all-reduce each, copied back
-    (SPEC §6.4). One call instead of hundreds, plus a temporary buffer as large as the gradients."""
+    One call instead of hundreds, plus a temporary buffer as large as the gradients."""
 
     def finish_gradient_synchronization(self):
         if not self.require_sync:
@@ -149,7 +152,7 @@ class DDPFlat(_DataParallel):
 
 
 class DDPIndividualParameters(_DataParallel):
-    """Overlap per parameter (SPEC §6.5): a post-accumulate-grad hook starts an async all-reduce of each gradient
+    """Overlap per parameter: a post-accumulate-grad hook starts an async all-reduce of each gradient
     the moment autograd has finished accumulating it (tied weights: once, after both uses), so communication runs
     while backward continues. A parameter without gradient this step fires no hook; that must hold on every rank.
     A gradient accumulated under no_sync() whose parameter the last backward did not reach is all-reduced in
@@ -197,7 +200,7 @@ class _Bucket:
 
 
 class DDPBucketed(_DataParallel):
-    """Overlap per bucket (SPEC §6.6). Parameters go into buckets of at most bucket_size_mb MiB in reverse
+    """Overlap per bucket. Parameters go into buckets of at most bucket_size_mb MiB in reverse
     registration order (about the order backward produces them; a larger parameter gets a bucket of its own).
     Each bucket owns one flat buffer and every p.grad becomes a view into it, so the all-reduce needs no
     flatten/unflatten copies; a bucket's async all-reduce starts as soon as its last gradient is ready.
@@ -297,7 +300,7 @@ def DDP(module, bucket_size_mb=None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# ZeRO-1: optimizer-state sharding (SPEC §6.7)
+# ZeRO-1: optimizer-state sharding
 # ---------------------------------------------------------------------------------------------------------------
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -308,8 +311,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     After the inner step the updated parameters are synchronized with one in-place all-gather per parameter group
     and dtype: when a group is added its parameters move into a flat buffer laid out as N equal segments (segment
     r holds rank r's parameters, padded to the longest), and p.data becomes a view into it, so the all-gather
-    needs no copies. (SPEC §6.7 allows broadcasts or a flat all-gather; the all-gather uses every link at once
-    instead of one owner at a time.)"""
+    needs no copies. (Broadcasts from each owner would also do; the all-gather uses every link at once instead of
+    one owner at a time.)"""
 
     def __init__(self, params, optimizer_cls, **kwargs):
         self.rank, self.world_size = _rank_and_world()
@@ -441,13 +444,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# FSDP / ZeRO-3 (SPEC §6.8)
+# FSDP / ZeRO-3
 # ---------------------------------------------------------------------------------------------------------------
 
 class _ShardedLayer:
     """One Linear or Embedding under FSDP. Its weight (rows, cols) is zero-padded to N * rows_per_rank rows and
     rank r keeps rows [r * rows_per_rank, (r + 1) * rows_per_rank) as the fp32 nn.Parameter `shard` (a row block is
-    a slice of the flattened weight, so this is SPEC §6.8's flat sharding; it stays 2-D for weight-decay rules)."""
+    a slice of the flattened weight, so this is flat sharding; it stays 2-D for weight-decay rules)."""
 
     def __init__(self, shard, rows, cols, is_embedding):
         self.shard, self.rows, self.cols = shard, rows, cols
@@ -516,7 +519,7 @@ class _FSDPEmbedding(torch.autograd.Function):
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallel (ZeRO-3, SPEC §6.8) for any model built from model.py's Linear and Embedding.
+    """Fully sharded data parallel (ZeRO-3) for any model built from model.py's Linear and Embedding.
 
     Every Linear and Embedding weight is sharded across ranks (tied weights once); everything else (the RMSNorm
     gains) is replicated and its gradients are averaged in finish_gradient_synchronization(). model.parameters()
@@ -526,7 +529,7 @@ class FSDP(nn.Module):
 
     Prefetch: the execution order of the sharded layers is recorded in the first forward; afterwards the gather of
     the next layer is issued just before a layer's compute is queued, so it overlaps that compute, and at most
-    two gathered weights exist (SPEC's rule: layer k starts once layer k - 2 is done). Backward mirrors it in
+    two gathered weights exist (layer k's gather starts once layer k - 2 is done). Backward mirrors it in
     reverse (the first layer of backward is prefetched when forward returns, overlapping the loss); weight
     gradients are reduce-scattered asynchronously into fp32 shard gradients, at most two in flight.
     Under activation checkpointing the recomputed forward gathers on demand. Gradient accumulation works by
@@ -708,7 +711,7 @@ def clip_grad_norm(parameters, max_l2_norm, sharded=()):
 
 
 def _all_reduce_flat(grads, world_size):
-    """Average a list of gradients with one all-reduce per dtype over a flattened copy (SPEC §6.4)."""
+    """Average a list of gradients with one all-reduce per dtype over a flattened copy."""
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in same])

@@ -1,17 +1,20 @@
 """
-Train a TransformerLM on a tokenized dataset (SPEC §3). Example commands:
+Train a TransformerLM on a tokenized dataset. Example commands:
 
     python train.py                                    # CPU default: Shakespeare, vocab 2048, a few minutes on 2 cores
     python train.py --max_iters=200 --batch_size=8     # any config global can be overridden with --key=value
     python train.py config/pack.py                     # a config file of overrides (then --key=value on top)
-    python train.py --init_from=resume                 # continue exactly from out_dir/ckpt.pt
+    python train.py --init_from=resume                 # continue out_dir/ckpt.pt exactly, with its saved config
+    python train.py --force=True                       # start over in an out_dir that holds a run (old files -> *.old)
     torchrun --standalone --nproc_per_node=4 train.py config/small.py                 # 4 GPUs, our bucketed DDP
     torchrun --standalone --nproc_per_node=4 train.py config/small.py --ddp_impl=torch --zero1=False
 
 The data directory comes from `python data/prepare.py NAME` (run automatically for the default `shakespeare`).
 Everything below the config block is importable without side effects: AdamW, get_lr_cosine_schedule,
 clip_grad_norm, get_batch, load_dataset, sample_documents / pad_batch / pack_batch, save_checkpoint /
-load_checkpoint. The run itself sits in main(), called under `if __name__ == "__main__"`.
+load_checkpoint. The run itself sits in main() (cli() for the command line, called under
+`if __name__ == "__main__"`). Ctrl-C (SIGINT) or SIGTERM end a run after the step in progress, with a checkpoint
+of it and the command that continues it.
 """
 import ast
 import builtins
@@ -52,11 +55,11 @@ seed = 1337                     # model init and every data draw derive from it
 # data
 dataset = "shakespeare"         # name under data/ (made by `python data/prepare.py NAME`)
 data_dir = ""                   # '' = data/<dataset> next to this file
-batching = "concat"             # 'concat' | 'pad' | 'dynamic_pad' | 'pack' (SPEC §5.7; README says when to use which)
+batching = "concat"             # 'concat' | 'pad' | 'dynamic_pad' | 'pack' (README says when to use which)
 batch_size = 16                 # sequences per micro-batch; doc strategies use batch_size*context_length real tokens
 context_length = 128            # tokens per sequence (RoPE table size)
 grad_accum = 1                  # micro-batches per optimizer step, split across ranks (must divide by world size)
-# model (SPEC §2; config/*.py hold the §2.10 presets)
+# model (config/*.py hold the preset shapes)
 d_model = 256                   # residual width
 num_layers = 4                  # transformer blocks
 num_heads = 8                   # attention heads (d_model / num_heads = head dim)
@@ -64,8 +67,8 @@ d_ff = 704                      # SwiGLU hidden width (about 8/3 d_model, a mult
 rope_theta = 10000.0            # RoPE base
 tie_embeddings = False          # share token_embeddings and lm_head
 attn_impl = "auto"              # 'auto' (flash on CUDA, naive on CPU) | 'flash' | 'flash_ref' | 'sdpa' | 'naive'
-act_ckpt_every = 0              # activation checkpointing every k blocks (0 = off, SPEC §3.9)
-# optimizer (SPEC §3.1-3.3, starting points of §3.11)
+act_ckpt_every = 0              # activation checkpointing every k blocks (0 = off)
+# optimizer
 learning_rate = 3e-3            # peak learning rate
 min_lr = 3e-4                   # floor of the cosine schedule
 warmup_iters = 20               # linear warm-up steps
@@ -163,11 +166,11 @@ def apply_config(argv, config, given=None):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# optimizer, schedule, clipping (SPEC §3.1-3.3)
+# optimizer, schedule, clipping
 
 class AdamW(torch.optim.Optimizer):
-    """AdamW exactly as SPEC §3.1 (t per parameter, ε after sqrt(v), decay by α·λ after the Adam update). m and v
-    are fp32 (fp64 for fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded once.
+    """AdamW with decoupled weight decay (t per parameter, ε after sqrt(v), decay by α·λ after the Adam update).
+    m and v are fp32 (fp64 for fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded once.
     fused=None (default) steps CUDA parameters with one fused Triton kernel per (group, dtype) and everything else
     with torch._foreach_* ops; fused=True insists on the kernel (on CPU it then runs in Triton's interpreter: for
     tests), fused=False always uses foreach."""
@@ -243,7 +246,7 @@ class AdamW(torch.optim.Optimizer):
 
 
 def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iters, cosine_cycle_iters):
-    """SPEC §3.2: linear warm-up to max over warmup_iters, cosine down to min at cosine_cycle_iters, then min."""
+    """Linear warm-up to max over warmup_iters, cosine down to min at cosine_cycle_iters, then min."""
     if it < warmup_iters:
         return it / warmup_iters * max_learning_rate
     if it <= cosine_cycle_iters:
@@ -261,7 +264,7 @@ def clip_grad_norm(parameters, max_l2_norm):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# data (SPEC §3.4, §5.7)
+# data
 
 def load_dataset(data_dir, split):
     """Open data_dir/{split}.bin as a read-only memmap, with its document offsets and meta.json (the format of
@@ -313,14 +316,14 @@ def load_dataset(data_dir, split):
 
 
 def _to_device(t, device):
-    # pinned host memory lets the copy run asynchronously to the GPU (SPEC §3.4)
+    # pinned host memory lets the copy run asynchronously to the GPU
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 
 def get_batch(dataset, batch_size, context_length, device, generator=None):
-    """SPEC §3.4: batch_size random windows, starts uniform in {0, ..., n - context_length - 1}; returns int64
+    """batch_size random windows, starts uniform in {0, ..., n - context_length - 1}; returns int64
     inputs and next-token targets (B, T) on device. Only the windows are read from the memmap."""
     n = len(dataset)
     if n < context_length + 1:
@@ -376,7 +379,7 @@ def pad_batch(tokens, spans, length, pad_id):
 
 
 def pack_batch(tokens, spans):
-    """All pieces in one row (SPEC §5.7): x = concat(piece[:-1]), y = concat(piece[1:]) as (1, N) int64, with
+    """All pieces in one row: x = concat(piece[:-1]), y = concat(piece[1:]) as (1, N) int64, with
     int32 cu_seqlens (len num_pieces + 1) over those N positions and max_seqlen (a Python int)."""
     pieces = [np.asarray(tokens[s:e], dtype=np.int64) for s, e in spans]
     if not pieces or min(len(p) for p in pieces) < 2:
@@ -414,10 +417,10 @@ def batch_generator(seed, iteration, micro):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# checkpoints (SPEC §3.5)
+# checkpoints
 
 def _clean_state_dict(state_dict):
-    # torch.compile wraps the model as _orig_mod; store the plain model's names (SPEC §2.7 layout)
+    # torch.compile wraps the model as _orig_mod; store the plain model's names
     return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
 
 
@@ -542,15 +545,14 @@ def resume_config(config, given, saved, log):
     for old, new in RENAMED.items():  # checkpoints written before a key was renamed
         if old in saved:
             saved.setdefault(new, saved.pop(old))
+    this_run = ("init_from", "force", "out_dir")  # where the checkpoint is now, and how this run starts
     merged = dict(config)
-    merged.update({k: v for k, v in saved.items() if k in config})
+    merged.update({k: v for k, v in saved.items() if k in config and k not in this_run})
     refused, changed = [], []
-    for key in sorted(given):
-        if key in ("init_from", "force", "out_dir") or key not in saved or config[key] == saved[key]:
-            merged[key] = config[key]
-            continue
-        (refused if key in RESUME_FIXED else changed).append(key)
+    for key in sorted(given - set(this_run)):
         merged[key] = config[key]
+        if key in saved and config[key] != saved[key]:
+            (refused if key in RESUME_FIXED else changed).append(key)
     if refused:
         details = ", ".join(f"{k}={config[k]!r} (saved {saved[k]!r})" for k in refused)
         raise ConfigError(f"cannot resume exactly with {details}: drop these flags, or start a new run in "
@@ -583,8 +585,8 @@ class StopSignals:
     processes the flag is all-reduced (max) each step over a CPU gloo side group: every rank stops at the same
     step (a collective checkpoint needs all of them), and no GPU synchronization is added."""
 
-    def __init__(self, world_size, log):
-        self.signum, self.log = 0, log
+    def __init__(self, world_size):
+        self.signum = 0
         self.group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -612,8 +614,8 @@ def save_run(path, w, optimizer, iteration, model_args, c, data_dir, meta, dev, 
     writes `path` atomically. The state dicts are full (unsharded) under every ddp_impl."""
     state, opt_state = w.state_dict(), w.optimizer_state_dict(optimizer)
     if w.rank == 0:
-        tokenizer = {"vocab": os.path.join(data_dir, meta["vocab"]), "merges": os.path.join(data_dir, meta["merges"]),
-                     "special_tokens": list(meta["special_tokens"])}
+        tokenizer = {"vocab": os.path.join(data_dir, meta["vocab"]),
+                     "merges": os.path.join(data_dir, meta["merges"]), "special_tokens": list(meta["special_tokens"])}
         save_checkpoint(state, opt_state, iteration, path, model_args=model_args, config=vars(c),
                         tokenizer=tokenizer, rng=_rng_state(dev), world_size=world_size)
 
@@ -784,7 +786,7 @@ def train(config, given, rank, world_size, dev):
     max_norm = c.grad_clip if c.grad_clip > 0 else float("inf")
 
     # the loop: SIGINT / SIGTERM end it after the step in progress, with a checkpoint of that step
-    stops, stopped = StopSignals(world_size, log), None
+    stops, stopped = StopSignals(world_size), None
     t_start = time.time()
     t_last, it_last, tokens_since = t_start, start_iter, 0
     saved_at = start_iter if c.init_from == "resume" else None
@@ -880,14 +882,21 @@ def decay_groups(weight_decay):
     return groups
 
 
-if __name__ == "__main__":
+def cli(argv):
+    """main() for the command line: a ConfigError becomes one line on stderr and status 2 (argparse's convention),
+    a Ctrl-C before the training loop (nothing to save yet) one line and status 130; printed by rank 0 only."""
+    quiet = os.environ.get("RANK", "0") != "0"
     try:
-        sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:  # a usage error: one line, status 2 (argparse's convention), from one rank
-        if os.environ.get("RANK", "0") == "0":
+        return main(argv)
+    except ConfigError as e:
+        if not quiet:
             print(f"train.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop began: nothing to save yet
-        if os.environ.get("RANK", "0") == "0":
+        return 2
+    except KeyboardInterrupt:
+        if not quiet:
             print("train.py: interrupted before training started; nothing was saved", file=sys.stderr)
-        sys.exit(130)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

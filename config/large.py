@@ -1,4 +1,4 @@
-# SPEC §2.10 "large" (969M parameters at V=10k) on the Shakespeare data, GPU.
+# The "large" preset (969M parameters at V=10k) on the Shakespeare data, GPU.
 #   torchrun --standalone --nproc_per_node=4 train.py config/large.py
 out_dir = "out-large"
 d_model = 1280

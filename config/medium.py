@@ -1,4 +1,4 @@
-# SPEC §2.10 "medium" (423M parameters at V=10k) on the Shakespeare data, GPU.
+# The "medium" preset (423M parameters at V=10k) on the Shakespeare data, GPU.
 #   torchrun --standalone --nproc_per_node=4 train.py config/medium.py
 out_dir = "out-medium"
 d_model = 1024
