@@ -1826,15 +1826,13 @@ def _build_variant(variant, net, opt_cls, lr):
 
 
 def cmd_ddp(argv):
-    """Data-parallel variants on TransformerLM in one run (SPEC §7.9): ours (naive, flat, per-parameter overlap,
-    bucketed at several sizes, bucketed + ZeRO-1, FSDP fp32 and bf16 gathers) beside torch DDP,
-    ZeroRedundancyOptimizer and FSDP2, plus "none" (no wrapper, no communication: the per-GPU compute that
-    scaling is measured against), all built by ddp.wrap under the names train.py's ddp_impl takes. Per variant:
-    median ms/step over --steps timed steps (each the slowest rank's), scaling = none / variant, communication ms
-    (naive, flat: timed between synchronizes around finish(); others: step - none, the communication not hidden
-    behind compute), peak
-    memory after init, just before optimizer.step() and just after it (SPEC §6.9), and optimizer-state bytes on
-    this rank."""
+    """Data-parallel variants on TransformerLM in one run: ours (naive, flat, per-parameter overlap, bucketed at
+    several sizes, bucketed + ZeRO-1, FSDP fp32 and bf16 gathers) beside torch DDP, ZeroRedundancyOptimizer and
+    FSDP2, plus "none" (no wrapper, no communication: the per-GPU compute that scaling is measured against), all
+    built by ddp.wrap under the names train.py's ddp_impl takes. Per variant: median ms/step over --steps timed
+    steps (each the slowest rank's), scaling = none / variant, communication ms (naive, flat: timed between
+    synchronizes around finish(); others: step - none, the communication not hidden behind compute), peak memory
+    after init, just before optimizer.step() and just after it, and optimizer-state bytes on this rank."""
 
     ap = argparse.ArgumentParser(prog="bench.py ddp")
     ap.add_argument("--preset", default="gpt2-xl", help=f"model_py.PRESETS key or 'tiny' {_TINY}")

@@ -1725,7 +1725,7 @@ _SIGNAL_RUN = TINY + ["--max_iters=60", "--log_interval=1", "--eval_interval=100
                       "--grad_accum=2", "--batching=pack", "--context_length=16", "--batch_size=2"]
 
 
-def test_sigint_saves_the_last_step_and_resume_continues_bit_for_bit(tmp_path):
+def test_signal_sigint_saves_the_last_step_and_resume_continues_bit_for_bit(tmp_path):
     data = tmp_path / "d"
     _write_dataset(data)
     train.main(_SIGNAL_RUN + [f"--data_dir={data}", f"--out_dir={tmp_path / 'full'}"])
@@ -1741,7 +1741,7 @@ def test_sigint_saves_the_last_step_and_resume_continues_bit_for_bit(tmp_path):
     assert _losses(out) == _losses(tmp_path / "full") and len(_losses(out)) == 60 + 2
 
 
-def test_sigterm_under_torchrun_stops_every_rank_at_one_step_and_resumes_bit_for_bit(tmp_path):
+def test_signal_sigterm_under_torchrun_stops_every_rank_at_one_step_and_resumes_bit_for_bit(tmp_path):
     """SIGTERM to torchrun (what a scheduler does), which passes it to both ranks: they agree on the step, save one
     checkpoint, print where it is; the resumed 2-process run's log equals an uninterrupted 1-process run's with
     the same global batch (our bucketed DDP is bit for bit that run)."""
@@ -2433,6 +2433,12 @@ def test_ddp_wrap_single_process_and_bad_input():
         _expect(ValueError, words, ddp.wrap, net, bad)
     if not dist.is_initialized():
         _expect(RuntimeError, ["torchrun"], ddp.wrap, net, "bucketed")
+    # bench.py ddp builds its variants through the same factory, under the same names
+    w, opt = bench._build_variant("none", _tiny_transformer(0), train.AdamW, 1e-3)
+    assert w.impl == "none" and type(opt) is train.AdamW
+    assert all(v.split("+")[0].split("-")[0] in ddp.IMPLS for v in bench.DDP_VARIANTS)
+    for bad in ("torch-ddp", "bucketed+zero2", "naive-25"):
+        _expect(ValueError, ["unknown variant", repr(bad)], bench._build_variant, bad, net, train.AdamW, 1e-3)
 
 
 def test_init_distributed_without_torchrun_is_single_process():
