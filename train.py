@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -588,7 +589,9 @@ class StopSignals:
     def __init__(self, world_size):
         self.signum = 0
         self.group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum, frame):
         if not self.signum:  # a second signal (torchrun forwards the terminal's Ctrl-C too) changes nothing
