@@ -99,14 +99,14 @@ import flash  # noqa: E402
 import model as model_py  # noqa: E402  (the module itself: --nvtx swaps its attention function for an annotated one)
 from flash import flash_attn_varlen  # noqa: E402
 from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token  # noqa: E402
-from train import AdamW, pack_batch, pad_batch, sample_documents  # noqa: E402
+from train import PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, pack_batch, pad_batch, sample_documents  # noqa: E402
 
 SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4))  # tiny: CPU tests and smoke runs
 MODES = ("fwd", "fwd_bwd", "train")
 PHASES = ("forward", "backward", "optimizer_step")
 DTYPES = ("fp32", "bf16")
 COMPILE_CHOICES = ("none", "model", "blocks")  # see compiled()
-PEAK_FLOPS = 989e12  # the MFU denominator on CUDA: dense bf16 datasheet figure of the H100/H200 (SXM)
+PEAK_FLOPS = PEAK_FLOPS_BY_GPU["H200"]  # the MFU denominator on CUDA (train.PEAK_FLOPS: dense bf16 datasheet figure)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1899,8 +1899,11 @@ def cmd_allreduce(argv):
     ddp.cleanup_distributed()
 
 
-DDP_VARIANTS = ("local", "naive", "flat", "overlap", "bucketed-1", "bucketed-10", "bucketed-25", "bucketed-100",
-                "bucketed-1000", "bucketed-25+zero1", "fsdp", "fsdp-bf16", "torch-ddp", "torch-zero", "torch-fsdp2")
+# impl[-bucket MiB][+zero1][+bf16]: the names of ddp.wrap (train.py's ddp_impl); "none" = no wrapper, no
+# communication (the per-GPU compute baseline); torch+zero_redundancy = torch DDP with torch's ZeroRedundancyOptimizer
+DDP_VARIANTS = ("none", "naive", "flat", "overlap", "bucketed-1", "bucketed-10", "bucketed-25", "bucketed-100",
+                "bucketed-1000", "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy",
+                "torch_fsdp+bf16")
 _TINY = dict(d_model=64, d_ff=172, num_layers=2, num_heads=4)
 
 
@@ -1917,52 +1920,31 @@ def _optimizer_state_bytes(optimizer):
     return total
 
 
-def _build_variant(variant, net, device, opt_cls, lr):
-    """(model to call, optimizer, finish function or None) for one variant; the model is already on device."""
+def _build_variant(variant, net, opt_cls, lr):
+    """(ddp.Parallel, optimizer) for one variant name (see DDP_VARIANTS); net is already on its device."""
+    impl, *options = variant.split("+")
+    impl, _, size = impl.partition("-")
+    unknown = [o for o in options if o not in ("zero1", "bf16", "zero_redundancy")]
+    if impl not in ddp.IMPLS or unknown or (size and impl != "bucketed"):
+        raise ValueError(f"unknown variant {variant!r}; expected impl[-MiB][+zero1][+bf16] with impl one of "
+                         f"{ddp.IMPLS}, e.g. {DDP_VARIANTS}")
+    w = ddp.wrap(net, impl, bucket_size_mb=float(size or 25), compute_dtype=torch.bfloat16 if "bf16" in options
+                 else None)
     kwargs = dict(lr=lr, weight_decay=0.1)
-    if variant == "local":  # no wrapper, no communication: the per-GPU compute baseline
-        return net, opt_cls(net.parameters(), **kwargs), None
-    if variant in ("naive", "flat", "overlap") or variant.startswith("bucketed"):
-        size = variant.split("+")[0].split("-")[1] if variant.startswith("bucketed") else None
-        wrapped = {"naive": ddp.DDPNaive, "flat": ddp.DDPFlat, "overlap": ddp.DDPIndividualParameters}.get(
-            variant, lambda m: ddp.DDPBucketed(m, float(size)))(net)
-        if variant.endswith("+zero1"):
-            optimizer = ddp.ShardedOptimizer(net.parameters(), opt_cls, **kwargs)
-        else:
-            optimizer = opt_cls(net.parameters(), **kwargs)
-        return wrapped, optimizer, wrapped.finish_gradient_synchronization
-    if variant in ("fsdp", "fsdp-bf16"):
-        wrapped = ddp.FSDP(net, compute_dtype=torch.bfloat16 if variant == "fsdp-bf16" else None)
-        return wrapped, opt_cls(wrapped.parameters(), **kwargs), wrapped.finish_gradient_synchronization
-    if variant in ("torch-ddp", "torch-zero"):
-        from torch.nn.parallel import DistributedDataParallel
-        wrapped = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
-        if variant == "torch-zero":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            return wrapped, ZeroRedundancyOptimizer(net.parameters(), optimizer_class=opt_cls, **kwargs), None
-        return wrapped, opt_cls(net.parameters(), **kwargs), None
-    if variant == "torch-fsdp2":  # the anchors' setup: fully_shard per block, bf16 params, fp32 reduce
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError:
-            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in net.layers:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(net, mp_policy=policy)
-        return net, opt_cls(net.parameters(), **kwargs), None
-    raise ValueError(f"unknown variant {variant!r}; expected one of {DDP_VARIANTS}")
+    if "zero_redundancy" in options:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return w, ZeroRedundancyOptimizer(w.parameters(), optimizer_class=opt_cls, **kwargs)
+    return w, w.make_optimizer(opt_cls, zero1="zero1" in options, **kwargs)
 
 
 def cmd_ddp(argv):
-    """Data-parallel variants on TransformerLM in one run (SPEC §7.9): ours (naive, flat, per-parameter overlap,
-    bucketed at several sizes, bucketed + ZeRO-1, FSDP fp32 and bf16 gathers) beside torch DDP,
-    ZeroRedundancyOptimizer and FSDP2, plus "local" (no wrapper, no communication: the per-GPU compute that
-    scaling is measured against). Per variant: median ms/step over --steps timed steps (each the slowest rank's),
-    scaling = local / variant, communication ms (naive, flat: timed between synchronizes around
-    finish_gradient_synchronization; others: step - local, the communication not hidden behind compute), peak
-    memory after init, just before optimizer.step() and just after it (SPEC §6.9), and optimizer-state bytes on
-    this rank."""
+    """Data-parallel variants on TransformerLM in one run: ours (naive, flat, per-parameter overlap, bucketed at
+    several sizes, bucketed + ZeRO-1, FSDP fp32 and bf16 gathers) beside torch DDP, ZeroRedundancyOptimizer and
+    FSDP2, plus "none" (no wrapper, no communication: the per-GPU compute that scaling is measured against), all
+    built by ddp.wrap under the names train.py's ddp_impl takes. Per variant: median ms/step over --steps timed
+    steps (each the slowest rank's), scaling = none / variant, communication ms (naive, flat: timed between
+    synchronizes around finish(); others: step - none, the communication not hidden behind compute), peak memory
+    after init, just before optimizer.step() and just after it, and optimizer-state bytes on this rank."""
 
     ap = argparse.ArgumentParser(prog="bench.py ddp")
     ap.add_argument("--preset", default="gpt2-xl", help=f"model_py.PRESETS key or 'tiny' {_TINY}")
@@ -2015,7 +1997,7 @@ def cmd_ddp(argv):
             torch.manual_seed(0)
             net = model_py.TransformerLM(args.vocab_size, args.context_length, **dims, attn_impl=attn_impl,
                                       device=device)
-            wrapped, optimizer, finish = _build_variant(variant, net, device, opt_cls, args.lr)
+            wrapped, optimizer = _build_variant(variant, net, opt_cls, args.lr)
             record["peak_after_init_gib"] = mem()
             comm, before, after, last = [], [], [], {}  # filled by every step, the warm-up ones included
 
@@ -2025,10 +2007,10 @@ def cmd_ddp(argv):
                 loss = cross_entropy(logits, y)
                 del logits
                 loss.backward()
-                if finish is not None and variant in ("naive", "flat"):
-                    comm.append(time_ms(finish, device)[0])
-                elif finish is not None:
-                    finish()
+                if variant in ("naive", "flat"):
+                    comm.append(time_ms(wrapped.finish, device)[0])
+                else:
+                    wrapped.finish()
                 before.append(mem())
                 optimizer.step()
                 after.append(mem())
@@ -2046,7 +2028,7 @@ def cmd_ddp(argv):
             record["optimizer_state_gib"] = _optimizer_state_bytes(optimizer) / gib
             loss = last["loss"]  # the last step's
             record["loss"] = loss.item()
-            del wrapped, optimizer, finish, net, loss
+            del wrapped, optimizer, net, loss
         except Exception as e:  # a baseline missing from this torch build must not sink the other rows
             record["error"] = f"{type(e).__name__}: {e}"[:200]
         statuses = [None] * world_size
@@ -2060,7 +2042,7 @@ def cmd_ddp(argv):
             status = record.get("error") or f"{record['ms_per_step']:.1f} ms/step"
             print(f"[{k + 1}/{len(args.variants)}] {variant}: {status}  ({done:.0f}s, ETA {eta:.0f}s)", flush=True)
 
-    local = next((r["ms_per_step"] for r in results if r["variant"] == "local" and "ms_per_step" in r), None)
+    local = next((r["ms_per_step"] for r in results if r["variant"] == "none" and "ms_per_step" in r), None)
     rows = []
     for r in results:
         if "error" in r:
@@ -2069,7 +2051,7 @@ def cmd_ddp(argv):
         scaling = f"{100 * local / r['ms_per_step']:.1f}%" if local else "-"
         if "comm_ms" in r:
             comm = f"{r['comm_ms']:.1f}"
-        elif local and r["variant"] != "local":
+        elif local and r["variant"] != "none":
             comm = f"~{r['ms_per_step'] - local:.1f}"
         else:
             comm = "-"
@@ -2079,9 +2061,9 @@ def cmd_ddp(argv):
     if rank == 0:
         print(f"\nData parallel, {args.preset}, batch {args.batch_size}/rank, T {args.context_length}, "
               f"{world_size} ranks: {_env_line(device)}\n")
-        print(markdown_table(["variant", "ms/step", "scaling vs local", "comm ms", "peak init GiB",
+        print(markdown_table(["variant", "ms/step", "scaling vs none", "comm ms", "peak init GiB",
                          "peak before step GiB", "peak after step GiB", "opt state GiB/rank", "loss"], rows))
-        print("\ncomm ms: naive/flat measured between synchronizes; ~x = step - local (communication not hidden).")
+        print("\ncomm ms: naive/flat measured between synchronizes; ~x = step - none (communication not hidden).")
         write_json(args.json, dict(command="ddp", env=_env_line(device), args=vars(args), world_size=world_size,
                                     results=results))
     ddp.cleanup_distributed()

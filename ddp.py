@@ -1,22 +1,26 @@
-"""Data parallelism from scratch (SPEC §6): four DDP wrappers, ZeRO-1 optimizer sharding and FSDP (ZeRO-3).
+"""Data parallelism from scratch: four DDP wrappers, ZeRO-1 optimizer sharding and FSDP (ZeRO-3), and wrap(), the
+one factory train.py and bench.py build every data-parallel setup with.
 
 Launch one process per GPU with torchrun; init_distributed() reads its environment:
 
     rank, local_rank, world_size, device = init_distributed()
-    model = DDP(TransformerLM(...).to(device), bucket_size_mb=25)     # or DDPNaive / DDPFlat / FSDP(...)
-    optimizer = ShardedOptimizer(model.parameters(), AdamW, lr=3e-4)  # ZeRO-1, or any plain optimizer
-    for micro in range(grad_accum):                                   # SPEC §3.8
-        with model.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
-            cross_entropy(model(x), y).backward()
-    model.finish_gradient_synchronization()                           # gradients now averaged over ranks
+    w = wrap(TransformerLM(...).to(device), "bucketed")             # or naive, flat, overlap, fsdp, torch, ...
+    optimizer = w.make_optimizer(AdamW, zero1=True, lr=3e-4)        # ZeRO-1 (ShardedOptimizer), or plain
+    for micro in range(grad_accum):                                 # gradient accumulation
+        with w.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
+            cross_entropy(w(x), y).backward()
+    w.finish()                                                      # gradients now averaged over ranks
+    w.clip_grad_norm(1.0)
     optimizer.step()
     cleanup_distributed()
 
-Every wrapper broadcasts rank 0's parameters and buffers when it wraps, so all replicas start identical, and
-averages gradients (NCCL's AVG; SUM then / N on gloo). Collectives must be issued identically on every rank (SPEC
-§6.1): the wrappers only rely on every rank running the same model code.
+The wrapper classes (DDPNaive, DDPFlat, DDPIndividualParameters, DDPBucketed, ShardedOptimizer, FSDP) can also be
+used alone. Every wrapper broadcasts rank 0's parameters and buffers when it wraps, so all replicas start
+identical, and averages gradients (NCCL's AVG; SUM then / N on gloo). Collectives must be issued identically on
+every rank: the wrappers only rely on every rank running the same model code.
 """
 import contextlib
+import inspect
 import os
 import weakref
 
@@ -30,7 +34,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# process group (SPEC §6.1)
+# process group
 # ---------------------------------------------------------------------------------------------------------------
 
 def init_distributed():
@@ -67,7 +71,7 @@ def _rank_and_world():
 
 
 def _avg_op():
-    """NCCL averages inside the collective; gloo sums and the caller divides by N (SPEC §6.1)."""
+    """NCCL averages inside the collective; gloo sums and the caller divides by N."""
     return dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
 
 
@@ -83,7 +87,7 @@ def _broadcast_from_rank0(module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# DDP, four ways (SPEC §6.3-6.6)
+# DDP, four ways
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -116,7 +120,7 @@ class _DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation (SPEC §3.8): backward passes inside communicate nothing (and
+        """Gradient accumulation: backward passes inside communicate nothing (and
         finish_gradient_synchronization() is a no-op there); the next synchronized backward sends the sum."""
         previous, self.require_sync = self.require_sync, False
         try:
@@ -126,7 +130,7 @@ class _DataParallel(nn.Module):
 
 
 class DDPNaive(_DataParallel):
-    """After backward: one all-reduce per parameter gradient (SPEC §6.3). No overlap with backward."""
+    """After backward: one all-reduce per parameter gradient. No overlap with backward."""
 
     def finish_gradient_synchronization(self):
         if not self.require_sync:
@@ -139,7 +143,7 @@ class DDPNaive(_DataParallel):
 
 class DDPFlat(_DataParallel):
     """After backward: all gradients flattened into one buffer per dtype, one all-reduce each, copied back
-    (SPEC §6.4). One call instead of hundreds, plus a temporary buffer as large as the gradients."""
+    One call instead of hundreds, plus a temporary buffer as large as the gradients."""
 
     def finish_gradient_synchronization(self):
         if not self.require_sync:
@@ -148,7 +152,7 @@ class DDPFlat(_DataParallel):
 
 
 class DDPIndividualParameters(_DataParallel):
-    """Overlap per parameter (SPEC §6.5): a post-accumulate-grad hook starts an async all-reduce of each gradient
+    """Overlap per parameter: a post-accumulate-grad hook starts an async all-reduce of each gradient
     the moment autograd has finished accumulating it (tied weights: once, after both uses), so communication runs
     while backward continues. A parameter without gradient this step fires no hook; that must hold on every rank.
     A gradient accumulated under no_sync() whose parameter the last backward did not reach is all-reduced in
@@ -196,7 +200,7 @@ class _Bucket:
 
 
 class DDPBucketed(_DataParallel):
-    """Overlap per bucket (SPEC §6.6). Parameters go into buckets of at most bucket_size_mb MiB in reverse
+    """Overlap per bucket. Parameters go into buckets of at most bucket_size_mb MiB in reverse
     registration order (about the order backward produces them; a larger parameter gets a bucket of its own).
     Each bucket owns one flat buffer and every p.grad becomes a view into it, so the all-reduce needs no
     flatten/unflatten copies; a bucket's async all-reduce starts as soon as its last gradient is ready.
@@ -296,7 +300,7 @@ def DDP(module, bucket_size_mb=None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# ZeRO-1: optimizer-state sharding (SPEC §6.7)
+# ZeRO-1: optimizer-state sharding
 # ---------------------------------------------------------------------------------------------------------------
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -307,8 +311,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     After the inner step the updated parameters are synchronized with one in-place all-gather per parameter group
     and dtype: when a group is added its parameters move into a flat buffer laid out as N equal segments (segment
     r holds rank r's parameters, padded to the longest), and p.data becomes a view into it, so the all-gather
-    needs no copies. (SPEC §6.7 allows broadcasts or a flat all-gather; the all-gather uses every link at once
-    instead of one owner at a time.)"""
+    needs no copies. (Broadcasts from each owner would also do; the all-gather uses every link at once instead of
+    one owner at a time.)"""
 
     def __init__(self, params, optimizer_cls, **kwargs):
         self.rank, self.world_size = _rank_and_world()
@@ -440,13 +444,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# FSDP / ZeRO-3 (SPEC §6.8)
+# FSDP / ZeRO-3
 # ---------------------------------------------------------------------------------------------------------------
 
 class _ShardedLayer:
     """One Linear or Embedding under FSDP. Its weight (rows, cols) is zero-padded to N * rows_per_rank rows and
     rank r keeps rows [r * rows_per_rank, (r + 1) * rows_per_rank) as the fp32 nn.Parameter `shard` (a row block is
-    a slice of the flattened weight, so this is SPEC §6.8's flat sharding; it stays 2-D for weight-decay rules)."""
+    a slice of the flattened weight, so this is flat sharding; it stays 2-D for weight-decay rules)."""
 
     def __init__(self, shard, rows, cols, is_embedding):
         self.shard, self.rows, self.cols = shard, rows, cols
@@ -456,36 +460,43 @@ class _ShardedLayer:
 
 class _FSDPLinear(torch.autograd.Function):
     """y = x W^T with W all-gathered for this call only: saves x (in the matmul dtype), never the full W, and
-    gathers W again in backward (SPEC §6.8)."""
+    gathers W again in backward.
+
+    Each product is the very call that autograd makes for model.Linear's `x @ W.T` on the unsharded weight, so a
+    sharded step does the same floating-point arithmetic as a single-process one: matmul folds x to 2-D
+    (x2 = x.reshape(-1, in)) and runs mm(x2, W^T); the backward of that mm gives grad_x2 = mm(g2, W) and, W^T being
+    a column-major view, the weight gradient as mm(g2^T, x2) (never as the transpose of x2^T g2, which sums in
+    another order)."""
 
     @staticmethod
     def forward(ctx, x, shard, fsdp, i):
         w = fsdp._before_forward(i)
         dtype = fsdp._matmul_dtype(x, w)
-        x_c = x.to(dtype)
+        x2 = x.to(dtype).reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            y = x_c @ w.to(dtype).t()
-        ctx.save_for_backward(x_c)
-        ctx.fsdp, ctx.i, ctx.x_dtype = fsdp, i, x.dtype
-        return y
+            y = x2.mm(w.to(dtype).t())
+        ctx.save_for_backward(x2)
+        ctx.fsdp, ctx.i, ctx.x_dtype, ctx.x_shape = fsdp, i, x.dtype, x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
-        (x_c,) = ctx.saved_tensors
+        (x2,) = ctx.saved_tensors
         fsdp, i = ctx.fsdp, ctx.i
         fsdp._before_backward(i)
-        g = grad_y.to(x_c.dtype)
+        g2 = grad_y.to(x2.dtype).reshape(-1, grad_y.shape[-1])
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = (g @ fsdp._full_weight(i).to(x_c.dtype)).to(ctx.x_dtype)
+            grad_x = g2.mm(fsdp._full_weight(i).to(x2.dtype)).to(ctx.x_dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            fsdp._reduce_scatter(i, g.reshape(-1, g.shape[-1]).t() @ x_c.reshape(-1, x_c.shape[-1]))
+            fsdp._reduce_scatter(i, g2.t().mm(x2))
         return grad_x, None, None, None
 
 
 class _FSDPEmbedding(torch.autograd.Function):
     """out = W[ids] with W all-gathered for this call only. Backward needs no W: the output gradient rows are
-    scatter-added into a dense (V, d) fp32 buffer, which is reduce-scattered (SPEC §6.8)."""
+    accumulated into a dense zero buffer exactly as autograd does for `weight[ids]` (index_put_ with
+    accumulate=True, which is also the deterministic path on GPUs), in fp32, then reduce-scattered."""
 
     @staticmethod
     def forward(ctx, ids, shard, fsdp, i):
@@ -501,15 +512,14 @@ class _FSDPEmbedding(torch.autograd.Function):
         fsdp._before_backward(i)
         if ctx.needs_input_grad[1]:
             layer = fsdp.layers[i]
-            grad_w = torch.zeros((fsdp.world_size * layer.rows_per_rank, layer.cols), dtype=layer.shard.dtype,
-                                 device=grad_out.device)
-            grad_w.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, layer.cols).to(grad_w.dtype))
+            grad_w = grad_out.new_zeros((fsdp.world_size * layer.rows_per_rank, layer.cols), dtype=layer.shard.dtype)
+            grad_w.index_put_((ids,), grad_out.to(grad_w.dtype), accumulate=True)  # bf16 rows summed in fp32
             fsdp._reduce_scatter(i, grad_w)
         return None, None, None, None
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallel (ZeRO-3, SPEC §6.8) for any model built from model.py's Linear and Embedding.
+    """Fully sharded data parallel (ZeRO-3) for any model built from model.py's Linear and Embedding.
 
     Every Linear and Embedding weight is sharded across ranks (tied weights once); everything else (the RMSNorm
     gains) is replicated and its gradients are averaged in finish_gradient_synchronization(). model.parameters()
@@ -519,7 +529,7 @@ class FSDP(nn.Module):
 
     Prefetch: the execution order of the sharded layers is recorded in the first forward; afterwards the gather of
     the next layer is issued just before a layer's compute is queued, so it overlaps that compute, and at most
-    two gathered weights exist (SPEC's rule: layer k starts once layer k - 2 is done). Backward mirrors it in
+    two gathered weights exist (layer k's gather starts once layer k - 2 is done). Backward mirrors it in
     reverse (the first layer of backward is prefetched when forward returns, overlapping the loss); weight
     gradients are reduce-scattered asynchronously into fp32 shard gradients, at most two in flight.
     Under activation checkpointing the recomputed forward gathers on demand. Gradient accumulation works by
@@ -658,31 +668,50 @@ class FSDP(nn.Module):
         self._drop_gathered()
         self._in_backward = False
 
-    @torch.no_grad()
     def clip_grad_norm(self, max_l2_norm):
-        """Clip all gradients as one vector (SPEC §3.3) and return the global norm: shard squares summed over
-        ranks, replicated ones counted once (SPEC §6.8). Branch-free (no host sync): the scale is clamped to 1."""
-        shard_grads = [s.grad for s in self.shards if s.grad is not None]
-        replicated_grads = [p.grad for p in self.replicated if p.grad is not None]
-        device = next(self.module.parameters()).device
+        """Clip all gradients as one vector and return the global norm: shard squares summed over ranks,
+        replicated ones counted once. Branch-free (no host sync): the scale is clamped to 1."""
+        return clip_grad_norm(self.replicated, max_l2_norm, sharded=self.shards)
 
-        def sum_of_squares(grads):
-            if not grads:
-                return torch.zeros((), dtype=torch.float32, device=device)
-            return torch.stack(torch._foreach_norm(grads)).float().square().sum()
 
-        total = sum_of_squares(shard_grads)
-        dist.all_reduce(total)
-        norm = (total + sum_of_squares(replicated_grads)).sqrt()
-        scale = (max_l2_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = shard_grads + replicated_grads
-        for dtype in dict.fromkeys(g.dtype for g in grads):
-            torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
-        return norm
+@torch.no_grad()
+def clip_grad_norm(parameters, max_l2_norm, sharded=()):
+    """Global L2 norm over the gradients of `parameters` (replicated: counted once) and of `sharded` (each rank
+    holds a disjoint part: their squares are summed over ranks with one all-reduce); parameters without a
+    gradient are skipped. If the norm exceeds max_l2_norm every gradient is scaled in place by
+    max_l2_norm / (norm + 1e-6). Returns the norm before clipping as a 0-dim fp32 tensor, without a host sync
+    (the scale is clamp(max / (norm + 1e-6), max=1): exactly 1 when not clipping)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    shard_grads = [p.grad for p in sharded if p.grad is not None]
+    if not grads and not shard_grads and not sharded:
+        return torch.zeros(())
+    first = (grads or shard_grads or [next(iter(sharded))])[0].device
+
+    def sum_of_squares(gs):
+        by_device = {}
+        for g in gs:
+            by_device.setdefault(g.device, []).append(g)
+        squares = [torch.stack(torch._foreach_norm(same)).float().square().sum().to(first)
+                   for same in by_device.values()]
+        return torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=first)
+
+    total = sum_of_squares(grads)
+    if sharded:  # every rank takes part, also one whose shards got no gradient
+        shard_total = sum_of_squares(shard_grads)
+        dist.all_reduce(shard_total)
+        total = total + shard_total
+    norm = total.sqrt()
+    scale = (max_l2_norm / (norm + 1e-6)).clamp(max=1.0)
+    by_key = {}
+    for g in grads + shard_grads:
+        by_key.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), gs in by_key.items():
+        torch._foreach_mul_(gs, scale.to(device, dtype))
+    return norm
 
 
 def _all_reduce_flat(grads, world_size):
-    """Average a list of gradients with one all-reduce per dtype over a flattened copy (SPEC §6.4)."""
+    """Average a list of gradients with one all-reduce per dtype over a flattened copy."""
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in same])
@@ -735,3 +764,252 @@ def load_full_params(model, state_dict):
                 t[:rows.shape[0]] = rows
             else:
                 t.copy_(src)
+
+
+def gather_full_optimizer_state(model, optimizer):
+    """The state dict of an optimizer over an FSDP-wrapped model's parameters, with every shard-shaped state
+    tensor (AdamW's moments) all-gathered, padding stripped: the same format, numbering and shapes as the optimizer
+    of the unwrapped model would have, so the checkpoint loads at any world size and under any wrapper. Tensors
+    on CPU. Call on all ranks (every rank then holds the dict)."""
+    _, world_size = _rank_and_world()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = optimizer.state_dict()
+    state = {}
+    with torch.no_grad():
+        for i in sorted(saved["state"]):  # the same keys on every rank: every rank steps the same parameters
+            p, entry = params[i], {}
+            for k, v in saved["state"][i].items():
+                if torch.is_tensor(v) and hasattr(p, "_fsdp_full_shape") and v.shape == p.shape:
+                    rows, cols = p._fsdp_full_shape
+                    full = torch.empty((world_size * v.shape[0], cols), dtype=v.dtype, device=v.device)
+                    _all_gather(full, v.contiguous())
+                    v = full[:rows]
+                entry[k] = v.to("cpu", copy=True) if torch.is_tensor(v) else v
+            state[i] = entry
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def load_full_optimizer_state(model, optimizer, state_dict):
+    """Load a full optimizer state (gather_full_optimizer_state's, or a single-process optimizer's) into the
+    optimizer of an FSDP-wrapped model: each rank keeps its own rows of every full-shaped state tensor."""
+    rank, _ = _rank_and_world()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(params) != sum(len(g["params"]) for g in state_dict["param_groups"]):
+        raise ValueError("optimizer state and optimizer disagree on the number of parameters")
+    state = {}
+    for i, saved in state_dict["state"].items():
+        p, entry = params[int(i)], {}
+        for k, v in saved.items():
+            if torch.is_tensor(v) and hasattr(p, "_fsdp_full_shape") and tuple(v.shape) == p._fsdp_full_shape:
+                rows = v[rank * p.shape[0]:(rank + 1) * p.shape[0]]
+                own = v.new_zeros(p.shape)
+                own[:rows.shape[0]] = rows
+                v = own
+            entry[k] = v
+        state[i] = entry
+    optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one factory for every data-parallel setup (train.py and bench.py build through it)
+# ---------------------------------------------------------------------------------------------------------------
+
+IMPLS = ("none", "naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")
+_SHARDED_IMPLS = ("fsdp", "torch_fsdp")
+
+
+def wrap(model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, compile_kwargs=None):
+    """Wrap `model` (on its device already) for data parallelism and return a Parallel, the only object a
+    training loop needs. impl:
+      none        one process, no communication (the plain model)
+      naive, flat, overlap, bucketed   DDPNaive, DDPFlat, DDPIndividualParameters, DDPBucketed(bucket_size_mb)
+      fsdp        FSDP(compute_dtype): weights all-gathered in compute_dtype (None: their own fp32)
+      torch       torch.nn.parallel.DistributedDataParallel
+      torch_fsdp  FSDP2: fully_shard per block of model.layers and around the whole model, params cast to
+                  compute_dtype (None: fp32), gradients reduced in fp32
+    compile=True applies torch.compile(**compile_kwargs): inside our DDP wrappers and torch's DDP (their hooks stay
+    eager), around the FSDP variants (the gathers are part of the compiled forward)."""
+    return Parallel(model, impl, bucket_size_mb, compute_dtype, compile, compile_kwargs or {})
+
+
+class Parallel:
+    """A model under one data-parallel impl (see wrap) with the operations a training loop needs, the same for
+    every impl:
+
+        w = ddp.wrap(model, "bucketed")
+        optimizer = w.make_optimizer(AdamW, param_groups, zero1=True, lr=3e-4)   # over the right parameters
+        for micro in range(grad_accum):
+            with w.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
+                loss_fn(w(x), y).backward()
+        w.finish()                           # gradients now averaged over ranks
+        w.clip_grad_norm(1.0)                # the global norm
+        optimizer.step()
+        sd, osd = w.state_dict(), w.optimizer_state_dict(optimizer)   # full, unsharded (collective: all ranks)
+
+    .module is the unwrapped model (its parameters are the shards under the FSDP variants), .model what is called.
+    State dicts are in the unwrapped model's and a plain torch.optim optimizer's format under every impl
+    (torch_fsdp: the complete dicts on rank 0), so a checkpoint of one impl and world size loads into any other."""
+
+    def __init__(self, model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, compile_kwargs=None):
+        if impl not in IMPLS:
+            raise ValueError(f"unknown data-parallel impl {impl!r}; expected one of {IMPLS}")
+        self.impl, self.module = impl, model
+        self.rank, self.world_size = (0, 1) if impl == "none" else _rank_and_world()
+        inner = torch.compile(model, **(compile_kwargs or {})) if compile and impl not in _SHARDED_IMPLS else model
+        if impl == "none":
+            wrapped = inner
+        elif impl == "naive":
+            wrapped = DDPNaive(inner)
+        elif impl == "flat":
+            wrapped = DDPFlat(inner)
+        elif impl == "overlap":
+            wrapped = DDPIndividualParameters(inner)
+        elif impl == "bucketed":
+            wrapped = DDPBucketed(inner, bucket_size_mb)
+        elif impl == "fsdp":
+            wrapped = FSDP(model, compute_dtype=compute_dtype)
+        elif impl == "torch":
+            device = next(model.parameters()).device
+            ddp_cls = nn.parallel.DistributedDataParallel
+            # no buffer broadcast before every forward (the RoPE tables are equal everywhere); newer torch names it
+            no_resync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp_cls).parameters
+                         else "broadcast_buffers")
+            wrapped = ddp_cls(inner, device_ids=[device.index] if device.type == "cuda" else None,
+                              **{no_resync: False})
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            _broadcast_from_rank0(model)  # fully_shard keeps each rank's own values: start them all from rank 0's
+            policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            for block in model.layers:
+                fully_shard(block, mp_policy=policy)
+            wrapped = fully_shard(model, mp_policy=policy)
+        if compile and impl in _SHARDED_IMPLS:
+            wrapped = torch.compile(wrapped, **(compile_kwargs or {}))
+        self.model = wrapped
+
+    def __call__(self, *inputs, **kwargs):
+        return self.model(*inputs, **kwargs)
+
+    def train(self, mode=True):
+        self.model.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def named_parameters(self):
+        """The trainable parameters under their unwrapped names (the shards under the FSDP variants): what the
+        optimizer must hold."""
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def make_optimizer(self, optimizer_cls, param_groups=None, zero1=False, **kwargs):
+        """optimizer_cls(groups, **kwargs) over the wrapped parameters; param_groups(named_parameters) -> groups
+        (default: one group of all). zero1=True shards the optimizer state over ranks (ShardedOptimizer; a plain
+        optimizer under impl none); the FSDP variants shard it already and refuse it."""
+        groups = param_groups(self.named_parameters()) if param_groups is not None else self.parameters()
+        if zero1 and self.impl in _SHARDED_IMPLS:
+            raise ValueError(f"zero1 shards optimizer state on top of replicated DDP; impl {self.impl!r} shards "
+                             f"it already")
+        if zero1 and self.impl != "none":
+            return ShardedOptimizer(groups, optimizer_cls, **kwargs)
+        return optimizer_cls(groups, **kwargs)
+
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, communicating nothing (our DDP wrappers and torch's
+        DDP). The FSDP variants keep gradients sharded instead: every backward reduce-scatters, so this is a null
+        context there, and under impl none."""
+        if self.impl in _SHARDED_IMPLS or self.impl == "none":
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def finish(self):
+        """Finish the gradient synchronization of the last backward (our wrappers; torch's finish inside
+        backward)."""
+        if self.impl in ("naive", "flat", "overlap", "bucketed", "fsdp"):
+            self._ours().finish_gradient_synchronization()
+
+    def _ours(self):
+        """Our wrapper object (DDP* or FSDP) under torch.compile's OptimizedModule, else the called model."""
+        return getattr(self.model, "_orig_mod", self.model) if self.impl == "fsdp" else self.model
+
+    def clip_grad_norm(self, max_norm):
+        """Clip to the global gradient norm (max_norm = inf: only measure it); returns the norm as a 0-dim tensor
+        without a host sync. Under fsdp the shards' squares are summed over ranks."""
+        if self.impl == "fsdp":
+            return self._ours().clip_grad_norm(max_norm)
+        if self.impl == "torch_fsdp":  # DTensor gradients: torch reduces the norm over the mesh
+            return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        return clip_grad_norm(self.parameters(), max_norm)
+
+    def state_dict(self):
+        """The full model state dict, keyed like the unwrapped model's own. Collective under the FSDP variants
+        (call on all ranks); under torch_fsdp only rank 0's is complete (CPU tensors)."""
+        if self.impl == "fsdp":
+            return gather_full_params(self.module)
+        if self.impl == "torch_fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True,
+                                                                              cpu_offload=True))
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Load a full model state dict (from state_dict() under any impl, or a single-process model) on every
+        rank."""
+        if self.impl == "fsdp":
+            load_full_params(self.module, state_dict)
+        elif self.impl == "torch_fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            set_model_state_dict(self.module, state_dict, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.module.load_state_dict(state_dict)
+
+    def optimizer_state_dict(self, optimizer):
+        """The optimizer's full state in torch.optim's format (parameters numbered across groups, in the
+        unwrapped model's shapes): consolidated under ZeRO-1, gathered under the FSDP variants (collective then;
+        under torch_fsdp only rank 0's is complete)."""
+        if self.impl == "fsdp":
+            return gather_full_optimizer_state(self.module, optimizer)
+        if self.impl == "torch_fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+            by_name = get_optimizer_state_dict(self.module, optimizer,
+                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return _numbered(by_name)
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer, state_dict):
+        """Load optimizer_state_dict()'s format (from any impl and world size) on every rank."""
+        if self.impl == "fsdp":
+            load_full_optimizer_state(self.module, optimizer, state_dict)
+        elif self.impl == "torch_fsdp" and not any(torch.is_tensor(v) and v.dim() > 0
+                                                   for s in state_dict["state"].values() for v in s.values()):
+            optimizer.load_state_dict(state_dict)  # nothing to shard (e.g. plain SGD), which torch's loader refuses
+        elif self.impl == "torch_fsdp":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                                 set_optimizer_state_dict)
+            names = [n for g in get_optimizer_state_dict(self.module, optimizer)["param_groups"] for n in g["params"]]
+            set_optimizer_state_dict(self.module, optimizer, _named(state_dict, names),
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(state_dict)
+
+
+def _numbered(by_name):
+    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) in torch.optim's numbering: the
+    parameters of all groups in order. Ranks without the full dict (torch_fsdp's other ranks) get {}."""
+    if not by_name:
+        return {}
+    index, groups = {}, []
+    for g in by_name["param_groups"]:
+        groups.append({**g, "params": [index.setdefault(n, len(index)) for n in g["params"]]})
+    return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
+
+
+def _named(numbered, names):
+    """The reverse of _numbered, with the names of the optimizer's parameters in order."""
+    if len(names) != sum(len(g["params"]) for g in numbered["param_groups"]):
+        raise ValueError("optimizer state and optimizer disagree on the number of parameters")
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in numbered["param_groups"]]
+    return {"state": {names[int(i)]: s for i, s in numbered["state"].items()}, "param_groups": groups}

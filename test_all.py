@@ -10,6 +10,7 @@ imports triton); on a GPU the same tests run natively and the GPU-only tests (na
 Multi-process tests use gloo on CPU (NCCL when there is a GPU per rank) and skip with a reason when they can't run.
 """
 import contextlib
+import copy
 import datetime
 import hashlib
 import importlib
@@ -22,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -33,6 +35,7 @@ import tracemalloc
 import unittest
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import tiktoken
@@ -1773,7 +1776,8 @@ TINY = ["--d_model=32", "--num_layers=2", "--num_heads=2", "--d_ff=64", "--conte
 
 
 def _spec_adamw_step(params, grads, states, lr, betas, eps, wd):
-    """SPEC §3.1 written plainly, one tensor at a time."""
+    """The AdamW algorithm written plainly, one tensor at a time: bias-corrected step size α_t, ε added after
+    sqrt(v), then decay θ ← θ − α·λ·θ."""
     for p, g, s in zip(params, grads, states):
         s["t"] += 1
         s["m"] = betas[0] * s["m"] + (1 - betas[0]) * g
@@ -1822,7 +1826,7 @@ def test_adamw_close_to_torch_adamw():
             torch.nn.functional.mse_loss(m(x), y).backward()
             o.step()
     for p, r in zip(model.parameters(), model_ref.parameters()):
-        torch.testing.assert_close(p, r, rtol=1e-3, atol=5e-5)  # decay order differs at second order (SPEC §3.1 Δ)
+        torch.testing.assert_close(p, r, rtol=1e-3, atol=5e-5)  # torch decays before the update: differs at 2nd order
 
 
 def test_adamw_late_added_params_and_params_without_grad():
@@ -1861,7 +1865,7 @@ def test_adamw_low_precision_params_keep_fp32_state():
 
 
 def test_adamw_fused_kernel_matches_spec_algorithm():
-    """The fused Triton step (interpreter on CPU) against SPEC §3.1 in float64: ragged sizes around the chunk size,
+    """The fused Triton step (interpreter on CPU) against the plain algorithm in float64: ragged sizes around the chunk size,
     two groups, fp32 and bf16 parameters, and gradients reallocated between steps (the kernel must follow them),
     the last time as unaligned views into one buffer."""
     torch.manual_seed(4)
@@ -1969,7 +1973,10 @@ def test_load_dataset_validates_and_names_the_prepare_command(tmp_path):
     meta = _write_dataset(d)
     tokens, docs, m = train.load_dataset(d, "train")
     assert len(tokens) == meta["train_tokens"] and docs[-1] == len(tokens) and m["vocab_size"] == 97
-    _expect(FileNotFoundError, ["python data/prepare.py nothere"], train.load_dataset, tmp_path / "nothere", "train")
+    _expect(FileNotFoundError, [f"python data/prepare.py nothere --input <files> --out_dir {tmp_path / 'nothere'}"],
+            train.load_dataset, tmp_path / "nothere", "train")
+    _expect(FileNotFoundError, ["`python data/prepare.py nothere` to create it"], train.load_dataset,
+            ROOT / "data" / "nothere", "train")  # the default place: prepare.py's own default
     _expect(ValueError, ["split"], train.load_dataset, d, "test")
     good = (d / "train.bin").read_bytes()
     (d / "train.bin").write_bytes(good + b"\x00")  # odd byte count for uint16
@@ -1984,7 +1991,8 @@ def test_load_dataset_validates_and_names_the_prepare_command(tmp_path):
     np.save(d / "train_docs.npy", np.array([0, 5, 3, meta["train_tokens"]], dtype=np.int64))
     _expect(ValueError, ["document index"], train.load_dataset, d, "train")
     os.remove(d / "val_docs.npy")
-    _expect(FileNotFoundError, ["val_docs.npy", "python data/prepare.py tiny"], train.load_dataset, d, "val")
+    _expect(FileNotFoundError, ["val_docs.npy", f"python data/prepare.py tiny --input <files> --out_dir {d}"],
+            train.load_dataset, d, "val")
 
 
 def test_batching_strategies_cover_documents_and_never_cross_them(tmp_path):
@@ -2048,7 +2056,8 @@ def test_config_files_overrides_and_errors(tmp_path):
     _expect(ValueError, ["--key=value"], train.apply_config, ["--max_iters"], train.default_config())
     f.write_text("batchsize = 3\n")
     _expect(ValueError, ["'batchsize'", str(f)], train.apply_config, [str(f)], train.default_config())
-    _expect(FileNotFoundError, ["nothere.py"], train.apply_config, ["nothere.py"], train.default_config())
+    _expect(train.ConfigError, ["nothere.py", "not found"], train.apply_config, ["nothere.py"],
+            train.default_config())
     for name in ("small", "medium", "large", "xl", "2.7B", "pack", "pad", "dynamic_pad"):  # shipped files parse
         path = ROOT / "config" / f"{name}.py"
         if path.exists():
@@ -2098,6 +2107,13 @@ def _log(out_dir):
         return [json.loads(line) for line in f]
 
 
+def _losses(out_dir):
+    """The logged (step, train loss, grad norm) and (step, val loss) records: equal between two runs only when the
+    runs are bit for bit the same."""
+    return [(r["step"], r["loss"], r["grad_norm"]) if "loss" in r else (r["step"], r["val_loss"])
+            for r in _log(out_dir)]
+
+
 def test_short_training_run_loss_falls_for_every_batching(tmp_path):
     data = tmp_path / "d"
     _write_dataset(data)
@@ -2125,14 +2141,15 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     for batching in ("concat", "pack"):
         common = TINY + [f"--data_dir={data}", "--log_interval=1", "--eval_interval=2", "--lr_decay_iters=6",
                          f"--batching={batching}", "--grad_accum=2"]
-        train.main(common + [f"--out_dir={tmp_path / 'full'}", "--max_iters=6"])
-        train.main(common + [f"--out_dir={tmp_path / 'part'}", "--max_iters=3"])
-        train.main(common + [f"--out_dir={tmp_path / 'part'}", "--max_iters=6", "--init_from=resume"])
-        full = [(r["step"], r["loss"], r["grad_norm"]) for r in _log(tmp_path / "full") if "loss" in r]
-        part = [(r["step"], r["loss"], r["grad_norm"]) for r in _log(tmp_path / "part") if "loss" in r]
-        assert len(full) == 6 and full == part, (full, part)  # bit-for-bit
-        a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)["model"]
-        b = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)["model"]
+        full, part = tmp_path / f"full-{batching}", tmp_path / f"part-{batching}"
+        train.main(common + [f"--out_dir={full}", "--max_iters=6"])
+        train.main(common + [f"--out_dir={part}", "--max_iters=3"])
+        train.main([f"--out_dir={part}", "--max_iters=6", "--init_from=resume"])  # the rest of the config is saved
+        # bit for bit: 6 train records and the evaluations at 0, 2, 4, 6 (the first part also evaluated at its end)
+        resumed = [r for r in _losses(part) if r[0] != 3 or len(r) == 3]
+        assert _losses(full) == resumed and len(resumed) == 6 + 4, (_losses(full), resumed)
+        a = torch.load(full / "ckpt.pt", weights_only=True)["model"]
+        b = torch.load(part / "ckpt.pt", weights_only=True)["model"]
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -2150,6 +2167,143 @@ def test_bad_input_errors(tmp_path):
             TINY + [f"--data_dir={other}", f"--out_dir={tmp_path / 'o'}", "--max_iters=2", "--init_from=resume"])
 
 
+def test_config_errors_are_one_line_with_a_suggestion_and_status_2(tmp_path):
+    _expect(train.ConfigError, ["'learnign_rate'", "did you mean 'learning_rate'?"], train.apply_config,
+            ["--learnign_rate=1"], train.default_config())
+    _expect(train.ConfigError, ["did you mean 'save_interval'?"], train.apply_config, ["--ckpt_interval=5"],
+            train.default_config())  # the old name points to the new one
+    _expect(ValueError, ["batching"], train.check_config, SimpleNamespace(**{**train.default_config(),
+                                                                             "batching": "nope"}), 1)
+    for argv, words in ((["--learnign_rate=1"], ["unknown config key 'learnign_rate'", "'learning_rate'?"]),
+                        (["--batching=nope", f"--out_dir={tmp_path}"], ["batching must be one of"])):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = train.cli(argv)  # what `python train.py ...` runs
+        lines = err.getvalue().strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("train.py: error: "), (rc, err.getvalue())
+        assert all(w in lines[0] for w in words), lines
+
+
+def test_scratch_run_refuses_an_out_dir_that_holds_a_run_unless_forced(tmp_path):
+    data, out = tmp_path / "d", tmp_path / "o"
+    _write_dataset(data)
+    base = TINY + [f"--data_dir={data}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=100"]
+    train.main(base)
+    before = {n: (out / n).read_bytes() for n in ("ckpt.pt", "log.jsonl")}
+    _expect(train.ConfigError, ["already holds a run", "--init_from=resume", "--force=True"], train.main, base)
+    assert {n: (out / n).read_bytes() for n in before} == before  # nothing touched
+    os.remove(out / "ckpt.pt")  # a log alone (a run stopped before its first checkpoint) is kept as well
+    _expect(train.ConfigError, ["log.jsonl"], train.main, base)
+    (out / "ckpt.pt").write_bytes(before["ckpt.pt"])
+    train.main(base + ["--force=True", "--max_iters=1"])
+    assert {n: (out / f"{n}.old").read_bytes() for n in before} == before  # moved aside, whole
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iteration"] == 1
+
+
+def test_resume_restores_the_saved_config_warns_on_changes_and_refuses_inexact_ones(tmp_path):
+    data, out = tmp_path / "d", tmp_path / "o"
+    _write_dataset(data)
+    train.main(TINY + [f"--data_dir={data}", f"--out_dir={out}", "--max_iters=2", "--batch_size=3",
+                       "--eval_interval=100", "--save_interval=1"])
+    for flag, value in (("batch_size", 4), ("d_model", 16), ("grad_accum", 2), ("seed", 1), ("batching", "pack")):
+        _expect(train.ConfigError, ["cannot resume exactly", f"{flag}={value!r}", "saved"], train.main,
+                [f"--out_dir={out}", "--init_from=resume", f"--{flag}={value}"])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train.main([f"--out_dir={out}", "--init_from=resume", "--max_iters=3", "--batch_size=3",
+                    "--learning_rate=0.02"])  # an unchanged fixed key is fine; changes are applied and named
+    text = printed.getvalue()
+    assert "warning: resume changes learning_rate from 0.01 to 0.02" in text and "max_iters from 2 to 3" in text
+    assert "changes batch_size" not in text
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["iteration"] == 3 and ckpt["config"]["batch_size"] == 3 and ckpt["config"]["save_interval"] == 1
+    assert ckpt["config"]["learning_rate"] == 0.02 and ckpt["config"]["data_dir"] == str(data)
+
+
+def test_unloadable_checkpoint_errors_say_what_is_wrong_without_unsafe_advice(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": {}, "iteration": 1, "extra": SimpleNamespace(a=1)}, path)  # an object a safe load refuses
+    for src, words in ((path, ["Python objects", "not loaded"]), (tmp_path / "trunc.pt", ["truncated or corrupt"])):
+        if src != path:
+            src.write_bytes(path.read_bytes()[:100])
+        try:
+            train.read_checkpoint(src)
+        except RuntimeError as e:
+            text = "".join(traceback.format_exception(e))
+            assert all(w in str(e) for w in words) and "weights_only" not in text, text
+        else:
+            raise AssertionError(f"{src} loaded")
+
+
+def _wait_for(proc, text, timeout=120):
+    """Read proc's stdout until a line contains text; returns what was read."""
+    seen, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    proc.kill()
+    raise AssertionError(f"never printed {text!r}:\n{''.join(seen)[-3000:]}")
+
+
+def _interrupted(cmd, sig, out, env=None):
+    """Start cmd, send sig once step 3 is logged, and return (exit status, everything it printed, the step its
+    checkpoint holds)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    head = _wait_for(proc, "step 3/")
+    proc.send_signal(sig)
+    try:
+        rest = proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the signalled run did not end: a rank hangs")
+    return proc.returncode, head + rest, torch.load(out / "ckpt.pt", weights_only=True)["iteration"]
+
+
+_SIGNAL_RUN = TINY + ["--max_iters=60", "--log_interval=1", "--eval_interval=1000", "--save_interval=1000",
+                      "--grad_accum=2", "--batching=pack", "--context_length=16", "--batch_size=2"]
+
+
+def test_signal_sigint_saves_the_last_step_and_resume_continues_bit_for_bit(tmp_path):
+    data = tmp_path / "d"
+    _write_dataset(data)
+    train.main(_SIGNAL_RUN + [f"--data_dir={data}", f"--out_dir={tmp_path / 'full'}"])
+    out = tmp_path / "part"
+    rc, text, step = _interrupted([sys.executable, "train.py"] + _SIGNAL_RUN + [f"--data_dir={data}",
+                                                                                 f"--out_dir={out}"],
+                                  signal.SIGINT, out)
+    assert rc == 130 and 3 <= step < 60, (rc, step, text[-2000:])
+    assert f"stopped by SIGINT after step {step}: checkpoint in {out / 'ckpt.pt'}" in text, text[-2000:]
+    assert f"continue with `python train.py --out_dir={out} --init_from=resume`" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    train.main([f"--out_dir={out}", "--init_from=resume"])
+    assert _losses(out) == _losses(tmp_path / "full") and len(_losses(out)) == 60 + 2
+
+
+def test_signal_sigterm_under_torchrun_stops_every_rank_at_one_step_and_resumes_bit_for_bit(tmp_path):
+    """SIGTERM to torchrun (what a scheduler does), which passes it to both ranks: they agree on the step, save one
+    checkpoint, print where it is; the resumed 2-process run's log equals an uninterrupted 1-process run's with
+    the same global batch (our bucketed DDP is bit for bit that run)."""
+    data = tmp_path / "d"
+    _write_dataset(data)
+    train.main(_SIGNAL_RUN + [f"--data_dir={data}", f"--out_dir={tmp_path / 'full'}"])
+    out = tmp_path / "part"
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    rc, text, step = _interrupted(cmd + _SIGNAL_RUN + [f"--data_dir={data}", f"--out_dir={out}"], signal.SIGTERM,
+                                  out, env=env)
+    assert 3 <= step < 60 and rc != 0, (rc, step, text[-3000:])
+    assert f"stopped by SIGTERM after step {step}: checkpoint in {out / 'ckpt.pt'}" in text, text[-3000:]
+    assert (f"continue with `torchrun --standalone --nproc_per_node=2 train.py --out_dir={out} "
+            f"--init_from=resume`") in text
+    assert text.count("received SIGTERM") == 2, text[-3000:]  # both ranks were told, and ended by themselves
+    _run_ranks(2, [f"--out_dir={out}", "--init_from=resume"])
+    assert _losses(out) == _losses(tmp_path / "full") and len(_losses(out)) == 60 + 2
+
+
 def _free_port():
     try:
         with socket.socket() as s:
@@ -2159,30 +2313,48 @@ def _free_port():
         raise unittest.SkipTest(f"no local TCP port for the gloo rendezvous: {e}")
 
 
+_BIND_FAILED = ("Address already in use", "EADDRINUSE", "errno: 98", "Errno 98")  # another process took the port
+
+
 def _run_ranks(world_size, args, timeout=300):
-    """Launch train.py world_size times with torchrun's environment variables (gloo on CPU)."""
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py")] + args, env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError(f"{world_size}-process run timed out after {timeout}s")
-    if any(p.returncode for p in procs):
+    """Launch train.py world_size times with torchrun's environment variables (gloo on CPU). A rendezvous port
+    taken by another process between _free_port and the bind is retried with a new port; after three such
+    failures the test is skipped. Any other failure fails the test, with the output."""
+    for attempt in range(3):
+        port = _free_port()
+        procs = []
+        for rank in range(world_size):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py")] + args, env=env, cwd=ROOT,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = []
+        try:
+            for p in procs:
+                outputs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"{world_size}-process run timed out after {timeout}s")
+        if not any(p.returncode for p in procs):
+            return outputs
         text = "\n".join(outputs)
-        if any(w in text for w in ("init_process_group", "Address already in use", "Connection refused",
-                                   "Gloo connectFullMesh", "failed to bind")):
-            raise unittest.SkipTest(f"could not start {world_size} gloo processes: {text[-500:]}")
-        raise AssertionError(f"{world_size}-process run failed:\n{text[-4000:]}")
-    return outputs
+        if not _rendezvous_port_taken(text):
+            raise AssertionError(f"{world_size}-process run failed:\n{text[-4000:]}")
+    raise unittest.SkipTest(f"no free local port for the gloo rendezvous in 3 tries: {text[-500:]}")
+
+
+def _rendezvous_port_taken(text):
+    return any(w in text for w in _BIND_FAILED)
+
+
+def test_run_ranks_skips_only_when_the_rendezvous_port_is_taken():
+    """A crash that merely passes through init_process_group is a failure, not a skip."""
+    crash = ('Traceback (most recent call last):\n  File "train.py", line 9, in init_distributed\n'
+             '    dist.init_process_group("gloo")\nRuntimeError: Gloo connectFullMesh failed: wrong world size')
+    taken = "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network " \
+            "address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+    assert not _rendezvous_port_taken(crash) and _rendezvous_port_taken(taken)
 
 
 def _assert_same_weights(dir_a, dir_b, atol):
@@ -2201,7 +2373,8 @@ def test_two_process_gloo_training_equals_one_process_with_accumulation(tmp_path
     train.main(common + [f"--out_dir={tmp_path / 'single'}"])
     for impl in ("bucketed", "naive", "flat", "overlap", "torch"):
         _run_ranks(2, common + [f"--out_dir={tmp_path / impl}", f"--ddp_impl={impl}"])
-        _assert_same_weights(tmp_path / "single", tmp_path / impl, atol=1e-5)
+        _assert_same_weights(tmp_path / "single", tmp_path / impl, atol=0)  # bit for bit
+        assert _losses(tmp_path / "single") == _losses(tmp_path / impl)  # the logged loss is the global batch's
         assert not os.path.exists(tmp_path / impl / "ckpt.pt.tmp")
 
 
@@ -2220,14 +2393,23 @@ def test_four_process_gloo_bucketed_ddp_with_zero1_equals_one_process(tmp_path):
 def test_two_process_gloo_fsdp_and_torch_fsdp_train_save_and_resume(tmp_path):
     data = tmp_path / "d"
     _write_dataset(data)
+    # no clipping here: a sharded norm sums the squares in another order than one process, and an ulp of the clip
+    # scale would hide whether everything else is bit for bit
     common = TINY + [f"--data_dir={data}", "--log_interval=1", "--eval_interval=100", "--grad_accum=2",
-                     "--lr_decay_iters=4"]
+                     "--lr_decay_iters=4", "--grad_clip=0"]
     train.main(common + [f"--out_dir={tmp_path / 'single'}", "--max_iters=4"])
     for impl in ("torch_fsdp", "fsdp"):
         out = tmp_path / impl
         _run_ranks(2, common + [f"--out_dir={out}", f"--ddp_impl={impl}", "--max_iters=2"])
-        _run_ranks(2, common + [f"--out_dir={out}", f"--ddp_impl={impl}", "--max_iters=4", "--init_from=resume"])
-        _assert_same_weights(tmp_path / "single", out, atol=1e-5)  # full weights gathered, optimizer state resumed
+        ckpt = torch.load(out / "ckpt.pt", weights_only=True)  # full optimizer state, as one process saves it
+        single = torch.load(tmp_path / "single" / "ckpt.pt", weights_only=True)
+        assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"] + (["loss.png"] if (out / "loss.png").exists()
+                                                                      else [])
+        want = single["optimizer"]["state"]
+        assert ckpt["optimizer"]["state"].keys() == want.keys() and all(
+            ckpt["optimizer"]["state"][i][k].shape == want[i][k].shape for i in want for k in ("exp_avg", "exp_avg_sq"))
+        _run_ranks(2, [f"--out_dir={out}", "--max_iters=4", "--init_from=resume"])
+        _assert_same_weights(tmp_path / "single", out, atol=0)  # bit for bit: full weights and optimizer state
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2235,7 +2417,7 @@ def test_two_process_gloo_fsdp_and_torch_fsdp_train_save_and_resume(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 # ---------------------------------------------------------------------------------------------------------------
-# ddp.py: every wrapper against single-process training on the full batch (SPEC §6). Each test spawns 2 (one
+# ddp.py: every wrapper against single-process training on the full batch. Each test spawns 2 (one
 # test 4) processes: CPU + gloo, or one GPU each + NCCL where the machine has enough GPUs (so the same tests check
 # the NCCL paths on a GPU host). Each process also trains the single-process reference itself, so the
 # comparison happens inside the workers and a failed assert fails the spawn.
@@ -2632,6 +2814,173 @@ def test_fsdp_compute_dtype_bf16_runs_and_stays_close():
     """FSDP with compute_dtype=bf16 (tied weights): bf16 logits, fp32 shard gradients and master weights,
     parameters within bf16 noise of fp32 single-process training; likewise under bf16 autocast."""
     _spawn(_worker_fsdp_compute_dtype)
+
+
+# -- ddp.wrap: every impl against one process, bit for bit ------------------------------------------------------
+
+def _half_batch_reference(make, data, make_opt, steps, autocast=contextlib.nullcontext):
+    """One process, the same arithmetic as 2 ranks: loss = (L(first half) + L(second half)) / 2, where L is the
+    mean over a half, i.e. what each rank computes. Why this is bitwise equal to the wrappers: rank r's backward
+    starts from dL_r = 1, the reference's half-r backward from 1/2, and scaling by a power of two is exact in
+    binary floating point (barring underflow), so every intermediate of the reference is exactly half of rank r's;
+    autograd then accumulates g0/2 + g1/2 into .grad while the wrappers compute (g0 + g1) / 2 (gloo: sum, then
+    divide): the same number, since a sum of two values does not depend on their order and halving is exact.
+    (A full-batch mean would instead sum all rows inside one matmul: another order, another rounding.)"""
+    ref = make()
+    opt = make_opt(ref.parameters())
+    snaps = []
+    for x, y in data[:steps]:
+        opt.zero_grad(set_to_none=True)
+        with autocast():
+            l0 = model.cross_entropy(ref(x.chunk(2)[0]), y.chunk(2)[0])
+            l1 = model.cross_entropy(ref(x.chunk(2)[1]), y.chunk(2)[1])
+        ((l0 + l1) / 2).backward()
+        opt.step()
+        snaps.append(({k: v.detach().clone() for k, v in ref.state_dict().items()}, copy.deepcopy(opt.state_dict())))
+    return snaps
+
+
+def _same_state(got, want, what, exact=True, atol=1e-4):
+    assert got.keys() == want.keys(), (what, sorted(got), sorted(want))
+    for k in want:
+        g, e = got[k].to(want[k].device), want[k]
+        if exact:
+            assert torch.equal(g, e), f"{what}: {k} differs by {(g.double() - e.double()).abs().max().item():.3g}"
+        else:
+            _assert_close({k: g}, {k: e}, what, atol=atol, rtol=0)
+
+
+def _same_optimizer_state(got, want, what):
+    assert got["param_groups"] == want["param_groups"], what
+    assert sorted(got["state"]) == sorted(want["state"]), what
+    for i, s in want["state"].items():
+        for k, v in s.items():
+            g = got["state"][i][k]
+            same = torch.equal(g.cpu(), v.cpu()) if torch.is_tensor(v) else g == v
+            assert same, (what, i, k)
+
+
+_OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1), "adamw": lambda ps: train.AdamW(ps, lr=1e-2,
+                                                                                              weight_decay=0.1)}
+
+
+_EXACT_SETUPS = [("naive", {}), ("flat", {}), ("overlap", {}), ("bucketed", dict(bucket_size_mb=0.0005)),
+                 ("naive", dict(zero1=True)), ("bucketed", dict(bucket_size_mb=0.0005, zero1=True)), ("fsdp", {}),
+                 ("torch", {}), ("torch_fsdp", {})]
+
+
+def _wrapped_run(impl, kw, make_opt, seed):
+    w = ddp.wrap(_tiny_transformer(seed), impl, bucket_size_mb=kw.get("bucket_size_mb", 25.0),
+                 compute_dtype=kw.get("compute_dtype"))
+    return w, w.make_optimizer(lambda groups: make_opt(groups), zero1=kw.get("zero1", False))
+
+
+def _wrapped_step(w, opt, x, y, rank, world_size, autocast=contextlib.nullcontext):
+    opt.zero_grad(set_to_none=True)
+    with autocast():
+        loss = model.cross_entropy(w(_local(x, rank, world_size)), _local(y, rank, world_size))
+    loss.backward()
+    w.finish()
+    opt.step()
+
+
+def _worker_wrap_exact(rank, world_size):
+    warnings.simplefilter("error")  # no deprecated call or silent fallback anywhere on these paths
+    torch.use_deterministic_algorithms(True)
+    steps, data = 3, _batches(4, seq=8)
+    for opt_name, make_opt in _OPTIMIZERS.items():
+        want = _half_batch_reference(lambda: _tiny_transformer(0), data, make_opt, steps + 1)
+        full = []  # per setup: its full (model, optimizer) state dicts after `steps` steps, as rank 0 has them
+        for impl, kw in _EXACT_SETUPS:
+            what = f"{impl}{' + zero1' if kw.get('zero1') else ''} {opt_name}"
+            checked = impl != "torch_fsdp" or rank == 0  # torch_fsdp's full dicts are complete on rank 0 only
+            w, opt = _wrapped_run(impl, kw, make_opt, seed=rank)  # rank r starts from seed r: wrap fixes that
+            for step in range(steps):
+                _wrapped_step(w, opt, *data[step], rank, world_size)
+                sd = w.state_dict()
+                if checked:
+                    _same_state(sd, want[step][0], f"{what} step {step}")
+            sd, osd = w.state_dict(), w.optimizer_state_dict(opt)
+            if checked:
+                _same_optimizer_state(osd, want[steps - 1][1], f"{what} optimizer_state_dict")
+            shared = [sd, osd]
+            dist.broadcast_object_list(shared, src=0)
+            full.append(shared)
+        # every setup resumes from the previous setup's full state dicts (another impl) and steps on exactly
+        for k, (impl, kw) in enumerate(_EXACT_SETUPS):
+            w, opt = _wrapped_run(impl, kw, make_opt, seed=rank)
+            w.load_state_dict(full[k - 1][0])
+            w.load_optimizer_state_dict(opt, full[k - 1][1])
+            _wrapped_step(w, opt, *data[steps], rank, world_size)
+            sd = w.state_dict()
+            if impl != "torch_fsdp" or rank == 0:
+                _same_state(sd, want[steps][0], f"{impl} {opt_name} resumed from {_EXACT_SETUPS[k - 1][0]}")
+
+
+def test_ddp_wrap_every_impl_bitwise_equals_one_process():
+    """ddp.wrap under every impl (our four DDP wrappers, ZeRO-1 over two of them, FSDP, torch DDP, FSDP2), fp32,
+    SGD and our AdamW, deterministic algorithms, warnings as errors: after every step the full state dict equals
+    one process doing the same arithmetic bit for bit (torch.equal); the full optimizer state dict too; and each
+    setup resumed from another impl's full state dicts takes the next step bit for bit."""
+    _spawn(_worker_wrap_exact)
+
+
+def _bf16_lookup_lm(seed):
+    """The tiny TransformerLM with its embedding read in bf16, as FSDP(compute_dtype=bf16) reads it (autocast
+    alone leaves a lookup in fp32)."""
+    net = _tiny_transformer(seed)
+    emb = net.token_embeddings
+    emb.forward = lambda ids: emb.weight.to(torch.bfloat16)[ids]
+    return net
+
+
+def _worker_wrap_bf16(rank, world_size):
+    warnings.simplefilter("error")
+    torch.use_deterministic_algorithms(True)
+    steps, data, make_opt = 3, _batches(3, seq=8), _OPTIMIZERS["sgd"]
+    autocast = lambda: torch.autocast(DDP_DEVICE.type, dtype=torch.bfloat16)  # noqa: E731
+    want = _half_batch_reference(lambda: _tiny_transformer(0), data, make_opt, steps, autocast=autocast)
+    want_bf16_lookup = _half_batch_reference(lambda: _bf16_lookup_lm(0), data, make_opt, steps, autocast=autocast)
+    for impl, kw in [("bucketed", {}), ("naive", dict(zero1=True)), ("fsdp", {}),
+                     ("fsdp", dict(compute_dtype=torch.bfloat16)), ("torch", {})]:
+        ref = want_bf16_lookup if kw.get("compute_dtype") else want
+        w, opt = _wrapped_run(impl, kw, make_opt, seed=0)
+        for step in range(steps):
+            _wrapped_step(w, opt, *data[step], rank, world_size, autocast=autocast)
+            _same_state(w.state_dict(), ref[step][0], f"{impl} {kw} bf16 step {step}", exact=False, atol=1e-4)
+
+
+def test_ddp_wrap_bf16_autocast_stays_within_1e4_of_one_process():
+    """The same comparison under bf16 autocast: within 1e-4 after every step (bit for bit on CPU). FSDP with
+    compute_dtype=bf16 also reads the embedding in bf16, so its reference does too (and sums the embedding
+    gradient rows in bf16 where FSDP sums them in fp32: hence a tolerance)."""
+    _spawn(_worker_wrap_bf16)
+
+
+def test_ddp_wrap_single_process_and_bad_input():
+    net = _tiny_transformer(0)
+    w = ddp.wrap(net, "none")
+    assert w.model is net and w.world_size == 1 and isinstance(w.no_sync(), contextlib.nullcontext)
+    opt = w.make_optimizer(train.AdamW, zero1=True, lr=1e-3)  # ZeRO-1 over one process: the plain optimizer
+    assert type(opt) is train.AdamW
+    x = torch.randint(0, 29, (2, 8))
+    model.cross_entropy(w(x), x).backward()
+    w.finish()
+    grads = [p.grad.clone() for p in net.parameters()]
+    norm = w.clip_grad_norm(0.1)
+    assert torch.allclose(norm, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    assert abs(train.clip_grad_norm(net.parameters(), float("inf")).item() - 0.1) < 1e-5
+    assert w.state_dict().keys() == net.state_dict().keys()
+    for bad, words in (("nccl", ["unknown data-parallel impl", "'nccl'"]),):
+        _expect(ValueError, words, ddp.wrap, net, bad)
+    if not dist.is_initialized():
+        _expect(RuntimeError, ["torchrun"], ddp.wrap, net, "bucketed")
+    # bench.py ddp builds its variants through the same factory, under the same names
+    w, opt = bench._build_variant("none", _tiny_transformer(0), train.AdamW, 1e-3)
+    assert w.impl == "none" and type(opt) is train.AdamW
+    assert all(v.split("+")[0].split("-")[0] in ddp.IMPLS for v in bench.DDP_VARIANTS)
+    for bad in ("torch-ddp", "bucketed+zero2", "naive-25"):
+        _expect(ValueError, ["unknown variant", repr(bad)], bench._build_variant, bad, net, train.AdamW, 1e-3)
 
 
 def test_init_distributed_without_torchrun_is_single_process():
@@ -3115,13 +3464,13 @@ def test_bench_allreduce_two_processes(tmp_path):
 
 def test_bench_ddp_variants_two_processes(tmp_path):
     text = _bench_ranks(2, ["ddp", "--preset", "tiny", "--context_length", "32", "--batch_size", "2", "--steps",
-                            "2", "--warmup", "1", "--variants", "local", "naive", "flat", "bucketed-1", "--json",
+                            "2", "--warmup", "1", "--variants", "none", "naive", "flat", "bucketed-1", "--json",
                             str(tmp_path / "ddp.json")], tmp_path)
     results = json.loads((tmp_path / "ddp.json").read_text())["results"]
     ((header, table),) = _md_tables(text)
-    assert header == ["variant", "ms/step", "scaling vs local", "comm ms", "peak init GiB", "peak before step GiB",
+    assert header == ["variant", "ms/step", "scaling vs none", "comm ms", "peak init GiB", "peak before step GiB",
                       "peak after step GiB", "opt state GiB/rank", "loss"]
-    assert [r[0] for r in table] == [r["variant"] for r in results] == ["local", "naive", "flat", "bucketed-1"]
+    assert [r[0] for r in table] == [r["variant"] for r in results] == ["none", "naive", "flat", "bucketed-1"]
     assert not any("error" in r for r in results), results
     local = results[0]["ms_per_step"]
     for r, cells in zip(results, table):

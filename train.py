@@ -1,26 +1,33 @@
 """
-Train a TransformerLM on a tokenized dataset (SPEC §3). Example commands:
+Train a TransformerLM on a tokenized dataset. Example commands:
 
     python train.py                                    # CPU default: Shakespeare, vocab 2048, a few minutes on 2 cores
     python train.py --max_iters=200 --batch_size=8     # any config global can be overridden with --key=value
     python train.py config/pack.py                     # a config file of overrides (then --key=value on top)
-    python train.py --init_from=resume                 # continue exactly from out_dir/ckpt.pt
+    python train.py --init_from=resume                 # continue out_dir/ckpt.pt exactly, with its saved config
+    python train.py --force=True                       # start over in an out_dir that holds a run (old files -> *.old)
     torchrun --standalone --nproc_per_node=4 train.py config/small.py                 # 4 GPUs, our bucketed DDP
     torchrun --standalone --nproc_per_node=4 train.py config/small.py --ddp_impl=torch --zero1=False
 
 The data directory comes from `python data/prepare.py NAME` (run automatically for the default `shakespeare`).
 Everything below the config block is importable without side effects: AdamW, get_lr_cosine_schedule,
 clip_grad_norm, get_batch, load_dataset, sample_documents / pad_batch / pack_batch, save_checkpoint /
-load_checkpoint. The run itself sits in main(), called under `if __name__ == "__main__"`.
+load_checkpoint. The run itself sits in main() (cli() for the command line, called under
+`if __name__ == "__main__"`). Ctrl-C (SIGINT) or SIGTERM end a run after the step in progress, with a checkpoint
+of it and the command that continues it.
 """
 import ast
 import builtins
 import contextlib
+import difflib
 import json
 import math
 import os
+import pickle
+import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -31,25 +38,28 @@ import ddp
 import flash
 from model import TransformerLM, count_params, cross_entropy, flops_per_token
 
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+
 
 # -----------------------------------------------------------------------------------------------------------------
 # config: plain globals, overridden by a config file and then --key=value (apply_config). Defaults = a CPU run.
 # I/O
 out_dir = "out"                 # checkpoints (ckpt.pt), log.jsonl and loss.png
-init_from = "scratch"           # 'scratch' or 'resume' (from out_dir/ckpt.pt, continuing exactly)
+init_from = "scratch"           # 'scratch' or 'resume' (from out_dir/ckpt.pt with its saved config, continuing exactly)
+force = False                   # scratch into an out_dir that holds a run: move its ckpt.pt / log.jsonl to *.old
 log_interval = 10               # optimizer steps between log lines
 eval_interval = 100             # steps between validation-loss evaluations (and at the last step)
 eval_iters = 10                 # number of FIXED validation batches per evaluation
-ckpt_interval = 200             # steps between checkpoints (and always one at the end)
+save_interval = 200             # steps between checkpoints (and at the end, and when SIGINT / SIGTERM stop the run)
 seed = 1337                     # model init and every data draw derive from it
 # data
 dataset = "shakespeare"         # name under data/ (made by `python data/prepare.py NAME`)
 data_dir = ""                   # '' = data/<dataset> next to this file
-batching = "concat"             # 'concat' | 'pad' | 'dynamic_pad' | 'pack' (SPEC §5.7; README says when to use which)
+batching = "concat"             # 'concat' | 'pad' | 'dynamic_pad' | 'pack' (README says when to use which)
 batch_size = 16                 # sequences per micro-batch; doc strategies use batch_size*context_length real tokens
 context_length = 128            # tokens per sequence (RoPE table size)
 grad_accum = 1                  # micro-batches per optimizer step, split across ranks (must divide by world size)
-# model (SPEC §2; config/*.py hold the §2.10 presets)
+# model (config/*.py hold the preset shapes)
 d_model = 256                   # residual width
 num_layers = 4                  # transformer blocks
 num_heads = 8                   # attention heads (d_model / num_heads = head dim)
@@ -57,8 +67,8 @@ d_ff = 704                      # SwiGLU hidden width (about 8/3 d_model, a mult
 rope_theta = 10000.0            # RoPE base
 tie_embeddings = False          # share token_embeddings and lm_head
 attn_impl = "auto"              # 'auto' (flash on CUDA, naive on CPU) | 'flash' | 'flash_ref' | 'sdpa' | 'naive'
-act_ckpt_every = 0              # activation checkpointing every k blocks (0 = off, SPEC §3.9)
-# optimizer (SPEC §3.1-3.3, starting points of §3.11)
+act_ckpt_every = 0              # activation checkpointing every k blocks (0 = off)
+# optimizer
 learning_rate = 3e-3            # peak learning rate
 min_lr = 3e-4                   # floor of the cosine schedule
 warmup_iters = 20               # linear warm-up steps
@@ -73,41 +83,66 @@ grad_clip = 1.0                 # global-norm clip (0 = off; the norm is still l
 device = "auto"                 # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...
 dtype = "auto"                  # 'auto' (bfloat16 on CUDA, float32 on CPU) | 'float32' | 'bfloat16' (autocast)
 compile = False                 # torch.compile the model
-ddp_impl = "bucketed"           # torchrun: 'bucketed'|'naive'|'flat'|'overlap'|'fsdp'|'torch'|'torch_fsdp'
+ddp_impl = "bucketed"           # torchrun: 'bucketed'|'naive'|'flat'|'overlap'|'fsdp'|'torch'|'torch_fsdp' (ddp.wrap)
 zero1 = False                   # shard AdamW state across ranks (ddp.ShardedOptimizer; not with fsdp)
 bucket_size_mb = 25.0           # bucket size of ddp_impl='bucketed'
-peak_flops = 0.0                # per-GPU peak FLOP/s for MFU (0 = 989e12 on H100/H200, else MFU is not reported)
+peak_flops = 0.0                # per-GPU peak FLOP/s for MFU (0 = PEAK_FLOPS of the GPU, else MFU is not reported)
 # -----------------------------------------------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 
 BATCHING = ("concat", "pad", "dynamic_pad", "pack")
-DDP_IMPLS = ("bucketed", "naive", "flat", "overlap", "fsdp", "torch", "torch_fsdp")
+DDP_IMPLS = ("bucketed", "naive", "flat", "overlap", "fsdp", "torch", "torch_fsdp")  # ddp.IMPLS under torchrun
+# keys a resumed run must keep: changing any of them would draw other batches or build another model
+RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length", "grad_accum", "seed", "d_model",
+                "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings")
+RENAMED = {"ckpt_interval": "save_interval"}  # old config keys -> their names now (for the error's suggestion)
+# dense bf16 tensor-core FLOP/s from the datasheets (SXM parts): the MFU denominator, matched by device name
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}
+
+
+class ConfigError(ValueError):
+    """A bad config key or value, or a run the config would damage: the command line prints it as one line and
+    exits with status 2."""
+
+
+def gpu_peak_flops(device):
+    """PEAK_FLOPS of a CUDA device whose name contains one of its keys, else 0.0 (MFU not reported)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), 0.0)
 
 
 def default_config():
     return {k: globals()[k] for k in config_keys}
 
 
-def apply_config(argv, config):
+def apply_config(argv, config, given=None):
     """Apply config files (paths) and --key=value overrides, in order, to the dict `config` (nanoGPT's
     configurator, as a function). A file is executed with the current values in scope; new names it defines are
-    unknown keys. Values are parsed with ast.literal_eval (else kept as strings). Unknown keys and values whose type
-    differs from the default (int is accepted for float) raise ValueError naming the key."""
+    unknown keys. Values are parsed with ast.literal_eval (else kept as strings). Unknown keys (with the closest
+    known one as a suggestion) and values whose type differs from the default (int is accepted for float) raise
+    ConfigError (a ValueError) naming the key. The keys set are added to the set `given` when one is passed."""
     def checked(key, value, source):
         if key not in config:
-            raise ValueError(f"unknown config key {key!r} (from {source})")
+            close = [RENAMED[key]] if key in RENAMED else difflib.get_close_matches(key, list(config), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r} (from {source}){hint}")
         default = config[key]
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not type(default):
-            raise ValueError(f"config key {key!r} expects {type(default).__name__}, got {value!r} "
-                             f"({type(value).__name__}) from {source}")
+            raise ConfigError(f"config key {key!r} expects {type(default).__name__}, got {value!r} "
+                              f"({type(value).__name__}) from {source}")
+        if given is not None:
+            given.add(key)
         return value
 
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:
-                raise ValueError(f"override {arg!r} must look like --key=value")
+                raise ConfigError(f"override {arg!r} must look like --key=value")
             key, text = arg[2:].split("=", 1)
             try:
                 value = ast.literal_eval(text)
@@ -118,7 +153,7 @@ def apply_config(argv, config):
             config[key] = checked(key, value, arg)
         else:
             if not os.path.isfile(arg):
-                raise FileNotFoundError(f"config file {arg!r} not found")
+                raise ConfigError(f"config file {arg!r} not found")
             scope = dict(config, __file__=os.path.abspath(arg))  # so a config file can build on a sibling
             with open(arg) as f:
                 exec(builtins.compile(f.read(), arg, "exec"), scope)  # the config global `compile` shadows the builtin
@@ -131,11 +166,11 @@ def apply_config(argv, config):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# optimizer, schedule, clipping (SPEC §3.1-3.3)
+# optimizer, schedule, clipping
 
 class AdamW(torch.optim.Optimizer):
-    """AdamW exactly as SPEC §3.1 (t per parameter, ε after sqrt(v), decay by α·λ after the Adam update). m and v
-    are fp32 (fp64 for fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded once.
+    """AdamW with decoupled weight decay (t per parameter, ε after sqrt(v), decay by α·λ after the Adam update).
+    m and v are fp32 (fp64 for fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded once.
     fused=None (default) steps CUDA parameters with one fused Triton kernel per (group, dtype) and everything else
     with torch._foreach_* ops; fused=True insists on the kernel (on CPU it then runs in Triton's interpreter: for
     tests), fused=False always uses foreach."""
@@ -211,7 +246,7 @@ class AdamW(torch.optim.Optimizer):
 
 
 def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iters, cosine_cycle_iters):
-    """SPEC §3.2: linear warm-up to max over warmup_iters, cosine down to min at cosine_cycle_iters, then min."""
+    """Linear warm-up to max over warmup_iters, cosine down to min at cosine_cycle_iters, then min."""
     if it < warmup_iters:
         return it / warmup_iters * max_learning_rate
     if it <= cosine_cycle_iters:
@@ -220,28 +255,16 @@ def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iter
     return min_learning_rate
 
 
-@torch.no_grad()
 def clip_grad_norm(parameters, max_l2_norm):
-    """SPEC §3.3: global L2 norm over all gradients (parameters without one are skipped); if it exceeds
-    max_l2_norm, scale every gradient in place by max_l2_norm / (norm + 1e-6). Returns the norm before clipping as
-    a 0-dim fp32 tensor (no host sync: the scale is clamp(max/(n+1e-6), max=1), exactly 1 when not clipping)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    by_device = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    first = grads[0].device
-    squares = [torch.stack(torch._foreach_norm(gs)).float().square().sum().to(first) for gs in by_device.values()]
-    total = torch.stack(squares).sum().sqrt()
-    scale = (max_l2_norm / (total + 1e-6)).clamp(max=1.0)
-    for dev, gs in by_device.items():
-        torch._foreach_mul_(gs, scale.to(dev, gs[0].dtype))
-    return total
+    """Global L2 norm over all gradients (parameters without one are skipped); if it exceeds max_l2_norm, scale
+    every gradient in place by max_l2_norm / (norm + 1e-6). Returns the norm before clipping as a 0-dim fp32 tensor
+    without a host sync (the scale is clamp(max/(n+1e-6), max=1), exactly 1 when not clipping). ddp.clip_grad_norm
+    is the one implementation (it also sums sharded gradients over ranks)."""
+    return ddp.clip_grad_norm(list(parameters), max_l2_norm)
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# data (SPEC §3.4, §5.7)
+# data
 
 def load_dataset(data_dir, split):
     """Open data_dir/{split}.bin as a read-only memmap, with its document offsets and meta.json (the format of
@@ -250,7 +273,10 @@ def load_dataset(data_dir, split):
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     name = os.path.basename(os.path.normpath(data_dir))
-    make = f"run `python data/prepare.py {name}` to create it"
+    if os.path.abspath(data_dir) == os.path.join(_ROOT, "data", name):
+        make = f"run `python data/prepare.py {name}` to create it"
+    else:  # prepare.py writes data/<name> unless told where
+        make = f"run `python data/prepare.py {name} --input <files> --out_dir {data_dir}` to create it"
     meta_path = os.path.join(data_dir, "meta.json")
     bin_path = os.path.join(data_dir, f"{split}.bin")
     docs_path = os.path.join(data_dir, f"{split}_docs.npy")
@@ -290,14 +316,14 @@ def load_dataset(data_dir, split):
 
 
 def _to_device(t, device):
-    # pinned host memory lets the copy run asynchronously to the GPU (SPEC §3.4)
+    # pinned host memory lets the copy run asynchronously to the GPU
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 
 def get_batch(dataset, batch_size, context_length, device, generator=None):
-    """SPEC §3.4: batch_size random windows, starts uniform in {0, ..., n - context_length - 1}; returns int64
+    """batch_size random windows, starts uniform in {0, ..., n - context_length - 1}; returns int64
     inputs and next-token targets (B, T) on device. Only the windows are read from the memmap."""
     n = len(dataset)
     if n < context_length + 1:
@@ -353,7 +379,7 @@ def pad_batch(tokens, spans, length, pad_id):
 
 
 def pack_batch(tokens, spans):
-    """All pieces in one row (SPEC §5.7): x = concat(piece[:-1]), y = concat(piece[1:]) as (1, N) int64, with
+    """All pieces in one row: x = concat(piece[:-1]), y = concat(piece[1:]) as (1, N) int64, with
     int32 cu_seqlens (len num_pieces + 1) over those N positions and max_seqlen (a Python int)."""
     pieces = [np.asarray(tokens[s:e], dtype=np.int64) for s, e in spans]
     if not pieces or min(len(p) for p in pieces) < 2:
@@ -391,10 +417,10 @@ def batch_generator(seed, iteration, micro):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# checkpoints (SPEC §3.5)
+# checkpoints
 
 def _clean_state_dict(state_dict):
-    # torch.compile wraps the model as _orig_mod; store the plain model's names (SPEC §2.7 layout)
+    # torch.compile wraps the model as _orig_mod; store the plain model's names
     return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
 
 
@@ -433,8 +459,14 @@ def read_checkpoint(src):
         raise FileNotFoundError(f"checkpoint {os.fspath(src)} not found (train with `python train.py` first)")
     try:
         ckpt = torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's message would suggest the unsafe full unpickler: we never use it
+        raise RuntimeError(f"checkpoint {src} holds Python objects other than tensors, numbers, strings and "
+                           f"containers: not a train.py checkpoint, and it is not loaded") from None
     except Exception as e:
-        raise RuntimeError(f"checkpoint {src} is truncated or corrupt and cannot be loaded: {e}") from e
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "weights_only" in detail:
+            detail = type(e).__name__
+        raise RuntimeError(f"checkpoint {src} is truncated or corrupt and cannot be loaded ({detail})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "iteration" not in ckpt:
         raise RuntimeError(f"checkpoint {src} is not a train.py checkpoint (no 'model' / 'iteration')")
     return ckpt
@@ -469,11 +501,11 @@ def _set_rng_state(state, dev):
 
 def prepare_data(c, rank, world_size):
     """data_dir of the run; prepares the default Shakespeare data on first use (rank 0, others wait)."""
-    data_dir = c.data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", c.dataset)
+    data_dir = c.data_dir or os.path.join(_ROOT, "data", c.dataset)
     if not os.path.isfile(os.path.join(data_dir, "meta.json")) and c.dataset == "shakespeare" and not c.data_dir:
         if rank == 0:
             print(f"{data_dir} is missing: running `python data/prepare.py shakespeare`", flush=True)
-            prepare = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prepare.py")
+            prepare = os.path.join(_ROOT, "data", "prepare.py")
             subprocess.run([sys.executable, prepare, "shakespeare"], check=True)
         if world_size > 1:
             torch.distributed.barrier()
@@ -481,24 +513,131 @@ def prepare_data(c, rank, world_size):
 
 
 def check_config(c, world_size):
+    """Values apply_config cannot judge alone; raises ConfigError naming the key."""
     if c.init_from not in ("scratch", "resume"):
-        raise ValueError(f"init_from must be 'scratch' or 'resume', got {c.init_from!r}")
+        raise ConfigError(f"init_from must be 'scratch' or 'resume', got {c.init_from!r}")
     if c.batching not in BATCHING:
-        raise ValueError(f"batching must be one of {BATCHING}, got {c.batching!r}")
+        raise ConfigError(f"batching must be one of {BATCHING}, got {c.batching!r}")
     if c.ddp_impl not in DDP_IMPLS:
-        raise ValueError(f"ddp_impl must be one of {DDP_IMPLS}, got {c.ddp_impl!r}")
+        raise ConfigError(f"ddp_impl must be one of {DDP_IMPLS}, got {c.ddp_impl!r}")
     if c.zero1 and c.ddp_impl in ("fsdp", "torch_fsdp"):
-        raise ValueError(f"zero1 shards optimizer state on top of replicated DDP; ddp_impl={c.ddp_impl!r} "
-                         f"shards it already")
+        raise ConfigError(f"zero1 shards optimizer state on top of replicated DDP; ddp_impl={c.ddp_impl!r} "
+                          f"shards it already")
     if c.grad_accum < 1 or c.grad_accum % world_size:
-        raise ValueError(f"grad_accum={c.grad_accum} must be a positive multiple of the world size {world_size} "
-                         f"(micro-batches are split across ranks)")
+        raise ConfigError(f"grad_accum={c.grad_accum} must be a positive multiple of the world size {world_size} "
+                          f"(micro-batches are split across ranks)")
     for key in ("batch_size", "context_length", "max_iters", "eval_iters", "log_interval", "eval_interval",
-                "ckpt_interval"):
+                "save_interval"):
         if getattr(c, key) < 1:
-            raise ValueError(f"{key} must be >= 1, got {getattr(c, key)}")
+            raise ConfigError(f"{key} must be >= 1, got {getattr(c, key)}")
     if c.d_model % c.num_heads:
-        raise ValueError(f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}")
+        raise ConfigError(f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}")
+    if c.dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss scaling for float16), "
+                          f"got {c.dtype!r}")
+
+
+def resume_config(config, given, saved, log):
+    """The config of a resumed run: the checkpoint's saved config, with the keys given on this command line
+    (config files and --key=value) on top. A given key that changes the run is applied with a warning naming it;
+    one of RESUME_FIXED that differs from the saved value is refused (the run could not continue exactly)."""
+    saved = dict(saved)
+    for old, new in RENAMED.items():  # checkpoints written before a key was renamed
+        if old in saved:
+            saved.setdefault(new, saved.pop(old))
+    this_run = ("init_from", "force", "out_dir")  # where the checkpoint is now, and how this run starts
+    merged = dict(config)
+    merged.update({k: v for k, v in saved.items() if k in config and k not in this_run})
+    refused, changed = [], []
+    for key in sorted(given - set(this_run)):
+        merged[key] = config[key]
+        if key in saved and config[key] != saved[key]:
+            (refused if key in RESUME_FIXED else changed).append(key)
+    if refused:
+        details = ", ".join(f"{k}={config[k]!r} (saved {saved[k]!r})" for k in refused)
+        raise ConfigError(f"cannot resume exactly with {details}: drop these flags, or start a new run in "
+                          f"another out_dir")
+    for key in changed:
+        log(f"warning: resume changes {key} from {saved[key]!r} to {config[key]!r}")
+    return merged
+
+
+def claim_out_dir(c, master, log):
+    """A scratch run must not destroy a run already in out_dir: refuse, or with force=True move its checkpoint
+    and log aside (to *.old, replacing an older *.old) before anything is written."""
+    os.makedirs(c.out_dir, exist_ok=True)
+    old = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(c.out_dir, n))]
+    if c.init_from != "scratch" or not old:
+        return
+    if not c.force:
+        raise ConfigError(f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to "
+                          f"continue it, or --force=True to start over (its files are then moved to *.old)")
+    if master:
+        for name in old + [n for n in ("loss.png",) if os.path.exists(os.path.join(c.out_dir, n))]:
+            path = os.path.join(c.out_dir, name)
+            os.replace(path, path + ".old")
+        log(f"force: moved {', '.join(old)} in {c.out_dir} to *.old")
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning before it kills) only set a flag here; the loop asks
+    requested() before each step and, when set, saves the last completed step and returns. Under several
+    processes the flag is all-reduced (max) each step over a CPU gloo side group: every rank stops at the same
+    step (a collective checkpoint needs all of them), and no GPU synchronization is added."""
+
+    def __init__(self, world_size):
+        self.signum = 0
+        self.group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame):
+        if not self.signum:  # a second signal (torchrun forwards the terminal's Ctrl-C too) changes nothing
+            self.signum = signum
+            print(f"received {signal.Signals(signum).name}: stopping after the current step and saving a "
+                  f"checkpoint", file=sys.stderr, flush=True)
+
+    def requested(self):
+        """The signal to stop for (the same on every rank), or 0."""
+        if self.group is None:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return int(flag)
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def save_run(path, w, optimizer, iteration, model_args, c, data_dir, meta, dev, world_size):
+    """Checkpoint the run at `iteration`. Collective under sharding and ZeRO-1 (every rank calls it); rank 0
+    writes `path` atomically. The state dicts are full (unsharded) under every ddp_impl."""
+    state, opt_state = w.state_dict(), w.optimizer_state_dict(optimizer)
+    if w.rank == 0:
+        tokenizer = {"vocab": os.path.join(data_dir, meta["vocab"]),
+                     "merges": os.path.join(data_dir, meta["merges"]), "special_tokens": list(meta["special_tokens"])}
+        save_checkpoint(state, opt_state, iteration, path, model_args=model_args, config=vars(c),
+                        tokenizer=tokenizer, rng=_rng_state(dev), world_size=world_size)
+
+
+def evaluate_and_log(w, val_batches, autocast, step, dev, log_path, elapsed, master, log):
+    """Validation loss over the fixed batches (every rank takes part), logged and plotted by rank 0; returns the
+    seconds it took."""
+    t0 = time.time()
+    total, count = evaluate(w, val_batches, autocast)
+    if w.world_size > 1:
+        t = torch.tensor([total.item(), float(count)], dtype=torch.float64, device=dev)
+        torch.distributed.all_reduce(t)
+        total, count = t[0].cpu(), int(t[1].item())
+    val_loss = float(total) / count
+    log(f"step {step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
+    if master:
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"step": step, "val_loss": val_loss, "time_s": elapsed}) + "\n")
+        plot_losses(log_path, os.path.join(os.path.dirname(log_path), "loss.png"))
+    return time.time() - t0
 
 
 def evaluate(model, batches, autocast):
@@ -546,29 +685,38 @@ def plot_losses(log_path, png_path):
 
 
 def main(argv):
+    """Run train.py with command-line arguments; returns the exit status: 0, or 128 + the signal number when
+    SIGINT / SIGTERM stopped the run (after it saved the checkpoint)."""
     if "-h" in argv or "--help" in argv:
         keys = "\n".join(f"  --{k}={v!r}" for k, v in default_config().items())
         print(f"{__doc__}\nconfig keys and defaults:\n{keys}")
-        return
-    c = SimpleNamespace(**apply_config(argv, default_config()))
+        return 0
+    given = set()
+    config = apply_config(argv, default_config(), given)
     rank, _, world_size, dev = ddp.init_distributed()
-    if c.device != "auto" and world_size == 1:
-        dev = torch.device(c.device)
+    if config["device"] != "auto" and world_size == 1:
+        dev = torch.device(config["device"])
     try:
-        train(c, rank, world_size, dev)
+        return train(config, given, rank, world_size, dev)
     finally:
         ddp.cleanup_distributed()
 
 
-def train(c, rank, world_size, dev):
-    check_config(c, world_size)
+def train(config, given, rank, world_size, dev):
+    """The run: config (a dict of every key) and the keys the command line set (given), on this rank."""
     master = rank == 0
     log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+    c = SimpleNamespace(**config)
+    ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
+    log_path = os.path.join(c.out_dir, "log.jsonl")
+    ckpt = None
+    if c.init_from == "resume":  # the saved config, with this command line's changes (or refusals)
+        ckpt = read_checkpoint(ckpt_path)
+        c = SimpleNamespace(**resume_config(config, given, ckpt.get("config", {}), log))
+    check_config(c, world_size)
+    claim_out_dir(c, master, log)
     ptdtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
-               "float32": torch.float32, "bfloat16": torch.bfloat16}.get(c.dtype)
-    if ptdtype is None:
-        raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss scaling for float16), "
-                         f"got {c.dtype!r}")
+               "float32": torch.float32, "bfloat16": torch.bfloat16}[c.dtype]
     autocast = (torch.autocast(device_type=dev.type, dtype=ptdtype) if ptdtype != torch.float32
                 else contextlib.nullcontext())
     if dev.type == "cuda":
@@ -586,111 +734,40 @@ def train(c, rank, world_size, dev):
             raise ValueError(f"{name} split has {len(toks)} tokens, fewer than context_length + 1 = "
                              f"{c.context_length + 1}: lower context_length or prepare more data")
 
-    # model: from scratch, or from the checkpoint's own model_args when resuming
-    os.makedirs(c.out_dir, exist_ok=True)
-    ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
+    # model: from scratch, or with the checkpoint's own model_args when resuming
     model_args = dict(vocab_size=vocab_size, context_length=c.context_length, d_model=c.d_model,
                       num_layers=c.num_layers, num_heads=c.num_heads, d_ff=c.d_ff, rope_theta=c.rope_theta,
                       tie_embeddings=c.tie_embeddings, act_ckpt_every=c.act_ckpt_every)
-    ckpt = None
-    if c.init_from == "resume":
-        ckpt = read_checkpoint(ckpt_path)
+    if ckpt is not None:
         model_args = dict(ckpt["model_args"], act_ckpt_every=c.act_ckpt_every)
         if model_args["vocab_size"] != vocab_size:
             raise ValueError(f"checkpoint {ckpt_path} has vocab_size {model_args['vocab_size']} but dataset "
                              f"{data_dir} has {vocab_size}: resume on the data it was trained on")
-        if model_args["context_length"] < c.context_length:
-            raise ValueError(f"context_length={c.context_length} exceeds the checkpoint's "
-                             f"{model_args['context_length']}")
     torch.manual_seed(c.seed)
     model = TransformerLM(**model_args, attn_impl=attn, device=dev)
-    if ckpt is not None:
-        model.load_state_dict(_clean_state_dict(ckpt["model"]))
-    raw_model = model
     n_params = count_params(model)
     flops_tok = flops_per_token(vocab_size, model_args["context_length"], model_args["d_model"],
                                 model_args["num_layers"], model_args["d_ff"], causal=True)
+    impl = c.ddp_impl if world_size > 1 else "none"
     log(f"model: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token (training, causal), "
-        f"attn_impl={attn}, dtype={ptdtype}, device={dev}, world_size={world_size}, ddp_impl={c.ddp_impl}"
-        f"{' + zero1' if c.zero1 else ''}, batching={c.batching}")
+        f"attn_impl={attn}, dtype={ptdtype}, device={dev}, world_size={world_size}, ddp_impl={impl}"
+        f"{' + zero1' if c.zero1 and world_size > 1 else ''}, batching={c.batching}")
 
-    # data parallelism (SPEC §6): our wrappers compile inside, FSDP variants compile around. Document batches
-    # differ in shape from step to step: compile for dynamic shapes at once instead of recompiling on the second
-    compile_kw = dict(dynamic=True) if c.batching != "concat" else {}
-    if c.compile and c.ddp_impl not in ("fsdp", "torch_fsdp"):
-        model = torch.compile(model, **compile_kw)
-    if world_size > 1:
-        if c.ddp_impl == "bucketed":
-            model = ddp.DDPBucketed(model, c.bucket_size_mb)
-        elif c.ddp_impl == "naive":
-            model = ddp.DDPNaive(model)
-        elif c.ddp_impl == "flat":
-            model = ddp.DDPFlat(model)
-        elif c.ddp_impl == "overlap":
-            model = ddp.DDPIndividualParameters(model)
-        elif c.ddp_impl == "fsdp":
-            model = ddp.FSDP(model, compute_dtype=None if ptdtype == torch.float32 else ptdtype)
-        elif c.ddp_impl == "torch":
-            model = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False)
-        elif c.ddp_impl == "torch_fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            mp = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
-            for block in model.layers:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
-    if c.compile and c.ddp_impl in ("fsdp", "torch_fsdp"):
-        model = torch.compile(model, **compile_kw)
-
-    # optimizer: decay matrices, not the RMSNorm gains (named ln1, ln2, ln_final in SPEC §2.7)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if any(part.startswith("ln") for part in name.split(".")) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt_kwargs = dict(lr=c.learning_rate, betas=(c.beta1, c.beta2), eps=c.eps)
-    if c.zero1 and world_size > 1:
-        optimizer = ddp.ShardedOptimizer(groups, AdamW, **opt_kwargs)
-    else:
-        optimizer = AdamW(groups, **opt_kwargs)
-    fsdp_opt_path = os.path.join(c.out_dir, f"ckpt_optimizer_rank{rank}.pt")
+    # data parallelism, compiled as ddp.wrap says (document batches change shape every step: compile for dynamic
+    # shapes at once instead of recompiling on the second); the optimizer decays matrices, not the RMSNorm gains
+    w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb,
+                 compute_dtype=None if ptdtype == torch.float32 else ptdtype, compile=c.compile,
+                 compile_kwargs=dict(dynamic=True) if c.batching != "concat" else {})
+    optimizer = w.make_optimizer(AdamW, decay_groups(c.weight_decay), zero1=c.zero1, lr=c.learning_rate,
+                                 betas=(c.beta1, c.beta2), eps=c.eps)
     start_iter = 0
     if ckpt is not None:
-        start_iter = ckpt["iteration"]
-        if c.ddp_impl == "fsdp" and world_size > 1:
-            if ckpt.get("world_size") != world_size:
-                raise ValueError(f"FSDP optimizer shards were saved with world_size {ckpt.get('world_size')}, "
-                                 f"this run has {world_size}")
-            optimizer.load_state_dict(read_checkpoint(fsdp_opt_path)["optimizer"])
-        elif c.ddp_impl == "torch_fsdp" and world_size > 1:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            set_optimizer_state_dict(model, optimizer, ckpt["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
-        else:
-            optimizer.load_state_dict(ckpt["optimizer"])
+        w.load_state_dict(_clean_state_dict(ckpt["model"]))
+        w.load_optimizer_state_dict(optimizer, ckpt["optimizer"])
         _set_rng_state(ckpt["rng"], dev)
+        start_iter = ckpt["iteration"]
         log(f"resumed from {ckpt_path} at iteration {start_iter}")
     del ckpt
-
-    def checkpoint(iteration):
-        """Collective when sharded (every rank calls it); rank 0 writes ckpt.pt."""
-        if c.ddp_impl == "fsdp" and world_size > 1:
-            state, opt_state = ddp.gather_full_params(model), None
-            save_checkpoint({}, optimizer, iteration, fsdp_opt_path)  # each rank's shard of the AdamW state
-        elif c.ddp_impl == "torch_fsdp" and world_size > 1:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                                 get_optimizer_state_dict)
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            state = get_model_state_dict(model, options=options)
-            opt_state = get_optimizer_state_dict(model, optimizer, options=options)
-        else:
-            state, opt_state = raw_model.state_dict(), optimizer.state_dict()  # consolidating under zero1
-        if master:
-            tokenizer = {"vocab": os.path.join(data_dir, meta["vocab"]),
-                         "merges": os.path.join(data_dir, meta["merges"]),
-                         "special_tokens": list(meta["special_tokens"])}
-            save_checkpoint(state, opt_state, iteration, ckpt_path, model_args=model_args, config=vars(c),
-                            tokenizer=tokenizer, rng=_rng_state(dev), world_size=world_size)
 
     # fixed validation batches: the same ones at every evaluation; rank r takes every world_size-th one, and every
     # rank runs the same number of forwards (FSDP needs all ranks in each all-gather; extras count zero tokens)
@@ -699,103 +776,129 @@ def train(c, rank, world_size, dev):
         b = make_batch(val_tokens, val_docs, c, batch_generator(c.seed, -1 - (i % c.eval_iters), 0), dev,
                        meta["eot_id"])
         val_batches.append(b if i < c.eval_iters else b[:4] + (0,))
-
-    log_path = os.path.join(c.out_dir, "log.jsonl")
-
-    def eval_and_log(step):
-        """Validation loss over the fixed batches (all ranks), logged by rank 0; returns the seconds it took."""
-        t0 = time.time()
-        total, count = evaluate(model, val_batches, autocast)
-        if world_size > 1:
-            t = torch.tensor([total.item(), float(count)], dtype=torch.float64, device=dev)
-            torch.distributed.all_reduce(t)
-            total, count = t[0].cpu(), int(t[1].item())
-        val_loss = float(total) / count
-        log(f"step {step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
-        if master:
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"step": step, "val_loss": val_loss, "time_s": time.time() - t_start}) + "\n")
-            plot_losses(log_path, os.path.join(c.out_dir, "loss.png"))
-        return time.time() - t0
     if master and c.init_from == "scratch":
-        open(log_path, "w").close()
+        open(log_path, "w").close()  # claim_out_dir made sure no earlier run's log is here
         counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
         log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, vocab_size {vocab_size}; "
             f"unigram entropy {-(p * np.log(p)).sum():.3f} nats/token (the loss of a model that ignores context)")
     lr_decay_iters = c.lr_decay_iters or c.max_iters
     local_accum = c.grad_accum // world_size
-    if c.peak_flops:
-        peak = c.peak_flops
-    elif dev.type == "cuda" and any(g in torch.cuda.get_device_name(dev) for g in ("H100", "H200")):
-        peak = 989e12  # dense bf16 datasheet figure (ANCHORS.md)
-    else:
-        peak = 0.0
+    peak = c.peak_flops or gpu_peak_flops(dev)
+    max_norm = c.grad_clip if c.grad_clip > 0 else float("inf")
 
-    model.train()
-    t_last, it_last, tokens_since = time.time(), start_iter, 0
+    # the loop: SIGINT / SIGTERM end it after the step in progress, with a checkpoint of that step
+    stops, stopped = StopSignals(world_size), None
     t_start = time.time()
-    loss_sum = torch.zeros((), device=dev)
-    for it in range(start_iter, c.max_iters):
-        if it % c.eval_interval == 0 and not (it == start_iter and c.init_from == "resume"):
-            t_last += eval_and_log(it)  # evaluation time is not training time
+    t_last, it_last, tokens_since = t_start, start_iter, 0
+    saved_at = start_iter if c.init_from == "resume" else None
+    # fp64: every micro-batch loss enters the sum exactly, so the logged loss does not depend on how many ranks
+    # computed the micro-batches (two ranks or one: bit for bit)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+    w.train()
+    try:
+        for it in range(start_iter, c.max_iters):
+            stop = stops.requested()
+            if stop:  # `it` steps are complete: keep them
+                if saved_at != it:
+                    save_run(ckpt_path, w, optimizer, it, model_args, c, data_dir, meta, dev, world_size)
+                stopped = (stop, it)
+                break
+            if it % c.eval_interval == 0 and not (it == start_iter and c.init_from == "resume"):
+                # evaluation time is not training time
+                t_last += evaluate_and_log(w, val_batches, autocast, it, dev, log_path, time.time() - t_start,
+                                           master, log)
 
-        lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        for j in range(local_accum):
-            x, y, cu_seqlens, max_seqlen, n_real = make_batch(
-                train_tokens, train_docs, c, batch_generator(c.seed, it, rank * local_accum + j), dev, meta["eot_id"])
-            tokens_since += n_real
-            last = j == local_accum - 1
-            sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-            with sync:
-                with autocast:
-                    logits = model(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen) if cu_seqlens is not None \
-                        else model(x)
-                    loss = cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-100)
-                (loss / local_accum).backward()  # DDP averages over ranks: 1/grad_accum overall
-            loss_sum += loss.detach()
-        if hasattr(model, "finish_gradient_synchronization"):
-            model.finish_gradient_synchronization()
-        max_norm = c.grad_clip if c.grad_clip > 0 else float("inf")
-        if c.ddp_impl == "fsdp" and world_size > 1:
-            grad_norm = model.clip_grad_norm(max_norm)
-        elif c.ddp_impl == "torch_fsdp" and world_size > 1:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for j in range(local_accum):
+                generator = batch_generator(c.seed, it, rank * local_accum + j)
+                x, y, cu_seqlens, max_seqlen, n_real = make_batch(train_tokens, train_docs, c, generator, dev,
+                                                                  meta["eot_id"])
+                tokens_since += n_real
+                with w.no_sync() if j < local_accum - 1 else contextlib.nullcontext():
+                    with autocast:
+                        logits = (w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen) if cu_seqlens is not None
+                                  else w(x))
+                        loss = cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
+                                             ignore_index=-100)
+                    (loss / local_accum).backward()  # the wrappers average over ranks: 1/grad_accum overall
+                loss_sum += loss.detach()
+            w.finish()
+            grad_norm = w.clip_grad_norm(max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            step = it + 1
+            if step % c.log_interval == 0 or step == c.max_iters:
+                # the loss of the whole global batch: every rank's micro-batch losses, summed in one all-reduce
+                totals = torch.stack([loss_sum, torch.tensor(float(tokens_since), dtype=torch.float64, device=dev)])
+                if world_size > 1:
+                    torch.distributed.all_reduce(totals)
+                loss_total, tokens = totals.tolist()
+                train_loss = loss_total / c.grad_accum / (step - it_last)
+                now = time.time()
+                dt = (now - t_last) / (step - it_last)
+                tok_s = tokens / (now - t_last)
+                mfu = flops_tok * tok_s / (peak * world_size) if peak else None
+                record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
+                          "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1000 * dt, "time_s": now - t_start}
+                eta = dt * (c.max_iters - step)
+                log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, "
+                    f"grad norm {float(grad_norm):.3f}, {tok_s:,.0f} tok/s, "
+                    + (f"MFU {100 * mfu:.1f}%, " if mfu is not None else "")
+                    + f"{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min")
+                if master:
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                t_last, it_last, tokens_since = now, step, 0
+                loss_sum.zero_()
+            if step == c.max_iters:
+                evaluate_and_log(w, val_batches, autocast, step, dev, log_path, time.time() - t_start, master,
+                                 log)
+            if step % c.save_interval == 0 or step == c.max_iters:
+                save_run(ckpt_path, w, optimizer, step, model_args, c, data_dir, meta, dev, world_size)
+                saved_at = step
+                log(f"saved {ckpt_path} at step {step}")
         else:
-            grad_norm = clip_grad_norm(model.parameters(), max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            log(f"done: {c.max_iters - start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
+    finally:
+        stops.restore()
+    if stopped is not None:
+        launcher = (f"torchrun --standalone --nproc_per_node={world_size} train.py" if world_size > 1
+                    else "python train.py")
+        log(f"stopped by {signal.Signals(stopped[0]).name} after step {stopped[1]}: checkpoint in {ckpt_path}; "
+            f"continue with `{launcher} --out_dir={c.out_dir} --init_from=resume`")
+        return 128 + stopped[0]
+    return 0
 
-        step = it + 1
-        if step % c.log_interval == 0 or step == c.max_iters:
-            tokens = torch.tensor(float(tokens_since), device=dev)
-            if world_size > 1:
-                torch.distributed.all_reduce(tokens)
-            train_loss = loss_sum.item() / local_accum / (step - it_last)
-            now = time.time()
-            dt = (now - t_last) / (step - it_last)
-            tok_s = tokens.item() / (now - t_last)
-            mfu = flops_tok * tok_s / (peak * world_size) if peak else None
-            record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
-                      "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1000 * dt, "time_s": now - t_start}
-            eta = dt * (c.max_iters - step)
-            log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, grad norm {float(grad_norm):.3f}, "
-                f"{tok_s:,.0f} tok/s, " + (f"MFU {100 * mfu:.1f}%, " if mfu is not None else "")
-                + f"{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min")
-            if master:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            t_last, it_last, tokens_since = now, step, 0
-            loss_sum.zero_()
-        if step == c.max_iters:
-            eval_and_log(step)
-        if step % c.ckpt_interval == 0 or step == c.max_iters:
-            checkpoint(step)
-            log(f"saved {ckpt_path} at step {step}")
-    log(f"done: {c.max_iters - start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
+
+def decay_groups(weight_decay):
+    """Parameter groups for AdamW: weight decay on the matrices, none on the RMSNorm gains (ln1, ln2, ln_final)."""
+    def groups(named_parameters):
+        decay, no_decay = [], []
+        for name, p in named_parameters:
+            (no_decay if any(part.startswith("ln") for part in name.split(".")) else decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return groups
+
+
+def cli(argv):
+    """main() for the command line: a ConfigError becomes one line on stderr and status 2 (argparse's convention),
+    a Ctrl-C before the training loop (nothing to save yet) one line and status 130; printed by rank 0 only."""
+    quiet = os.environ.get("RANK", "0") != "0"
+    try:
+        return main(argv)
+    except ConfigError as e:
+        if not quiet:
+            print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if not quiet:
+            print("train.py: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(cli(sys.argv[1:]))

@@ -1,4 +1,4 @@
-# SPEC §2.10 legacy "2.7B": the same shape as the 2026 "xl" (3.4B parameters at V=10k), so this file takes
+# The older "2.7B" preset: the same shape as "xl" (3.4B parameters at V=10k), so this file takes
 # config/xl.py whole and changes only the output directory.
 #   torchrun --standalone --nproc_per_node=4 train.py config/2.7B.py
 import os as _os

@@ -1,4 +1,4 @@
-# SPEC §2.10 "large" (969M parameters at V=10k) on the Shakespeare data, GPU.
+# The "large" preset (969M parameters at V=10k) on the Shakespeare data, GPU.
 #   torchrun --standalone --nproc_per_node=4 train.py config/large.py
 out_dir = "out-large"
 d_model = 1280
@@ -14,7 +14,7 @@ learning_rate = 2.5e-4
 min_lr = 2.5e-5
 eval_interval = 50
 log_interval = 10
-ckpt_interval = 1000
+save_interval = 1000
 dtype = "bfloat16"
 compile = True
 attn_impl = "flash"

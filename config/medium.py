@@ -1,4 +1,4 @@
-# SPEC §2.10 "medium" (423M parameters at V=10k) on the Shakespeare data, GPU.
+# The "medium" preset (423M parameters at V=10k) on the Shakespeare data, GPU.
 #   torchrun --standalone --nproc_per_node=4 train.py config/medium.py
 out_dir = "out-medium"
 d_model = 1024
@@ -14,7 +14,7 @@ learning_rate = 3e-4
 min_lr = 3e-5
 eval_interval = 50
 log_interval = 10
-ckpt_interval = 1000
+save_interval = 1000
 dtype = "bfloat16"
 compile = True
 attn_impl = "flash"

@@ -1,4 +1,4 @@
-# Padding-free batches (SPEC §5.7): whole documents (pieces of at most context_length tokens) packed into one row
+# Padding-free batches: whole documents (pieces of at most context_length tokens) packed into one row
 # with cu_seqlens, batch_size * context_length real tokens per micro-batch; attention never crosses a document.
 #   python train.py config/pack.py                      # CPU default model
 #   python train.py config/small.py config/pack.py      # on a GPU (flash_attn_varlen)

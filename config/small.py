@@ -1,4 +1,4 @@
-# SPEC §2.10 "small" (GPT-2 small shape, 128M parameters at V=10k) on the Shakespeare data, GPU, a few hundred steps.
+# The "small" preset (GPT-2 small shape, 128M parameters at V=10k) on the Shakespeare data, GPU, a few hundred steps.
 #   torchrun --standalone --nproc_per_node=4 train.py config/small.py
 # 16 x 1024 tokens per micro-batch fits one H200 per rank with room to spare; grad_accum 4 = one micro-batch per
 # rank on 4 GPUs (two on 2 GPUs, four on 1), so the global batch is 64k tokens at any world size.
@@ -17,7 +17,7 @@ min_lr = 6e-5
 eval_interval = 50
 eval_iters = 20
 log_interval = 10
-ckpt_interval = 1000
+save_interval = 1000
 dtype = "bfloat16"
 compile = True
 attn_impl = "flash"

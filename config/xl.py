@@ -1,6 +1,6 @@
-# SPEC §2.10 "xl" of the 2026 handout (3.4B parameters at V=10k) on the Shakespeare data, GPU.
+# The "xl" preset (3.4B parameters at V=10k) on the Shakespeare data, GPU.
 #   torchrun --standalone --nproc_per_node=4 train.py config/xl.py
-# fp32 weights + grads + AdamW state are 16 bytes/parameter = 54 GB replicated (SPEC §6.9): ZeRO-1 brings that to
+# fp32 weights + grads + AdamW state are 16 bytes/parameter = 54 GB replicated: ZeRO-1 brings that to
 # 8 + 8/N bytes; checkpointing every block keeps activations small. --ddp_impl=fsdp shards everything instead.
 out_dir = "out-xl"
 d_model = 2560
@@ -19,7 +19,7 @@ min_lr = 1.5e-5
 eval_interval = 50
 eval_iters = 10
 log_interval = 5
-ckpt_interval = 1000
+save_interval = 1000
 dtype = "bfloat16"
 compile = True
 attn_impl = "flash"
