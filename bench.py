@@ -499,7 +499,7 @@ def run_step(net, runner, optimizer, x, y, mode, dtype, phases):
         net.zero_grad(set_to_none=True)
     grad = torch.no_grad() if mode == "fwd" else contextlib.nullcontext()
     with phases("forward"), grad, autocast(dtype, x.device):
-        loss = cross_entropy(runner(x), y)
+        loss = runner(x, targets=y)  # the fused head: loss without materializing the logits
     if mode == "fwd":
         return
     with phases("backward"):
@@ -1211,7 +1211,7 @@ def cmd_gpt2(argv):
         optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         name = "ours: TransformerLM" + (", tied" if tied else "") + " + our AdamW"
-        rows.append(bench(name, attn, ours, lambda a, b, net=ours: cross_entropy(net(a), b), optimizer, ours_flops))
+        rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops))
         del ours, optimizer
         free_memory(device)
     peer = PeerGPT(V, T, args.d_model, args.num_layers, args.num_heads, device=device)
@@ -1424,11 +1424,11 @@ def cmd_varlen(argv):
             def step(x, y, kw, out):
                 if phase == "eval":
                     with torch.no_grad(), autocast(args.dtype, device):
-                        out["loss"] = cross_entropy(runner(x, **kw), y)
+                        out["loss"] = runner(x, targets=y, **kw)
                 else:
                     net.zero_grad(set_to_none=True)
                     with autocast(args.dtype, device):
-                        loss = cross_entropy(runner(x, **kw), y)
+                        loss = runner(x, targets=y, **kw)
                     loss.backward()
                     optimizer.step()
             try:

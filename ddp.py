@@ -493,6 +493,33 @@ class _FSDPLinear(torch.autograd.Function):
         return grad_x, None, None, None
 
 
+class _FSDPLinearCrossEntropy(torch.autograd.Function):
+    """model.linear_cross_entropy(x, W, targets) with W all-gathered for this call only: the fused head computes
+    the loss and both gradients in its forward (model.fused_head), so backward needs no second gather; the weight
+    gradient (fp32) is scaled by the incoming gradient and reduce-scattered like a Linear's."""
+
+    @staticmethod
+    def forward(ctx, x, targets, shard, fsdp, i, ignore_index, need_grad):
+        import model
+        w = fsdp._before_forward(i)
+        dtype = model.head_dtype(x, w)
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            loss, dx, dw = model.fused_head(x2.to(dtype), w.to(dtype), targets.reshape(-1).contiguous(),
+                                            ignore_index, model.head_chunk(w.shape[0]), need_grad)
+        ctx.save_for_backward(dx, dw)
+        ctx.fsdp, ctx.i, ctx.x_dtype, ctx.x_shape = fsdp, i, x.dtype, x.shape
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw = ctx.saved_tensors
+        ctx.fsdp._before_backward(ctx.i)
+        if ctx.needs_input_grad[2]:
+            ctx.fsdp._reduce_scatter(ctx.i, dw * grad)
+        return (dx * grad).to(ctx.x_dtype).view(ctx.x_shape), None, None, None, None, None, None
+
+
 class _FSDPEmbedding(torch.autograd.Function):
     """out = W[ids] with W all-gathered for this call only. Backward needs no W: the output gradient rows are
     accumulated into a dense zero buffer exactly as autograd does for `weight[ids]` (index_put_ with
@@ -553,6 +580,9 @@ class FSDP(nn.Module):
             self.layers.append(_ShardedLayer(shards[w], w.shape[0], w.shape[1], isinstance(m, Embedding)))
             fn = _FSDPEmbedding if isinstance(m, Embedding) else _FSDPLinear
             m.forward = lambda x, fn=fn, i=i: fn.apply(x, self.layers[i].shard, self, i)
+            if isinstance(m, Linear):  # the fused LM head (model.Linear.cross_entropy) on the gathered weight
+                m.cross_entropy = lambda x, targets, ignore_index=-100, i=i: _FSDPLinearCrossEntropy.apply(
+                    x, targets, self.layers[i].shard, self, i, ignore_index, torch.is_grad_enabled())
         self.shards = list(shards.values())
         self.replicated = [p for p in module.parameters() if not hasattr(p, "_fsdp_full_shape")]
         self._gathered = {}         # layer index -> (full weight buffer, all-gather work) in flight or done

@@ -499,37 +499,53 @@ def _add_matmul(acc, a, b):
     return acc.add_(a @ b)
 
 
-def _fused_head(x, weight, targets, ignore_index, chunk):
+def _fused_head(x, weight, targets, ignore_index, chunk, need_grad=True):
     """(mean loss, dL/dx, dL/dweight) of cross_entropy(x @ weight^T, targets) for x (N, d) and weight (V, d) of
     one dtype, chunk tokens at a time: each chunk's logits are computed, turned into their gradient in place
     (flash.cross_entropy_rows: loss_i = logsumexp(o_i) - o_i[t_i] in fp32, dO_i = (softmax(o_i) - onehot(t_i)) /
     count) and consumed at once by the two backward matmuls, dx_chunk = dO W and dW += dO^T x_chunk (fp32). A
-    custom op under torch.compile (below), so the compiler treats it as one opaque step."""
+    custom op under torch.compile (below), so the compiler treats it as one opaque step. need_grad=False (evaluation)
+    skips the two gradient matmuls (dx and dW come back empty)."""
     count = (targets != ignore_index).sum().clamp(min=1)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64, for tests)
     scale = (1.0 / count.to(acc_dtype)).reshape(1)
     loss_rows = torch.empty(x.shape[0], dtype=acc_dtype, device=x.device)
-    dx = torch.empty_like(x)
-    dw = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device)
+    dx = torch.empty_like(x) if need_grad else x.new_empty(0)
+    dw = torch.zeros(weight.shape if need_grad else 0, dtype=acc_dtype, device=x.device)
     for start in range(0, x.shape[0], chunk):
         rows = slice(start, start + chunk)
         logits = x[rows] @ weight.T
         flash.cross_entropy_rows(logits, targets[rows], ignore_index, scale, loss_rows[rows])
-        torch.mm(logits, weight, out=dx[rows])
-        dw = _add_matmul(dw, logits.T, x[rows])
+        if need_grad:
+            torch.mm(logits, weight, out=dx[rows])
+            dw = _add_matmul(dw, logits.T, x[rows])
     return loss_rows.sum() * scale[0], dx, dw
 
 
 @torch.library.custom_op("model::fused_head", mutates_args=())
-def _fused_head_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                   chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fused_head(x, weight, targets, ignore_index, chunk)
+def _fused_head_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk: int,
+                   need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fused_head(x, weight, targets, ignore_index, chunk, need_grad)
 
 
 @_fused_head_op.register_fake
-def _(x, weight, targets, ignore_index, chunk):
+def _(x, weight, targets, ignore_index, chunk, need_grad):
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    return x.new_empty((), dtype=acc_dtype), torch.empty_like(x), weight.new_empty(weight.shape, dtype=acc_dtype)
+    return (x.new_empty((), dtype=acc_dtype), torch.empty_like(x) if need_grad else x.new_empty(0),
+            weight.new_empty(weight.shape if need_grad else 0, dtype=acc_dtype))
+
+
+def fused_head(x, weight, targets, ignore_index, chunk, need_grad):
+    """_fused_head, through its custom op while torch.compile traces (ddp.FSDP's sharded head calls this too)."""
+    op = _fused_head_op if torch.compiler.is_compiling() else _fused_head
+    return op(x, weight, targets, ignore_index, chunk, need_grad)
+
+
+def head_dtype(x, weight):
+    """The dtype of the head's matmul: autocast's when it is on (as the unfused head's would be), else theirs."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
+        torch.promote_types(x.dtype, weight.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -538,13 +554,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     first, as the unfused head's matmul would be."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index, chunk):
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
-            torch.promote_types(x.dtype, weight.dtype)
-        with torch.autocast(device, enabled=False):
-            op = _fused_head_op if torch.compiler.is_compiling() else _fused_head
-            loss, dx, dw = op(x.to(dtype), weight.to(dtype), targets, ignore_index, chunk)
+    def forward(ctx, x, weight, targets, ignore_index, chunk, need_grad):
+        dtype = head_dtype(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            loss, dx, dw = fused_head(x.to(dtype), weight.to(dtype), targets, ignore_index, chunk, need_grad)
         ctx.save_for_backward(dx, dw)
         ctx.dtypes = (x.dtype, weight.dtype)
         return loss
@@ -553,7 +566,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         dx, dw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        return (dx * grad).to(x_dtype), (dw * grad).to(w_dtype), None, None, None
+        return (dx * grad).to(x_dtype), (dw * grad).to(w_dtype), None, None, None, None
+
+
+def head_chunk(vocab_size):
+    """Tokens per chunk of the fused head: as many as make LINEAR_CE_CHUNK_ELEMENTS logits."""
+    return max(1, LINEAR_CE_CHUNK_ELEMENTS // vocab_size)
 
 
 def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
@@ -565,8 +583,9 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
                          f"got {tuple(targets.shape)}")
     x2, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     if chunk is None:
-        chunk = max(1, LINEAR_CE_CHUNK_ELEMENTS // weight.shape[0])
-    return _LinearCrossEntropy.apply(x2, weight, t.contiguous(), ignore_index, chunk)
+        chunk = head_chunk(weight.shape[0])
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation: no dx, dW
+    return _LinearCrossEntropy.apply(x2, weight, t.contiguous(), ignore_index, chunk, need_grad)
 
 
 # ---------------------------------------------------------------------------------------------------------------

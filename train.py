@@ -36,7 +36,7 @@ import torch
 
 import ddp
 import flash
-from model import TransformerLM, count_params, cross_entropy, flops_per_token
+from model import TransformerLM, count_params, flops_per_token
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -646,9 +646,9 @@ def evaluate(model, batches, autocast):
     total, count = torch.zeros((), dtype=torch.float64), 0
     with torch.no_grad():
         for x, y, cu_seqlens, max_seqlen, n_real in batches:
-            with autocast:
-                logits = model(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen) if cu_seqlens is not None else model(x)
-                loss = cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-100)
+            with autocast:  # the fused head: the loss without the full logits (model.linear_cross_entropy)
+                loss = (model(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y) if cu_seqlens is not None
+                        else model(x, targets=y))
             total += loss.double().cpu() * n_real
             count += n_real
     model.train()
@@ -818,11 +818,9 @@ def train(config, given, rank, world_size, dev):
                                                                   meta["eot_id"])
                 tokens_since += n_real
                 with w.no_sync() if j < local_accum - 1 else contextlib.nullcontext():
-                    with autocast:
-                        logits = (w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen) if cu_seqlens is not None
-                                  else w(x))
-                        loss = cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
-                                             ignore_index=-100)
+                    with autocast:  # targets given: the mean loss through the fused head, never the full logits
+                        loss = (w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y) if cu_seqlens is not None
+                                else w(x, targets=y))
                     (loss / local_accum).backward()  # the wrappers average over ranks: 1/grad_accum overall
                 loss_sum += loss.detach()
             w.finish()
