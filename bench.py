@@ -28,6 +28,7 @@ CPU rows leave it empty.
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import importlib.util
 import itertools
@@ -93,6 +94,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 
 import ddp  # noqa: E402
 import flash  # noqa: E402
@@ -1148,8 +1150,9 @@ def cmd_gpt2(argv):
     p.add_argument("--d_ff", type=int, default=2048, help="ours (SwiGLU): 2048 = 3 matrices with the parameters "
                    "of the peer's 4 x d_model GELU MLP (2 matrices), so both models have GPT-2 small's size")
     p.add_argument("--batch_size", type=int, default=12)
-    p.add_argument("--variants", default="sdpa,flash,flash:tied", help="ours to run: attn_impl, with ':tied' for "
-                   "tied input/output embeddings (as GPT-2 and the peer)")
+    p.add_argument("--variants", default="sdpa:tied,flash:tied,flash:tied:graphs", help="ours to run: attn_impl, "
+                   "with ':tied' for tied input/output embeddings (as GPT-2 and the peer) and ':graphs' for "
+                   "torch.compile(mode='reduce-overhead'), the step replayed as CUDA graphs (no host launch cost)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)
@@ -1164,8 +1167,8 @@ def cmd_gpt2(argv):
     device = pick_device(args.device)
     variants = [v.split(":") for v in args.variants.split(",") if v]
     for v in variants:
-        if v[0] not in ATTN_IMPLS or v[1:] not in ([], ["tied"]):
-            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied] with ATTN one of {ATTN_IMPLS}")
+        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs"}:
+            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs] with ATTN one of {ATTN_IMPLS}")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
     reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
@@ -1178,10 +1181,12 @@ def cmd_gpt2(argv):
     x, y = random_batch(V, B, T, device, torch.Generator().manual_seed(args.seed))
     tokens = B * T
 
-    def bench(name, attn, net, loss_of, optimizer, flops_per_tok):
-        loss_fn = torch.compile(loss_of) if args.compile else loss_of
+    def bench(name, attn, net, loss_of, optimizer, flops_per_tok, graphs=False):
+        loss_fn = torch.compile(loss_of, mode="reduce-overhead" if graphs else None) if args.compile else loss_of
 
         def step():
+            if graphs:  # a new step: the outputs of the previous replay may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             optimizer.zero_grad(set_to_none=True)
             with autocast(args.dtype, device):
                 loss = loss_fn(x, y)
@@ -1205,13 +1210,16 @@ def cmd_gpt2(argv):
         return row
 
     rows = []
-    for attn, *tied in variants:
+    for attn, *tags in variants:
+        tied, graphs = "tied" in tags, "graphs" in tags and device.type == "cuda"
         ours = TransformerLM(V, T, args.d_model, args.num_layers, args.num_heads, args.d_ff, attn_impl=attn,
-                             tie_embeddings=bool(tied), device=device)
+                             tie_embeddings=tied, device=device)
         optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
-        name = "ours: TransformerLM" + (", tied" if tied else "") + " + our AdamW"
-        rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops))
+        name = "ours: TransformerLM" + (", tied" if tied else "") + (", CUDA graphs" if graphs else "") + \
+            " + our AdamW"
+        rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
+                          graphs=graphs))
         del ours, optimizer
         free_memory(device)
     peer = PeerGPT(V, T, args.d_model, args.num_layers, args.num_heads, device=device)
@@ -1618,14 +1626,34 @@ def _flex(q, k, v, doc_ids=None):
     return lambda q, k, v: _flex_compiled(q, k, v, block_mask=block_mask)
 
 
+def on_backend(backend, fn):
+    """fn with flash.BACKEND set for its call (the forward: the backward kernels are Triton's either way)."""
+    def call(*args):
+        old, flash.BACKEND = flash.BACKEND, backend
+        try:
+            return fn(*args)
+        finally:
+            flash.BACKEND = old
+    return call
+
+
+def hopper_kernels():
+    """True where flash.py has a Gluon (Hopper) forward beside the Triton one: then 'ours-triton' rows run."""
+    return torch.cuda.is_available() and flash.gluon is not None and torch.cuda.get_device_capability() == (9, 0)
+
+
 def dense_methods():
-    """name -> make(q, k, v) returning a callable (q, k, v) -> O for causal (B, H, S, D) attention."""
+    """name -> make(q, k, v) returning a callable (q, k, v) -> O for causal (B, H, S, D) attention. 'ours' is what
+    flash.py picks (the Gluon forward on Hopper where it is faster), 'ours-triton' the Triton kernels alone."""
     ours = lambda q, k, v: (lambda q, k, v: flash.flash_attention(q, k, v, causal=True))
     methods = {"ours": ours, "naive": lambda q, k, v: (lambda q, k, v: flash.attention_reference(q, k, v, True)[0])}
     if not torch.cuda.is_available():
         if not flash.INTERPRET:
             del methods["ours"]
         return methods
+    if hopper_kernels():
+        methods["ours-triton"] = lambda q, k, v: on_backend("triton", lambda q, k, v: flash.flash_attention(
+            q, k, v, causal=True))
     from torch.nn.attention import SDPBackend
     methods.update({"sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
                     "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION), "flex": _flex})
@@ -1688,7 +1716,7 @@ def dense_case(b, h, s, d, dtype, methods, rep, tag):
     return rows
 
 
-VARLEN_AS_DENSE = {"ours varlen": "ours", "flex doc-mask": "flex",
+VARLEN_AS_DENSE = {"ours varlen": "ours", "ours varlen-triton": "ours-triton", "flex doc-mask": "flex",
                    "sdpa-flash dyn-pad": "sdpa-flash"}  # the dense method each packed-documents row stands for
 
 
@@ -1704,6 +1732,9 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
     case = f"docs={len(lens)} max={max_len} tokens={total} H={h} D={d}"
     ours = lambda q, k, v: (lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_len))
     makes = {"ours varlen": ours}
+    if hopper_kernels():
+        makes["ours varlen-triton"] = lambda q, k, v: on_backend("triton", lambda q, k, v: flash.flash_attn_varlen(
+            q, k, v, cu, max_len))
     if torch.cuda.is_available() and with_peers:
         from torch.nn.attention import SDPBackend
         doc_ids = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
@@ -1790,8 +1821,8 @@ def cmd_attention(argv):
     p.add_argument("--parts", default="anchors,varlen,sweep", help="on CUDA without --quick, which case groups run "
                    "(in this order): anchors = the dense shapes B·S = 16384, H·D = 2048; varlen = packed "
                    "documents; sweep = one head, S 128..65536, D 16..128")
-    p.add_argument("--methods", help="comma list of methods to time (default all: ours, naive, sdpa-cudnn, "
-                   "sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
+    p.add_argument("--methods", help="comma list of methods to time (default all: ours, ours-triton (on Hopper), "
+                   "naive, sdpa-cudnn, sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     args = p.parse_args(argv)
     parts = csv_list(args.parts, ("anchors", "varlen", "sweep"))
     cuda = torch.cuda.is_available()
@@ -1810,6 +1841,7 @@ def cmd_attention(argv):
     else:
         if "anchors" in parts:
             jobs += [("anchors", 16384 // s, 2048 // d, s, d, torch.bfloat16) for d, s in DENSE_SHAPES]
+            jobs += [("anchors", 1, 32, 32768, 128, torch.bfloat16)]  # one sequence of the 8B leaderboard model
         if "varlen" in parts:
             jobs += [("varlen", 64), ("varlen", 128)]
         if "sweep" in parts:
@@ -2429,6 +2461,194 @@ def cmd_bpe(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# leaderboard: the full training step of the 8B configuration, ours beside a PyTorch-native peer
+# ---------------------------------------------------------------------------------------------------------------
+
+LEADERBOARD = dict(vocab_size=151936, context_length=32768, d_model=4096, num_layers=34, num_heads=32, d_ff=11008)
+
+
+class NativeBlock(nn.Module):
+    """The same pre-norm block written the way a PyTorch user would: nn.RMSNorm, one qkv projection, RoPE on
+    adjacent pairs, F.scaled_dot_product_attention on cuDNN, a fused w1/w3 projection, F.silu."""
+
+    def __init__(self, d_model, num_heads, d_ff):
+        super().__init__()
+        self.num_heads = num_heads
+        self.ln1, self.ln2 = nn.RMSNorm(d_model, eps=1e-5), nn.RMSNorm(d_model, eps=1e-5)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.w13 = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        rot = lambda t: torch.stack((t[..., 0::2].float() * cos - t[..., 1::2].float() * sin,
+                                     t[..., 0::2].float() * sin + t[..., 1::2].float() * cos), -1).flatten(-2)
+        q, k = rot(q).to(v.dtype), rot(k).to(v.dtype)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if x.is_cuda else [SDPBackend.MATH]
+        with sdpa_kernel(backends):
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, d))
+        g, u = self.w13(self.ln2(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(g) * u)
+
+
+class NativeLM(nn.Module):
+    """The PyTorch-native peer of TransformerLM (same architecture and FLOPs): torch.nn layers, SDPA, fp32
+    logits into F.cross_entropy; act_ckpt checkpoints every block."""
+
+    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, act_ckpt=True):
+        super().__init__()
+        self.act_ckpt = act_ckpt
+        self.emb = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(NativeBlock(d_model, num_heads, d_ff) for _ in range(num_layers))
+        self.ln = nn.RMSNorm(d_model, eps=1e-5)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        d_k = d_model // num_heads
+        inv = 10000.0 ** (-torch.arange(0, d_k, 2, dtype=torch.float32) / d_k)
+        angles = torch.arange(context_length, dtype=torch.float32)[:, None] * inv[None, :]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        cos, sin = self.cos[:idx.shape[1]], self.sin[:idx.shape[1]]
+        for block in self.blocks:
+            x = (torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False) if self.act_ckpt
+                 else block(x, cos, sin))
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def leaderboard_flops(vocab_size, context_length, d_model, num_layers, d_ff, tokens):
+    """Model FLOPs of one training step (3 x forward, causal half of the T^2 terms, recomputation not counted)."""
+    return flops_per_token(vocab_size, context_length, d_model, num_layers, d_ff, causal=True) * tokens
+
+
+def cmd_leaderboard(argv):
+    t_process = time.time()
+    p = argparse.ArgumentParser(prog="bench.py leaderboard", description="The 8B training step (d_model 4096, d_ff "
+                                "11008, 34 layers, 32 heads, vocab 151,936, context 32,768, two sequences in all, "
+                                "bf16, causal): ours beside the PyTorch-native peer, ms/step by "
+                                "triton.testing.do_bench, peak memory, MFU, cold start. Run under torchrun (one "
+                                "sequence per rank on several GPUs; on one GPU --num_layers to fit).")
+    p.add_argument("--num_layers", type=int, default=LEADERBOARD["num_layers"])
+    p.add_argument("--context_length", type=int, default=LEADERBOARD["context_length"])
+    p.add_argument("--batch_size", type=int, default=0, help="sequences per rank (0: the leaderboard's 2 split "
+                   "over the ranks, at least 1)")
+    p.add_argument("--act_ckpt_layers", type=int, default=-1, help="how many of the first blocks recompute their "
+                   "activations in backward (-1: every block)")
+    p.add_argument("--warmup_ms", type=float, default=10_000, help="do_bench warm-up (the rules: 10,000)")
+    p.add_argument("--rep_ms", type=float, default=30_000, help="do_bench repetitions (the rules: 30,000)")
+    p.add_argument("--compile", choices=("none", "blocks"), default="blocks")
+    p.add_argument("--runs", default="ours,peer", help="comma list: ours, peer")
+    add_common_args(p)
+    args = p.parse_args(argv)
+    import triton
+    rank, _, world, device = ddp.init_distributed()
+    if device.type != "cuda":
+        raise SystemExit("bench.py leaderboard needs CUDA GPUs (run under torchrun)")
+    runs = csv_list(args.runs, ("ours", "peer"))
+    if "peer" in runs and not torch.distributed.is_initialized():
+        raise SystemExit("the peer uses FSDP2: run under torchrun, e.g. torchrun --standalone --nproc_per_node=1 "
+                         "bench.py leaderboard --num_layers 4")
+    cfg = dict(LEADERBOARD, num_layers=args.num_layers, context_length=args.context_length)
+    batch = args.batch_size or max(1, 2 // world)
+    n_ckpt = args.num_layers if args.act_ckpt_layers < 0 else args.act_ckpt_layers
+    info = run_info("leaderboard", argv, device)
+    if rank == 0:
+        print_header("bench.py leaderboard", info)
+    gen = torch.Generator(device=device).manual_seed(args.seed + rank)
+    idx = torch.randint(0, cfg["vocab_size"], (batch, cfg["context_length"]), device=device, generator=gen)
+    tgt = torch.randint(0, cfg["vocab_size"], (batch, cfg["context_length"]), device=device, generator=gen)
+    flops = leaderboard_flops(cfg["vocab_size"], cfg["context_length"], cfg["d_model"], cfg["num_layers"],
+                              cfg["d_ff"], batch * world * cfg["context_length"])
+    rows = []
+
+    def measure_step(name, step):
+        t0 = time.time()
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize()
+        first = time.time()
+        ms = triton.testing.do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+        row = dict(name=name, ms=ms, peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+                   mfu=flops / (ms / 1e3) / world / PEAK_FLOPS, first_step_s=first - t0,
+                   cold_start_s=first - t_process)
+        rows.append(row)
+        if rank == 0:
+            print(f"{name}: {ms:.0f} ms/step, peak {row['peak_gib']:.1f} GiB, MFU {100 * row['mfu']:.1f}%, first "
+                  f"step {row['first_step_s']:.1f} s ({row['cold_start_s']:.0f} s since start)", file=sys.stderr,
+                  flush=True)
+
+    if "ours" in runs:
+        torch.manual_seed(args.seed)
+        net = TransformerLM(**cfg, attn_impl="flash", device=device)
+        if args.compile == "blocks":
+            compiled(net, "blocks")
+        for i in range(n_ckpt):  # checkpoint these blocks one by one: their activations are recomputed in backward
+            layer = net.layers[i]
+            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+        wrapped = ddp.wrap(net, "fsdp" if world > 1 else "none", compute_dtype=torch.bfloat16)
+        opt = wrapped.make_optimizer(AdamW, lr=1e-3)
+
+        def ours_step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = wrapped(idx, targets=tgt)  # mean loss through the fused head (no full logits)
+            loss.backward()
+            wrapped.finish()
+            opt.step()
+        measure_step(f"ours (flash, fused head, {n_ckpt}/{cfg['num_layers']} blocks recomputed, "
+                     f"{'our FSDP bf16' if world > 1 else 'one GPU'}, compile {args.compile})", ours_step)
+        del net, wrapped, opt
+        free_memory(device)
+    if "peer" in runs:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        with torch.device("meta"):
+            peer = NativeLM(**cfg, act_ckpt=True)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in peer.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(peer, mp_policy=mp)
+        peer.to_empty(device=device)
+        torch.manual_seed(args.seed)
+        for m in peer.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02 if isinstance(m, nn.Linear) else 1.0)
+            elif isinstance(m, nn.RMSNorm):
+                nn.init.ones_(m.weight)
+        d_k = cfg["d_model"] // cfg["num_heads"]
+        inv = 10000.0 ** (-torch.arange(0, d_k, 2, dtype=torch.float32, device=device) / d_k)
+        ang = torch.arange(cfg["context_length"], dtype=torch.float32, device=device)[:, None] * inv[None, :]
+        peer.cos, peer.sin = ang.cos(), ang.sin()
+        peer_opt = torch.optim.AdamW(peer.parameters(), lr=1e-3, fused=True)
+
+        def peer_step():
+            peer_opt.zero_grad(set_to_none=True)
+            peer(idx, tgt).backward()
+            peer_opt.step()
+        measure_step("peer: torch FSDP2 per block (bf16 params, fp32 reduce), every block recomputed, SDPA cuDNN, "
+                     "nn.RMSNorm, fused torch AdamW, fp32 logits", peer_step)
+        del peer, peer_opt
+        free_memory(device)
+    if rank == 0:
+        peer_ms = next((r["ms"] for r in rows if r["name"].startswith("peer")), None)
+        print(f"{cfg['num_layers']} layers, context {cfg['context_length']}, {batch} sequence(s) per rank, {world} "
+              f"rank(s); model FLOPs {flops:.3e} per step (3 x forward, causal half of the T^2 terms); MFU against "
+              f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s per GPU; do_bench warm-up {args.warmup_ms:.0f} ms, rep "
+              f"{args.rep_ms:.0f} ms; cold start = process start to the end of the first step.\n")
+        print(markdown_table(["run", "ms/step", "vs peer", "peak GiB", "MFU", "first step s", "cold start s"],
+                             [[r["name"], r["ms"], f"{r['ms'] / peer_ms:.2f}x" if peer_ms else "-", r["peak_gib"],
+                               f"{100 * r['mfu']:.1f}%", r["first_step_s"], r["cold_start_s"]] for r in rows]))
+        write_json(args.json, dict(info, rows=rows))
+    ddp.cleanup_distributed()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # dispatch
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -2442,6 +2662,7 @@ COMMANDS = {  # name: (function, what it answers, in one line)
     "allreduce": (cmd_allreduce, "all-reduce time and bandwidth per tensor size (under torchrun)"),
     "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, one run (under torchrun)"),
     "bpe": (cmd_bpe, "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken"),
+    "leaderboard": (cmd_leaderboard, "the 8B training step (ms, memory, MFU, cold start) beside a PyTorch-native peer"),
     "hf": (cmd_hf, "a Hugging Face GPT-2 on variable-length documents: padding vs padding-free, SDPA vs ours"),
 }
 

@@ -3531,6 +3531,33 @@ def test_bench_help_lists_subcommands_and_unknown_ones_are_one_line_errors():
     assert all(name in err.getvalue() for name in bench.COMMANDS)
 
 
+def test_bench_native_peer_is_our_architecture_and_leaderboard_needs_cuda():
+    # the PyTorch-native peer of the leaderboard (and of the 2.7B comparison) computes our model's function: with
+    # our weights copied in (q/k/v and w1/w3 concatenated), its loss equals cross_entropy of TransformerLM's logits
+    m = _tiny_lm(seed=5)
+    peer = bench.NativeLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, 72, act_ckpt=False)
+    sd = m.state_dict()
+    with torch.no_grad():
+        peer.emb.weight.copy_(sd["token_embeddings.weight"])
+        peer.head.weight.copy_(sd["lm_head.weight"])
+        peer.ln.weight.copy_(sd["ln_final.weight"])
+        for i, blk in enumerate(peer.blocks):
+            p = f"layers.{i}."
+            blk.qkv.weight.copy_(torch.cat([sd[p + f"attn.{n}_proj.weight"] for n in "qkv"]))
+            blk.proj.weight.copy_(sd[p + "attn.output_proj.weight"])
+            blk.w13.weight.copy_(torch.cat([sd[p + "ffn.w1.weight"], sd[p + "ffn.w3.weight"]]))
+            blk.w2.weight.copy_(sd[p + "ffn.w2.weight"])
+            blk.ln1.weight.copy_(sd[p + "ln1.weight"])
+            blk.ln2.weight.copy_(sd[p + "ln2.weight"])
+    idx = torch.randint(0, m.vocab_size, (2, 17))
+    y = torch.randint(0, m.vocab_size, (2, 17))
+    assert abs(peer(idx, y).item() - cross_entropy(m(idx), y).item()) < 1e-5
+    if not torch.cuda.is_available():
+        _expect(SystemExit, ["CUDA"], bench.main, ["leaderboard", "--num_layers", "1"])
+    flops = bench.leaderboard_flops(151936, 32768, 4096, 34, 11008, 2 * 32768)
+    assert abs(flops / 4.74e15 - 1) < 0.01, flops  # the 8B step's model FLOPs
+
+
 def test_bench_bad_input_is_a_clear_error():
     for argv, words in ((["model", "--plot", "x.png"], "--plot draws the sweep"),
                         (["model", "--sweep", "--profile", "t.json"], "single run"),
