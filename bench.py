@@ -2514,7 +2514,9 @@ class NativeLM(nn.Module):
 
     def forward(self, idx, targets):
         x = self.emb(idx)
-        cos, sin = self.cos[:idx.shape[1]], self.sin[:idx.shape[1]]
+        # the tables in the activations' dtype: FSDP2 casts block inputs in the forward but not when a checkpointed
+        # block is recomputed, so they must arrive in that dtype already
+        cos, sin = self.cos[:idx.shape[1]].to(x.dtype), self.sin[:idx.shape[1]].to(x.dtype)
         for block in self.blocks:
             x = (torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False) if self.act_ckpt
                  else block(x, cos, sin))
@@ -2537,7 +2539,7 @@ def cmd_leaderboard(argv):
     p.add_argument("--num_layers", type=int, default=LEADERBOARD["num_layers"])
     p.add_argument("--context_length", type=int, default=LEADERBOARD["context_length"])
     p.add_argument("--batch_size", type=int, default=0, help="sequences per rank (0: the leaderboard's 2 split "
-                   "over the ranks, at least 1)")
+                   "over the ranks; 1 on one GPU, a proxy of one rank's share)")
     p.add_argument("--act_ckpt_layers", type=int, default=-1, help="how many of the first blocks recompute their "
                    "activations in backward (-1: every block)")
     p.add_argument("--warmup_ms", type=float, default=10_000, help="do_bench warm-up (the rules: 10,000)")
@@ -2555,7 +2557,7 @@ def cmd_leaderboard(argv):
         raise SystemExit("the peer uses FSDP2: run under torchrun, e.g. torchrun --standalone --nproc_per_node=1 "
                          "bench.py leaderboard --num_layers 4")
     cfg = dict(LEADERBOARD, num_layers=args.num_layers, context_length=args.context_length)
-    batch = args.batch_size or max(1, 2 // world)
+    batch = args.batch_size or max(1, 2 // world) if world > 1 else args.batch_size or 1
     n_ckpt = args.num_layers if args.act_ckpt_layers < 0 else args.act_ckpt_layers
     info = run_info("leaderboard", argv, device)
     if rank == 0:

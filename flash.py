@@ -1158,15 +1158,17 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
         cache.clear()
         cache.update(key=key, bases=bases, table=table.to(device), unit=unit, g_key=None)
     g_key = tuple(g.data_ptr() for g in grads)
-    if cache["g_key"] != g_key:  # new gradient tensors: send their offsets, without waiting for the GPU
+    if cache["g_key"] != g_key:  # new gradient addresses: send their offsets, without waiting for the GPU
         g_base, g_offsets, g_unit = _offsets(grads)
         g_offsets = torch.from_numpy(g_offsets)
         if device.type == "cuda":
             g_offsets = g_offsets.pin_memory().to(device, non_blocking=True)
-        cache.update(g_key=g_key, g_base=g_base, g_offsets=g_offsets, g_unit=g_unit)
+        cache.update(g_key=g_key, g_index=next(i for i, g in enumerate(grads) if g is g_base), g_offsets=g_offsets,
+                     g_unit=g_unit)
+    g_base = grads[cache["g_index"]]  # this step's tensor at the base address (a CUDA graph hands out new ones)
     p, m, v = cache["bases"]
     n_chunks = cache["table"].shape[1]
-    _adamw_kernel[(n_chunks,)](p, cache["g_base"], m, v, cache["table"], cache["g_offsets"], n_chunks, neg_step,
+    _adamw_kernel[(n_chunks,)](p, g_base, m, v, cache["table"], cache["g_offsets"], n_chunks, neg_step,
                                beta1, beta2, eps, decay, BLOCK=ADAMW_BLOCK, UNIT=cache["unit"],
                                G_UNIT=cache["g_unit"], num_warps=8)
 
