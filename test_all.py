@@ -2153,6 +2153,29 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_init_from_a_llama_directory_fine_tunes_the_exported_model(tmp_path):
+    # train, export to the Hugging Face Llama layout, fine-tune from that directory: the fine-tune starts from the
+    # exported weights (its step-0 validation loss is the first run's final one) and then trains on
+    _need_hf("safetensors")
+    data = tmp_path / "d"
+    _write_dataset(data)
+    common = TINY + [f"--data_dir={data}", "--eval_interval=3"]
+    first = tmp_path / "first"
+    train.main(common + [f"--out_dir={first}", "--max_iters=3"])
+    ckpt = train.read_checkpoint(first / "ckpt.pt")
+    m = TransformerLM(**ckpt["model_args"])
+    m.load_state_dict(ckpt["model"])
+    llama = tmp_path / "llama"
+    model_py.save_llama(m, str(llama))
+    tuned = tmp_path / "tuned"
+    train.main(common + [f"--out_dir={tuned}", "--max_iters=3", f"--init_from={llama}"])
+    final_val = [r["val_loss"] for r in _log(first) if "val_loss" in r][-1]
+    tuned_vals = [r["val_loss"] for r in _log(tuned) if "val_loss" in r]
+    assert abs(tuned_vals[0] - final_val) < 1e-5 and tuned_vals[-1] < tuned_vals[0], (final_val, tuned_vals)
+    _expect(train.ConfigError, ["Llama-format"], train.main, common + [f"--out_dir={tmp_path / 'x'}",
+                                                                        f"--init_from={tmp_path / 'nowhere'}"])
+
+
 def test_bad_input_errors(tmp_path):
     data = tmp_path / "d"
     _write_dataset(data, n_docs=(120, 1))

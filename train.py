@@ -36,7 +36,7 @@ import torch
 
 import ddp
 import flash
-from model import TransformerLM, count_params, flops_per_token
+from model import TransformerLM, count_params, flops_per_token, llama_init
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,7 +45,7 @@ _ROOT = os.path.dirname(os.path.abspath(__file__))
 # config: plain globals, overridden by a config file and then --key=value (apply_config). Defaults = a CPU run.
 # I/O
 out_dir = "out"                 # checkpoints (ckpt.pt), log.jsonl and loss.png
-init_from = "scratch"           # 'scratch' or 'resume' (from out_dir/ckpt.pt with its saved config, continuing exactly)
+init_from = "scratch"           # 'scratch', 'resume' (out_dir/ckpt.pt with its saved config, exactly) or a Llama dir
 force = False                   # scratch into an out_dir that holds a run: move its ckpt.pt / log.jsonl to *.old
 log_interval = 10               # optimizer steps between log lines
 eval_interval = 100             # steps between validation-loss evaluations (and at the last step)
@@ -514,8 +514,9 @@ def prepare_data(c, rank, world_size):
 
 def check_config(c, world_size):
     """Values apply_config cannot judge alone; raises ConfigError naming the key."""
-    if c.init_from not in ("scratch", "resume"):
-        raise ConfigError(f"init_from must be 'scratch' or 'resume', got {c.init_from!r}")
+    if c.init_from not in ("scratch", "resume") and not os.path.isfile(os.path.join(c.init_from, "config.json")):
+        raise ConfigError(f"init_from must be 'scratch', 'resume' or a Llama-format checkpoint directory "
+                          f"(config.json + model.safetensors, as model.save_llama writes), got {c.init_from!r}")
     if c.batching not in BATCHING:
         raise ConfigError(f"batching must be one of {BATCHING}, got {c.batching!r}")
     if c.ddp_impl not in DDP_IMPLS:
@@ -567,7 +568,7 @@ def claim_out_dir(c, master, log):
     and log aside (to *.old, replacing an older *.old) before anything is written."""
     os.makedirs(c.out_dir, exist_ok=True)
     old = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(c.out_dir, n))]
-    if c.init_from != "scratch" or not old:
+    if c.init_from == "resume" or not old:
         return
     if not c.force:
         raise ConfigError(f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to "
@@ -743,8 +744,14 @@ def train(config, given, rank, world_size, dev):
         if model_args["vocab_size"] != vocab_size:
             raise ValueError(f"checkpoint {ckpt_path} has vocab_size {model_args['vocab_size']} but dataset "
                              f"{data_dir} has {vocab_size}: resume on the data it was trained on")
+    llama_state = None
+    if c.init_from not in ("scratch", "resume"):  # fine-tune a Llama-format checkpoint directory
+        model_args, llama_state = llama_init(c.init_from, vocab_size=vocab_size, context_length=c.context_length)
+        model_args["act_ckpt_every"] = c.act_ckpt_every
     torch.manual_seed(c.seed)
     model = TransformerLM(**model_args, attn_impl=attn, device=dev)
+    if llama_state is not None:
+        model.load_state_dict(llama_state)
     n_params = count_params(model)
     flops_tok = flops_per_token(vocab_size, model_args["context_length"], model_args["d_model"],
                                 model_args["num_layers"], model_args["d_ff"], causal=True)
@@ -776,7 +783,7 @@ def train(config, given, rank, world_size, dev):
         b = make_batch(val_tokens, val_docs, c, batch_generator(c.seed, -1 - (i % c.eval_iters), 0), dev,
                        meta["eot_id"])
         val_batches.append(b if i < c.eval_iters else b[:4] + (0,))
-    if master and c.init_from == "scratch":
+    if master and c.init_from != "resume":
         open(log_path, "w").close()  # claim_out_dir made sure no earlier run's log is here
         counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
