@@ -2651,6 +2651,98 @@ def cmd_leaderboard(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# sass: what the compiler made of flash.py's attention kernels for an H100/H200 (sm_90), on any machine
+# ---------------------------------------------------------------------------------------------------------------
+
+SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
+              "sm_scale": "fp32", **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}
+
+
+def sass_stats(kernel_fn, signature, constexprs, options, gluon_source=False, attrs=None):
+    """(registers, stack bytes, spill loads, spill stores, SASS instructions, wgmma serialized?) of one kernel
+    compiled for sm_90 with this Triton, read with the cuobjdump and ptxas its package carries."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    source = ASTSource
+    if gluon_source:
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    kernel = triton.compile(source(fn=kernel_fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        run = lambda *a: subprocess.run(a, capture_output=True, text=True)
+        res = run(os.path.join(tools, "cuobjdump"), "-res-usage", cubin).stdout
+        sass = run(os.path.join(tools, "cuobjdump"), "-sass", cubin).stdout
+        notes = run(os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin).stderr
+    usage = dict(t.split(":", 1) for t in next(l for l in res.splitlines() if "REG:" in l).split() if ":" in t)
+    instr = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line.strip()[2:])
+    return [int(usage["REG"]), int(usage["STACK"]), sass.count(" LDL"), sass.count(" STL"), instr,
+            "yes" if "C7515" in notes else "no"]
+
+
+def cmd_sass(argv):
+    """Compile the attention kernels for sm_90 without a GPU and print registers, spills, SASS size and whether
+    ptxas serialized the tensor-core (wgmma) instructions (its note C7515: with it, the dK/dV pass ran 16-20%
+    slower). Run it after changing a kernel's loop structure, with the Triton the GPU machine has, installed aside:
+        pip install --no-deps --target /tmp/triton36 triton==3.6.0
+        PYTHONPATH=/tmp/triton36 python bench.py sass"""
+    p = argparse.ArgumentParser(prog="bench.py sass", description=cmd_sass.__doc__.split("\n")[0])
+    p.add_argument("--head_dims", default="128,64")
+    p.add_argument("--no_specialize", action="store_true", help="ignore do_not_specialize (all ints specialized)")
+    p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
+    p.add_argument("--full", action="store_true", help="non-causal instead of causal")
+    args = p.parse_args(argv)
+    if flash.INTERPRET:  # the kernels were defined for the interpreter: compile them in a process that does not
+        env = dict(os.environ, TRITON_INTERPRET="0")
+        return subprocess.run([sys.executable, os.path.abspath(__file__), "sass"] + argv, env=env).returncode
+    import triton
+    how = "every int specialized" if args.no_specialize else \
+        "integer arguments marked divisible by 16 as at the dense shapes, except do_not_specialize ones"
+    print(f"Triton {triton.__version__}, sm_90, bf16, {'non-causal' if args.full else 'causal'}, "
+          f"{'packed' if args.varlen else 'dense'}; {how}\n")
+    rows = []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        common = dict(HEAD_DIM=d, CAUSAL=not args.full, VARLEN=args.varlen, PREC="tf32")
+        triton_kernels = [("fwd (Triton)", flash._attn_fwd, flash.FWD_CONFIGS[(d, 2)][0], {}),
+                          ("dq (Triton)", flash._attn_bwd_dq, flash.DQ_CONFIGS[(d, 2)][0], {}),
+                          ("dkdv (Triton)", flash._attn_bwd_dkdv, flash.DKDV_CONFIGS[(d, 2)][0],
+                           dict(GROUP=1, EVEN_Q=not args.varlen))]
+        for name, tuned, (m, n, w, s), extra in triton_kernels:
+            fn = getattr(tuned, "fn", tuned)  # the JITFunction under the autotuner
+            cx = dict(common, BLOCK_M=m, BLOCK_N=n, **extra)
+            sig = {a: "constexpr" if a in cx else SASS_TYPES.get(a, "i32") for a in fn.arg_names}
+            skip = set() if args.no_specialize else {fn.arg_names[i] if isinstance(i, int) else i
+                                                     for i in getattr(fn, "do_not_specialize", ()) or ()}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                     if sig[a].startswith("*") or (sig[a] == "i32" and a not in skip)}
+            rows.append([d, name, str((m, n, w, s))] + sass_stats(fn, sig, cx, {"num_warps": w, "num_stages": s},
+                                                                 attrs=attrs))
+        if flash.gluon is not None and d in flash.GLUON_FWD_CONFIGS:
+            gl = flash.gl
+            m, n, stages = flash.GLUON_FWD_CONFIGS[d]
+            q_block, kv_block = ([m, 1, d], [n, 1, d]) if args.varlen else ([1, 1, m, d], [1, 1, n, d])
+            desc = lambda block: (f"tensordesc<bf16{block},"
+                                  f"{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>")
+            cx = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full, VARLEN=args.varlen,
+                      HEAD_MAJOR=flash.GLUON_HEAD_MAJOR, PINGPONG=flash.GLUON_PINGPONG)
+            fn = flash._gl_attn_fwd
+            sig = {a: "constexpr" if a in cx else {"q_desc": desc(q_block), "k_desc": desc(kv_block),
+                                                     "v_desc": desc(kv_block), **SASS_TYPES}.get(a, "i32")
+                   for a in fn.arg_names}
+            rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
+                fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
+    print(markdown_table(["D", "kernel", "config (M, N, warps, stages)", "registers", "stack bytes", "spill loads",
+                          "spill stores", "SASS instructions", "wgmma serialized"], rows))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # dispatch
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -2665,6 +2757,7 @@ COMMANDS = {  # name: (function, what it answers, in one line)
     "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, one run (under torchrun)"),
     "bpe": (cmd_bpe, "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken"),
     "leaderboard": (cmd_leaderboard, "the 8B training step (ms, memory, MFU, cold start) beside a PyTorch-native peer"),
+    "sass": (cmd_sass, "registers, spills and wgmma serialization of the attention kernels for sm_90 (no GPU needed)"),
     "hf": (cmd_hf, "a Hugging Face GPT-2 on variable-length documents: padding vs padding-free, SDPA vs ours"),
 }
 
@@ -2688,8 +2781,8 @@ def main(argv=None):
         print(f"bench.py: unknown subcommand {argv[0]!r}; choose one of {', '.join(COMMANDS)} (python bench.py -h)",
               file=sys.stderr)
         return 2
-    COMMANDS[argv[0]][0](argv[1:])
-    return 0
+    rc = COMMANDS[argv[0]][0](argv[1:])
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

@@ -670,6 +670,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # the name of Triton > 3.6
 except ImportError:  # a Triton without Gluon: the Triton kernels serve everything
     gluon = None
 
@@ -800,10 +801,10 @@ if gluon is not None:
         for wg in gl.static_range(2):
             mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
             if VARLEN:  # packed (total, H, D) descriptors; dense ones are (B, H, S, D)
-                tma.async_copy_global_to_shared(q_desc, [q_row + wg * BLOCK_M, h, 0], q_bar.index(wg),
+                _tma_load(q_desc, [q_row + wg * BLOCK_M, h, 0], q_bar.index(wg),
                                                 q_smem.index(wg))
             else:
-                tma.async_copy_global_to_shared(q_desc, [b, h, q_row + wg * BLOCK_M, 0], q_bar.index(wg),
+                _tma_load(q_desc, [b, h, q_row + wg * BLOCK_M, 0], q_bar.index(wg),
                                                 q_smem.index(wg))
         for j in range(n_tiles):
             slot = j % NUM_STAGES
@@ -812,15 +813,15 @@ if gluon is not None:
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             if VARLEN:
-                tma.async_copy_global_to_shared(k_desc, [row, kv_h, 0], k_ready.index(slot), k_smem.index(slot))
+                _tma_load(k_desc, [row, kv_h, 0], k_ready.index(slot), k_smem.index(slot))
             else:
-                tma.async_copy_global_to_shared(k_desc, [b, kv_h, row, 0], k_ready.index(slot), k_smem.index(slot))
+                _tma_load(k_desc, [b, kv_h, row, 0], k_ready.index(slot), k_smem.index(slot))
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             if VARLEN:
-                tma.async_copy_global_to_shared(v_desc, [row, kv_h, 0], v_ready.index(slot), v_smem.index(slot))
+                _tma_load(v_desc, [row, kv_h, 0], v_ready.index(slot), v_smem.index(slot))
             else:
-                tma.async_copy_global_to_shared(v_desc, [b, kv_h, row, 0], v_ready.index(slot), v_smem.index(slot))
+                _tma_load(v_desc, [b, kv_h, row, 0], v_ready.index(slot), v_smem.index(slot))
 
     @gluon.jit
     def _gl_attn_fwd(q_desc, k_desc, v_desc, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
