@@ -200,7 +200,7 @@ train_runs() {
         shift 2
         names+=("$name:$nproc")
         run_log "$name" 185 "$TORCHRUN" --standalone --nproc_per_node="$nproc" train.py config/small.py \
-            --max_iters=150 --ckpt_interval=100000 --out_dir="$tmp/$name" "$@"
+            --max_iters=150 --save_interval=100000 --out_dir="$tmp/$name" "$@"
         cp "$tmp/$name/log.jsonl" "$P.$name.jsonl" 2>/dev/null
         cp "$tmp/$name/loss.png" "$P.$name.png" 2>/dev/null
     done

