@@ -201,12 +201,12 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
-    def update(self, layer_idx, k, v, positions):
-        """Write k, v (B, T, H, D) at slots positions (B, T); return the keys and values of the slots in use."""
+    def update(self, layer_idx, k, v, position_ids):
+        """Write k, v (B, T, H, D) at slots position_ids (B, T); return the keys and values of the slots in use."""
         end = self.length + k.shape[1]
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        self.k[layer_idx][rows, positions] = k.to(self.k.dtype)
-        self.v[layer_idx][rows, positions] = v.to(self.v.dtype)
+        self.k[layer_idx][rows, position_ids] = k.to(self.k.dtype)
+        self.v[layer_idx][rows, position_ids] = v.to(self.v.dtype)
         return self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]
 
 
@@ -302,13 +302,13 @@ class CausalSelfAttention(nn.Module):
                 for a, b in zip(cu, cu[1:]) if b > a]
         return torch.cat(outs).unsqueeze(0)
 
-    def _cached_attention(self, q, k, v, positions, kv_cache):
+    def _cached_attention(self, q, k, v, position_ids, kv_cache):
         """Decoding: write this call's keys/values at their positions, attend every cached slot <= the query's
         position. The queries and keys differ in length and rows differ in position, so this uses the masked path
         (sdpa when selected, else ours) for every attn_impl; its cost per new token is one row of scores."""
-        positions = positions.expand(q.shape[0], q.shape[1])
-        k, v = kv_cache.update(self.layer_idx, k, v, positions)
-        mask = torch.arange(k.shape[1], device=q.device) <= positions[:, None, :, None]  # (B, 1, T, slots)
+        position_ids = position_ids.expand(q.shape[0], q.shape[1])
+        k, v = kv_cache.update(self.layer_idx, k, v, position_ids)
+        mask = torch.arange(k.shape[1], device=q.device) <= position_ids[:, None, :, None]  # (B, 1, T, slots)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
         if self.attn_impl == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

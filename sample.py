@@ -1,4 +1,4 @@
-"""Generate text from a checkpoint written by train.py (SPEC §4).
+"""Generate text from a checkpoint written by train.py.
 
     python sample.py                                   # out/ckpt.pt, 1 sample of 256 tokens from <|endoftext|>
     python sample.py --prompt "ROMEO:" --num_samples 3 --temperature 0.8 --top_p 0.9
@@ -24,7 +24,7 @@ EOT = "<|endoftext|>"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# decoding (SPEC §4)
+# decoding
 # ---------------------------------------------------------------------------------------------------------------
 
 def sample_next(logits, temperature=1.0, top_p=1.0, top_k=0, generator=None):
@@ -53,7 +53,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, eot_
     """Continue prompt_ids (a list of ids, or a list of such lists for a batch) by up to max_new_tokens ids.
 
     Returns the new ids only (a list, or a list of lists for a batch), stopping a row at eot_id, which is left out.
-    Each step sees the last context_length tokens (SPEC §4 step 1). A prompt longer than context_length is an error
+    Each step sees the last context_length tokens. A prompt longer than context_length is an error
     unless crop_prompt=True.
     use_cache=False runs the whole window every step: the reference the KV cache is held to (same greedy output).
     """
@@ -217,7 +217,7 @@ def load_model(ckpt_path, device="cpu"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Generate text from a train.py checkpoint (SPEC §4).")
+    p = argparse.ArgumentParser(description="Generate text from a train.py checkpoint.")
     p.add_argument("--out_dir", default="out", help="where train.py wrote ckpt.pt")
     p.add_argument("--ckpt", default=None, help="checkpoint path (default OUT_DIR/ckpt.pt), or a Llama-format "
                    "directory (config.json + model.safetensors + our vocab.json / merges.txt)")

@@ -1055,7 +1055,7 @@ def test_silu_and_swiglu_match_formula_and_default_d_ff():
     ffn = SwiGLU(24, 40, dtype=torch.float64)
     ref = (F.silu(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T
     assert torch.allclose(ffn(x), ref)
-    assert SwiGLU(512).w1.weight.shape == (1344, 512)  # SPEC §2.3: 64 * round(8d / 192)
+    assert SwiGLU(512).w1.weight.shape == (1344, 512)  # d_ff defaults to 64 * round(8d / 192)
 
 
 def test_rope_matches_complex_rotation_with_explicit_positions():
@@ -1446,12 +1446,12 @@ def test_param_count_and_flops_match_spec():
     for name, want in expected.items():
         p = PRESETS[name]
         d, L, d_ff = p["d_model"], p["num_layers"], p["d_ff"]
-        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d  # SPEC §2.9
+        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d  # embeddings + lm_head, per layer 4d^2 + 3 d d_ff + 2d, the final norm
         assert abs(psi - want) / want < 1e-3, name
         assert d % p["num_heads"] == 0
     m = TransformerLM(V, 16, 64, 3, 4, 96)
     assert count_params(m) == 2 * V * 64 + 3 * (4 * 64 * 64 + 3 * 64 * 96 + 2 * 64) + 64
-    # GPT-2 XL shape check values (SPEC §2.9): one 1,024-token forward = 4.51 TFLOP counting all T^2 terms
+    # GPT-2 XL shape check values: one 1,024-token forward = 4.51 TFLOP counting all T^2 terms
     fwd = flops_per_token(50257, 1024, 1600, 48, 6400, causal=False) / 3 * 1024
     assert abs(fwd / 4.51e12 - 1) < 0.005
     d, T = 1600, 1024
