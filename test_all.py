@@ -3394,6 +3394,9 @@ def test_bench_varlen_same_documents(tmp_path):
     attn = {r["method"]: r for r in payload["attention_rows"]}
     assert [r[0] for r in attn_rows] == list(attn)
     for name, r in attn.items():
+        if r["status"] != "ok":  # a strategy that cannot run here (xFormers absent, NestedTensor on CPU) says why
+            assert r["max_diff"] is None and r["status"], (name, r)
+            continue
         assert r["max_diff"] < 1e-4, (name, r["max_diff"])  # every method computes the same attention
         if name.startswith("SDPA") or name.startswith("flash_attn_varlen"):
             assert r["status"] == "ok" and r["fwd_bwd_ms"] is not None, (name, r["status"])
