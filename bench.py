@@ -2538,8 +2538,8 @@ def cmd_leaderboard(argv):
                                 "sequence per rank on several GPUs; on one GPU --num_layers to fit).")
     p.add_argument("--num_layers", type=int, default=LEADERBOARD["num_layers"])
     p.add_argument("--context_length", type=int, default=LEADERBOARD["context_length"])
-    p.add_argument("--batch_size", type=int, default=0, help="sequences per rank (0: the leaderboard's 2 split "
-                   "over the ranks; 1 on one GPU, a proxy of one rank's share)")
+    p.add_argument("--batch_size", type=int, default=1, help="sequences per rank (the leaderboard's two sequences "
+                   "are one per rank on two GPUs; on one GPU, one sequence is a proxy of one rank's share)")
     p.add_argument("--act_ckpt_layers", type=int, default=-1, help="how many of the first blocks recompute their "
                    "activations in backward (-1: every block)")
     p.add_argument("--warmup_ms", type=float, default=10_000, help="do_bench warm-up (the rules: 10,000)")
@@ -2557,7 +2557,7 @@ def cmd_leaderboard(argv):
         raise SystemExit("the peer uses FSDP2: run under torchrun, e.g. torchrun --standalone --nproc_per_node=1 "
                          "bench.py leaderboard --num_layers 4")
     cfg = dict(LEADERBOARD, num_layers=args.num_layers, context_length=args.context_length)
-    batch = args.batch_size or max(1, 2 // world) if world > 1 else args.batch_size or 1
+    batch = args.batch_size
     n_ckpt = args.num_layers if args.act_ckpt_layers < 0 else args.act_ckpt_layers
     info = run_info("leaderboard", argv, device)
     if rank == 0:

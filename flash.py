@@ -29,6 +29,7 @@ import functools
 import inspect
 import math
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -1272,8 +1273,6 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
 #    scaling) is folded into q. Not supported, each a clear error: attention dropout, sliding windows, softcapping,
 #    attention sinks, 4-D masks, and queries shorter than keys (decoding with a KV cache: generate with sdpa).
 # ---------------------------------------------------------------------------------------------------------------
-
-import weakref  # noqa: E402  (this section's own import, kept beside it)
 
 _HF_DOCS = {}  # eager only: the last position_ids tensor seen -> its documents (every layer of a forward shares it)
 

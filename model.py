@@ -13,8 +13,11 @@ attn_impl picks the attention kernel (an attribute read at call time, so it can 
     "flash"      flash.py's Triton FlashAttention-2 (flash_attention / flash_attn_varlen)
     "flash_ref"  flash.py's tiled PyTorch twin of that kernel
 """
+import inspect
+import json
 import math
 import numbers
+import os
 
 import torch
 import torch.nn as nn
@@ -628,9 +631,6 @@ PRESETS = {
 # rows. Only safetensors is needed (imported inside these functions); config.json is plain JSON written here, so
 # exporting and loading work without transformers and without a network.
 
-import inspect  # noqa: E402  (this section's own imports, kept beside it)
-import json  # noqa: E402
-import os  # noqa: E402
 
 LLAMA_WEIGHTS = "model.safetensors"
 LLAMA_INDEX = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {tensor name: file}}
