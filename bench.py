@@ -2737,6 +2737,18 @@ def cmd_sass(argv):
                    for a in fn.arg_names}
             rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
                 fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
+            m, n, stages, split = flash.GLUON_BWD_CONFIGS[d]
+            q_block, kv_block = ([m, 1, d], [n, 1, d]) if args.varlen else ([1, 1, m, d], [1, 1, n, d])
+            dq_block = q_block[:-1] + [d // split]
+            dq_desc = f"tensordesc<fp32{dq_block},{gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32)!r}>"
+            cx = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full, VARLEN=args.varlen)
+            fn = flash._gl_attn_bwd
+            sig = {a: "constexpr" if a in cx else {"q_desc": desc(q_block), "do_desc": desc(q_block),
+                                                     "k_desc": desc(kv_block), "v_desc": desc(kv_block),
+                                                     "dq_desc": dq_desc, **SASS_TYPES}.get(a, "i32")
+                   for a in fn.arg_names}
+            rows.append([d, "bwd (Gluon, sm90)", str((m, 2 * n, 10, stages))] + sass_stats(
+                fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
     print(markdown_table(["D", "kernel", "config (M, N, warps, stages)", "registers", "stack bytes", "spill loads",
                           "spill stores", "SASS instructions", "wgmma serialized"], rows))
     return 0

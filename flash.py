@@ -615,7 +615,10 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-    """(dQ, dK, dV): the Delta pre-pass, then the dQ pass and the dK/dV pass."""
+    """(dQ, dK, dV): the Delta pre-pass, then the dQ pass and the dK/dV pass; the one place that picks the
+    backward kernels (the Gluon one wherever it applies, as for the forward)."""
+    if BACKEND != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o):
+        return _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal)
     _require_triton_device(q)
     varlen = cu_seqlens_q is not None
     batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
@@ -653,25 +656,37 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. Attention forward on Hopper in Gluon (sm90: TMA, mbarriers, asynchronous wgmma, warp specialization), the
-#    design of FlashAttention-3. One CTA owns 2 x BLOCK_M query rows and has three partitions: a producer warp
+# 3. Attention on Hopper in Gluon (sm90: TMA, mbarriers, asynchronous wgmma, warp specialization), the design of
+#    FlashAttention-3. Forward: one CTA owns 2 x BLOCK_M query rows and has three partitions: a producer warp
 #    that streams K_j and V_j through a ring of NUM_STAGES shared-memory slots with TMA, and two consumer
 #    warpgroups of BLOCK_M rows each that run independently of each other (each waits only on the ring), so one's
 #    softmax runs while the other's matmuls occupy the tensor cores. Inside a consumer the loop is software
 #    pipelined: S_j = Q K_j^T is issued, then P_(j-1) V_(j-1), and the softmax of S_j runs while that second
-#    matmul is in flight; P stays in registers as the A operand of the wgmma. The producer gets 24 registers, the
-#    consumers 240. Same outputs as the Triton forward (O and the fp32 logsumexp L); the backward stays in Triton.
-#    Used on sm90 for bf16/fp16 with D in (64, 128) (section 4 decides); FLASH_BACKEND=triton forces the Triton
-#    kernels, FLASH_BACKEND=gluon insists on these.
+#    matmul is in flight; P stays in registers as the A operand of the wgmma. Backward (below the forward): the
+#    same roles turned around, a CTA per key tile, the query tiles streamed, dQ added up with TMA reduce-adds.
+#    Producer warps get 24 registers, consumers 240. Same tensors in and out as the Triton kernels (O and the
+#    fp32 logsumexp L; dQ, dK, dV). Used on sm90 for bf16/fp16 with D in (64, 128) (section 4 decides);
+#    FLASH_BACKEND=triton forces the Triton kernels, FLASH_BACKEND=gluon insists on these.
 # ---------------------------------------------------------------------------------------------------------------
 
 BACKEND = os.environ.get("FLASH_BACKEND", "auto")  # 'auto' | 'triton' | 'gluon'
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language._core import builtin as _gl_builtin
+    from triton._C.libtriton import ir as _ir
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # the name of Triton > 3.6
+
+    @_gl_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """TMA bulk reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor): the
+        compiler has the operation, Triton 3.6's Gluon does not name it."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 except ImportError:  # a Triton without Gluon: the Triton kernels serve everything
     gluon = None
 
@@ -680,6 +695,9 @@ except ImportError:  # a Triton without Gluon: the Triton kernels serve everythi
 # within +-2% (+1.9% at the 8B model's S=32768). Measured on the H200 (BENCHMARKS.md, What we tried).
 GLUON_FWD_CONFIGS = {64: (64, 128, 3), 128: (64, 128, 3)}
 GLUON_HEAD_MAJOR = True
+# head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
+# warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward
+GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1), 128: (64, 64, 2, 2)}
 GLUON_PINGPONG = True
 
 if gluon is not None:
@@ -894,56 +912,358 @@ if gluon is not None:
             ], [4, 1], [240, 24])
 
 
+    # The backward: one CTA per 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them
+    # with its K and V in shared memory and dK, dV accumulating in registers; a producer warp streams the query
+    # tiles (Q_i, dO_i, and L_i, Delta_i: BLOCK_M rows) of every query head of the group through a ring. Per query
+    # tile a consumer makes five matmuls on transposed scores (keys x queries), so no register tile is transposed:
+    #   S^T = K Q_i^T,  dP^T = V dO_i^T,  P^T = exp2(S^T * scale - L_i),  dS^T = P^T * (dP^T - Delta_i),
+    #   dV += P^T dO_i,  dK += dS^T Q_i,  dQ_i = dS K  (dS^T through shared memory, read transposed).
+    # dQ_i sums over every key tile, so it is added up in an fp32 buffer: a dQ warp adds each share with a TMA bulk
+    # reduce-add while the consumers go on (two buffers per warpgroup). At D=128 the two warpgroups split dQ_i's
+    # columns (each multiplies both dS tiles by its half of both K tiles), which halves the fp32 traffic and the
+    # registers; at D=64 each adds its own keys' share of all columns.
+    @gluon.jit
+    def _gl_bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                         kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n,
+                         m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
+                         stride_dvs, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+        DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
+        SPLIT: gl.constexpr = DQ_COLS < HEAD_DIM
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_st: gl.constexpr = gl.SliceLayout(0, st_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        key_lo = start_n + WG * BLOCK_N
+        keys = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        offs_q = gl.arange(0, BLOCK_M, layout=col_st)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+        k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        key_ragged = key_lo + BLOCK_N > seqlen_k
+        mbarrier.wait(kv_bar.index(WG), 0)
+        for t in range(group * n_iter):
+            slot = t % NUM_STAGES
+            buf = t % 2
+            start_m = (m_lo + t % n_iter) * BLOCK_M
+            rows = start_m + offs_q
+            mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
+            q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)  # (not loop-carried: registers)
+            st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # S^T = K Q^T
+            dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # dP^T = V dO^T
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+            pt = gl.exp2(st * qk_scale - lse_smem.index(slot).load(col_st)[None, :])
+            masked = key_ragged | (start_m + BLOCK_M > seqlen_q)
+            if CAUSAL:
+                masked = masked | (start_m < key_lo + BLOCK_N)
+            if masked:  # ragged ends and, when causal, tiles that cross the diagonal
+                keep = (keys[:, None] < seqlen_k) & (rows[None, :] < seqlen_q)
+                if CAUSAL:
+                    keep = keep & (keys[:, None] <= rows[None, :])
+                pt = gl.where(keep, pt, 0.0)
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv = warpgroup_mma(pt_op, do, dv, is_async=True)                                 # dV += P^T dO
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+            dst = (pt * (dpt - delta_smem.index(slot).load(col_st)[None, :])).to(dtype)
+            ds_smem.index(2 * buf + WG).store(dst)
+            fence_async_shared()
+            if SPLIT:
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+            dst_op = gl.convert_layout(dst, op_layout)
+            dk = warpgroup_mma(dst_op, q, dk, is_async=True)                                 # dK += dS^T Q
+            dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+            if SPLIT:  # this warpgroup's columns of dQ_i, over both warpgroups' keys
+                mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+                for w in gl.static_range(2):
+                    k_cols = k_smem.index(w).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+                    dq = warpgroup_mma(ds_smem.index(2 * buf + w).permute((1, 0)), k_cols, dq, use_acc=w > 0,
+                                       is_async=True)                                       # dQ = dS K
+            else:
+                dq = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), k, dq, use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op))
+            mbarrier.arrive(empty.index(slot), count=1)
+            mbarrier.wait(dq_empty.index(2 * buf + WG), ((t // 2) & 1) ^ 1)  # the dQ warp is done with it
+            dq_smem.index(2 * buf + WG).reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
+            fence_async_shared()  # the TMA unit (async proxy) reads what these threads wrote
+            mbarrier.arrive(dq_full.index(2 * buf + WG), count=1)
+        k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        row_off = (q_start + k_rows[:, None]).to(gl.int64)  # packed: keys share the queries' offsets
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        keep = k_rows[:, None] < seqlen_k
+        gl.store(DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + row_off * stride_dks + cols[None, :],
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
+        gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
+                 dv.to(DV.dtype.element_ty), mask=keep)
+
+    # Partition entry points (one signature for all, as warp_specialize needs).
+    @gluon.jit
+    def _gl_bwd_wg0(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                    lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
+                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
+                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    VARLEN: gl.constexpr):
+        _gl_bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
+                         empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter,
+                         seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+                         qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
+
+    @gluon.jit
+    def _gl_bwd_wg1(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                    lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
+                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
+                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    VARLEN: gl.constexpr):
+        _gl_bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
+                         empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter,
+                         seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+                         qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
+
+    @gluon.jit
+    def _gl_bwd_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                    lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
+                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
+                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    VARLEN: gl.constexpr):
+        """The producer warp: each warpgroup's K and V once, then Q_i and dO_i of every query tile of every head of
+        the group into the ring with their rows of L (in base 2) and Delta, a slot at a time once both consumers
+        have released it."""
+        NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+        offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
+        for wg in gl.static_range(2):
+            row = q_start + start_n + wg * BLOCK_N
+            mbarrier.expect(kv_bar.index(wg), 2 * k_desc.block_type.nbytes)
+            if VARLEN:
+                _tma_load(k_desc, [row, hk, 0], kv_bar.index(wg), k_smem.index(wg))
+                _tma_load(v_desc, [row, hk, 0], kv_bar.index(wg), v_smem.index(wg))
+            else:
+                _tma_load(k_desc, [b, hk, row, 0], kv_bar.index(wg), k_smem.index(wg))
+                _tma_load(v_desc, [b, hk, row, 0], kv_bar.index(wg), v_smem.index(wg))
+        for t in range(group * n_iter):
+            slot = t % NUM_STAGES
+            h = hk * group + t // n_iter
+            start_m = (m_lo + t % n_iter) * BLOCK_M
+            mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+            rows = start_m + offs
+            l_off = b.to(gl.int64) * stride_lb + h * stride_lh + q_start + rows
+            lse_smem.index(slot).store(gl.load(LSE + l_off, mask=rows < seqlen_q, other=0.0) * 1.4426950408889634)
+            delta_smem.index(slot).store(gl.load(DELTA + l_off, mask=rows < seqlen_q, other=0.0))
+            # (the expect is this warp's arrival: it releases the two stores above with the TMA bytes)
+            mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            if VARLEN:
+                _tma_load(q_desc, [q_start + start_m, h, 0], ready.index(slot), q_smem.index(slot))
+                _tma_load(do_desc, [q_start + start_m, h, 0], ready.index(slot), do_smem.index(slot))
+            else:
+                _tma_load(q_desc, [b, h, start_m, 0], ready.index(slot), q_smem.index(slot))
+                _tma_load(do_desc, [b, h, start_m, 0], ready.index(slot), do_smem.index(slot))
+
+    @gluon.jit
+    def _gl_bwd_dq_writer(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                    lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
+                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
+                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    VARLEN: gl.constexpr):
+        """The dQ warp: each warpgroup's dQ share from shared memory added to the fp32 dQ buffer with a TMA bulk
+        reduce-add; a buffer is given back once its reduce has read it, one query tile later."""
+        DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
+        for t in range(group * n_iter):
+            h = hk * group + t // n_iter
+            start_m = (m_lo + t % n_iter) * BLOCK_M
+            buf = t % 2
+            for wg in gl.static_range(2):
+                col = wg * DQ_COLS if DQ_COLS < HEAD_DIM else 0
+                mbarrier.wait(dq_full.index(2 * buf + wg), (t // 2) & 1)
+                if VARLEN:
+                    _tma_reduce_add(dq_desc, [q_start + start_m, h, col], dq_smem.index(2 * buf + wg))
+                else:
+                    _tma_reduce_add(dq_desc, [b, h, start_m, col], dq_smem.index(2 * buf + wg))
+            if t > 0:
+                tma.store_wait(2)  # the previous tile's two reduces have read their buffers
+                mbarrier.arrive(dq_empty.index(2 * (1 - buf)), count=1)
+                mbarrier.arrive(dq_empty.index(2 * (1 - buf) + 1), count=1)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb,
+                     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q,
+                     seqlen_k, num_kv_heads, group, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     VARLEN: gl.constexpr):
+        """One program per (2 x BLOCK_N keys, batch x K/V head), the key tiles of one head in a row (they share its
+        Q and dO in L2), the first (causal: the longest) first; packed: one document's keys (cu_seqlens_k =
+        cu_seqlens_q). dQ (fp32, zeroed by the caller) is added to."""
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // num_kv_heads
+        hk = pid_bh % num_kv_heads
+        q_start = 0
+        if VARLEN:
+            q_start = gl.load(cu_seqlens_q + b)
+            seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
+            seqlen_k = seqlen_q
+        start_n = pid_n * 2 * BLOCK_N
+        if start_n < seqlen_k:
+            m_lo = 0
+            if CAUSAL:  # query rows before start_n see none of these keys
+                m_lo = start_n // BLOCK_M
+            n_iter = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+            do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
+                                                do_desc.layout)
+            k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+            # dS and dQ tiles: (two buffers) x (two warpgroups)
+            ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_N, BLOCK_M],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype))
+            dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
+            lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
+                                                 gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
+                                                   gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+            dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(kv_bar.index(i), count=1)
+                mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' dS tiles are in shared memory
+            for i in gl.static_range(4):
+                mbarrier.init(dq_full.index(i), count=1)
+                mbarrier.init(dq_empty.index(i), count=1)
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+            gl.warp_specialize([
+                (_gl_bwd_wg0, (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                     delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
+                     q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
+                     stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                     BLOCK_N, CAUSAL, VARLEN)),
+                (_gl_bwd_wg1, (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                     delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
+                     q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
+                     stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                     BLOCK_N, CAUSAL, VARLEN)),
+                (_gl_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                     delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
+                     q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
+                     stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                     BLOCK_N, CAUSAL, VARLEN)),
+                (_gl_bwd_dq_writer, (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                     delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
+                     q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
+                     stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                     BLOCK_N, CAUSAL, VARLEN)),
+            ], [4, 1, 1], [240, 24, 24])
+
 @functools.cache
 def _is_sm90(device_index):
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
-    """The Gluon forward takes sm90 bf16/fp16 inputs with D 64 or 128, TMA-compatible strides (unit last stride,
-    the others multiples of 16 bytes, a 16-byte aligned base) and, when packed, keys that share the queries'
-    document boundaries."""
+def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
+    """The Gluon kernels take sm90 bf16/fp16 inputs with D 64 or 128 (other head dims up to 128 zero-padded to
+    one of them, as for the Triton kernels), TMA-compatible strides (unit last stride,
+    the others multiples of 16 bytes, a 16-byte aligned base; `more` are further tensors to check, the backward's
+    dO and O) and, when packed, keys that share the queries' document boundaries."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if q.shape[-1] not in GLUON_FWD_CONFIGS or not _is_sm90(q.device.index):
+    d_pad = _kernel_head_dim(q.shape[-1])
+    if d_pad not in GLUON_FWD_CONFIGS or not _is_sm90(q.device.index):
         return False
-    if BACKEND == "auto" and q.shape[-1] == 64 and (max_seqlen_q if cu_seqlens_q is not None else q.shape[2]) < 2048:
-        return False  # measured: at D=64 below 2k tokens the Triton forward is faster (254 vs 235 TFLOP/s at 1k)
+    if BACKEND == "auto" and d_pad == 64 and (max_seqlen_q if cu_seqlens_q is not None else q.shape[2]) < 2048:
+        return False  # measured: at D=64 below 2k tokens the Triton kernels are faster (1k: forward 256 vs 233
+        # TFLOP/s, backward 248 vs 230)
     if cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q:
         return False
-    for x in (q, k, v):
+    for x in (q, k, v, *more) if d_pad == q.shape[-1] else ():  # (padded inputs are fresh contiguous copies)
         if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * x.element_size() % 16 for st in x.stride()[:-1]):
             return False
     return cu_seqlens_q is not None or k.shape[2] > 0
 
 
+def _descriptor(x, rows, varlen, cols=None):
+    """A TMA descriptor over x for tiles of `rows` rows (and `cols` columns, all by default) of one head:
+    (rows, 1, cols) packed, (1, 1, rows, cols) dense."""
+    cols = cols or x.shape[-1]
+    block = [rows, 1, cols] if varlen else [1, 1, rows, cols]
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[x.dtype]
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
 def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     varlen = cu_seqlens_q is not None
-    d = q.shape[-1]
-    block_m, block_n, stages = GLUON_FWD_CONFIGS[d]
+    d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
+    block_m, block_n, stages = GLUON_FWD_CONFIGS[d_pad]
     batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                                  max_seqlen_q)
     o = _empty_out(q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_block, kv_block = ([block_m, 1, d], [block_n, 1, d]) if varlen else ([1, 1, block_m, d], [1, 1, block_n, d])
-    q_layout = gl.NVMMASharedLayout.get_default_for(q_block, dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, dtype)
-    q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), q_block, q_layout)
-    k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), kv_block, kv_layout)
-    v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), kv_block, kv_layout)
-    o_strides = _strides("o", o, varlen)
+    qp, kp, vp = (_pad(x, d_pad) for x in (q, k, v))
+    op = o if d_pad == d else _empty_out(qp)
     m_tiles = triton.cdiv(seqlen_q, 2 * block_m)
     grid = (m_tiles, batch * heads) if GLUON_HEAD_MAJOR else (batch * heads, m_tiles)
-    _gl_attn_fwd[grid](q_desc, k_desc, v_desc, o, lse, cu_seqlens_q if varlen else lse, **o_strides, **lse_strides,
+    _gl_attn_fwd[grid](_descriptor(qp, block_m, varlen), _descriptor(kp, block_n, varlen),
+                       _descriptor(vp, block_n, varlen), op, lse, cu_seqlens_q if varlen else lse,
+                       **_strides("o", op, varlen), **lse_strides,
                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
-                       qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                       NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=GLUON_HEAD_MAJOR, PINGPONG=GLUON_PINGPONG,
-                       num_warps=4,
-                       maxnreg=168)
+                       qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+                       NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=GLUON_HEAD_MAJOR,
+                       PINGPONG=GLUON_PINGPONG, num_warps=4, maxnreg=168)
+    if op is not o:
+        o.copy_(op[..., :d])
     return o, lse
+
+
+def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
+    """(dQ, dK, dV) with the Gluon backward: the Triton Delta pre-pass, then one kernel for all three; dQ is
+    accumulated in fp32 and rounded once at the end."""
+    varlen = cu_seqlens_q is not None
+    d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
+    block_m, block_n, stages, dq_split = GLUON_BWD_CONFIGS[d_pad]
+    batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
+                                                                         max_seqlen_q)
+    dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
+    if batch * heads * seqlen_q == 0 or seqlen_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dop, qp, kp, vp, op = (_pad(x, d_pad) for x in (do, q, k, v, o))
+    dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dk, kp), (dv, vp)))
+    delta = torch.empty_like(lse)
+    _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
+        op, dop, delta, cu_seqlens_q if varlen else lse, **_strides("o", op, varlen), **_strides("do", dop, varlen),
+        **lse_strides, seqlen_q=seqlen_q, num_heads=heads, HEAD_DIM=d_pad, VARLEN=varlen, BLOCK_M=64)
+    dq_acc = torch.zeros(qp.shape, dtype=torch.float32, device=q.device)
+    scale = 1.0 / math.sqrt(d)
+    grid = (triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads)
+    _gl_attn_bwd[grid](_descriptor(qp, block_m, varlen), _descriptor(kp, block_n, varlen),
+                       _descriptor(vp, block_n, varlen), _descriptor(dop, block_m, varlen),
+                       _descriptor(dq_acc, block_m, varlen, d_pad // dq_split), dkp, dvp, lse, delta,
+                       cu_seqlens_q if varlen else lse, **_strides("dk", dkp, varlen),
+                       **_strides("dv", dvp, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                       num_kv_heads=kv_heads, group=heads // kv_heads, qk_scale=LOG2E * scale, sm_scale=scale,
+                       HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal,
+                       VARLEN=varlen, num_warps=4, maxnreg=168)
+    for g, gp in ((dq, dq_acc), (dk, dkp), (dv, dvp)):
+        if gp is not g:
+            g.copy_(gp[..., :d])
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -959,8 +1279,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     if BACKEND != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
         return _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal)
     if BACKEND == "gluon":
-        raise RuntimeError("flash: FLASH_BACKEND=gluon but the Gluon forward needs an sm90 GPU, bf16/fp16, head dim "
-                           f"64 or 128 and TMA-aligned strides (got {q.dtype}, {tuple(q.shape)}, {q.stride()})")
+        raise RuntimeError("flash: FLASH_BACKEND=gluon but the Gluon kernels need an sm90 GPU, bf16/fp16, head dim "
+                           f"<= 128 and TMA-aligned strides (got {q.dtype}, {tuple(q.shape)}, {q.stride()})")
     return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
 
 

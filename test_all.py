@@ -810,10 +810,11 @@ def test_flash_rejects_bad_input():
         _expect(ValueError, [word], fn)
 
 
-def test_flash_gpu_gluon_forward_matches_reference():
-    """The Hopper (Gluon) forward, forced on, against float64 attention: O, L and (through the Triton backward)
-    dQ, dK, dV; ragged lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, packed
-    documents of 1 token up to several tiles; outputs poisoned first."""
+def test_flash_gpu_gluon_matches_reference():
+    """The Hopper (Gluon) forward and backward, forced on, against float64 attention: O, L, dQ, dK, dV; ragged
+    lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dim
+    80 (zero-padded to 128), packed documents of 1 token up to several tiles (many per key tile); outputs poisoned
+    first."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(12)
@@ -826,6 +827,7 @@ def test_flash_gpu_gluon_forward_matches_reference():
             _check_dense(2, 8, 2, 1025, 1025, 128, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
             _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float16, tol=5e-3, gen=gen)
             _check_dense(1, 2, 2, 100, 300, 64, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)  # more keys
+            _check_dense(1, 4, 2, 333, 333, 80, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
             lens = [1, 7, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3]
             _check_varlen(lens, 8, 8, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
