@@ -1627,7 +1627,7 @@ def _flex(q, k, v, doc_ids=None):
 
 
 def on_backend(backend, fn):
-    """fn with flash.BACKEND set for its call (the forward: the backward kernels are Triton's either way)."""
+    """fn with flash.BACKEND set for its call (the backward of what it returns follows the same backend)."""
     def call(*args):
         old, flash.BACKEND = flash.BACKEND, backend
         try:

@@ -614,10 +614,10 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
     """(dQ, dK, dV): the Delta pre-pass, then the dQ pass and the dK/dV pass; the one place that picks the
-    backward kernels (the Gluon one wherever it applies, as for the forward)."""
-    if BACKEND != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o):
+    backward kernels (the Gluon one wherever it applies and backend, the forward's, is not 'triton')."""
+    if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o):
         return _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal)
     _require_triton_device(q)
     varlen = cu_seqlens_q is not None
@@ -989,7 +989,7 @@ if gluon is not None:
                                        is_async=True)                                       # dQ = dS K
             else:
                 dq = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), k, dq, use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op))
+            dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(slot), count=1)
             mbarrier.wait(dq_empty.index(2 * buf + WG), ((t // 2) & 1) ^ 1)  # the dQ warp is done with it
             dq_smem.index(2 * buf + WG).reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
@@ -1147,27 +1147,31 @@ if gluon is not None:
             for i in gl.static_range(NUM_STAGES):
                 mbarrier.init(ready.index(i), count=1)
                 mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
-            gl.warp_specialize([
-                (_gl_bwd_wg0, (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                     delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
-                     q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
-                     stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, CAUSAL, VARLEN)),
-                (_gl_bwd_wg1, (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                     delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
-                     q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
-                     stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, CAUSAL, VARLEN)),
-                (_gl_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                     delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
-                     q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
-                     stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, CAUSAL, VARLEN)),
-                (_gl_bwd_dq_writer, (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                     delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
-                     q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
-                     stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, CAUSAL, VARLEN)),
+            gl.warp_specialize([  # (the same arguments for every partition, written out: see the forward)
+                (_gl_bwd_wg0,
+                 (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                  dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
+                  DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
+                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
+                (_gl_bwd_wg1,
+                 (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                  dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
+                  DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
+                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
+                (_gl_bwd_loader,
+                 (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                  dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
+                  DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
+                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
+                (_gl_bwd_dq_writer,
+                 (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                  dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
+                  DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
+                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
             ], [4, 1, 1], [240, 24, 24])
 
 @functools.cache
@@ -1273,12 +1277,12 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
 #    the H200, several times the launches themselves.
 # ---------------------------------------------------------------------------------------------------------------
 
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-    """(O, L): the one place that picks the forward kernels (BACKEND, from FLASH_BACKEND: 'auto' takes the Gluon
-    kernel wherever it applies, 'triton' never, 'gluon' always or raises)."""
-    if BACKEND != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
+    """(O, L): the one place that picks the forward kernels (backend, BACKEND when the call began, from
+    FLASH_BACKEND: 'auto' takes the Gluon kernel wherever it applies, 'triton' never, 'gluon' always or raises)."""
+    if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
         return _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal)
-    if BACKEND == "gluon":
+    if backend == "gluon":
         raise RuntimeError("flash: FLASH_BACKEND=gluon but the Gluon kernels need an sm90 GPU, bf16/fp16, head dim "
                            f"<= 128 and TMA-aligned strides (got {q.dtype}, {tuple(q.shape)}, {q.stride()})")
     return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
@@ -1287,12 +1291,12 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
 @torch.library.custom_op("flash::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
                       cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+                      causal: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend)
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
     return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -1301,12 +1305,12 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
 def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                       max_seqlen_q: int, max_seqlen_k: int,
-                      causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+                      causal: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend)
 
 
 @_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
     return _empty_out(q), _empty_out(k), _empty_out(v)
 
 
@@ -1319,10 +1323,10 @@ class _FlashAttention(torch.autograd.Function):
         if cu_seqlens_k is None:
             cu_seqlens_k = cu_seqlens_q
         fwd = _attention_fwd_op if torch.compiler.is_compiling() else _forward
-        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.mark_non_differentiable(lse)
-        ctx.args = (max_seqlen_q, max_seqlen_k, causal)
+        ctx.args = (max_seqlen_q, max_seqlen_k, causal, BACKEND)  # the backward follows the forward's backend
         return o, lse
 
     @staticmethod
@@ -1400,7 +1404,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         as4 = lambda x: x.reshape(-1, 1, *x.shape[-2:])
         dq, dk, dv = _backward(as4(do), as4(q), as4(k), as4(v), as4(o), lse.reshape(-1, 1, q.shape[-2]), None,
-                               None, 0, 0, ctx.causal)
+                               None, 0, 0, ctx.causal, "triton")
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
 
 
