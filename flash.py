@@ -1180,8 +1180,8 @@ def _is_sm90(device_index):
 
 
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
-    """The Gluon kernels take sm90 bf16/fp16 inputs with D 64 or 128 (other head dims up to 128 zero-padded to
-    one of them, as for the Triton kernels), TMA-compatible strides (unit last stride,
+    """The Gluon kernels take sm90 bf16/fp16 inputs with D 64 or 128 (head dims 33 to 128 zero-padded to one of
+    them, as for the Triton kernels), TMA-compatible strides (unit last stride,
     the others multiples of 16 bytes, a 16-byte aligned base; `more` are further tensors to check, the backward's
     dO and O) and, when packed, keys that share the queries' document boundaries."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
