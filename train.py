@@ -36,7 +36,7 @@ import torch
 
 import ddp
 import flash
-from model import TransformerLM, count_params, flops_per_token, llama_init
+from model import TransformerLM, auto_attn_impl, count_params, flops_per_token, llama_init
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -66,7 +66,8 @@ num_heads = 8                   # attention heads (d_model / num_heads = head di
 d_ff = 704                      # SwiGLU hidden width (about 8/3 d_model, a multiple of 64)
 rope_theta = 10000.0            # RoPE base
 tie_embeddings = False          # share token_embeddings and lm_head
-attn_impl = "auto"              # 'auto' (flash on CUDA, naive on CPU) | 'flash' | 'flash_ref' | 'sdpa' | 'naive'
+attn_impl = "auto"              # 'auto' (model.auto_attn_impl: the fastest measured) | 'flash' | 'flash_ref' | 'sdpa' |
+                                # 'naive'
 act_ckpt_every = 0              # activation checkpointing every k blocks (0 = off)
 # optimizer
 learning_rate = 3e-3            # peak learning rate
@@ -723,7 +724,7 @@ def train(config, given, rank, world_size, dev):
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    attn = c.attn_impl if c.attn_impl != "auto" else ("flash" if dev.type == "cuda" else "naive")
+    attn = c.attn_impl if c.attn_impl != "auto" else auto_attn_impl(dev.type, packed=c.batching == "pack")
 
     # data
     data_dir = prepare_data(c, rank, world_size)
