@@ -848,6 +848,90 @@ def test_flash_gpu_bf16_large_shapes():
         _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
 
 
+# --- RMSNorm: flash.rms_norm (model.RMSNorm with impl="triton") ---
+# On CPU the interpreter takes 128 rows per program and the backward runs 2 programs, so 300 rows give a ragged last
+# block and a backward program that steps over two blocks.
+
+def _check_rms_norm(shape, dtype, tol, gen, w_dtype=None, row_stride=None, scale=1.0):
+    """flash.rms_norm's y, dx and dweight against float64 PyTorch on fresh random inputs (outputs poisoned first).
+    row_stride: x is a view with that many elements between rows (a slice of a wider tensor)."""
+    d = shape[-1]
+    full = (*shape[:-1], row_stride or d)
+    x = (torch.randn(full, generator=gen) * scale).to(DEVICE, dtype)[..., :d].requires_grad_()
+    w = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEVICE, w_dtype or dtype).requires_grad_()
+    dy = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    with _poisoned_empty():
+        y = flash.rms_norm(x, w, 1e-5)
+        dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert y.shape == x.shape and y.dtype == dx.dtype == x.dtype and dw.dtype == w.dtype
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    errs = dict(y=_rel(y, y64), dx=_rel(dx, dx64), dw=_rel(dw, dw64))
+    assert all(e < tol for e in errs.values()), (shape, dtype, w_dtype, errs)
+
+
+def test_flash_rms_norm_matches_float64_reference_on_ragged_shapes():
+    gen = torch.Generator().manual_seed(31)
+    for shape in ((300, 80), (1, 80), (2, 3, 48), (64, 128), (7, 1), (130, 33), (0, 48)):
+        _check_rms_norm(shape, torch.float32, 1e-5, gen)
+    _check_rms_norm((300, 80), torch.float32, 1e-5, gen, row_stride=100)  # rows 100 elements apart
+    _check_rms_norm((300, 80), torch.bfloat16, 1e-2, gen)
+    _check_rms_norm((2, 3, 48), torch.bfloat16, 1e-2, gen, w_dtype=torch.float32)  # autocast-style: fp32 weight
+    _check_rms_norm((70, 96), torch.float16, 2e-3, gen, scale=300.0)  # x^2 = 90000 overflows fp16, not fp32
+    norm = RMSNorm(80, impl="triton")  # the model's switch: same values as its PyTorch formula
+    norm.weight.data = torch.randn(80, generator=gen)
+    x = torch.randn(3, 50, 80, generator=gen).to(DEVICE)
+    norm.to(DEVICE)
+    y = norm(x)
+    norm.impl = "torch"
+    assert _rel(y, norm(x)) < 1e-6
+
+
+def test_flash_rms_norm_compiles_without_graph_breaks():
+    # fullgraph=True raises on a graph break; aot_eager traces the custom ops' fake kernels, then runs the kernels.
+    # The gradient of a sum arrives as an expanded (stride 0) tensor. opcheck checks the fakes against the kernels.
+    gen = torch.Generator().manual_seed(32)
+    x = torch.randn(2, 9, 48, generator=gen).to(DEVICE).requires_grad_()
+    w = torch.randn(48, generator=gen).to(DEVICE).requires_grad_()
+    f = lambda x, w: flash.rms_norm(x * 2, w, 1e-5).sin().sum() + flash.rms_norm(x, w, 1e-5).sum()
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w)
+    grads = torch.autograd.grad(out, (x, w))
+    want = f(x, w)
+    assert _rel(out, want) < 1e-6
+    assert all(_rel(a, b) < 1e-6 for a, b in zip(grads, torch.autograd.grad(want, (x, w))))
+    xs, ws = x.detach()[0], w.detach()
+    y, rstd = flash._rms_norm_fwd_op(xs, ws, 1e-5)
+    for op, args in ((flash._rms_norm_fwd_op, (xs, ws, 1e-5)), (flash._rms_norm_bwd_op, (y, xs, ws, rstd))):
+        results = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+        assert all(v == "SUCCESS" for v in results.values()), results
+
+
+def test_flash_rms_norm_rejects_bad_input():
+    x = torch.randn(4, 16, device=DEVICE)
+    w = torch.ones(16, device=DEVICE)
+    cases = [
+        (lambda: flash.rms_norm(x, torch.ones(15, device=DEVICE)), ["weight must have shape (16,)", "(15,)"]),
+        (lambda: flash.rms_norm(x, torch.ones(1, 16, device=DEVICE)), ["weight must have shape (16,)"]),
+        (lambda: flash.rms_norm(x.long(), w), ["fp16, bf16 or fp32", "torch.int64"]),
+        (lambda: flash.rms_norm(x.double(), w), ["torch.float64"]),
+        (lambda: flash.rms_norm(x, w.int()), ["torch.int32"]),
+        (lambda: flash.rms_norm(torch.randn(2, 9000, device=DEVICE), torch.ones(9000, device=DEVICE)), ["9000 >"]),
+        (lambda: RMSNorm(16, impl="cuda")(x), ["impl='cuda'", "'triton'"]),
+    ]
+    for fn, words in cases:
+        _expect(ValueError, words, fn)
+
+
+def test_flash_gpu_rms_norm_at_model_widths():
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs CUDA")
+    gen = torch.Generator().manual_seed(33)
+    for n, d in ((4096, 4096), (3001, 768), (1000, 4608), (257, 8192), (1, 1600)):
+        _check_rms_norm((n, d), torch.bfloat16, 1e-2, gen)
+        _check_rms_norm((n, d), torch.float32, 1e-5, gen)
+
+
 # --- Hugging Face interop: flash.register_hf_attention (transformers models on our kernels) ---
 # transformers is an optional extra (requirements-hf.txt): without it these tests skip. Tiny GPT-2 and Llama models
 # (dropout off, no KV cache) with our attention are held to the same models with transformers' eager attention.
