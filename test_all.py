@@ -3519,6 +3519,40 @@ def test_bench_attention_cases_on_the_interpreter(tmp_path):
         assert cells[7] == want
 
 
+def test_bench_rmsnorm_rows_table_and_cuda_check(tmp_path):
+    # the rows and table of bench.py rmsnorm at tiny shapes (on CPU: our kernels in the interpreter, F.rms_norm and
+    # the copy; inductor is left out, it would compile for 10 s): bytes as documented, GB/s = bytes / ms, % of copy
+    # = GB/s over the copy's at that shape. Without CUDA the subcommand itself is a one-line error.
+    device = torch.device(DEVICE)
+    with contextlib.redirect_stderr(io.StringIO()):
+        rows = bench.rmsnorm_rows([(70, 80), (3, 48)], torch.float32, device, ("ours", "F.rms_norm", "copy"), rep=1)
+    assert [(r["shape"], r["method"]) for r in rows] == [(s, m) for s in ("70 x 80", "3 x 48")
+                                                         for m in ("ours", "F.rms_norm", "copy")]
+    ((header, table),) = _md_tables(bench.rmsnorm_table(rows))
+    assert header == ["shape", "method", "fwd ms", "fwd GB/s", "fwd % of copy", "fwd+bwd ms", "fwd+bwd GB/s",
+                      "fwd+bwd % of copy"]
+    for r, cells in zip(rows, table):
+        n, d = (int(v) for v in r["shape"].split(" x "))
+        assert r["fwd_bytes"] == 2 * n * d * 4 + d * 4 and r["fwd_bwd_bytes"] == 5 * n * d * 4 + 2 * d * 4
+        assert math.isclose(r["fwd_gb_s"], r["fwd_bytes"] / r["fwd_ms"] / 1e6) and _close(cells[2], r["fwd_ms"])
+        copy = next(c for c in rows if c["shape"] == r["shape"] and c["method"] == "copy")
+        assert cells[4] == f"{100 * r['fwd_gb_s'] / copy['fwd_gb_s']:.0f}%"
+        if r["method"] == "copy":
+            assert r["fwd_bwd_ms"] is None and cells[4] == "100%" and cells[5:] == ["—"] * 3
+        else:
+            assert math.isclose(r["fwd_bwd_gb_s"], r["fwd_bwd_bytes"] / r["fwd_bwd_ms"] / 1e6)
+            assert cells[7] == f"{100 * r['fwd_bwd_gb_s'] / copy['fwd_gb_s']:.0f}%"
+    if not torch.cuda.is_available():
+        _expect(SystemExit, ["needs CUDA"], bench.main, ["rmsnorm"])
+    else:
+        path = tmp_path / "rmsnorm.json"
+        text = run_bench(["rmsnorm", "--shapes", "1000x768", "--rep", "5", "--json", str(path)])
+        ((header, table),) = _md_tables(text)
+        assert [r[1] for r in table] == list(bench.RMSNORM_METHODS) == [r["method"] for r in
+                                                                         json.loads(path.read_text())["rows"]]
+    _expect(SystemExit, ["TOKENSxD"], bench.main, ["rmsnorm", "--shapes", "1000x"])
+
+
 def test_bench_bpe_tables_follow_the_runs(tmp_path):
     corpus = _write_text(tmp_path / "corpus.txt", _synthetic_text(60_000, seed=6))
     path = tmp_path / "bpe.json"
