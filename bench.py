@@ -14,6 +14,7 @@ device), writes its numbers to --json FILE, and draws --plot FILE.png when matpl
     python bench.py gpt2                                          # GPT-2-small training throughput vs a peer
     python bench.py varlen                                        # pad / dynamic_pad / pack on the same documents
     python bench.py attention                                     # our FlashAttention-2 vs SDPA backends, Flex, naive
+    python bench.py rmsnorm                                       # our RMSNorm kernels vs inductor, F.rms_norm, a copy
     torchrun --nproc_per_node=2 bench.py allreduce                # all-reduce 1 MB .. 1 GB: ms, algbw, busbw
     torchrun --nproc_per_node=2 bench.py ddp --preset gpt2-xl     # our DDP / ZeRO-1 / FSDP vs torch's, one run
     python bench.py bpe --input _dev/bench_corpus.txt             # our tokenizer vs HF tokenizers and tiktoken
@@ -36,6 +37,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -1880,6 +1882,107 @@ def cmd_attention(argv):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# rmsnorm: our RMSNorm kernels against PyTorch's
+# ---------------------------------------------------------------------------------------------------------------
+#     python bench.py rmsnorm --json rmsnorm.json
+# flash.rms_norm (the Triton forward and backward) beside model.RMSNorm's PyTorch ops compiled by inductor,
+# F.rms_norm eager, and x.clone() (one read and one write of x: the copy bandwidth the norm can at best reach), at
+# (tokens, d) = (32768, 4096) and (12288, 768) in bf16 (x, dy and g). Bytes moved: the forward reads x and writes y,
+# the backward reads x and dy and writes dx, and each reads g (the 4 bytes a row of saved statistics are not
+# counted); GB/s = bytes / time, and "% of copy" is that over the copy's GB/s at the same shape. Each time is the
+# median of time_ms samples, every call with a cold L2 cache (12288 x 768 in bf16 would otherwise sit in it).
+
+RMSNORM_SHAPES = ((32768, 4096), (12288, 768))
+RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
+RMSNORM_EPS = 1e-5
+
+
+def rmsnorm_methods(weight, names):
+    """name -> (y = f(x), the tensors f's backward differentiates besides x) for the methods asked for."""
+    d = weight.shape[0]
+    methods = {}
+    if "ours" in names:
+        methods["ours"] = (lambda x: flash.rms_norm(x, weight, RMSNORM_EPS), [weight])
+    if "inductor" in names:
+        norm = model_py.RMSNorm(d, eps=RMSNORM_EPS, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+        methods["inductor"] = (torch.compile(norm, dynamic=False), [norm.weight])
+    if "F.rms_norm" in names:
+        methods["F.rms_norm"] = (lambda x: F.rms_norm(x, (d,), weight, RMSNORM_EPS), [weight])
+    if "copy" in names:
+        methods["copy"] = (lambda x: x.clone(), None)  # forward only: the bandwidth ceiling
+    return methods
+
+
+def rmsnorm_rows(shapes, dtype, device, names=RMSNORM_METHODS, rep=50):
+    """One row per (shape, method): fwd and fwd+bwd ms, bytes and GB/s (fwd+bwd: None for the copy)."""
+    cuda = device.type == "cuda"
+    rows = []
+    for n, d in shapes:
+        gen = torch.Generator(device=device).manual_seed(n + d)
+        x = torch.randn(n, d, device=device, dtype=dtype, generator=gen).requires_grad_()
+        dy = torch.randn(n, d, device=device, dtype=dtype, generator=gen)
+        weight = (1 + 0.1 * torch.randn(d, device=device, generator=gen)).to(dtype).requires_grad_()
+        act, g = n * d * x.element_size(), d * weight.element_size()
+        fwd_bytes, bwd_bytes = 2 * act + g, 3 * act + g
+
+        def median_ms(fn):
+            return statistics.median(time_ms(fn, device, warmup=5 if cuda else 1, steps=3,
+                                             budget_ms=rep if cuda else None, flush_l2=cuda))
+        for name, (fn, params) in rmsnorm_methods(weight, names).items():
+            fn(x)  # compiles (inductor) or warms the kernels up before timing
+            t_f = median_ms(lambda: fn(x))
+            t_fb = None
+            if params is not None:
+                t_fb = median_ms(lambda: torch.autograd.grad(fn(x), [x] + params, dy))
+            rows.append(dict(shape=f"{n} x {d}", dtype=str(dtype)[6:], method=name, fwd_ms=t_f, fwd_bwd_ms=t_fb,
+                             fwd_bytes=fwd_bytes, fwd_bwd_bytes=fwd_bytes + bwd_bytes,
+                             fwd_gb_s=fwd_bytes / t_f / 1e6,
+                             fwd_bwd_gb_s=None if t_fb is None else (fwd_bytes + bwd_bytes) / t_fb / 1e6))
+        del x, dy, weight
+        free_memory(device)
+    return rows
+
+
+def rmsnorm_table(rows):
+    """The Markdown table of rmsnorm_rows: ms, GB/s and % of the copy's GB/s at the same shape."""
+    copy = {r["shape"]: r["fwd_gb_s"] for r in rows if r["method"] == "copy"}
+    pct = lambda r, key: None if r[key] is None or r["shape"] not in copy else f"{100 * r[key] / copy[r['shape']]:.0f}%"
+    body = [[r["shape"], r["method"], r["fwd_ms"], r["fwd_gb_s"], pct(r, "fwd_gb_s"), r["fwd_bwd_ms"],
+             r["fwd_bwd_gb_s"], pct(r, "fwd_bwd_gb_s")] for r in rows]
+    return markdown_table(["shape", "method", "fwd ms", "fwd GB/s", "fwd % of copy", "fwd+bwd ms", "fwd+bwd GB/s",
+                           "fwd+bwd % of copy"], body, digits=[0, 0, 3, 0, 0, 3, 0, 0])
+
+
+def cmd_rmsnorm(argv):
+    p = argparse.ArgumentParser(prog="bench.py rmsnorm", description="RMSNorm forward and forward+backward: our "
+                                "Triton kernels vs model.RMSNorm compiled by inductor, F.rms_norm and a copy (CUDA)")
+    p.add_argument("--shapes", default=",".join(f"{n}x{d}" for n, d in RMSNORM_SHAPES),
+                   help="comma list of TOKENSxD (default: %(default)s)")
+    p.add_argument("--methods", default=",".join(RMSNORM_METHODS), help="comma list of: %(default)s")
+    p.add_argument("--rep", type=int, default=50, help="ms of timed samples per measurement (median taken)")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    names = csv_list(args.methods, RMSNORM_METHODS)
+    shapes = [tuple(int(v) for v in s.split("x")) if re.fullmatch(r"[1-9]\d*x[1-9]\d*", s) else None
+              for s in csv_list(args.shapes)]
+    if not shapes or None in shapes:
+        raise SystemExit(f"--shapes {args.shapes!r}: expected TOKENSxD items, e.g. 32768x4096,12288x768")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py rmsnorm needs CUDA: it times GPU kernels (the tests run the kernels on CPU)")
+    device = torch.device("cuda")
+    info = run_info("rmsnorm", argv, device)
+    print_header("bench.py rmsnorm", info)
+    rows = rmsnorm_rows(shapes, torch.bfloat16, device, names, args.rep)
+    print("bf16 x, dy and g; bytes: forward x read + y written, backward x and dy read + dx written, g read in "
+          "each; % of copy: GB/s over x.clone()'s at the same shape; medians, cold L2\n")
+    print(rmsnorm_table(rows))
+    write_json(args.json, dict(info, rows=rows))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # allreduce, ddp: collectives and data-parallel variants
 # ---------------------------------------------------------------------------------------------------------------
 def _env_line(device):
@@ -2765,6 +2868,7 @@ COMMANDS = {  # name: (function, what it answers, in one line)
     "gpt2": (cmd_gpt2, "GPT-2-small training throughput: our TransformerLM vs a torch.nn GPT-2 peer"),
     "varlen": (cmd_varlen, "pad vs dynamic_pad vs pack on the same documents: model step and attention"),
     "attention": (cmd_attention, "our FlashAttention-2 vs PyTorch SDPA backends, FlexAttention and naive"),
+    "rmsnorm": (cmd_rmsnorm, "our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s (CUDA)"),
     "allreduce": (cmd_allreduce, "all-reduce time and bandwidth per tensor size (under torchrun)"),
     "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, one run (under torchrun)"),
     "bpe": (cmd_bpe, "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken"),

@@ -7,7 +7,8 @@
      ops, flash_attention / flash_attn_varlen, FlashAttentionTriton (the (batch, seq, d) interface)
   5. AdamW: one fused step kernel per parameter bucket (train.AdamW is the optimizer that calls it)
   6. Cross-entropy rows with their gradient in place (model.linear_cross_entropy, the fused LM head, uses it)
-  7. Hugging Face interop: these kernels as a transformers attention implementation
+  7. RMSNorm: one forward kernel (also saving 1/rms per row), one backward kernel (dx, per-program dg rows)
+  8. Hugging Face interop: these kernels as a transformers attention implementation
 
     flash_attention(q, k, v, causal=True)          q (B, H, S, D), k/v (B, H_kv, S_k, D), any strides -> (B, H, S, D)
     flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True)   packed (total_tokens, H, D) -> same
@@ -1575,7 +1576,188 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
                                                    ignore_index, BLOCK=64 if INTERPRET else 2048, num_warps=8)
 
 
-# 7. Hugging Face interop: these kernels as a transformers attention implementation. register_hf_attention() adds
+# ---------------------------------------------------------------------------------------------------------------
+# 7. RMSNorm over the last dim (model.RMSNorm with impl="triton" calls rms_norm). For a row x of d elements and a
+#    gain g (d,), in fp32 whatever the input dtype: r = 1 / sqrt(mean(x^2) + eps), y = (x r) g, stored in x's dtype;
+#    the forward also keeps r per row (fp32), so the backward never recomputes the mean of squares. With x_hat = x r
+#    and gy = g dy, the backward gives dx = r (gy - x_hat mean(x_hat gy)) (the gradient through the division by
+#    the rms is the projection term) and dg = sum over rows of dy x_hat. One kernel each way, whole rows in
+#    registers (d up to RMS_MAX_D): the forward takes a block of rows per program; the backward runs a fixed
+#    number of programs that stride over the row blocks, each adding its rows' dy x_hat into an fp32 accumulator
+#    and writing it as one row of a (programs, d) buffer, which a torch sum turns into dg (at (32768, 4096) bf16 on an
+#    H200: 8.7 MB against the 805 MB of x, dy and dx). As with attention, under torch.compile the autograd Function
+#    calls custom ops with fake kernels; eagerly it calls the launchers directly.
+# ---------------------------------------------------------------------------------------------------------------
+
+RMS_MAX_D = 8192  # whole rows live in registers: compiled for sm_90 the backward spills at d = 16384 (16 warps, 128
+# registers a thread), none up to 8192, so wider rows are rejected rather than run slowly
+RMS_ELEMENTS = 4096  # elements of a program's tile (BLOCK_M rows x BLOCK_D columns), 16 a thread. Not tuned on a GPU:
+# a starting point that keeps every tensor of the backward (x, dy, g, the dg accumulator) in registers on sm_90
+# (the backward: 115-117 registers at d = 768 and 4096, read with bench.sass_stats); bench.py rmsnorm times it
+RMS_BWD_PROGRAMS_PER_SM = 4  # backward programs per SM: enough to fill it, few dg rows to sum
+RMS_INTERPRET_BLOCK_M = 128  # the interpreter: its time goes by programs and loop steps, not tile size
+
+
+def _rms_config(d):
+    """(BLOCK_M, BLOCK_D, num_warps) for rows of d elements."""
+    block_d = triton.next_power_of_2(d)
+    if INTERPRET:
+        return RMS_INTERPRET_BLOCK_M, block_d, 4
+    block_m = max(1, RMS_ELEMENTS // block_d)
+    return block_m, block_d, block_m * block_d // 512  # 16 elements a thread: 8 warps, 16 at d > 4096
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(X, W, Y, RSTD, n_rows, d, stride_x, eps,
+                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < d)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < d, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)  # padding lanes are 0: the sum is over the row's d elements
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(Y + rows[:, None] * d + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
+    tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(X, W, DY, RSTD, DX, DW_PARTIAL, n_rows, d, stride_x, stride_dy, n_blocks,
+                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    w = tl.load(W + cols, mask=cols < d, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # summed over its rows once, at the end
+    for blk in range(pid, n_blocks, tl.num_programs(0)):
+        rows = (blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: rows * stride may pass 2^31
+        ok = (rows[:, None] < n_rows) & (cols[None, :] < d)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)
+        x_hat = x * rstd[:, None]
+        gy = dy * w[None, :]
+        c = tl.sum(x_hat * gy, axis=1) / d  # mean(x_hat g dy) per row
+        dx = (gy - x_hat * c[:, None]) * rstd[:, None]
+        tl.store(DX + rows[:, None] * d + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
+        dw += dy * x_hat  # rows past the end have x_hat = 0
+    tl.store(DW_PARTIAL + pid * d + cols, tl.sum(dw, axis=0), mask=cols < d)
+
+
+def _as_rows(t, d):
+    """t as (rows, d) with unit stride along d (a copy only when the last dim is strided)."""
+    t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+_SM_COUNT = {}
+
+
+def _rms_programs(device, n_blocks):
+    """Backward programs: a few per SM on CUDA (the interpreter: 2, so a program steps over several blocks)."""
+    if device.type != "cuda":
+        return max(1, min(n_blocks, 2))
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_blocks, _SM_COUNT[device] * RMS_BWD_PROGRAMS_PER_SM))
+
+
+def _rms_norm_forward(x, weight, eps):
+    """(y like x, rstd fp32 x.shape[:-1]) through _rms_norm_fwd_kernel."""
+    d = x.shape[-1]
+    x2, weight = _as_rows(x, d), weight.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    n = x2.shape[0]
+    if n:
+        block_m, block_d, warps = _rms_config(d)
+        _rms_norm_fwd_kernel[(triton.cdiv(n, block_m),)](x2, weight, y, rstd, n, d, x2.stride(0), eps,
+                                                         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    return y, rstd
+
+
+def _rms_norm_backward(dy, x, weight, rstd):
+    """(dx like x, dweight like weight) through _rms_norm_bwd_kernel and a sum of its per-program dg rows."""
+    d = x.shape[-1]
+    x2, dy2, w = _as_rows(x, d), _as_rows(dy, d), weight.contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = x2.shape[0]
+    if not n:
+        return dx, torch.zeros_like(weight)
+    block_m, block_d, warps = _rms_config(d)
+    n_blocks = triton.cdiv(n, block_m)
+    programs = _rms_programs(x.device, n_blocks)
+    partial = torch.empty(programs, d, dtype=torch.float32, device=x.device)  # every program writes its row
+    _rms_norm_bwd_kernel[(programs,)](x2, w, dy2, rstd, dx, partial, n, d, x2.stride(0), dy2.stride(0), n_blocks,
+                                      BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    return dx, partial.sum(0).to(weight.dtype)
+
+
+@torch.library.custom_op("flash::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rms_norm_forward(x, weight, eps)
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1],
+                                                                                   dtype=torch.float32)
+
+
+@torch.library.custom_op("flash::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rms_norm_backward(dy, x, weight, rstd)
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = rms_norm(x) * weight with gradients for x and weight; saves x, weight and the fp32 rstd per row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        fwd = _rms_norm_fwd_op if torch.compiler.is_compiling() else _rms_norm_forward
+        y, rstd = fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        bwd = _rms_norm_bwd_op if torch.compiler.is_compiling() else _rms_norm_backward
+        dx, dw = bwd(dy, *ctx.saved_tensors)
+        return dx, dw, None
+
+
+RMS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def rms_norm(x, weight, eps=1e-5):
+    """x (..., d) fp16/bf16/fp32, weight (d,) -> x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32, in x's
+    dtype; differentiable in x and weight (dweight in weight's dtype). CUDA tensors (or any under the
+    interpreter); d <= RMS_MAX_D."""
+    if not (torch.is_tensor(x) and torch.is_tensor(weight)):
+        raise ValueError(f"flash.rms_norm: x and weight must be tensors, got {type(x).__name__}, "
+                         f"{type(weight).__name__}")
+    if x.dtype not in RMS_DTYPES or weight.dtype not in RMS_DTYPES:
+        raise ValueError(f"flash.rms_norm: x and weight must be fp16, bf16 or fp32, got {x.dtype} and {weight.dtype}")
+    if x.dim() < 1 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"flash.rms_norm: weight must have shape ({x.shape[-1] if x.dim() else 'd'},) to match "
+                         f"x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    if x.shape[-1] > RMS_MAX_D:
+        raise ValueError(f"flash.rms_norm: last dim {x.shape[-1]} > {RMS_MAX_D} is not supported")
+    if x.device != weight.device:
+        raise ValueError(f"flash.rms_norm: x on {x.device} but weight on {weight.device}")
+    if x.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"flash.rms_norm: x is on {x.device}; the Triton kernels need CUDA tensors (or "
+                         f"TRITON_INTERPRET=1)")
+    return _RMSNorm.apply(x, weight, float(eps))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. Hugging Face interop: these kernels as a transformers attention implementation. register_hf_attention() adds
 #    hf_attention (the attention) and hf_attention_mask (what the model's mask builder hands it) under one name, so
 #    AutoModelForCausalLM.from_config(cfg, attn_implementation="ours") runs them (transformers is imported
 #    only inside register_hf_attention). What a call attends to, in order:

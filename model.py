@@ -83,14 +83,20 @@ class Embedding(nn.Module):
 
 class RMSNorm(nn.Module):
     """out = x / sqrt(mean(x^2) + eps) * g, computed in fp32 (squares overflow in half precision), returned in the
-    input's dtype."""
+    input's dtype. impl (an attribute read at call time): "torch", these PyTorch ops (the default), or "triton",
+    flash.rms_norm's kernels (CUDA, or the interpreter on CPU; fp16/bf16/fp32)."""
 
-    def __init__(self, d_model, eps=1e-5, device=None, dtype=None):
+    def __init__(self, d_model, eps=1e-5, device=None, dtype=None, impl="torch"):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+        self.impl = impl
 
     def forward(self, x):
+        if self.impl == "triton":
+            return flash.rms_norm(x, self.weight, self.eps)
+        if self.impl != "torch":
+            raise ValueError(f"RMSNorm.impl={self.impl!r}: expected 'torch' or 'triton'")
         in_dtype = x.dtype
         x = upcast(x)
         inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
