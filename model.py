@@ -10,7 +10,7 @@ layers.{i}.ln2.weight, layers.{i}.ffn.{w1,w2,w3}.weight, ln_final.weight, lm_hea
 attn_impl picks the attention kernel (an attribute read at call time, so it can change after construction):
     "naive"      our scaled_dot_product_attention (the reference; O(T^2) memory)
     "sdpa"       torch's F.scaled_dot_product_attention (a baseline for comparison only)
-    "flash"      flash.py's Triton FlashAttention-2 (flash_attention / flash_attn_varlen)
+    "flash"      flash.py's FlashAttention (flash_attention / flash_attn_varlen; Triton, Gluon on Hopper)
     "flash_ref"  flash.py's tiled PyTorch twin of that kernel
 auto_attn_impl() is what train.py's attn_impl="auto" picks: the fastest one measured for the case.
 """
@@ -34,7 +34,7 @@ def auto_attn_impl(device_type, packed):
     """attn_impl for "auto": on CUDA, flash where it is measured at least as fast as sdpa in the model, else sdpa;
     naive elsewhere (the CPU reference). Measured on the H200 (BENCHMARKS.md): packed documents train 3.6x faster
     with flash_attn_varlen than padded batches (SDPA would need a dense block-diagonal mask); on dense batches the
-    GPT-2-small step is 0.97x sdpa with flash and the 2.7B step 0.90x, so dense batches take sdpa."""
+    GPT-2-small step is 0.97x sdpa with flash and the 2.7B step 0.93x, so dense batches take sdpa."""
     if device_type != "cuda":
         return "naive"
     return "flash" if packed else "sdpa"

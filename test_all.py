@@ -2140,6 +2140,14 @@ def test_config_files_overrides_and_errors(tmp_path):
             train.apply_config([str(path)], train.default_config())
 
 
+def test_auto_attn_impl_follows_the_measured_rule():
+    # CPU: the reference; CUDA: flash for packed documents, sdpa for dense batches (BENCHMARKS.md's in-model ratios)
+    assert [model.auto_attn_impl(d, p) for d in ("cpu", "cuda") for p in (False, True)] == \
+        ["naive", "naive", "sdpa", "flash"]
+    for name in ("small", "medium", "large", "xl"):
+        assert "attn_impl = \"auto\"" in (ROOT / "config" / f"{name}.py").read_text(), name
+
+
 def test_config_presets_match_model_presets():
     from model import PRESETS
     for name in ("small", "medium", "large", "xl", "2.7B"):
