@@ -2867,7 +2867,7 @@ COMMANDS = {  # name: (function, what it answers, in one line)
     "compile": (cmd_compile, "eager vs torch.compile: the whole model, and attention alone"),
     "gpt2": (cmd_gpt2, "GPT-2-small training throughput: our TransformerLM vs a torch.nn GPT-2 peer"),
     "varlen": (cmd_varlen, "pad vs dynamic_pad vs pack on the same documents: model step and attention"),
-    "attention": (cmd_attention, "our FlashAttention-2 vs PyTorch SDPA backends, FlexAttention and naive"),
+    "attention": (cmd_attention, "our FlashAttention (Triton, Gluon) vs PyTorch SDPA backends, FlexAttention, naive"),
     "rmsnorm": (cmd_rmsnorm, "our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s (CUDA)"),
     "allreduce": (cmd_allreduce, "all-reduce time and bandwidth per tensor size (under torchrun)"),
     "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, one run (under torchrun)"),

@@ -32,8 +32,8 @@
 # sweep_compiled  model --sweep, compiled per block, small to xl                    not yet measured in one piece
 #                                                                                   (large to xl overran a 240 s
 #                                                                                   budget by one row)
-# suite           precision, compile, the small model's --profile, the xl           not yet measured
-#                 model's --memory_snapshot
+# suite           precision, compile, the small model's --profile, the xl           not yet measured (rmsnorm
+#                 model's --memory_snapshot, rmsnorm                                alone: ~30 s)
 # tests           python3 test_all.py gpu flash (the GPU tests, natively)           not yet measured
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -102,6 +102,7 @@ part_suite() {
         --steps 2 --profile @P@-small_trace.json --json @JSON@
     run_md memory_xl 120 "$PY" bench.py model --size xl --context_length 512 --mode train --warmup 1 --steps 1 \
         --memory_snapshot @P@-xl_snapshot.pickle --json @JSON@
+    run_md rmsnorm 60 "$PY" bench.py rmsnorm --json @JSON@
 }
 
 part_tests() {
