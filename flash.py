@@ -699,7 +699,7 @@ GLUON_FWD_CONFIGS = {64: (64, 128, 3), 128: (64, 128, 3)}
 GLUON_HEAD_MAJOR = True
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
 # warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward. D=128:
-# the split took the backward from 368 to 527 TFLOP/s at S=16384 (half the fp32 dQ bytes), and its smem is full
+# the split (with two dQ buffers per warpgroup) took the backward from 368 to 527 TFLOP/s at S=16384, and smem is full
 # (226 KiB) at two stages; D=64: three stages beat two by 1-3%, the split does not pay. Measured on the H200.
 GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1), 128: (64, 64, 2, 2)}
 GLUON_PINGPONG = True
