@@ -798,15 +798,8 @@ if gluon is not None:
                  mask=rows[:, None] < seqlen_q)
         gl.store(LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < seqlen_q)
 
-    # Partition entry points: worker partitions must share one signature, so both take every argument.
-    @gluon.jit
-    def _gl_fwd_wg0(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, o_base, l_base,
-                    stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-        _gl_fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, o_base,
-                         l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, CAUSAL, PINGPONG)
-
+    # Worker partition entry points: worker partitions must share one signature, so both take every argument (the
+    # default partition, consumer warpgroup 0, calls _gl_fwd_consumer directly).
     @gluon.jit
     def _gl_fwd_wg1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                     turn, O, LSE, o_base, l_base, stride_os, b, h, kv_h, q_row, k_row, start_m, seqlen_q, seqlen_k,
@@ -902,9 +895,9 @@ if gluon is not None:
             kv_h = h // group
             # (the worker tuples are written out in full: a tuple held in a variable loses its constexprs)
             gl.warp_specialize([
-                (_gl_fwd_wg0, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
-                               o_base, l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, PINGPONG)),
+                (_gl_fwd_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O,
+                                    LSE, o_base, l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full,
+                                    qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, PINGPONG)),
                 (_gl_fwd_wg1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                                v_empty, turn, O, LSE, o_base, l_base, stride_os, b, h, kv_h, q_start + start_m,
                                q_start, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM, BLOCK_M,
@@ -1008,19 +1001,8 @@ if gluon is not None:
         gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
                  dv.to(DV.dtype.element_ty), mask=keep)
 
-    # Partition entry points (one signature for all, as warp_specialize needs).
-    @gluon.jit
-    def _gl_bwd_wg0(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                    lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
-                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    VARLEN: gl.constexpr):
-        _gl_bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
-                         empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter,
-                         seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-                         qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
-
+    # Worker partition entry points (one signature for all, as warp_specialize needs; the default partition,
+    # consumer warpgroup 0, calls _gl_bwd_consumer directly).
     @gluon.jit
     def _gl_bwd_wg1(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                     lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
@@ -1151,13 +1133,12 @@ if gluon is not None:
             for i in gl.static_range(NUM_STAGES):
                 mbarrier.init(ready.index(i), count=1)
                 mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
-            gl.warp_specialize([  # (the same arguments for every partition, written out: see the forward)
-                (_gl_bwd_wg0,
-                 (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                  dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
-                  DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
+            gl.warp_specialize([  # (the tuples written out: see the forward)
+                (_gl_bwd_consumer,
+                 (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready, empty,
+                  ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q,
+                  seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, qk_scale,
+                  sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)),
                 (_gl_bwd_wg1,
                  (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
                   dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,

@@ -2480,17 +2480,17 @@ def _free_port():
 _BIND_FAILED = ("Address already in use", "EADDRINUSE", "errno: 98", "Errno 98")  # another process took the port
 
 
-def _run_ranks(world_size, args, timeout=300):
-    """Launch train.py world_size times with torchrun's environment variables (gloo on CPU). A rendezvous port
-    taken by another process between _free_port and the bind is retried with a new port; after three such
-    failures the test is skipped. Any other failure fails the test, with the output."""
+def _run_ranks(world_size, args, timeout=300, script="train.py", cwd=ROOT):
+    """Launch script (train.py) world_size times with torchrun's environment variables (gloo on CPU); the outputs of
+    every rank. A rendezvous port taken by another process between _free_port and the bind is retried with a new
+    port; after three such failures the test is skipped. Any other failure fails the test, with the output."""
     for attempt in range(3):
         port = _free_port()
         procs = []
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py")] + args, env=env, cwd=ROOT,
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / script)] + args, env=env, cwd=cwd,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = []
         try:
@@ -2499,12 +2499,12 @@ def _run_ranks(world_size, args, timeout=300):
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise AssertionError(f"{world_size}-process run timed out after {timeout}s")
+            raise AssertionError(f"{world_size}-process {script} run timed out after {timeout}s")
         if not any(p.returncode for p in procs):
             return outputs
         text = "\n".join(outputs)
         if not _rendezvous_port_taken(text):
-            raise AssertionError(f"{world_size}-process run failed:\n{text[-4000:]}")
+            raise AssertionError(f"{world_size}-process {script} run failed:\n{text[-4000:]}")
     raise unittest.SkipTest(f"no free local port for the gloo rendezvous in 3 tries: {text[-500:]}")
 
 
@@ -3656,26 +3656,8 @@ def test_bench_bpe_tables_follow_the_runs(tmp_path):
 
 
 def _bench_ranks(world_size, argv, cwd, timeout=300):
-    """bench.py run world_size times with torchrun's environment variables (gloo on CPU); rank 0's stdout."""
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "bench.py")] + argv, env=env, cwd=cwd,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError(f"{world_size}-process bench.py {argv[0]} timed out after {timeout}s")
-    if any(p.returncode for p in procs):
-        text = "\n".join(outputs)
-        if any(w in text for w in ("Address already in use", "Connection refused", "Gloo connectFullMesh")):
-            raise unittest.SkipTest(f"could not start {world_size} gloo processes: {text[-500:]}")
-        raise AssertionError(f"{world_size}-process bench.py {argv[0]} failed:\n{text[-4000:]}")
-    return outputs[0]
+    """bench.py run world_size times as _run_ranks runs train.py; rank 0's stdout."""
+    return _run_ranks(world_size, argv, timeout, script="bench.py", cwd=cwd)[0]
 
 
 def test_bench_allreduce_two_processes(tmp_path):
