@@ -1633,16 +1633,16 @@ def _as_rows(t, d):
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-_SM_COUNT = {}
+@functools.cache
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _rms_programs(device, n_blocks):
     """Backward programs: a few per SM on CUDA (the interpreter: 2, so a program steps over several blocks)."""
     if device.type != "cuda":
         return max(1, min(n_blocks, 2))
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_blocks, _SM_COUNT[device] * RMS_BWD_PROGRAMS_PER_SM))
+    return max(1, min(n_blocks, _sm_count(device.index) * RMS_BWD_PROGRAMS_PER_SM))
 
 
 def _rms_norm_forward(x, weight, eps):
