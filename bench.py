@@ -479,13 +479,21 @@ def build_model(dims, vocab_size, context_length, attn, device):
                          dims["d_ff"], attn_impl=attn, device=device)
 
 
+def build_native(dims, vocab_size, context_length, device):
+    """The PyTorch-native peer of build_model's TransformerLM (NativeLM, no recomputation)."""
+    with torch.device(device):
+        return NativeLM(vocab_size, context_length, dims["d_model"], dims["num_layers"], dims["num_heads"],
+                        dims["d_ff"], act_ckpt=False)
+
+
 def compiled(net, how):
-    """none: the model as it is; model: torch.compile(model); blocks: every TransformerBlock compiled in
-    place (regional compilation: the blocks share one compiled code, so compile time does not grow with depth)."""
+    """none: the model as it is; model: torch.compile(model); blocks: every block (TransformerLM.layers,
+    NativeLM.blocks) compiled in place (regional compilation: the blocks share one compiled code, so compile time
+    does not grow with depth)."""
     if how == "model":
         return torch.compile(net)
     if how == "blocks":
-        for layer in net.layers:
+        for layer in net.layers if isinstance(net, TransformerLM) else net.blocks:
             layer.compile()
     return net
 
@@ -522,12 +530,19 @@ def step_flops(dims, vocab_size, context_length, batch_size, mode, attn):
     return per_token / 3 * (1 if mode == "fwd" else 3) * batch_size * context_length
 
 
-def run_config(net, runner, cfg, device, generator, warmup, steps, nvtx=False, profiler=None, snapshot=None):
+def torch_adamw(params):
+    """The native peer's optimizer: torch's AdamW, fused on CUDA."""
+    params = list(params)
+    return torch.optim.AdamW(params, lr=1e-4, fused=params[0].is_cuda)
+
+
+def run_config(net, runner, cfg, device, generator, warmup, steps, nvtx=False, profiler=None, snapshot=None,
+               make_optimizer=lambda params: AdamW(params, lr=1e-4)):
     """Measure one configuration (cfg: size, dims, vocab_size, context_length, batch_size, dtype, compile, attn,
     mode) and return its row; out-of-memory becomes a row with status "OOM" (memory freed) instead of a crash."""
     row = dict(cfg, params=count_params(net), status="ok")
     x, y = random_batch(cfg["vocab_size"], cfg["batch_size"], cfg["context_length"], device, generator)
-    optimizer = AdamW(net.parameters(), lr=1e-4) if cfg["mode"] == "train" else None
+    optimizer = make_optimizer(net.parameters()) if cfg["mode"] == "train" else None
     phases = Phases(device, nvtx=nvtx, profiling=profiler is not None)
     step = lambda: run_step(net, runner, optimizer, x, y, cfg["mode"], cfg["dtype"], phases)
     try:
@@ -557,10 +572,10 @@ def row_cells(row):
 
 
 def print_model_rows(rows):
-    header = ["size", "params", "ctx", "batch", "dtype", "compile", "attn", "mode", "ms/step", "first step ms",
-              "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
-    body = [[r["size"], millions(r["params"]), r["context_length"], r["batch_size"], r["dtype"],
-             r["compile"], r["attn"], r["mode"]] + row_cells(r) for r in rows]
+    header = ["model", "size", "params", "ctx", "batch", "dtype", "compile", "attn", "mode", "ms/step",
+              "first step ms", "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
+    body = [[r.get("model", "ours"), r["size"], millions(r["params"]), r["context_length"], r["batch_size"],
+             r["dtype"], r["compile"], r["attn"], r["mode"]] + row_cells(r) for r in rows]
     print(markdown_table(header, body))
 
 
@@ -761,6 +776,9 @@ def cmd_model(argv):
     p.add_argument("--compile", nargs="?", const="model", default="none", choices=COMPILE_CHOICES,
                    help="--compile = torch.compile(model); --compile blocks = each block compiled (shared code)")
     p.add_argument("--attn", choices=ATTN_IMPLS, default="naive")
+    p.add_argument("--peer", action="store_true", help="single run: also time the PyTorch-native peer of the same "
+                   "architecture (NativeLM: torch.nn layers, nn.RMSNorm, SDPA on cuDNN, fp32 logits into "
+                   "F.cross_entropy, torch's fused AdamW), same shape, dtype and --compile, right after ours")
     add_common_args(p, plot_help="sweep only: time and memory by context length")
     p.add_argument("--sweep", action="store_true", help="every --sizes x --context_lengths x --dtypes x --modes x "
                                                         "--compile_options, one table")
@@ -778,8 +796,10 @@ def cmd_model(argv):
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
-    if args.sweep and (args.nvtx or args.profile or args.memory_snapshot):
-        raise SystemExit("--nvtx, --profile and --memory_snapshot instrument a single run; drop --sweep")
+    if args.sweep and (args.nvtx or args.profile or args.memory_snapshot or args.peer):
+        raise SystemExit("--nvtx, --profile, --memory_snapshot and --peer are for a single run; drop --sweep")
+    if args.peer and (args.nvtx or args.profile or args.memory_snapshot):
+        raise SystemExit("--nvtx, --profile and --memory_snapshot instrument our model alone; drop --peer")
     if args.plot and not args.sweep:
         raise SystemExit("--plot draws the sweep; add --sweep (a single run is one row)")
     device = pick_device(args.device)
@@ -808,8 +828,22 @@ def cmd_model(argv):
     with annotated_naive_attention() if annotate else contextlib.nullcontext():
         row = run_config(net, runner, cfg, device, torch.Generator().manual_seed(args.seed), args.warmup,
                          args.steps, nvtx=args.nvtx, profiler=profiler, snapshot=snapshot)
-    print_model_rows([row])
-    payload = dict(info, rows=[row])
+    rows = [row]
+    if args.peer:  # ours first, then the peer on the same fresh random batch (the same seed)
+        del net, runner
+        free_memory(device)
+        peer = build_native(dims, args.vocab_size, args.context_length, device)
+        peer_cfg = dict(cfg, attn="sdpa", model="native peer")
+        rows.append(run_config(peer, compiled(peer, args.compile), peer_cfg, device,
+                               torch.Generator().manual_seed(args.seed), args.warmup, args.steps,
+                               make_optimizer=torch_adamw))
+        del peer
+        free_memory(device)
+    print_model_rows(rows)
+    if args.peer and all(r["status"] == "ok" for r in rows):
+        print(f"ours vs the native peer: {rows[1]['mean_ms'] / row['mean_ms']:.3f}x the peer's speed "
+              f"(its ms / ours), peak memory {fmt(row['peak_mib'], 0)} vs {fmt(rows[1]['peak_mib'], 0)} MiB\n")
+    payload = dict(info, rows=rows)
     if args.nvtx and not annotate:
         print("NVTX: phase ranges only (attention_scores / softmax / final_matmul need --attn naive, no --compile)\n")
     if args.profile and row["status"] == "ok":
@@ -833,7 +867,7 @@ def cmd_model(argv):
             print(markdown_table(["phase", "live MiB (estimate)"], [[p, v] for p, v in estimate.items()]))
             payload["cpu_memory_estimate_mib"] = estimate
     write_json(args.json, payload)
-    return [row]
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
