@@ -773,6 +773,30 @@ def test_flash_varlen_separate_key_lengths():
     _check_varlen([20, 33, 7], 2, 2, 16, True, lens_k=[20, 40, 3], gen=gen)
 
 
+def test_flash_delta_pass_zeroes_the_dq_buffer_of_the_gluon_backward():
+    """The backward's pre-pass: Delta = rowsum(dO * O) in fp32 against float64, and with ZERO_DQ the fp32 dQ
+    buffer (poisoned with NaN first) zeroed on every row of every document, dense and packed (on CPU under the
+    interpreter; the Gluon backward relies on it, as it adds dQ into that buffer)."""
+    gen = torch.Generator().manual_seed(8)
+    for lens in (None, [1, 70, 5, 33]):
+        shape = (2, 3, 45, 16) if lens is None else (sum(lens), 3, 16)
+        o, do = (torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2))
+        ref = (o.double() * do.double()).sum(-1)  # (B, H, S) dense, (total, H) packed
+        varlen = lens is not None
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE) if varlen else None
+        lse_shape = (3, shape[0]) if varlen else shape[:3]
+        delta = torch.full(lse_shape, float("nan"), device=DEVICE)
+        dq = torch.full(shape, float("nan"), device=DEVICE)
+        lse_strides = dict(stride_lb=0, stride_lh=shape[0]) if varlen else dict(stride_lb=3 * 45, stride_lh=45)
+        seqlen, batch = (max(lens), len(lens)) if varlen else (45, 2)
+        flash._attn_bwd_delta[(batch * 3, -(-seqlen // 16))](
+            o, do, delta, dq, cu if varlen else delta, **flash._strides("o", o, varlen),
+            **flash._strides("do", do, varlen), **flash._strides("dq", dq, varlen), **lse_strides, seqlen_q=seqlen,
+            num_heads=3, HEAD_DIM=16, VARLEN=varlen, ZERO_DQ=True, BLOCK_M=16)
+        assert torch.allclose(delta.double(), ref.T if varlen else ref, atol=1e-5)
+        assert torch.equal(dq, torch.zeros_like(dq))
+
+
 def test_flash_compiles_without_graph_breaks():
     # aot_eager traces through the fake kernels and the registered autograd formulas with fullgraph=True (a graph
     # break would raise), then runs the real kernels; no C++ compiler needed.
@@ -2338,6 +2362,13 @@ def test_config_errors_are_one_line_with_a_suggestion_and_status_2(tmp_path):
             train.default_config())  # the old name points to the new one
     _expect(ValueError, ["batching"], train.check_config, SimpleNamespace(**{**train.default_config(),
                                                                              "batching": "nope"}), 1)
+    config = train.default_config()
+    for bad in (dict(cuda_graphs=True), dict(cuda_graphs=True, compile=True, batching="pack"),
+                dict(cuda_graphs=True, compile=True, ddp_impl="fsdp")):
+        _expect(train.ConfigError, ["cuda_graphs needs compile=True"], train.check_config,
+                SimpleNamespace(**{**config, **bad}), 1)
+    _expect(train.ConfigError, ["cuda_graphs needs a CUDA device"], train.main,
+            TINY + [f"--out_dir={tmp_path / 'g'}", "--compile=True", "--cuda_graphs=True"])
     for argv, words in ((["--learnign_rate=1"], ["unknown config key 'learnign_rate'", "'learning_rate'?"]),
                         (["--batching=nope", f"--out_dir={tmp_path}"], ["batching must be one of"])):
         err = io.StringIO()
@@ -2346,6 +2377,27 @@ def test_config_errors_are_one_line_with_a_suggestion_and_status_2(tmp_path):
         lines = err.getvalue().strip().splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("train.py: error: "), (rc, err.getvalue())
         assert all(w in lines[0] for w in words), lines
+
+
+def test_gpu_cuda_graphs_train_like_the_compiled_step(tmp_path):
+    """train.py with cuda_graphs (every micro-step replayed as CUDA graphs, grad_accum 2: the gradients of two
+    replays must add up, not overwrite each other) logs the same losses and gradient norms as the compiled step
+    without graphs, up to the run-to-run noise of bf16 kernels."""
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA GPU")
+    data = tmp_path / "d"
+    _write_dataset(data)
+    base = [a for a in TINY if a != "--device=cpu"] + [f"--data_dir={data}", "--device=cuda", "--compile=True",
+                                                        "--grad_accum=2", "--max_iters=12", "--log_interval=1",
+                                                        "--eval_interval=6", "--attn_impl=flash"]
+    train.main(base + [f"--out_dir={tmp_path / 'plain'}"])
+    train.main(base + [f"--out_dir={tmp_path / 'graphs'}", "--cuda_graphs=True"])
+    plain, graphs = _log(tmp_path / "plain"), _log(tmp_path / "graphs")
+    assert [r["step"] for r in plain] == [r["step"] for r in graphs]
+    for a, b in zip(plain, graphs):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-3, (key, a, b)
 
 
 def test_scratch_run_refuses_an_out_dir_that_holds_a_run_unless_forced(tmp_path):
@@ -3221,7 +3273,7 @@ def run_bench(argv):
 
 
 def _md_tables(text):
-    """Every Markdown table in text, as (header, rows) with the cells stripped ("\|" inside a cell unescaped)."""
+    r"""Every Markdown table in text, as (header, rows) with the cells stripped ("\|" inside a cell unescaped)."""
     def cells(line):
         return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
     lines, tables, i = text.splitlines(), [], 0
@@ -3289,10 +3341,11 @@ def test_bench_model_row_is_complete(tmp_path):
     assert payload["command"].startswith("python bench.py model") and payload["date"] and payload["device"]
     (row,) = payload["rows"]
     ((header, cells),) = [(h, r) for h, r in _md_tables(text)]
-    assert header == ["size", "params", "ctx", "batch", "dtype", "compile", "attn", "mode", "ms/step",
+    assert header == ["model", "size", "params", "ctx", "batch", "dtype", "compile", "attn", "mode", "ms/step",
                       "first step ms", "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
     (cells,) = cells
-    assert cells[:8] == ["tiny", "0.1M", "16", "2", "fp32", "none", "naive", "train"] and row["status"] == "ok"
+    assert cells[:9] == ["ours", "tiny", "0.1M", "16", "2", "fp32", "none", "naive", "train"] and row["status"] == "ok"
+    cells = cells[1:]
     assert cells[8] == f"{row['mean_ms']:.2f} ± {row['std_ms']:.2f}" and _close(cells[9], row["first_step_ms"])
     assert [_num(c) for c in cells[10].split(" / ")] == \
         [round(row["phase_ms"][p], 2) for p in ("forward", "backward", "optimizer_step")]
@@ -3305,6 +3358,20 @@ def test_bench_model_row_is_complete(tmp_path):
     flops = model.flops_per_token(64, 16, 64, 2, 192, causal=False) * 2 * 16  # naive attention: T^2 in full
     assert math.isclose(row["tflops"], flops / (row["mean_ms"] / 1e3) / 1e12) and _close(cells[13], row["tflops"])
     assert row["params"] == count_params(bench.build_model(bench.SIZES["tiny"], 64, 16, "naive", "cpu"))
+
+
+def test_bench_model_peer_runs_the_native_model_beside_ours(tmp_path):
+    path = tmp_path / "rows.json"
+    text = run_bench(["model"] + BENCH_TINY + ["--attn", "sdpa", "--warmup", "1", "--steps", "2", "--peer",
+                                               "--json", str(path)])
+    ours, peer = json.loads(path.read_text())["rows"]
+    assert ours["status"] == peer["status"] == "ok" and peer["model"] == "native peer" and "model" not in ours
+    assert ours["params"] == peer["params"]  # the same architecture: same parameter count, so the same FLOPs
+    assert math.isclose(ours["tflops"] / peer["tflops"], peer["mean_ms"] / ours["mean_ms"])
+    ((header, cells),) = _md_tables(text)
+    assert [c[0] for c in cells] == ["ours", "native peer"]
+    assert f"ours vs the native peer: {peer['mean_ms'] / ours['mean_ms']:.3f}x" in text
+    _expect(SystemExit, ["drop --peer"], bench.main, ["model"] + BENCH_TINY + ["--peer", "--profile", "t.json"])
 
 
 def test_bench_sweep_marks_oom_and_errors_and_continues(tmp_path):

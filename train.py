@@ -84,6 +84,8 @@ grad_clip = 1.0                 # global-norm clip (0 = off; the norm is still l
 device = "auto"                 # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...
 dtype = "auto"                  # 'auto' (bfloat16 on CUDA, float32 on CPU) | 'float32' | 'bfloat16' (autocast)
 compile = False                 # torch.compile the model
+cuda_graphs = False             # with compile on CUDA, batching 'concat': mode='reduce-overhead', every micro-step
+                                # replays as CUDA graphs (no launch cost on the host; not with the FSDP variants)
 ddp_impl = "bucketed"           # torchrun: 'bucketed'|'naive'|'flat'|'overlap'|'fsdp'|'torch'|'torch_fsdp' (ddp.wrap)
 zero1 = False                   # shard AdamW state across ranks (ddp.ShardedOptimizer; not with fsdp)
 bucket_size_mb = 25.0           # bucket size of ddp_impl='bucketed'
@@ -534,6 +536,9 @@ def check_config(c, world_size):
             raise ConfigError(f"{key} must be >= 1, got {getattr(c, key)}")
     if c.d_model % c.num_heads:
         raise ConfigError(f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}")
+    if c.cuda_graphs and not (c.compile and c.batching == "concat" and c.ddp_impl not in ("fsdp", "torch_fsdp")):
+        raise ConfigError(f"cuda_graphs needs compile=True, batching='concat' (static shapes) and a replicated "
+                          f"ddp_impl, got compile={c.compile}, batching={c.batching!r}, ddp_impl={c.ddp_impl!r}")
     if c.dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss scaling for float16), "
                           f"got {c.dtype!r}")
@@ -624,11 +629,11 @@ def save_run(path, w, optimizer, iteration, model_args, c, data_dir, meta, dev, 
                         tokenizer=tokenizer, rng=_rng_state(dev), world_size=world_size)
 
 
-def evaluate_and_log(w, val_batches, autocast, step, dev, log_path, elapsed, master, log):
+def evaluate_and_log(w, val_batches, autocast, step, dev, log_path, elapsed, master, log, eager=False):
     """Validation loss over the fixed batches (every rank takes part), logged and plotted by rank 0; returns the
-    seconds it took."""
+    seconds it took. eager: run the unwrapped, uncompiled model (w.module)."""
     t0 = time.time()
-    total, count = evaluate(w, val_batches, autocast)
+    total, count = evaluate(w.module if eager else w, val_batches, autocast)
     if w.world_size > 1:
         t = torch.tensor([total.item(), float(count)], dtype=torch.float64, device=dev)
         torch.distributed.all_reduce(t)
@@ -716,6 +721,8 @@ def train(config, given, rank, world_size, dev):
         ckpt = read_checkpoint(ckpt_path)
         c = SimpleNamespace(**resume_config(config, given, ckpt.get("config", {}), log))
     check_config(c, world_size)
+    if c.cuda_graphs and dev.type != "cuda":
+        raise ConfigError(f"cuda_graphs needs a CUDA device, got {dev}")
     claim_out_dir(c, master, log)
     ptdtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
                "float32": torch.float32, "bfloat16": torch.bfloat16}[c.dtype]
@@ -765,7 +772,16 @@ def train(config, given, rank, world_size, dev):
     # shapes at once instead of recompiling on the second); the optimizer decays matrices, not the RMSNorm gains
     w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb,
                  compute_dtype=None if ptdtype == torch.float32 else ptdtype, compile=c.compile,
-                 compile_kwargs=dict(dynamic=True) if c.batching != "concat" else {})
+                 compile_kwargs=dict(dynamic=True) if c.batching != "concat" else
+                 dict(mode="reduce-overhead") if c.cuda_graphs else {})
+    # CUDA graphs: the outputs of a replay live in the graph's memory until the next replay, so every training
+    # forward starts a new step explicitly (its loss is added up before the next forward), and the gradients get
+    # buffers of their own that every backward adds into (a gradient left as None takes the replay's output tensor
+    # itself, which the next micro-batch's replay overwrites); evaluation runs the model uncompiled
+    step_begin = torch.compiler.cudagraph_mark_step_begin if c.cuda_graphs else lambda: None
+    if c.cuda_graphs:
+        for p in w.parameters():
+            p.grad = torch.zeros_like(p)
     optimizer = w.make_optimizer(AdamW, decay_groups(c.weight_decay), zero1=c.zero1, lr=c.learning_rate,
                                  betas=(c.beta1, c.beta2), eps=c.eps)
     start_iter = 0
@@ -815,7 +831,7 @@ def train(config, given, rank, world_size, dev):
             if it % c.eval_interval == 0 and not (it == start_iter and c.init_from == "resume"):
                 # evaluation time is not training time
                 t_last += evaluate_and_log(w, val_batches, autocast, it, dev, log_path, time.time() - t_start,
-                                           master, log)
+                                           master, log, eager=c.cuda_graphs)
 
             lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
             for group in optimizer.param_groups:
@@ -825,6 +841,7 @@ def train(config, given, rank, world_size, dev):
                 x, y, cu_seqlens, max_seqlen, n_real = make_batch(train_tokens, train_docs, c, generator, dev,
                                                                   meta["eot_id"])
                 tokens_since += n_real
+                step_begin()
                 with w.no_sync() if j < local_accum - 1 else contextlib.nullcontext():
                     with autocast:  # targets given: the mean loss through the fused head, never the full logits
                         loss = (w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y) if cu_seqlens is not None
@@ -834,7 +851,7 @@ def train(config, given, rank, world_size, dev):
             w.finish()
             grad_norm = w.clip_grad_norm(max_norm)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=not c.cuda_graphs)
 
             step = it + 1
             if step % c.log_interval == 0 or step == c.max_iters:
@@ -862,7 +879,7 @@ def train(config, given, rank, world_size, dev):
                 loss_sum.zero_()
             if step == c.max_iters:
                 evaluate_and_log(w, val_batches, autocast, step, dev, log_path, time.time() - t_start, master,
-                                 log)
+                                 log, eager=c.cuda_graphs)
             if step % c.save_interval == 0 or step == c.max_iters:
                 save_run(ckpt_path, w, optimizer, step, model_args, c, data_dir, meta, dev, world_size)
                 saved_at = step

@@ -209,9 +209,10 @@ train_runs() {
 import json, os, sys
 prefix, runs = sys.argv[1], [r.split(":") for r in sys.argv[2:]]
 print("`train.py config/small.py --max_iters=150` under torchrun (12 layers, d_model 768, context 1024, 64k tokens "
-      "per step at any world size, vocab 2048, bf16, compiled, flash attention). Medians of the logged steps after "
-      "step 40.\n")
-print("| run | GPUs | tokens/s | ms/step | MFU | scaling vs the first run | final val loss | last train loss |")
+      "per step at any world size, vocab 2048, bf16, compiled; attention as the config says (auto: sdpa) unless the "
+      "run names another). Medians of the logged steps after step 40; the first run's tokens/s per GPU is the "
+      "base of the last-but-two column.\n")
+print("| run | GPUs | tokens/s | ms/step | MFU | per GPU vs the first run | final val loss | last train loss |")
 print("|---|---|---|---|---|---|---|---|")
 rows, base = [], None
 fmt = lambda x, f: "-" if x is None else format(x, f)

@@ -60,7 +60,8 @@ part_train() {
 
 part_train_small() {
     begin_part train_small 570
-    train_runs "1gpu 1"
+    # the config as it is, then with CUDA graphs
+    train_runs "1gpu 1" "graphs 1 --cuda_graphs=True"
 }
 
 part_varlen() {
