@@ -2363,10 +2363,10 @@ def test_config_errors_are_one_line_with_a_suggestion_and_status_2(tmp_path):
     _expect(ValueError, ["batching"], train.check_config, SimpleNamespace(**{**train.default_config(),
                                                                              "batching": "nope"}), 1)
     config = train.default_config()
-    for bad in (dict(cuda_graphs=True), dict(cuda_graphs=True, compile=True, batching="pack"),
-                dict(cuda_graphs=True, compile=True, ddp_impl="fsdp")):
-        _expect(train.ConfigError, ["cuda_graphs needs compile=True"], train.check_config,
-                SimpleNamespace(**{**config, **bad}), 1)
+    for bad, world in ((dict(cuda_graphs=True), 1), (dict(cuda_graphs=True, compile=True, batching="pack"), 1),
+                       (dict(cuda_graphs=True, compile=True, grad_accum=2), 2)):
+        _expect(train.ConfigError, ["cuda_graphs needs compile=True", f"world size {world}"], train.check_config,
+                SimpleNamespace(**{**config, **bad}), world)
     _expect(train.ConfigError, ["cuda_graphs needs a CUDA device"], train.main,
             TINY + [f"--out_dir={tmp_path / 'g'}", "--compile=True", "--cuda_graphs=True"])
     for argv, words in ((["--learnign_rate=1"], ["unknown config key 'learnign_rate'", "'learning_rate'?"]),
