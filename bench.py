@@ -1878,6 +1878,7 @@ def cmd_attention(argv):
         if "anchors" in parts:
             jobs += [("anchors", 16384 // s, 2048 // d, s, d, torch.bfloat16) for d, s in DENSE_SHAPES]
             jobs += [("anchors", 1, 32, 32768, 128, torch.bfloat16)]  # one sequence of the 8B leaderboard model
+            jobs += [("anchors", 4, 32, 2048, 80, torch.bfloat16)]  # the 2.7B model's (config/xl.py) attention
         if "varlen" in parts:
             jobs += [("varlen", 64), ("varlen", 128)]
         if "sweep" in parts:

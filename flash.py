@@ -318,10 +318,11 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
 
 @triton.jit(do_not_specialize=["seqlen_q", "stride_lb", "stride_lh"])
 def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_dob, stride_doh,
-                    stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh, seqlen_q, num_heads,
+                    stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh, seqlen_q, num_heads, head_dim,
                     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Backward pre-pass: Delta = rowsum(dO * O) in fp32, one program per (BLOCK_M rows, batch x head); with ZERO_DQ
-    it also zeroes the same rows of DQ, the fp32 buffer the Gluon backward adds dQ into (one launch fewer)."""
+    """Backward pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns of O and dO (HEAD_DIM, a power
+    of two, is the tile width), one program per (BLOCK_M rows, batch x head); with ZERO_DQ it also zeroes the same
+    rows (all HEAD_DIM columns) of DQ, the fp32 buffer the Gluon backward adds dQ into (one launch fewer)."""
     pid_bh = tl.program_id(0)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
@@ -331,12 +332,14 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride
         return
     b64 = b.to(tl.int64)
     offs_m0 = tl.arange(0, BLOCK_M)
-    o = _load_rows(_rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M),
-                   start_m, stride_os, seqlen_q, offs_m0, True)
-    do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM,
-                          BLOCK_M), start_m, stride_dos, seqlen_q, offs_m0, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     offs_m = start_m + offs_m0
+    offs_d = tl.arange(0, HEAD_DIM)
+    keep = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    o = tl.load(O + b64 * stride_ob + h * stride_oh + (q_start + offs_m)[:, None] * stride_os + offs_d[None, :],
+                mask=keep, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h * stride_doh + (q_start + offs_m)[:, None] * stride_dos + offs_d[None, :],
+                 mask=keep, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < seqlen_q)
     if ZERO_DQ:
         _store_rows(_rows(DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs, stride_dqs, HEAD_DIM, BLOCK_M),
@@ -639,8 +642,8 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     delta = torch.empty_like(lse)
     _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
         op, dop, delta, delta, cu_q, **_strides("o", op, varlen), **_strides("do", dop, varlen),
-        stride_dqb=0, stride_dqh=0, stride_dqs=0, **lse_strides, seqlen_q=seqlen_q, num_heads=heads, HEAD_DIM=d_pad,
-        VARLEN=varlen, ZERO_DQ=False, BLOCK_M=64)
+        stride_dqb=0, stride_dqh=0, stride_dqs=0, **lse_strides, seqlen_q=seqlen_q, num_heads=heads, head_dim=d_pad,
+        HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=False, BLOCK_M=64)
     scale = 1.0 / math.sqrt(d)
     common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
                   SEQ_BUCKET=max(16, triton.next_power_of_2(max(seqlen_q, seqlen_k))),
@@ -728,8 +731,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                         O, LSE, o_base, l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale,
-                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         O, LSE, o_base, l_base, stride_os, head_dim, start_m, seqlen_q, seqlen_k, n_tiles, n_full,
+                         qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
         """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's query tile. PINGPONG: the
         two warpgroups take turns issuing their matmuls (turn barriers), so one's softmax always runs under the
@@ -800,24 +803,24 @@ if gluon is not None:
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         out = acc / gl.convert_layout(l_safe, row_o)[:, None]
         gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :], out.to(O.dtype.element_ty),
-                 mask=rows[:, None] < seqlen_q)
+                 mask=(rows[:, None] < seqlen_q) & (cols[None, :] < head_dim))
         gl.store(LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < seqlen_q)
 
     # Worker partition entry points: worker partitions must share one signature, so both take every argument (the
     # default partition, consumer warpgroup 0, calls _gl_fwd_consumer directly).
     @gluon.jit
     def _gl_fwd_wg1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                    turn, O, LSE, o_base, l_base, stride_os, b, h, kv_h, q_row, k_row, start_m, seqlen_q, seqlen_k,
-                    n_tiles, n_full, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    turn, O, LSE, o_base, l_base, stride_os, head_dim, b, h, kv_h, q_row, k_row, start_m, seqlen_q,
+                    seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
         _gl_fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, o_base,
-                         l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, CAUSAL, PINGPONG)
+                         l_base, stride_os, head_dim, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, PINGPONG)
 
     @gluon.jit
     def _gl_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                       turn, O, LSE, o_base, l_base, stride_os, b, h, kv_h, q_row, k_row, start_m, seqlen_q, seqlen_k,
-                       n_tiles, n_full, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       turn, O, LSE, o_base, l_base, stride_os, head_dim, b, h, kv_h, q_row, k_row, start_m,
+                       seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
         """The producer warp: both halves of Q once, then K_j and V_j, each into a ring slot once both consumers
         have released it (the empty barriers start as if their phase 1 had completed)."""
@@ -849,7 +852,7 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_attn_fwd(q_desc, k_desc, v_desc, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
-                     stride_lh, seqlen_q, seqlen_k, num_heads, group, qk_scale, HEAD_DIM: gl.constexpr,
+                     stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, qk_scale, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
         """One program per (2 x BLOCK_M query rows, batch x head); packed: one document's rows (its keys are its
@@ -901,16 +904,16 @@ if gluon is not None:
             # (the worker tuples are written out in full: a tuple held in a variable loses its constexprs)
             gl.warp_specialize([
                 (_gl_fwd_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O,
-                                    LSE, o_base, l_base, stride_os, start_m, seqlen_q, seqlen_k, n_tiles, n_full,
-                                    qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, PINGPONG)),
+                                    LSE, o_base, l_base, stride_os, head_dim, start_m, seqlen_q, seqlen_k, n_tiles,
+                                    n_full, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, PINGPONG)),
                 (_gl_fwd_wg1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                               v_empty, turn, O, LSE, o_base, l_base, stride_os, b, h, kv_h, q_start + start_m,
-                               q_start, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM, BLOCK_M,
-                               BLOCK_N, CAUSAL, VARLEN, PINGPONG)),
+                               v_empty, turn, O, LSE, o_base, l_base, stride_os, head_dim, b, h, kv_h,
+                               q_start + start_m, q_start, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, PINGPONG)),
                 (_gl_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                                  v_empty, turn, O, LSE, o_base, l_base, stride_os, b, h, kv_h, q_start + start_m,
-                                  q_start, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM,
-                                  BLOCK_M, BLOCK_N, CAUSAL, VARLEN, PINGPONG)),
+                                  v_empty, turn, O, LSE, o_base, l_base, stride_os, head_dim, b, h, kv_h,
+                                  q_start + start_m, q_start, start_m, seqlen_q, seqlen_k, n_tiles, n_full,
+                                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, PINGPONG)),
             ], [4, 1], [240, 24])
 
 
@@ -928,7 +931,7 @@ if gluon is not None:
     def _gl_bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
                          kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n,
                          m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
-                         stride_dvs, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         stride_dvs, qk_scale, sm_scale, head_dim, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
         DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
@@ -1000,7 +1003,7 @@ if gluon is not None:
         k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
         row_off = (q_start + k_rows[:, None]).to(gl.int64)  # packed: keys share the queries' offsets
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        keep = k_rows[:, None] < seqlen_k
+        keep = (k_rows[:, None] < seqlen_k) & (cols[None, :] < head_dim)
         gl.store(DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + row_off * stride_dks + cols[None, :],
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
         gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
@@ -1012,19 +1015,19 @@ if gluon is not None:
     def _gl_bwd_wg1(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                     lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
                     hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                     VARLEN: gl.constexpr):
         _gl_bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
                          empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter,
                          seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-                         qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
+                         qk_scale, sm_scale, head_dim, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
 
     @gluon.jit
     def _gl_bwd_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                     lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
                     hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                     VARLEN: gl.constexpr):
         """The producer warp: each warpgroup's K and V once, then Q_i and dO_i of every query tile of every head of
@@ -1063,7 +1066,7 @@ if gluon is not None:
     def _gl_bwd_dq_writer(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                     lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
                     hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                     VARLEN: gl.constexpr):
         """The dQ warp: each warpgroup's dQ share from shared memory added to the fp32 dQ buffer with a TMA bulk
@@ -1089,7 +1092,7 @@ if gluon is not None:
     @gluon.jit
     def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb,
                      stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q,
-                     seqlen_k, num_kv_heads, group, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
+                     seqlen_k, num_kv_heads, group, qk_scale, sm_scale, head_dim, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      VARLEN: gl.constexpr):
         """One program per (2 x BLOCK_N keys, batch x K/V head), the key tiles of one head in a row (they share its
@@ -1143,24 +1146,24 @@ if gluon is not None:
                  (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready, empty,
                   ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q,
                   seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, qk_scale,
-                  sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)),
+                  sm_scale, head_dim, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)),
                 (_gl_bwd_wg1,
                  (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
                   dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
                   DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
                   HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
                 (_gl_bwd_loader,
                  (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
                   dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
                   DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
                   HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
                 (_gl_bwd_dq_writer,
                  (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
                   dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
                   DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale,
+                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
                   HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
             ], [4, 1, 1], [240, 24, 24])
 
@@ -1169,11 +1172,24 @@ def _is_sm90(device_index):
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+def _tma_ready(x):
+    """Whether a TMA descriptor can read x in place: unit last stride, the other strides multiples of 16 bytes, a
+    16-byte aligned base."""
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0
+                                                                for st in x.stride()[:-1])
+
+
+def _tma_operand(x, d_pad):
+    """x itself where TMA can read it (tiles d_pad wide past a smaller head dim read zeros there, so a head dim of
+    80 costs no padded copy), else a zero-padded contiguous copy."""
+    return x if _tma_ready(x) else _pad(x, d_pad).contiguous()
+
+
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
-    """The Gluon kernels take sm90 bf16/fp16 inputs with D 64 or 128 (head dims 33 to 128 zero-padded to one of
-    them, as for the Triton kernels), TMA-compatible strides (unit last stride,
-    the others multiples of 16 bytes, a 16-byte aligned base; `more` are further tensors to check, the backward's
-    dO and O) and, when packed, keys that share the queries' document boundaries."""
+    """The Gluon kernels take sm90 bf16/fp16 inputs with D 64 or 128 (head dims 33 to 128 run in tiles of one of
+    them, as for the Triton kernels; the columns past D read as zeros and are never stored) and, when packed, keys
+    that share the queries' document boundaries. At D 64 or 128 the tensors (`more` are further ones, the
+    backward's dO and O) must be TMA-ready (_tma_ready); at other head dims those that are not are padded."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     d_pad = _kernel_head_dim(q.shape[-1])
@@ -1184,9 +1200,8 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
         # TFLOP/s, backward 248 vs 230)
     if cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q:
         return False
-    for x in (q, k, v, *more) if d_pad == q.shape[-1] else ():  # (padded inputs are fresh contiguous copies)
-        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * x.element_size() % 16 for st in x.stride()[:-1]):
-            return False
+    if d_pad == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
+        return False
     return cu_seqlens_q is not None or k.shape[2] > 0
 
 
@@ -1198,10 +1213,9 @@ def _smem_layout(block, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
-def _descriptor(x, rows, varlen, cols=None):
-    """A TMA descriptor over x for tiles of `rows` rows (and `cols` columns, all by default) of one head:
-    (rows, 1, cols) packed, (1, 1, rows, cols) dense."""
-    cols = cols or x.shape[-1]
+def _descriptor(x, rows, varlen, cols):
+    """A TMA descriptor over x for tiles of `rows` rows and `cols` columns of one head: (rows, 1, cols) packed,
+    (1, 1, rows, cols) dense. Tiles reaching past x's rows or columns read zeros there; stores there are dropped."""
     block = (rows, 1, cols) if varlen else (1, 1, rows, cols)
     return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), _smem_layout(block, x.dtype))
 
@@ -1216,19 +1230,16 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
-    qp, kp, vp = (_pad(x, d_pad) for x in (q, k, v))
-    op = o if d_pad == d else _empty_out(qp)
+    qp, kp, vp = (_tma_operand(x, d_pad) for x in (q, k, v))
     m_tiles = triton.cdiv(seqlen_q, 2 * block_m)
     grid = (m_tiles, batch * heads) if GLUON_HEAD_MAJOR else (batch * heads, m_tiles)
-    _gl_attn_fwd[grid](_descriptor(qp, block_m, varlen), _descriptor(kp, block_n, varlen),
-                       _descriptor(vp, block_n, varlen), op, lse, cu_seqlens_q if varlen else lse,
-                       **_strides("o", op, varlen), **lse_strides,
+    _gl_attn_fwd[grid](_descriptor(qp, block_m, varlen, d_pad), _descriptor(kp, block_n, varlen, d_pad),
+                       _descriptor(vp, block_n, varlen, d_pad), o, lse, cu_seqlens_q if varlen else lse,
+                       **_strides("o", o, varlen), **lse_strides, head_dim=d,
                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
                        qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                        NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=GLUON_HEAD_MAJOR,
                        PINGPONG=GLUON_PINGPONG, num_warps=4, maxnreg=168)
-    if op is not o:
-        o.copy_(op[..., :d])
     return o, lse
 
 
@@ -1243,27 +1254,26 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    dop, qp, kp, vp, op = (_pad(x, d_pad) for x in (do, q, k, v, o))
-    dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dk, kp), (dv, vp)))
+    dop, qp, kp, vp = (_tma_operand(x, d_pad) for x in (do, q, k, v))
+    o = _unit_last(o)
     delta = torch.empty_like(lse)
-    dq_acc = torch.empty(qp.shape, dtype=torch.float32, device=q.device)  # zeroed by the Delta pass
+    # fp32, d_pad wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
+    dq_acc = torch.empty(q.shape[:-1] + (d_pad,), dtype=torch.float32, device=q.device)
     _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
-        op, dop, delta, dq_acc, cu_seqlens_q if varlen else lse, **_strides("o", op, varlen),
+        o, dop, delta, dq_acc, cu_seqlens_q if varlen else lse, **_strides("o", o, varlen),
         **_strides("do", dop, varlen), **_strides("dq", dq_acc, varlen), **lse_strides, seqlen_q=seqlen_q,
-        num_heads=heads, HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=True, BLOCK_M=64)
+        num_heads=heads, head_dim=d, HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=True, BLOCK_M=64)
     scale = 1.0 / math.sqrt(d)
     grid = (triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads)
-    _gl_attn_bwd[grid](_descriptor(qp, block_m, varlen), _descriptor(kp, block_n, varlen),
-                       _descriptor(vp, block_n, varlen), _descriptor(dop, block_m, varlen),
-                       _descriptor(dq_acc, block_m, varlen, d_pad // dq_split), dkp, dvp, lse, delta,
-                       cu_seqlens_q if varlen else lse, **_strides("dk", dkp, varlen),
-                       **_strides("dv", dvp, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+    _gl_attn_bwd[grid](_descriptor(qp, block_m, varlen, d_pad), _descriptor(kp, block_n, varlen, d_pad),
+                       _descriptor(vp, block_n, varlen, d_pad), _descriptor(dop, block_m, varlen, d_pad),
+                       _descriptor(dq_acc, block_m, varlen, d_pad // dq_split), dk, dv, lse, delta,
+                       cu_seqlens_q if varlen else lse, **_strides("dk", dk, varlen),
+                       **_strides("dv", dv, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                        num_kv_heads=kv_heads, group=heads // kv_heads, qk_scale=LOG2E * scale, sm_scale=scale,
-                       HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal,
-                       VARLEN=varlen, num_warps=4, maxnreg=168)
-    for g, gp in ((dq, dq_acc), (dk, dkp), (dv, dvp)):
-        if gp is not g:
-            g.copy_(gp[..., :d])
+                       head_dim=d, HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+                       CAUSAL=causal, VARLEN=varlen, num_warps=4, maxnreg=168)
+    dq.copy_(dq_acc[..., :d])
     return dq, dk, dv
 
 

@@ -776,11 +776,15 @@ def test_flash_varlen_separate_key_lengths():
 def test_flash_delta_pass_zeroes_the_dq_buffer_of_the_gluon_backward():
     """The backward's pre-pass: Delta = rowsum(dO * O) in fp32 against float64, and with ZERO_DQ the fp32 dQ
     buffer (poisoned with NaN first) zeroed on every row of every document, dense and packed (on CPU under the
-    interpreter; the Gluon backward relies on it, as it adds dQ into that buffer)."""
+    interpreter; the Gluon backward relies on it, as it adds dQ into that buffer). A head dim below the tile width
+    (12 of 16) reads only its own columns: O and dO are views into NaN-filled rows 16 wide."""
     gen = torch.Generator().manual_seed(8)
-    for lens in (None, [1, 70, 5, 33]):
+    for lens, d in itertools.product((None, [1, 70, 5, 33]), (16, 12)):
         shape = (2, 3, 45, 16) if lens is None else (sum(lens), 3, 16)
-        o, do = (torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2))
+        o, do = (torch.full(shape, float("nan"), device=DEVICE) for _ in range(2))
+        for x in (o, do):
+            x[..., :d] = torch.randn(shape[:-1] + (d,), generator=gen).to(DEVICE)
+        o, do = o[..., :d], do[..., :d]
         ref = (o.double() * do.double()).sum(-1)  # (B, H, S) dense, (total, H) packed
         varlen = lens is not None
         cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE) if varlen else None
@@ -792,7 +796,7 @@ def test_flash_delta_pass_zeroes_the_dq_buffer_of_the_gluon_backward():
         flash._attn_bwd_delta[(batch * 3, -(-seqlen // 16))](
             o, do, delta, dq, cu if varlen else delta, **flash._strides("o", o, varlen),
             **flash._strides("do", do, varlen), **flash._strides("dq", dq, varlen), **lse_strides, seqlen_q=seqlen,
-            num_heads=3, HEAD_DIM=16, VARLEN=varlen, ZERO_DQ=True, BLOCK_M=16)
+            num_heads=3, head_dim=d, HEAD_DIM=16, VARLEN=varlen, ZERO_DQ=True, BLOCK_M=16)
         assert torch.allclose(delta.double(), ref.T if varlen else ref, atol=1e-5)
         assert torch.equal(dq, torch.zeros_like(dq))
 
@@ -836,9 +840,9 @@ def test_flash_rejects_bad_input():
 
 def test_flash_gpu_gluon_matches_reference():
     """The Hopper (Gluon) forward and backward, forced on, against float64 attention: O, L, dQ, dK, dV; ragged
-    lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dim
-    80 (zero-padded to 128), packed documents of 1 token up to several tiles (many per key tile); outputs poisoned
-    first."""
+    lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims
+    80 and 40 (tiles 128 and 64 wide read in place, zeros past D) and 36 (rows not 16-byte aligned: padded copies),
+    packed documents of 1 token up to several tiles (many per key tile); outputs poisoned first."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(12)
@@ -852,9 +856,13 @@ def test_flash_gpu_gluon_matches_reference():
             _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float16, tol=5e-3, gen=gen)
             _check_dense(1, 2, 2, 100, 300, 64, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)  # more keys
             _check_dense(1, 4, 2, 333, 333, 80, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
+            _check_dense(2, 4, 4, 1000, 1000, 80, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+            _check_dense(1, 2, 2, 200, 200, 40, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
+            _check_dense(1, 2, 1, 130, 130, 36, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
             lens = [1, 7, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3]
             _check_varlen(lens, 8, 8, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+            _check_varlen(lens, 4, 4, 80, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
     finally:
         flash.BACKEND = old
 
