@@ -315,7 +315,8 @@ def annotated_naive_attention():
 _L2_FLUSH = {}  # device -> a 256 MiB buffer, larger than any L2 cache, zeroed before a timed call to evict it
 
 
-def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, flush_l2=False):
+def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, flush_l2=False, host_ahead=False,
+            host_ms=None):
     """The benchmarks' one timer: milliseconds per call of fn(), one sample per timed step, as a list.
 
     `warmup` untimed calls come first; then `steps` samples, each the mean of `reps` back-to-back calls. setup(), if
@@ -323,11 +324,20 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
     many milliseconds, judged by the first one (never fewer than `steps`). The device is synchronized before and
     after every sample. On CUDA a sample is timed by a pair of CUDA events on the current stream, the GPU's own
     clock; with flush_l2 every call starts with a cold L2 cache (a 256 MiB buffer is zeroed before it, outside the
-    events). On the CPU: time.perf_counter."""
+    events). host_ahead (CUDA): the GPU is kept busy (torch.cuda._sleep) before the first event, for longer than
+    the host takes to issue fn(), so the events time the GPU's work alone, not the host's launch cost (which a short
+    call otherwise shows: the GPU waits for the host); host_ms, a list, then gets the host ms per call. On the CPU:
+    time.perf_counter."""
     device = torch.device(device)
     cuda = device.type == "cuda"
+    host_ahead = host_ahead and cuda
+    # GPU sleep per sample: twice the host's time for the last warm-up call (the first may compile), doubled
+    # whenever a sample's host time comes near it
+    sleep = {"ms": 1.0}
     for _ in range(warmup):
+        t0 = time.perf_counter()
         fn()
+        sleep["ms"] = max(1.0, 2e3 * (time.perf_counter() - t0) * (1 if flush_l2 else reps))
     flush = None
     if cuda and flush_l2:
         if device not in _L2_FLUSH:
@@ -347,18 +357,29 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
         for _ in range(reps if flush is not None else 1):  # with a flush, every call gets its own events
             if flush is not None:
                 flush.zero_()
+            if host_ahead:
+                torch.cuda._sleep(int(sleep["ms"] * 2e6))  # ~2e6 cycles per ms at the H100/H200 clock
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(1 if flush is not None else reps):
+            t0 = time.perf_counter()
+            calls = 1 if flush is not None else reps
+            for _ in range(calls):
                 fn()
+            host = (time.perf_counter() - t0) * 1e3 / calls
             end.record()
             spans.append((start, end))
+            if host_ahead:
+                if host_ms is not None:
+                    host_ms.append(host)
+                if host * calls > 0.8 * sleep["ms"]:
+                    sleep["ms"] *= 2
         torch.cuda.synchronize(device)
         return sum(start.elapsed_time(end) for start, end in spans) / reps
 
     samples = [sample() for _ in range(min(steps, 1) if budget_ms else steps)]
     if budget_ms and samples:
-        steps = max(steps, min(int(budget_ms / max(samples[0], 1e-3)), 10_000))
+        cost = samples[0] + (sleep["ms"] if host_ahead else 0)  # the GPU sleeps are spent too
+        steps = max(steps, min(int(budget_ms / max(cost, 1e-3)), 10_000))
     return samples + [sample() for _ in range(steps - len(samples))]
 
 
@@ -1507,7 +1528,8 @@ def cmd_varlen(argv):
     print("### Model: train step (forward, backward, AdamW) and eval forward, same documents\n")
     body = [[r["phase"], r["strategy"], r.get("ms_per_batch", r["status"]), r.get("tokens_per_s"),
              f"{r['speedup_vs_pad']:.2f}x" if r["speedup_vs_pad"] else "—",
-             f"{100 * r['real_tokens'] / r['token_slots']:.0f}%" if r.get("token_slots") else "—", r.get("peak_mib"), r["loss_first_batch"]]
+             f"{100 * r['real_tokens'] / r['token_slots']:.0f}%" if r.get("token_slots") else "—", r.get("peak_mib"),
+             r["loss_first_batch"]]
             for r in sorted(rows, key=lambda r: r["phase"] != "train")]
     print(markdown_table(["phase", "strategy", "ms/batch", "real tokens/s", "speedup vs pad", "real / slots",
                           "peak MiB", "eval loss, batch 1 (same weights: equal)"], body))
@@ -1697,33 +1719,36 @@ def dense_methods():
 
 
 def time_fwd_bwd(make, q, k, v, do, rep, with_bwd=True):
-    """(fwd ms, bwd ms, fwd+bwd ms) for make(q, k, v); 'OOM' or 'n/a' (unsupported) instead of numbers. Each is
-    the median of time_ms samples: on CUDA as many as fit in `rep` ms, every call with a cold L2 cache, after 5
-    warm-up calls; on the CPU (the Triton interpreter: slow) 3 samples."""
+    """(fwd ms, bwd ms, fwd+bwd ms, host ms of fwd+bwd) for make(q, k, v); 'OOM' or 'n/a' (unsupported) instead of
+    numbers. Each is the median of time_ms samples: on CUDA as many as fit in `rep` ms, every call with a cold L2
+    cache and the host ahead of the GPU (GPU time alone; the host's own time per fwd+bwd call is the fourth
+    number), after 5 warm-up calls; on the CPU (the Triton interpreter: slow) 3 samples."""
     cuda = q.device.type == "cuda"
 
-    def median_ms(fn):
+    def median_ms(fn, host_ms=None):
         return statistics.median(time_ms(fn, q.device, warmup=5 if cuda else 0, steps=3,
-                                         budget_ms=rep if cuda else None, flush_l2=cuda))
+                                         budget_ms=rep if cuda else None, flush_l2=cuda, host_ahead=cuda,
+                                         host_ms=host_ms))
     try:
         fn = make(q, k, v)
         o = fn(q, k, v)
         t_f = median_ms(lambda: fn(q, k, v))
         if not with_bwd:
-            return t_f, None, None
+            return t_f, None, None, None
         grad = lambda o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
         grad(o)
         t_b = median_ms(lambda: grad(o))
-        t_fb = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do))
-        return t_f, t_b, t_fb
+        host = []
+        t_fb = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
+        return t_f, t_b, t_fb, statistics.median(host) if host else None
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
-        return "OOM", "OOM", "OOM"
+        return ("OOM",) * 4
     except RuntimeError as e:  # a backend that does not take this dtype / head dim
         if "out of memory" in str(e):
             torch.cuda.empty_cache()
-            return "OOM", "OOM", "OOM"
-        return "n/a", "n/a", "n/a"
+            return ("OOM",) * 4
+        return ("n/a",) * 4
 
 
 def _tflops(flops, ms):
@@ -1739,13 +1764,13 @@ def dense_case(b, h, s, d, dtype, methods, rep, tag):
     rows = []
     for name, make in methods.items():
         if s > PEERS_MAX_SEQ.get(name, 1 << 30):
-            t = ("skipped",) * 3
+            t = ("skipped",) * 4
         elif name in ("sdpa-cudnn", "sdpa-flash") and dtype == torch.float32:
-            t = ("n/a",) * 3
+            t = ("n/a",) * 4
         else:
             t = time_fwd_bwd(make, q, k, v, do, rep)
         rows.append(dict(tag=tag, case=f"B={b} H={h} S={s} D={d} {str(dtype)[6:]}", method=name,
-                         fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2], fwd_tflops=_tflops(flops, t[0]),
+                         fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2], host_ms=t[3], fwd_tflops=_tflops(flops, t[0]),
                          bwd_tflops=_tflops(BWD_FLOPS * flops, t[1]),
                          fwd_bwd_tflops=_tflops(FWD_BWD_FLOPS * flops, t[2])))
     del q, k, v, do
@@ -1791,7 +1816,7 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
             t = time_fwd_bwd(make[1], qq, kk, vv, torch.randn(shape, device=device, dtype=dtype, generator=gen), rep)
         else:
             t = time_fwd_bwd(make, q, k, v, do, rep)
-        rows.append(dict(tag="varlen", case=case, method=name, fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2],
+        rows.append(dict(tag="varlen", case=case, method=name, fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2], host_ms=t[3],
                          fwd_tflops=_tflops(useful, t[0]), bwd_tflops=_tflops(BWD_FLOPS * useful, t[1]),
                          fwd_bwd_tflops=_tflops(FWD_BWD_FLOPS * useful, t[2])))
     return rows
@@ -1812,9 +1837,10 @@ def attention_table(rows):
                  for key in ("fwd_tflops", "fwd_bwd_tflops")]
             ratio = " / ".join(f"{x:.2f}x" if x is not None else "—" for x in f)
         body.append([r["case"], r["method"], r["fwd_ms"], r["bwd_ms"], r["fwd_bwd_ms"], r["fwd_tflops"],
-                     r["fwd_bwd_tflops"], ratio])
+                     r["fwd_bwd_tflops"], ratio, r.get("host_ms")])
     return markdown_table(["case", "method", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
-                           "ours vs it (fwd / fwd+bwd)"], body, digits=[2, 2, 3, 3, 3, 0, 0, 2])
+                           "ours vs it (fwd / fwd+bwd)", "host ms per fwd+bwd"], body,
+                          digits=[2, 2, 3, 3, 3, 0, 0, 2, 3])
 
 
 def plot_attention(rows, path):

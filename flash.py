@@ -667,7 +667,8 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Attention on Hopper in Gluon (sm90: TMA, mbarriers, asynchronous wgmma, warp specialization), the design of
-#    FlashAttention-3. Forward: one CTA owns 2 x BLOCK_M query rows and has three partitions: a producer warp
+#    FlashAttention-3. Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item; it may loop over
+#    several, GLUON_FWD_PERSISTENT) and has three partitions: a producer warp
 #    that streams K_j and V_j through a ring of NUM_STAGES shared-memory slots with TMA, and two consumer
 #    warpgroups of BLOCK_M rows each that run independently of each other (each waits only on the ring), so one's
 #    softmax runs while the other's matmuls occupy the tensor cores. Inside a consumer the loop is software
@@ -675,7 +676,8 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 #    matmul is in flight; P stays in registers as the A operand of the wgmma. Backward (below the forward): the
 #    same roles turned around, a CTA per key tile, the query tiles streamed, dQ added up with TMA reduce-adds.
 #    Producer warps get 24 registers, consumers 240. Same tensors in and out as the Triton kernels (O and the
-#    fp32 logsumexp L; dQ, dK, dV). Used on sm90 for bf16/fp16 with D in (64, 128) (section 4 decides);
+#    fp32 logsumexp L; dQ, dK, dV). Used on sm90 for bf16/fp16 with D up to 128 in tiles 64 or 128 wide (TMA reads
+#    zeros past a smaller D, e.g. 80, and the stores are masked; section 4 decides);
 #    FLASH_BACKEND=triton forces the Triton kernels, FLASH_BACKEND=gluon insists on these.
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -705,6 +707,13 @@ except ImportError:  # a Triton without Gluon: the Triton kernels serve everythi
 # within +-2% (+1.9% at the 8B model's S=32768). Measured on the H200 (BENCHMARKS.md, What we tried).
 GLUON_FWD_CONFIGS = {64: (64, 128, 3), 128: (64, 128, 3)}
 GLUON_HEAD_MAJOR = True
+# The forward's grid: 0 = one CTA per work item; k > 0 = persistent, k CTAs per SM, CTA p taking items p, p + G,
+# ... Measured on the H200 (CUDA-graph GPU times, causal bf16): persistent at 1 CTA per SM went from 1.06x to 0.77x
+# cuDNN at D=128, S=16k and from 1.03x to 0.95x at S=32k (a static share of causal items of unequal length leaves
+# SMs idle at the end), gained nothing at S=1k, and gained only in longest-first order at S=2k-4k (D=80: 0.96x ->
+# 1.01x; D=64, S=4k: 0.92x -> 0.98x), where D=128 lost (0.92x -> 0.84x). So one CTA per item, the hardware's own
+# dynamic scheduling; FLASH_FWD_PERSISTENT=k tries k CTAs per SM.
+GLUON_FWD_PERSISTENT = int(os.environ.get("FLASH_FWD_PERSISTENT", "0"))
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
 # warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward. D=128:
 # the split (with two dQ buffers per warpgroup) took the backward from 368 to 527 TFLOP/s at S=16384, and smem is full
@@ -730,13 +739,47 @@ if gluon is not None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _gl_fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                         O, LSE, o_base, l_base, stride_os, head_dim, start_m, seqlen_q, seqlen_k, n_tiles, n_full,
-                         qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's query tile. PINGPONG: the
-        two warpgroups take turns issuing their matmuls (turn barriers), so one's softmax always runs under the
-        other's matmuls; warpgroup 0 goes first (its barrier starts as if released)."""
+    def _gl_fwd_tile(t, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr):
+        """Work item t (2 x BLOCK_M query rows of one batch x head) -> (b, h, q_start, seqlen_q, seqlen_k, start_m,
+        n_tiles, n_full): key tiles to visit, and how many of them need no compare. HEAD_MAJOR: consecutive items
+        are the query tiles of one head (longest first), so the CTAs working at once share that head's K and V in
+        L2; else one tile of every head, longest first over all. Packed: one document's rows (its keys are its
+        own, cu_seqlens_k = cu_seqlens_q); items past a document's end have start_m >= seqlen_q."""
+        if HEAD_MAJOR:
+            bh = t // m_tiles
+            pid_m = m_tiles - 1 - t % m_tiles
+        else:
+            bh = t % n_bh
+            pid_m = m_tiles - 1 - t // n_bh
+        b = bh // num_heads
+        h = bh % num_heads
+        q_start = 0
+        if VARLEN:
+            q_start = gl.load(cu_seqlens_q + b)
+            seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
+            seqlen_k = seqlen_q
+        start_m = pid_m * 2 * BLOCK_M
+        if CAUSAL:
+            hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M)
+            n_full = gl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N) // BLOCK_N  # tiles with no compare
+        else:
+            hi = seqlen_k
+            n_full = seqlen_k // BLOCK_N
+        return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, BLOCK_N), n_full
+
+    @gluon.jit
+    def _gl_fwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
+                         stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
+                         n_items, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
+                         PINGPONG: gl.constexpr):
+        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The
+        ring position (it) and the turn count (w) run on across items, so the producer fills the next item's slots
+        while this one's last matmul and its output store finish. PINGPONG: the two warpgroups take turns issuing
+        their matmuls (turn barriers), so one's softmax always runs under the other's matmuls; warpgroup 0 goes
+        first (its barrier starts as if released)."""
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -745,177 +788,185 @@ if gluon is not None:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        start_m = start_m + WG * BLOCK_M
-        offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         q = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
-        mbarrier.wait(q_bar.index(WG), 0)
+        it = 0  # K/V tiles consumed so far (the ring position)
+        w = 0  # turns taken so far
+        n_done = 0  # work items done so far (the phase of q_bar)
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = _gl_fwd_tile(
+                item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
+                HEAD_MAJOR)
+            if start_m < seqlen_q_b:
+                rows0 = start_m + WG * BLOCK_M
+                offs_m = rows0 + gl.arange(0, BLOCK_M, layout=row_s)
+                offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+                l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
+                acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+                s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+                mbarrier.wait(q_bar.index(WG), n_done & 1)
 
-        mbarrier.wait(k_ready.index(0), 0)  # tile 0: S_0 and its softmax
-        k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), 1 - WG)
-        s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, 0, offs_m, offs_n, seqlen_k, qk_scale, n_full == 0, CAUSAL)
-        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        for j in range(1, n_tiles):
-            slot = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
-            mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
-            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
-            v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), (j & 1) ^ 1 ^ WG)
-            s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)      # S_j = Q K_j^T
-            acc = warpgroup_mma(p, v, acc, is_async=True)                                # O += P_(j-1) V_(j-1)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG), count=1)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))                          # S_j ready; PV runs on
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            p_next, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, j * BLOCK_N, offs_m, offs_n, seqlen_k, qk_scale,
-                                                  j >= n_full, CAUSAL)
-            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p = gl.convert_layout(p_next.to(q_smem.dtype), p_layout)
-        last = (n_tiles - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
-        v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), (n_tiles & 1) ^ 1 ^ WG)
-        acc = warpgroup_mma(p, v, acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(last), count=1)
+                slot = it % NUM_STAGES  # key tile 0: S_0 and its softmax
+                mbarrier.wait(k_ready.index(slot), (it // NUM_STAGES) & 1)
+                k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), (w & 1) ^ 1 ^ WG)
+                s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                p, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, 0, offs_m, offs_n, seqlen_k_b, qk_scale, n_full == 0,
+                                                 CAUSAL)
+                p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                for j in range(1, n_tiles):
+                    slot = (it + j) % NUM_STAGES
+                    prev = (it + j - 1) % NUM_STAGES
+                    mbarrier.wait(k_ready.index(slot), ((it + j) // NUM_STAGES) & 1)
+                    k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
+                    v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                    if PINGPONG:
+                        mbarrier.wait(turn.index(WG), ((w + j) & 1) ^ 1 ^ WG)
+                    s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)  # S_j = Q K_j^T
+                    acc = warpgroup_mma(p, v, acc, is_async=True)                            # O += P_(j-1) V_(j-1)
+                    if PINGPONG:
+                        mbarrier.arrive(turn.index(1 - WG), count=1)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))                      # S_j ready; PV runs on
+                    mbarrier.arrive(k_empty.index(slot), count=1)
+                    p_next, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, j * BLOCK_N, offs_m, offs_n, seqlen_k_b,
+                                                          qk_scale, j >= n_full, CAUSAL)
+                    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    p = gl.convert_layout(p_next.to(q_smem.dtype), p_layout)
+                mbarrier.arrive(q_empty.index(WG), count=1)  # every S of this item is made: Q's slot is free
+                last = (it + n_tiles - 1) % NUM_STAGES
+                mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NUM_STAGES) & 1)
+                v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), ((w + n_tiles) & 1) ^ 1 ^ WG)
+                acc = warpgroup_mma(p, v, acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(v_empty.index(last), count=1)
 
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        rows = start_m + gl.arange(0, BLOCK_M, layout=row_o)
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :], out.to(O.dtype.element_ty),
-                 mask=(rows[:, None] < seqlen_q) & (cols[None, :] < head_dim))
-        gl.store(LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453, mask=offs_m < seqlen_q)
+                l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+                rows = rows0 + gl.arange(0, BLOCK_M, layout=row_o)
+                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+                o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_os
+                gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :],
+                         out.to(O.dtype.element_ty), mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < head_dim))
+                l_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
+                gl.store(LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
+                         mask=offs_m < seqlen_q_b)
+                it += n_tiles
+                w += n_tiles + 1
+                n_done += 1
 
     # Worker partition entry points: worker partitions must share one signature, so both take every argument (the
     # default partition, consumer warpgroup 0, calls _gl_fwd_consumer directly).
     @gluon.jit
-    def _gl_fwd_wg1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                    turn, O, LSE, o_base, l_base, stride_os, head_dim, b, h, kv_h, q_row, k_row, start_m, seqlen_q,
-                    seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
-        _gl_fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, o_base,
-                         l_base, stride_os, head_dim, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, PINGPONG)
+    def _gl_fwd_wg1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                    v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                    head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items, qk_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
+        _gl_fwd_consumer(1, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                         head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items, qk_scale, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)
 
     @gluon.jit
-    def _gl_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                       turn, O, LSE, o_base, l_base, stride_os, head_dim, b, h, kv_h, q_row, k_row, start_m,
-                       seqlen_q, seqlen_k, n_tiles, n_full, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
-        """The producer warp: both halves of Q once, then K_j and V_j, each into a ring slot once both consumers
-        have released it (the empty barriers start as if their phase 1 had completed)."""
+    def _gl_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                       head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items, qk_scale,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                       VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
+        """The producer warp, over the CTA's work items: both halves of Q once each warpgroup has released the
+        previous item's, then K_j and V_j, each into a ring slot once both consumers have released it (the empty
+        barriers start as if their phase 1 had completed)."""
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-        for wg in gl.static_range(2):
-            mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-            if VARLEN:  # packed (total, H, D) descriptors; dense ones are (B, H, S, D)
-                _tma_load(q_desc, [q_row + wg * BLOCK_M, h, 0], q_bar.index(wg),
-                                                q_smem.index(wg))
-            else:
-                _tma_load(q_desc, [b, h, q_row + wg * BLOCK_M, 0], q_bar.index(wg),
-                                                q_smem.index(wg))
-        for j in range(n_tiles):
-            slot = j % NUM_STAGES
-            phase = (j // NUM_STAGES) & 1
-            row = k_row + j * BLOCK_N
-            mbarrier.wait(k_empty.index(slot), phase ^ 1)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            if VARLEN:
-                _tma_load(k_desc, [row, kv_h, 0], k_ready.index(slot), k_smem.index(slot))
-            else:
-                _tma_load(k_desc, [b, kv_h, row, 0], k_ready.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            if VARLEN:
-                _tma_load(v_desc, [row, kv_h, 0], v_ready.index(slot), v_smem.index(slot))
-            else:
-                _tma_load(v_desc, [b, kv_h, row, 0], v_ready.index(slot), v_smem.index(slot))
+        it = 0
+        n_done = 0
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = _gl_fwd_tile(
+                item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
+                HEAD_MAJOR)
+            if start_m < seqlen_q_b:
+                kv_h = h // group
+                for wg in gl.static_range(2):
+                    mbarrier.wait(q_empty.index(wg), (n_done & 1) ^ 1)
+                    mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+                    if VARLEN:  # packed (total, H, D) descriptors; dense ones are (B, H, S, D)
+                        _tma_load(q_desc, [q_start + start_m + wg * BLOCK_M, h, 0], q_bar.index(wg),
+                                  q_smem.index(wg))
+                    else:
+                        _tma_load(q_desc, [b, h, start_m + wg * BLOCK_M, 0], q_bar.index(wg), q_smem.index(wg))
+                for j in range(n_tiles):
+                    slot = (it + j) % NUM_STAGES
+                    phase = ((it + j) // NUM_STAGES) & 1
+                    row = q_start + j * BLOCK_N
+                    mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                    if VARLEN:
+                        _tma_load(k_desc, [row, kv_h, 0], k_ready.index(slot), k_smem.index(slot))
+                    else:
+                        _tma_load(k_desc, [b, kv_h, row, 0], k_ready.index(slot), k_smem.index(slot))
+                    mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                    if VARLEN:
+                        _tma_load(v_desc, [row, kv_h, 0], v_ready.index(slot), v_smem.index(slot))
+                    else:
+                        _tma_load(v_desc, [b, kv_h, row, 0], v_ready.index(slot), v_smem.index(slot))
+                it += n_tiles
+                n_done += 1
 
     @gluon.jit
     def _gl_attn_fwd(q_desc, k_desc, v_desc, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
-                     stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, qk_scale, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
-        """One program per (2 x BLOCK_M query rows, batch x head); packed: one document's rows (its keys are its
-        own, cu_seqlens_k = cu_seqlens_q). Rows a tile reads past its sequence's end are masked or never stored.
-        HEAD_MAJOR: consecutive programs take the query tiles of one head (longest first), so the CTAs running at
-        once share that head's K and V in L2; else consecutive programs take one tile of every head."""
-        if HEAD_MAJOR:
-            pid_bh = gl.program_id(1)
-            pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        else:
-            pid_bh = gl.program_id(0)
-            pid_m = gl.num_programs(1) - 1 - gl.program_id(1)  # longest causal tiles first
-        b = pid_bh // num_heads
-        h = pid_bh % num_heads
-        q_start = 0
-        if VARLEN:
-            q_start = gl.load(cu_seqlens_q + b)
-            seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
-            seqlen_k = seqlen_q
-        start_m = pid_m * 2 * BLOCK_M
-        if start_m < seqlen_q:
-            if CAUSAL:
-                hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M)
-                n_full = gl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N) // BLOCK_N  # tiles with no compare
-            else:
-                hi = seqlen_k
-                n_full = seqlen_k // BLOCK_N
-            n_tiles = gl.cdiv(hi, BLOCK_N)
-            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-            k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-            v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-            q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(q_bar.index(i), count=1)
-                mbarrier.init(turn.index(i), count=1)
-            for i in gl.static_range(NUM_STAGES):
-                mbarrier.init(k_ready.index(i), count=1)
-                mbarrier.init(k_empty.index(i), count=2)  # released by both consumer warpgroups
-                mbarrier.init(v_ready.index(i), count=1)
-                mbarrier.init(v_empty.index(i), count=2)
-            o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_os
-            l_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
-            kv_h = h // group
-            # (the worker tuples are written out in full: a tuple held in a variable loses its constexprs)
-            gl.warp_specialize([
-                (_gl_fwd_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O,
-                                    LSE, o_base, l_base, stride_os, head_dim, start_m, seqlen_q, seqlen_k, n_tiles,
-                                    n_full, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, PINGPONG)),
-                (_gl_fwd_wg1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                               v_empty, turn, O, LSE, o_base, l_base, stride_os, head_dim, b, h, kv_h,
-                               q_start + start_m, q_start, start_m, seqlen_q, seqlen_k, n_tiles, n_full, qk_scale,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, PINGPONG)),
-                (_gl_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                                  v_empty, turn, O, LSE, o_base, l_base, stride_os, head_dim, b, h, kv_h,
-                                  q_start + start_m, q_start, start_m, seqlen_q, seqlen_k, n_tiles, n_full,
-                                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, PINGPONG)),
-            ], [4, 1], [240, 24])
-
+                     stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items, qk_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
+        """Work items of 2 x BLOCK_M query rows of one batch x head (_gl_fwd_tile), n_items = m_tiles * n_bh of
+        them, CTA p taking items p, p + G, p + 2G, ... for a grid of G: one CTA per item (G = n_items) or a
+        persistent grid, where the producer loads the next item's tiles while the consumers finish the last."""
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bar.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # released by both consumer warpgroups
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+        # (the worker tuples are written out in full: a tuple held in a variable loses its constexprs)
+        gl.warp_specialize([
+            (_gl_fwd_consumer, (0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                                v_ready, v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
+                                stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
+                                n_items, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR,
+                                PINGPONG)),
+            (_gl_fwd_wg1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                           v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
+                           stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items,
+                           qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
+            (_gl_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                              v_ready, v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
+                              stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
+                              n_items, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
+        ], [4, 1], [240, 24])
 
     # The backward: one CTA per 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them
     # with its K and V in shared memory and dK, dV accumulating in registers; a producer warp streams the query
@@ -1232,11 +1283,13 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
         return o.zero_(), lse.fill_(float("-inf"))
     qp, kp, vp = (_tma_operand(x, d_pad) for x in (q, k, v))
     m_tiles = triton.cdiv(seqlen_q, 2 * block_m)
-    grid = (m_tiles, batch * heads) if GLUON_HEAD_MAJOR else (batch * heads, m_tiles)
+    n_items = m_tiles * batch * heads
+    grid = (min(n_items, GLUON_FWD_PERSISTENT * _sm_count(q.device.index)) if GLUON_FWD_PERSISTENT else n_items,)
     _gl_attn_fwd[grid](_descriptor(qp, block_m, varlen, d_pad), _descriptor(kp, block_n, varlen, d_pad),
                        _descriptor(vp, block_n, varlen, d_pad), o, lse, cu_seqlens_q if varlen else lse,
                        **_strides("o", o, varlen), **lse_strides, head_dim=d,
                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
+                       m_tiles=m_tiles, n_bh=batch * heads, n_items=n_items,
                        qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                        NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=GLUON_HEAD_MAJOR,
                        PINGPONG=GLUON_PINGPONG, num_warps=4, maxnreg=168)
@@ -1333,11 +1386,14 @@ class _FlashAttention(torch.autograd.Function):
         o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros made for L's gradient (it has none): ~0.1 ms of host per call
         ctx.args = (max_seqlen_q, max_seqlen_k, causal, BACKEND)  # the backward follows the forward's backend
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
+        if do is None:  # O took no part in what is differentiated
+            return None, None, None, None, None, None, None, None
         bwd = _attention_bwd_op if torch.compiler.is_compiling() else _backward
         dq, dk, dv = bwd(do, *ctx.saved_tensors, *ctx.args)
         return dq, dk, dv, None, None, None, None, None

@@ -842,11 +842,13 @@ def test_flash_gpu_gluon_matches_reference():
     """The Hopper (Gluon) forward and backward, forced on, against float64 attention: O, L, dQ, dK, dV; ragged
     lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims
     80 and 40 (tiles 128 and 64 wide read in place, zeros past D) and 36 (rows not 16-byte aligned: padded copies),
-    packed documents of 1 token up to several tiles (many per key tile); outputs poisoned first."""
+    packed documents of 1 token up to several tiles (many per key tile); outputs poisoned first; then the forward
+    on a persistent grid (3 x 8 heads x 9 query tiles over 132 SMs: some CTAs take several)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(12)
     old, flash.BACKEND = flash.BACKEND, "gluon"
+    persistent = flash.GLUON_FWD_PERSISTENT
     try:
         for causal in (True, False):
             for b, h, h_kv, s, d in ((2, 4, 4, 1, 64), (1, 2, 2, 77, 128), (2, 4, 2, 1000, 64), (1, 3, 1, 2049, 128),
@@ -863,8 +865,13 @@ def test_flash_gpu_gluon_matches_reference():
             _check_varlen(lens, 8, 8, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             _check_varlen(lens, 4, 4, 80, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+        flash.GLUON_FWD_PERSISTENT = 1  # a persistent forward grid: each CTA loops over several work items
+        for causal in (True, False):
+            _check_dense(3, 8, 2, 2049, 2049, 128, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+            _check_varlen([1, 7, 300, 2, 1500, 64, 129, 1, 900], 8, 8, 64, causal, gen=gen, tol=2e-2,
+                          dtype=torch.bfloat16)
     finally:
-        flash.BACKEND = old
+        flash.BACKEND, flash.GLUON_FWD_PERSISTENT = old, persistent
 
 
 def test_flash_gpu_bf16_large_shapes():
@@ -3644,7 +3651,8 @@ def test_bench_attention_cases_on_the_interpreter(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     ((header, table),) = _md_tables(text)
     assert header == ["case", "method", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
-                      "ours vs it (fwd / fwd+bwd)"]
+                      "ours vs it (fwd / fwd+bwd)", "host ms per fwd+bwd"]
+    assert all(r["host_ms"] is None and cells[8] == "—" for r, cells in zip(rows, table))  # measured on CUDA only
     methods = ["ours", "naive"] if flash.INTERPRET else ["naive"]
     cases = ["B=1 H=2 S=16 D=16 float32", "B=1 H=2 S=40 D=16 float32"]
     assert [(r["case"], r["method"]) for r in rows[:-1]] == [(c, m) for c in cases for m in methods]
@@ -3659,6 +3667,22 @@ def test_bench_attention_cases_on_the_interpreter(tmp_path):
         ours = next(o for o in rows if o["case"] == r["case"] and o["method"].startswith("ours"))
         want = "—" if r is ours else " / ".join(f"{ours[k] / r[k]:.2f}x" for k in ("fwd_tflops", "fwd_bwd_tflops"))
         assert cells[7] == want
+
+
+def test_gpu_time_ms_host_ahead_times_the_gpu_alone():
+    """A call that spends 3 ms on the host before one tiny kernel: timed plainly the GPU waits for the host (>= 3
+    ms); with host_ahead the events see only the kernel, and host_ms gets the 3 ms."""
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs CUDA")
+    x = torch.zeros(1024, device="cuda")
+
+    def call():
+        time.sleep(3e-3)
+        x.add_(1)
+    plain = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5))
+    host = []
+    ahead = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5, host_ahead=True, host_ms=host))
+    assert plain >= 2.9 and ahead < 0.5 and len(host) == 5 and min(host) >= 2.9, (plain, ahead, host)
 
 
 def test_bench_rmsnorm_rows_table_and_cuda_check(tmp_path):
