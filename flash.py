@@ -561,8 +561,9 @@ def _empty_out(x):
 
 
 def _kernel_head_dim(d):
-    """tl.dot needs at least 16 and tiles need powers of two: other head dims are zero-padded (which changes no
-    score), e.g. 80 -> 128."""
+    """tl.dot needs at least 16 and tiles need powers of two: other head dims run in wider tiles whose extra columns
+    are zeros (which changes no score), e.g. 80 -> 128: padded copies for the Triton kernels, TMA's zero fill for
+    the Gluon ones."""
     return max(16, triton.next_power_of_2(d))
 
 

@@ -12,14 +12,14 @@
 # triton and transformers versions and the git commit (GIT_COMMIT=<commit> names it where there is no .git).
 #
 # part            what (all bench.py unless said)                                   time on one H200
-# attention       attention: dense causal shapes (B·S = 16384, H·D = 2048, and      140 s (dense and packed;
-#                 B=1 H=32 S=32768) and packed documents: ours (Gluon forward on    then the batch-1 sweep with
-#                 Hopper), ours-triton, cuDNN, FlexAttention                        what is left of 400 s)
+# attention       attention: dense causal shapes (B·S = 16384, H·D = 2048, B=1      150 s (dense and packed;
+#                 H=32 S=32768, the 2.7B model's) and packed documents: ours        then the batch-1 sweep with
+#                 (Gluon kernels on Hopper), ours-triton, cuDNN, FlexAttention      what is left of 400 s)
 # train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s
 #                 a torch.nn peer)
-# xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        not yet measured as one
-#                 block, bf16): ours sdpa beside the PyTorch-native peer, then      part (the same commands ran
-#                 ours flash                                                        in 190 s + 110 s)
+# xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        60-300 s (60 s in the last
+#                 block, bf16): ours flash beside the PyTorch-native peer, then     run; up to 190 s + 110 s
+#                 ours sdpa                                                         when compiling from cold)
 # train_small     train.py config/small.py, 150 steps on one GPU, without and       ~110 s
 #                 with cuda_graphs: tokens/s, MFU (needs data/shakespeare:
 #                 `python data/prepare.py shakespeare`, carried to a machine
@@ -61,9 +61,9 @@ part_train() {
 
 part_xl() {
     begin_part xl 570
-    # ours with sdpa, then the PyTorch-native peer in the same process; then ours with flash
-    run_md xl_sdpa_peer 300 "$PY" bench.py "${XL[@]}" --attn sdpa --peer --json @JSON@
-    run_md xl_flash 180 "$PY" bench.py "${XL[@]}" --attn flash --json @JSON@
+    # ours with flash, then the PyTorch-native peer in the same process; then ours with sdpa
+    run_md xl_flash_peer 300 "$PY" bench.py "${XL[@]}" --attn flash --peer --json @JSON@
+    run_md xl_sdpa 180 "$PY" bench.py "${XL[@]}" --attn sdpa --json @JSON@
 }
 
 part_train_small() {
