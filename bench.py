@@ -1208,8 +1208,10 @@ def cmd_gpt2(argv):
                    "of the peer's 4 x d_model GELU MLP (2 matrices), so both models have GPT-2 small's size")
     p.add_argument("--batch_size", type=int, default=12)
     p.add_argument("--variants", default="sdpa:tied,flash:tied,flash:tied:graphs", help="ours to run: attn_impl, "
-                   "with ':tied' for tied input/output embeddings (as GPT-2 and the peer) and ':graphs' for "
-                   "torch.compile(mode='reduce-overhead'), the step replayed as CUDA graphs (no host launch cost)")
+                   "with ':tied' for tied input/output embeddings (as GPT-2 and the peer), ':graphs' for "
+                   "torch.compile(mode='reduce-overhead'), the step replayed as CUDA graphs (no host launch cost), "
+                   "and ':rope_inside' for RoPE applied inside the flash kernels (default: separate passes "
+                   "before them; model.FLASH_FUSED_ROPE)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)
@@ -1224,8 +1226,9 @@ def cmd_gpt2(argv):
     device = pick_device(args.device)
     variants = [v.split(":") for v in args.variants.split(",") if v]
     for v in variants:
-        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs"}:
-            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs] with ATTN one of {ATTN_IMPLS}")
+        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside"}:
+            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside] with ATTN one of "
+                             f"{ATTN_IMPLS}")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
     reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
@@ -1274,9 +1277,13 @@ def cmd_gpt2(argv):
         optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         name = "ours: TransformerLM" + (", tied" if tied else "") + (", CUDA graphs" if graphs else "") + \
-            " + our AdamW"
-        rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
-                          graphs=graphs))
+            (", RoPE inside" if "rope_inside" in tags else "") + " + our AdamW"
+        default_rope, model_py.FLASH_FUSED_ROPE = model_py.FLASH_FUSED_ROPE, "rope_inside" in tags
+        try:
+            rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
+                              graphs=graphs))
+        finally:
+            model_py.FLASH_FUSED_ROPE = default_rope
         del ours, optimizer
         free_memory(device)
     peer = PeerGPT(V, T, args.d_model, args.num_layers, args.num_heads, device=device)
@@ -2818,8 +2825,9 @@ def cmd_leaderboard(argv):
 # sass: what the compiler made of flash.py's attention kernels for an H100/H200 (sm_90), on any machine
 # ---------------------------------------------------------------------------------------------------------------
 
-SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
-              "sm_scale": "fp32", **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}
+SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "COS": "*fp32", "SIN": "*fp32",
+               "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
+               "sm_scale": "fp32", **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}
 
 
 def sass_stats(kernel_fn, signature, constexprs, options, gluon_source=False, attrs=None):
@@ -2861,6 +2869,7 @@ def cmd_sass(argv):
     p.add_argument("--no_specialize", action="store_true", help="ignore do_not_specialize (all ints specialized)")
     p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
     p.add_argument("--full", action="store_true", help="non-causal instead of causal")
+    p.add_argument("--rope", action="store_true", help="the Triton kernels with RoPE applied inside (ROPE=True)")
     args = p.parse_args(argv)
     if flash.INTERPRET:  # the kernels were defined for the interpreter: compile them in a process that does not
         env = dict(os.environ, TRITON_INTERPRET="0")
@@ -2869,10 +2878,11 @@ def cmd_sass(argv):
     how = "every int specialized" if args.no_specialize else \
         "integer arguments marked divisible by 16 as at the dense shapes, except do_not_specialize ones"
     print(f"Triton {triton.__version__}, sm_90, bf16, {'non-causal' if args.full else 'causal'}, "
-          f"{'packed' if args.varlen else 'dense'}; {how}\n")
+          f"{'packed' if args.varlen else 'dense'}{', RoPE inside the Triton kernels' if args.rope else ''}; "
+          f"{how}\n")
     rows = []
     for d in (int(x) for x in args.head_dims.split(",")):
-        common = dict(HEAD_DIM=d, CAUSAL=not args.full, VARLEN=args.varlen, PREC="tf32")
+        common = dict(HEAD_DIM=d, CAUSAL=not args.full, VARLEN=args.varlen, PREC="tf32", ROPE=args.rope)
         triton_kernels = [("fwd (Triton)", flash._attn_fwd, flash.FWD_CONFIGS[(d, 2)][0], {}),
                           ("dq (Triton)", flash._attn_bwd_dq, flash.DQ_CONFIGS[(d, 2)][0], {}),
                           ("dkdv (Triton)", flash._attn_bwd_dkdv, flash.DKDV_CONFIGS[(d, 2)][0],

@@ -218,6 +218,26 @@ def _store_rows(dst, start, stride, seqlen, offs, x):
 
 
 @triton.jit
+def _rope(x, cos_base, sin_base, start, stride_cs, seqlen, offs, rope_half, INVERSE: tl.constexpr):
+    """RoPE on a tile x (BLOCK x HEAD_DIM) of rows start + offs: pair (2j, 2j+1) of a row turned by the angle whose
+    cosine and sine are column j of that row of the tables (cos_base, sin_base: row 0 of this sequence); INVERSE
+    turns back (the transpose: how a gradient goes through RoPE). fp32 math, x's dtype out, as the unfused
+    formulation rounds. Columns past 2 * rope_half (a zero-padded head dim) and rows past seqlen come out zero."""
+    BLOCK: tl.constexpr = x.shape[0]
+    HALF: tl.constexpr = x.shape[1] // 2
+    rows = start + offs
+    cols = tl.arange(0, HALF)
+    keep = (rows[:, None] < seqlen) & (cols[None, :] < rope_half)
+    at = rows[:, None] * stride_cs + cols[None, :]
+    c = tl.load(cos_base + at, mask=keep, other=0.0)
+    s = tl.load(sin_base + at, mask=keep, other=0.0)
+    if INVERSE:
+        s = -s
+    xe, xo = tl.split(tl.reshape(x.to(tl.float32), [BLOCK, HALF, 2]))
+    return tl.reshape(tl.join(xe * c - xo * s, xe * s + xo * c), [BLOCK, 2 * HALF]).to(x.dtype)
+
+
+@triton.jit
 def _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     """First row and length of sequence b's queries and keys: b's slice of the packed rows when VARLEN."""
     q_start = tl.full([], 0, tl.int64)  # 64-bit: start * stride can pass 2^31 in a long packed batch
@@ -234,10 +254,14 @@ def _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN: tl.co
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    """The online softmax over key tiles [lo, hi): m_i running max, l_i running sum, acc = unnormalized P V."""
+               cos_k, sin_k, stride_cs, rope_half, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr):
+    """The online softmax over key tiles [lo, hi): m_i running max, l_i running sum, acc = unnormalized P V.
+    ROPE: each key tile is rotated as it is loaded (q came rotated)."""
     for start_n in range(lo, hi, BLOCK_N):
         k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED)
+        if ROPE:
+            k = _rope(k, cos_k, sin_k, start_n, stride_cs, seqlen_k, offs_n, rope_half, False)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if MASKED:  # ragged end and, when causal, the diagonal: the only tiles that compare indices
             cols = start_n + offs_n
@@ -269,13 +293,14 @@ FWD_CONFIGS = {  # (64, 2) and (128, 2): the best of 6-8 candidates each in a ti
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "SEQ_BUCKET", "stride_lb", "stride_lh"])
 def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
               stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-              stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+              stride_ob, stride_oh, stride_os, stride_lb, stride_lh, COS, SIN, stride_cb, stride_cs, rope_half,
               seqlen_q, seqlen_k, num_heads, group, qk_scale, SEQ_BUCKET,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch x head): O and L of BLOCK_M query rows. Key tiles left of the diagonal
     run without index compares, the diagonal tile and a ragged end with them; tiles right of it are never
-    visited."""
+    visited. ROPE: Q and K rotated as they are loaded, with the cos/sin rows of their positions (COS, SIN:
+    (rows, D/2) per sequence, stride_cb apart; packed: one row per token)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest causal tiles launch first
@@ -294,6 +319,12 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
     k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
     v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True)
+    cos_q = COS + b64 * stride_cb + q_start * stride_cs
+    sin_q = SIN + b64 * stride_cb + q_start * stride_cs
+    cos_k = COS + b64 * stride_cb + k_start * stride_cs
+    sin_k = SIN + b64 * stride_cb + k_start * stride_cs
+    if ROPE:
+        q = _rope(q, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, False)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -305,9 +336,11 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
         hi = seqlen_k
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
+                               seqlen_k, qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED=False, CAUSAL=CAUSAL,
+                               BLOCK_N=BLOCK_N, PREC=PREC, ROPE=ROPE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
+                               seqlen_k, qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED=True, CAUSAL=CAUSAL,
+                               BLOCK_N=BLOCK_N, PREC=PREC, ROPE=ROPE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys (empty key sequence) writes O = 0
     o_dst = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M)
@@ -348,11 +381,13 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k,
-              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-              HEAD_DIM: tl.constexpr):
+              qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              BLOCK_N: tl.constexpr, PREC: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
     # Where V is loaded matters on the H200: beside K is 13% faster at D=128, after P 15% faster at D=64.
     for start_n in range(lo, hi, BLOCK_N):
         k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED)
+        if ROPE:
+            k = _rope(k, cos_k, sin_k, start_n, stride_cs, seqlen_k, offs_n, rope_half, False)
         if HEAD_DIM > 64:
             v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
@@ -387,10 +422,11 @@ DQ_CONFIGS = {  # (64, 2): 128 x 64 tiles with V loaded after P, the best of a b
 def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                  stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh,
-                 seqlen_q, seqlen_k, num_heads, group, qk_scale, sm_scale, SEQ_BUCKET,
-                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once."""
+                 COS, SIN, stride_cb, stride_cs, rope_half, seqlen_q, seqlen_k, num_heads, group, qk_scale, sm_scale,
+                 SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+                 ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once. ROPE: Q and K
+    rotated as loaded, dQ (a gradient of the rotated Q) turned back before it is stored."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -409,6 +445,12 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    start_m, stride_qs, seqlen_q, offs_m0, True)
     do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM,
                           BLOCK_M), start_m, stride_dos, seqlen_q, offs_m0, True)
+    cos_q = COS + b64 * stride_cb + q_start * stride_cs
+    sin_q = SIN + b64 * stride_cb + q_start * stride_cs
+    cos_k = COS + b64 * stride_cb + k_start * stride_cs
+    sin_k = SIN + b64 * stride_cb + k_start * stride_cs
+    if ROPE:
+        q = _rope(q, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, False)
     row_ok = offs_m < seqlen_q
     l_off = b64 * stride_lb + h * stride_lh + q_start + offs_m
     lse2 = tl.load(LSE + l_off, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -423,16 +465,21 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
         hi = seqlen_k
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
+                   seqlen_k, qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED=False, CAUSAL=CAUSAL,
+                   BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM, ROPE=ROPE)
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
+                   seqlen_k, qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED=True, CAUSAL=CAUSAL,
+                   BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM, ROPE=ROPE)
+    if ROPE:
+        dq = _rope(dq, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, True)
     dq_dst = _rows(DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs, stride_dqs, HEAD_DIM, BLOCK_M)
     _store_rows(dq_dst, start_m, stride_dqs, seqlen_q, offs_m0, dq * sm_scale)
 
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, hi, offs_n, seqlen_q,
-                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+                qk_scale, cos_q, sin_q, stride_cs, rope_half, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr):
     # MASKED: rows may pass seqlen_q (bounds masks on every load); CAUSAL: the tiles cross the diagonal.
     # Works on the transposed scores (keys x queries) so P^T, dP^T and dS^T need no transposes. Each operand is
     # loaded just before the matmul that needs it (L first, dO after P^T, Delta after dV): FlexAttention's order.
@@ -444,6 +491,8 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
         else:
             lse2 = tl.load(LSE_h + offs_m) * 1.4426950408889634
         q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, MASKED)
+        if ROPE:
+            q = _rope(q, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, False)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         if CAUSAL:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, -1.0e6)
@@ -476,12 +525,14 @@ DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in re
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                    stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks,
-                   stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh,
-                   seqlen_q, seqlen_k, num_kv_heads, qk_scale, sm_scale, SEQ_BUCKET,
+                   stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, COS, SIN, stride_cb, stride_cs,
+                   rope_half, seqlen_q, seqlen_k, num_kv_heads, qk_scale, sm_scale, SEQ_BUCKET,
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                   GROUP: tl.constexpr, EVEN_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   ROPE: tl.constexpr, GROUP: tl.constexpr, EVEN_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     """Pass 2: one program per key tile and K/V head, K_j and V_j held in registers, a loop over the query heads
-    of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics)."""
+    of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics). ROPE: K and each
+    Q tile rotated as loaded, dK turned back before it is stored."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
     tl.static_assert(128 % BLOCK_N == 0)  # EVEN_Q (no ragged query tile) is decided on the host for 128 rows
     pid_bh = tl.program_id(0)
@@ -499,6 +550,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    start_n, stride_ks, seqlen_k, offs_n0, True)
     v = _load_rows(_rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N),
                    start_n, stride_vs, seqlen_k, offs_n0, True)
+    cos_q = COS + b64 * stride_cb + q_start * stride_cs
+    sin_q = SIN + b64 * stride_cb + q_start * stride_cs
+    cos_k = COS + b64 * stride_cb + k_start * stride_cs
+    sin_k = SIN + b64 * stride_cb + k_start * stride_cs
+    if ROPE:
+        k = _rope(k, cos_k, sin_k, start_n, stride_cs, seqlen_k, offs_n0, rope_half, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dk_dst = DK + b64 * stride_dkb + hk * stride_dkh + k_start * stride_dks
@@ -531,10 +588,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
         DELTA_h = DELTA + l_off
         if CAUSAL:  # with EVEN_Q, a diagonal tile that starts before seqlen_q ends before it (BLOCK_N divides 128)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, start_n,
-                                 start_n + BLOCK_N, offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q, CAUSAL=True,
-                                 BLOCK_M=BLOCK_M, PREC=PREC)
+                                 start_n + BLOCK_N, offs_n, seqlen_q, qk_scale, cos_q, sin_q, stride_cs, rope_half,
+                                 MASKED=not EVEN_Q, CAUSAL=True, BLOCK_M=BLOCK_M, PREC=PREC, ROPE=ROPE)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, seqlen_q,
-                             offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q, CAUSAL=False, BLOCK_M=BLOCK_M, PREC=PREC)
+                             offs_n, seqlen_q, qk_scale, cos_q, sin_q, stride_cs, rope_half, MASKED=not EVEN_Q,
+                             CAUSAL=False, BLOCK_M=BLOCK_M, PREC=PREC, ROPE=ROPE)
+    if ROPE:
+        dk = _rope(dk, cos_k, sin_k, start_n, stride_cs, seqlen_k, offs_n0, rope_half, True)
     _store_rows(_rows(dk_dst, stride_dks, HEAD_DIM, BLOCK_N), start_n, stride_dks, seqlen_k, offs_n0, dk * sm_scale)
     _store_rows(_rows(dv_dst, stride_dvs, HEAD_DIM, BLOCK_N), start_n, stride_dvs, seqlen_k, offs_n0, dv)
 
@@ -598,8 +658,32 @@ def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
     return b, heads, k.shape[1], s, k.shape[2], (b, heads, s), dict(stride_lb=heads * s, stride_lh=s)
 
 
-def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-    """(O, L) of attention; dense or packed (cu_seqlens_q given)."""
+def _rope_kwargs(cos, sin, dummy):
+    """The Triton kernels' RoPE arguments: the fp32 tables (rows x D/2; dense (S, D/2) shared by the batch or
+    (B, S, D/2), packed (total, D/2)) or, without RoPE, a dummy pointer and ROPE=False."""
+    if cos is None:
+        return dict(COS=dummy, SIN=dummy, stride_cb=0, stride_cs=0, rope_half=0, ROPE=False)
+    return dict(COS=cos, SIN=sin, stride_cb=cos.stride(0) if cos.dim() == 3 else 0, stride_cs=cos.stride(-2),
+                rope_half=cos.shape[-1], ROPE=True)
+
+
+def rope_reference(x, cos, sin, inverse=False):
+    """RoPE in PyTorch on dense (B, H, S, D) or packed (total, H, D) x, with the tables of _rope_kwargs: pair
+    (2j, 2j+1) turned by the angle of column j (inverse: turned back); fp32 math, x's dtype out. The Gluon
+    kernels' RoPE (a pass before them and after their backward) and the tests' reference."""
+    if x.dim() == 4:  # dense: the tables' first S rows
+        cos, sin = cos[..., :x.shape[2], :], sin[..., :x.shape[2], :]
+    c, s = (t[:, None] if x.dim() == 3 or t.dim() == 3 else t for t in (cos, sin))  # a heads axis
+    if inverse:
+        s = -s
+    xf = x.float()
+    xe, xo = xf[..., 0::2], xf[..., 1::2]
+    return torch.stack((xe * c - xo * s, xe * s + xo * c), -1).flatten(-2).to(x.dtype)
+
+
+def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos=None, sin=None):
+    """(O, L) of attention; dense or packed (cu_seqlens_q given); cos/sin: RoPE applied to q and k in the
+    kernels (tables as for _rope_kwargs)."""
     _require_triton_device(q)
     varlen = cu_seqlens_q is not None
     batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
@@ -618,17 +702,24 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                     **_strides("o", op, varlen), **lse_strides,
                     seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
                     qk_scale=LOG2E / math.sqrt(d), SEQ_BUCKET=max(16, triton.next_power_of_2(seqlen_q)),
-                    HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))
+                    **_rope_kwargs(cos, sin, lse), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
+                    PREC=_precision(q.dtype), **_blocks("fwd"))
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
+def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend,
+              cos=None, sin=None):
     """(dQ, dK, dV): the Delta pre-pass, then the dQ pass and the dK/dV pass; the one place that picks the
-    backward kernels (the Gluon one wherever it applies and backend, the forward's, is not 'triton')."""
+    backward kernels (the Gluon one wherever it applies and backend, the forward's, is not 'triton'). cos/sin:
+    the forward's RoPE (inside the Triton kernels; around the Gluon one, as PyTorch passes)."""
     if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o):
-        return _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal)
+        if cos is None:
+            return _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal)
+        dq, dk, dv = _gluon_backward(do, rope_reference(q, cos, sin), rope_reference(k, cos, sin), v, o, lse,
+                                     cu_seqlens_q, max_seqlen_q, causal)
+        return rope_reference(dq, cos, sin, inverse=True), rope_reference(dk, cos, sin, inverse=True), dv
     _require_triton_device(q)
     varlen = cu_seqlens_q is not None
     batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
@@ -647,7 +738,7 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=False, BLOCK_M=64)
     scale = 1.0 / math.sqrt(d)
     common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
-                  SEQ_BUCKET=max(16, triton.next_power_of_2(max(seqlen_q, seqlen_k))),
+                  SEQ_BUCKET=max(16, triton.next_power_of_2(max(seqlen_q, seqlen_k))), **_rope_kwargs(cos, sin, lse),
                   HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype))
     grid_q = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))
     _attn_bwd_dq[grid_q](qp, kp, vp, dop, dqp, lse, delta, cu_q, cu_k,
@@ -1338,26 +1429,31 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
 #    the H200, several times the launches themselves.
 # ---------------------------------------------------------------------------------------------------------------
 
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos=None,
+             sin=None):
     """(O, L): the one place that picks the forward kernels (backend, BACKEND when the call began, from
-    FLASH_BACKEND: 'auto' takes the Gluon kernel wherever it applies, 'triton' never, 'gluon' always or raises)."""
+    FLASH_BACKEND: 'auto' takes the Gluon kernel wherever it applies, 'triton' never, 'gluon' always or raises).
+    cos/sin: RoPE on q and k, inside the Triton kernels; before the Gluon one, as a PyTorch pass."""
     if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+        if cos is not None:
+            q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
         return _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal)
     if backend == "gluon":
         raise RuntimeError("flash: FLASH_BACKEND=gluon but the Gluon kernels need an sm90 GPU, bf16/fp16, head dim "
                            f"<= 128 and TMA-aligned strides (got {q.dtype}, {tuple(q.shape)}, {q.stride()})")
-    return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+    return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin)
 
 
 @torch.library.custom_op("flash::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
                       cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-                      causal: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend)
+                      causal: bool, backend: str, cos: torch.Tensor | None,
+                      sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos, sin)
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos, sin):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
     return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -1366,26 +1462,28 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, b
 def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                       max_seqlen_q: int, max_seqlen_k: int,
-                      causal: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend)
+                      causal: bool, backend: str, cos: torch.Tensor | None,
+                      sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend,
+                     cos, sin)
 
 
 @_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
+def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos, sin):
     return _empty_out(q), _empty_out(k), _empty_out(v)
 
 
 class _FlashAttention(torch.autograd.Function):
-    """(O, L) with gradients for q, k, v; dense when cu_seqlens_q is None, packed otherwise. L is not
-    differentiable."""
+    """(O, L) with gradients for q, k, v; dense when cu_seqlens_q is None, packed otherwise; cos/sin (or None):
+    RoPE applied to q and k first (the tables of _rope_kwargs; no gradient). L is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin):
         if cu_seqlens_k is None:
             cu_seqlens_k = cu_seqlens_q
         fwd = _attention_fwd_op if torch.compiler.is_compiling() else _forward
-        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND, cos, sin)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, cos, sin)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros made for L's gradient (it has none): ~0.1 ms of host per call
         ctx.args = (max_seqlen_q, max_seqlen_k, causal, BACKEND)  # the backward follows the forward's backend
@@ -1394,10 +1492,11 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         if do is None:  # O took no part in what is differentiated
-            return None, None, None, None, None, None, None, None
+            return (None,) * 10
         bwd = _attention_bwd_op if torch.compiler.is_compiling() else _backward
-        dq, dk, dv = bwd(do, *ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        saved = ctx.saved_tensors
+        dq, dk, dv = bwd(do, *saved[:7], *ctx.args, *saved[7:])
+        return (dq, dk, dv) + (None,) * 7
 
 
 def _check_qkv(q, k, v, ndim):
@@ -1413,15 +1512,39 @@ def _check_qkv(q, k, v, ndim):
         raise ValueError(f"flash: head dim {q.shape[-1]} > 256 is not supported")
 
 
+def _rope_tables(rope, q, k, packed, cu_seqlens_k):
+    """(cos, sin) as fp32 contiguous tables after checking them against q and k (None without RoPE)."""
+    if rope is None:
+        return None, None
+    cos, sin = rope
+    d = q.shape[-1]
+    rows = q.shape[0] if packed else max(q.shape[2], k.shape[2])
+    shape = ", ".join(map(str, cos.shape))
+    if d % 2 or cos.shape != sin.shape or cos.shape[-1] != d // 2:
+        raise ValueError(f"flash: rope needs (cos, sin) of one shape ending in head_dim / 2 = {d / 2}, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if packed and (cos.dim() != 2 or cos.shape[0] != rows or cu_seqlens_k is not None):
+        raise ValueError(f"flash: packed rope needs tables of one row per token ({rows}, {d // 2}) and keys in the "
+                         f"queries' documents (no cu_seqlens_k), got ({shape})")
+    if not packed and not (cos.dim() == 2 or (cos.dim() == 3 and cos.shape[0] == q.shape[0])) or \
+            cos.shape[-2] < rows:
+        raise ValueError(f"flash: rope needs tables (S, {d // 2}) or (B={q.shape[0]}, S, {d // 2}) with S >= "
+                         f"{rows} positions, got ({shape})")
+    if cos.device != q.device:
+        raise ValueError(f"flash: rope tables on {cos.device}, q on {q.device}")
+    return cos.float().contiguous(), sin.float().contiguous()
+
+
 def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None,
-                       max_seqlen_k=None):
+                       max_seqlen_k=None, rope=None):
     """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning the logsumexp L
-    ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
+    ((B, H, S) dense, (H, total) packed; fp32, not differentiable). rope=(cos, sin): rotary embeddings applied to
+    q and k inside the kernels (see flash_attention)."""
     if cu_seqlens is None:
         _check_qkv(q, k, v, 4)
         if q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] != 0:
             raise ValueError(f"flash: batch must match and H_kv divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
-        return _FlashAttention.apply(q, k, v, None, None, 0, 0, causal)
+        return _FlashAttention.apply(q, k, v, None, None, 0, 0, causal, *_rope_tables(rope, q, k, False, None))
     _check_qkv(q, k, v, 3)
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"flash: H_kv must divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
@@ -1435,19 +1558,26 @@ def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, c
                              f"{tuple(cu.shape)} on {cu.device}")
     if cu_seqlens_k is not None and cu_seqlens.shape != cu_seqlens_k.shape:
         raise ValueError("flash: cu_seqlens and cu_seqlens_k must have the same number of sequences")
-    return _FlashAttention.apply(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal)
+    return _FlashAttention.apply(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal,
+                                 *_rope_tables(rope, q, k, True, cu_seqlens_k))
 
 
-def flash_attention(q, k, v, causal=True):
-    """q (B, H, S, D), k/v (B, H_kv, S_k, D) with H % H_kv == 0, any strides -> O (B, H, S, D); differentiable."""
-    return attention_with_lse(q, k, v, causal)[0]
+def flash_attention(q, k, v, causal=True, rope=None):
+    """q (B, H, S, D), k/v (B, H_kv, S_k, D) with H % H_kv == 0, any strides -> O (B, H, S, D); differentiable.
+    rope=(cos, sin): rotary embeddings on q and k, applied as the kernels load them (interleaved pairs: pair
+    (2j, 2j+1) of the row at position i turns by the angle whose cosine and sine are cos[i, j], sin[i, j]); the
+    tables are (S, D/2), shared by the batch, or (B, S, D/2), and get no gradient. The same result as rotating q
+    and k first (rope_reference), without the passes over q and k that costs."""
+    return attention_with_lse(q, k, v, causal, rope=rope)[0]
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None, max_seqlen_k=None):
+def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None, max_seqlen_k=None,
+                      rope=None):
     """Packed documents: q (total_q, H, D), k/v (total_k, H_kv, D), int32 cu_seqlens (num_seqs + 1) -> O like q.
     Each query attends only inside its own document; max_seqlen is a Python int >= the longest document (it sizes
-    the grid and is not checked on the device, to avoid a host sync per call)."""
-    return attention_with_lse(q, k, v, causal, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)[0]
+    the grid and is not checked on the device, to avoid a host sync per call). rope=(cos, sin): as for
+    flash_attention with tables of one row per token, (total, D/2) (each document's own positions)."""
+    return attention_with_lse(q, k, v, causal, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, rope)[0]
 
 
 class FlashAttentionTriton(torch.autograd.Function):

@@ -773,6 +773,94 @@ def test_flash_varlen_separate_key_lengths():
     _check_varlen([20, 33, 7], 2, 2, 16, True, lens_k=[20, 40, 3], gen=gen)
 
 
+def _rope_angles(positions, d, theta=10000.0):
+    """(cos, sin) fp32 tables (len(positions), d/2) of RoPE angles position * theta^(-2j/d), made in float64."""
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions.double()[..., None] * inv
+    return ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
+
+
+def _check_rope(b, h, h_kv, s, d, causal, lens=None, tables="shared", dtype=torch.float32, tol=1e-5, gen=None,
+                layout="bhsd"):
+    """flash_attention / flash_attn_varlen with rope=(cos, sin) (rotated inside the kernels) against float64:
+    RoPE applied first (rope_reference), then attention; O, L, dQ, dK, dV. tables: 'shared' (S + 5, D/2) for the
+    whole batch, 'batch' (B, S, D/2) with a different position offset per sequence; packed (lens): one row per
+    token, each document's positions from 0."""
+    packed = lens is not None
+    if packed:
+        cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)
+        shapes = [(sum(lens), h, d), (sum(lens), h_kv, d), (sum(lens), h_kv, d)]
+        cos, sin = _rope_angles(torch.cat([torch.arange(n) for n in lens]), d)
+    else:
+        shapes = [(b, hh, s, d) if layout == "bhsd" else (b, s, hh, d) for hh in (h, h_kv, h_kv)]
+        pos = torch.arange(s + 5) if tables == "shared" else torch.arange(s)[None] + 7 * torch.arange(b)[:, None]
+        cos, sin = _rope_angles(pos, d)
+    q, k, v = (torch.randn(sh, generator=gen).to(DEVICE, dtype) for sh in shapes)
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
+    with _poisoned_empty():
+        if packed:
+            o, lse = flash.attention_with_lse(q, k, v, causal, cu, max(lens), rope=(cos, sin))
+        else:
+            o, lse = flash.attention_with_lse(q, k, v, causal, rope=(cos, sin))
+        o.backward(do)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    c64, s64 = (t.double() if packed or tables == "batch" else t[:s].double() for t in (cos, sin))
+    rq, rk = flash.rope_reference(ref[0], c64, s64), flash.rope_reference(ref[1], c64, s64)
+    if packed:
+        ro, rlse = flash.attention_varlen_reference(rq, rk, ref[2], cu, causal)
+    else:
+        ro, rlse = flash.attention_reference(rq, rk, ref[2], causal)
+    ro.backward(do.double())
+    errs = dict(o=_rel(o, ro), lse=_rel(lse, rlse), dq=_rel(q.grad, ref[0].grad), dk=_rel(k.grad, ref[1].grad),
+                dv=_rel(v.grad, ref[2].grad))
+    assert all(e < tol for e in errs.values()), (b, h, h_kv, s, d, causal, lens, tables, errs)
+
+
+def test_flash_rope_inside_the_kernels_matches_rotating_first():
+    """RoPE applied by the Triton kernels as they load Q and K (the gradients turned back before they are stored)
+    against rotating q and k first, in float64: dense with tables shared by the batch or one per sequence, GQA,
+    a ragged length, a padded head dim (24 -> 32) and the (B, S, H, D) memory of projections; packed documents
+    with their own positions; the bad tables each get an error naming the problem."""
+    gen = torch.Generator().manual_seed(21)
+    for causal in (True, False):
+        _check_rope(2, 2, 2, 45, 16, causal, gen=gen)
+        _check_rope(2, 4, 2, 33, 16, causal, tables="batch", gen=gen)
+        _check_rope(1, 2, 1, 20, 24, causal, gen=gen, layout="bshd")
+        _check_rope(0, 2, 2, 0, 16, causal, lens=[1, 17, 40, 3], gen=gen)
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    cos, sin = _rope_angles(torch.arange(8), 16)
+    for bad, msg in (((cos[:5], sin[:5]), "S >= 8 positions"), ((cos[:, :4], sin[:, :4]), "head_dim / 2"),
+                     ((cos[None].expand(3, 8, 8), sin[None].expand(3, 8, 8)), "B=1")):
+        _expect(ValueError, [msg], lambda: flash.flash_attention(q, q, q, rope=bad))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    x = q[0].transpose(0, 1)
+    _expect(ValueError, ["one row per token"], lambda: flash.flash_attn_varlen(x, x, x, cu, 5, rope=(cos[:6], sin[:6])))
+
+
+def test_flash_gpu_rope_on_both_kernel_families():
+    """RoPE through flash_attention / flash_attn_varlen in bf16 on the GPU, the Triton kernels (rotating inside)
+    and, on Hopper, the Gluon ones (RoPE as passes around them), against float64: dense D=64 and 128 with GQA and
+    per-sequence tables, packed D=64."""
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs CUDA")
+    gen = torch.Generator().manual_seed(22)
+    old = flash.BACKEND
+    try:
+        for backend in ("triton", "gluon") if flash.gluon is not None and torch.cuda.get_device_capability() == (9, 0) \
+                else ("triton",):
+            flash.BACKEND = backend
+            for causal in (True, False):
+                _check_rope(2, 4, 2, 300, 128, causal, tables="batch", dtype=torch.bfloat16, tol=2e-2, gen=gen)
+                _check_rope(1, 4, 4, 1000, 64, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen, layout="bshd")
+                _check_rope(0, 4, 2, 0, 64, causal, lens=[1, 300, 7, 900, 64], dtype=torch.bfloat16, tol=2e-2,
+                            gen=gen)
+    finally:
+        flash.BACKEND = old
+
+
 def test_flash_delta_pass_zeroes_the_dq_buffer_of_the_gluon_backward():
     """The backward's pre-pass: Delta = rowsum(dO * O) in fp32 against float64, and with ZERO_DQ the fp32 dQ
     buffer (poisoned with NaN first) zeroed on every row of every document, dense and packed (on CPU under the
@@ -2240,10 +2328,10 @@ def _curve_batches(steps, batch_size=4, seq=32, vocab_size=64, seed=0):
     return batches
 
 
-def _loss_curve(batches, fused=True, norm_impl="torch", device="cpu"):
+def _loss_curve(batches, fused=True, norm_impl="torch", device="cpu", attn_impl="naive"):
     """The loss of every step of train.AdamW on a tiny TransformerLM (fp32, fixed seed): through the fused head
     (model(x, targets=y), as train.py) or F.cross_entropy of the materialized logits; RMSNorms on norm_impl."""
-    m = _tiny_lm(seed=0, vocab_size=64, context_length=32, d_ff=64).to(device)
+    m = _tiny_lm(attn_impl, seed=0, vocab_size=64, context_length=32, d_ff=64).to(device)
     for module in m.modules():
         if isinstance(module, RMSNorm):
             module.impl = norm_impl
@@ -2280,6 +2368,49 @@ def test_200_steps_triton_rmsnorm_loss_curve_matches_torch():
     ours, ref = _loss_curve(batches, norm_impl="triton", device=DEVICE), _loss_curve(batches, device=DEVICE)
     worst = max(abs(a - b) for a, b in zip(ours, ref))
     assert worst < 1e-5, worst
+
+
+def test_200_steps_rope_inside_flash_loss_curve_matches_rope_first():
+    """The same steps with attn_impl='flash': RoPE applied inside the attention kernels (model.FLASH_FUSED_ROPE)
+    against RoPE as separate passes before them (the default): per-step losses within 1e-5 (the rotation is the
+    same fp32 math; the kernels may contract it into fused multiply-adds). 200 steps on a GPU; on CPU the
+    interpreter takes about 6 s a step, so 6 steps there."""
+    batches = _curve_batches(200 if DEVICE == "cuda" else 6)
+    default = model.FLASH_FUSED_ROPE
+    try:
+        model.FLASH_FUSED_ROPE = True
+        fused = _loss_curve(batches, device=DEVICE, attn_impl="flash")
+        model.FLASH_FUSED_ROPE = False
+        first = _loss_curve(batches, device=DEVICE, attn_impl="flash")
+    finally:
+        model.FLASH_FUSED_ROPE = default
+    worst = max(abs(a - b) for a, b in zip(fused, first))
+    assert worst < 1e-5, worst
+
+
+def test_flash_model_rope_inside_matches_rope_first_dense_packed_and_positions():
+    """attn_impl='flash' with RoPE inside the kernels against RoPE first: the same logits and gradients for a dense
+    batch, per-row position_ids and packed documents (positions restarting per document)."""
+    m = _tiny_lm("flash", seed=3).to(DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 61, (2, 19), generator=gen).to(DEVICE)
+    cu = torch.tensor([0, 4, 5, 19], dtype=torch.int32, device=DEVICE)
+    pos = (torch.arange(19)[None] + torch.tensor([[0], [6]])).to(DEVICE)
+    calls = (lambda: m(idx), lambda: m(idx, position_ids=pos), lambda: m(idx[:1], cu_seqlens=cu, max_seqlen=14))
+    default = model.FLASH_FUSED_ROPE
+    try:
+        for call in calls:
+            outs = []
+            for fused in (True, False):
+                model.FLASH_FUSED_ROPE = fused
+                m.zero_grad(set_to_none=True)
+                logits = call()
+                logits.square().mean().backward()
+                outs.append((logits.detach(), m.layers[0].attn.q_proj.weight.grad.clone()))
+            assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5) and torch.allclose(outs[0][1], outs[1][1],
+                                                                                         atol=1e-5)
+    finally:
+        model.FLASH_FUSED_ROPE = default
 
 
 def _log(out_dir):
