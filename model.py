@@ -282,8 +282,8 @@ class CausalSelfAttention(nn.Module):
             if self.attn_impl == "flash" and FLASH_FUSED_ROPE and kv_cache is None and cos.dim() <= 3:
                 rope = (cos, sin)
             else:  # the tables gain a heads axis: (..., T, 1, d_k/2) against q, k (B, T, H, d_k/2)
-                q, k = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), apply_rope(k, cos.unsqueeze(-2),
-                                                                                        sin.unsqueeze(-2))
+                cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         if kv_cache is not None:
             out = self._cached_attention(q, k, v, position_ids, kv_cache)
