@@ -238,6 +238,14 @@ def _rope(x, cos_base, sin_base, start, stride_cs, seqlen, offs, rope_half, INVE
 
 
 @triton.jit
+def _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start):
+    """Row 0 of sequence b's queries and of its keys in the cos and sin tables (for _rope)."""
+    base = b64 * stride_cb
+    return (COS + base + q_start * stride_cs, SIN + base + q_start * stride_cs, COS + base + k_start * stride_cs,
+            SIN + base + k_start * stride_cs)
+
+
+@triton.jit
 def _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     """First row and length of sequence b's queries and keys: b's slice of the packed rows when VARLEN."""
     q_start = tl.full([], 0, tl.int64)  # 64-bit: start * stride can pass 2^31 in a long packed batch
@@ -319,10 +327,7 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
     k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
     v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True)
-    cos_q = COS + b64 * stride_cb + q_start * stride_cs
-    sin_q = SIN + b64 * stride_cb + q_start * stride_cs
-    cos_k = COS + b64 * stride_cb + k_start * stride_cs
-    sin_k = SIN + b64 * stride_cb + k_start * stride_cs
+    cos_q, sin_q, cos_k, sin_k = _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start)
     if ROPE:
         q = _rope(q, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, False)
 
@@ -445,10 +450,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    start_m, stride_qs, seqlen_q, offs_m0, True)
     do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM,
                           BLOCK_M), start_m, stride_dos, seqlen_q, offs_m0, True)
-    cos_q = COS + b64 * stride_cb + q_start * stride_cs
-    sin_q = SIN + b64 * stride_cb + q_start * stride_cs
-    cos_k = COS + b64 * stride_cb + k_start * stride_cs
-    sin_k = SIN + b64 * stride_cb + k_start * stride_cs
+    cos_q, sin_q, cos_k, sin_k = _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start)
     if ROPE:
         q = _rope(q, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, False)
     row_ok = offs_m < seqlen_q
@@ -550,10 +552,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    start_n, stride_ks, seqlen_k, offs_n0, True)
     v = _load_rows(_rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N),
                    start_n, stride_vs, seqlen_k, offs_n0, True)
-    cos_q = COS + b64 * stride_cb + q_start * stride_cs
-    sin_q = SIN + b64 * stride_cb + q_start * stride_cs
-    cos_k = COS + b64 * stride_cb + k_start * stride_cs
-    sin_k = SIN + b64 * stride_cb + k_start * stride_cs
+    cos_q, sin_q, cos_k, sin_k = _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start)
     if ROPE:
         k = _rope(k, cos_k, sin_k, start_n, stride_cs, seqlen_k, offs_n0, rope_half, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
