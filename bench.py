@@ -2886,7 +2886,7 @@ def cmd_sass(argv):
         triton_kernels = [("fwd (Triton)", flash._attn_fwd, flash.FWD_CONFIGS[(d, 2)][0], {}),
                           ("dq (Triton)", flash._attn_bwd_dq, flash.DQ_CONFIGS[(d, 2)][0], {}),
                           ("dkdv (Triton)", flash._attn_bwd_dkdv, flash.DKDV_CONFIGS[(d, 2)][0],
-                           dict(GROUP=1, EVEN_Q=not args.varlen))]
+                           dict(GROUP=1, EVEN_Q=not args.varlen))] if (d, 2) in flash.FWD_CONFIGS else []
         for name, tuned, (m, n, w, s), extra in triton_kernels:
             fn = getattr(tuned, "fn", tuned)  # the JITFunction under the autotuner
             cx = dict(common, BLOCK_M=m, BLOCK_N=n, **extra)
@@ -2897,30 +2897,36 @@ def cmd_sass(argv):
                      if sig[a].startswith("*") or (sig[a] == "i32" and a not in skip)}
             rows.append([d, name, str((m, n, w, s))] + sass_stats(fn, sig, cx, {"num_warps": w, "num_stages": s},
                                                                  attrs=attrs))
-        if flash.gluon is not None and d in flash.GLUON_FWD_CONFIGS:
+        tiles = flash._gluon_head_tiles(d) if flash.gluon is not None else None
+        if tiles is not None:
             gl = flash.gl
-            m, n, stages = flash.GLUON_FWD_CONFIGS[d]
-            q_block, kv_block = ([m, 1, d], [n, 1, d]) if args.varlen else ([1, 1, m, d], [1, 1, n, d])
-            desc = lambda block: (f"tensordesc<bf16{block},"
-                                  f"{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>")
-            cx = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full, VARLEN=args.varlen,
-                      HEAD_MAJOR=flash.GLUON_HEAD_MAJOR, PINGPONG=flash.GLUON_PINGPONG)
+            main, tail = tiles
+
+            def desc(rows, cols, dtype="bf16"):  # the type of a descriptor of (rows x cols) tiles
+                block = [rows, 1, cols] if args.varlen else [1, 1, rows, cols]
+                layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32 if dtype == "fp32" else gl.bfloat16)
+                return f"tensordesc<{dtype}{block},{layout!r}>"
+
+            m, n, stages = flash.GLUON_FWD_CONFIGS[main + tail]
+            cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full,
+                      VARLEN=args.varlen, HEAD_MAJOR=flash.GLUON_HEAD_MAJOR, PINGPONG=flash.GLUON_PINGPONG)
+            types = {"q_desc": desc(m, main), "k_desc": desc(n, main), "v_desc": desc(n, main),  # tails: the
+                     "qt_desc": desc(m, tail or main), "kt_desc": desc(n, tail or main),  # main ones again where
+                     "vt_desc": desc(n, tail or main), **SASS_TYPES}  # there is no tail
             fn = flash._gl_attn_fwd
-            sig = {a: "constexpr" if a in cx else {"q_desc": desc(q_block), "k_desc": desc(kv_block),
-                                                     "v_desc": desc(kv_block), **SASS_TYPES}.get(a, "i32")
-                   for a in fn.arg_names}
+            sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
             rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
                 fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
-            m, n, stages, split = flash.GLUON_BWD_CONFIGS[d]
-            q_block, kv_block = ([m, 1, d], [n, 1, d]) if args.varlen else ([1, 1, m, d], [1, 1, n, d])
-            dq_block = q_block[:-1] + [d // split]
-            dq_desc = f"tensordesc<fp32{dq_block},{gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32)!r}>"
-            cx = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full, VARLEN=args.varlen)
+            m, n, stages, split = flash.GLUON_BWD_CONFIGS[main + tail]
+            cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full,
+                      VARLEN=args.varlen)
+            types = {"q_desc": desc(m, main), "do_desc": desc(m, main), "k_desc": desc(n, main),
+                     "v_desc": desc(n, main), "dq_desc": desc(m, main // split, "fp32"),
+                     "qt_desc": desc(m, tail or main), "dot_desc": desc(m, tail or main),
+                     "kt_desc": desc(n, tail or main), "vt_desc": desc(n, tail or main),
+                     "dqt_desc": desc(m, tail or main // split, "fp32"), **SASS_TYPES}
             fn = flash._gl_attn_bwd
-            sig = {a: "constexpr" if a in cx else {"q_desc": desc(q_block), "do_desc": desc(q_block),
-                                                     "k_desc": desc(kv_block), "v_desc": desc(kv_block),
-                                                     "dq_desc": dq_desc, **SASS_TYPES}.get(a, "i32")
-                   for a in fn.arg_names}
+            sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
             rows.append([d, "bwd (Gluon, sm90)", str((m, 2 * n, 10, stages))] + sass_stats(
                 fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
     print(markdown_table(["D", "kernel", "config (M, N, warps, stages)", "registers", "stack bytes", "spill loads",

@@ -357,10 +357,12 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
 @triton.jit(do_not_specialize=["seqlen_q", "stride_lb", "stride_lh"])
 def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_dob, stride_doh,
                     stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh, seqlen_q, num_heads, head_dim,
-                    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr, BLOCK_M: tl.constexpr):
+                    dq_cols, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
     """Backward pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns of O and dO (HEAD_DIM, a power
     of two, is the tile width), one program per (BLOCK_M rows, batch x head); with ZERO_DQ it also zeroes the same
-    rows (all HEAD_DIM columns) of DQ, the fp32 buffer the Gluon backward adds dQ into (one launch fewer)."""
+    rows (the first dq_cols <= HEAD_DIM columns) of DQ, the fp32 buffer the Gluon backward adds dQ into (one launch
+    fewer)."""
     pid_bh = tl.program_id(0)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
@@ -380,8 +382,9 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < seqlen_q)
     if ZERO_DQ:
-        _store_rows(_rows(DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs, stride_dqs, HEAD_DIM, BLOCK_M),
-                    start_m, stride_dqs, seqlen_q, offs_m0, tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32))
+        tl.store(DQ + b64 * stride_dqb + h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqs + offs_d[None, :],
+                 tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32),
+                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < dq_cols))
 
 
 @triton.jit
@@ -734,7 +737,7 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
         op, dop, delta, delta, cu_q, **_strides("o", op, varlen), **_strides("do", dop, varlen),
         stride_dqb=0, stride_dqh=0, stride_dqs=0, **lse_strides, seqlen_q=seqlen_q, num_heads=heads, head_dim=d_pad,
-        HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=False, BLOCK_M=64)
+        dq_cols=0, HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=False, BLOCK_M=64)
     scale = 1.0 / math.sqrt(d)
     common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
                   SEQ_BUCKET=max(16, triton.next_power_of_2(max(seqlen_q, seqlen_k))), **_rope_kwargs(cos, sin, lse),
@@ -767,8 +770,9 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 #    matmul is in flight; P stays in registers as the A operand of the wgmma. Backward (below the forward): the
 #    same roles turned around, a CTA per key tile, the query tiles streamed, dQ added up with TMA reduce-adds.
 #    Producer warps get 24 registers, consumers 240. Same tensors in and out as the Triton kernels (O and the
-#    fp32 logsumexp L; dQ, dK, dV). Used on sm90 for bf16/fp16 with D up to 128 in tiles 64 or 128 wide (TMA reads
-#    zeros past a smaller D, e.g. 80, and the stores are masked; section 4 decides);
+#    fp32 logsumexp L; dQ, dK, dV). Used on sm90 for bf16/fp16 with D from 33 to 128 in tiles 64 or 128 wide, D
+#    from 65 to 96 as 64 plus a tail tile of 16 or 32 columns with matmuls of its own (80 = 64 + 16: the 2.7B
+#    model's head dim), TMA reading zeros past D and the stores masked (_gluon_head_tiles; section 4 decides);
 #    FLASH_BACKEND=triton forces the Triton kernels, FLASH_BACKEND=gluon insists on these.
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -793,10 +797,11 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernels serve everything
     gluon = None
 
-# head dim -> (BLOCK_M per warpgroup, BLOCK_N, K/V stages): three stages beat two by 1-6% at D=128 (224 of the
-# 227 KiB shared memory); tiles of one head in a row (HEAD_MAJOR) gain 6-10% from L2; the ping-pong turns move
-# within +-2% (+1.9% at the 8B model's S=32768). Measured on the H200 (BENCHMARKS.md, What we tried).
-GLUON_FWD_CONFIGS = {64: (64, 128, 3), 128: (64, 128, 3)}
+# tile width along the head dim (main + tail) -> (BLOCK_M per warpgroup, BLOCK_N, K/V stages): three stages beat
+# two by 1-6% at D=128 (224 of the 227 KiB shared memory), four at D=80 gain nothing; tiles of one head in a row
+# (HEAD_MAJOR) gain 6-10% from L2; the ping-pong turns move within +-2% (+1.9% at the 8B model's S=32768). Measured
+# on the H200 (BENCHMARKS.md, What we tried).
+GLUON_FWD_CONFIGS = {64: (64, 128, 3), 80: (64, 128, 3), 96: (64, 128, 3), 128: (64, 128, 3)}
 GLUON_HEAD_MAJOR = True
 # The forward's grid: 0 = one CTA per work item; k > 0 = persistent, k CTAs per SM, CTA p taking items p, p + G,
 # ... Measured on the H200 (CUDA-graph GPU times, causal bf16): persistent at 1 CTA per SM went from 1.06x to 0.77x
@@ -808,8 +813,9 @@ GLUON_FWD_PERSISTENT = int(os.environ.get("FLASH_FWD_PERSISTENT", "0"))
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
 # warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward. D=128:
 # the split (with two dQ buffers per warpgroup) took the backward from 368 to 527 TFLOP/s at S=16384, and smem is full
-# (226 KiB) at two stages; D=64: three stages beat two by 1-3%, the split does not pay. Measured on the H200.
-GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1), 128: (64, 64, 2, 2)}
+# (226 KiB) at two stages; D=64: three stages beat two by 1-3%, the split does not pay (measured on the H200). 80
+# and 96 (64 + a tail, no split): shared memory holds three stages at 80 (213 KiB), two at 96 (225 KiB).
+GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1), 80: (64, 64, 3, 1), 96: (64, 64, 2, 1), 128: (64, 64, 2, 2)}
 GLUON_PINGPONG = True
 
 if gluon is not None:
@@ -830,26 +836,50 @@ if gluon is not None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _gl_fwd_tile(t, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, BLOCK_M: gl.constexpr,
+    def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
+        """Packed batches, one program (or work item) per slot g of a tile of TILE rows: document b owns the slots
+        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), at least as many as its tiles, so total // TILE + n_docs
+        slots hold every tile of every document and only a few (at most two a document) are left empty, where a
+        grid of max_seqlen / TILE tiles per document is mostly empty when lengths differ (measured: 12,000 empty
+        CTAs were two thirds of a 0.28 ms forward). Returns (b, its first row, its length, the tile of b at slot g;
+        past b's tiles where the slot is empty). b is found by counting the documents whose first slot is <= g,
+        CHUNK of them at a time."""
+        CHUNK: gl.constexpr = 256
+        WARPS: gl.constexpr = gl.num_warps()
+        offs = gl.arange(0, CHUNK, layout=gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0]))
+        count = gl.to_tensor(0)
+        for c in range(0, n_docs, CHUNK):
+            d = c + offs
+            first = gl.load(cu_seqlens + d, mask=d < n_docs, other=0) // TILE + d
+            count += gl.sum(((first <= g) & (d < n_docs)).to(gl.int32), 0)
+        b = count - 1  # (document 0's first slot is 0 <= g)
+        start = gl.load(cu_seqlens + b)
+        length = gl.load(cu_seqlens + b + 1) - start
+        return b, start, length, g - (start // TILE + b)
+
+    @gluon.jit
+    def _gl_fwd_tile(t, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr):
         """Work item t (2 x BLOCK_M query rows of one batch x head) -> (b, h, q_start, seqlen_q, seqlen_k, start_m,
         n_tiles, n_full): key tiles to visit, and how many of them need no compare. HEAD_MAJOR: consecutive items
         are the query tiles of one head (longest first), so the CTAs working at once share that head's K and V in
-        L2; else one tile of every head, longest first over all. Packed: one document's rows (its keys are its
-        own, cu_seqlens_k = cu_seqlens_q); items past a document's end have start_m >= seqlen_q."""
+        L2; else one tile of every head, longest first over all. Packed: m_tiles slots per head (_gl_doc_slot), the
+        documents from the last, each one's query tiles longest first; one document's rows, its keys its own
+        (cu_seqlens_k = cu_seqlens_q). Empty items (past a document's tiles) have start_m >= seqlen_q."""
         if HEAD_MAJOR:
             bh = t // m_tiles
             pid_m = m_tiles - 1 - t % m_tiles
         else:
             bh = t % n_bh
             pid_m = m_tiles - 1 - t // n_bh
-        b = bh // num_heads
-        h = bh % num_heads
         q_start = 0
-        if VARLEN:
-            q_start = gl.load(cu_seqlens_q + b)
-            seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
+        if VARLEN:  # bh is the head, pid_m a slot
+            h = bh
+            b, q_start, seqlen_q, pid_m = _gl_doc_slot(cu_seqlens_q, n_docs, pid_m, 2 * BLOCK_M)
             seqlen_k = seqlen_q
+        else:
+            b = bh // num_heads
+            h = bh % num_heads
         start_m = pid_m * 2 * BLOCK_M
         if CAUSAL:
             hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M)
@@ -860,18 +890,20 @@ if gluon is not None:
         return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, BLOCK_N), n_full
 
     @gluon.jit
-    def _gl_fwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
-                         stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
-                         n_items, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+    def _gl_fwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem,
+                         qt_smem, kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
+                         cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
+                         seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM: gl.constexpr,
+                         TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                         VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
         """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The
         ring position (it) and the turn count (w) run on across items, so the producer fills the next item's slots
         while this one's last matmul and its output store finish. PINGPONG: the two warpgroups take turns issuing
         their matmuls (turn barriers), so one's softmax always runs under the other's matmuls; warpgroup 0 goes
-        first (its barrier starts as if released)."""
+        first (its barrier starts as if released). TAIL > 0: the head dim is HEAD_DIM + TAIL columns, the last TAIL
+        in tiles of their own (qt, kt, vt; O's columns in a second accumulator), one more matmul each for S and O."""
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        N_PV: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one P V product
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -880,13 +912,19 @@ if gluon is not None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         q = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
+        if TAIL > 0:
+            ot_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, TAIL, 16])
+            pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ot_layout, k_width=2)
+            row_ot: gl.constexpr = gl.SliceLayout(1, ot_layout)
+            qt = qt_smem.index(WG).reshape([BLOCK_M, TAIL])
         it = 0  # K/V tiles consumed so far (the ring position)
         w = 0  # turns taken so far
         n_done = 0  # work items done so far (the phase of q_bar)
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = _gl_fwd_tile(
-                item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
-                HEAD_MAJOR)
+                item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
+                VARLEN, HEAD_MAJOR)
             if start_m < seqlen_q_b:
                 rows0 = start_m + WG * BLOCK_M
                 offs_m = rows0 + gl.arange(0, BLOCK_M, layout=row_s)
@@ -894,6 +932,8 @@ if gluon is not None:
                 m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
                 l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
                 acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+                if TAIL > 0:
+                    acc_t = gl.zeros([BLOCK_M, TAIL], gl.float32, layout=ot_layout)
                 s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
                 mbarrier.wait(q_bar.index(WG), n_done & 1)
 
@@ -903,6 +943,9 @@ if gluon is not None:
                 if PINGPONG:
                     mbarrier.wait(turn.index(WG), (w & 1) ^ 1 ^ WG)
                 s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+                if TAIL > 0:
+                    s = warpgroup_mma(qt, kt_smem.index(slot).reshape([BLOCK_N, TAIL]).permute((1, 0)), s,
+                                      is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - WG), count=1)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -910,6 +953,8 @@ if gluon is not None:
                 p, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, 0, offs_m, offs_n, seqlen_k_b, qk_scale, n_full == 0,
                                                  CAUSAL)
                 p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                if TAIL > 0:
+                    p_t = gl.convert_layout(p, pt_layout)
                 for j in range(1, n_tiles):
                     slot = (it + j) % NUM_STAGES
                     prev = (it + j - 1) % NUM_STAGES
@@ -920,17 +965,29 @@ if gluon is not None:
                     if PINGPONG:
                         mbarrier.wait(turn.index(WG), ((w + j) & 1) ^ 1 ^ WG)
                     s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)  # S_j = Q K_j^T
+                    if TAIL > 0:
+                        s = warpgroup_mma(qt, kt_smem.index(slot).reshape([BLOCK_N, TAIL]).permute((1, 0)), s,
+                                          is_async=True)
                     acc = warpgroup_mma(p, v, acc, is_async=True)                            # O += P_(j-1) V_(j-1)
+                    if TAIL > 0:
+                        acc_t = warpgroup_mma(p_t, vt_smem.index(prev).reshape([BLOCK_N, TAIL]), acc_t,
+                                              is_async=True)
                     if PINGPONG:
                         mbarrier.arrive(turn.index(1 - WG), count=1)
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))                      # S_j ready; PV runs on
+                    s = warpgroup_mma_wait(num_outstanding=N_PV, deps=(s,))                   # S_j ready; PV runs on
                     mbarrier.arrive(k_empty.index(slot), count=1)
                     p_next, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, j * BLOCK_N, offs_m, offs_n, seqlen_k_b,
                                                           qk_scale, j >= n_full, CAUSAL)
-                    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+                    if TAIL > 0:
+                        acc, acc_t, p, p_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t, p, p_t))
+                        acc_t = acc_t * gl.convert_layout(alpha, row_ot)[:, None]
+                    else:
+                        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     p = gl.convert_layout(p_next.to(q_smem.dtype), p_layout)
+                    if TAIL > 0:
+                        p_t = gl.convert_layout(p, pt_layout)
                 mbarrier.arrive(q_empty.index(WG), count=1)  # every S of this item is made: Q's slot is free
                 last = (it + n_tiles - 1) % NUM_STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NUM_STAGES) & 1)
@@ -938,9 +995,14 @@ if gluon is not None:
                 if PINGPONG:
                     mbarrier.wait(turn.index(WG), ((w + n_tiles) & 1) ^ 1 ^ WG)
                 acc = warpgroup_mma(p, v, acc, is_async=True)
+                if TAIL > 0:
+                    acc_t = warpgroup_mma(p_t, vt_smem.index(last).reshape([BLOCK_N, TAIL]), acc_t, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - WG), count=1)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if TAIL > 0:
+                    acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(last), count=1)
 
                 l_safe = gl.where(l_i == 0.0, 1.0, l_i)
@@ -950,6 +1012,13 @@ if gluon is not None:
                 o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_os
                 gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :],
                          out.to(O.dtype.element_ty), mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < head_dim))
+                if TAIL > 0:
+                    rows = rows0 + gl.arange(0, BLOCK_M, layout=row_ot)
+                    cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ot_layout))
+                    out = acc_t / gl.convert_layout(l_safe, row_ot)[:, None]
+                    gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :],
+                             out.to(O.dtype.element_ty),
+                             mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < head_dim))
                 l_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
                 gl.store(LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
                          mask=offs_m < seqlen_q_b)
@@ -960,22 +1029,46 @@ if gluon is not None:
     # Worker partition entry points: worker partitions must share one signature, so both take every argument (the
     # default partition, consumer warpgroup 0, calls _gl_fwd_consumer directly).
     @gluon.jit
-    def _gl_fwd_wg1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items, qk_scale,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
-        _gl_fwd_consumer(1, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                         head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items, qk_scale, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)
+    def _gl_fwd_wg1(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
+                    vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, cu_seqlens_q,
+                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads,
+                    group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                    HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
+        _gl_fwd_consumer(1, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem,
+                         kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
+                         cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
+                         seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM, TAIL, BLOCK_M,
+                         BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)
 
     @gluon.jit
-    def _gl_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                       head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items, qk_scale,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                       VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
+    def _gl_load_tile(desc, tail_desc, bar, dst, tail_dst, b, h, row, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
+                      VARLEN: gl.constexpr):
+        """TMA loads of one tile of rows [row, row + tile) of head h onto barrier bar (the caller has set its
+        expected bytes, _gl_tile_bytes): its first HEAD_DIM columns into dst and, TAIL > 0, the next TAIL into
+        tail_dst. Packed descriptors are (total, H, D) with row counted from the start of the batch; dense ones
+        (B, H, S, D) with row inside sequence b."""
+        if VARLEN:
+            _tma_load(desc, [row, h, 0], bar, dst)
+            if TAIL > 0:
+                _tma_load(tail_desc, [row, h, HEAD_DIM], bar, tail_dst)
+        else:
+            _tma_load(desc, [b, h, row, 0], bar, dst)
+            if TAIL > 0:
+                _tma_load(tail_desc, [b, h, row, HEAD_DIM], bar, tail_dst)
+
+    @gluon.constexpr_function
+    def _gl_tile_bytes(desc, tail_desc, TAIL):
+        """The bytes of one tile loaded by _gl_load_tile."""
+        return desc.block_type.nbytes + (tail_desc.block_type.nbytes if TAIL > 0 else 0)
+
+    @gluon.jit
+    def _gl_fwd_loader(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
+                       vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, cu_seqlens_q,
+                       stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads,
+                       group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                       HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
         """The producer warp, over the CTA's work items: both halves of Q once each warpgroup has released the
         previous item's, then K_j and V_j, each into a ring slot once both consumers have released it (the empty
         barriers start as if their phase 1 had completed)."""
@@ -984,48 +1077,50 @@ if gluon is not None:
         n_done = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = _gl_fwd_tile(
-                item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
-                HEAD_MAJOR)
+                item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
+                VARLEN, HEAD_MAJOR)
             if start_m < seqlen_q_b:
                 kv_h = h // group
                 for wg in gl.static_range(2):
                     mbarrier.wait(q_empty.index(wg), (n_done & 1) ^ 1)
-                    mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-                    if VARLEN:  # packed (total, H, D) descriptors; dense ones are (B, H, S, D)
-                        _tma_load(q_desc, [q_start + start_m + wg * BLOCK_M, h, 0], q_bar.index(wg),
-                                  q_smem.index(wg))
-                    else:
-                        _tma_load(q_desc, [b, h, start_m + wg * BLOCK_M, 0], q_bar.index(wg), q_smem.index(wg))
+                    mbarrier.expect(q_bar.index(wg), _gl_tile_bytes(q_desc, qt_desc, TAIL))
+                    _gl_load_tile(q_desc, qt_desc, q_bar.index(wg), q_smem.index(wg), qt_smem.index(wg),
+                                  b, h, q_start + start_m + wg * BLOCK_M, HEAD_DIM, TAIL, VARLEN)
                 for j in range(n_tiles):
                     slot = (it + j) % NUM_STAGES
                     phase = ((it + j) // NUM_STAGES) & 1
                     row = q_start + j * BLOCK_N
                     mbarrier.wait(k_empty.index(slot), phase ^ 1)
-                    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                    if VARLEN:
-                        _tma_load(k_desc, [row, kv_h, 0], k_ready.index(slot), k_smem.index(slot))
-                    else:
-                        _tma_load(k_desc, [b, kv_h, row, 0], k_ready.index(slot), k_smem.index(slot))
+                    mbarrier.expect(k_ready.index(slot), _gl_tile_bytes(k_desc, kt_desc, TAIL))
+                    _gl_load_tile(k_desc, kt_desc, k_ready.index(slot), k_smem.index(slot), kt_smem.index(slot),
+                                  b, kv_h, row, HEAD_DIM, TAIL, VARLEN)
                     mbarrier.wait(v_empty.index(slot), phase ^ 1)
-                    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                    if VARLEN:
-                        _tma_load(v_desc, [row, kv_h, 0], v_ready.index(slot), v_smem.index(slot))
-                    else:
-                        _tma_load(v_desc, [b, kv_h, row, 0], v_ready.index(slot), v_smem.index(slot))
+                    mbarrier.expect(v_ready.index(slot), _gl_tile_bytes(v_desc, vt_desc, TAIL))
+                    _gl_load_tile(v_desc, vt_desc, v_ready.index(slot), v_smem.index(slot), vt_smem.index(slot),
+                                  b, kv_h, row, HEAD_DIM, TAIL, VARLEN)
                 it += n_tiles
                 n_done += 1
 
     @gluon.jit
-    def _gl_attn_fwd(q_desc, k_desc, v_desc, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
-                     stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items, qk_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
+    def _gl_attn_fwd(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, O, LSE, cu_seqlens_q, stride_ob, stride_oh,
+                     stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
+                     n_docs, n_items, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                     HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
         """Work items of 2 x BLOCK_M query rows of one batch x head (_gl_fwd_tile), n_items = m_tiles * n_bh of
         them, CTA p taking items p, p + G, p + 2G, ... for a grid of G: one CTA per item (G = n_items) or a
         persistent grid, where the producer loads the next item's tiles while the consumers finish the last."""
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        if TAIL > 0:  # the last TAIL columns of the head dim (else the tail descriptors and tiles are never used)
+            qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [2] + qt_desc.block_type.shape, qt_desc.layout)
+            kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [NUM_STAGES] + kt_desc.block_type.shape,
+                                                kt_desc.layout)
+            vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [NUM_STAGES] + vt_desc.block_type.shape,
+                                                vt_desc.layout)
+        else:
+            qt_smem, kt_smem, vt_smem = q_smem, k_smem, v_smem
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -1044,19 +1139,21 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=2)
         # (the worker tuples are written out in full: a tuple held in a variable loses its constexprs)
         gl.warp_specialize([
-            (_gl_fwd_consumer, (0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                v_ready, v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
-                                stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
-                                n_items, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR,
-                                PINGPONG)),
-            (_gl_fwd_wg1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                           v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
-                           stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_items,
-                           qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
-            (_gl_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                              v_ready, v_empty, turn, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
-                              stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
-                              n_items, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
+            (_gl_fwd_consumer, (0, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem,
+                                kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
+                                cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
+                                seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM, TAIL,
+                                BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
+            (_gl_fwd_wg1, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
+                           vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, cu_seqlens_q,
+                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k,
+                           num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM, TAIL, BLOCK_M,
+                           BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
+            (_gl_fwd_loader, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem,
+                              kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
+                              cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
+                              seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM, TAIL,
+                              BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
         ], [4, 1], [240, 24])
 
     # The backward: one CTA per 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them
@@ -1070,14 +1167,16 @@ if gluon is not None:
     # columns (each multiplies both dS tiles by its half of both K tiles), which halves the fp32 traffic and the
     # registers; at D=64 each adds its own keys' share of all columns.
     @gluon.jit
-    def _gl_bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-                         kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n,
-                         m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
-                         stride_dvs, qk_scale, sm_scale, head_dim, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _gl_bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem,
+                         kt_smem, vt_smem, dqt_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full,
+                         dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k,
+                         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, qk_scale, sm_scale,
+                         head_dim, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
         DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
-        SPLIT: gl.constexpr = DQ_COLS < HEAD_DIM
+        SPLIT: gl.constexpr = DQ_COLS < HEAD_DIM  # (never with a tail: the configs say so)
+        N_MM: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one product over the head dim
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1094,6 +1193,14 @@ if gluon is not None:
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
         v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        if TAIL > 0:  # the head dim's last TAIL columns: tiles, accumulators and dQ shares of their own
+            tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                  instr_shape=[16, TAIL, 16])
+            op_t_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=tail_layout, k_width=2)
+            dk_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
+            dv_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
+            kt = kt_smem.index(WG).reshape([BLOCK_N, TAIL])
+            vt = vt_smem.index(WG).reshape([BLOCK_N, TAIL])
         key_ragged = key_lo + BLOCK_N > seqlen_k
         mbarrier.wait(kv_bar.index(WG), 0)
         for t in range(group * n_iter):
@@ -1106,8 +1213,14 @@ if gluon is not None:
             do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
             zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)  # (not loop-carried: registers)
             st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # S^T = K Q^T
+            if TAIL > 0:
+                qt = qt_smem.index(slot).reshape([BLOCK_M, TAIL])
+                dot = dot_smem.index(slot).reshape([BLOCK_M, TAIL])
+                st = warpgroup_mma(kt, qt.permute((1, 0)), st, is_async=True)
             dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # dP^T = V dO^T
-            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+            if TAIL > 0:
+                dpt = warpgroup_mma(vt, dot.permute((1, 0)), dpt, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=N_MM, deps=(st,))
             pt = gl.exp2(st * qk_scale - lse_smem.index(slot).load(col_st)[None, :])
             masked = key_ragged | (start_m + BLOCK_M > seqlen_q)
             if CAUSAL:
@@ -1119,7 +1232,10 @@ if gluon is not None:
                 pt = gl.where(keep, pt, 0.0)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do, dv, is_async=True)                                 # dV += P^T dO
-            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+            if TAIL > 0:
+                pt_op_t = gl.convert_layout(pt_op, op_t_layout)
+                dv_t = warpgroup_mma(pt_op_t, dot, dv_t, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=N_MM, deps=(dpt,))
             dst = (pt * (dpt - delta_smem.index(slot).load(col_st)[None, :])).to(dtype)
             ds_smem.index(2 * buf + WG).store(dst)
             fence_async_shared()
@@ -1127,6 +1243,9 @@ if gluon is not None:
                 mbarrier.arrive(ds_ready.index(buf), count=1)
             dst_op = gl.convert_layout(dst, op_layout)
             dk = warpgroup_mma(dst_op, q, dk, is_async=True)                                 # dK += dS^T Q
+            if TAIL > 0:
+                dst_op_t = gl.convert_layout(dst_op, op_t_layout)
+                dk_t = warpgroup_mma(dst_op_t, qt, dk_t, is_async=True)
             dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
             if SPLIT:  # this warpgroup's columns of dQ_i, over both warpgroups' keys
                 mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
@@ -1136,10 +1255,19 @@ if gluon is not None:
                                        is_async=True)                                       # dQ = dS K
             else:
                 dq = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), k, dq, use_acc=False, is_async=True)
-            dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op))
+            if TAIL > 0:
+                dq_t = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), kt,
+                                     gl.zeros([BLOCK_M, TAIL], gl.float32, layout=tail_layout), use_acc=False,
+                                     is_async=True)
+                dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t = warpgroup_mma_wait(
+                    num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t))
+            else:
+                dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(slot), count=1)
             mbarrier.wait(dq_empty.index(2 * buf + WG), ((t // 2) & 1) ^ 1)  # the dQ warp is done with it
             dq_smem.index(2 * buf + WG).reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
+            if TAIL > 0:
+                dqt_smem.index(2 * buf + WG).reshape([BLOCK_M, TAIL]).store(dq_t * sm_scale)
             fence_async_shared()  # the TMA unit (async proxy) reads what these threads wrote
             mbarrier.arrive(dq_full.index(2 * buf + WG), count=1)
         k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
@@ -1150,28 +1278,40 @@ if gluon is not None:
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
         gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
                  dv.to(DV.dtype.element_ty), mask=keep)
+        if TAIL > 0:
+            k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, tail_layout))
+            row_off = (q_start + k_rows[:, None]).to(gl.int64)
+            cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, tail_layout))
+            keep = (k_rows[:, None] < seqlen_k) & (cols[None, :] < head_dim)
+            gl.store(DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + row_off * stride_dks + cols[None, :],
+                     (dk_t * sm_scale).to(DK.dtype.element_ty), mask=keep)
+            gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
+                     dv_t.to(DV.dtype.element_ty), mask=keep)
 
     # Worker partition entry points (one signature for all, as warp_specialize needs; the default partition,
     # consumer warpgroup 0, calls _gl_bwd_consumer directly).
     @gluon.jit
-    def _gl_bwd_wg1(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+    def _gl_bwd_wg1(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, q_smem,
+                    do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem,
                     lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
-                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    VARLEN: gl.constexpr):
-        _gl_bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready,
-                         empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter,
-                         seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-                         qk_scale, sm_scale, head_dim, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
+                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
+                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
+                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+        _gl_bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
+                         dqt_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, b,
+                         hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
+                         stride_dks, stride_dvb, stride_dvh, stride_dvs, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL,
+                         BLOCK_M, BLOCK_N, CAUSAL)
 
     @gluon.jit
-    def _gl_bwd_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+    def _gl_bwd_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
+                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem,
                     lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
-                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    VARLEN: gl.constexpr):
+                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
+                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
+                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
         """The producer warp: each warpgroup's K and V once, then Q_i and dO_i of every query tile of every head of
         the group into the ring with their rows of L (in base 2) and Delta, a slot at a time once both consumers
         have released it."""
@@ -1179,13 +1319,11 @@ if gluon is not None:
         offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
         for wg in gl.static_range(2):
             row = q_start + start_n + wg * BLOCK_N
-            mbarrier.expect(kv_bar.index(wg), 2 * k_desc.block_type.nbytes)
-            if VARLEN:
-                _tma_load(k_desc, [row, hk, 0], kv_bar.index(wg), k_smem.index(wg))
-                _tma_load(v_desc, [row, hk, 0], kv_bar.index(wg), v_smem.index(wg))
-            else:
-                _tma_load(k_desc, [b, hk, row, 0], kv_bar.index(wg), k_smem.index(wg))
-                _tma_load(v_desc, [b, hk, row, 0], kv_bar.index(wg), v_smem.index(wg))
+            mbarrier.expect(kv_bar.index(wg), 2 * _gl_tile_bytes(k_desc, kt_desc, TAIL))
+            _gl_load_tile(k_desc, kt_desc, kv_bar.index(wg), k_smem.index(wg), kt_smem.index(wg), b, hk, row,
+                          HEAD_DIM, TAIL, VARLEN)
+            _gl_load_tile(v_desc, vt_desc, kv_bar.index(wg), v_smem.index(wg), vt_smem.index(wg), b, hk, row,
+                          HEAD_DIM, TAIL, VARLEN)
         for t in range(group * n_iter):
             slot = t % NUM_STAGES
             h = hk * group + t // n_iter
@@ -1196,21 +1334,20 @@ if gluon is not None:
             lse_smem.index(slot).store(gl.load(LSE + l_off, mask=rows < seqlen_q, other=0.0) * 1.4426950408889634)
             delta_smem.index(slot).store(gl.load(DELTA + l_off, mask=rows < seqlen_q, other=0.0))
             # (the expect is this warp's arrival: it releases the two stores above with the TMA bytes)
-            mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            if VARLEN:
-                _tma_load(q_desc, [q_start + start_m, h, 0], ready.index(slot), q_smem.index(slot))
-                _tma_load(do_desc, [q_start + start_m, h, 0], ready.index(slot), do_smem.index(slot))
-            else:
-                _tma_load(q_desc, [b, h, start_m, 0], ready.index(slot), q_smem.index(slot))
-                _tma_load(do_desc, [b, h, start_m, 0], ready.index(slot), do_smem.index(slot))
+            mbarrier.expect(ready.index(slot), 2 * _gl_tile_bytes(q_desc, qt_desc, TAIL))
+            _gl_load_tile(q_desc, qt_desc, ready.index(slot), q_smem.index(slot), qt_smem.index(slot), b, h,
+                          q_start + start_m, HEAD_DIM, TAIL, VARLEN)
+            _gl_load_tile(do_desc, dot_desc, ready.index(slot), do_smem.index(slot), dot_smem.index(slot), b, h,
+                          q_start + start_m, HEAD_DIM, TAIL, VARLEN)
 
     @gluon.jit
-    def _gl_bwd_dq_writer(q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+    def _gl_bwd_dq_writer(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
+                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem,
                     lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
-                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                    stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    VARLEN: gl.constexpr):
+                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
+                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
+                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
         """The dQ warp: each warpgroup's dQ share from shared memory added to the fp32 dQ buffer with a TMA bulk
         reduce-add; a buffer is given back once its reduce has read it, one query tile later."""
         DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
@@ -1223,23 +1360,29 @@ if gluon is not None:
                 mbarrier.wait(dq_full.index(2 * buf + wg), (t // 2) & 1)
                 if VARLEN:
                     _tma_reduce_add(dq_desc, [q_start + start_m, h, col], dq_smem.index(2 * buf + wg))
+                    if TAIL > 0:
+                        _tma_reduce_add(dqt_desc, [q_start + start_m, h, HEAD_DIM], dqt_smem.index(2 * buf + wg))
                 else:
                     _tma_reduce_add(dq_desc, [b, h, start_m, col], dq_smem.index(2 * buf + wg))
+                    if TAIL > 0:
+                        _tma_reduce_add(dqt_desc, [b, h, start_m, HEAD_DIM], dqt_smem.index(2 * buf + wg))
             if t > 0:
-                tma.store_wait(2)  # the previous tile's two reduces have read their buffers
+                tma.store_wait(4 if TAIL > 0 else 2)  # the previous tile's reduces have read their buffers
                 mbarrier.arrive(dq_empty.index(2 * (1 - buf)), count=1)
                 mbarrier.arrive(dq_empty.index(2 * (1 - buf) + 1), count=1)
         tma.store_wait(0)
 
     @gluon.jit
-    def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb,
-                     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q,
-                     seqlen_k, num_kv_heads, group, qk_scale, sm_scale, head_dim, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     VARLEN: gl.constexpr):
+    def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, DK, DV,
+                     LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+                     stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group, qk_scale, sm_scale,
+                     head_dim, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
         """One program per (2 x BLOCK_N keys, batch x K/V head), the key tiles of one head in a row (they share its
         Q and dO in L2), the first (causal: the longest) first; packed: one document's keys (cu_seqlens_k =
-        cu_seqlens_q). dQ (fp32, zeroed by the caller) is added to."""
+        cu_seqlens_q), max_seqlen / (2 x BLOCK_N) programs per document, those past its end returning at once (the
+        forward's slots, _gl_doc_slot, made this backward 3% slower: a program of no keys costs little here, where
+        it allocates nothing). dQ (fp32, zeroed by the caller) is added to."""
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         b = pid_bh // num_kv_heads
@@ -1264,6 +1407,16 @@ if gluon is not None:
             ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_N, BLOCK_M],
                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype))
             dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
+            if TAIL > 0:  # the last TAIL columns of the head dim (else the tail descriptors and tiles are unused)
+                qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [NUM_STAGES] + qt_desc.block_type.shape,
+                                                    qt_desc.layout)
+                dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [NUM_STAGES] + dot_desc.block_type.shape,
+                                                     dot_desc.layout)
+                kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [2] + kt_desc.block_type.shape, kt_desc.layout)
+                vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [2] + vt_desc.block_type.shape, vt_desc.layout)
+                dqt_smem = gl.allocate_shared_memory(gl.float32, [4] + dqt_desc.block_type.shape, dqt_desc.layout)
+            else:
+                qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem = q_smem, do_smem, k_smem, v_smem, dq_smem
             lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
             delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
@@ -1285,29 +1438,46 @@ if gluon is not None:
                 mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             gl.warp_specialize([  # (the tuples written out: see the forward)
                 (_gl_bwd_consumer,
-                 (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, ready, empty,
-                  ds_ready, dq_full, dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q,
-                  seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, qk_scale,
-                  sm_scale, head_dim, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)),
+                 (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem,
+                  lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group,
+                  q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                  stride_dvh, stride_dvs, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL)),
                 (_gl_bwd_wg1,
-                 (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                  dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
-                  DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
+                 (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, q_smem,
+                  do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem, lse_smem,
+                  delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
+                  q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                  stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M,
+                  BLOCK_N, CAUSAL, VARLEN)),
                 (_gl_bwd_loader,
-                 (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                  dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
-                  DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
+                 (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, q_smem,
+                  do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem, lse_smem,
+                  delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
+                  q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                  stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M,
+                  BLOCK_N, CAUSAL, VARLEN)),
                 (_gl_bwd_dq_writer,
-                 (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                  dq_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE,
-                  DELTA, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                  stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)),
+                 (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, q_smem,
+                  do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem, lse_smem,
+                  delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
+                  q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                  stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M,
+                  BLOCK_N, CAUSAL, VARLEN)),
             ], [4, 1, 1], [240, 24, 24])
+
+
+def _gluon_head_tiles(d):
+    """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and tail 0, 16 or 32 more in
+    tiles of their own (80 = 64 + 16: 5/8 of the tensor-core work of a 128-wide tile), main + tail >= d (the
+    columns past d read as zeros and are never stored); None where the kernels do not apply."""
+    if 32 < d <= 64:
+        return 64, 0
+    if 64 < d <= 96:
+        return 64, 16 if d <= 80 else 32
+    if 96 < d <= 128:
+        return 128, 0
+    return None
+
 
 @functools.cache
 def _is_sm90(device_index):
@@ -1321,28 +1491,29 @@ def _tma_ready(x):
                                                                 for st in x.stride()[:-1])
 
 
-def _tma_operand(x, d_pad):
-    """x itself where TMA can read it (tiles d_pad wide past a smaller head dim read zeros there, so a head dim of
-    80 costs no padded copy), else a zero-padded contiguous copy."""
-    return x if _tma_ready(x) else _pad(x, d_pad).contiguous()
+def _tma_operand(x, width):
+    """x itself where TMA can read it (tiles reaching past its head dim read zeros there, so a head dim of 72
+    costs no padded copy), else a contiguous copy zero-padded to `width` columns."""
+    return x if _tma_ready(x) else _pad(x, width).contiguous()
 
 
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
-    """The Gluon kernels take sm90 bf16/fp16 inputs with D 64 or 128 (head dims 33 to 128 run in tiles of one of
-    them, as for the Triton kernels; the columns past D read as zeros and are never stored) and, when packed, keys
-    that share the queries' document boundaries. At D 64 or 128 the tensors (`more` are further ones, the
-    backward's dO and O) must be TMA-ready (_tma_ready); at other head dims those that are not are padded."""
+    """The Gluon kernels take sm90 bf16/fp16 inputs with D from 33 to 128 (in the tiles of _gluon_head_tiles) and,
+    when packed, keys that share the queries' document boundaries. At D 64 or 128 the tensors (`more` are further
+    ones, the backward's dO and O) must be TMA-ready (_tma_ready), as the Triton kernels read any strides there; at
+    other head dims, where the Triton kernels need padded copies, those that are not TMA-ready are copied."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    d_pad = _kernel_head_dim(q.shape[-1])
-    if d_pad not in GLUON_FWD_CONFIGS or not _is_sm90(q.device.index):
+    tiles = _gluon_head_tiles(q.shape[-1])
+    if tiles is None or not _is_sm90(q.device.index):
         return False
-    if BACKEND == "auto" and d_pad == 64 and (max_seqlen_q if cu_seqlens_q is not None else q.shape[2]) < 2048:
+    if BACKEND == "auto" and tiles == (64, 0) and \
+            (max_seqlen_q if cu_seqlens_q is not None else q.shape[2]) < 2048:
         return False  # measured: at D=64 below 2k tokens the Triton kernels are faster (1k: forward 256 vs 233
         # TFLOP/s, backward 248 vs 230)
     if cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q:
         return False
-    if d_pad == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
+    if _kernel_head_dim(q.shape[-1]) == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
         return False
     return cu_seqlens_q is not None or k.shape[2] > 0
 
@@ -1362,26 +1533,36 @@ def _descriptor(x, rows, varlen, cols):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), _smem_layout(block, x.dtype))
 
 
+def _head_descriptors(x, rows, varlen, main, tail):
+    """The descriptors of x's main tiles and of its tail tiles (the main ones again where there is no tail)."""
+    desc = _descriptor(x, rows, varlen, main)
+    return desc, _descriptor(x, rows, varlen, tail) if tail else desc
+
+
 def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     varlen = cu_seqlens_q is not None
-    d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
-    block_m, block_n, stages = GLUON_FWD_CONFIGS[d_pad]
+    d = q.shape[-1]
+    main, tail = _gluon_head_tiles(d)
+    block_m, block_n, stages = GLUON_FWD_CONFIGS[main + tail]
     batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                                  max_seqlen_q)
     o = _empty_out(q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
-    qp, kp, vp = (_tma_operand(x, d_pad) for x in (q, k, v))
-    m_tiles = triton.cdiv(seqlen_q, 2 * block_m)
-    n_items = m_tiles * batch * heads
+    qp, kp, vp = (_tma_operand(x, main + tail) for x in (q, k, v))
+    (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
+        _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
+    # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
+    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
+    n_bh = heads if varlen else batch * heads
+    n_items = m_tiles * n_bh
     grid = (min(n_items, GLUON_FWD_PERSISTENT * _sm_count(q.device.index)) if GLUON_FWD_PERSISTENT else n_items,)
-    _gl_attn_fwd[grid](_descriptor(qp, block_m, varlen, d_pad), _descriptor(kp, block_n, varlen, d_pad),
-                       _descriptor(vp, block_n, varlen, d_pad), o, lse, cu_seqlens_q if varlen else lse,
+    _gl_attn_fwd[grid](q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o, lse, cu_seqlens_q if varlen else lse,
                        **_strides("o", o, varlen), **lse_strides, head_dim=d,
                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
-                       m_tiles=m_tiles, n_bh=batch * heads, n_items=n_items,
-                       qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+                       m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items,
+                       qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n,
                        NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=GLUON_HEAD_MAJOR,
                        PINGPONG=GLUON_PINGPONG, num_warps=4, maxnreg=168)
     return o, lse
@@ -1391,31 +1572,35 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     """(dQ, dK, dV) with the Gluon backward: the Triton Delta pre-pass, then one kernel for all three; dQ is
     accumulated in fp32 and rounded once at the end."""
     varlen = cu_seqlens_q is not None
-    d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
-    block_m, block_n, stages, dq_split = GLUON_BWD_CONFIGS[d_pad]
+    d = q.shape[-1]
+    main, tail = _gluon_head_tiles(d)
+    block_m, block_n, stages, dq_split = GLUON_BWD_CONFIGS[main + tail]
     batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                          max_seqlen_q)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    dop, qp, kp, vp = (_tma_operand(x, d_pad) for x in (do, q, k, v))
+    dop, qp, kp, vp = (_tma_operand(x, main + tail) for x in (do, q, k, v))
     o = _unit_last(o)
     delta = torch.empty_like(lse)
-    # fp32, d_pad wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
-    dq_acc = torch.empty(q.shape[:-1] + (d_pad,), dtype=torch.float32, device=q.device)
+    # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
+    dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
     _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
         o, dop, delta, dq_acc, cu_seqlens_q if varlen else lse, **_strides("o", o, varlen),
         **_strides("do", dop, varlen), **_strides("dq", dq_acc, varlen), **lse_strides, seqlen_q=seqlen_q,
-        num_heads=heads, head_dim=d, HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=True, BLOCK_M=64)
+        num_heads=heads, head_dim=d, dq_cols=main + tail, HEAD_DIM=_kernel_head_dim(main + tail), VARLEN=varlen,
+        ZERO_DQ=True, BLOCK_M=64)
     scale = 1.0 / math.sqrt(d)
+    (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc), (dq_desc, dqt_desc) = (
+        _head_descriptors(x, rows, varlen, cols, tail) for x, rows, cols in (
+            (qp, block_m, main), (dop, block_m, main), (kp, block_n, main), (vp, block_n, main),
+            (dq_acc, block_m, main // dq_split)))
     grid = (triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads)
-    _gl_attn_bwd[grid](_descriptor(qp, block_m, varlen, d_pad), _descriptor(kp, block_n, varlen, d_pad),
-                       _descriptor(vp, block_n, varlen, d_pad), _descriptor(dop, block_m, varlen, d_pad),
-                       _descriptor(dq_acc, block_m, varlen, d_pad // dq_split), dk, dv, lse, delta,
-                       cu_seqlens_q if varlen else lse, **_strides("dk", dk, varlen),
+    _gl_attn_bwd[grid](q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
+                       dk, dv, lse, delta, cu_seqlens_q if varlen else lse, **_strides("dk", dk, varlen),
                        **_strides("dv", dv, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                        num_kv_heads=kv_heads, group=heads // kv_heads, qk_scale=LOG2E * scale, sm_scale=scale,
-                       head_dim=d, HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+                       head_dim=d, HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
                        CAUSAL=causal, VARLEN=varlen, num_warps=4, maxnreg=168)
     dq.copy_(dq_acc[..., :d])
     return dq, dk, dv
