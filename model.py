@@ -39,7 +39,8 @@ def auto_attn_impl(device_type, packed):
     """attn_impl for "auto": on CUDA, flash where it is measured at least as fast as sdpa in the model, else sdpa;
     naive elsewhere (the CPU reference). Measured on the H200 (BENCHMARKS.md): packed documents train 3.6x faster
     with flash_attn_varlen than padded batches (SDPA would need a dense block-diagonal mask); on dense batches the
-    GPT-2-small step is 0.97x sdpa with flash and the 2.7B step 0.93x, so dense batches take sdpa."""
+    GPT-2-small step is 0.97x sdpa with flash (without CUDA graphs) and the 2.7B step 1.01x, inside its step-to-step
+    spread, so dense batches take sdpa."""
     if device_type != "cuda":
         return "naive"
     return "flash" if packed else "sdpa"
