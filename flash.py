@@ -840,10 +840,10 @@ if gluon is not None:
         """Packed batches, one program (or work item) per slot g of a tile of TILE rows: document b owns the slots
         [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), at least as many as its tiles, so total // TILE + n_docs
         slots hold every tile of every document and only a few (at most two a document) are left empty, where a
-        grid of max_seqlen / TILE tiles per document is mostly empty when lengths differ (measured: 12,000 empty
-        CTAs were two thirds of a 0.28 ms forward). Returns (b, its first row, its length, the tile of b at slot g;
-        past b's tiles where the slot is empty). b is found by counting the documents whose first slot is <= g,
-        CHUNK of them at a time."""
+        grid of max_seqlen / TILE tiles per document is mostly empty when lengths differ (measured on the H200, D=128:
+        about 12 ns of the forward per empty item; 24 documents of up to 4096 tokens went from 0.425 to 0.326 ms).
+        Returns (b, its first row, its length, the tile of b at slot g; past b's tiles where the slot is empty). b is
+        found by counting the documents whose first slot is <= g, CHUNK of them at a time."""
         CHUNK: gl.constexpr = 256
         WARPS: gl.constexpr = gl.num_warps()
         offs = gl.arange(0, CHUNK, layout=gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0]))
