@@ -623,9 +623,9 @@ def _empty_out(x):
 
 
 def _kernel_head_dim(d):
-    """tl.dot needs at least 16 and tiles need powers of two: other head dims run in wider tiles whose extra columns
-    are zeros (which changes no score), e.g. 80 -> 128: padded copies for the Triton kernels, TMA's zero fill for
-    the Gluon ones."""
+    """The Triton kernels' tile width along the head dim: tl.dot needs at least 16 and tiles need powers of two,
+    so other head dims run in wider tiles of zero-padded copies (zeros change no score), e.g. 80 -> 128. The Gluon
+    kernels have tiles of their own (_gluon_head_tiles: 80 = 64 + 16)."""
     return max(16, triton.next_power_of_2(d))
 
 
