@@ -495,9 +495,33 @@ def model_dims(size, args):
     return dims
 
 
-def build_model(dims, vocab_size, context_length, attn, device):
+def build_model(dims, vocab_size, context_length, attn, device, **recompute):
+    """Our TransformerLM; recompute: its act_ckpt_every / act_ckpt_layers / selective_recompute."""
     return TransformerLM(vocab_size, context_length, dims["d_model"], dims["num_layers"], dims["num_heads"],
-                         dims["d_ff"], attn_impl=attn, device=device)
+                         dims["d_ff"], attn_impl=attn, device=device, **recompute)
+
+
+def add_recompute_args(p):
+    p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
+    p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
+    p.add_argument("--selective_recompute", action="store_true", help="the other blocks keep only their matmul "
+                   "and attention outputs and recompute the elementwise work (model.TransformerLM)")
+
+
+def recompute_label(args):
+    """What a row recomputes, in words: none, 'full 8/32' (blocks in segments), 'selective', or both."""
+    parts = []
+    if args.act_ckpt_every:
+        parts.append(f"full {'all' if args.act_ckpt_layers < 0 else args.act_ckpt_layers}"
+                     + (f" (segments of {args.act_ckpt_every})" if args.act_ckpt_every > 1 else ""))
+    if args.selective_recompute:
+        parts.append("selective")
+    return " + ".join(parts) or "none"
+
+
+def recompute_kwargs(args):
+    return dict(act_ckpt_every=args.act_ckpt_every, selective_recompute=args.selective_recompute,
+                act_ckpt_layers=None if args.act_ckpt_layers < 0 else args.act_ckpt_layers)
 
 
 def build_native(dims, vocab_size, context_length, device):
@@ -593,10 +617,11 @@ def row_cells(row):
 
 
 def print_model_rows(rows):
-    header = ["model", "size", "params", "ctx", "batch", "dtype", "compile", "attn", "mode", "ms/step",
+    header = ["model", "size", "params", "ctx", "batch", "dtype", "compile", "attn", "recompute", "mode", "ms/step",
               "first step ms", "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
     body = [[r.get("model", "ours"), r["size"], millions(r["params"]), r["context_length"], r["batch_size"],
-             r["dtype"], r["compile"], r["attn"], r["mode"]] + row_cells(r) for r in rows]
+             r["dtype"], r["compile"], r["attn"], r.get("recompute", "none"), r["mode"]] + row_cells(r)
+            for r in rows]
     print(markdown_table(header, body))
 
 
@@ -800,6 +825,7 @@ def cmd_model(argv):
     p.add_argument("--peer", action="store_true", help="single run: also time the PyTorch-native peer of the same "
                    "architecture (NativeLM: torch.nn layers, nn.RMSNorm, SDPA on cuDNN, fp32 logits into "
                    "F.cross_entropy, torch's fused AdamW), same shape, dtype and --compile, right after ours")
+    add_recompute_args(p)
     add_common_args(p, plot_help="sweep only: time and memory by context length")
     p.add_argument("--sweep", action="store_true", help="every --sizes x --context_lengths x --dtypes x --modes x "
                                                         "--compile_options, one table")
@@ -817,8 +843,10 @@ def cmd_model(argv):
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
-    if args.sweep and (args.nvtx or args.profile or args.memory_snapshot or args.peer):
-        raise SystemExit("--nvtx, --profile, --memory_snapshot and --peer are for a single run; drop --sweep")
+    if args.sweep and (args.nvtx or args.profile or args.memory_snapshot or args.peer
+                       or recompute_label(args) != "none"):
+        raise SystemExit("--nvtx, --profile, --memory_snapshot, --peer and recomputation are for a single run; "
+                         "drop --sweep")
     if args.peer and (args.nvtx or args.profile or args.memory_snapshot):
         raise SystemExit("--nvtx, --profile and --memory_snapshot instrument our model alone; drop --peer")
     if args.plot and not args.sweep:
@@ -834,8 +862,9 @@ def cmd_model(argv):
         check_nvtx()
     dims = model_dims(args.size, args)
     cfg = dict(size=args.size, dims=dims, vocab_size=args.vocab_size, context_length=args.context_length,
-               batch_size=args.batch_size, dtype=args.dtype, compile=args.compile, attn=args.attn, mode=args.mode)
-    net = build_model(dims, args.vocab_size, args.context_length, args.attn, device)
+               batch_size=args.batch_size, dtype=args.dtype, compile=args.compile, attn=args.attn, mode=args.mode,
+               recompute=recompute_label(args))
+    net = build_model(dims, args.vocab_size, args.context_length, args.attn, device, **recompute_kwargs(args))
     runner = compiled(net, args.compile)
     profiler = None
     if args.profile:
@@ -854,7 +883,7 @@ def cmd_model(argv):
         del net, runner
         free_memory(device)
         peer = build_native(dims, args.vocab_size, args.context_length, device)
-        peer_cfg = dict(cfg, attn="sdpa", model="native peer")
+        peer_cfg = dict(cfg, attn="sdpa", model="native peer", recompute="none")
         rows.append(run_config(peer, compiled(peer, args.compile), peer_cfg, device,
                                torch.Generator().manual_seed(args.seed), args.warmup, args.steps,
                                make_optimizer=torch_adamw))
@@ -2176,7 +2205,6 @@ def cmd_ddp(argv):
     if args.optimizer == "ours":
         from train import AdamW as opt_cls
     else:
-        import functools
         opt_cls = functools.partial(torch.optim.AdamW, fused=True) if cuda else torch.optim.AdamW
     gib = 2**30
     g = torch.Generator(device=device).manual_seed(1234 + rank)  # each rank its own slice of the global batch
@@ -2713,6 +2741,8 @@ def cmd_leaderboard(argv):
                    "are one per rank on two GPUs; on one GPU, one sequence is a proxy of one rank's share)")
     p.add_argument("--act_ckpt_layers", type=int, default=-1, help="how many of the first blocks recompute their "
                    "activations in backward (-1: every block)")
+    p.add_argument("--selective_recompute", action="store_true", help="the other blocks keep only their matmul and "
+                   "attention outputs")
     p.add_argument("--warmup_ms", type=float, default=10_000, help="do_bench warm-up (the rules: 10,000)")
     p.add_argument("--rep_ms", type=float, default=30_000, help="do_bench repetitions (the rules: 30,000)")
     p.add_argument("--compile", choices=("none", "blocks"), default="blocks")
@@ -2758,12 +2788,10 @@ def cmd_leaderboard(argv):
 
     if "ours" in runs:
         torch.manual_seed(args.seed)
-        net = TransformerLM(**cfg, attn_impl="flash", device=device)
+        net = TransformerLM(**cfg, attn_impl="flash", act_ckpt_every=1, act_ckpt_layers=n_ckpt,
+                            selective_recompute=args.selective_recompute, device=device)
         if args.compile == "blocks":
             compiled(net, "blocks")
-        for i in range(n_ckpt):  # checkpoint these blocks one by one: their activations are recomputed in backward
-            layer = net.layers[i]
-            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
         wrapped = ddp.wrap(net, "fsdp" if world > 1 else "none", compute_dtype=torch.bfloat16)
         opt = wrapped.make_optimizer(AdamW, lr=1e-3)
 
@@ -2774,7 +2802,8 @@ def cmd_leaderboard(argv):
             loss.backward()
             wrapped.finish()
             opt.step()
-        measure_step(f"ours (flash, fused head, {n_ckpt}/{cfg['num_layers']} blocks recomputed, "
+        measure_step(f"ours (flash, fused head, {n_ckpt}/{cfg['num_layers']} blocks recomputed"
+                     f"{', selective recompute in the rest' if args.selective_recompute else ''}, "
                      f"{'our FSDP bf16' if world > 1 else 'one GPU'}, compile {args.compile})", ours_step)
         del net, wrapped, opt
         free_memory(device)

@@ -35,6 +35,7 @@ import weakref
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 if not torch.cuda.is_available():  # no GPU: run the kernels in Triton's interpreter (slow; must be set
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported)
@@ -1657,6 +1658,13 @@ def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return _empty_out(q), _empty_out(k), _empty_out(v)
 
 
+def _through_ops():
+    """Whether to call the kernels through the torch.library custom ops: when compiling, and when a dispatch mode
+    is active (selective recomputation's, which keeps the forward's outputs instead of running it again; a FLOP
+    counter's), since those see only operators. Plain eager calls skip the layer (it costs host time)."""
+    return torch.compiler.is_compiling() or _current_dispatch_mode() is not None
+
+
 class _FlashAttention(torch.autograd.Function):
     """(O, L) with gradients for q, k, v; dense when cu_seqlens_q is None, packed otherwise; cos/sin (or None):
     RoPE applied to q and k first (the tables of _rope_kwargs; no gradient). L is not differentiable."""
@@ -1665,7 +1673,7 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin):
         if cu_seqlens_k is None:
             cu_seqlens_k = cu_seqlens_q
-        fwd = _attention_fwd_op if torch.compiler.is_compiling() else _forward
+        fwd = _attention_fwd_op if _through_ops() else _forward
         o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND, cos, sin)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, cos, sin)
         ctx.mark_non_differentiable(lse)
@@ -1677,7 +1685,7 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         if do is None:  # O took no part in what is differentiated
             return (None,) * 10
-        bwd = _attention_bwd_op if torch.compiler.is_compiling() else _backward
+        bwd = _attention_bwd_op if _through_ops() else _backward
         saved = ctx.saved_tensors
         dq, dk, dv = bwd(do, *saved[:7], *ctx.args, *saved[7:])
         return (dq, dk, dv) + (None,) * 7

@@ -9,6 +9,7 @@ machine without CUDA the Triton kernels run under the interpreter (TRITON_INTERP
 imports triton); on a GPU the same tests run natively and the GPU-only tests (names containing "gpu") run too.
 Multi-process tests use gloo on CPU (NCCL when there is a GPU per rank) and skip with a reason when they can't run.
 """
+import collections
 import contextlib
 import copy
 import datetime
@@ -1606,16 +1607,51 @@ def test_kv_cache_decoding_matches_full_forward():
 
 
 def test_activation_checkpointing_gives_same_loss_and_grads():
+    """Full checkpointing (segments, the first blocks only) and selective recomputation give bit-identical losses
+    and gradients, and recompute what they say in the backward: counted by a dispatch mode, selective reruns the
+    elementwise work (RMSNorm's rsqrt) but no matmul, full checkpointing reruns the matmuls of its blocks too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
     idx = torch.randint(0, 61, (2, 15))
-    results = []
-    for act_ckpt_every in (0, 1, 2):
-        m = _tiny_lm(num_layers=3, act_ckpt_every=act_ckpt_every)
-        loss = cross_entropy(m(idx), torch.roll(idx, -1, 1))
-        loss.backward()
-        results.append((loss.detach(), [p.grad for p in m.parameters()]))
-    for loss, grads in results[1:]:
-        assert torch.allclose(loss, results[0][0])
-        assert all(torch.allclose(g, r, atol=1e-6) for g, r in zip(grads, results[0][1]))
+    cases = [dict(), dict(act_ckpt_every=1), dict(act_ckpt_every=2), dict(selective_recompute=True),
+             dict(act_ckpt_every=1, act_ckpt_layers=1, selective_recompute=True),
+             dict(act_ckpt_every=2, act_ckpt_layers=2)]
+    for impl in ("naive", "flash"):
+        results = []
+        for kw in cases:
+            m = _tiny_lm(attn_impl=impl, num_layers=3, **kw)
+            loss = cross_entropy(m(idx), torch.roll(idx, -1, 1))
+            with Count() as count:
+                loss.backward()
+            results.append((loss.detach(), [p.grad for p in m.parameters()], count.ops))
+        want_loss, want_grads, plain = results[0]
+        for kw, (loss, grads, ops) in zip(cases[1:], results[1:]):
+            assert torch.equal(loss, want_loss), (impl, kw)
+            assert all(torch.equal(g, r) for g, r in zip(grads, want_grads)), (impl, kw)
+            n_full = 3 if kw.get("act_ckpt_every") and "act_ckpt_layers" not in kw else kw.get("act_ckpt_layers", 0)
+            recomputed = n_full + (3 - n_full if kw.get("selective_recompute") else 0)
+            # each block recomputed reruns its two RMSNorms (an rsqrt each)
+            assert ops["rsqrt"] - plain["rsqrt"] == 2 * recomputed, (impl, kw, ops["rsqrt"])
+            # 7 matmuls per block, less the last w2 of each segment (the recompute stops once it has rebuilt what
+            # the backward needs); naive attention's 2 bmm or the flash forward (selective keeps their outputs)
+            segments = -(-n_full // max(kw.get("act_ckpt_every", 1), 1))
+            assert ops["mm"] - plain["mm"] == 7 * n_full - segments, (impl, kw, ops["mm"])
+            assert ops["bmm"] - plain["bmm"] == (2 * n_full if impl == "naive" else 0), (impl, kw, ops["bmm"])
+            assert ops["attention_fwd"] == (n_full if impl == "flash" else 0), (impl, kw, ops["attention_fwd"])
+    try:
+        _tiny_lm(num_layers=3, act_ckpt_every=1, act_ckpt_layers=4)
+        raise AssertionError("act_ckpt_layers past num_layers accepted")
+    except ValueError as e:
+        assert "act_ckpt_layers=4" in str(e)
 
 
 def test_forward_traces_without_graph_breaks():

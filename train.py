@@ -68,7 +68,9 @@ rope_theta = 10000.0            # RoPE base
 tie_embeddings = False          # share token_embeddings and lm_head
 attn_impl = "auto"              # 'auto' (model.auto_attn_impl: the fastest measured) | 'flash' | 'flash_ref' | 'sdpa' |
                                 # 'naive'
-act_ckpt_every = 0              # activation checkpointing every k blocks (0 = off)
+act_ckpt_every = 0              # activation checkpointing in segments of k blocks (0 = off)
+act_ckpt_layers = -1            # ... over the first n blocks only (-1: all)
+selective_recompute = False     # the other blocks keep only matmul/attention outputs, recompute the elementwise rest
 # optimizer
 learning_rate = 3e-3            # peak learning rate
 min_lr = 3e-4                   # floor of the cosine schedule
@@ -536,6 +538,9 @@ def check_config(c, world_size):
             raise ConfigError(f"{key} must be >= 1, got {getattr(c, key)}")
     if c.d_model % c.num_heads:
         raise ConfigError(f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}")
+    if c.act_ckpt_every < 0 or not -1 <= c.act_ckpt_layers <= c.num_layers:
+        raise ConfigError(f"act_ckpt_every must be >= 0 and act_ckpt_layers in [-1, num_layers={c.num_layers}], got "
+                          f"{c.act_ckpt_every} and {c.act_ckpt_layers}")
     if c.cuda_graphs and not (c.compile and c.batching == "concat" and world_size == 1):
         raise ConfigError(f"cuda_graphs needs compile=True, batching='concat' (static shapes) and one process (not "
                           f"yet under torchrun with several), got compile={c.compile}, batching={c.batching!r}, "
@@ -747,18 +752,20 @@ def train(config, given, rank, world_size, dev):
     # model: from scratch, or with the checkpoint's own model_args when resuming
     model_args = dict(vocab_size=vocab_size, context_length=c.context_length, d_model=c.d_model,
                       num_layers=c.num_layers, num_heads=c.num_heads, d_ff=c.d_ff, rope_theta=c.rope_theta,
-                      tie_embeddings=c.tie_embeddings, act_ckpt_every=c.act_ckpt_every)
+                      tie_embeddings=c.tie_embeddings)
+    # how much is recomputed is a run setting, not part of the architecture: never saved with model_args
+    recompute = dict(act_ckpt_every=c.act_ckpt_every, act_ckpt_layers=None if c.act_ckpt_layers < 0 else
+                     c.act_ckpt_layers, selective_recompute=c.selective_recompute)
     if ckpt is not None:
-        model_args = dict(ckpt["model_args"], act_ckpt_every=c.act_ckpt_every)
+        model_args = {k: v for k, v in ckpt["model_args"].items() if k not in recompute}
         if model_args["vocab_size"] != vocab_size:
             raise ValueError(f"checkpoint {ckpt_path} has vocab_size {model_args['vocab_size']} but dataset "
                              f"{data_dir} has {vocab_size}: resume on the data it was trained on")
     llama_state = None
     if c.init_from not in ("scratch", "resume"):  # fine-tune a Llama-format checkpoint directory
         model_args, llama_state = llama_init(c.init_from, vocab_size=vocab_size, context_length=c.context_length)
-        model_args["act_ckpt_every"] = c.act_ckpt_every
     torch.manual_seed(c.seed)
-    model = TransformerLM(**model_args, attn_impl=attn, device=dev)
+    model = TransformerLM(**model_args, **recompute, attn_impl=attn, device=dev)
     if llama_state is not None:
         model.load_state_dict(llama_state)
     n_params = count_params(model)

@@ -20,6 +20,8 @@
 # xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        60-300 s (60 s in the last
 #                 block, bf16): ours flash beside the PyTorch-native peer, then     run; up to 190 s + 110 s
 #                 ours sdpa                                                         when compiling from cold)
+# xl_memory       model: the same 2.7B step with selective recomputation, then      ~80 s
+#                 also the first 8 blocks recomputed in full
 # train_small     train.py config/small.py, 150 steps on one GPU, without and       ~110 s
 #                 with cuda_graphs: tokens/s, MFU (needs data/shakespeare:
 #                 `python data/prepare.py shakespeare`, carried to a machine
@@ -41,7 +43,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention train xl train_small varlen hf leaderboard sweep sweep_compiled suite tests)
+ALL_PARTS=(attention train xl xl_memory train_small varlen hf leaderboard sweep sweep_compiled suite tests)
 source gpu/common.sh
 
 SWEEP=(model --sweep --context_lengths 256,512,1024 --dtypes bf16,fp32 --modes fwd,fwd_bwd,train --warmup 1 --steps 2)
@@ -64,6 +66,14 @@ part_xl() {
     # ours with flash, then the PyTorch-native peer in the same process; then ours with sdpa
     run_md xl_flash_peer 300 "$PY" bench.py "${XL[@]}" --attn flash --peer --json @JSON@
     run_md xl_sdpa 180 "$PY" bench.py "${XL[@]}" --attn sdpa --json @JSON@
+}
+
+part_xl_memory() {
+    begin_part xl_memory 400
+    # the same step keeping less for the backward: selective recomputation, then also the first 8 blocks in full
+    run_md xl_selective 180 "$PY" bench.py "${XL[@]}" --attn flash --selective_recompute --json @JSON@
+    run_md xl_selective_full8 180 "$PY" bench.py "${XL[@]}" --attn flash --selective_recompute --act_ckpt_every 1 \
+        --act_ckpt_layers 8 --json @JSON@
 }
 
 part_train_small() {
