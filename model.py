@@ -391,7 +391,7 @@ def _selective_recompute_context():
     """torch.utils.checkpoint's context_fn for selective recomputation: a block keeps the outputs of its matmuls
     and of attention and recomputes everything else in the backward (RMSNorm, RoPE, SiLU(a) * b, the dtype casts of
     the weights under autocast). That elementwise work is cheap to redo and its outputs are as large as the matmuls'
-    (measured on the 2.7B step: 25% less memory per block for about 3% more time, BENCHMARKS.md)."""
+    (measured on the 2.7B step: its peak went from 73,183 to 59,218 MiB for 2.5% more time, BENCHMARKS.md)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     saved = _saved_ops()
     policy = lambda ctx, op, *args, **kwargs: (CheckpointPolicy.MUST_SAVE if op in saved

@@ -1570,6 +1570,37 @@ def test_gpu_flash_model_matches_naive_fp32_bf16_packed_and_compiled():
     assert (out - ref).abs().max() / scale < 2e-2 and (compiled - out).abs().max() / scale < 2e-2
 
 
+def test_gpu_selective_recompute_compiled_keeps_less_and_trains_the_same():
+    """Compiled per block under bf16 autocast with flash attention: selective recomputation keeps less memory
+    through the forward (the peak at its end) and gives the same loss and gradients up to bf16 rounding."""
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA GPU (the CPU test checks what is recomputed, eagerly)")
+    idx = torch.randint(0, 512, (8, 512), device="cuda")
+    results = []
+    for selective in (False, True):
+        torch._dynamo.reset()
+        m = _tiny_lm("flash", vocab_size=512, context_length=512, d_model=256, num_layers=4, num_heads=4, d_ff=768,
+                     selective_recompute=selective).cuda()
+        for layer in m.layers:
+            layer.compile()
+        for _ in range(2):  # the second step runs compiled code only
+            m.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = m(idx, targets=torch.roll(idx, -1, 1))
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            loss.backward()
+        results.append((peak, loss.item(), [p.grad.float() for p in m.parameters()]))
+    (peak0, loss0, grads0), (peak1, loss1, grads1) = results
+    assert peak1 < 0.8 * peak0, (peak0, peak1)
+    assert abs(loss1 - loss0) < 1e-3 * abs(loss0), (loss0, loss1)
+    for g0, g1 in zip(grads0, grads1):
+        assert (g1 - g0).norm() <= 2e-2 * g0.norm() + 1e-6, ((g1 - g0).norm(), g0.norm())
+
+
 def test_packed_positions_restart_per_document_and_explicit_positions_override():
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     assert model.packed_positions(cu, 9).tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
@@ -2500,7 +2531,9 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
         full, part = tmp_path / f"full-{batching}", tmp_path / f"part-{batching}"
         train.main(common + [f"--out_dir={full}", "--max_iters=6"])
         train.main(common + [f"--out_dir={part}", "--max_iters=3"])
-        train.main([f"--out_dir={part}", "--max_iters=6", "--init_from=resume"])  # the rest of the config is saved
+        # the rest of the config is saved; recomputation may change on resume and changes no bit
+        train.main([f"--out_dir={part}", "--max_iters=6", "--init_from=resume", "--selective_recompute=True",
+                    "--act_ckpt_every=1", "--act_ckpt_layers=1"])
         # bit for bit: 6 train records and the evaluations at 0, 2, 4, 6 (the first part also evaluated at its end)
         resumed = [r for r in _losses(part) if r[0] != 3 or len(r) == 3]
         assert _losses(full) == resumed and len(resumed) == 6 + 4, (_losses(full), resumed)
@@ -2560,6 +2593,9 @@ def test_config_errors_are_one_line_with_a_suggestion_and_status_2(tmp_path):
                 SimpleNamespace(**{**config, **bad}), world)
     _expect(train.ConfigError, ["cuda_graphs needs a CUDA device"], train.main,
             TINY + [f"--out_dir={tmp_path / 'g'}", "--compile=True", "--cuda_graphs=True"])
+    for bad in (dict(act_ckpt_layers=config["num_layers"] + 1), dict(act_ckpt_layers=-2), dict(act_ckpt_every=-1)):
+        _expect(train.ConfigError, ["act_ckpt_layers in [-1, num_layers="], train.check_config,
+                SimpleNamespace(**{**config, **bad}), 1)
     for argv, words in ((["--learnign_rate=1"], ["unknown config key 'learnign_rate'", "'learning_rate'?"]),
                         (["--batching=nope", f"--out_dir={tmp_path}"], ["batching must be one of"])):
         err = io.StringIO()
@@ -3532,11 +3568,12 @@ def test_bench_model_row_is_complete(tmp_path):
     assert payload["command"].startswith("python bench.py model") and payload["date"] and payload["device"]
     (row,) = payload["rows"]
     ((header, cells),) = [(h, r) for h, r in _md_tables(text)]
-    assert header == ["model", "size", "params", "ctx", "batch", "dtype", "compile", "attn", "mode", "ms/step",
-                      "first step ms", "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
+    assert header == ["model", "size", "params", "ctx", "batch", "dtype", "compile", "attn", "recompute", "mode",
+                      "ms/step", "first step ms", "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
     (cells,) = cells
-    assert cells[:9] == ["ours", "tiny", "0.1M", "16", "2", "fp32", "none", "naive", "train"] and row["status"] == "ok"
-    cells = cells[1:]
+    assert cells[:10] == ["ours", "tiny", "0.1M", "16", "2", "fp32", "none", "naive", "none", "train"]
+    assert row["status"] == "ok" and row["recompute"] == "none"
+    cells = cells[2:]
     assert cells[8] == f"{row['mean_ms']:.2f} ± {row['std_ms']:.2f}" and _close(cells[9], row["first_step_ms"])
     assert [_num(c) for c in cells[10].split(" / ")] == \
         [round(row["phase_ms"][p], 2) for p in ("forward", "backward", "optimizer_step")]
