@@ -2855,7 +2855,7 @@ def cmd_leaderboard(argv):
 # ---------------------------------------------------------------------------------------------------------------
 
 SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "COS": "*fp32", "SIN": "*fp32",
-               "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
+               "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "counter": "*i32", "qk_scale": "fp32",
                "sm_scale": "fp32", **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}
 
 
@@ -2938,7 +2938,8 @@ def cmd_sass(argv):
 
             m, n, stages = flash.GLUON_FWD_CONFIGS[main + tail]
             cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full,
-                      VARLEN=args.varlen, HEAD_MAJOR=flash.GLUON_HEAD_MAJOR, PINGPONG=flash.GLUON_PINGPONG)
+                      VARLEN=args.varlen, HEAD_MAJOR=flash.GLUON_HEAD_MAJOR, PINGPONG=flash.GLUON_PINGPONG,
+                      DYNAMIC=flash.GLUON_FWD_PERSISTENT > 0)  # as flash.py launches it (FLASH_FWD_PERSISTENT)
             types = {"q_desc": desc(m, main), "k_desc": desc(n, main), "v_desc": desc(n, main),  # tails: the
                      "qt_desc": desc(m, tail or main), "kt_desc": desc(n, tail or main),  # main ones again where
                      "vt_desc": desc(n, tail or main), **SASS_TYPES}  # there is no tail

@@ -804,13 +804,16 @@ except ImportError:  # a Triton without Gluon: the Triton kernels serve everythi
 # on the H200 (BENCHMARKS.md, What we tried).
 GLUON_FWD_CONFIGS = {64: (64, 128, 3), 80: (64, 128, 3), 96: (64, 128, 3), 128: (64, 128, 3)}
 GLUON_HEAD_MAJOR = True
-# The forward's grid: 0 = one CTA per work item; k > 0 = persistent, k CTAs per SM, CTA p taking items p, p + G,
-# ... Measured on the H200 (CUDA-graph GPU times, causal bf16): persistent at 1 CTA per SM went from 1.06x to 0.77x
-# cuDNN at D=128, S=16k and from 1.03x to 0.95x at S=32k (a static share of causal items of unequal length leaves
-# SMs idle at the end), gained nothing at S=1k, and gained only in longest-first order at S=2k-4k (D=80: 0.96x ->
-# 1.01x; D=64, S=4k: 0.92x -> 0.98x), where D=128 lost (0.92x -> 0.84x). So one CTA per item, the hardware's own
-# dynamic scheduling; FLASH_FWD_PERSISTENT=k tries k CTAs per SM.
-GLUON_FWD_PERSISTENT = int(os.environ.get("FLASH_FWD_PERSISTENT", "0"))
+# The forward's grid: k > 0 = persistent, k CTAs per SM taking work items dynamically: each CTA starts on item p
+# (its index) and its producer warp then claims the next untaken item from a counter in global memory (an atomic
+# add) and hands it to the consumers through a two-slot ring in shared memory, so the next item's Q and first K/V
+# tiles load while the last one's matmuls and stores finish, and a CTA that drew short items takes more. 0 = one
+# CTA per item (the hardware's scheduling). Measured on the H200 (forward, cold L2): dynamic against one CTA per
+# item 1.22x at D=64 S=1k, 1.14x at D=128 S=1k, 1.05-1.09x at 4k and D=80, 1.01-1.02x from 16k, 1.18-1.27x on
+# packed documents. A static share (CTA p taking items p, p + G, ...) had been slower than one CTA per item (D=128,
+# S=16k: 0.77x cuDNN against 1.06x): causal items differ in length, and SMs sat idle at the end. FLASH_FWD_PERSISTENT=0
+# restores one CTA per item.
+GLUON_FWD_PERSISTENT = int(os.environ.get("FLASH_FWD_PERSISTENT", "1"))
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
 # warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward. D=128:
 # the split (with two dQ buffers per warpgroup) took the backward from 368 to 527 TFLOP/s at S=16384, and smem is full
@@ -859,6 +862,26 @@ if gluon is not None:
         return b, start, length, g - (start // TILE + b)
 
     @gluon.jit
+    def _gl_publish_item(sched, sched_ready, sched_empty, n, item):
+        """Dynamic scheduling, the producer: work item `item` into slot n % 2 of the CTA's schedule ring, once both
+        consumer warpgroups have read what the slot held before."""
+        s = n % 2
+        mbarrier.wait(sched_empty.index(s), ((n // 2) & 1) ^ 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        sched.index(s).store(gl.full([1], item, gl.int32, layout))
+        mbarrier.arrive(sched_ready.index(s), count=1)
+
+    @gluon.jit
+    def _gl_read_item(sched, sched_ready, sched_empty, n):
+        """Dynamic scheduling, a consumer: the n-th work item of this CTA, from the schedule ring."""
+        s = n % 2
+        mbarrier.wait(sched_ready.index(s), (n // 2) & 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        item = gl.max(sched.index(s).load(layout), 0)
+        mbarrier.arrive(sched_empty.index(s), count=1)
+        return item
+
+    @gluon.jit
     def _gl_fwd_tile(t, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr):
         """Work item t (2 x BLOCK_M query rows of one batch x head) -> (b, h, q_start, seqlen_q, seqlen_k, start_m,
@@ -892,11 +915,12 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_fwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem,
-                         qt_smem, kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
-                         cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
-                         seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM: gl.constexpr,
-                         TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                         VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
+                         qt_smem, kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
+                         sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
+                         stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items,
+                         counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
+                         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr):
         """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The
         ring position (it) and the turn count (w) run on across items, so the producer fills the next item's slots
         while this one's last matmul and its output store finish. PINGPONG: the two warpgroups take turns issuing
@@ -922,7 +946,12 @@ if gluon is not None:
         it = 0  # K/V tiles consumed so far (the ring position)
         w = 0  # turns taken so far
         n_done = 0  # work items done so far (the phase of q_bar)
-        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        n_seen = 0  # work items taken so far, empty ones included (the position in the schedule ring)
+        if DYNAMIC:
+            item = _gl_read_item(sched, sched_ready, sched_empty, 0)
+        else:
+            item = gl.program_id(0)
+        while item < n_items:
             b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = _gl_fwd_tile(
                 item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
                 VARLEN, HEAD_MAJOR)
@@ -1026,21 +1055,27 @@ if gluon is not None:
                 it += n_tiles
                 w += n_tiles + 1
                 n_done += 1
+            n_seen += 1
+            if DYNAMIC:
+                item = _gl_read_item(sched, sched_ready, sched_empty, n_seen)
+            else:
+                item += gl.num_programs(0)
 
     # Worker partition entry points: worker partitions must share one signature, so both take every argument (the
     # default partition, consumer warpgroup 0, calls _gl_fwd_consumer directly).
     @gluon.jit
     def _gl_fwd_wg1(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                    vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, cu_seqlens_q,
-                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads,
-                    group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                    HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
-        _gl_fwd_consumer(1, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem,
-                         kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
-                         cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
-                         seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM, TAIL, BLOCK_M,
-                         BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)
+                    vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready, sched_empty,
+                    O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
+                    seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter, qk_scale,
+                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr,
+                    DYNAMIC: gl.constexpr):
+        _gl_fwd_consumer(1, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
+                         vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready,
+                         sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                         head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter,
+                         qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG, DYNAMIC)
 
     @gluon.jit
     def _gl_load_tile(desc, tail_desc, bar, dst, tail_dst, b, h, row, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
@@ -1065,18 +1100,23 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_fwd_loader(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                       vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, cu_seqlens_q,
-                       stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads,
-                       group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                       HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
+                       vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready,
+                       sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                       head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter,
+                       qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
+                       PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr):
         """The producer warp, over the CTA's work items: both halves of Q once each warpgroup has released the
         previous item's, then K_j and V_j, each into a ring slot once both consumers have released it (the empty
         barriers start as if their phase 1 had completed)."""
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
         it = 0
         n_done = 0
-        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        item = gl.program_id(0)
+        n_seen = 0  # work items taken so far (the position in the schedule ring)
+        while item < n_items:
+            if DYNAMIC:
+                _gl_publish_item(sched, sched_ready, sched_empty, n_seen, item)
             b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = _gl_fwd_tile(
                 item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
                 VARLEN, HEAD_MAJOR)
@@ -1101,16 +1141,24 @@ if gluon is not None:
                                   b, kv_h, row, HEAD_DIM, TAIL, VARLEN)
                 it += n_tiles
                 n_done += 1
+            n_seen += 1
+            if DYNAMIC:  # the next item not yet taken by any CTA (the first G went one to each)
+                item = gl.num_programs(0) + gl.atomic_add(counter, 1, sem="relaxed")
+            else:
+                item += gl.num_programs(0)
+        if DYNAMIC:
+            _gl_publish_item(sched, sched_ready, sched_empty, n_seen, item)  # past the last: the consumers stop
 
     @gluon.jit
     def _gl_attn_fwd(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, O, LSE, cu_seqlens_q, stride_ob, stride_oh,
                      stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
-                     n_docs, n_items, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                     HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr):
+                     n_docs, n_items, counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr):
         """Work items of 2 x BLOCK_M query rows of one batch x head (_gl_fwd_tile), n_items = m_tiles * n_bh of
-        them, CTA p taking items p, p + G, p + 2G, ... for a grid of G: one CTA per item (G = n_items) or a
-        persistent grid, where the producer loads the next item's tiles while the consumers finish the last."""
+        them: one CTA per item (grid n_items), or DYNAMIC, a persistent grid of G CTAs that start on items 0..G-1
+        and then take the next untaken one from `counter` (zero at launch), which the producer claims and passes
+        to the consumers through the `sched` ring, loading the next item's tiles while the consumers finish."""
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -1129,10 +1177,16 @@ if gluon is not None:
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # the schedule ring (dynamic scheduling): two work-item numbers, each read by both consumers
+        sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        sched_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        sched_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(q_bar.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
             mbarrier.init(turn.index(i), count=1)
+            mbarrier.init(sched_ready.index(i), count=1)
+            mbarrier.init(sched_empty.index(i), count=2)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # released by both consumer warpgroups
@@ -1141,20 +1195,22 @@ if gluon is not None:
         # (the worker tuples are written out in full: a tuple held in a variable loses its constexprs)
         gl.warp_specialize([
             (_gl_fwd_consumer, (0, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem,
-                                kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
-                                cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
-                                seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM, TAIL,
-                                BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
+                                kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
+                                sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
+                                stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
+                                n_docs, n_items, counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
+                                HEAD_MAJOR, PINGPONG, DYNAMIC)),
             (_gl_fwd_wg1, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                           vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, cu_seqlens_q,
-                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k,
-                           num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM, TAIL, BLOCK_M,
-                           BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
+                           vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready,
+                           sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                           head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter,
+                           qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG, DYNAMIC)),
             (_gl_fwd_loader, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem,
-                              kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
-                              cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
-                              seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, qk_scale, HEAD_DIM, TAIL,
-                              BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG)),
+                              kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
+                              sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
+                              stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
+                              n_docs, n_items, counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
+                              HEAD_MAJOR, PINGPONG, DYNAMIC)),
         ], [4, 1], [240, 24])
 
     # The backward: one CTA per 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them
@@ -1501,17 +1557,18 @@ def _tma_operand(x, width):
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
     """The Gluon kernels take sm90 bf16/fp16 inputs with D from 33 to 128 (in the tiles of _gluon_head_tiles) and,
     when packed, keys that share the queries' document boundaries. At D 64 or 128 the tensors (`more` are further
-    ones, the backward's dO and O) must be TMA-ready (_tma_ready), as the Triton kernels read any strides there; at
-    other head dims, where the Triton kernels need padded copies, those that are not TMA-ready are copied."""
+    ones, the backward's dO and O: it is the backward asking) must be TMA-ready (_tma_ready), as the Triton kernels
+    read any strides there; at other head dims, where the Triton kernels need padded copies, those that are not
+    TMA-ready are copied."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     tiles = _gluon_head_tiles(q.shape[-1])
     if tiles is None or not _is_sm90(q.device.index):
         return False
-    if BACKEND == "auto" and tiles == (64, 0) and \
+    if BACKEND == "auto" and more and tiles == (64, 0) and \
             (max_seqlen_q if cu_seqlens_q is not None else q.shape[2]) < 2048:
-        return False  # measured: at D=64 below 2k tokens the Triton kernels are faster (1k: forward 256 vs 233
-        # TFLOP/s, backward 248 vs 230)
+        return False  # measured: at D=64 below 2k tokens the Triton backward is faster (1k: 248 vs 230 TFLOP/s);
+        # the forward, scheduled dynamically, is faster in Gluon there too (BENCHMARKS.md)
     if cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q:
         return False
     if _kernel_head_dim(q.shape[-1]) == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
@@ -1558,13 +1615,19 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
     n_bh = heads if varlen else batch * heads
     n_items = m_tiles * n_bh
-    grid = (min(n_items, GLUON_FWD_PERSISTENT * _sm_count(q.device.index)) if GLUON_FWD_PERSISTENT else n_items,)
-    _gl_attn_fwd[grid](q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o, lse, cu_seqlens_q if varlen else lse,
+    ctas = GLUON_FWD_PERSISTENT * _sm_count(q.device.index)
+    dynamic = 0 < ctas < n_items
+    # dynamic: the CTAs take items from a counter (zeroed per call) as they finish the last; packed, in the order
+    # longest first over all heads (faster there than head by head, measured)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+    head_major = GLUON_HEAD_MAJOR and not (varlen and dynamic)
+    _gl_attn_fwd[(ctas if dynamic else n_items,)](
+                       q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o, lse, cu_seqlens_q if varlen else lse,
                        **_strides("o", o, varlen), **lse_strides, head_dim=d,
                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
-                       m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items,
+                       m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items, counter=counter, DYNAMIC=dynamic,
                        qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n,
-                       NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=GLUON_HEAD_MAJOR,
+                       NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=head_major,
                        PINGPONG=GLUON_PINGPONG, num_warps=4, maxnreg=168)
     return o, lse
 

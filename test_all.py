@@ -935,8 +935,9 @@ def test_flash_gpu_gluon_matches_reference():
     lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims
     80 and 96 (tiles 64 wide and tails of 16 and 32), 72 and 40 (read in place, zeros past D) and 36 (rows not
     16-byte aligned: padded copies), packed documents of 1 token up to several tiles (many per key tile) and 302 of
-    them (more than one chunk of the document search); outputs poisoned first; then the forward
-    on a persistent grid (3 x 8 heads x 9 query tiles over 132 SMs: some CTAs take several)."""
+    them (more than one chunk of the document search); outputs poisoned first. Shapes of more work items than SMs
+    run the forward persistent, the CTAs taking items dynamically (the default); the last ones also with one CTA per
+    item (3 x 8 heads x 17 query tiles: 408 items over 132 SMs)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(12)
@@ -963,11 +964,11 @@ def test_flash_gpu_gluon_matches_reference():
             _check_varlen(lens, 4, 2, 96, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             many = torch.randint(1, 40, (300,), generator=gen).tolist() + [700, 1]  # more than 256 documents
             _check_varlen(many, 2, 2, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-        flash.GLUON_FWD_PERSISTENT = 1  # a persistent forward grid: each CTA loops over several work items
-        for causal in (True, False):
-            _check_dense(3, 8, 2, 2049, 2049, 128, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            _check_varlen([1, 7, 300, 2, 1500, 64, 129, 1, 900], 8, 8, 64, causal, gen=gen, tol=2e-2,
-                          dtype=torch.bfloat16)
+        for flash.GLUON_FWD_PERSISTENT in (1, 0):  # dynamic persistent, then one CTA per work item
+            for causal in (True, False):
+                _check_dense(3, 8, 2, 2049, 2049, 128, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+                _check_varlen([1, 7, 300, 2, 1500, 64, 129, 1, 900], 8, 8, 64, causal, gen=gen, tol=2e-2,
+                              dtype=torch.bfloat16)
     finally:
         flash.BACKEND, flash.GLUON_FWD_PERSISTENT = old, persistent
 
