@@ -1557,18 +1557,18 @@ def _tma_operand(x, width):
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
     """The Gluon kernels take sm90 bf16/fp16 inputs with D from 33 to 128 (in the tiles of _gluon_head_tiles) and,
     when packed, keys that share the queries' document boundaries. At D 64 or 128 the tensors (`more` are further
-    ones, the backward's dO and O: it is the backward asking) must be TMA-ready (_tma_ready), as the Triton kernels
-    read any strides there; at other head dims, where the Triton kernels need padded copies, those that are not
-    TMA-ready are copied."""
+    ones, the backward's dO and O) must be TMA-ready (_tma_ready), as the Triton kernels read any strides there; at
+    other head dims, where the Triton kernels need padded copies, those that are not TMA-ready are copied."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     tiles = _gluon_head_tiles(q.shape[-1])
     if tiles is None or not _is_sm90(q.device.index):
         return False
-    if BACKEND == "auto" and more and tiles == (64, 0) and \
+    if BACKEND == "auto" and tiles == (64, 0) and \
             (max_seqlen_q if cu_seqlens_q is not None else q.shape[2]) < 2048:
-        return False  # measured: at D=64 below 2k tokens the Triton backward is faster (1k: 248 vs 230 TFLOP/s);
-        # the forward, scheduled dynamically, is faster in Gluon there too (BENCHMARKS.md)
+        return False  # measured at D=64 below 2k tokens (BENCHMARKS.md): the Triton backward is faster (1k: 248 vs
+        # 230 TFLOP/s); the Gluon forward is 1.09x at B=16 H=32 S=1k but 0.98x at GPT-2's B=12 H=12 and 0.87x
+        # at S=256, with more host time per call
     if cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q:
         return False
     if _kernel_head_dim(q.shape[-1]) == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
