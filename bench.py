@@ -27,6 +27,7 @@ Peak memory is the allocator's peak (torch.cuda.max_memory_allocated) per phase;
 CPU rows leave it empty.
 """
 import argparse
+import collections
 import contextlib
 import datetime
 import functools
@@ -36,6 +37,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import platform
 import re
 import statistics
@@ -449,6 +451,47 @@ def measure(step, warmup, steps, device, phases, nvtx=False, profiler=None, snap
                 phase_ms={p: statistics.fmean(v) for p, v in phases.ms.items() if v},
                 phase_peak_mib={p: v for p, v in phases.peak.items() if v is not None},
                 peak_mib=max(peaks) if peaks else None)
+
+
+def peak_breakdown(snapshot, top=15):
+    """Where a memory peak goes, from a memory-history snapshot (torch.cuda.memory._snapshot(), as --memory_snapshot
+    dumps it): the blocks allocated while the history was recorded that are live when their total is highest,
+    grouped by allocation site: the innermost frame outside torch's own files (generated inductor code counts as
+    outside; its source line names the buffer) and the innermost frame in this repository's scripts. What was
+    allocated before recording began (parameters, optimizer state) is not in the history. Returns (peak bytes,
+    [(bytes, blocks, site)] largest first, at most `top`)."""
+    import linecache
+    events = max(snapshot.get("device_traces") or [[]], key=len)
+
+    def replay(stop=None):
+        live, total, peak, peak_at = {}, 0, 0, -1
+        for i, e in enumerate(events[:stop]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = e["size"], e.get("frames") or []
+                total += e["size"]
+                if total > peak:
+                    peak, peak_at = total, i
+            elif e["action"] == "free_completed" and e["addr"] in live:
+                total -= live.pop(e["addr"])[0]
+        return live, peak, peak_at
+
+    _, peak, peak_at = replay()
+    live, _, _ = replay(peak_at + 1)
+
+    def name(f):
+        line = linecache.getline(f["filename"], f["line"]).strip()
+        return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" + (f" `{line[:60]}`" if line else "")
+
+    ours = {"model.py", "flash.py", "bench.py", "train.py", "ddp.py"}
+    groups = collections.defaultdict(lambda: [0, 0])
+    for size, frames in live.values():
+        inner = next((f for f in frames if "/torch/" not in f["filename"] or "torchinductor" in f["filename"]), None)
+        repo = next((f for f in frames if os.path.basename(f["filename"]) in ours), None)
+        site = (name(inner) if inner else "?") + (f" <- {name(repo)}" if repo and repo is not inner else "")
+        groups[site][0] += size
+        groups[site][1] += 1
+    rows = sorted(((b, n, site) for site, (b, n) in groups.items()), reverse=True)
+    return peak, rows[:top]
 
 
 def document_lengths(num_docs, median_len, sigma, max_len, generator, total_tokens=None, min_len=16):
@@ -907,6 +950,12 @@ def cmd_model(argv):
                   f"{args.memory_snapshot})\n")
             print(markdown_table(["phase", "peak MiB"], [[p, row["phase_peak_mib"].get(p)] for p in PHASES
                                                           if p in row["phase_peak_mib"]]))
+            with open(args.memory_snapshot, "rb") as f:
+                peak, sites = peak_breakdown(pickle.load(f))
+            print(f"### Memory at the peak of what the timed steps allocate ({mib(peak):,.0f} MiB on top of what "
+                  f"existed before: parameters, optimizer state), by allocation site\n")
+            print(markdown_table(["MiB", "blocks", "allocated at"], [[mib(b), n, site] for b, n, site in sites]))
+            payload["memory_peak_sites"] = [dict(mib=mib(b), blocks=n, site=site) for b, n, site in sites]
         else:
             x, y = random_batch(args.vocab_size, args.batch_size, args.context_length, device,
                                 torch.Generator().manual_seed(args.seed))

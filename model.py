@@ -362,7 +362,6 @@ class TransformerBlock(nn.Module):
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
 
-
     def forward(self, x, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None, selective=False):
         """selective=True (while training): keep only the matmul and attention outputs for the backward
         (_selective_recompute_context)."""
@@ -391,7 +390,7 @@ def _selective_recompute_context():
     """torch.utils.checkpoint's context_fn for selective recomputation: a block keeps the outputs of its matmuls
     and of attention and recomputes everything else in the backward (RMSNorm, RoPE, SiLU(a) * b, the dtype casts of
     the weights under autocast). That elementwise work is cheap to redo and its outputs are as large as the matmuls'
-    (measured on the 2.7B step: its peak went from 73,183 to 59,218 MiB for 2.5% more time, BENCHMARKS.md)."""
+    (measured on the 2.7B step: its peak went from 73,183 to 59,218 MiB for 2-2.5% more time, BENCHMARKS.md)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     saved = _saved_ops()
     policy = lambda ctx, op, *args, **kwargs: (CheckpointPolicy.MUST_SAVE if op in saved

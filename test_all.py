@@ -3695,6 +3695,25 @@ def test_bench_profile_tables_and_trace(tmp_path):
     assert any("addmm" in t["name"] or "mm" in t["name"] for t in tables["forward"]["top"])  # matmuls show up
 
 
+def test_bench_peak_breakdown_groups_the_live_blocks_at_the_peak():
+    """bench.peak_breakdown on a made-up memory history: the peak is the highest running total of the blocks
+    allocated in it, and the blocks live then are grouped by the innermost frame outside torch (generated inductor
+    code included) and the innermost frame of our scripts."""
+    torch_f = dict(filename="/env/site-packages/torch/nn/modules/module.py", line=1, name="_call_impl")
+    gen_f = dict(filename="/tmp/torchinductor_x/ab/cab.py", line=5, name="call")
+    ours = lambda line: dict(filename="/repo/model.py", line=line, name="forward")
+    alloc = lambda addr, size, *frames: dict(action="alloc", addr=addr, size=size, frames=list(frames))
+    free = lambda addr: dict(action="free_completed", addr=addr, size=0)
+    events = [alloc(1, 100, torch_f, ours(10)), alloc(2, 300, gen_f, torch_f, ours(20)), alloc(3, 50, ours(30)),
+              free(1), alloc(4, 200, gen_f, ours(20)), free(2), alloc(5, 10, ours(40))]
+    peak, rows = bench.peak_breakdown({"device_traces": [events]})
+    assert peak == 550, peak  # blocks 2, 3 and 4 (100 + 300 + 50 = 450 before block 1 was freed)
+    assert [(b, n) for b, n, _ in rows] == [(500, 2), (50, 1)], rows
+    assert rows[0][2].startswith("cab.py:5 call") and rows[0][2].endswith("<- model.py:20 forward"), rows[0][2]
+    assert rows[1][2] == "model.py:30 forward", rows[1][2]
+    assert bench.peak_breakdown({"device_traces": []}) == (0, [])
+
+
 def test_bench_memory_snapshot_explains_cpu(tmp_path):
     if torch.cuda.is_available():
         raise unittest.SkipTest("the CPU explanation path; on CUDA a real snapshot is written")
