@@ -552,7 +552,8 @@ def add_recompute_args(p):
 
 
 def recompute_label(args):
-    """What a row recomputes, in words: none, 'full 8/32' (blocks in segments), 'selective', or both."""
+    """What a row recomputes, in words: 'none', 'full all' or 'full 8' (the first 8 blocks; segments of k named
+    when k > 1), 'selective', or 'full 8 + selective'."""
     parts = []
     if args.act_ckpt_every:
         parts.append(f"full {'all' if args.act_ckpt_layers < 0 else args.act_ckpt_layers}"
