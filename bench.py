@@ -2997,9 +2997,9 @@ def cmd_sass(argv):
             sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
             rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
                 fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
-            m, n, stages, split = flash.GLUON_BWD_CONFIGS[main + tail]
+            m, n, stages, split, _ = flash.GLUON_BWD_CONFIGS[main + tail]
             cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full,
-                      VARLEN=args.varlen)
+                      VARLEN=args.varlen, DYNAMIC=flash._gluon_bwd_persistent(main + tail) > 0)
             types = {"q_desc": desc(m, main), "do_desc": desc(m, main), "k_desc": desc(n, main),
                      "v_desc": desc(n, main), "dq_desc": desc(m, main // split, "fp32"),
                      "qt_desc": desc(m, tail or main), "dot_desc": desc(m, tail or main),

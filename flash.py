@@ -818,9 +818,26 @@ GLUON_FWD_PERSISTENT = int(os.environ.get("FLASH_FWD_PERSISTENT", "1"))
 # warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward. D=128:
 # the split (with two dQ buffers per warpgroup) took the backward from 368 to 527 TFLOP/s at S=16384, and smem is full
 # (226 KiB) at two stages; D=64: three stages beat two by 1-3%, the split does not pay (measured on the H200). 80
-# and 96 (64 + a tail, no split): shared memory holds three stages at 80 (213 KiB), two at 96 (225 KiB).
-GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1), 80: (64, 64, 3, 1), 96: (64, 64, 2, 1), 128: (64, 64, 2, 2)}
+# and 96 (64 + a tail, no split): shared memory holds three stages at 80 (213 KiB), two at 96 (225 KiB). Last, the
+# grid: True = persistent with dynamic scheduling, as the forward's; False = one CTA per item. Measured on the H200
+# (backward alone, cold L2), dynamic against the kernel before it (one CTA per key tile): D=64 1.03x at S=1k, 1.00x
+# from 4k, 1.12x on long packed documents; D=80 1.03x; D=128 0.84-0.96x: its consumers are at the register limit,
+# and the persistent loop's item bookkeeping (numbers that were kernel arguments) spills into the inner loop (28
+# local loads a query tile against 7); one CTA per item lets the compiler drop the loop (0.2-2.9% from before).
+GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True), 80: (64, 64, 3, 1, True), 96: (64, 64, 2, 1, True),
+                     128: (64, 64, 2, 2, False)}
 GLUON_PINGPONG = True
+# The backward's grid: None = as GLUON_BWD_CONFIGS says for the head dim, else k as the forward's
+# GLUON_FWD_PERSISTENT, for every head dim (FLASH_BWD_PERSISTENT=k).
+GLUON_BWD_PERSISTENT = int(os.environ["FLASH_BWD_PERSISTENT"]) if "FLASH_BWD_PERSISTENT" in os.environ else None
+
+
+def _gluon_bwd_persistent(tile_width):
+    """CTAs per SM of the Gluon backward's persistent grid at this head-dim tile width (main + tail); 0 = one CTA
+    per work item."""
+    if GLUON_BWD_PERSISTENT is not None:
+        return GLUON_BWD_PERSISTENT
+    return int(GLUON_BWD_CONFIGS[tile_width][4])
 
 if gluon is not None:
     @gluon.jit
@@ -879,7 +896,16 @@ if gluon is not None:
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         item = gl.max(sched.index(s).load(layout), 0)
         mbarrier.arrive(sched_empty.index(s), count=1)
-        return item
+        return _gl_warp_uniform(item)
+
+    @gluon.jit
+    def _gl_warp_uniform(x):
+        """x (an int32 every lane of the warp holds the same value of) as lane 0's value, through a shuffle, the
+        usual way to tell the compiler that a value is the same in every lane. ptxas drops most of these shuffles
+        (it knows a shared-memory load of one address already is) and the backward's spills stay as they were; the
+        D=128 forward comes out 32 instructions shorter (SASS compiled for sm_90). What was measured has it."""
+        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=True, pack=1)
 
     @gluon.jit
     def _gl_fwd_tile(t, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M: gl.constexpr,
@@ -1213,7 +1239,7 @@ if gluon is not None:
                               HEAD_MAJOR, PINGPONG, DYNAMIC)),
         ], [4, 1], [240, 24])
 
-    # The backward: one CTA per 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them
+    # The backward: work items of 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them
     # with its K and V in shared memory and dK, dV accumulating in registers; a producer warp streams the query
     # tiles (Q_i, dO_i, and L_i, Delta_i: BLOCK_M rows) of every query head of the group through a ring. Per query
     # tile a consumer makes five matmuls on transposed scores (keys x queries), so no register tile is transposed:
@@ -1222,14 +1248,52 @@ if gluon is not None:
     # dQ_i sums over every key tile, so it is added up in an fp32 buffer: a dQ warp adds each share with a TMA bulk
     # reduce-add while the consumers go on (two buffers per warpgroup). At D=128 the two warpgroups split dQ_i's
     # columns (each multiplies both dS tiles by its half of both K tiles), which halves the fp32 traffic and the
-    # registers; at D=64 each adds its own keys' share of all columns.
+    # registers; at D=64 each adds its own keys' share of all columns. The grid is scheduled as the forward's
+    # (GLUON_BWD_PERSISTENT): the producer claims the next item and passes it to the consumers and the dQ warp
+    # through the schedule ring; it loads the next item's K and V once both consumers have made their last matmul
+    # (kv_empty), while they store the last item's dK and dV. All positions (ring, dQ buffers, phases) run on
+    # across items.
     @gluon.jit
-    def _gl_bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem,
-                         kt_smem, vt_smem, dqt_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full,
-                         dq_empty, DK, DV, b, hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k,
-                         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, qk_scale, sm_scale,
-                         head_dim, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def _gl_bwd_item(t, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, SLOTS: gl.constexpr):
+        """Work item t -> (b, K/V head hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter): keys [start_n,
+        start_n + 2 x BLOCK_N) of one batch x K/V head, which see the query tiles m_lo .. m_lo + n_iter - 1 of each
+        query head of its group. Consecutive items are the n_tiles key tiles of one batch x head (they share its Q
+        and dO in L2), the first (causal: the longest) first. Packed: a document's keys are its own (cu_seqlens_k =
+        cu_seqlens_q); n_tiles = max_seqlen / (2 x BLOCK_N) tiles per document x head, those past its end empty,
+        or SLOTS, n_tiles slots per head (_gl_doc_slot), the documents in order, only a few empty (a persistent
+        grid takes every item in turn; one CTA per item returns at once from an empty one, and the forward's slots
+        made that backward 3% slower). Empty items have start_n >= seqlen_k."""
+        bh = t // n_tiles
+        pid_n = t % n_tiles
+        q_start = 0
+        if VARLEN and SLOTS:  # bh is the K/V head, pid_n a slot
+            hk = bh
+            b, q_start, seqlen_q, pid_n = _gl_doc_slot(cu_seqlens_q, n_docs, pid_n, 2 * BLOCK_N)
+            seqlen_k = seqlen_q
+        else:
+            b = bh // num_kv_heads
+            hk = bh % num_kv_heads
+            if VARLEN:
+                q_start = gl.load(cu_seqlens_q + b)
+                seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
+                seqlen_k = seqlen_q
+        start_n = pid_n * 2 * BLOCK_N
+        m_lo = 0
+        if CAUSAL:  # query rows before start_n see none of these keys
+            m_lo = start_n // BLOCK_M
+        n_iter = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+        return b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter
+
+    @gluon.jit
+    def _gl_bwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc,
+                         dot_desc, dqt_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem,
+                         kt_smem, vt_smem, dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready,
+                         dq_full, dq_empty, sched, sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q,
+                         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh,
+                         seqlen_q, seqlen_k, num_kv_heads, group, n_tiles, n_docs, n_items, counter, qk_scale,
+                         sm_scale, head_dim, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
         DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
         SPLIT: gl.constexpr = DQ_COLS < HEAD_DIM  # (never with a tail: the configs say so)
@@ -1243,221 +1307,283 @@ if gluon is not None:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_st: gl.constexpr = gl.SliceLayout(0, st_layout)
         dtype: gl.constexpr = q_smem.dtype
-        key_lo = start_n + WG * BLOCK_N
-        keys = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
         offs_q = gl.arange(0, BLOCK_M, layout=col_st)
-        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
         v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
         if TAIL > 0:  # the head dim's last TAIL columns: tiles, accumulators and dQ shares of their own
             tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                   instr_shape=[16, TAIL, 16])
             op_t_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=tail_layout, k_width=2)
-            dk_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
-            dv_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
             kt = kt_smem.index(WG).reshape([BLOCK_N, TAIL])
             vt = vt_smem.index(WG).reshape([BLOCK_N, TAIL])
-        key_ragged = key_lo + BLOCK_N > seqlen_k
-        mbarrier.wait(kv_bar.index(WG), 0)
-        for t in range(group * n_iter):
-            slot = t % NUM_STAGES
-            buf = t % 2
-            start_m = (m_lo + t % n_iter) * BLOCK_M
-            rows = start_m + offs_q
-            mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
-            q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)  # (not loop-carried: registers)
-            st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # S^T = K Q^T
-            if TAIL > 0:
-                qt = qt_smem.index(slot).reshape([BLOCK_M, TAIL])
-                dot = dot_smem.index(slot).reshape([BLOCK_M, TAIL])
-                st = warpgroup_mma(kt, qt.permute((1, 0)), st, is_async=True)
-            dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # dP^T = V dO^T
-            if TAIL > 0:
-                dpt = warpgroup_mma(vt, dot.permute((1, 0)), dpt, is_async=True)
-            st = warpgroup_mma_wait(num_outstanding=N_MM, deps=(st,))
-            pt = gl.exp2(st * qk_scale - lse_smem.index(slot).load(col_st)[None, :])
-            masked = key_ragged | (start_m + BLOCK_M > seqlen_q)
-            if CAUSAL:
-                masked = masked | (start_m < key_lo + BLOCK_N)
-            if masked:  # ragged ends and, when causal, tiles that cross the diagonal
-                keep = (keys[:, None] < seqlen_k) & (rows[None, :] < seqlen_q)
-                if CAUSAL:
-                    keep = keep & (keys[:, None] <= rows[None, :])
-                pt = gl.where(keep, pt, 0.0)
-            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-            dv = warpgroup_mma(pt_op, do, dv, is_async=True)                                 # dV += P^T dO
-            if TAIL > 0:
-                pt_op_t = gl.convert_layout(pt_op, op_t_layout)
-                dv_t = warpgroup_mma(pt_op_t, dot, dv_t, is_async=True)
-            dpt = warpgroup_mma_wait(num_outstanding=N_MM, deps=(dpt,))
-            dst = (pt * (dpt - delta_smem.index(slot).load(col_st)[None, :])).to(dtype)
-            ds_smem.index(2 * buf + WG).store(dst)
-            fence_async_shared()
-            if SPLIT:
-                mbarrier.arrive(ds_ready.index(buf), count=1)
-            dst_op = gl.convert_layout(dst, op_layout)
-            dk = warpgroup_mma(dst_op, q, dk, is_async=True)                                 # dK += dS^T Q
-            if TAIL > 0:
-                dst_op_t = gl.convert_layout(dst_op, op_t_layout)
-                dk_t = warpgroup_mma(dst_op_t, qt, dk_t, is_async=True)
-            dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
-            if SPLIT:  # this warpgroup's columns of dQ_i, over both warpgroups' keys
-                mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
-                for w in gl.static_range(2):
-                    k_cols = k_smem.index(w).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
-                    dq = warpgroup_mma(ds_smem.index(2 * buf + w).permute((1, 0)), k_cols, dq, use_acc=w > 0,
-                                       is_async=True)                                       # dQ = dS K
+        t = 0  # query tiles consumed so far (the ring position and the dQ buffers' count)
+        n_done = 0  # items with keys done so far (the phase of kv_bar)
+        n_seen = 0  # items taken so far, empty ones included (the position in the schedule ring)
+        if DYNAMIC:
+            item = _gl_read_item(sched, sched_ready, sched_empty, 0)
+        else:
+            item = gl.program_id(0)
+        while item < n_items:
+            b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = _gl_bwd_item(
+                item, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
+                VARLEN, DYNAMIC)
+            if start_n < seqlen_k_b:
+                key_lo = start_n + WG * BLOCK_N
+                keys = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+                dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+                dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+                if TAIL > 0:
+                    dk_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
+                    dv_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
+                key_ragged = key_lo + BLOCK_N > seqlen_k_b
+                mbarrier.wait(kv_bar.index(WG), n_done & 1)
+                for i in range(group * n_iter):
+                    tile = t + i
+                    slot = tile % NUM_STAGES
+                    buf = tile % 2
+                    start_m = (m_lo + i % n_iter) * BLOCK_M
+                    rows = start_m + offs_q
+                    mbarrier.wait(ready.index(slot), (tile // NUM_STAGES) & 1)
+                    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)  # (not loop-carried)
+                    st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # S^T = K Q^T
+                    if TAIL > 0:
+                        qt = qt_smem.index(slot).reshape([BLOCK_M, TAIL])
+                        dot = dot_smem.index(slot).reshape([BLOCK_M, TAIL])
+                        st = warpgroup_mma(kt, qt.permute((1, 0)), st, is_async=True)
+                    dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # dP^T
+                    if TAIL > 0:
+                        dpt = warpgroup_mma(vt, dot.permute((1, 0)), dpt, is_async=True)
+                    st = warpgroup_mma_wait(num_outstanding=N_MM, deps=(st,))
+                    pt = gl.exp2(st * qk_scale - lse_smem.index(slot).load(col_st)[None, :])
+                    masked = key_ragged | (start_m + BLOCK_M > seqlen_q_b)
+                    if CAUSAL:
+                        masked = masked | (start_m < key_lo + BLOCK_N)
+                    if masked:  # ragged ends and, when causal, tiles that cross the diagonal
+                        keep = (keys[:, None] < seqlen_k_b) & (rows[None, :] < seqlen_q_b)
+                        if CAUSAL:
+                            keep = keep & (keys[:, None] <= rows[None, :])
+                        pt = gl.where(keep, pt, 0.0)
+                    pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+                    dv = warpgroup_mma(pt_op, do, dv, is_async=True)                             # dV += P^T dO
+                    if TAIL > 0:
+                        pt_op_t = gl.convert_layout(pt_op, op_t_layout)
+                        dv_t = warpgroup_mma(pt_op_t, dot, dv_t, is_async=True)
+                    dpt = warpgroup_mma_wait(num_outstanding=N_MM, deps=(dpt,))
+                    dst = (pt * (dpt - delta_smem.index(slot).load(col_st)[None, :])).to(dtype)
+                    ds_smem.index(2 * buf + WG).store(dst)
+                    fence_async_shared()
+                    if SPLIT:
+                        mbarrier.arrive(ds_ready.index(buf), count=1)
+                    dst_op = gl.convert_layout(dst, op_layout)
+                    dk = warpgroup_mma(dst_op, q, dk, is_async=True)                             # dK += dS^T Q
+                    if TAIL > 0:
+                        dst_op_t = gl.convert_layout(dst_op, op_t_layout)
+                        dk_t = warpgroup_mma(dst_op_t, qt, dk_t, is_async=True)
+                    dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+                    if SPLIT:  # this warpgroup's columns of dQ_i, over both warpgroups' keys
+                        mbarrier.wait(ds_ready.index(buf), (tile // 2) & 1)
+                        for w in gl.static_range(2):
+                            k_cols = k_smem.index(w).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+                            dq = warpgroup_mma(ds_smem.index(2 * buf + w).permute((1, 0)), k_cols, dq,
+                                               use_acc=w > 0, is_async=True)                    # dQ = dS K
+                    else:
+                        dq = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), k, dq, use_acc=False,
+                                           is_async=True)
+                    if TAIL > 0:
+                        dq_t = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), kt,
+                                             gl.zeros([BLOCK_M, TAIL], gl.float32, layout=tail_layout),
+                                             use_acc=False, is_async=True)
+                        dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t = warpgroup_mma_wait(
+                            num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t))
+                    else:
+                        dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0,
+                                                                       deps=(dv, dk, dq, pt_op, dst_op))
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    mbarrier.wait(dq_empty.index(2 * buf + WG), ((tile // 2) & 1) ^ 1)  # the dQ warp is done
+                    dq_smem.index(2 * buf + WG).reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
+                    if TAIL > 0:
+                        dqt_smem.index(2 * buf + WG).reshape([BLOCK_M, TAIL]).store(dq_t * sm_scale)
+                    fence_async_shared()  # the TMA unit (async proxy) reads what these threads wrote
+                    mbarrier.arrive(dq_full.index(2 * buf + WG), count=1)
+                if DYNAMIC:
+                    mbarrier.arrive(kv_empty.index(0), count=1)  # this item's last matmul has read K and V
+                k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+                row_off = (q_start + k_rows[:, None]).to(gl.int64)  # packed: keys share the queries' offsets
+                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+                keep = (k_rows[:, None] < seqlen_k_b) & (cols[None, :] < head_dim)
+                gl.store(DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + row_off * stride_dks + cols[None, :],
+                         (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
+                gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
+                         dv.to(DV.dtype.element_ty), mask=keep)
+                if TAIL > 0:
+                    k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, tail_layout))
+                    row_off = (q_start + k_rows[:, None]).to(gl.int64)
+                    cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, tail_layout))
+                    keep = (k_rows[:, None] < seqlen_k_b) & (cols[None, :] < head_dim)
+                    gl.store(DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + row_off * stride_dks
+                             + cols[None, :], (dk_t * sm_scale).to(DK.dtype.element_ty), mask=keep)
+                    gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs
+                             + cols[None, :], dv_t.to(DV.dtype.element_ty), mask=keep)
+                t += group * n_iter
+                n_done += 1
+            n_seen += 1
+            if DYNAMIC:
+                item = _gl_read_item(sched, sched_ready, sched_empty, n_seen)
             else:
-                dq = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), k, dq, use_acc=False, is_async=True)
-            if TAIL > 0:
-                dq_t = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), kt,
-                                     gl.zeros([BLOCK_M, TAIL], gl.float32, layout=tail_layout), use_acc=False,
-                                     is_async=True)
-                dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t = warpgroup_mma_wait(
-                    num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t))
-            else:
-                dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op))
-            mbarrier.arrive(empty.index(slot), count=1)
-            mbarrier.wait(dq_empty.index(2 * buf + WG), ((t // 2) & 1) ^ 1)  # the dQ warp is done with it
-            dq_smem.index(2 * buf + WG).reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
-            if TAIL > 0:
-                dqt_smem.index(2 * buf + WG).reshape([BLOCK_M, TAIL]).store(dq_t * sm_scale)
-            fence_async_shared()  # the TMA unit (async proxy) reads what these threads wrote
-            mbarrier.arrive(dq_full.index(2 * buf + WG), count=1)
-        k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        row_off = (q_start + k_rows[:, None]).to(gl.int64)  # packed: keys share the queries' offsets
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        keep = (k_rows[:, None] < seqlen_k) & (cols[None, :] < head_dim)
-        gl.store(DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + row_off * stride_dks + cols[None, :],
-                 (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
-        gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
-                 dv.to(DV.dtype.element_ty), mask=keep)
-        if TAIL > 0:
-            k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, tail_layout))
-            row_off = (q_start + k_rows[:, None]).to(gl.int64)
-            cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, tail_layout))
-            keep = (k_rows[:, None] < seqlen_k) & (cols[None, :] < head_dim)
-            gl.store(DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + row_off * stride_dks + cols[None, :],
-                     (dk_t * sm_scale).to(DK.dtype.element_ty), mask=keep)
-            gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
-                     dv_t.to(DV.dtype.element_ty), mask=keep)
+                item = n_items  # one CTA per item: done (the loop folds away)
 
     # Worker partition entry points (one signature for all, as warp_specialize needs; the default partition,
     # consumer warpgroup 0, calls _gl_bwd_consumer directly).
     @gluon.jit
     def _gl_bwd_wg1(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem,
-                    lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
-                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
-                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
-                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
-        _gl_bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
-                         dqt_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, b,
-                         hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh,
-                         stride_dks, stride_dvb, stride_dvh, stride_dvs, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL,
-                         BLOCK_M, BLOCK_N, CAUSAL)
+                    lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched,
+                    sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks,
+                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group,
+                    n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM: gl.constexpr,
+                    TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
+        _gl_bwd_consumer(1, q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
+                         q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
+                         dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty,
+                         sched, sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh,
+                         stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k,
+                         num_kv_heads, group, n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim,
+                         HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, DYNAMIC)
 
     @gluon.jit
     def _gl_bwd_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
-                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem,
-                    lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
-                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
-                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
-                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
-        """The producer warp: each warpgroup's K and V once, then Q_i and dO_i of every query tile of every head of
-        the group into the ring with their rows of L (in base 2) and Delta, a slot at a time once both consumers
-        have released it."""
+                       q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
+                       dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty,
+                       sched, sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh,
+                       stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k,
+                       num_kv_heads, group, n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim,
+                       HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
+        """The producer warp, over the CTA's work items: each warpgroup's K and V once both consumers have made the
+        last item's final matmul, then Q_i and dO_i of every query tile of every head of the group into the ring
+        with their rows of L (in base 2) and Delta, a slot at a time once both consumers have released it."""
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
         offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
-        for wg in gl.static_range(2):
-            row = q_start + start_n + wg * BLOCK_N
-            mbarrier.expect(kv_bar.index(wg), 2 * _gl_tile_bytes(k_desc, kt_desc, TAIL))
-            _gl_load_tile(k_desc, kt_desc, kv_bar.index(wg), k_smem.index(wg), kt_smem.index(wg), b, hk, row,
-                          HEAD_DIM, TAIL, VARLEN)
-            _gl_load_tile(v_desc, vt_desc, kv_bar.index(wg), v_smem.index(wg), vt_smem.index(wg), b, hk, row,
-                          HEAD_DIM, TAIL, VARLEN)
-        for t in range(group * n_iter):
-            slot = t % NUM_STAGES
-            h = hk * group + t // n_iter
-            start_m = (m_lo + t % n_iter) * BLOCK_M
-            mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
-            rows = start_m + offs
-            l_off = b.to(gl.int64) * stride_lb + h * stride_lh + q_start + rows
-            lse_smem.index(slot).store(gl.load(LSE + l_off, mask=rows < seqlen_q, other=0.0) * 1.4426950408889634)
-            delta_smem.index(slot).store(gl.load(DELTA + l_off, mask=rows < seqlen_q, other=0.0))
-            # (the expect is this warp's arrival: it releases the two stores above with the TMA bytes)
-            mbarrier.expect(ready.index(slot), 2 * _gl_tile_bytes(q_desc, qt_desc, TAIL))
-            _gl_load_tile(q_desc, qt_desc, ready.index(slot), q_smem.index(slot), qt_smem.index(slot), b, h,
-                          q_start + start_m, HEAD_DIM, TAIL, VARLEN)
-            _gl_load_tile(do_desc, dot_desc, ready.index(slot), do_smem.index(slot), dot_smem.index(slot), b, h,
-                          q_start + start_m, HEAD_DIM, TAIL, VARLEN)
+        t = 0  # query tiles loaded so far (the ring position)
+        n_done = 0  # items with keys loaded so far (the phase of kv_empty)
+        n_seen = 0  # items taken so far (the position in the schedule ring)
+        item = gl.program_id(0)
+        while item < n_items:
+            if DYNAMIC:
+                _gl_publish_item(sched, sched_ready, sched_empty, n_seen, item)
+            b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = _gl_bwd_item(
+                item, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
+                VARLEN, DYNAMIC)
+            if start_n < seqlen_k_b:
+                if DYNAMIC:  # (one CTA per item: its K and V slots start free)
+                    mbarrier.wait(kv_empty.index(0), (n_done & 1) ^ 1)
+                for wg in gl.static_range(2):
+                    row = q_start + start_n + wg * BLOCK_N
+                    mbarrier.expect(kv_bar.index(wg), 2 * _gl_tile_bytes(k_desc, kt_desc, TAIL))
+                    _gl_load_tile(k_desc, kt_desc, kv_bar.index(wg), k_smem.index(wg), kt_smem.index(wg), b, hk,
+                                  row, HEAD_DIM, TAIL, VARLEN)
+                    _gl_load_tile(v_desc, vt_desc, kv_bar.index(wg), v_smem.index(wg), vt_smem.index(wg), b, hk,
+                                  row, HEAD_DIM, TAIL, VARLEN)
+                for i in range(group * n_iter):
+                    slot = (t + i) % NUM_STAGES
+                    h = hk * group + i // n_iter
+                    start_m = (m_lo + i % n_iter) * BLOCK_M
+                    mbarrier.wait(empty.index(slot), (((t + i) // NUM_STAGES) & 1) ^ 1)
+                    rows = start_m + offs
+                    l_off = b.to(gl.int64) * stride_lb + h * stride_lh + q_start + rows
+                    lse_smem.index(slot).store(gl.load(LSE + l_off, mask=rows < seqlen_q_b, other=0.0)
+                                               * 1.4426950408889634)
+                    delta_smem.index(slot).store(gl.load(DELTA + l_off, mask=rows < seqlen_q_b, other=0.0))
+                    # (the expect is this warp's arrival: it releases the two stores above with the TMA bytes)
+                    mbarrier.expect(ready.index(slot), 2 * _gl_tile_bytes(q_desc, qt_desc, TAIL))
+                    _gl_load_tile(q_desc, qt_desc, ready.index(slot), q_smem.index(slot), qt_smem.index(slot), b, h,
+                                  q_start + start_m, HEAD_DIM, TAIL, VARLEN)
+                    _gl_load_tile(do_desc, dot_desc, ready.index(slot), do_smem.index(slot), dot_smem.index(slot), b,
+                                  h, q_start + start_m, HEAD_DIM, TAIL, VARLEN)
+                t += group * n_iter
+                n_done += 1
+            n_seen += 1
+            if DYNAMIC:  # the next item not yet taken by any CTA (the first G went one to each)
+                item = gl.num_programs(0) + gl.atomic_add(counter, 1, sem="relaxed")
+            else:
+                item = n_items
+        if DYNAMIC:
+            _gl_publish_item(sched, sched_ready, sched_empty, n_seen, item)  # past the last: the others stop
 
     @gluon.jit
     def _gl_bwd_dq_writer(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
-                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem,
-                    lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b,
-                    hk, group, q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks,
-                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim,
-                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+                          q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
+                          dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty,
+                          sched, sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh,
+                          stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k,
+                          num_kv_heads, group, n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim,
+                          HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
         """The dQ warp: each warpgroup's dQ share from shared memory added to the fp32 dQ buffer with a TMA bulk
         reduce-add; a buffer is given back once its reduce has read it, one query tile later."""
         DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
-        for t in range(group * n_iter):
-            h = hk * group + t // n_iter
-            start_m = (m_lo + t % n_iter) * BLOCK_M
-            buf = t % 2
-            for wg in gl.static_range(2):
-                col = wg * DQ_COLS if DQ_COLS < HEAD_DIM else 0
-                mbarrier.wait(dq_full.index(2 * buf + wg), (t // 2) & 1)
-                if VARLEN:
-                    _tma_reduce_add(dq_desc, [q_start + start_m, h, col], dq_smem.index(2 * buf + wg))
-                    if TAIL > 0:
-                        _tma_reduce_add(dqt_desc, [q_start + start_m, h, HEAD_DIM], dqt_smem.index(2 * buf + wg))
-                else:
-                    _tma_reduce_add(dq_desc, [b, h, start_m, col], dq_smem.index(2 * buf + wg))
-                    if TAIL > 0:
-                        _tma_reduce_add(dqt_desc, [b, h, start_m, HEAD_DIM], dqt_smem.index(2 * buf + wg))
-            if t > 0:
-                tma.store_wait(4 if TAIL > 0 else 2)  # the previous tile's reduces have read their buffers
-                mbarrier.arrive(dq_empty.index(2 * (1 - buf)), count=1)
-                mbarrier.arrive(dq_empty.index(2 * (1 - buf) + 1), count=1)
+        t = 0  # query tiles done so far, over all items (the dQ buffers' count)
+        n_seen = 0
+        if DYNAMIC:
+            item = _gl_read_item(sched, sched_ready, sched_empty, 0)
+        else:
+            item = gl.program_id(0)
+        while item < n_items:
+            b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = _gl_bwd_item(
+                item, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
+                VARLEN, DYNAMIC)
+            if start_n < seqlen_k_b:
+                for i in range(group * n_iter):
+                    tile = t + i
+                    h = hk * group + i // n_iter
+                    start_m = (m_lo + i % n_iter) * BLOCK_M
+                    buf = tile % 2
+                    for wg in gl.static_range(2):
+                        col = wg * DQ_COLS if DQ_COLS < HEAD_DIM else 0
+                        mbarrier.wait(dq_full.index(2 * buf + wg), (tile // 2) & 1)
+                        if VARLEN:
+                            _tma_reduce_add(dq_desc, [q_start + start_m, h, col], dq_smem.index(2 * buf + wg))
+                            if TAIL > 0:
+                                _tma_reduce_add(dqt_desc, [q_start + start_m, h, HEAD_DIM],
+                                                dqt_smem.index(2 * buf + wg))
+                        else:
+                            _tma_reduce_add(dq_desc, [b, h, start_m, col], dq_smem.index(2 * buf + wg))
+                            if TAIL > 0:
+                                _tma_reduce_add(dqt_desc, [b, h, start_m, HEAD_DIM], dqt_smem.index(2 * buf + wg))
+                    if tile > 0:
+                        tma.store_wait(4 if TAIL > 0 else 2)  # the previous tile's reduces have read their buffers
+                        mbarrier.arrive(dq_empty.index(2 * (1 - buf)), count=1)
+                        mbarrier.arrive(dq_empty.index(2 * (1 - buf) + 1), count=1)
+                t += group * n_iter
+            n_seen += 1
+            if DYNAMIC:
+                item = _gl_read_item(sched, sched_ready, sched_empty, n_seen)
+            else:
+                item = n_items
         tma.store_wait(0)
 
     @gluon.jit
     def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, DK, DV,
                      LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-                     stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group, qk_scale, sm_scale,
-                     head_dim, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
-        """One program per (2 x BLOCK_N keys, batch x K/V head), the key tiles of one head in a row (they share its
-        Q and dO in L2), the first (causal: the longest) first; packed: one document's keys (cu_seqlens_k =
-        cu_seqlens_q), max_seqlen / (2 x BLOCK_N) programs per document, those past its end returning at once (the
-        forward's slots, _gl_doc_slot, made this backward 3% slower: a program of no keys costs little here, where
-        it allocates nothing). dQ (fp32, zeroed by the caller) is added to."""
-        pid_n = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        b = pid_bh // num_kv_heads
-        hk = pid_bh % num_kv_heads
-        q_start = 0
-        if VARLEN:
-            q_start = gl.load(cu_seqlens_q + b)
-            seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
-            seqlen_k = seqlen_q
-        start_n = pid_n * 2 * BLOCK_N
-        if start_n < seqlen_k:
-            m_lo = 0
-            if CAUSAL:  # query rows before start_n see none of these keys
-                m_lo = start_n // BLOCK_M
-            n_iter = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+                     stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group, n_tiles, n_docs, n_items, counter,
+                     qk_scale, sm_scale, head_dim, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                     DYNAMIC: gl.constexpr):
+        """Work items of 2 x BLOCK_N keys of one batch x K/V head (_gl_bwd_item), n_items of them: one CTA per item
+        (grid n_items) or, DYNAMIC, a persistent grid of G CTAs that start on items 0..G-1 and then take the next
+        untaken one from `counter` (zero at launch), as the forward. dQ (fp32, zeroed by the caller) is added to."""
+        live = True
+        if not DYNAMIC:  # one CTA per item: an empty one (packed, past its document) returns before allocating
+            _, _, _, _, seqlen_k_b, start_n, _, _ = _gl_bwd_item(gl.program_id(0), cu_seqlens_q, seqlen_q, seqlen_k,
+                                                                 num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N,
+                                                                 CAUSAL, VARLEN, DYNAMIC)
+            live = start_n < seqlen_k_b
+        if live:
             q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
-            do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
-                                                do_desc.layout)
+            do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
             k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
             v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
             # dS and dQ tiles: (two buffers) x (two warpgroups)
@@ -1479,14 +1605,22 @@ if gluon is not None:
             delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
                                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
             kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
             dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
             ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
             empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            # the schedule ring (dynamic scheduling): two work-item numbers, each read by both consumers and the dQ warp
+            sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            sched_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            sched_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_empty.index(0), count=2)  # both consumers have made their last matmul of an item
             for i in gl.static_range(2):
                 mbarrier.init(kv_bar.index(i), count=1)
                 mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' dS tiles are in shared memory
+                mbarrier.init(sched_ready.index(i), count=1)
+                mbarrier.init(sched_empty.index(i), count=3)
             for i in gl.static_range(4):
                 mbarrier.init(dq_full.index(i), count=1)
                 mbarrier.init(dq_empty.index(i), count=1)
@@ -1495,31 +1629,37 @@ if gluon is not None:
                 mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             gl.warp_specialize([  # (the tuples written out: see the forward)
                 (_gl_bwd_consumer,
-                 (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem,
-                  lse_smem, delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, b, hk, group,
-                  q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-                  stride_dvh, stride_dvs, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL)),
+                 (0, q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, q_smem,
+                  do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem, lse_smem,
+                  delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched, sched_ready,
+                  sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                  stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group, n_tiles,
+                  n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL,
+                  VARLEN, DYNAMIC)),
                 (_gl_bwd_wg1,
                  (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, q_smem,
                   do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem, lse_smem,
-                  delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
-                  q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-                  stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M,
-                  BLOCK_N, CAUSAL, VARLEN)),
+                  delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched, sched_ready,
+                  sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                  stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group, n_tiles,
+                  n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL,
+                  VARLEN, DYNAMIC)),
                 (_gl_bwd_loader,
                  (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, q_smem,
                   do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem, lse_smem,
-                  delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
-                  q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-                  stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M,
-                  BLOCK_N, CAUSAL, VARLEN)),
+                  delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched, sched_ready,
+                  sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                  stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group, n_tiles,
+                  n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL,
+                  VARLEN, DYNAMIC)),
                 (_gl_bwd_dq_writer,
                  (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, q_smem,
                   do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem, lse_smem,
-                  delta_smem, kv_bar, ready, empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, b, hk, group,
-                  q_start, start_n, m_lo, n_iter, seqlen_q, seqlen_k, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-                  stride_dvh, stride_dvs, stride_lb, stride_lh, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M,
-                  BLOCK_N, CAUSAL, VARLEN)),
+                  delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched, sched_ready,
+                  sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                  stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group, n_tiles,
+                  n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL,
+                  VARLEN, DYNAMIC)),
             ], [4, 1, 1], [240, 24, 24])
 
 
@@ -1638,7 +1778,7 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
-    block_m, block_n, stages, dq_split = GLUON_BWD_CONFIGS[main + tail]
+    block_m, block_n, stages, dq_split, _ = GLUON_BWD_CONFIGS[main + tail]
     batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                          max_seqlen_q)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
@@ -1659,13 +1799,21 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
         _head_descriptors(x, rows, varlen, cols, tail) for x, rows, cols in (
             (qp, block_m, main), (dop, block_m, main), (kp, block_n, main), (vp, block_n, main),
             (dq_acc, block_m, main // dq_split)))
-    grid = (triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads)
-    _gl_attn_bwd[grid](q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
-                       dk, dv, lse, delta, cu_seqlens_q if varlen else lse, **_strides("dk", dk, varlen),
-                       **_strides("dv", dv, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                       num_kv_heads=kv_heads, group=heads // kv_heads, qk_scale=LOG2E * scale, sm_scale=scale,
-                       head_dim=d, HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
-                       CAUSAL=causal, VARLEN=varlen, num_warps=4, maxnreg=168)
+    # work items: key tiles x batch x K/V heads; packed and persistent, slots (_gl_doc_slot) x K/V heads
+    n_tiles = triton.cdiv(seqlen_k, 2 * block_n)
+    ctas = _gluon_bwd_persistent(main + tail) * _sm_count(q.device.index)
+    dynamic = 0 < ctas < n_tiles * batch * kv_heads
+    if varlen and dynamic:
+        n_tiles = k.shape[0] // (2 * block_n) + batch
+    n_items = n_tiles * (kv_heads if varlen and dynamic else batch * kv_heads)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+    _gl_attn_bwd[(ctas if dynamic else n_items,)](
+        q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk, dv, lse, delta,
+        cu_seqlens_q if varlen else lse, **_strides("dk", dk, varlen), **_strides("dv", dv, varlen), **lse_strides,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_kv_heads=kv_heads, group=heads // kv_heads, n_tiles=n_tiles,
+        n_docs=batch, n_items=n_items, counter=counter, qk_scale=LOG2E * scale, sm_scale=scale, head_dim=d,
+        HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
+        DYNAMIC=dynamic, num_warps=4, maxnreg=168)
     dq.copy_(dq_acc[..., :d])
     return dq, dk, dv
 

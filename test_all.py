@@ -936,13 +936,14 @@ def test_flash_gpu_gluon_matches_reference():
     80 and 96 (tiles 64 wide and tails of 16 and 32), 72 and 40 (read in place, zeros past D) and 36 (rows not
     16-byte aligned: padded copies), packed documents of 1 token up to several tiles (many per key tile) and 302 of
     them (more than one chunk of the document search); outputs poisoned first. Shapes of more work items than SMs
-    run the forward persistent, the CTAs taking items dynamically (the default); the last ones also with one CTA per
-    item (3 x 8 heads x 17 query tiles: 408 items over 132 SMs)."""
+    run persistent, the CTAs taking items dynamically (the default); the last ones also with one CTA per item (the
+    forward: 3 x 8 heads x 17 query tiles = 408 items over 132 SMs; the backward: 3 x 4 K/V heads x 17 key tiles =
+    204 items, and 4 x 8 x 8 = 256 at D=80)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(12)
     old, flash.BACKEND = flash.BACKEND, "gluon"
-    persistent = flash.GLUON_FWD_PERSISTENT
+    persistent = flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT
     try:
         for causal in (True, False):
             for b, h, h_kv, s, d in ((2, 4, 4, 1, 64), (1, 2, 2, 77, 128), (2, 4, 2, 1000, 64), (1, 3, 1, 2049, 128),
@@ -964,13 +965,14 @@ def test_flash_gpu_gluon_matches_reference():
             _check_varlen(lens, 4, 2, 96, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             many = torch.randint(1, 40, (300,), generator=gen).tolist() + [700, 1]  # more than 256 documents
             _check_varlen(many, 2, 2, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-        for flash.GLUON_FWD_PERSISTENT in (1, 0):  # dynamic persistent, then one CTA per work item
-            for causal in (True, False):
-                _check_dense(3, 8, 2, 2049, 2049, 128, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+        for flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT in ((1, 1), (0, 0)):  # dynamic, then one CTA
+            for causal in (True, False):                                                 # per work item
+                _check_dense(3, 8, 4, 2049, 2049, 128, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+                _check_dense(4, 8, 8, 1000, 1000, 80, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
                 _check_varlen([1, 7, 300, 2, 1500, 64, 129, 1, 900], 8, 8, 64, causal, gen=gen, tol=2e-2,
                               dtype=torch.bfloat16)
     finally:
-        flash.BACKEND, flash.GLUON_FWD_PERSISTENT = old, persistent
+        flash.BACKEND, (flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT) = old, persistent
 
 
 def test_flash_gpu_bf16_large_shapes():
