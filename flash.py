@@ -899,6 +899,25 @@ if gluon is not None:
         return _gl_warp_uniform(item)
 
     @gluon.jit
+    def _gl_first_item(sched, sched_ready, sched_empty, DYNAMIC: gl.constexpr):
+        """A reader of the backward's work items (a consumer, the dQ warp): its CTA's first item."""
+        if DYNAMIC:
+            item = _gl_read_item(sched, sched_ready, sched_empty, 0)
+        else:
+            item = gl.program_id(0)
+        return item
+
+    @gluon.jit
+    def _gl_next_item(sched, sched_ready, sched_empty, n_seen, n_items, DYNAMIC: gl.constexpr):
+        """The item after n_seen of them: the next from the schedule ring, or with one CTA per item n_items, which
+        ends the reader's loop after one pass (so the compiler drops the loop)."""
+        if DYNAMIC:
+            item = _gl_read_item(sched, sched_ready, sched_empty, n_seen)
+        else:
+            item = n_items
+        return item
+
+    @gluon.jit
     def _gl_warp_uniform(x):
         """x (an int32 every lane of the warp holds the same value of) as lane 0's value, through a shuffle, the
         usual way to tell the compiler that a value is the same in every lane. ptxas drops most of these shuffles
@@ -1319,10 +1338,7 @@ if gluon is not None:
         t = 0  # query tiles consumed so far (the ring position and the dQ buffers' count)
         n_done = 0  # items with keys done so far (the phase of kv_bar)
         n_seen = 0  # items taken so far, empty ones included (the position in the schedule ring)
-        if DYNAMIC:
-            item = _gl_read_item(sched, sched_ready, sched_empty, 0)
-        else:
-            item = gl.program_id(0)
+        item = _gl_first_item(sched, sched_ready, sched_empty, DYNAMIC)
         while item < n_items:
             b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = _gl_bwd_item(
                 item, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
@@ -1429,10 +1445,7 @@ if gluon is not None:
                 t += group * n_iter
                 n_done += 1
             n_seen += 1
-            if DYNAMIC:
-                item = _gl_read_item(sched, sched_ready, sched_empty, n_seen)
-            else:
-                item = n_items  # one CTA per item: done (the loop folds away)
+            item = _gl_next_item(sched, sched_ready, sched_empty, n_seen, n_items, DYNAMIC)
 
     # Worker partition entry points (one signature for all, as warp_specialize needs; the default partition,
     # consumer warpgroup 0, calls _gl_bwd_consumer directly).
@@ -1527,10 +1540,7 @@ if gluon is not None:
         DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
         t = 0  # query tiles done so far, over all items (the dQ buffers' count)
         n_seen = 0
-        if DYNAMIC:
-            item = _gl_read_item(sched, sched_ready, sched_empty, 0)
-        else:
-            item = gl.program_id(0)
+        item = _gl_first_item(sched, sched_ready, sched_empty, DYNAMIC)
         while item < n_items:
             b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = _gl_bwd_item(
                 item, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
@@ -1559,10 +1569,7 @@ if gluon is not None:
                         mbarrier.arrive(dq_empty.index(2 * (1 - buf) + 1), count=1)
                 t += group * n_iter
             n_seen += 1
-            if DYNAMIC:
-                item = _gl_read_item(sched, sched_ready, sched_empty, n_seen)
-            else:
-                item = n_items
+            item = _gl_next_item(sched, sched_ready, sched_empty, n_seen, n_items, DYNAMIC)
         tma.store_wait(0)
 
     @gluon.jit
@@ -1799,13 +1806,14 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
         _head_descriptors(x, rows, varlen, cols, tail) for x, rows, cols in (
             (qp, block_m, main), (dop, block_m, main), (kp, block_n, main), (vp, block_n, main),
             (dq_acc, block_m, main // dq_split)))
-    # work items: key tiles x batch x K/V heads; packed and persistent, slots (_gl_doc_slot) x K/V heads
-    n_tiles = triton.cdiv(seqlen_k, 2 * block_n)
+    # work items: key tiles x batch x K/V heads; on the persistent grid packed batches in slots (_gl_doc_slot) x K/V
+    # heads instead
+    n_tiles, n_bh = triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads
     ctas = _gluon_bwd_persistent(main + tail) * _sm_count(q.device.index)
-    dynamic = 0 < ctas < n_tiles * batch * kv_heads
+    dynamic = 0 < ctas < n_tiles * n_bh
     if varlen and dynamic:
-        n_tiles = k.shape[0] // (2 * block_n) + batch
-    n_items = n_tiles * (kv_heads if varlen and dynamic else batch * kv_heads)
+        n_tiles, n_bh = k.shape[0] // (2 * block_n) + batch, kv_heads
+    n_items = n_tiles * n_bh
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     _gl_attn_bwd[(ctas if dynamic else n_items,)](
         q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk, dv, lse, delta,
