@@ -21,11 +21,11 @@ top-left alignment of SDPA's is_causal); O = P V; L = logsumexp of each row of S
 never store S or P: the forward keeps a running max m_i and sum l_i (online softmax), the backward recomputes
 P = exp(S - L) tile by tile and uses Delta = rowsum(dO * O) (which equals rowsum(P * dP)), so
 dS = P * (dP - Delta), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), dV = P^T dO.
-Under torch.compile the entry points call torch.library custom ops with fake (meta) kernels, so a model that calls
-them compiles without graph breaks; eager calls skip the custom-op layer (its dispatch costs more host time than
-the launches). On a machine without CUDA the Triton kernels run only under the interpreter, so importing this
-file there sets TRITON_INTERPRET=1 (unless it is already set) before importing triton; it is slow, so keep
-shapes tiny there.
+Under torch.compile the entry points call torch.library operators with fake (meta) kernels, so a model that calls
+them compiles without graph breaks; eager calls skip the operator layer (its dispatch costs host time). From the
+second call with the same shapes on, the launchers run the compiled kernels directly (_launch). On a machine
+without CUDA the Triton kernels run only under the interpreter, so importing this file there sets
+TRITON_INTERPRET=1 (unless it is already set) before importing triton; it is slow, so keep shapes tiny there.
 """
 import functools
 import inspect
@@ -604,6 +604,119 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
 
 # Launchers: dense (B, H, S, D) when cu_seqlens_q is None, packed (total, H, D) otherwise.
 
+# Direct launches. Triton's kernel[grid](...) costs 30-60 us of host time per launch on the H200 machine (the
+# autotuner's key, binding and specializing every argument, the cache lookup) where running the compiled kernel
+# takes 7-11 us (measured: BENCHMARKS.md, What we tried). _launch keys a launch by everything Triton specializes
+# on: the kernel, the device, the grid, every argument that is not a tensor (ints, floats, flags, constexprs) and,
+# of each tensor or TMA descriptor, the dtype and whether its address is 16-byte aligned (plus a descriptor's
+# shape, strides and block). The first call with a key launches the normal way and keeps the compiled kernel and
+# its bound arguments; later calls swap in their own tensors and run the compiled kernel directly. Where this
+# Triton's internals differ from what it expects, or a launch hook (a profiler) is active, it launches the normal
+# way. FLASH_DIRECT_LAUNCH=0 turns it off.
+DIRECT_LAUNCH = os.environ.get("FLASH_DIRECT_LAUNCH", "1") != "0" and not INTERPRET
+_LAUNCHES = {}  # key -> (run, grid, function, metadata, bound args with the tensors left out, tensor slots) or None
+try:
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _driver
+    from triton.runtime.autotuner import Autotuner as _Autotuner
+except ImportError:  # an older Triton: normal launches only
+    DIRECT_LAUNCH = False
+
+
+def _arg_key(v):
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() % 16 == 0
+    base = getattr(v, "base", None)  # a TMA descriptor
+    if isinstance(base, torch.Tensor):
+        return base.dtype, base.data_ptr() % 16 == 0, tuple(v.shape), tuple(v.strides), tuple(v.block_shape)
+    return v
+
+
+def _hooks_active():
+    hook = _knobs.runtime.launch_enter_hook
+    return hook is not None and getattr(hook, "calls", True)
+
+
+def _direct(kernel, grid, args, kwargs, device):
+    """The compiled kernel that kernel[grid](*args, **kwargs) just ran, with its launch grid, its bound arguments
+    (the tensors left out) and where each tensor goes, or None where this Triton's internals are not the expected
+    ones."""
+    try:
+        jit, extra = (kernel.fn, kernel.best_config.all_kwargs()) if isinstance(kernel, _Autotuner) else (kernel, {})
+        full = {**kwargs, **extra}
+        compiled = jit.run(*args, grid=grid, warmup=True, **full)  # Triton's cache: the kernel that just ran
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        binder = jit.device_caches[device][4]
+        bound, _, _ = binder(*args, **full, debug=full.get("debug", jit.debug) or _knobs.runtime.debug,
+                             instrumentation_mode=_knobs.compilation.instrumentation_mode)
+        g = tuple(grid(bound) if callable(grid) else grid)
+        values = list(bound.values())
+        slots = []  # (position in the bound arguments, position in args or None, name in kwargs)
+        for i, (name, value) in enumerate(bound.items()):
+            if isinstance(value, torch.Tensor) or hasattr(value, "block_shape"):
+                slots.append((i, i if i < len(args) else None, name))
+                values[i] = None  # no reference kept to the first call's tensors
+        return compiled.run, g + (1,) * (3 - len(g)), compiled.function, compiled.packed_metadata, values, slots
+    except Exception:  # noqa: BLE001 (any mismatch: launch the normal way)
+        return None
+
+
+def _launch(kernel, grid, *args, key=None, **kwargs):
+    """kernel[grid](*args, **kwargs), run directly from the second call with the same key on (DIRECT_LAUNCH).
+    key: the caller's own, cheaper key (a _memo signature): it must fix the grid, every argument but the tensors
+    and every tensor's dtype, and the tensor keyword arguments' alignment; args must be tensors (their alignment is
+    added here)."""
+    if not DIRECT_LAUNCH:
+        kernel[grid](*args, **kwargs)
+        return
+    device = _driver.active.get_current_device()
+    if key is None:
+        key = (None if callable(grid) else grid, tuple(kwargs), *map(_arg_key, args), *map(_arg_key, kwargs.values()))
+    else:
+        key = (key, _aligned(*args))
+    key = (kernel, device, key)
+    plan = _LAUNCHES.get(key, False)
+    if not plan or _hooks_active():
+        kernel[grid](*args, **kwargs)
+        if plan is False:
+            if len(_LAUNCHES) > 4096:  # many shapes (e.g. packed batches of every length): start over
+                _LAUNCHES.clear()
+            _LAUNCHES[key] = _direct(kernel, grid, args, kwargs, device)
+        return
+    run, g, function, metadata, values, slots = plan
+    values = list(values)
+    for i, pos, name in slots:
+        values[i] = args[pos] if pos is not None else kwargs[name]
+    run(g[0], g[1], g[2], _driver.active.get_current_stream(device), function, metadata, None, None, None, *values)
+
+
+_ARGS = {}  # a launcher's signature -> its launches' grids and arguments other than tensors
+
+
+def _memo(sig, build):
+    """build() once per sig: the grids and the arguments other than tensors of a launcher's launches, where sig
+    holds everything they follow from (shapes, strides, dtypes, flags, lengths). Working them out costs 30-60 us of
+    host time per call (measured on a CPU), more than a direct launch."""
+    got = _ARGS.get(sig)
+    if got is None:
+        if len(_ARGS) > 4096:
+            _ARGS.clear()
+        got = _ARGS[sig] = build()
+    return got
+
+
+def _aligned(*tensors):
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _cdiv(a, b):  # triton.cdiv and triton.next_power_of_2 cost microseconds each from Python
+    return -(-a // b)
+
+
+def _pow2(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _blocks(name):
     if not INTERPRET:
         return {}
@@ -627,7 +740,7 @@ def _kernel_head_dim(d):
     """The Triton kernels' tile width along the head dim: tl.dot needs at least 16 and tiles need powers of two,
     so other head dims run in wider tiles of zero-padded copies (zeros change no score), e.g. 80 -> 128. The Gluon
     kernels have tiles of their own (_gluon_head_tiles: 80 = 64 + 16)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, _pow2(d))
 
 
 def _pad(x, d_pad):
@@ -636,7 +749,8 @@ def _pad(x, d_pad):
 
 def _strides(name, x, varlen):
     """The kernel's stride_{name}b, stride_{name}h, stride_{name}s arguments for x (packed: no batch stride)."""
-    b, h, s = (0, x.stride(1), x.stride(0)) if varlen else (x.stride(0), x.stride(1), x.stride(2))
+    st = x.stride()
+    b, h, s = (0, st[1], st[0]) if varlen else st[:3]
     return {f"stride_{name}b": b, f"stride_{name}h": h, f"stride_{name}s": s}
 
 
@@ -699,14 +813,19 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     qp, kp, vp = (_unit_last(_pad(x, d_pad)) for x in (q, k, v))
     op = o if d_pad == d else _empty_out(qp)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
-    grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))
-    _attn_fwd[grid](qp, kp, vp, op, lse, cu_q, cu_k,
-                    **_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
-                    **_strides("o", op, varlen), **lse_strides,
-                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
-                    qk_scale=LOG2E / math.sqrt(d), SEQ_BUCKET=max(16, triton.next_power_of_2(seqlen_q)),
-                    **_rope_kwargs(cos, sin, lse), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
-                    PREC=_precision(q.dtype), **_blocks("fwd"))
+    rope = _rope_kwargs(cos, sin, lse)
+    sig = ("fwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), op.stride(), causal,
+           varlen and (batch, max_seqlen_q, max_seqlen_k), cos is not None and (cos.shape, cos.stride(),
+                                                                              _aligned(cos, sin)),
+           _precision(q.dtype))
+    grid, consts = _memo(sig, lambda: (
+        (lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
+        dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
+             **_strides("o", op, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
+             group=heads // kv_heads, qk_scale=LOG2E / math.sqrt(d), SEQ_BUCKET=max(16, _pow2(seqlen_q)),
+             **{name: x for name, x in rope.items() if name not in ("COS", "SIN")}, HEAD_DIM=d_pad, CAUSAL=causal,
+             VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))))
+    _launch(_attn_fwd, grid, qp, kp, vp, op, lse, cu_q, cu_k, key=sig, COS=rope["COS"], SIN=rope["SIN"], **consts)
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
@@ -735,25 +854,36 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     dqp, dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dq, qp), (dk, kp), (dv, vp)))
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     delta = torch.empty_like(lse)
-    _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
-        op, dop, delta, delta, cu_q, **_strides("o", op, varlen), **_strides("do", dop, varlen),
-        stride_dqb=0, stride_dqh=0, stride_dqs=0, **lse_strides, seqlen_q=seqlen_q, num_heads=heads, head_dim=d_pad,
-        dq_cols=0, HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=False, BLOCK_M=64)
-    scale = 1.0 / math.sqrt(d)
-    common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
-                  SEQ_BUCKET=max(16, triton.next_power_of_2(max(seqlen_q, seqlen_k))), **_rope_kwargs(cos, sin, lse),
-                  HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype))
-    grid_q = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))
-    _attn_bwd_dq[grid_q](qp, kp, vp, dop, dqp, lse, delta, cu_q, cu_k,
-                         **_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
-                         **_strides("do", dop, varlen), **_strides("dq", dqp, varlen),
-                         num_heads=heads, group=heads // kv_heads, **common, **_blocks("dq"))
-    grid_k = lambda meta: (batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"]))
-    _attn_bwd_dkdv[grid_k](qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k,
-                           **_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
-                           **_strides("do", dop, varlen), **_strides("dk", dkp, varlen),
-                           **_strides("dv", dvp, varlen), num_kv_heads=kv_heads, GROUP=heads // kv_heads,
-                           EVEN_Q=not varlen and seqlen_q % 128 == 0, **common, **_blocks("dkdv"))
+    rope = _rope_kwargs(cos, sin, lse)
+    sig = ("bwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), dop.stride(), op.stride(),
+           dqp.stride(), dkp.stride(), dvp.stride(), causal, varlen and (batch, max_seqlen_q, max_seqlen_k),
+           cos is not None and (cos.shape, cos.stride(), _aligned(cos, sin)), _precision(q.dtype))
+
+    def build():
+        scale = 1.0 / math.sqrt(d)
+        common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
+                      SEQ_BUCKET=max(16, _pow2(max(seqlen_q, seqlen_k))),
+                      **{name: x for name, x in rope.items() if name not in ("COS", "SIN")}, HEAD_DIM=d_pad,
+                      CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype))
+        return ((batch * heads, _cdiv(seqlen_q, 64)),
+                dict(**_strides("o", op, varlen), **_strides("do", dop, varlen), stride_dqb=0, stride_dqh=0,
+                     stride_dqs=0, **lse_strides, seqlen_q=seqlen_q, num_heads=heads, head_dim=d_pad, dq_cols=0,
+                     HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=False, BLOCK_M=64),
+                (lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
+                dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
+                     **_strides("do", dop, varlen), **_strides("dq", dqp, varlen), num_heads=heads,
+                     group=heads // kv_heads, **common, **_blocks("dq")),
+                (lambda meta: (batch * kv_heads, _cdiv(seqlen_k, meta["BLOCK_N"]))),
+                dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
+                     **_strides("do", dop, varlen), **_strides("dk", dkp, varlen), **_strides("dv", dvp, varlen),
+                     num_kv_heads=kv_heads, GROUP=heads // kv_heads, EVEN_Q=not varlen and seqlen_q % 128 == 0,
+                     **common, **_blocks("dkdv")))
+    grid_delta, delta_args, grid_q, dq_args, grid_k, dkdv_args = _memo(sig, build)
+    _launch(_attn_bwd_delta, grid_delta, op, dop, delta, delta, cu_q, key=sig, **delta_args)
+    _launch(_attn_bwd_dq, grid_q, qp, kp, vp, dop, dqp, lse, delta, cu_q, cu_k, key=sig, COS=rope["COS"],
+            SIN=rope["SIN"], **dq_args)
+    _launch(_attn_bwd_dkdv, grid_k, qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k, key=sig, COS=rope["COS"],
+            SIN=rope["SIN"], **dkdv_args)
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
             g.copy_(gp[..., :d])
@@ -1759,7 +1889,7 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
         _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
     # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
-    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
+    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else _cdiv(seqlen_q, 2 * block_m)
     n_bh = heads if varlen else batch * heads
     n_items = m_tiles * n_bh
     ctas = GLUON_FWD_PERSISTENT * _sm_count(q.device.index)
@@ -1768,14 +1898,14 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     # longest first over all heads (faster there than head by head, measured)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     head_major = GLUON_HEAD_MAJOR and not (varlen and dynamic)
-    _gl_attn_fwd[(ctas if dynamic else n_items,)](
-                       q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o, lse, cu_seqlens_q if varlen else lse,
-                       **_strides("o", o, varlen), **lse_strides, head_dim=d,
-                       seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
-                       m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items, counter=counter, DYNAMIC=dynamic,
-                       qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n,
-                       NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=head_major,
-                       PINGPONG=GLUON_PINGPONG, num_warps=4, maxnreg=168)
+    _launch(_gl_attn_fwd, (ctas if dynamic else n_items,),
+            q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o, lse, cu_seqlens_q if varlen else lse,
+            **_strides("o", o, varlen), **lse_strides, head_dim=d,
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
+            m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items, counter=counter, DYNAMIC=dynamic,
+            qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n,
+            NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=head_major,
+            PINGPONG=GLUON_PINGPONG, num_warps=4, maxnreg=168)
     return o, lse
 
 
@@ -1796,11 +1926,11 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     delta = torch.empty_like(lse)
     # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
     dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
-    _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
-        o, dop, delta, dq_acc, cu_seqlens_q if varlen else lse, **_strides("o", o, varlen),
-        **_strides("do", dop, varlen), **_strides("dq", dq_acc, varlen), **lse_strides, seqlen_q=seqlen_q,
-        num_heads=heads, head_dim=d, dq_cols=main + tail, HEAD_DIM=_kernel_head_dim(main + tail), VARLEN=varlen,
-        ZERO_DQ=True, BLOCK_M=64)
+    _launch(_attn_bwd_delta, (batch * heads, _cdiv(seqlen_q, 64)),
+            o, dop, delta, dq_acc, cu_seqlens_q if varlen else lse, **_strides("o", o, varlen),
+            **_strides("do", dop, varlen), **_strides("dq", dq_acc, varlen), **lse_strides, seqlen_q=seqlen_q,
+            num_heads=heads, head_dim=d, dq_cols=main + tail, HEAD_DIM=_kernel_head_dim(main + tail),
+            VARLEN=varlen, ZERO_DQ=True, BLOCK_M=64)
     scale = 1.0 / math.sqrt(d)
     (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc), (dq_desc, dqt_desc) = (
         _head_descriptors(x, rows, varlen, cols, tail) for x, rows, cols in (
@@ -1808,29 +1938,29 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
             (dq_acc, block_m, main // dq_split)))
     # work items: key tiles x batch x K/V heads; on the persistent grid packed batches in slots (_gl_doc_slot) x K/V
     # heads instead
-    n_tiles, n_bh = triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads
+    n_tiles, n_bh = _cdiv(seqlen_k, 2 * block_n), batch * kv_heads
     ctas = _gluon_bwd_persistent(main + tail) * _sm_count(q.device.index)
     dynamic = 0 < ctas < n_tiles * n_bh
     if varlen and dynamic:
         n_tiles, n_bh = k.shape[0] // (2 * block_n) + batch, kv_heads
     n_items = n_tiles * n_bh
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    _gl_attn_bwd[(ctas if dynamic else n_items,)](
-        q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk, dv, lse, delta,
-        cu_seqlens_q if varlen else lse, **_strides("dk", dk, varlen), **_strides("dv", dv, varlen), **lse_strides,
-        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_kv_heads=kv_heads, group=heads // kv_heads, n_tiles=n_tiles,
-        n_docs=batch, n_items=n_items, counter=counter, qk_scale=LOG2E * scale, sm_scale=scale, head_dim=d,
-        HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
-        DYNAMIC=dynamic, num_warps=4, maxnreg=168)
+    _launch(_gl_attn_bwd, (ctas if dynamic else n_items,),
+            q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk, dv, lse,
+            delta, cu_seqlens_q if varlen else lse, **_strides("dk", dk, varlen), **_strides("dv", dv, varlen),
+            **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_kv_heads=kv_heads, group=heads // kv_heads,
+            n_tiles=n_tiles, n_docs=batch, n_items=n_items, counter=counter, qk_scale=LOG2E * scale, sm_scale=scale,
+            head_dim=d, HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal,
+            VARLEN=varlen, DYNAMIC=dynamic, num_warps=4, maxnreg=168)
     dq.copy_(dq_acc[..., :d])
     return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 4. Attention entry points. One autograd Function serves dense and packed calls; under torch.compile its forward
-#    and backward call the custom ops below (opaque to the compiler, with fake kernels), eagerly they call the
-#    launchers directly: the custom-op layer's dispatch costs about 0.6 ms of host time per forward+backward on
-#    the H200, several times the launches themselves.
+#    and backward call the operators below (opaque to the compiler, with fake kernels), eagerly they call the
+#    launchers directly, as the operator layer's dispatch costs host time (4-10 us a call on the H200 machine, as
+#    registered here; 20-35 us through torch.library.custom_op).
 # ---------------------------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos=None,
@@ -1848,37 +1978,34 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin)
 
 
-@torch.library.custom_op("flash::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-                      causal: bool, backend: str, cos: torch.Tensor | None,
-                      sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos, sin)
+# The operators are registered with torch.library.Library, not torch.library.custom_op: custom_op wraps each call in
+# checks of its own (disabling dynamo, output aliasing) that cost 15-25 us more host time per call on the H200
+# machine (BENCHMARKS.md, What we tried); the schema, the implementation and the fake kernel are the same.
+_LIB = torch.library.Library("flash", "FRAGMENT")
+_LIB.define("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+            "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, str backend, Tensor? cos, Tensor? sin) "
+            "-> (Tensor, Tensor)")
+_LIB.define("attention_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cu_seqlens_q, "
+            "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, str backend, "
+            "Tensor? cos, Tensor? sin) -> (Tensor, Tensor, Tensor)")
+_LIB.impl("attention_fwd", _forward, "CompositeExplicitAutograd")
+_LIB.impl("attention_bwd", _backward, "CompositeExplicitAutograd")
+_attention_fwd_op, _attention_bwd_op = torch.ops.flash.attention_fwd.default, torch.ops.flash.attention_bwd.default
 
 
-@_attention_fwd_op.register_fake
+@torch.library.register_fake("flash::attention_fwd", lib=_LIB)
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos, sin):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
     return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("flash::attention_bwd", mutates_args=())
-def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-                      max_seqlen_q: int, max_seqlen_k: int,
-                      causal: bool, backend: str, cos: torch.Tensor | None,
-                      sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend,
-                     cos, sin)
-
-
-@_attention_bwd_op.register_fake
+@torch.library.register_fake("flash::attention_bwd", lib=_LIB)
 def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos, sin):
     return _empty_out(q), _empty_out(k), _empty_out(v)
 
 
 def _through_ops():
-    """Whether to call the kernels through the torch.library custom ops: when compiling, and when a dispatch mode
+    """Whether to call the kernels through the torch.library operators: when compiling, and when a dispatch mode
     is active (selective recomputation's, which keeps the forward's outputs instead of running it again; a FLOP
     counter's), since those see only operators. Plain eager calls skip the layer (it costs host time)."""
     return torch.compiler.is_compiling() or _current_dispatch_mode() is not None

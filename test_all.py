@@ -916,6 +916,22 @@ def test_flash_compiles_without_graph_breaks():
     assert _rel(out, out2) < 1e-6 and _rel(gx, gx2) < 1e-6
 
 
+def test_flash_launch_arguments_are_worked_out_once_per_signature():
+    """The Triton launchers work out their launches' arguments once per signature (flash._memo) and reuse them:
+    calls that differ only in what the signature must tell apart (a head dim padded to the same tile width, 24 and
+    32; causal or not; packed batches with another longest document) each get their own and stay exact against
+    float64, and a repeated shape adds nothing."""
+    gen = torch.Generator().manual_seed(32)
+    flash._ARGS.clear()
+    for d, causal in ((32, True), (24, True), (32, False), (32, True)):
+        _check_dense(1, 2, 1, 40, 40, d, causal, gen=gen)
+    assert len(flash._ARGS) == 6, len(flash._ARGS)  # a forward and a backward signature each, the last one reused
+    for lens in ([5, 30], [30, 5], [12, 23]):
+        _check_varlen(lens, 2, 2, 16, True, gen=gen)
+    assert len(flash._ARGS) == 10, len(flash._ARGS)  # 30 + 5 reuses 5 + 30 (the kernels read the documents'
+    # bounds on the GPU); 12 + 23, the same total, has another longest document
+
+
 def test_flash_rejects_bad_input():
     q = torch.randn(1, 3, 8, 16, device=DEVICE)
     k = torch.randn(1, 2, 8, 16, device=DEVICE)
@@ -973,6 +989,45 @@ def test_flash_gpu_gluon_matches_reference():
                               dtype=torch.bfloat16)
     finally:
         flash.BACKEND, (flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT) = old, persistent
+
+
+def test_flash_gpu_direct_launches_match_the_reference():
+    """From the second call with the same key on, flash.py runs the compiled kernels directly (flash._launch), so
+    a wrong argument list there would show only on repeated calls: three rounds of the same shapes, each with fresh
+    random inputs and poisoned outputs, against float64 (the Triton kernels dense at D=64 and packed at D=32; on
+    Hopper the Gluon ones dense at D=128 and D=80 and packed). After the first round every launch has a direct plan,
+    and each of the two later rounds runs every plan, as often as the other."""
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs CUDA")
+    assert flash.DIRECT_LAUNCH, "direct launches are off on a GPU (FLASH_DIRECT_LAUNCH=0 or an unexpected Triton)"
+    gen = torch.Generator().manual_seed(31)
+    hopper = flash.gluon is not None and torch.cuda.get_device_capability() == (9, 0)
+    lens = [1, 7, 300, 2, 900, 64, 129]
+    runs = collections.Counter()
+
+    def counted(key, plan):
+        def run(*args):
+            runs[key] += 1
+            return plan[0](*args)
+        return (run,) + plan[1:]
+
+    flash._LAUNCHES.clear()
+    for rnd in range(3):
+        _check_dense(2, 4, 2, 1000, 1000, 64, True, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+        _check_varlen(lens, 4, 2, 32, True, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+        if hopper:
+            _check_dense(1, 4, 2, 2049, 2049, 128, True, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
+            _check_dense(2, 4, 4, 1000, 1000, 80, False, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+            _check_varlen(lens + [2100], 8, 8, 128, True, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+        if rnd == 0:
+            assert len(flash._LAUNCHES) >= (16 if hopper else 8), list(flash._LAUNCHES)
+            assert all(plan is not None for plan in flash._LAUNCHES.values()), "a launch without a direct plan"
+            flash._LAUNCHES.update({key: counted(key, plan) for key, plan in flash._LAUNCHES.items()})
+        if rnd == 1:
+            first = dict(runs)
+    odd = [(getattr(key[0], "__name__", key[0]), key[2], first.get(key, 0), runs[key]) for key in flash._LAUNCHES
+           if not 0 < first.get(key, 0) == runs[key] - first[key]]
+    assert not odd, odd  # each plan ran in both later rounds, as often in each
 
 
 def test_flash_gpu_bf16_large_shapes():
