@@ -2129,6 +2129,97 @@ def cmd_rmsnorm(argv):
     return rows
 
 
+def host_us(fn, calls, device):
+    """Host time per call of fn in us: `calls` calls back to back, no sync inside the loop (on a shape small enough
+    that the GPU keeps up, this is what a call costs the host)."""
+    for _ in range(10):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e6
+    sync(device)
+    return t
+
+
+def launch_rows(head_dims, seqlen, calls, rounds, device):
+    """Host us per call of flash.py's pieces, with its direct launches (flash.DIRECT_LAUNCH) and through Triton's
+    kernel[grid], beside SDPA's; B=1, H=4, bf16, causal; the minimum over rounds (host timings are noisy)."""
+    rows = []
+    direct_modes = (True, False) if flash.DIRECT_LAUNCH else (False,)
+    for d in head_dims:
+        q, k, v = (torch.randn(1, 4, seqlen, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        g = torch.randn_like(q)
+        qn, kn, vn = (x.detach() for x in (q, k, v))
+        args = (None, None, 0, 0, True, flash.BACKEND, None, None)
+        o, lse = flash._forward(qn, kn, vn, *args)
+        compiled_flash = torch.compile(lambda q, k, v: flash.flash_attention(q * 1.0, k, v) * 1.0)
+        compiled_sdpa = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q * 1.0, k, v, is_causal=True)
+                                      * 1.0)
+
+        def no_grad(fn):
+            def run():
+                with torch.no_grad():
+                    fn()
+            return run
+        pieces = {  # what: (ours, SDPA's or None)
+            "forward launcher": (no_grad(lambda: flash._forward(qn, kn, vn, *args)),
+                                 no_grad(lambda: F.scaled_dot_product_attention(qn, kn, vn, is_causal=True))),
+            "backward launcher": (lambda: flash._backward(g, qn, kn, vn, o, lse, *args), None),
+            "forward+backward, eager": (lambda: flash.flash_attention(q, k, v).backward(g),
+                                        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)),
+            "forward+backward, compiled": (lambda: compiled_flash(q, k, v).backward(g),
+                                           lambda: compiled_sdpa(q, k, v).backward(g)),
+        }
+        best = collections.defaultdict(lambda: math.inf)
+        try:
+            for _ in range(rounds):
+                for what, (ours, sdpa) in pieces.items():
+                    for direct in direct_modes:
+                        flash.DIRECT_LAUNCH = direct
+                        best[what, direct] = min(best[what, direct], host_us(ours, calls, device))
+                    if sdpa is not None:
+                        best[what, "sdpa"] = min(best[what, "sdpa"], host_us(sdpa, calls, device))
+        finally:
+            flash.DIRECT_LAUNCH = direct_modes[0]
+        kernels = "Gluon" if flash._gluon_supported(qn, kn, vn, None, None, 0) else "Triton"
+        for what in pieces:
+            rows.append(dict(head_dim=d, seqlen=seqlen, kernels=kernels, what=what,
+                             direct_us=best.get((what, True)), kernel_grid_us=best[what, False],
+                             sdpa_us=best.get((what, "sdpa"))))
+    return rows
+
+
+def cmd_launch(argv):
+    p = argparse.ArgumentParser(prog="bench.py launch", description="Host time of one flash.py call, piece by piece: "
+                                "the launchers, a forward+backward eager and compiled, with direct launches and "
+                                "through Triton's kernel[grid], beside SDPA (CUDA)")
+    p.add_argument("--head_dims", default="64,128", help="comma list (64: the Triton kernels below 2048 tokens; 128: "
+                   "the Gluon ones on Hopper)")
+    p.add_argument("--seqlen", type=int, default=256, help="small, so that the GPU keeps up with the host")
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=3, help="the minimum over this many rounds is reported")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    head_dims = csv_list(args.head_dims, cast=int)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py launch needs CUDA: it times the host's side of GPU launches")
+    device = torch.device("cuda")
+    info = run_info("launch", argv, device)
+    print_header("bench.py launch", info)
+    rows = launch_rows(head_dims, args.seqlen, args.calls, args.rounds, device)
+    print(f"B=1, H=4, S={args.seqlen}, bf16, causal; host us per call, no sync inside a loop of {args.calls} calls, "
+          f"the minimum of {args.rounds} rounds\n")
+    fmt = lambda x: "" if x is None else f"{x:.1f}"
+    print(markdown_table(["head dim", "kernels", "what", "flash, direct launches", "flash, kernel[grid]", "sdpa"],
+                         [[r["head_dim"], r["kernels"], r["what"], fmt(r["direct_us"]), fmt(r["kernel_grid_us"]),
+                           fmt(r["sdpa_us"])] for r in rows]))
+    write_json(args.json, dict(info, rows=rows))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # allreduce, ddp: collectives and data-parallel variants
 # ---------------------------------------------------------------------------------------------------------------
@@ -3026,6 +3117,7 @@ COMMANDS = {  # name: (function, what it answers, in one line)
     "varlen": (cmd_varlen, "pad vs dynamic_pad vs pack on the same documents: model step and attention"),
     "attention": (cmd_attention, "our FlashAttention (Triton, Gluon) vs PyTorch SDPA backends, FlexAttention, naive"),
     "rmsnorm": (cmd_rmsnorm, "our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s (CUDA)"),
+    "launch": (cmd_launch, "host time of one flash.py call: direct launches vs Triton's kernel[grid], vs SDPA (CUDA)"),
     "allreduce": (cmd_allreduce, "all-reduce time and bandwidth per tensor size (under torchrun)"),
     "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, one run (under torchrun)"),
     "bpe": (cmd_bpe, "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken"),

@@ -38,7 +38,8 @@
 #                                                                                   (large to xl overran a 240 s
 #                                                                                   budget by one row)
 # suite           precision, compile, the small model's --profile, the xl           not yet measured (rmsnorm
-#                 model's --memory_snapshot, rmsnorm                                alone: ~30 s)
+#                 model's --memory_snapshot, rmsnorm, launch (host time of a       alone: ~30 s)
+#                 flash.py call)
 # tests           python3 test_all.py gpu flash (the GPU tests, natively)           not yet measured
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -122,6 +123,7 @@ part_suite() {
     run_md memory_xl 120 "$PY" bench.py model --size xl --context_length 512 --mode train --warmup 1 --steps 1 \
         --memory_snapshot @P@-xl_snapshot.pickle --json @JSON@
     run_md rmsnorm 60 "$PY" bench.py rmsnorm --json @JSON@
+    run_md launch 120 "$PY" bench.py launch --json @JSON@
 }
 
 part_tests() {
