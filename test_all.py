@@ -999,7 +999,9 @@ def test_flash_gpu_direct_launches_match_the_reference():
     and each of the two later rounds runs every plan, as often as the other."""
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs CUDA")
-    assert flash.DIRECT_LAUNCH, "direct launches are off on a GPU (FLASH_DIRECT_LAUNCH=0 or an unexpected Triton)"
+    if os.environ.get("FLASH_DIRECT_LAUNCH") == "0":
+        raise unittest.SkipTest("FLASH_DIRECT_LAUNCH=0")
+    assert flash.DIRECT_LAUNCH, "direct launches are off on a GPU: this Triton lacks the internals flash._launch uses"
     gen = torch.Generator().manual_seed(31)
     hopper = flash.gluon is not None and torch.cuda.get_device_capability() == (9, 0)
     lens = [1, 7, 300, 2, 900, 64, 129]
