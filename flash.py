@@ -1959,8 +1959,8 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
 # ---------------------------------------------------------------------------------------------------------------
 # 4. Attention entry points. One autograd Function serves dense and packed calls; under torch.compile its forward
 #    and backward call the operators below (opaque to the compiler, with fake kernels), eagerly they call the
-#    launchers directly, as the operator layer's dispatch costs host time (4-10 us a call on the H200 machine, as
-#    registered here; 20-35 us through torch.library.custom_op).
+#    launchers directly, as the operator layer's dispatch costs host time (4-9 us a call on the H200 machine, as
+#    registered here; 20-32 us through torch.library.custom_op).
 # ---------------------------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos=None,
