@@ -776,12 +776,14 @@ def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
 
 
 def _rope_kwargs(cos, sin, dummy):
-    """The Triton kernels' RoPE arguments: the fp32 tables (rows x D/2; dense (S, D/2) shared by the batch or
-    (B, S, D/2), packed (total, D/2)) or, without RoPE, a dummy pointer and ROPE=False."""
+    """The Triton kernels' RoPE arguments as (the tables, the other arguments, their part of a launcher's _memo
+    signature): the fp32 tables (rows x D/2; dense (S, D/2) shared by the batch or (B, S, D/2), packed (total, D/2))
+    or, without RoPE, a dummy pointer and ROPE=False."""
     if cos is None:
-        return dict(COS=dummy, SIN=dummy, stride_cb=0, stride_cs=0, rope_half=0, ROPE=False)
-    return dict(COS=cos, SIN=sin, stride_cb=cos.stride(0) if cos.dim() == 3 else 0, stride_cs=cos.stride(-2),
-                rope_half=cos.shape[-1], ROPE=True)
+        return dict(COS=dummy, SIN=dummy), dict(stride_cb=0, stride_cs=0, rope_half=0, ROPE=False), None
+    return dict(COS=cos, SIN=sin), dict(stride_cb=cos.stride(0) if cos.dim() == 3 else 0, stride_cs=cos.stride(-2),
+                                        rope_half=cos.shape[-1], ROPE=True), (cos.shape, cos.stride(),
+                                                                              _aligned(cos, sin))
 
 
 def rope_reference(x, cos, sin, inverse=False):
@@ -813,19 +815,16 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     qp, kp, vp = (_unit_last(_pad(x, d_pad)) for x in (q, k, v))
     op = o if d_pad == d else _empty_out(qp)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
-    rope = _rope_kwargs(cos, sin, lse)
+    tables, rope, rope_sig = _rope_kwargs(cos, sin, lse)
     sig = ("fwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), op.stride(), causal,
-           varlen and (batch, max_seqlen_q, max_seqlen_k), cos is not None and (cos.shape, cos.stride(),
-                                                                              _aligned(cos, sin)),
-           _precision(q.dtype))
+           varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig, _precision(q.dtype))
     grid, consts = _memo(sig, lambda: (
         (lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
         dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
              **_strides("o", op, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
              group=heads // kv_heads, qk_scale=LOG2E / math.sqrt(d), SEQ_BUCKET=max(16, _pow2(seqlen_q)),
-             **{name: x for name, x in rope.items() if name not in ("COS", "SIN")}, HEAD_DIM=d_pad, CAUSAL=causal,
-             VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))))
-    _launch(_attn_fwd, grid, qp, kp, vp, op, lse, cu_q, cu_k, key=sig, COS=rope["COS"], SIN=rope["SIN"], **consts)
+             **rope, HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))))
+    _launch(_attn_fwd, grid, qp, kp, vp, op, lse, cu_q, cu_k, key=sig, **tables, **consts)
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
@@ -854,16 +853,15 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     dqp, dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dq, qp), (dk, kp), (dv, vp)))
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     delta = torch.empty_like(lse)
-    rope = _rope_kwargs(cos, sin, lse)
+    tables, rope, rope_sig = _rope_kwargs(cos, sin, lse)
     sig = ("bwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), dop.stride(), op.stride(),
-           dqp.stride(), dkp.stride(), dvp.stride(), causal, varlen and (batch, max_seqlen_q, max_seqlen_k),
-           cos is not None and (cos.shape, cos.stride(), _aligned(cos, sin)), _precision(q.dtype))
+           dqp.stride(), dkp.stride(), dvp.stride(), causal, varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig,
+           _precision(q.dtype))
 
     def build():
         scale = 1.0 / math.sqrt(d)
         common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
-                      SEQ_BUCKET=max(16, _pow2(max(seqlen_q, seqlen_k))),
-                      **{name: x for name, x in rope.items() if name not in ("COS", "SIN")}, HEAD_DIM=d_pad,
+                      SEQ_BUCKET=max(16, _pow2(max(seqlen_q, seqlen_k))), **rope, HEAD_DIM=d_pad,
                       CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype))
         return ((batch * heads, _cdiv(seqlen_q, 64)),
                 dict(**_strides("o", op, varlen), **_strides("do", dop, varlen), stride_dqb=0, stride_dqh=0,
@@ -880,10 +878,9 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                      **common, **_blocks("dkdv")))
     grid_delta, delta_args, grid_q, dq_args, grid_k, dkdv_args = _memo(sig, build)
     _launch(_attn_bwd_delta, grid_delta, op, dop, delta, delta, cu_q, key=sig, **delta_args)
-    _launch(_attn_bwd_dq, grid_q, qp, kp, vp, dop, dqp, lse, delta, cu_q, cu_k, key=sig, COS=rope["COS"],
-            SIN=rope["SIN"], **dq_args)
-    _launch(_attn_bwd_dkdv, grid_k, qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k, key=sig, COS=rope["COS"],
-            SIN=rope["SIN"], **dkdv_args)
+    _launch(_attn_bwd_dq, grid_q, qp, kp, vp, dop, dqp, lse, delta, cu_q, cu_k, key=sig, **tables, **dq_args)
+    _launch(_attn_bwd_dkdv, grid_k, qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k, key=sig, **tables,
+            **dkdv_args)
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
             g.copy_(gp[..., :d])
