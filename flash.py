@@ -1,7 +1,7 @@
 """Every GPU kernel of the stack, each beside the plain PyTorch it must equal. Sections, in file order:
 
   1. Attention references: naive attention (dense and packed) and the tiled PyTorch twin of the kernels
-  2. Attention in Triton (FlashAttention-2): forward, backward (Delta pre-pass, dQ pass, dK/dV pass), launchers
+  2. Attention in Triton (FlashAttention-2): forward, backward (dQ pass with Delta, dK/dV pass), launchers
   3. Attention on Hopper in Gluon, forward and backward (FlashAttention-3's design: TMA, warp specialization,
      async wgmma, dQ by TMA reduce-adds)
   4. Attention entry points: the one place that picks the kernels, one autograd Function, torch.compile custom
@@ -358,12 +358,11 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
 @triton.jit(do_not_specialize=["seqlen_q", "stride_lb", "stride_lh"])
 def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_dob, stride_doh,
                     stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh, seqlen_q, num_heads, head_dim,
-                    dq_cols, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-    """Backward pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns of O and dO (HEAD_DIM, a power
-    of two, is the tile width), one program per (BLOCK_M rows, batch x head); with ZERO_DQ it also zeroes the same
-    rows (the first dq_cols <= HEAD_DIM columns) of DQ, the fp32 buffer the Gluon backward adds dQ into (one launch
-    fewer)."""
+                    dq_cols, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns of O and dO
+    (HEAD_DIM, a power of two, is the tile width), one program per (BLOCK_M rows, batch x head); it also zeroes the
+    same rows (the first dq_cols <= HEAD_DIM columns) of DQ, the fp32 buffer the Gluon backward adds dQ into (one
+    launch fewer). The Triton backward works Delta out in its dQ pass."""
     pid_bh = tl.program_id(0)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
@@ -382,10 +381,9 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride
                  mask=keep, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < seqlen_q)
-    if ZERO_DQ:
-        tl.store(DQ + b64 * stride_dqb + h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqs + offs_d[None, :],
-                 tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32),
-                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < dq_cols))
+    tl.store(DQ + b64 * stride_dqb + h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqs + offs_d[None, :],
+             tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32),
+             mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < dq_cols))
 
 
 @triton.jit
@@ -428,14 +426,17 @@ DQ_CONFIGS = {  # (64, 2): 128 x 64 tiles with V loaded after P, the best of a b
 # D=64 takes 0.77 ms with it against 0.92 ms without on the H200; the dK/dV pass does not move but follows suit.
 @_autotuned(DQ_CONFIGS)
 @triton.jit(do_not_specialize=["SEQ_BUCKET", "stride_lb", "stride_lh"])
-def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                 stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh,
+                 stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
+                 stride_dqs, stride_lb, stride_lh,
                  COS, SIN, stride_cb, stride_cs, rope_half, seqlen_q, seqlen_k, num_heads, group, qk_scale, sm_scale,
                  SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
                  ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once. ROPE: Q and K
-    rotated as loaded, dQ (a gradient of the rotated Q) turned back before it is stored."""
+    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once. It first
+    works out Delta = rowsum(dO * O) in fp32 for its rows and stores it for pass 2 (no pre-pass of its own: one
+    launch and one read of dO fewer). ROPE: Q and K rotated as loaded, dQ (a gradient of the rotated Q) turned back
+    before it is stored."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -457,10 +458,13 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     cos_q, sin_q, cos_k, sin_k = _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start)
     if ROPE:
         q = _rope(q, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, False)
+    o = _load_rows(_rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M),
+                   start_m, stride_os, seqlen_q, offs_m0, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rows past seqlen_q load as zeros: Delta 0 there
     row_ok = offs_m < seqlen_q
     l_off = b64 * stride_lb + h * stride_lh + q_start + offs_m
+    tl.store(DELTA + l_off, delta, mask=row_ok)
     lse2 = tl.load(LSE + l_off, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
     k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
     v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -639,8 +643,8 @@ def _hooks_active():
 
 def _direct(kernel, grid, args, kwargs, device):
     """The compiled kernel that kernel[grid](*args, **kwargs) just ran, with its launch grid, its bound arguments
-    (the tensors left out) and where each tensor goes, or None where this Triton's internals are not the expected
-    ones."""
+    (the tensors left out), where each tensor goes and the device's stream getter, or None where this Triton's
+    internals are not the expected ones."""
     try:
         jit, extra = (kernel.fn, kernel.best_config.all_kwargs()) if isinstance(kernel, _Autotuner) else (kernel, {})
         full = {**kwargs, **extra}
@@ -656,57 +660,69 @@ def _direct(kernel, grid, args, kwargs, device):
             if isinstance(value, torch.Tensor) or hasattr(value, "block_shape"):
                 slots.append((i, i if i < len(args) else None, name))
                 values[i] = None  # no reference kept to the first call's tensors
-        return compiled.run, g + (1,) * (3 - len(g)), compiled.function, compiled.packed_metadata, values, slots
+        stream = functools.partial(_driver.active.get_current_stream, device)
+        return compiled.run, g + (1,) * (3 - len(g)), compiled.function, compiled.packed_metadata, values, slots, \
+            stream
     except Exception:  # noqa: BLE001 (any mismatch: launch the normal way)
         return None
 
 
-def _launch(kernel, grid, *args, key=None, **kwargs):
+def _launch(kernel, grid, *args, plans=None, **kwargs):
     """kernel[grid](*args, **kwargs), run directly from the second call with the same key on (DIRECT_LAUNCH).
-    key: the caller's own, cheaper key (a _memo signature): it must fix the grid, every argument but the tensors
-    and every tensor's dtype, and the tensor keyword arguments' alignment; args must be tensors (their alignment is
-    added here)."""
+    plans: the dict a launcher's _memo entry keeps its launches' plans in, keyed by the kernel; its signature must
+    fix the grid, every argument but the tensors, every tensor's dtype, the device and that every tensor is 16-byte
+    aligned (_where). Without it the launch is keyed here by all of that."""
     if not DIRECT_LAUNCH:
         kernel[grid](*args, **kwargs)
         return
-    device = _driver.active.get_current_device()
-    if key is None:
-        key = (None if callable(grid) else grid, tuple(kwargs), *map(_arg_key, args), *map(_arg_key, kwargs.values()))
+    if plans is None:
+        plans, key = _LAUNCHES, (kernel, _driver.active.get_current_device(), None if callable(grid) else grid,
+                                 tuple(kwargs), *map(_arg_key, args), *map(_arg_key, kwargs.values()))
     else:
-        key = (key, _aligned(*args))
-    key = (kernel, device, key)
-    plan = _LAUNCHES.get(key, False)
+        key = kernel
+    plan = plans.get(key, False)
     if not plan or _hooks_active():
         kernel[grid](*args, **kwargs)
         if plan is False:
-            if len(_LAUNCHES) > 4096:  # many shapes (e.g. packed batches of every length): start over
-                _LAUNCHES.clear()
-            _LAUNCHES[key] = _direct(kernel, grid, args, kwargs, device)
+            if len(plans) > 4096:  # many shapes (e.g. packed batches of every length): start over
+                plans.clear()
+            plans[key] = _direct(kernel, grid, args, kwargs, _driver.active.get_current_device())
         return
-    run, g, function, metadata, values, slots = plan
+    run, g, function, metadata, values, slots, stream = plan
     values = list(values)
     for i, pos, name in slots:
         values[i] = args[pos] if pos is not None else kwargs[name]
-    run(g[0], g[1], g[2], _driver.active.get_current_stream(device), function, metadata, None, None, None, *values)
+    run(g[0], g[1], g[2], stream(), function, metadata, None, None, None, *values)
 
 
-_ARGS = {}  # a launcher's signature -> its launches' grids and arguments other than tensors
+_ARGS = {}  # a launcher's signature -> its launches' grids and arguments other than tensors, and their plans
 
 
 def _memo(sig, build):
-    """build() once per sig: the grids and the arguments other than tensors of a launcher's launches, where sig
-    holds everything they follow from (shapes, strides, dtypes, flags, lengths). Working them out costs 30-60 us of
-    host time per call (measured on a CPU), more than a direct launch."""
+    """(*build(), plans) once per sig: the grids and the arguments other than tensors of a launcher's launches,
+    where sig holds everything they follow from (shapes, strides, dtypes, flags, lengths), and a dict for their
+    direct-launch plans (_launch; None where sig does not fix where they run: _where). Working the arguments out
+    costs 30-60 us of host time per call (measured on a CPU), more than a direct launch."""
     got = _ARGS.get(sig)
     if got is None:
         if len(_ARGS) > 4096:
             _ARGS.clear()
-        got = _ARGS[sig] = build()
+        got = _ARGS[sig] = (*build(), {} if sig[-1][1] else None)
     return got
 
 
-def _aligned(*tensors):
-    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+def _plan_stores():
+    """Every dict of direct-launch plans: the one of launches keyed in _launch and those of the _memo entries."""
+    return [_LAUNCHES] + [entry[-1] for entry in _ARGS.values() if entry[-1] is not None]
+
+
+def _where(*tensors):
+    """The last part of a launcher's _memo signature: the current device and whether all the tensors are 16-byte
+    aligned (Triton specializes on both), so that _launch can key the launches by the kernel alone."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return _driver.active.get_current_device() if DIRECT_LAUNCH else None, not bits & 15
 
 
 def _cdiv(a, b):  # triton.cdiv and triton.next_power_of_2 cost microseconds each from Python
@@ -782,8 +798,7 @@ def _rope_kwargs(cos, sin, dummy):
     if cos is None:
         return dict(COS=dummy, SIN=dummy), dict(stride_cb=0, stride_cs=0, rope_half=0, ROPE=False), None
     return dict(COS=cos, SIN=sin), dict(stride_cb=cos.stride(0) if cos.dim() == 3 else 0, stride_cs=cos.stride(-2),
-                                        rope_half=cos.shape[-1], ROPE=True), (cos.shape, cos.stride(),
-                                                                              _aligned(cos, sin))
+                                        rope_half=cos.shape[-1], ROPE=True), (cos.shape, cos.stride())
 
 
 def rope_reference(x, cos, sin, inverse=False):
@@ -808,7 +823,7 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                                  max_seqlen_k)
     o = _empty_out(q)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
@@ -817,14 +832,15 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
     tables, rope, rope_sig = _rope_kwargs(cos, sin, lse)
     sig = ("fwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), op.stride(), causal,
-           varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig, _precision(q.dtype))
-    grid, consts = _memo(sig, lambda: (
+           varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig, _precision(q.dtype),
+           _where(qp, kp, vp, op, lse, cu_q, cu_k, *tables.values()))
+    grid, consts, plans = _memo(sig, lambda: (
         (lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
         dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
              **_strides("o", op, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
              group=heads // kv_heads, qk_scale=LOG2E / math.sqrt(d), SEQ_BUCKET=max(16, _pow2(seqlen_q)),
              **rope, HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))))
-    _launch(_attn_fwd, grid, qp, kp, vp, op, lse, cu_q, cu_k, key=sig, **tables, **consts)
+    _launch(_attn_fwd, grid, qp, kp, vp, op, lse, cu_q, cu_k, plans=plans, **tables, **consts)
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
@@ -832,7 +848,7 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend,
               cos=None, sin=None):
-    """(dQ, dK, dV): the Delta pre-pass, then the dQ pass and the dK/dV pass; the one place that picks the
+    """(dQ, dK, dV): the dQ pass (which also works out Delta), then the dK/dV pass; the one place that picks the
     backward kernels (the Gluon one wherever it applies and backend, the forward's, is not 'triton'). cos/sin:
     the forward's RoPE (inside the Triton kernels; around the Gluon one, as PyTorch passes)."""
     if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o):
@@ -856,30 +872,26 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     tables, rope, rope_sig = _rope_kwargs(cos, sin, lse)
     sig = ("bwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), dop.stride(), op.stride(),
            dqp.stride(), dkp.stride(), dvp.stride(), causal, varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig,
-           _precision(q.dtype))
+           _precision(q.dtype), _where(qp, kp, vp, op, dop, dqp, dkp, dvp, lse, delta, cu_q, cu_k, *tables.values()))
 
     def build():
         scale = 1.0 / math.sqrt(d)
         common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
                       SEQ_BUCKET=max(16, _pow2(max(seqlen_q, seqlen_k))), **rope, HEAD_DIM=d_pad,
                       CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype))
-        return ((batch * heads, _cdiv(seqlen_q, 64)),
-                dict(**_strides("o", op, varlen), **_strides("do", dop, varlen), stride_dqb=0, stride_dqh=0,
-                     stride_dqs=0, **lse_strides, seqlen_q=seqlen_q, num_heads=heads, head_dim=d_pad, dq_cols=0,
-                     HEAD_DIM=d_pad, VARLEN=varlen, ZERO_DQ=False, BLOCK_M=64),
-                (lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
+        return ((lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
                 dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
-                     **_strides("do", dop, varlen), **_strides("dq", dqp, varlen), num_heads=heads,
+                     **_strides("o", op, varlen), **_strides("do", dop, varlen), **_strides("dq", dqp, varlen),
+                     num_heads=heads,
                      group=heads // kv_heads, **common, **_blocks("dq")),
                 (lambda meta: (batch * kv_heads, _cdiv(seqlen_k, meta["BLOCK_N"]))),
                 dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
                      **_strides("do", dop, varlen), **_strides("dk", dkp, varlen), **_strides("dv", dvp, varlen),
                      num_kv_heads=kv_heads, GROUP=heads // kv_heads, EVEN_Q=not varlen and seqlen_q % 128 == 0,
                      **common, **_blocks("dkdv")))
-    grid_delta, delta_args, grid_q, dq_args, grid_k, dkdv_args = _memo(sig, build)
-    _launch(_attn_bwd_delta, grid_delta, op, dop, delta, delta, cu_q, key=sig, **delta_args)
-    _launch(_attn_bwd_dq, grid_q, qp, kp, vp, dop, dqp, lse, delta, cu_q, cu_k, key=sig, **tables, **dq_args)
-    _launch(_attn_bwd_dkdv, grid_k, qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k, key=sig, **tables,
+    grid_q, dq_args, grid_k, dkdv_args, plans = _memo(sig, build)
+    _launch(_attn_bwd_dq, grid_q, qp, kp, vp, op, dop, dqp, lse, delta, cu_q, cu_k, plans=plans, **tables, **dq_args)
+    _launch(_attn_bwd_dkdv, grid_k, qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k, plans=plans, **tables,
             **dkdv_args)
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
@@ -1927,7 +1939,7 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
             o, dop, delta, dq_acc, cu_seqlens_q if varlen else lse, **_strides("o", o, varlen),
             **_strides("do", dop, varlen), **_strides("dq", dq_acc, varlen), **lse_strides, seqlen_q=seqlen_q,
             num_heads=heads, head_dim=d, dq_cols=main + tail, HEAD_DIM=_kernel_head_dim(main + tail),
-            VARLEN=varlen, ZERO_DQ=True, BLOCK_M=64)
+            VARLEN=varlen, BLOCK_M=64)
     scale = 1.0 / math.sqrt(d)
     (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc), (dq_desc, dqt_desc) = (
         _head_descriptors(x, rows, varlen, cols, tail) for x, rows, cols in (
