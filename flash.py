@@ -1887,34 +1887,42 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
-    block_m, block_n, stages = GLUON_FWD_CONFIGS[main + tail]
+    config = GLUON_FWD_CONFIGS[main + tail]
+    block_m, block_n, stages = config
     batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                                  max_seqlen_q)
     o = _empty_out(q)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     qp, kp, vp = (_tma_operand(x, main + tail) for x in (q, k, v))
+    cu = cu_seqlens_q if varlen else lse
+    sig = ("gluon fwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), o.stride(), causal,
+           varlen and (batch, max_seqlen_q), config, GLUON_FWD_PERSISTENT, GLUON_HEAD_MAJOR, GLUON_PINGPONG,
+           _where(qp, kp, vp, o, lse, cu))
+
+    def build():
+        # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
+        m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else _cdiv(seqlen_q, 2 * block_m)
+        n_bh = heads if varlen else batch * heads
+        n_items = m_tiles * n_bh
+        ctas = GLUON_FWD_PERSISTENT * _sm_count(q.device.index)
+        dynamic = 0 < ctas < n_items
+        # dynamic: the CTAs take items from a counter (zeroed per call) as they finish the last; packed, in the
+        # order longest first over all heads (faster there than head by head, measured)
+        return (ctas if dynamic else n_items,), dynamic, dict(
+            **_strides("o", o, varlen), **lse_strides, head_dim=d, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            num_heads=heads, group=heads // kv_heads, m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items,
+            DYNAMIC=dynamic, qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m,
+            BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
+            HEAD_MAJOR=GLUON_HEAD_MAJOR and not (varlen and dynamic), PINGPONG=GLUON_PINGPONG, num_warps=4,
+            maxnreg=168)
+    grid, dynamic, consts, plans = _memo(sig, build)
     (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
         _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
-    # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
-    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else _cdiv(seqlen_q, 2 * block_m)
-    n_bh = heads if varlen else batch * heads
-    n_items = m_tiles * n_bh
-    ctas = GLUON_FWD_PERSISTENT * _sm_count(q.device.index)
-    dynamic = 0 < ctas < n_items
-    # dynamic: the CTAs take items from a counter (zeroed per call) as they finish the last; packed, in the order
-    # longest first over all heads (faster there than head by head, measured)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    head_major = GLUON_HEAD_MAJOR and not (varlen and dynamic)
-    _launch(_gl_attn_fwd, (ctas if dynamic else n_items,),
-            q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o, lse, cu_seqlens_q if varlen else lse,
-            **_strides("o", o, varlen), **lse_strides, head_dim=d,
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, group=heads // kv_heads,
-            m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items, counter=counter, DYNAMIC=dynamic,
-            qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n,
-            NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen, HEAD_MAJOR=head_major,
-            PINGPONG=GLUON_PINGPONG, num_warps=4, maxnreg=168)
+    _launch(_gl_attn_fwd, grid, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o, lse, cu, counter=counter,
+            plans=plans, **consts)
     return o, lse
 
 
@@ -1924,7 +1932,8 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
-    block_m, block_n, stages, dq_split, _ = GLUON_BWD_CONFIGS[main + tail]
+    config = GLUON_BWD_CONFIGS[main + tail]
+    block_m, block_n, stages, dq_split, _ = config
     batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                          max_seqlen_q)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
@@ -1935,32 +1944,41 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     delta = torch.empty_like(lse)
     # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
     dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
-    _launch(_attn_bwd_delta, (batch * heads, _cdiv(seqlen_q, 64)),
-            o, dop, delta, dq_acc, cu_seqlens_q if varlen else lse, **_strides("o", o, varlen),
-            **_strides("do", dop, varlen), **_strides("dq", dq_acc, varlen), **lse_strides, seqlen_q=seqlen_q,
-            num_heads=heads, head_dim=d, dq_cols=main + tail, HEAD_DIM=_kernel_head_dim(main + tail),
-            VARLEN=varlen, BLOCK_M=64)
-    scale = 1.0 / math.sqrt(d)
+    cu = cu_seqlens_q if varlen else lse
+    persistent = _gluon_bwd_persistent(main + tail)
+    sig = ("gluon bwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), dop.stride(),
+           o.stride(), dk.stride(), dv.stride(), causal, varlen and (batch, max_seqlen_q), config, persistent,
+           _where(dop, qp, kp, vp, o, lse, delta, dq_acc, dk, dv, cu))
+
+    def build():
+        scale = 1.0 / math.sqrt(d)
+        # work items: key tiles x batch x K/V heads; on the persistent grid packed batches in slots (_gl_doc_slot) x
+        # K/V heads instead
+        n_tiles, n_bh = _cdiv(seqlen_k, 2 * block_n), batch * kv_heads
+        ctas = persistent * _sm_count(q.device.index)
+        dynamic = 0 < ctas < n_tiles * n_bh
+        if varlen and dynamic:
+            n_tiles, n_bh = k.shape[0] // (2 * block_n) + batch, kv_heads
+        n_items = n_tiles * n_bh
+        return ((batch * heads, _cdiv(seqlen_q, 64)),
+                dict(**_strides("o", o, varlen), **_strides("do", dop, varlen), **_strides("dq", dq_acc, varlen),
+                     **lse_strides, seqlen_q=seqlen_q, num_heads=heads, head_dim=d, dq_cols=main + tail,
+                     HEAD_DIM=_kernel_head_dim(main + tail), VARLEN=varlen, BLOCK_M=64),
+                (ctas if dynamic else n_items,), dynamic,
+                dict(**_strides("dk", dk, varlen), **_strides("dv", dv, varlen), **lse_strides, seqlen_q=seqlen_q,
+                     seqlen_k=seqlen_k, num_kv_heads=kv_heads, group=heads // kv_heads, n_tiles=n_tiles, n_docs=batch,
+                     n_items=n_items, qk_scale=LOG2E * scale, sm_scale=scale, head_dim=d, HEAD_DIM=main, TAIL=tail,
+                     BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
+                     DYNAMIC=dynamic, num_warps=4, maxnreg=168))
+    grid_delta, delta_args, grid, dynamic, consts, plans = _memo(sig, build)
+    _launch(_attn_bwd_delta, grid_delta, o, dop, delta, dq_acc, cu, plans=plans, **delta_args)
     (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc), (dq_desc, dqt_desc) = (
         _head_descriptors(x, rows, varlen, cols, tail) for x, rows, cols in (
             (qp, block_m, main), (dop, block_m, main), (kp, block_n, main), (vp, block_n, main),
             (dq_acc, block_m, main // dq_split)))
-    # work items: key tiles x batch x K/V heads; on the persistent grid packed batches in slots (_gl_doc_slot) x K/V
-    # heads instead
-    n_tiles, n_bh = _cdiv(seqlen_k, 2 * block_n), batch * kv_heads
-    ctas = _gluon_bwd_persistent(main + tail) * _sm_count(q.device.index)
-    dynamic = 0 < ctas < n_tiles * n_bh
-    if varlen and dynamic:
-        n_tiles, n_bh = k.shape[0] // (2 * block_n) + batch, kv_heads
-    n_items = n_tiles * n_bh
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    _launch(_gl_attn_bwd, (ctas if dynamic else n_items,),
-            q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk, dv, lse,
-            delta, cu_seqlens_q if varlen else lse, **_strides("dk", dk, varlen), **_strides("dv", dv, varlen),
-            **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_kv_heads=kv_heads, group=heads // kv_heads,
-            n_tiles=n_tiles, n_docs=batch, n_items=n_items, counter=counter, qk_scale=LOG2E * scale, sm_scale=scale,
-            head_dim=d, HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal,
-            VARLEN=varlen, DYNAMIC=dynamic, num_warps=4, maxnreg=168)
+    _launch(_gl_attn_bwd, grid, q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc,
+            dqt_desc, dk, dv, lse, delta, cu, counter=counter, plans=plans, **consts)
     dq.copy_(dq_acc[..., :d])
     return dq, dk, dv
 
