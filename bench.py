@@ -447,7 +447,7 @@ def measure(step, warmup, steps, device, phases, nvtx=False, profiler=None, snap
             torch.cuda.memory._record_memory_history(enabled=None)
     peaks = [v for v in phases.peak.values() if v is not None]
     return dict(mean_ms=statistics.fmean(times), std_ms=statistics.stdev(times) if len(times) > 1 else 0.0,
-                first_step_ms=first_ms,
+                median_ms=statistics.median(times), first_step_ms=first_ms,
                 phase_ms={p: statistics.fmean(v) for p, v in phases.ms.items() if v},
                 phase_peak_mib={p: v for p, v in phases.peak.items() if v is not None},
                 peak_mib=max(peaks) if peaks else None)
@@ -1341,6 +1341,8 @@ def cmd_gpt2(argv):
             row["status"] = failure(e)
         if row["status"] == "ok":
             row["peak_mib"] = mib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+            if device.type == "cuda":  # the GPU's own time per step, without the host's launch cost
+                row["gpu_ms"] = statistics.median(time_ms(step, device, warmup=1, steps=10, host_ahead=True))
             row["tokens_per_s"] = tokens / (row["mean_ms"] / 1e3)
             row["tflops"] = flops_per_tok * row["tokens_per_s"] / 1e12
             row["mfu"] = flops_per_tok * row["tokens_per_s"] / peak if peak else None
@@ -1391,12 +1393,17 @@ def cmd_gpt2(argv):
         ok = r["status"] == "ok"
         vs_peer = r["tokens_per_s"] / peer_row["tokens_per_s"] if ok and peer_row["status"] == "ok" else None
         body.append([r["model"], r["attn"], millions(r["params"]),
-                     f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" if ok else r["status"],
+                     f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" if ok else r["status"], r.get("median_ms"),
+                     r.get("gpu_ms"),
                      r.get("tokens_per_s"), r.get("tflops"), f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "—",
                      f"{vs_peer:.2f}x" if vs_peer else "—"]
                     + ([f"{r['tokens_per_s'] / reference:.2f}x" if ok else "—"] if reference else [])
                     + [r.get("peak_mib")])
-    print(markdown_table(["model", "attn", "params", "ms/step", "tokens/s", "TFLOP/s", "MFU", "vs peer"]
+    print("ms/step: mean ± std of the synchronized steps (tokens/s, TFLOP/s and MFU follow it); median ms: theirs; "
+          "GPU ms: the median of 10 more steps with the GPU kept busy until the host has issued the step, so it "
+          "times the GPU's work alone (CUDA only). Where ms/step is well above GPU ms, the GPU waited for the host.\n")
+    print(markdown_table(["model", "attn", "params", "ms/step", "median ms", "GPU ms", "tokens/s", "TFLOP/s", "MFU",
+                          "vs peer"]
                          + (["vs reference"] if reference else []) + ["peak MiB"], body))
     write_json(args.json, dict(info, rows=rows))
 

@@ -610,15 +610,17 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
 
 # Direct launches. Triton's kernel[grid](...) costs 30-60 us of host time per launch on the H200 machine (the
 # autotuner's key, binding and specializing every argument, the cache lookup) where running the compiled kernel
-# takes 7-11 us (measured: BENCHMARKS.md, What we tried). _launch keys a launch by everything Triton specializes
-# on: the kernel, the device, the grid, every argument that is not a tensor (ints, floats, flags, constexprs) and,
-# of each tensor or TMA descriptor, the dtype and whether its address is 16-byte aligned (plus a descriptor's
-# shape, strides and block). The first call with a key launches the normal way and keeps the compiled kernel and
-# its bound arguments; later calls swap in their own tensors and run the compiled kernel directly. Where this
-# Triton's internals differ from what it expects, or a launch hook (a profiler) is active, it launches the normal
-# way. FLASH_DIRECT_LAUNCH=0 turns it off.
+# takes 7-11 us (measured: BENCHMARKS.md, What we tried). A launch is keyed by everything Triton specializes on:
+# the kernel, the device, the grid, every argument that is not a tensor (ints, floats, flags, constexprs) and, of
+# each tensor or TMA descriptor, the dtype and whether its address is 16-byte aligned (plus a descriptor's shape,
+# strides and block). The launchers' own signatures (_memo, _where) fix all of that but the kernel, so their
+# launches are keyed by the kernel inside their memo entry; _launch builds the full key for any other. The first
+# call with a key launches the normal way and keeps the compiled kernel and its bound arguments; later calls swap
+# in their own tensors and run the compiled kernel directly. Where this Triton's internals differ from what it
+# expects, or a launch hook (a profiler) is active, it launches the normal way. FLASH_DIRECT_LAUNCH=0 turns it off.
 DIRECT_LAUNCH = os.environ.get("FLASH_DIRECT_LAUNCH", "1") != "0" and not INTERPRET
-_LAUNCHES = {}  # key -> (run, grid, function, metadata, bound args with the tensors left out, tensor slots) or None
+_LAUNCHES = {}  # key -> (run, grid, function, metadata, bound args with the tensors left out, tensor slots, stream
+# getter), or None where the launch goes the normal way
 try:
     from triton import knobs as _knobs
     from triton.runtime import driver as _driver
@@ -882,8 +884,7 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         return ((lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
                 dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
                      **_strides("o", op, varlen), **_strides("do", dop, varlen), **_strides("dq", dqp, varlen),
-                     num_heads=heads,
-                     group=heads // kv_heads, **common, **_blocks("dq")),
+                     num_heads=heads, group=heads // kv_heads, **common, **_blocks("dq")),
                 (lambda meta: (batch * kv_heads, _cdiv(seqlen_k, meta["BLOCK_N"]))),
                 dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
                      **_strides("do", dop, varlen), **_strides("dk", dkp, varlen), **_strides("dv", dvp, varlen),
@@ -1917,7 +1918,7 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
             BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
             HEAD_MAJOR=GLUON_HEAD_MAJOR and not (varlen and dynamic), PINGPONG=GLUON_PINGPONG, num_warps=4,
             maxnreg=168)
-    grid, dynamic, consts, plans = _memo(sig, build)
+    grid, dynamic, consts, plans = _memo(sig, build)  # (the counter, a fresh allocation or lse, is aligned)
     (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
         _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse

@@ -3867,19 +3867,22 @@ def test_bench_gpt2_rows_and_flops(tmp_path):
                  model.flops_per_token(V, T, d, L, 64, causal=False),
                  bench.peer_flops_per_token(V, T, d, L)]
     ((header, table),) = _md_tables(text)
-    assert header == ["model", "attn", "params", "ms/step", "tokens/s", "TFLOP/s", "MFU", "vs peer", "vs reference",
-                      "peak MiB"]
+    assert header == ["model", "attn", "params", "ms/step", "median ms", "GPU ms", "tokens/s", "TFLOP/s", "MFU",
+                      "vs peer", "vs reference", "peak MiB"]
     assert [r[0] for r in table] == [r["model"] for r in rows]
+    cuda = torch.cuda.is_available()
     for r, cells, flops in zip(rows, table, per_token):
         assert math.isclose(r["tokens_per_s"], B * T / (r["mean_ms"] / 1e3))
-        assert math.isclose(r["tflops"], flops * r["tokens_per_s"] / 1e12) and _close(cells[5], r["tflops"])
-        assert cells[7] == f"{r['tokens_per_s'] / rows[2]['tokens_per_s']:.2f}x"
-        assert cells[8] == f"{r['tokens_per_s'] / 1000:.2f}x"
-        if torch.cuda.is_available():  # MFU against the H100/H200 figure by default
-            assert cells[6] == f"{100 * flops * r['tokens_per_s'] / bench.PEAK_FLOPS:.1f}%"
+        assert min(r["mean_ms"], r["median_ms"]) > 0 and _close(cells[4], r["median_ms"])
+        assert _close(cells[5], r["gpu_ms"]) and r["gpu_ms"] > 0 if cuda else cells[5] == "—"  # the GPU's own time
+        assert math.isclose(r["tflops"], flops * r["tokens_per_s"] / 1e12) and _close(cells[7], r["tflops"])
+        assert cells[9] == f"{r['tokens_per_s'] / rows[2]['tokens_per_s']:.2f}x"
+        assert cells[10] == f"{r['tokens_per_s'] / 1000:.2f}x"
+        if cuda:  # MFU against the H100/H200 figure by default
+            assert cells[8] == f"{100 * flops * r['tokens_per_s'] / bench.PEAK_FLOPS:.1f}%"
         else:
-            assert cells[6] == "—"  # no MFU without a peak on CPU
-    assert table[2][7] == "1.00x"
+            assert cells[8] == "—"  # no MFU without a peak on CPU
+    assert table[2][9] == "1.00x"
 
 
 def test_bench_varlen_same_documents(tmp_path):
