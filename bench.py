@@ -1289,8 +1289,9 @@ def cmd_gpt2(argv):
     p.add_argument("--variants", default="sdpa:tied,flash:tied,flash:tied:graphs", help="ours to run: attn_impl, "
                    "with ':tied' for tied input/output embeddings (as GPT-2 and the peer), ':graphs' for "
                    "torch.compile(mode='reduce-overhead'), the step replayed as CUDA graphs (no host launch cost), "
-                   "and ':rope_inside' for RoPE applied inside the flash kernels (default: separate passes "
-                   "before them; model.FLASH_FUSED_ROPE)")
+                   "':rope_inside' for RoPE applied inside the flash kernels (default: separate passes "
+                   "before them; model.FLASH_FUSED_ROPE) and ':triton_ops' for flash's kernels launched by "
+                   "inductor itself (flash.TRITON_OPS)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)
@@ -1305,9 +1306,12 @@ def cmd_gpt2(argv):
     device = pick_device(args.device)
     variants = [v.split(":") for v in args.variants.split(",") if v]
     for v in variants:
-        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside"}:
-            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside] with ATTN one of "
-                             f"{ATTN_IMPLS}")
+        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside", "triton_ops"}:
+            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside][:triton_ops] "
+                             f"with ATTN one of {ATTN_IMPLS}")
+        if "triton_ops" in v and not flash.TRITON_OPS_AVAILABLE:
+            raise SystemExit("--variants: ':triton_ops' needs torch.library.triton_op and a GPU (not the "
+                             "interpreter)")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
     reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
@@ -1358,13 +1362,15 @@ def cmd_gpt2(argv):
         optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         name = "ours: TransformerLM" + (", tied" if tied else "") + (", CUDA graphs" if graphs else "") + \
-            (", RoPE inside" if "rope_inside" in tags else "") + " + our AdamW"
-        default_rope, model_py.FLASH_FUSED_ROPE = model_py.FLASH_FUSED_ROPE, "rope_inside" in tags
+            (", RoPE inside" if "rope_inside" in tags else "") + \
+            (", inductor launches flash" if "triton_ops" in tags else "") + " + our AdamW"
+        defaults = model_py.FLASH_FUSED_ROPE, flash.TRITON_OPS
+        model_py.FLASH_FUSED_ROPE, flash.TRITON_OPS = "rope_inside" in tags, "triton_ops" in tags or flash.TRITON_OPS
         try:
             rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
                               graphs=graphs))
         finally:
-            model_py.FLASH_FUSED_ROPE = default_rope
+            model_py.FLASH_FUSED_ROPE, flash.TRITON_OPS = defaults
         del ours, optimizer
         free_memory(device)
     peer = PeerGPT(V, T, args.d_model, args.num_layers, args.num_heads, device=device)
@@ -2180,6 +2186,17 @@ def launch_rows(head_dims, seqlen, calls, rounds, device):
             "forward+backward, compiled": (lambda: compiled_flash(q, k, v).backward(g),
                                            lambda: compiled_sdpa(q, k, v).backward(g)),
         }
+        kernels = "Gluon" if flash._gluon_supported(qn, kn, vn, None, None, 0) else "Triton"
+        if flash.TRITON_OPS_AVAILABLE and kernels == "Triton":  # inductor launches the kernels (flash.TRITON_OPS)
+            compiled_ops = torch.compile(lambda q, k, v: flash.flash_attention(q * 1.0, k, v) * 1.0)
+
+            def with_ops():
+                default, flash.TRITON_OPS = flash.TRITON_OPS, True
+                try:
+                    compiled_ops(q, k, v).backward(g)
+                finally:
+                    flash.TRITON_OPS = default
+            pieces["forward+backward, compiled, inductor launches"] = (with_ops, None)
         best = collections.defaultdict(lambda: math.inf)
         try:
             for _ in range(rounds):
@@ -2191,7 +2208,6 @@ def launch_rows(head_dims, seqlen, calls, rounds, device):
                         best[what, "sdpa"] = min(best[what, "sdpa"], host_us(sdpa, calls, device))
         finally:
             flash.DIRECT_LAUNCH = direct_modes[0]
-        kernels = "Gluon" if flash._gluon_supported(qn, kn, vn, None, None, 0) else "Triton"
         for what in pieces:
             rows.append(dict(head_dim=d, seqlen=seqlen, kernels=kernels, what=what,
                              direct_us=best.get((what, True)), kernel_grid_us=best[what, False],

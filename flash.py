@@ -189,7 +189,7 @@ def _autotuned(table):
         every = sorted({cfg for cfgs in table.values() for cfg in cfgs})
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
 
-        def prune(configs, named_args, **kwargs):
+        def prune(configs, named_args, **kwargs):  # also what the compiler tunes over in a traced launch
             wanted = table[_tune_class(kwargs["HEAD_DIM"], named_args["Q"].dtype)][:None if AUTOTUNE else 1]
             return [c for c in configs
                     if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
@@ -247,18 +247,13 @@ def _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start):
 
 
 @triton.jit
-def _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    """First row and length of sequence b's queries and keys: b's slice of the packed rows when VARLEN."""
-    q_start = tl.full([], 0, tl.int64)  # 64-bit: start * stride can pass 2^31 in a long packed batch
-    k_start = tl.full([], 0, tl.int64)
-    if VARLEN:
-        q0 = tl.load(cu_seqlens_q + b)
-        k0 = tl.load(cu_seqlens_k + b)
-        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q0
-        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k0
-        q_start = q0.to(tl.int64)
-        k_start = k0.to(tl.int64)
-    return q_start, seqlen_q, k_start, seqlen_k
+def _doc_bounds(q0, q1, k0, k1):
+    """First row and length of a packed sequence's queries and keys from its cu_seqlens entries (b and b + 1 of
+    each), which the kernels load themselves: the compiler's analysis of what a traced launch writes (TRITON_OPS)
+    takes every tensor argument of a call on the way to a store's address for written, so a helper given the
+    pointers would have it copy cu_seqlens around each launch. The starts are 64-bit: start * stride can pass 2^31
+    in a long packed batch."""
+    return q0.to(tl.int64), q1 - q0, k0.to(tl.int64), k1 - k0
 
 
 @triton.jit
@@ -315,7 +310,10 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest causal tiles launch first
     b = pid_bh // num_heads
     h = pid_bh % num_heads
-    q_start, seqlen_q, k_start, seqlen_k = _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN)
+    q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
+    if VARLEN:  # sequence b's slice of the packed rows
+        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(tl.load(cu_seqlens_q + b), tl.load(cu_seqlens_q + b + 1),
+                                                           tl.load(cu_seqlens_k + b), tl.load(cu_seqlens_k + b + 1))
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:  # a tile past its sequence's end exits at once
         return
@@ -366,7 +364,10 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride
     pid_bh = tl.program_id(0)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
-    q_start, seqlen_q, _, _ = _seq_bounds(cu_seqlens_q, cu_seqlens_q, b, seqlen_q, seqlen_q, VARLEN)
+    q_start = tl.full([], 0, tl.int64)
+    if VARLEN:
+        q0 = tl.load(cu_seqlens_q + b)
+        q_start, seqlen_q = q0.to(tl.int64), tl.load(cu_seqlens_q + b + 1) - q0
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -442,7 +443,10 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
-    q_start, seqlen_q, k_start, seqlen_k = _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN)
+    q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
+    if VARLEN:  # sequence b's slice of the packed rows
+        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(tl.load(cu_seqlens_q + b), tl.load(cu_seqlens_q + b + 1),
+                                                           tl.load(cu_seqlens_k + b), tl.load(cu_seqlens_k + b + 1))
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -549,7 +553,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     pid_n = tl.program_id(1)  # causal: the first key tiles have the most query rows, so they launch first
     b = pid_bh // num_kv_heads
     hk = pid_bh % num_kv_heads
-    q_start, seqlen_q, k_start, seqlen_k = _seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN)
+    q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
+    if VARLEN:  # sequence b's slice of the packed rows
+        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(tl.load(cu_seqlens_q + b), tl.load(cu_seqlens_q + b + 1),
+                                                           tl.load(cu_seqlens_k + b), tl.load(cu_seqlens_k + b + 1))
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
@@ -735,6 +742,12 @@ def _pow2(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _bucket(n):
+    """SEQ_BUCKET, the autotuning key's length class: n rounded up to a power of two (at least 16). A symbolic
+    length (a triton_op traced with dynamic shapes) passes as it is: the compiler autotunes on its own key."""
+    return max(16, _pow2(n)) if isinstance(n, int) else n
+
+
 def _blocks(name):
     if not INTERPRET:
         return {}
@@ -817,9 +830,11 @@ def rope_reference(x, cos, sin, inverse=False):
     return torch.stack((xe * c - xo * s, xe * s + xo * c), -1).flatten(-2).to(x.dtype)
 
 
-def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos=None, sin=None):
+def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos=None, sin=None,
+                    traced=False):
     """(O, L) of attention; dense or packed (cu_seqlens_q given); cos/sin: RoPE applied to q and k in the
-    kernels (tables as for _rope_kwargs)."""
+    kernels (tables as for _rope_kwargs). traced: the body of a triton_op the compiler is tracing (TRITON_OPS),
+    which launches through wrap_triton, with no memo (its tensors have no addresses)."""
     _require_triton_device(q)
     varlen = cu_seqlens_q is not None
     batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
@@ -833,27 +848,36 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     op = o if d_pad == d else _empty_out(qp)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
     tables, rope, rope_sig = _rope_kwargs(cos, sin, lse)
-    sig = ("fwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), op.stride(), causal,
-           varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig, _precision(q.dtype),
-           _where(qp, kp, vp, op, lse, cu_q, cu_k, *tables.values()))
-    grid, consts, plans = _memo(sig, lambda: (
-        (lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
-        dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
-             **_strides("o", op, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
-             group=heads // kv_heads, qk_scale=LOG2E / math.sqrt(d), SEQ_BUCKET=max(16, _pow2(seqlen_q)),
-             **rope, HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))))
-    _launch(_attn_fwd, grid, qp, kp, vp, op, lse, cu_q, cu_k, plans=plans, **tables, **consts)
+
+    def build():
+        return ((lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
+                dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
+                     **_strides("o", op, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                     num_heads=heads, group=heads // kv_heads, qk_scale=LOG2E / math.sqrt(d),
+                     SEQ_BUCKET=_bucket(seqlen_q), **rope, HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
+                     PREC=_precision(q.dtype), **_blocks("fwd")))
+    if traced:
+        grid, consts = build()
+        _wrap_triton(_attn_fwd)[grid](qp, kp, vp, op, lse, cu_q, cu_k, **tables, **consts)
+    else:
+        sig = ("fwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), op.stride(), causal,
+               varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig, _precision(q.dtype),
+               _where(qp, kp, vp, op, lse, cu_q, cu_k, *tables.values()))
+        grid, consts, plans = _memo(sig, build)
+        _launch(_attn_fwd, grid, qp, kp, vp, op, lse, cu_q, cu_k, plans=plans, **tables, **consts)
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
 
 
 def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend,
-              cos=None, sin=None):
+              cos=None, sin=None, traced=False):
     """(dQ, dK, dV): the dQ pass (which also works out Delta), then the dK/dV pass; the one place that picks the
     backward kernels (the Gluon one wherever it applies and backend, the forward's, is not 'triton'). cos/sin:
-    the forward's RoPE (inside the Triton kernels; around the Gluon one, as PyTorch passes)."""
-    if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o):
+    the forward's RoPE (inside the Triton kernels; around the Gluon one, as PyTorch passes). traced: as for
+    _triton_forward (the Triton kernels only)."""
+    if not traced and backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                               do, o):
         if cos is None:
             return _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal)
         dq, dk, dv = _gluon_backward(do, rope_reference(q, cos, sin), rope_reference(k, cos, sin), v, o, lse,
@@ -872,14 +896,11 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     delta = torch.empty_like(lse)
     tables, rope, rope_sig = _rope_kwargs(cos, sin, lse)
-    sig = ("bwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), dop.stride(), op.stride(),
-           dqp.stride(), dkp.stride(), dvp.stride(), causal, varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig,
-           _precision(q.dtype), _where(qp, kp, vp, op, dop, dqp, dkp, dvp, lse, delta, cu_q, cu_k, *tables.values()))
 
     def build():
         scale = 1.0 / math.sqrt(d)
         common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
-                      SEQ_BUCKET=max(16, _pow2(max(seqlen_q, seqlen_k))), **rope, HEAD_DIM=d_pad,
+                      SEQ_BUCKET=_bucket(max(seqlen_q, seqlen_k)), **rope, HEAD_DIM=d_pad,
                       CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype))
         return ((lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
                 dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
@@ -890,10 +911,20 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                      **_strides("do", dop, varlen), **_strides("dk", dkp, varlen), **_strides("dv", dvp, varlen),
                      num_kv_heads=kv_heads, GROUP=heads // kv_heads, EVEN_Q=not varlen and seqlen_q % 128 == 0,
                      **common, **_blocks("dkdv")))
-    grid_q, dq_args, grid_k, dkdv_args, plans = _memo(sig, build)
-    _launch(_attn_bwd_dq, grid_q, qp, kp, vp, op, dop, dqp, lse, delta, cu_q, cu_k, plans=plans, **tables, **dq_args)
-    _launch(_attn_bwd_dkdv, grid_k, qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k, plans=plans, **tables,
-            **dkdv_args)
+    dq_tensors = (qp, kp, vp, op, dop, dqp, lse, delta, cu_q, cu_k)
+    dkdv_tensors = (qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k)
+    if traced:
+        grid_q, dq_args, grid_k, dkdv_args = build()
+        _wrap_triton(_attn_bwd_dq)[grid_q](*dq_tensors, **tables, **dq_args)
+        _wrap_triton(_attn_bwd_dkdv)[grid_k](*dkdv_tensors, **tables, **dkdv_args)
+    else:
+        sig = ("bwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), dop.stride(),
+               op.stride(), dqp.stride(), dkp.stride(), dvp.stride(), causal,
+               varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig, _precision(q.dtype),
+               _where(*dq_tensors, dkp, dvp, *tables.values()))
+        grid_q, dq_args, grid_k, dkdv_args, plans = _memo(sig, build)
+        _launch(_attn_bwd_dq, grid_q, *dq_tensors, plans=plans, **tables, **dq_args)
+        _launch(_attn_bwd_dkdv, grid_k, *dkdv_tensors, plans=plans, **tables, **dkdv_args)
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
             g.copy_(gp[..., :d])
@@ -1823,9 +1854,14 @@ def _gluon_head_tiles(d):
     return None
 
 
-@functools.cache
+_SM90 = {}  # device index -> whether it is an sm90 GPU
+
+
+@torch.compiler.assume_constant_result  # a compiler tracing a call (_triton_traced) takes the answer as it is
 def _is_sm90(device_index):
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+    if device_index not in _SM90:
+        _SM90[device_index] = torch.cuda.get_device_capability(device_index) == (9, 0)
+    return _SM90[device_index]
 
 
 def _tma_ready(x):
@@ -1841,11 +1877,10 @@ def _tma_operand(x, width):
     return x if _tma_ready(x) else _pad(x, width).contiguous()
 
 
-def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
-    """The Gluon kernels take sm90 bf16/fp16 inputs with D from 33 to 128 (in the tiles of _gluon_head_tiles) and,
-    when packed, keys that share the queries' document boundaries. At D 64 or 128 the tensors (`more` are further
-    ones, the backward's dO and O) must be TMA-ready (_tma_ready), as the Triton kernels read any strides there; at
-    other head dims, where the Triton kernels need padded copies, those that are not TMA-ready are copied."""
+def _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+    """The part of _gluon_supported that follows from shapes, dtypes and the device alone (what a compiler tracing
+    the call knows): sm90 bf16/fp16 inputs with D from 33 to 128 (in the tiles of _gluon_head_tiles) and, when
+    packed, keys that share the queries' document boundaries."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     tiles = _gluon_head_tiles(q.shape[-1])
@@ -1856,7 +1891,14 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
         return False  # measured at D=64 below 2k tokens (BENCHMARKS.md): the Triton backward is faster (1k: 248 vs
         # 230 TFLOP/s); the Gluon forward is 1.09x at B=16 H=32 S=1k but 0.98x at GPT-2's B=12 H=12 and 0.87x
         # at S=256, with more host time per call
-    if cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q:
+    return cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+
+
+def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
+    """Whether the Gluon kernels take the call: _gluon_may_apply, and at D 64 or 128 the tensors (`more` are
+    further ones, the backward's dO and O) TMA-ready (_tma_ready), as the Triton kernels read any strides there; at
+    other head dims, where the Triton kernels need padded copies, those that are not TMA-ready are copied."""
+    if not _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
         return False
     if _kernel_head_dim(q.shape[-1]) == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
         return False
@@ -2032,6 +2074,40 @@ def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return _empty_out(q), _empty_out(k), _empty_out(v)
 
 
+# With FLASH_TRITON_OPS=1 (flash.TRITON_OPS, read at call time), a call under torch.compile on CUDA that only the
+# Triton kernels can take (backend 'triton', or _gluon_may_apply false) goes through these triton_op operators
+# instead: the compiler traces their bodies, so it allocates the outputs and launches the kernels from its own
+# generated code (autotuning them over the same configs), without the operators' dispatch, the launchers' Python
+# and PyTorch's allocation calls. Off by default until it is measured on a GPU. Not under the interpreter, whose
+# kernels the compiler cannot launch.
+TRITON_OPS_AVAILABLE = not INTERPRET and hasattr(torch.library, "triton_op")
+TRITON_OPS = TRITON_OPS_AVAILABLE and os.environ.get("FLASH_TRITON_OPS", "0") == "1"
+if TRITON_OPS_AVAILABLE:
+    from torch.library import wrap_triton as _wrap_triton
+
+    @torch.library.triton_op("flash::triton_attention_fwd", mutates_args=())
+    def _triton_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                       cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                       cos: torch.Tensor | None, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin,
+                               traced=True)
+
+    @torch.library.triton_op("flash::triton_attention_bwd", mutates_args=())
+    def _triton_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, cos: torch.Tensor | None,
+                       sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                         "triton", cos, sin, traced=True)
+
+
+def _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+    """Whether this call goes through the triton_op operators (TRITON_OPS): compiling, on CUDA, and sure to take
+    the Triton kernels."""
+    return TRITON_OPS and q.is_cuda and torch.compiler.is_compiling() and BACKEND != "gluon" and \
+        (BACKEND == "triton" or not _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q))
+
+
 def _through_ops():
     """Whether to call the kernels through the torch.library operators: when compiling, and when a dispatch mode
     is active (selective recomputation's, which keeps the forward's outputs instead of running it again; a FLOP
@@ -2047,8 +2123,13 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin):
         if cu_seqlens_k is None:
             cu_seqlens_k = cu_seqlens_q
-        fwd = _attention_fwd_op if _through_ops() else _forward
-        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND, cos, sin)
+        ctx.traced = _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+        if ctx.traced:
+            o, lse = _triton_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos,
+                                    sin)
+        else:
+            fwd = _attention_fwd_op if _through_ops() else _forward
+            o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND, cos, sin)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, cos, sin)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros made for L's gradient (it has none): ~0.1 ms of host per call
@@ -2059,9 +2140,12 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         if do is None:  # O took no part in what is differentiated
             return (None,) * 10
-        bwd = _attention_bwd_op if _through_ops() else _backward
         saved = ctx.saved_tensors
-        dq, dk, dv = bwd(do, *saved[:7], *ctx.args, *saved[7:])
+        if ctx.traced:
+            dq, dk, dv = _triton_bwd_op(do, *saved[:7], *ctx.args[:3], *saved[7:])
+        else:
+            bwd = _attention_bwd_op if _through_ops() else _backward
+            dq, dk, dv = bwd(do, *saved[:7], *ctx.args, *saved[7:])
         return (dq, dk, dv) + (None,) * 7
 
 

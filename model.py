@@ -379,6 +379,8 @@ def _saved_ops():
     """The operators whose outputs selective recomputation keeps: the matmuls and the attention kernels."""
     aten = torch.ops.aten
     ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.flash.attention_fwd.default}
+    if flash.TRITON_OPS_AVAILABLE:  # what a compiled model calls for the Triton kernels with TRITON_OPS
+        ops.add(torch.ops.flash.triton_attention_fwd.default)
     for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):

@@ -916,6 +916,162 @@ def test_flash_compiles_without_graph_breaks():
     assert _rel(out, out2) < 1e-6 and _rel(gx, gx2) < 1e-6
 
 
+_TRITON_OPS_TRACE = r'''
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+class Driver:  # the compiler's analysis of a traced kernel asks the active driver for its target: there is no GPU
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+
+triton.runtime.driver.set_active(Driver())
+from functorch.compile import aot_function, make_boxed_func  # noqa: E402
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+import flash  # noqa: E402
+
+assert flash.TRITON_OPS_AVAILABLE and not flash.INTERPRET
+fwd_op, bwd_op = torch.ops.flash.attention_fwd.default, torch.ops.flash.attention_bwd.default
+
+
+def launches(q, k, v, cu, max_seqlen, causal, cos, sin):
+    """The kernel launches in the graph of the triton_op forward then backward, and the outputs of both."""
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def both(q, k, v, do):
+        o, lse = flash._triton_fwd_op(q, k, v, cu, cu, max_seqlen, max_seqlen, causal, cos, sin)
+        return (o, lse, *flash._triton_bwd_op(do, q, k, v, o, lse, cu, cu, max_seqlen, max_seqlen, causal, cos,
+                                              sin))
+
+    outs = aot_function(both, fw_compiler=keep)(q, k, v, torch.empty_like(q))
+    found = []
+    for node in graphs[0].graph.nodes:
+        if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            found.append((kernel.fn.__name__, sorted(node.kwargs["tensors_to_clone"]), len(kernel.configs)))
+    return found, outs
+
+
+def check(q, k, v, cu=None, max_seqlen=0, causal=True, rope=False):
+    rows = q.shape[0] if cu is not None else q.shape[2]
+    cos, sin = (torch.empty(rows, q.shape[-1] // 2, device="cuda"),) * 2 if rope else (None, None)
+    found, outs = launches(q, k, v, cu, max_seqlen, causal, cos, sin)
+    d_pad = flash._kernel_head_dim(q.shape[-1])
+    n = lambda table: len(table[flash._tune_class(d_pad, q.dtype)]) if flash.AUTOTUNE else 1
+    # each launch writes its outputs only (no input is taken for written and copied) and tunes over its class
+    assert found == [("_attn_fwd", ["LSE", "O"], n(flash.FWD_CONFIGS)),
+                     ("_attn_bwd_dq", ["DELTA", "DQ"], n(flash.DQ_CONFIGS)),
+                     ("_attn_bwd_dkdv", ["DK", "DV"], n(flash.DKDV_CONFIGS))], found
+    # the same outputs, layouts included, as the operators' fake kernels give
+    o, lse = fwd_op(q, k, v, cu, cu, max_seqlen, max_seqlen, causal, "triton", cos, sin)
+    want = (o, lse, *bwd_op(q, q, k, v, o, lse, cu, cu, max_seqlen, max_seqlen, causal, "triton", cos, sin))
+    assert [(t.shape, t.stride(), t.dtype) for t in outs] == [(t.shape, t.stride(), t.dtype) for t in want]
+
+
+with FakeTensorMode():
+    bshd = lambda b, s, h, d, dtype: torch.empty(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2)
+    bf16 = torch.bfloat16
+    check(bshd(2, 300, 4, 64, bf16), bshd(2, 300, 2, 64, bf16), bshd(2, 300, 2, 64, bf16), rope=True)
+    q = torch.empty(1, 3, 77, 32, device="cuda")  # fp32, non-causal (a padded head dim: the GPU test; fake CUDA
+    # views fail in a PyTorch built without CUDA)
+    check(q, torch.empty_like(q), torch.empty_like(q), causal=False)
+    cu = torch.empty(5, device="cuda", dtype=torch.int32)  # packed, GQA, RoPE
+    packed = lambda h: torch.empty(400, h, 64, device="cuda", dtype=bf16)
+    check(packed(4), packed(2), packed(2), cu, 257, rope=True)
+
+    # which calls take the operators: compiling on CUDA, and only where the Gluon kernels cannot apply
+    torch.compiler.is_compiling = lambda: True
+    flash._is_sm90 = lambda index: True
+    flash.TRITON_OPS = True
+    traced = lambda q, cu=None: flash._triton_traced(q, cu, cu, q.shape[0] if cu is not None else q.shape[2])
+    d64, d128 = bshd(2, 300, 4, 64, bf16), bshd(2, 300, 4, 128, bf16)
+    assert traced(d64) and traced(d128.float()) and traced(packed(4), cu)  # D=64 below 2k tokens: Triton
+    assert traced(d128) == (flash.gluon is None)
+    flash.BACKEND = "triton"
+    assert traced(d128)
+    flash.BACKEND = "gluon"
+    assert not traced(d64)
+    flash.BACKEND, flash.TRITON_OPS = "auto", False
+    assert not traced(d64)
+print("ok")
+'''
+
+
+def test_flash_triton_ops_trace_to_the_kernels_alone():
+    """The triton_op path (flash.TRITON_OPS) traced as torch.compile traces it, with fake CUDA tensors (no GPU
+    needed): the forward and backward become one launch of each Triton kernel, each writing only its own outputs
+    (so the compiler copies no input around it) and tuning over its class's configs, with the outputs and layouts of
+    the operators' fake kernels; bf16 dense with RoPE and GQA, fp32, bf16 packed. And only calls that the Gluon
+    kernels cannot take go that way."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        raise unittest.SkipTest("needs Triton's CUDA backend")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", _TRITON_OPS_TRACE], capture_output=True, text=True, env=env,
+                         cwd=ROOT, stdin=subprocess.DEVNULL, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_flash_gpu_compiled_triton_ops_match_reference():
+    """With flash.TRITON_OPS on, torch.compile launches the Triton kernels from its own generated code: no flash
+    operator left in it, and the compiled O, L, dQ, dK, dV equal float64 attention (bf16 dense with RoPE and GQA,
+    causal and not; fp32 with a padded head dim; bf16 packed documents)."""
+    if not torch.cuda.is_available() or not flash.TRITON_OPS_AVAILABLE:
+        raise unittest.SkipTest("needs a CUDA GPU and torch.library.triton_op")
+    from torch._inductor.utils import run_and_get_code
+    gen = torch.Generator().manual_seed(41)
+    rand = lambda *shape, dtype=torch.bfloat16: torch.randn(shape, generator=gen).to("cuda", dtype)
+
+    def check(attend, inputs, reference, tol):
+        torch._dynamo.reset()
+        xs = [x.clone().requires_grad_() for x in inputs]
+        compiled = torch.compile(attend, fullgraph=True)
+        do = rand(*inputs[0].shape, dtype=inputs[0].dtype)
+
+        def run():
+            o, lse = compiled(*xs)
+            o.backward(do)
+            return o, lse
+        (o, lse), code = run_and_get_code(run)
+        code = "\n".join(code)
+        assert "_attn_fwd" in code and "_attn_bwd_dkdv" in code and "flash.attention_" not in code
+        ref = [x.detach().double().requires_grad_() for x in inputs]
+        ro, rlse = reference(*ref)
+        ro.backward(do.double())
+        errs = [_rel(o, ro), _rel(lse, rlse)] + [_rel(x.grad, r.grad) for x, r in zip(xs, ref)]
+        assert max(errs) < tol, errs
+
+    old, flash.TRITON_OPS = flash.TRITON_OPS, True
+    try:
+        s, d = 300, 64
+        ang = torch.arange(s, device="cuda")[:, None] * 0.9 ** torch.arange(d // 2, device="cuda")[None]
+        cos, sin = ang.cos(), ang.sin()
+        qkv = [rand(2, s, h, d).transpose(1, 2) for h in (4, 2, 2)]
+        rot = lambda x: flash.rope_reference(x, cos.double(), sin.double())
+        for causal in (True, False):
+            check(lambda q, k, v: flash.attention_with_lse(q, k, v, causal, rope=(cos, sin)), qkv,
+                  lambda q, k, v: flash.attention_reference(rot(q), rot(k), v, causal), 2e-2)
+        qkv = [rand(1, 3, 77, 40, dtype=torch.float32) for _ in range(3)]
+        check(lambda q, k, v: flash.attention_with_lse(q, k, v, False), qkv,
+              lambda q, k, v: flash.attention_reference(q, k, v, False), 1e-4)
+        lens = [100, 1, 257, 33]
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+        qkv = [rand(sum(lens), h, 64) for h in (4, 2, 2)]
+        check(lambda q, k, v: flash.attention_with_lse(q, k, v, True, cu, max(lens)), qkv,
+              lambda q, k, v: flash.attention_varlen_reference(q, k, v, cu, True), 2e-2)
+    finally:
+        flash.TRITON_OPS = old
+
+
 def test_flash_launch_arguments_are_worked_out_once_per_signature():
     """The Triton launchers work out their launches' arguments once per signature (flash._memo) and reuse them:
     calls that differ only in what the signature must tell apart (a head dim padded to the same tile width, 24 and
