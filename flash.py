@@ -31,14 +31,20 @@ import functools
 import inspect
 import math
 import os
+import sys
 import weakref
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
+# triton imported already (by torch.compile, say) with no TRITON_INTERPRET set: setting it now is too late for
+# triton's own language helpers, so on a machine without a GPU the kernels cannot run (_check_interpreter)
+_INTERPRET_TOO_LATE = "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
 if not torch.cuda.is_available():  # no GPU: run the kernels in Triton's interpreter (slow; must be set
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported)
+else:
+    _INTERPRET_TOO_LATE = False
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -794,6 +800,14 @@ def _require_triton_device(q):
     if q.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"flash: Triton kernels need a CUDA tensor (got {q.device}); on CPU set "
                            "TRITON_INTERPRET=1 before triton is imported, or use FlashAttentionPyTorch")
+    _check_interpreter("flash")
+
+
+def _check_interpreter(who):
+    if INTERPRET and _INTERPRET_TOO_LATE:
+        raise RuntimeError(f"{who}: triton was imported before flash.py could set TRITON_INTERPRET=1 (there is no "
+                           "GPU), so the kernels cannot run in the interpreter; import flash.py first (model.py and "
+                           "train.py do) or set TRITON_INTERPRET=1 before anything imports triton")
 
 
 def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
@@ -2596,6 +2610,8 @@ def rms_norm(x, weight, eps=1e-5):
     if x.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"flash.rms_norm: x is on {x.device}; the Triton kernels need CUDA tensors (or "
                          f"TRITON_INTERPRET=1)")
+    if not x.is_cuda:
+        _check_interpreter("flash.rms_norm")
     return _RMSNorm.apply(x, weight, float(eps))
 
 

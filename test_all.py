@@ -1088,6 +1088,24 @@ def test_flash_launch_arguments_are_worked_out_once_per_signature():
     # bounds on the GPU); 12 + 23, the same total, has another longest document
 
 
+def test_flash_says_when_triton_was_imported_before_it_without_a_gpu():
+    """Without a GPU, flash.py sets TRITON_INTERPRET=1 before it imports triton; when something imported triton
+    first (torch.compile's machinery, say), the kernels cannot run in the interpreter, and a call says so."""
+    if torch.cuda.is_available():
+        raise unittest.SkipTest("with a GPU the kernels do not need the interpreter")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import triton, torch, flash\n"
+            "for call in (lambda q: flash.flash_attention(q, q, q), lambda q: flash.rms_norm(q, torch.ones(16))):\n"
+            "    try:\n"
+            "        call(torch.randn(1, 2, 16, 16))\n"
+            "    except RuntimeError as e:\n"
+            "        print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                         stdin=subprocess.DEVNULL, timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("triton was imported before flash.py" in line for line in lines), \
+        (out.stdout, out.stderr[-2000:])
+
 def test_flash_rejects_bad_input():
     q = torch.randn(1, 3, 8, 16, device=DEVICE)
     k = torch.randn(1, 2, 8, 16, device=DEVICE)
