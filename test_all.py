@@ -1050,8 +1050,9 @@ def test_flash_gpu_compiled_triton_ops_match_reference():
         errs = [_rel(o, ro), _rel(lse, rlse)] + [_rel(x.grad, r.grad) for x, r in zip(xs, ref)]
         assert max(errs) < tol, errs
 
-    old, flash.TRITON_OPS = flash.TRITON_OPS, True
-    try:
+    old = flash.TRITON_OPS, torch.backends.cuda.matmul.allow_tf32
+    flash.TRITON_OPS, torch.backends.cuda.matmul.allow_tf32 = True, False  # fp32: IEEE dots (an earlier test may
+    try:                                                                    # have allowed TF32)
         s, d = 300, 64
         ang = torch.arange(s, device="cuda")[:, None] * 0.9 ** torch.arange(d // 2, device="cuda")[None]
         cos, sin = ang.cos(), ang.sin()
@@ -1069,7 +1070,7 @@ def test_flash_gpu_compiled_triton_ops_match_reference():
         check(lambda q, k, v: flash.attention_with_lse(q, k, v, True, cu, max(lens)), qkv,
               lambda q, k, v: flash.attention_varlen_reference(q, k, v, cu, True), 2e-2)
     finally:
-        flash.TRITON_OPS = old
+        flash.TRITON_OPS, torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def test_flash_launch_arguments_are_worked_out_once_per_signature():
