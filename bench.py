@@ -2187,13 +2187,11 @@ def launch_rows(head_dims, seqlen, calls, rounds, device):
                                            lambda: compiled_sdpa(q, k, v).backward(g)),
         }
         kernels = "Gluon" if flash._gluon_supported(qn, kn, vn, None, None, 0) else "Triton"
-        if flash.TRITON_OPS_AVAILABLE and kernels == "Triton":  # inductor launches the kernels (flash.TRITON_OPS)
-            compiled_ops = torch.compile(lambda q, k, v: flash.flash_attention(q * 1.0, k, v) * 1.0)
-
-            def with_ops():
+        if flash.TRITON_OPS_AVAILABLE and kernels == "Triton":  # inductor launches the kernels (flash.TRITON_OPS;
+            def with_ops():                                         # a graph of its own, the compiler guards on it)
                 default, flash.TRITON_OPS = flash.TRITON_OPS, True
                 try:
-                    compiled_ops(q, k, v).backward(g)
+                    compiled_flash(q, k, v).backward(g)
                 finally:
                     flash.TRITON_OPS = default
             pieces["forward+backward, compiled, inductor launches"] = (with_ops, None)

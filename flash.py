@@ -38,13 +38,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-# triton imported already (by torch.compile, say) with no TRITON_INTERPRET set: setting it now is too late for
-# triton's own language helpers, so on a machine without a GPU the kernels cannot run (_check_interpreter)
-_INTERPRET_TOO_LATE = "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
+# no GPU, and triton imported already (by torch.compile, say) with no TRITON_INTERPRET set: setting it below is too
+# late for triton's own language helpers, so the kernels cannot run (_check_interpreter)
+_INTERPRET_TOO_LATE = not torch.cuda.is_available() and "triton" in sys.modules and \
+    "TRITON_INTERPRET" not in os.environ
 if not torch.cuda.is_available():  # no GPU: run the kernels in Triton's interpreter (slow; must be set
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported)
-else:
-    _INTERPRET_TOO_LATE = False
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -2090,10 +2089,11 @@ def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 # With FLASH_TRITON_OPS=1 (flash.TRITON_OPS, read at call time), a call under torch.compile on CUDA that only the
 # Triton kernels can take (backend 'triton', or _gluon_may_apply false) goes through these triton_op operators
-# instead: the compiler traces their bodies, so it allocates the outputs and launches the kernels from its own
-# generated code (autotuning them over the same configs), without the operators' dispatch, the launchers' Python
-# and PyTorch's allocation calls. Off by default until it is measured on a GPU. Not under the interpreter, whose
-# kernels the compiler cannot launch.
+# instead (the same arguments as the operators above; they take the Triton kernels whatever backend says): the
+# compiler traces their bodies, so it allocates the outputs and launches the kernels from its own generated code
+# (autotuning them over the same configs), without the operators' dispatch, the launchers' Python and PyTorch's
+# allocation calls. Off by default until it is measured on a GPU. Not under the interpreter, whose kernels the
+# compiler cannot launch.
 TRITON_OPS_AVAILABLE = not INTERPRET and hasattr(torch.library, "triton_op")
 TRITON_OPS = TRITON_OPS_AVAILABLE and os.environ.get("FLASH_TRITON_OPS", "0") == "1"
 if TRITON_OPS_AVAILABLE:
@@ -2102,17 +2102,19 @@ if TRITON_OPS_AVAILABLE:
     @torch.library.triton_op("flash::triton_attention_fwd", mutates_args=())
     def _triton_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
                        cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                       cos: torch.Tensor | None, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       backend: str, cos: torch.Tensor | None,
+                       sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin,
                                traced=True)
 
     @torch.library.triton_op("flash::triton_attention_bwd", mutates_args=())
     def _triton_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, cos: torch.Tensor | None,
+                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, backend: str,
+                       cos: torch.Tensor | None,
                        sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                         "triton", cos, sin, traced=True)
+                         backend, cos, sin, traced=True)
 
 
 def _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
@@ -2138,12 +2140,8 @@ class _FlashAttention(torch.autograd.Function):
         if cu_seqlens_k is None:
             cu_seqlens_k = cu_seqlens_q
         ctx.traced = _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
-        if ctx.traced:
-            o, lse = _triton_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos,
-                                    sin)
-        else:
-            fwd = _attention_fwd_op if _through_ops() else _forward
-            o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND, cos, sin)
+        fwd = _triton_fwd_op if ctx.traced else _attention_fwd_op if _through_ops() else _forward
+        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND, cos, sin)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, cos, sin)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros made for L's gradient (it has none): ~0.1 ms of host per call
@@ -2154,12 +2152,9 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         if do is None:  # O took no part in what is differentiated
             return (None,) * 10
+        bwd = _triton_bwd_op if ctx.traced else _attention_bwd_op if _through_ops() else _backward
         saved = ctx.saved_tensors
-        if ctx.traced:
-            dq, dk, dv = _triton_bwd_op(do, *saved[:7], *ctx.args[:3], *saved[7:])
-        else:
-            bwd = _attention_bwd_op if _through_ops() else _backward
-            dq, dk, dv = bwd(do, *saved[:7], *ctx.args, *saved[7:])
+        dq, dk, dv = bwd(do, *saved[:7], *ctx.args, *saved[7:])
         return (dq, dk, dv) + (None,) * 7
 
 
@@ -2610,8 +2605,7 @@ def rms_norm(x, weight, eps=1e-5):
     if x.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"flash.rms_norm: x is on {x.device}; the Triton kernels need CUDA tensors (or "
                          f"TRITON_INTERPRET=1)")
-    if not x.is_cuda:
-        _check_interpreter("flash.rms_norm")
+    _check_interpreter("flash.rms_norm")
     return _RMSNorm.apply(x, weight, float(eps))
 
 

@@ -949,9 +949,9 @@ def launches(q, k, v, cu, max_seqlen, causal, cos, sin):
         return make_boxed_func(gm.forward)
 
     def both(q, k, v, do):
-        o, lse = flash._triton_fwd_op(q, k, v, cu, cu, max_seqlen, max_seqlen, causal, cos, sin)
-        return (o, lse, *flash._triton_bwd_op(do, q, k, v, o, lse, cu, cu, max_seqlen, max_seqlen, causal, cos,
-                                              sin))
+        o, lse = flash._triton_fwd_op(q, k, v, cu, cu, max_seqlen, max_seqlen, causal, "auto", cos, sin)
+        return (o, lse, *flash._triton_bwd_op(do, q, k, v, o, lse, cu, cu, max_seqlen, max_seqlen, causal, "auto",
+                                              cos, sin))
 
     outs = aot_function(both, fw_compiler=keep)(q, k, v, torch.empty_like(q))
     found = []
