@@ -1290,8 +1290,9 @@ def cmd_gpt2(argv):
                    "with ':tied' for tied input/output embeddings (as GPT-2 and the peer), ':graphs' for "
                    "torch.compile(mode='reduce-overhead'), the step replayed as CUDA graphs (no host launch cost), "
                    "':rope_inside' for RoPE applied inside the flash kernels (default: separate passes "
-                   "before them; model.FLASH_FUSED_ROPE) and ':triton_ops' for flash's kernels launched by "
-                   "inductor itself (flash.TRITON_OPS)")
+                   "before them; model.FLASH_FUSED_ROPE) and ':library_ops' for flash's Triton kernels called "
+                   "through its torch.library operators under torch.compile (flash.TRITON_OPS off; default: "
+                   "inductor launches them itself)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)
@@ -1306,12 +1307,9 @@ def cmd_gpt2(argv):
     device = pick_device(args.device)
     variants = [v.split(":") for v in args.variants.split(",") if v]
     for v in variants:
-        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside", "triton_ops"}:
-            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside][:triton_ops] "
+        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside", "library_ops"}:
+            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside][:library_ops] "
                              f"with ATTN one of {ATTN_IMPLS}")
-        if "triton_ops" in v and not flash.TRITON_OPS_AVAILABLE:
-            raise SystemExit("--variants: ':triton_ops' needs torch.library.triton_op and a GPU (not the "
-                             "interpreter)")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
     reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
@@ -1363,9 +1361,10 @@ def cmd_gpt2(argv):
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         name = "ours: TransformerLM" + (", tied" if tied else "") + (", CUDA graphs" if graphs else "") + \
             (", RoPE inside" if "rope_inside" in tags else "") + \
-            (", inductor launches flash" if "triton_ops" in tags else "") + " + our AdamW"
+            (", flash through its operators" if "library_ops" in tags else "") + " + our AdamW"
         defaults = model_py.FLASH_FUSED_ROPE, flash.TRITON_OPS
-        model_py.FLASH_FUSED_ROPE, flash.TRITON_OPS = "rope_inside" in tags, "triton_ops" in tags or flash.TRITON_OPS
+        model_py.FLASH_FUSED_ROPE = "rope_inside" in tags
+        flash.TRITON_OPS = flash.TRITON_OPS and "library_ops" not in tags
         try:
             rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
                               graphs=graphs))
@@ -2187,14 +2186,14 @@ def launch_rows(head_dims, seqlen, calls, rounds, device):
                                            lambda: compiled_sdpa(q, k, v).backward(g)),
         }
         kernels = "Gluon" if flash._gluon_supported(qn, kn, vn, None, None, 0) else "Triton"
-        if flash.TRITON_OPS_AVAILABLE and kernels == "Triton":  # inductor launches the kernels (flash.TRITON_OPS;
-            def with_ops():                                         # a graph of its own, the compiler guards on it)
-                default, flash.TRITON_OPS = flash.TRITON_OPS, True
+        if flash.TRITON_OPS and kernels == "Triton":  # compiled, inductor launches the kernels; here through
+            def library_ops():                          # flash's operators instead (a graph of its own: the compiler
+                flash.TRITON_OPS = False                # guards on flash.TRITON_OPS)
                 try:
                     compiled_flash(q, k, v).backward(g)
                 finally:
-                    flash.TRITON_OPS = default
-            pieces["forward+backward, compiled, inductor launches"] = (with_ops, None)
+                    flash.TRITON_OPS = True
+            pieces["forward+backward, compiled, through flash's operators"] = (library_ops, None)
         best = collections.defaultdict(lambda: math.inf)
         try:
             for _ in range(rounds):
