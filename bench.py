@@ -1752,6 +1752,7 @@ def varlen_attention(args, batches, tokens, device):
 SWEEP_SEQ = [2 ** i for i in range(7, 17)]
 SWEEP_D = [16, 32, 64, 128]
 DENSE_SHAPES = [(d, s) for d in (64, 128) for s in (1024, 4096, 16384)]  # (D, S); B = 16384 / S, H = 2048 / D
+WORK_BH = [(4, 12), (12, 12), (16, 16), (16, 32), (32, 32)]  # (B, H) of the 'work' part; (12, 12) is GPT-2 small's
 PEERS_MAX_SEQ = {"naive": 16384, "flex": 65536, "sdpa-efficient": 65536}  # expensive peers capped at long S
 
 
@@ -1798,6 +1799,11 @@ def hopper_kernels():
     return torch.cuda.is_available() and flash.gluon is not None and torch.cuda.get_device_capability() == (9, 0)
 
 
+def forced_backend(backend):
+    """A dense_methods entry: causal flash_attention on the kernels of flash.BACKEND = backend."""
+    return lambda q, k, v: on_backend(backend, lambda q, k, v: flash.flash_attention(q, k, v, causal=True))
+
+
 def dense_methods():
     """name -> make(q, k, v) returning a callable (q, k, v) -> O for causal (B, H, S, D) attention. 'ours' is what
     flash.py picks (the Gluon forward on Hopper where it is faster), 'ours-triton' the Triton kernels alone."""
@@ -1808,8 +1814,7 @@ def dense_methods():
             del methods["ours"]
         return methods
     if hopper_kernels():
-        methods["ours-triton"] = lambda q, k, v: on_backend("triton", lambda q, k, v: flash.flash_attention(
-            q, k, v, causal=True))
+        methods["ours-triton"] = forced_backend("triton")
     from torch.nn.attention import SDPBackend
     methods.update({"sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
                     "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION), "flex": _flex})
@@ -1980,11 +1985,13 @@ def cmd_attention(argv):
                    "marked skipped (0 = no limit)")
     p.add_argument("--parts", default="anchors,varlen,sweep", help="on CUDA without --quick, which case groups run "
                    "(in this order): anchors = the dense shapes B·S = 16384, H·D = 2048; varlen = packed "
-                   "documents; sweep = one head, S 128..65536, D 16..128")
+                   "documents; sweep = one head, S 128..65536, D 16..128; work = D=64 at S 512..2048 over B·H "
+                   "from 48 to 1024 (1.5 to 124 query tiles per SM), the Gluon and Triton kernels each forced, "
+                   "beside cuDNN: where flash.py should switch between them (not in the default)")
     p.add_argument("--methods", help="comma list of methods to time (default all: ours, ours-triton (on Hopper), "
                    "naive, sdpa-cudnn, sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     args = p.parse_args(argv)
-    parts = csv_list(args.parts, ("anchors", "varlen", "sweep"))
+    parts = csv_list(args.parts, ("anchors", "varlen", "sweep", "work"))
     cuda = torch.cuda.is_available()
     allow_recompiles()  # FlexAttention compiles once per shape: past the default 8 it would fall back to eager
     methods = dense_methods()
@@ -2008,6 +2015,8 @@ def cmd_attention(argv):
         if "sweep" in parts:
             jobs += [("sweep", 1, 1, s, d, dt) for d in SWEEP_D for s in SWEEP_SEQ
                      for dt in (torch.bfloat16, torch.float32)]
+        if "work" in parts:
+            jobs += [("work", b, h, s, 64, torch.bfloat16) for s in (512, 1024, 2048) for b, h in WORK_BH]
     rows, t0 = [], time.time()
     gen = torch.Generator().manual_seed(1)
     for i, job in enumerate(jobs):
@@ -2024,8 +2033,13 @@ def cmd_attention(argv):
         else:
             tag, b, h, s, d, dt = job
             flex_ok = dt != torch.float32 and d >= 64 and (tag == "anchors" or s in (1024, 16384))
-            rows += dense_case(b, h, s, d, dt, {n: m for n, m in methods.items() if n != "flex" or flex_ok},
-                               args.rep, tag)
+            chosen = {n: m for n, m in methods.items() if n != "flex" or flex_ok}
+            if tag == "work":  # each kernel family forced, beside cuDNN
+                chosen = {n: m for n, m in methods.items() if n in ("ours-triton", "sdpa-cudnn")
+                          or (n == "ours" and not hopper_kernels())}
+                if hopper_kernels():
+                    chosen = {"ours-gluon": forced_backend("gluon"), **chosen}
+            rows += dense_case(b, h, s, d, dt, chosen, args.rep, tag)
         el = time.time() - t0
         print(f"[{i + 1}/{len(jobs)}] {job}: {el:.0f}s elapsed, ETA {el / (i + 1) * (len(jobs) - i - 1):.0f}s",
               file=sys.stderr, flush=True)

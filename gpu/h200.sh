@@ -15,6 +15,8 @@
 # attention       attention: dense causal shapes (B·S = 16384, H·D = 2048, B=1      150 s (dense and packed;
 #                 H=32 S=32768, the 2.7B model's) and packed documents: ours        then the batch-1 sweep with
 #                 (Gluon kernels on Hopper), ours-triton, cuDNN, FlexAttention      what is left of 400 s)
+# attention_work  attention --parts work: D=64 at S 512-2048 over B·H, the Gluon     not yet measured
+#                 and Triton kernels each forced, beside cuDNN (the D=64 rule)
 # train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s
 #                 a torch.nn peer)
 # xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        60-300 s (60 s in the last
@@ -44,7 +46,8 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention train xl xl_memory train_small varlen hf leaderboard sweep sweep_compiled suite tests)
+ALL_PARTS=(attention attention_work train xl xl_memory train_small varlen hf leaderboard sweep sweep_compiled suite
+           tests)
 source gpu/common.sh
 
 SWEEP=(model --sweep --context_lengths 256,512,1024 --dtypes bf16,fp32 --modes fwd,fwd_bwd,train --warmup 1 --steps 2)
@@ -55,6 +58,11 @@ part_attention() {
     # The dense and packed cases run first; the batch-1 sweep fills what is left of the 400 s budget.
     run_md attention 560 "$PY" bench.py attention --rep 25 --methods ours,ours-triton,sdpa-cudnn,flex \
         --time_budget 400 --json @JSON@ --plot @PNG@
+}
+
+part_attention_work() {
+    begin_part attention_work 400
+    run_md attention_work 390 "$PY" bench.py attention --parts work --rep 25 --json @JSON@
 }
 
 part_train() {
