@@ -2033,12 +2033,12 @@ def cmd_attention(argv):
         else:
             tag, b, h, s, d, dt = job
             flex_ok = dt != torch.float32 and d >= 64 and (tag == "anchors" or s in (1024, 16384))
-            chosen = {n: m for n, m in methods.items() if n != "flex" or flex_ok}
             if tag == "work":  # each kernel family forced, beside cuDNN
-                chosen = {n: m for n, m in methods.items() if n in ("ours-triton", "sdpa-cudnn")
-                          or (n == "ours" and not hopper_kernels())}
-                if hopper_kernels():
-                    chosen = {"ours-gluon": forced_backend("gluon"), **chosen}
+                chosen = {"ours-gluon": forced_backend("gluon")} if hopper_kernels() else {}
+                chosen.update((n, m) for n, m in methods.items() if n in ("ours-triton", "sdpa-cudnn")
+                              or (n == "ours" and not hopper_kernels()))
+            else:
+                chosen = {n: m for n, m in methods.items() if n != "flex" or flex_ok}
             rows += dense_case(b, h, s, d, dt, chosen, args.rep, tag)
         el = time.time() - t0
         print(f"[{i + 1}/{len(jobs)}] {job}: {el:.0f}s elapsed, ETA {el / (i + 1) * (len(jobs) - i - 1):.0f}s",

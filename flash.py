@@ -2095,9 +2095,9 @@ def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 # _gluon_may_apply false) goes through these triton_op operators instead (the same arguments as the operators
 # above; they take the Triton kernels whatever backend says): the compiler traces their bodies, so it allocates the
 # outputs and launches the kernels from its own generated code (autotuning them over the same configs), without the
-# operators' dispatch, the launchers' Python and PyTorch's allocation calls. Measured on the H200 (BENCHMARKS.md):
-# a compiled forward+backward at D=64 costs 593 instead of 996 us of host time, and the GPT-2-small step runs in
-# 27.2 instead of 29.4 ms. Not under the interpreter, whose kernels the compiler cannot launch.
+# operators' dispatch, the launchers' Python and PyTorch's allocation calls (about 40% less host time per compiled
+# call, measured: BENCHMARKS.md, What we tried). Not under the interpreter, whose kernels the compiler cannot
+# launch.
 TRITON_OPS_AVAILABLE = not INTERPRET and hasattr(torch.library, "triton_op")
 TRITON_OPS = TRITON_OPS_AVAILABLE and os.environ.get("FLASH_TRITON_OPS", "1") != "0"
 if TRITON_OPS_AVAILABLE:
