@@ -1986,8 +1986,8 @@ def cmd_attention(argv):
     p.add_argument("--parts", default="anchors,varlen,sweep", help="on CUDA without --quick, which case groups run "
                    "(in this order): anchors = the dense shapes B·S = 16384, H·D = 2048; varlen = packed "
                    "documents; sweep = one head, S 128..65536, D 16..128; work = D=64 at S 512..2048 over B·H "
-                   "from 48 to 1024 (1.5 to 124 query tiles per SM), the Gluon and Triton kernels each forced, "
-                   "beside cuDNN: where flash.py should switch between them (not in the default)")
+                   "from 48 to 1024 (1.5 to 124 query tiles per SM): what flash.py picks, the Gluon and Triton "
+                   "kernels each forced, beside cuDNN: where it should switch between them (not in the default)")
     p.add_argument("--methods", help="comma list of methods to time (default all: ours, ours-triton (on Hopper), "
                    "naive, sdpa-cudnn, sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     args = p.parse_args(argv)
@@ -2033,10 +2033,11 @@ def cmd_attention(argv):
         else:
             tag, b, h, s, d, dt = job
             flex_ok = dt != torch.float32 and d >= 64 and (tag == "anchors" or s in (1024, 16384))
-            if tag == "work":  # each kernel family forced, beside cuDNN
-                chosen = {"ours-gluon": forced_backend("gluon")} if hopper_kernels() else {}
-                chosen.update((n, m) for n, m in methods.items() if n in ("ours-triton", "sdpa-cudnn")
-                              or (n == "ours" and not hopper_kernels()))
+            if tag == "work":  # what flash.py picks, then each kernel family forced, beside cuDNN
+                chosen = {n: m for n, m in methods.items() if n == "ours"}
+                if hopper_kernels():
+                    chosen["ours-gluon"] = forced_backend("gluon")
+                chosen.update((n, m) for n, m in methods.items() if n in ("ours-triton", "sdpa-cudnn"))
             else:
                 chosen = {n: m for n, m in methods.items() if n != "flex" or flex_ok}
             rows += dense_case(b, h, s, d, dt, chosen, args.rep, tag)
@@ -2230,8 +2231,8 @@ def cmd_launch(argv):
     p = argparse.ArgumentParser(prog="bench.py launch", description="Host time of one flash.py call, piece by piece: "
                                 "the launchers, a forward+backward eager and compiled, with direct launches and "
                                 "through Triton's kernel[grid], beside SDPA (CUDA)")
-    p.add_argument("--head_dims", default="64,128", help="comma list (64: the Triton kernels below 2048 tokens; 128: "
-                   "the Gluon ones on Hopper)")
+    p.add_argument("--head_dims", default="64,128", help="comma list (64: the Triton kernels at this "
+                   "small shape; 128: the Gluon ones on Hopper)")
     p.add_argument("--seqlen", type=int, default=256, help="small, so that the GPU keeps up with the host")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--rounds", type=int, default=3, help="the minimum over this many rounds is reported")

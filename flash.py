@@ -893,7 +893,7 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     the forward's RoPE (inside the Triton kernels; around the Gluon one, as PyTorch passes). traced: as for
     _triton_forward (the Triton kernels only)."""
     if not traced and backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                               do, o):
+                                                               do, o, backward=True):
         if cos is None:
             return _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal)
         dq, dk, dv = _gluon_backward(do, rope_reference(q, cos, sin), rope_reference(k, cos, sin), v, o, lse,
@@ -1893,28 +1893,63 @@ def _tma_operand(x, width):
     return x if _tma_ready(x) else _pad(x, width).contiguous()
 
 
-def _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+# D=64 (the one head dim where the Triton kernels keep up; the rule covers head dims 33-64, tiles 64 wide): which
+# family takes a call depends on the work per SM and the direction. Measured on the H200 (`bench.py attention
+# --parts work`: S 512-2048, B·H 48-1024, each family forced, cold L2; BENCHMARKS.md): the Gluon forward is
+# 1.04-1.12x the Triton one from about 15 query tiles of 128 rows per SM at S 1024-2048, and the Triton one is up to
+# 1.18x below that; at S=512 they are within 5% either way, and the Triton launch costs less host time. The
+# backwards are level up to 1024 tokens; at 2048 the Gluon one is 1.02-1.03x from 62 tiles per SM and the Triton
+# one up to 1.12x below 31. From 4096 tokens the Gluon kernels win both ways (1.13-1.25x). Packed batches whose
+# documents are all shorter than 2048 tokens take the Triton kernels (their Gluon forward, with slots, was 0.81x).
+# (forward, backward): the least query tiles per SM for the Gluon kernels, at S >= 1024 (forward), S >= 2048
+# (backward):
+GLUON_D64_TILES_PER_SM = (15, 31)
+
+
+def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
+    """Whether the Gluon kernels take a D=64 call of `query_tiles` query tiles (128 rows of one head) in all, its
+    sequences (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs (see GLUON_D64_TILES_PER_SM)."""
+    if seqlen >= 4096 or packed:
+        return seqlen >= 2048
+    if seqlen < (2048 if backward else 1024):
+        return False
+    return query_tiles >= GLUON_D64_TILES_PER_SM[1 if backward else 0] * sms  # (dynamo: no bool as an index)
+
+
+_SMS = {}  # device index -> its number of SMs
+
+
+@torch.compiler.assume_constant_result  # as _is_sm90
+def _sm_count(device_index):
+    if device_index not in _SMS:
+        _SMS[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _SMS[device_index]
+
+
+def _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward=False):
     """The part of _gluon_supported that follows from shapes, dtypes and the device alone (what a compiler tracing
-    the call knows): sm90 bf16/fp16 inputs with D from 33 to 128 (in the tiles of _gluon_head_tiles) and, when
-    packed, keys that share the queries' document boundaries."""
+    the call knows): sm90 bf16/fp16 inputs with D from 33 to 128 (in the tiles of _gluon_head_tiles; at D=64 where
+    _gluon_d64 says so for the direction) and, when packed, keys that share the queries' document boundaries."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     tiles = _gluon_head_tiles(q.shape[-1])
     if tiles is None or not _is_sm90(q.device.index):
         return False
-    if BACKEND == "auto" and tiles == (64, 0) and \
-            (max_seqlen_q if cu_seqlens_q is not None else q.shape[2]) < 2048:
-        return False  # measured at D=64 below 2k tokens (BENCHMARKS.md): the Triton backward is faster (1k: 248 vs
-        # 230 TFLOP/s); the Gluon forward is 1.09x at B=16 H=32 S=1k but 0.98x at GPT-2's B=12 H=12 and 0.87x
-        # at S=256, with more host time per call
+    if BACKEND == "auto" and tiles == (64, 0):
+        packed = cu_seqlens_q is not None
+        seqlen = max_seqlen_q if packed else q.shape[2]
+        query_tiles = 0 if packed else q.shape[0] * q.shape[1] * _cdiv(seqlen, 128)
+        if not _gluon_d64(seqlen, query_tiles, packed, backward, _sm_count(q.device.index)):
+            return False
     return cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
 
 
-def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
-    """Whether the Gluon kernels take the call: _gluon_may_apply, and at D 64 or 128 the tensors (`more` are
-    further ones, the backward's dO and O) TMA-ready (_tma_ready), as the Triton kernels read any strides there; at
-    other head dims, where the Triton kernels need padded copies, those that are not TMA-ready are copied."""
-    if not _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, backward=False):
+    """Whether the Gluon kernels take the call (the forward, or the backward): _gluon_may_apply, and at D 64 or 128
+    the tensors (`more` are further ones, the backward's dO and O) TMA-ready (_tma_ready), as the Triton kernels read
+    any strides there; at other head dims, where the Triton kernels need padded copies, those that are not
+    TMA-ready are copied."""
+    if not _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward):
         return False
     if _kernel_head_dim(q.shape[-1]) == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
         return False
@@ -2121,14 +2156,14 @@ if TRITON_OPS_AVAILABLE:
                          backend, cos, sin, traced=True)
 
 
-def _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
-    """Whether this call goes through the triton_op operators (TRITON_OPS): compiling with static shapes (dynamic
-    ones, as train.py compiles document batches, keep the operators above until measured on a GPU), on CUDA, and
-    sure to take the Triton kernels."""
+def _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward=False):
+    """Whether this call's forward (or backward) goes through the triton_op operators (TRITON_OPS): compiling with
+    static shapes (dynamic ones, as train.py compiles document batches, keep the operators above until measured on
+    a GPU), on CUDA, and sure to take the Triton kernels that way."""
     sizes = (*q.shape, max_seqlen_q, *(() if cu_seqlens_q is None else cu_seqlens_q.shape))
     return TRITON_OPS and q.is_cuda and torch.compiler.is_compiling() and BACKEND != "gluon" and \
         not any(isinstance(n, torch.SymInt) for n in sizes) and \
-        (BACKEND == "triton" or not _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q))
+        (BACKEND == "triton" or not _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward))
 
 
 def _through_ops():
@@ -2146,8 +2181,9 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin):
         if cu_seqlens_k is None:
             cu_seqlens_k = cu_seqlens_q
-        ctx.traced = _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
-        fwd = _triton_fwd_op if ctx.traced else _attention_fwd_op if _through_ops() else _forward
+        traced = _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+        ctx.traced = _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward=True)  # may differ (D=64)
+        fwd = _triton_fwd_op if traced else _attention_fwd_op if _through_ops() else _forward
         o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND, cos, sin)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, cos, sin)
         ctx.mark_non_differentiable(lse)
@@ -2506,11 +2542,6 @@ def _as_rows(t, d):
     """t as (rows, d) with unit stride along d (a copy only when the last dim is strided)."""
     t2 = t.reshape(-1, d)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-@functools.cache
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _rms_programs(device, n_blocks):

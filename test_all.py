@@ -1014,11 +1014,16 @@ with FakeTensorMode():
     # which calls take the operators: compiling on CUDA, and only where the Gluon kernels cannot apply
     torch.compiler.is_compiling = lambda: True
     flash._is_sm90 = lambda index: True
+    flash._sm_count = lambda index: 132
     flash.TRITON_OPS = True
-    traced = lambda q, cu=None: flash._triton_traced(q, cu, cu, q.shape[0] if cu is not None else q.shape[2])
+    traced = lambda q, cu=None, backward=False: flash._triton_traced(q, cu, cu, q.shape[0] if cu is not None
+                                                                     else q.shape[2], backward)
     d64, d128 = bshd(2, 300, 4, 64, bf16), bshd(2, 300, 4, 128, bf16)
-    assert traced(d64) and traced(d128.float()) and traced(packed(4), cu)  # D=64 below 2k tokens: Triton
+    assert traced(d64) and traced(d128.float()) and traced(packed(4), cu)  # D=64, little work: Triton
+    assert traced(d64, backward=True) and traced(packed(4), cu, backward=True)
     assert traced(d128) == (flash.gluon is None)
+    many = bshd(16, 1024, 16, 64, bf16)  # 2048 query tiles: the Gluon forward where there is one, the Triton backward
+    assert traced(many) == (flash.gluon is None) and traced(many, backward=True)
     flash.BACKEND = "triton"
     assert traced(d128)
     flash.BACKEND = "gluon"
@@ -1193,6 +1198,59 @@ def test_flash_gpu_gluon_matches_reference():
                               dtype=torch.bfloat16)
     finally:
         flash.BACKEND, (flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT) = old, persistent
+
+
+def test_flash_d64_kernels_by_work_per_sm_and_direction():
+    """At head dims 33-64 the Gluon kernels take a call only where they were measured faster (flash._gluon_d64):
+    forward from 15 query tiles per SM at 1024 tokens and more, backward from 31 at 2048; from 4096 tokens both;
+    packed documents from 2048 tokens. The cases are the measured winners of `bench.py attention --parts work` on
+    132 SMs."""
+    tiles = lambda b, h, s: b * h * -(-s // 128)
+    pick = lambda b, h, s: tuple(flash._gluon_d64(s, tiles(b, h, s), False, bwd, 132) for bwd in (False, True))
+    assert pick(12, 12, 1024) == (False, False)  # GPT-2 small: the Triton kernels both ways
+    assert pick(4, 12, 2048) == (False, False) and pick(12, 12, 2048) == (True, False)
+    assert pick(16, 32, 1024) == (True, False) and pick(16, 16, 1024) == (True, False)
+    assert pick(16, 32, 2048) == (True, True) and pick(32, 32, 2048) == (True, True)
+    assert pick(4, 32, 4096) == (True, True) and pick(1, 1, 8192) == (True, True)
+    assert pick(4, 12, 512) == (False, False) and pick(32, 32, 512) == (False, False)  # level: less host
+    for bwd in (False, True):  # packed: by the longest document alone
+        assert not flash._gluon_d64(2047, 0, True, bwd, 132) and flash._gluon_d64(2048, 0, True, bwd, 132)
+    # torch.compile traces the choice inside a model (dynamo): it must give the same answers there
+    for bwd in (False, True):
+        fn = torch.compile(lambda x: x + flash._gluon_d64(2048, 5000, False, bwd, 132), fullgraph=True,
+                           backend="eager")
+        assert fn(torch.zeros(1)).item() == 1
+
+
+def test_flash_gpu_mixed_kernel_families_match_reference():
+    """At D=64 the forward and the backward may take different kernel families (flash._gluon_d64): a Gluon forward
+    with a Triton backward, and a Triton forward with a Gluon backward, against float64 attention (the two families
+    store the same natural-log L), dense, causal and not, GQA, and with the compiler."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
+        raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
+    gen = torch.Generator().manual_seed(14)
+    old = flash.GLUON_D64_TILES_PER_SM
+    try:
+        for flash.GLUON_D64_TILES_PER_SM, s in (((0, 10 ** 9), 1100), ((10 ** 9, 0), 2100)):
+            q = torch.empty(1, 4, s, 64, device="cuda", dtype=torch.bfloat16)
+            fwd, bwd = (flash._gluon_supported(q, q, q, None, None, 0, *more, backward=bool(more))
+                        for more in ((), (q, q)))
+            assert fwd != bwd, (flash.GLUON_D64_TILES_PER_SM, fwd, bwd)
+            for causal in (True, False):
+                _check_dense(1, 4, 2, s, s, 64, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+                _check_dense(2, 4, 4, s, s, 64, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
+            torch._dynamo.reset()
+            q, k, v = (torch.randn(2, 4, s, 64, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
+            o = torch.compile(flash.flash_attention)(q, k, v)
+            o.backward(torch.ones_like(o))
+            ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+            ro = flash.attention_reference(*ref, True)[0]
+            ro.backward(torch.ones_like(ro))
+            assert max(_rel(a, r) for a, r in ((o, ro), (q.grad, ref[0].grad), (k.grad, ref[1].grad),
+                                               (v.grad, ref[2].grad))) < 2e-2
+    finally:
+        flash.GLUON_D64_TILES_PER_SM = old
+        torch._dynamo.reset()
 
 
 def test_flash_gpu_direct_launches_match_the_reference():
