@@ -105,7 +105,7 @@ import flash  # noqa: E402
 import model as model_py  # noqa: E402  (the module itself: --nvtx swaps its attention function for an annotated one)
 from flash import flash_attn_varlen  # noqa: E402
 from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token  # noqa: E402
-from train import PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, pack_batch, pad_batch, sample_documents  # noqa: E402
+from train import PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, pack_batch, pad_batch, pad_packed, sample_documents  # noqa: E402
 
 SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4))  # tiny: CPU tests and smoke runs
 MODES = ("fwd", "fwd_bwd", "train")
@@ -1525,9 +1525,12 @@ def cmd_varlen(argv):
     for key, (gpu, cpu) in VARLEN_DEFAULTS.items():
         p.add_argument(f"--{key}", type=type(gpu), default=None, help=f"default {gpu} on CUDA, {cpu} on CPU")
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
-    p.add_argument("--strategies", default="pad,dynamic_pad,pack")
+    p.add_argument("--strategies", default="pad,dynamic_pad,pack,pack_static", help="pack_static: pack padded to "
+                   "(batch_size + 1) * context_length tokens and a power of two of documents (train.py's "
+                   "pack_static), compiled for static shapes")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model with dynamic shapes (batches differ in size); default on CUDA")
+                   help="torch.compile the model with dynamic shapes (batches differ in size; pack_static: static "
+                   "shapes, one compile per shape); default on CUDA")
     add_common_args(p)
     args = p.parse_args(argv)
     device = pick_device(args.device)
@@ -1539,7 +1542,7 @@ def cmd_varlen(argv):
             setattr(args, key, gpu if cuda else cpu)
     if args.dtype not in DTYPES or args.attn not in ATTN_IMPLS:
         raise SystemExit(f"--dtype must be one of {DTYPES} and --attn one of {ATTN_IMPLS}")
-    strategies = csv_list(args.strategies, ("pad", "dynamic_pad", "pack"))
+    strategies = csv_list(args.strategies, ("pad", "dynamic_pad", "pack", "pack_static"))
     torch.manual_seed(args.seed)
     allow_recompiles()
     info = run_info("varlen", argv, device)
@@ -1560,11 +1563,14 @@ def cmd_varlen(argv):
           f"timed, each whole documents up to {budget} real tokens (train.sample_documents). Model: d_model "
           f"{args.d_model}, {args.num_layers} layers, {args.num_heads} heads, d_ff {args.d_ff}, vocab "
           f"{args.vocab_size}, {args.dtype}, attn {args.attn}, "
-          f"{'torch.compile(dynamic=True)' if args.compile else 'eager'}.\n")
+          f"{'torch.compile(dynamic=True; pack_static: dynamic=False)' if args.compile else 'eager'}.\n")
 
     def make_inputs(strategy, spans):
-        if strategy == "pack":
+        if strategy.startswith("pack"):
             x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
+            if strategy == "pack_static":
+                x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, budget + ctx, 0)
+                max_seqlen = ctx
             kw = dict(cu_seqlens=cu_seqlens.to(device), max_seqlen=int(max_seqlen))
         else:
             length = ctx if strategy == "pad" else max(end - start for start, end in spans)
@@ -1575,6 +1581,7 @@ def cmd_varlen(argv):
     net = TransformerLM(args.vocab_size, ctx, args.d_model, args.num_layers, args.num_heads, args.d_ff,
                         attn_impl=args.attn, device=device)
     runner = torch.compile(net, dynamic=True) if args.compile else net  # one graph for every batch size
+    static_runner = torch.compile(net, dynamic=False) if args.compile else net  # one graph per shape
     inputs_of = {strategy: [make_inputs(strategy, spans) for spans in batches] for strategy in strategies}
     rows, t_start, total = [], time.perf_counter(), 2 * len(strategies)
     for phase in ("eval", "train"):  # every eval first, so the loss column compares the same weights
@@ -1584,17 +1591,22 @@ def cmd_varlen(argv):
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
 
+            run = static_runner if strategy == "pack_static" else runner
+
             def step(x, y, kw, out):
                 if phase == "eval":
                     with torch.no_grad(), autocast(args.dtype, device):
-                        out["loss"] = runner(x, targets=y, **kw)
+                        out["loss"] = run(x, targets=y, **kw)
                 else:
                     net.zero_grad(set_to_none=True)
                     with autocast(args.dtype, device):
-                        loss = runner(x, targets=y, **kw)
+                        loss = run(x, targets=y, **kw)
                     loss.backward()
                     optimizer.step()
             try:
+                if strategy == "pack_static":  # each of its few shapes compiled before the timed batches
+                    for x, y, kw, _, _ in {tuple(t[2]["cu_seqlens"].shape): t for t in inputs}.values():
+                        step(x, y, kw, {})
                 for i, (x, y, kw, _, _) in enumerate(inputs):  # one sample per batch: each batch is timed once
                     out = {}
                     ms = time_ms(lambda: step(x, y, kw, out), device)[0]

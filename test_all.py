@@ -765,6 +765,7 @@ def test_flash_varlen_many_short_documents_and_long_ones():
     for causal in (True, False):
         # many documents inside one 32-row tile, length 1 upward, then ones spanning several tiles
         _check_varlen([1, 2, 5, 1, 17, 3, 1, 9, 40, 1, 33, 70], 2, 2, 16, causal, gen=gen)
+        _check_varlen([3, 0, 40, 1, 0, 17, 0, 0], 2, 2, 16, causal, gen=gen)  # empty documents (train.pad_packed)
     _check_varlen([3, 50, 1, 18], 4, 2, 32, True, gen=gen)  # grouped-query heads
 
 
@@ -1159,8 +1160,8 @@ def test_flash_gpu_gluon_matches_reference():
     """The Hopper (Gluon) forward and backward, forced on, against float64 attention: O, L, dQ, dK, dV; ragged
     lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims
     80 and 96 (tiles 64 wide and tails of 16 and 32), 72 and 40 (read in place, zeros past D) and 36 (rows not
-    16-byte aligned: padded copies), packed documents of 1 token up to several tiles (many per key tile) and 302 of
-    them (more than one chunk of the document search); outputs poisoned first. Shapes of more work items than SMs
+    16-byte aligned: padded copies), packed documents of 0 tokens (empty) up to several tiles (many per key tile)
+    and 302 of them (more than one chunk of the document search); outputs poisoned first. Shapes of more work items than SMs
     run persistent, the CTAs taking items dynamically (the default); the last ones also with one CTA per item (the
     forward: 3 x 8 heads x 17 query tiles = 408 items over 132 SMs; the backward: 3 x 4 K/V heads x 17 key tiles =
     204 items, and 4 x 8 x 8 = 256 at D=80)."""
@@ -1183,7 +1184,7 @@ def test_flash_gpu_gluon_matches_reference():
             _check_dense(1, 2, 2, 300, 300, 72, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
             _check_dense(1, 2, 2, 200, 200, 40, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
             _check_dense(1, 2, 1, 130, 130, 36, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            lens = [1, 7, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3]
+            lens = [1, 7, 0, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3, 0, 0]  # empty ones too (train.pad_packed)
             _check_varlen(lens, 8, 8, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             _check_varlen(lens, 4, 4, 80, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
@@ -2647,6 +2648,49 @@ def test_pad_and_pack_give_the_same_loss(tmp_path):
     torch.testing.assert_close(loss_pack, loss_pad, rtol=1e-5, atol=1e-5)
 
 
+def test_pack_static_pads_to_few_shapes_and_keeps_the_loss(tmp_path):
+    """pad_packed: the packed batch padded to a static length (the padding one document without targets) and its
+    offsets to a power of two (empty documents); the model gives the same loss and gradients as unpadded, with the
+    reference attention and with the Triton kernels (empty documents included)."""
+    _write_dataset(tmp_path / "d")
+    tokens, docs, meta = train.load_dataset(tmp_path / "d", "train")
+    g, ctx, budget = torch.Generator().manual_seed(3), 24, 72
+    shapes = set()
+    for _ in range(20):
+        spans = train.sample_documents(docs, budget, ctx, g)
+        x, y, cu, _ = train.pack_batch(tokens, spans)
+        xs, ys, cus = train.pad_packed(x, y, cu, budget + ctx, meta["eot_id"])
+        n, entries = x.shape[1], len(cu) + 1  # one document more: the padding (1 to ctx tokens)
+        assert xs.shape == ys.shape == (1, budget + ctx) and 1 <= budget + ctx - n <= ctx
+        assert torch.equal(xs[:, :n], x) and torch.equal(ys[:, :n], y)
+        assert (xs[0, n:] == meta["eot_id"]).all() and (ys[0, n:] == -100).all()
+        assert len(cus) == 1 << (entries - 1).bit_length() and cus.dtype == torch.int32
+        assert cus[:len(cu)].tolist() == cu.tolist() and (cus[len(cu):] == budget + ctx).all()
+        shapes.add(tuple(cus.shape))
+    assert len(shapes) <= 2, shapes  # a few shapes, not one per batch
+    _expect(ValueError, ["does not fit"], train.pad_packed, x, y, cu, n - 1, 0)
+    xs, ys, cus = train.pad_packed(x, y, cu, n, 0)  # already full: no padding document, offsets to a power of two
+    assert torch.equal(xs, x) and cus[:len(cu)].tolist() == cu.tolist() and len(cus) & (len(cus) - 1) == 0
+
+    torch.manual_seed(0)
+    model = TransformerLM(97, ctx, 32, 2, 2, 64)
+    x, y, cu, m = train.pack_batch(tokens, train.sample_documents(docs, budget, ctx, g))
+    xs, ys, cus = train.pad_packed(x, y, cu, budget + ctx, meta["eot_id"])
+    assert len(cus) > len(cu) + 1  # empty documents at the end
+    for impl in ("naive", "flash"):
+        model.attn_impl = impl
+        losses, grads = [], []
+        for xb, yb, cub, mb in ((x, y, cu, m), (xs, ys, cus, ctx)):
+            model.zero_grad()
+            loss = model(xb, cu_seqlens=cub, max_seqlen=mb, targets=yb)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in model.parameters()])
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
 def test_config_files_overrides_and_errors(tmp_path):
     cfg = train.default_config()
     f = tmp_path / "c.py"
@@ -2917,6 +2961,10 @@ def test_config_errors_are_one_line_with_a_suggestion_and_status_2(tmp_path):
                        (dict(cuda_graphs=True, compile=True, grad_accum=2), 2)):
         _expect(train.ConfigError, ["cuda_graphs needs compile=True", f"world size {world}"], train.check_config,
                 SimpleNamespace(**{**config, **bad}), world)
+    train.check_config(SimpleNamespace(**{**config, **dict(cuda_graphs=True, compile=True, batching="pack",
+                                                              pack_static=True)}), 1)  # static shapes: fine
+    _expect(train.ConfigError, ["pack_static applies to batching='pack'"], train.check_config,
+            SimpleNamespace(**{**config, "pack_static": True}), 1)
     _expect(train.ConfigError, ["cuda_graphs needs a CUDA device"], train.main,
             TINY + [f"--out_dir={tmp_path / 'g'}", "--compile=True", "--cuda_graphs=True"])
     for bad in (dict(act_ckpt_layers=config["num_layers"] + 1), dict(act_ckpt_layers=-2), dict(act_ckpt_every=-1)):
@@ -2935,7 +2983,8 @@ def test_config_errors_are_one_line_with_a_suggestion_and_status_2(tmp_path):
 def test_gpu_cuda_graphs_train_like_the_compiled_step(tmp_path):
     """train.py with cuda_graphs (every micro-step replayed as CUDA graphs, grad_accum 2: the gradients of two
     replays must add up, not overwrite each other) logs the same losses and gradient norms as the compiled step
-    without graphs, up to the run-to-run noise of bf16 kernels."""
+    without graphs, up to the run-to-run noise of bf16 kernels; for concat batches and for packed ones at static
+    shapes (pack_static) against packing compiled for dynamic shapes."""
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA GPU")
     data = tmp_path / "d"
@@ -2943,14 +2992,33 @@ def test_gpu_cuda_graphs_train_like_the_compiled_step(tmp_path):
     base = [a for a in TINY if a != "--device=cpu"] + [f"--data_dir={data}", "--device=cuda", "--compile=True",
                                                         "--grad_accum=2", "--max_iters=12", "--log_interval=1",
                                                         "--eval_interval=6", "--attn_impl=flash"]
-    train.main(base + [f"--out_dir={tmp_path / 'plain'}"])
-    train.main(base + [f"--out_dir={tmp_path / 'graphs'}", "--cuda_graphs=True"])
-    plain, graphs = _log(tmp_path / "plain"), _log(tmp_path / "graphs")
-    assert [r["step"] for r in plain] == [r["step"] for r in graphs]
-    for a, b in zip(plain, graphs):
-        for key in ("loss", "grad_norm", "val_loss"):
-            if key in a:
-                assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-3, (key, a, b)
+    for name, more in (("", []), ("pack", ["--batching=pack"])):  # packed: at static shapes with pack_static
+        train.main(base + more + [f"--out_dir={tmp_path / ('plain' + name)}"])
+        train.main(base + more + [f"--out_dir={tmp_path / ('graphs' + name)}", "--cuda_graphs=True"]
+                   + ["--pack_static=True"] * bool(more))
+        plain, graphs = _log(tmp_path / ("plain" + name)), _log(tmp_path / ("graphs" + name))
+        assert [r["step"] for r in plain] == [r["step"] for r in graphs]
+        for a, b in zip(plain, graphs):
+            for key in ("loss", "grad_norm", "val_loss"):
+                if key in a:
+                    assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-3, (name, key, a, b)
+
+
+def test_pack_static_trains_like_pack(tmp_path):
+    """batching='pack' with pack_static=True (every micro-batch padded to a static shape) logs the losses and
+    gradient norms of packing without padding, within fp32 rounding (the same pieces, the padding without
+    targets and out of every real token's sight)."""
+    data = tmp_path / "d"
+    _write_dataset(data)
+    logs = []
+    for static in (False, True):
+        out = tmp_path / f"static-{static}"
+        train.main(TINY + [f"--data_dir={data}", f"--out_dir={out}", "--batching=pack", f"--pack_static={static}",
+                           "--max_iters=4", "--log_interval=1", "--eval_interval=2", "--grad_accum=2"])
+        logs.append(_losses(out))
+    assert [r[0] for r in logs[0]] == [r[0] for r in logs[1]] and len(logs[0]) == 4 + 3
+    for a, b in zip(*logs):
+        assert all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6) for x, y in zip(a[1:], b[1:])), (a, b)
 
 
 def test_scratch_run_refuses_an_out_dir_that_holds_a_run_unless_forced(tmp_path):
@@ -4153,17 +4221,17 @@ def test_bench_varlen_same_documents(tmp_path):
                       "2", "--warmup", "1", "--steps", "1", "--device", "cpu", "--json", str(path)])
     payload = json.loads(path.read_text())
     rows = {(r["phase"], r["strategy"]): r for r in payload["rows"]}
-    assert set(rows) == {(p, s) for p in ("eval", "train") for s in ("pad", "dynamic_pad", "pack")}
+    strategies = ("pad", "dynamic_pad", "pack", "pack_static")
+    assert set(rows) == {(p, s) for p in ("eval", "train") for s in strategies}
     assert all(r["status"] == "ok" for r in rows.values())
     real = {r["real_tokens"] for r in rows.values()}
     assert len(real) == 1  # the same documents, the same real (target) tokens, whatever the layout
-    losses = [rows[("eval", s)]["loss_first_batch"] for s in ("pad", "dynamic_pad", "pack")]
+    losses = [rows[("eval", s)]["loss_first_batch"] for s in strategies]
     assert max(losses) - min(losses) < 1e-4  # same weights, same targets: padding and packing agree
     (h1, model_rows), (h2, attn_rows) = _md_tables(text)
     assert h1 == ["phase", "strategy", "ms/batch", "real tokens/s", "speedup vs pad", "real / slots", "peak MiB",
                   "eval loss, batch 1 (same weights: equal)"]
-    assert [tuple(r[:2]) for r in model_rows] == [(p, s) for p in ("train", "eval")
-                                                  for s in ("pad", "dynamic_pad", "pack")]
+    assert [tuple(r[:2]) for r in model_rows] == [(p, s) for p in ("train", "eval") for s in strategies]
     for cells in model_rows:
         r, pad = rows[cells[0], cells[1]], rows[cells[0], "pad"]
         assert math.isclose(r["tokens_per_s"], r["real_tokens"] / (r["ms_per_batch"] / 1e3))
@@ -4171,6 +4239,7 @@ def test_bench_varlen_same_documents(tmp_path):
         assert cells[5] == f"{100 * r['real_tokens'] / r['token_slots']:.0f}%"
         assert (cells[7] == "—") == (cells[0] == "train")
     assert rows[("train", "pack")]["token_slots"] == rows[("train", "pack")]["real_tokens"]  # packing wastes none
+    assert rows[("train", "pack_static")]["token_slots"] == 3 * 96  # static: (batch_size + 1) * context_length
     pad, dyn = rows[("train", "pad")]["token_slots"], rows[("train", "dynamic_pad")]["token_slots"]
     assert pad % 96 == 0 and real.pop() <= dyn <= pad  # pad: a context_length row per document; dynamic: fewer
     assert h2 == ["method", "fwd ms", "fwd+bwd ms", "fwd useful TFLOP/s", "fwd+bwd useful TFLOP/s",

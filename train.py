@@ -11,7 +11,7 @@ Train a TransformerLM on a tokenized dataset. Example commands:
 
 The data directory comes from `python data/prepare.py NAME` (run automatically for the default `shakespeare`).
 Everything below the config block is importable without side effects: AdamW, get_lr_cosine_schedule,
-clip_grad_norm, get_batch, load_dataset, sample_documents / pad_batch / pack_batch, save_checkpoint /
+clip_grad_norm, get_batch, load_dataset, sample_documents / pad_batch / pack_batch / pad_packed, save_checkpoint /
 load_checkpoint. The run itself sits in main() (cli() for the command line, called under
 `if __name__ == "__main__"`). Ctrl-C (SIGINT) or SIGTERM end a run after the step in progress, with a checkpoint
 of it and the command that continues it.
@@ -56,6 +56,9 @@ seed = 1337                     # model init and every data draw derive from it
 dataset = "shakespeare"         # name under data/ (made by `python data/prepare.py NAME`)
 data_dir = ""                   # '' = data/<dataset> next to this file
 batching = "concat"             # 'concat' | 'pad' | 'dynamic_pad' | 'pack' (README says when to use which)
+pack_static = False             # 'pack' at a few static shapes: every micro-batch padded to (batch_size + 1) *
+                                # context_length tokens and to a power of two of documents (pad_packed), so it
+                                # compiles without dynamic shapes and cuda_graphs can capture it
 batch_size = 16                 # sequences per micro-batch; doc strategies use batch_size*context_length real tokens
 context_length = 128            # tokens per sequence (RoPE table size)
 grad_accum = 1                  # micro-batches per optimizer step, split across ranks (must divide by world size)
@@ -86,7 +89,8 @@ grad_clip = 1.0                 # global-norm clip (0 = off; the norm is still l
 device = "auto"                 # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...
 dtype = "auto"                  # 'auto' (bfloat16 on CUDA, float32 on CPU) | 'float32' | 'bfloat16' (autocast)
 compile = False                 # torch.compile the model
-cuda_graphs = False             # with compile on CUDA, batching 'concat', one process: mode='reduce-overhead',
+cuda_graphs = False             # with compile on CUDA, static shapes (batching 'concat', or 'pack' with
+                                # pack_static), one process: mode='reduce-overhead',
                                 # every micro-step replays as CUDA graphs (no launch cost on the host)
 ddp_impl = "bucketed"           # torchrun: 'bucketed'|'naive'|'flat'|'overlap'|'fsdp'|'torch'|'torch_fsdp' (ddp.wrap)
 zero1 = False                   # shard AdamW state across ranks (ddp.ShardedOptimizer; not with fsdp)
@@ -396,6 +400,23 @@ def pack_batch(tokens, spans):
     return x, y, cu_seqlens, int(seqlens.max())
 
 
+def pad_packed(x, y, cu_seqlens, length, pad_id):
+    """A packed batch (pack_batch's x, y, cu_seqlens) at a static shape: x and y right-padded to `length` tokens
+    (pad_id in x, -100 in y: no targets), the padding a document of its own so that no real token attends to it,
+    and cu_seqlens then extended to the next power of two of offsets by repeating its last one (empty documents at
+    the end). The loss and the gradients are the unpadded batch's; batches take one shape per power of two."""
+    n = x.shape[1]
+    if n > length:
+        raise ValueError(f"a packed batch of {n} tokens does not fit a static length of {length}")
+    if n < length:
+        x = torch.cat([x, x.new_full((1, length - n), pad_id)], 1)
+        y = torch.cat([y, y.new_full((1, length - n), -100)], 1)
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([length])])
+    entries = 1 << (len(cu_seqlens) - 1).bit_length()  # the next power of two >= len(cu_seqlens)
+    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:].expand(entries - len(cu_seqlens))])
+    return x, y, cu_seqlens
+
+
 def make_batch(tokens, docs, c, generator, device, pad_id):
     """One micro-batch for c.batching: (x, y, cu_seqlens or None, max_seqlen or None, real target tokens)."""
     if c.batching == "concat":
@@ -405,6 +426,9 @@ def make_batch(tokens, docs, c, generator, device, pad_id):
     n_real = sum(e - s - 1 for s, e in spans)
     if c.batching == "pack":
         x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
+        if c.pack_static:  # the pieces overshoot the budget by less than one: the padding is 1 to context_length
+            x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, (c.batch_size + 1) * c.context_length, pad_id)
+            max_seqlen = c.context_length
         return _to_device(x, device), _to_device(y, device), _to_device(cu_seqlens, device), max_seqlen, n_real
     length = c.context_length if c.batching == "pad" else max(e - s for s, e in spans)
     x, y = pad_batch(tokens, spans, length, pad_id)
@@ -541,13 +565,21 @@ def check_config(c, world_size):
     if c.act_ckpt_every < 0 or not -1 <= c.act_ckpt_layers <= c.num_layers:
         raise ConfigError(f"act_ckpt_every must be >= 0 and act_ckpt_layers in [-1, num_layers={c.num_layers}], got "
                           f"{c.act_ckpt_every} and {c.act_ckpt_layers}")
-    if c.cuda_graphs and not (c.compile and c.batching == "concat" and world_size == 1):
-        raise ConfigError(f"cuda_graphs needs compile=True, batching='concat' (static shapes) and one process (not "
-                          f"yet under torchrun with several), got compile={c.compile}, batching={c.batching!r}, "
-                          f"world size {world_size}")
+    if c.pack_static and c.batching != "pack":
+        raise ConfigError(f"pack_static applies to batching='pack', got batching={c.batching!r}")
+    if c.cuda_graphs and not (c.compile and static_shapes(c) and world_size == 1):
+        raise ConfigError(f"cuda_graphs needs compile=True, static shapes (batching='concat', or 'pack' with "
+                          f"pack_static=True) and one process (not yet under torchrun with several), got "
+                          f"compile={c.compile}, batching={c.batching!r}, pack_static={c.pack_static}, world size "
+                          f"{world_size}")
     if c.dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss scaling for float16), "
                           f"got {c.dtype!r}")
+
+
+def static_shapes(c):
+    """Whether every micro-batch of config c has one of a few fixed shapes (compiled without dynamic shapes)."""
+    return c.batching == "concat" or (c.batching == "pack" and c.pack_static)
 
 
 def resume_config(config, given, saved, log):
@@ -777,11 +809,12 @@ def train(config, given, rank, world_size, dev):
         f"{' + zero1' if c.zero1 and world_size > 1 else ''}, batching={c.batching}")
 
     # data parallelism, compiled as ddp.wrap says (document batches change shape every step: compile for dynamic
-    # shapes at once instead of recompiling on the second); the optimizer decays matrices, not the RMSNorm gains
+    # shapes at once instead of recompiling on the second; static packed batches compile once per shape); the
+    # optimizer decays matrices, not the RMSNorm gains
     w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb,
                  compute_dtype=None if ptdtype == torch.float32 else ptdtype, compile=c.compile,
-                 compile_kwargs=dict(dynamic=True) if c.batching != "concat" else
-                 dict(mode="reduce-overhead") if c.cuda_graphs else {})
+                 compile_kwargs=dict(dynamic=True) if not static_shapes(c) else
+                 dict(dynamic=False, mode="reduce-overhead") if c.cuda_graphs else dict(dynamic=False))
     # CUDA graphs: the outputs of a replay live in the graph's memory until the next replay, so every training
     # forward starts a new step explicitly (its loss is added up before the next forward), and the gradients get
     # buffers of their own that every backward adds into (a gradient left as None takes the replay's output tensor
