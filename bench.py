@@ -105,7 +105,8 @@ import flash  # noqa: E402
 import model as model_py  # noqa: E402  (the module itself: --nvtx swaps its attention function for an annotated one)
 from flash import flash_attn_varlen  # noqa: E402
 from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token  # noqa: E402
-from train import PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, pack_batch, pad_batch, pad_packed, sample_documents  # noqa: E402
+from train import (PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, pack_batch, pad_batch, pad_packed,  # noqa: E402
+                   sample_documents)
 
 SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4))  # tiny: CPU tests and smoke runs
 MODES = ("fwd", "fwd_bwd", "train")

@@ -1161,10 +1161,10 @@ def test_flash_gpu_gluon_matches_reference():
     lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims
     80 and 96 (tiles 64 wide and tails of 16 and 32), 72 and 40 (read in place, zeros past D) and 36 (rows not
     16-byte aligned: padded copies), packed documents of 0 tokens (empty) up to several tiles (many per key tile)
-    and 302 of them (more than one chunk of the document search); outputs poisoned first. Shapes of more work items than SMs
-    run persistent, the CTAs taking items dynamically (the default); the last ones also with one CTA per item (the
-    forward: 3 x 8 heads x 17 query tiles = 408 items over 132 SMs; the backward: 3 x 4 K/V heads x 17 key tiles =
-    204 items, and 4 x 8 x 8 = 256 at D=80)."""
+    and 302 of them (more than one chunk of the document search); outputs poisoned first. Shapes of more work items
+    than SMs run persistent, the CTAs taking items dynamically (the default); the last ones also with one CTA per
+    item (the forward: 3 x 8 heads x 17 query tiles = 408 items over 132 SMs; the backward: 3 x 4 K/V heads x 17 key
+    tiles = 204 items, and 4 x 8 x 8 = 256 at D=80)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(12)
