@@ -1896,10 +1896,10 @@ def _tma_operand(x, width):
 # D=64 (the one head dim where the Triton kernels keep up; the rule covers head dims 33-64, tiles 64 wide): which
 # family takes a call depends on the work per SM and the direction. Measured on the H200 (`bench.py attention
 # --parts work`: S 512-2048, B·H 48-1024, each family forced, cold L2; BENCHMARKS.md): the Gluon forward is
-# 1.04-1.12x the Triton one from about 15 query tiles of 128 rows per SM at S 1024-2048, and the Triton one is up to
-# 1.18x below that; at S=512 they are within 5% either way, and the Triton launch costs less host time. The
-# backwards are level up to 1024 tokens; at 2048 the Gluon one is 1.02-1.03x from 62 tiles per SM and the Triton
-# one up to 1.12x below 31. From 4096 tokens the Gluon kernels win both ways (1.13-1.25x). Packed batches whose
+# 1.04-1.13x the Triton one from about 15 query tiles of 128 rows per SM at S 1024-2048, and the Triton one is up to
+# 1.17x below that; at S=512 they are within 5% either way, and the Triton launch costs less host time. The
+# backwards are level up to 1024 tokens; at 2048 the Gluon one is 1.00-1.06x from 31 tiles per SM and the Triton
+# one up to 1.12x below. From 4096 tokens the Gluon kernels win both ways (1.13-1.25x). Packed batches whose
 # documents are all shorter than 2048 tokens take the Triton kernels (their Gluon forward, with slots, was 0.81x).
 # (forward, backward): the least query tiles per SM for the Gluon kernels, at S >= 1024 (forward), S >= 2048
 # (backward):

