@@ -38,9 +38,9 @@ FLASH_FUSED_ROPE = False
 def auto_attn_impl(device_type, packed):
     """attn_impl for "auto": on CUDA, flash where it is measured at least as fast as sdpa in the model, else sdpa;
     naive elsewhere (the CPU reference). Measured on the H200 (BENCHMARKS.md): packed documents train 3.6x faster
-    with flash_attn_varlen than padded batches (SDPA would need a dense block-diagonal mask); on dense batches the
-    GPT-2-small step is 0.97x sdpa with flash (without CUDA graphs) and the 2.7B step 1.01x, inside its step-to-step
-    spread, so dense batches take sdpa."""
+    with flash_attn_varlen than padded batches (SDPA would need a dense block-diagonal mask); on dense batches flash
+    and sdpa are level (the GPT-2-small step 0.97-1.02x sdpa without CUDA graphs, config/small.py 0.99x, the 2.7B
+    step 1.00x: inside their run-to-run spread), so dense batches keep sdpa."""
     if device_type != "cuda":
         return "naive"
     return "flash" if packed else "sdpa"

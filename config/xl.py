@@ -22,4 +22,4 @@ log_interval = 5
 save_interval = 1000
 dtype = "bfloat16"
 compile = True
-attn_impl = "auto"              # model.auto_attn_impl: sdpa for these dense batches (measured faster)
+attn_impl = "auto"              # model.auto_attn_impl: sdpa for these dense batches (flash measures level)
