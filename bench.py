@@ -1293,7 +1293,9 @@ def cmd_gpt2(argv):
                    "':rope_inside' for RoPE applied inside the flash kernels (default: separate passes "
                    "before them; model.FLASH_FUSED_ROPE) and ':library_ops' for flash's Triton kernels called "
                    "through its torch.library operators under torch.compile (flash.TRITON_OPS off; default: "
-                   "inductor launches them itself)")
+                   "inductor launches them itself), ':autotune' for torch.compile(mode='max-autotune') (Triton "
+                   "matmul templates benchmarked against cuBLAS, with the elementwise work fused into their "
+                   "epilogues where they win; with ':graphs' as well, the CUDA graphs of that mode)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)
@@ -1308,9 +1310,9 @@ def cmd_gpt2(argv):
     device = pick_device(args.device)
     variants = [v.split(":") for v in args.variants.split(",") if v]
     for v in variants:
-        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside", "library_ops"}:
-            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside][:library_ops] "
-                             f"with ATTN one of {ATTN_IMPLS}")
+        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside", "library_ops", "autotune"}:
+            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside][:library_ops]"
+                             f"[:autotune] with ATTN one of {ATTN_IMPLS}")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
     reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
@@ -1323,8 +1325,10 @@ def cmd_gpt2(argv):
     x, y = random_batch(V, B, T, device, torch.Generator().manual_seed(args.seed))
     tokens = B * T
 
-    def bench(name, attn, net, loss_of, optimizer, flops_per_tok, graphs=False):
-        loss_fn = torch.compile(loss_of, mode="reduce-overhead" if graphs else None) if args.compile else loss_of
+    def bench(name, attn, net, loss_of, optimizer, flops_per_tok, graphs=False, autotune=False):
+        mode = ("max-autotune" if graphs else "max-autotune-no-cudagraphs") if autotune else \
+            "reduce-overhead" if graphs else None
+        loss_fn = torch.compile(loss_of, mode=mode) if args.compile else loss_of
 
         def step():
             if graphs:  # a new step: the outputs of the previous replay may be overwritten
@@ -1362,13 +1366,14 @@ def cmd_gpt2(argv):
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         name = "ours: TransformerLM" + (", tied" if tied else "") + (", CUDA graphs" if graphs else "") + \
             (", RoPE inside" if "rope_inside" in tags else "") + \
-            (", flash through its operators" if "library_ops" in tags else "") + " + our AdamW"
+            (", flash through its operators" if "library_ops" in tags else "") + \
+            (", max-autotune" if "autotune" in tags else "") + " + our AdamW"
         defaults = model_py.FLASH_FUSED_ROPE, flash.TRITON_OPS
         model_py.FLASH_FUSED_ROPE = "rope_inside" in tags
         flash.TRITON_OPS = flash.TRITON_OPS and "library_ops" not in tags
         try:
             rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
-                              graphs=graphs))
+                              graphs=graphs, autotune="autotune" in tags))
         finally:
             model_py.FLASH_FUSED_ROPE, flash.TRITON_OPS = defaults
         del ours, optimizer

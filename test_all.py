@@ -4175,6 +4175,22 @@ def test_bench_compile_side_by_side(tmp_path):
                                               for n in ("eager", "compiled")]
 
 
+def test_bench_gpt2_variant_tags_pick_the_compile_mode():
+    """bench.py gpt2 compiles each variant's step in the mode its tags ask for (':autotune': max-autotune, without
+    CUDA graphs unless ':graphs' runs on a GPU; the peer in the default mode), and names it in the row."""
+    modes, real = [], torch.compile
+    torch.compile = lambda fn=None, **kw: modes.append(kw.get("mode")) or fn
+    try:
+        text = run_bench(["gpt2", "--vocab_size", "64", "--context_length", "8", "--d_model", "16", "--num_layers",
+                          "1", "--num_heads", "2", "--d_ff", "32", "--batch_size", "2", "--variants",
+                          "naive:tied,naive:tied:autotune", "--warmup", "1", "--steps", "1", "--device", "cpu"])
+    finally:
+        torch.compile = real
+    assert modes == [None, "max-autotune-no-cudagraphs", None], modes
+    assert "ours: TransformerLM, tied, max-autotune + our AdamW" in text
+    _expect(SystemExit, ["[:autotune]"], bench.main, ["gpt2", "--variants", "naive:fast"])
+
+
 def test_bench_gpt2_rows_and_flops(tmp_path):
     path = tmp_path / "gpt2.json"
     V, T, d, L, B = 96, 16, 32, 1, 2
