@@ -2660,7 +2660,7 @@ def test_pack_static_pads_to_few_shapes_and_keeps_the_loss(tmp_path):
         spans = train.sample_documents(docs, budget, ctx, g)
         x, y, cu, _ = train.pack_batch(tokens, spans)
         xs, ys, cus = train.pad_packed(x, y, cu, budget + ctx, meta["eot_id"])
-        n, entries = x.shape[1], len(cu) + 1  # one document more: the padding (1 to ctx tokens)
+        n, entries = x.shape[1], len(cu) + 1  # one document more: the padding (at most ctx tokens)
         assert xs.shape == ys.shape == (1, budget + ctx) and 1 <= budget + ctx - n <= ctx
         assert torch.equal(xs[:, :n], x) and torch.equal(ys[:, :n], y)
         assert (xs[0, n:] == meta["eot_id"]).all() and (ys[0, n:] == -100).all()

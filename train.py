@@ -426,7 +426,7 @@ def make_batch(tokens, docs, c, generator, device, pad_id):
     n_real = sum(e - s - 1 for s, e in spans)
     if c.batching == "pack":
         x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
-        if c.pack_static:  # the pieces overshoot the budget by less than one: the padding is 1 to context_length
+        if c.pack_static:  # the pieces overshoot the budget by less than one: at most context_length of padding
             x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, (c.batch_size + 1) * c.context_length, pad_id)
             max_seqlen = c.context_length
         return _to_device(x, device), _to_device(y, device), _to_device(cu_seqlens, device), max_seqlen, n_real
