@@ -813,8 +813,8 @@ def train(config, given, rank, world_size, dev):
     # optimizer decays matrices, not the RMSNorm gains
     w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb,
                  compute_dtype=None if ptdtype == torch.float32 else ptdtype, compile=c.compile,
-                 compile_kwargs=dict(dynamic=True) if not static_shapes(c) else
-                 dict(dynamic=False, mode="reduce-overhead") if c.cuda_graphs else dict(dynamic=False))
+                 compile_kwargs=dict(dynamic=not static_shapes(c), **(dict(mode="reduce-overhead") if c.cuda_graphs
+                                                                      else {})))
     # CUDA graphs: the outputs of a replay live in the graph's memory until the next replay, so every training
     # forward starts a new step explicitly (its loss is added up before the next forward), and the gradients get
     # buffers of their own that every backward adds into (a gradient left as None takes the replay's output tensor

@@ -95,7 +95,7 @@ part_xl_memory() {
 
 part_train_small() {
     begin_part train_small 570
-    # the config as it is, then with CUDA graphs
+    # the config as it is (attn_impl auto: sdpa), then with flash attention, then with CUDA graphs
     train_runs "1gpu 1" "flash 1 --attn_impl=flash" "graphs 1 --cuda_graphs=True"
 }
 
