@@ -1201,6 +1201,41 @@ def test_flash_gpu_gluon_matches_reference():
         flash.BACKEND, (flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT) = old, persistent
 
 
+def test_flash_gluon_kernels_do_not_specialize_on_batch_sizes():
+    """The Gluon kernels take the sizes that change from batch to batch (lengths, document, tile and item counts,
+    L's strides) unspecialized, so a new batch shape never compiles them anew; the model's constants (head dim,
+    heads per K/V head) stay specialized."""
+    if flash.gluon is None:
+        raise unittest.SkipTest("this Triton has no Gluon")
+    free = lambda kernel: {p.name for p in kernel.params if p.do_not_specialize}
+    sizes = {"seqlen_q", "seqlen_k", "n_docs", "n_items", "stride_lb", "stride_lh"}
+    assert free(flash._gl_attn_fwd) == sizes | {"m_tiles", "n_bh"}
+    assert free(flash._gl_attn_bwd) == sizes | {"n_tiles"}
+
+
+def test_flash_gpu_gluon_compiles_once_across_batch_shapes():
+    """Dense batches of 1, 2, 3, 16 and 17 sequences of 1-256 tokens, then packed batches of 1, 3, 16 and 17
+    documents, forward and backward through the Gluon kernels: one binary each for dense and packed inputs (a batch
+    shape compiles nothing new), and every result against float64."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
+        raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
+    binaries = lambda: sum(len(cache[0]) for kernel in (flash._gl_attn_fwd, flash._gl_attn_bwd)
+                           for cache in kernel.device_caches.values())
+    gen = torch.Generator().manual_seed(15)
+    old, flash.BACKEND = flash.BACKEND, "gluon"
+    try:
+        counts = []
+        for b, s in ((1, 200), (2, 256), (3, 1), (16, 129), (17, 64)):  # n_items below the SM count: one grid kind
+            _check_dense(b, 2, 2, s, s, 128, True, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+            counts.append(binaries())
+        for lens in ([200], [1, 7, 300], [16] * 16, [1] * 16 + [300]):
+            _check_varlen(lens, 2, 2, 128, True, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+            counts.append(binaries())
+        assert counts[1:5] == [counts[0]] * 4 and counts[6:] == [counts[5]] * 3, counts
+    finally:
+        flash.BACKEND = old
+
+
 def test_flash_d64_kernels_by_work_per_sm_and_direction():
     """At head dims 33-64 the Gluon kernels take a call only where they were measured faster (flash._gluon_d64):
     forward from 15 query tiles per SM at 1024 tokens and more, backward from 31 at 2048; from 4096 tokens both;
