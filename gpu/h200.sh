@@ -21,8 +21,9 @@
 # train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s
 #                 a torch.nn peer)
 # train_autotune  gpt2: flash compiled in max-autotune mode, beside the default     135 s with inductor's
-#                 mode and the torch.nn peer                                        autotune cache warm; more
-#                                                                                   than 230 s from cold
+#                 mode and the torch.nn peer                                        autotune cache warm; from
+#                                                                                   cold it did not end within
+#                                                                                   290 s beside a default run
 # xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        60-300 s (60 s in the last
 #                 block, bf16): ours flash beside the PyTorch-native peer, then     run; up to 190 s + 110 s
 #                 ours sdpa                                                         when compiling from cold)
