@@ -3104,6 +3104,12 @@ def cmd_sass(argv):
           f"{'packed' if args.varlen else 'dense'}{', RoPE inside the Triton kernels' if args.rope else ''}; "
           f"{how}\n")
     rows = []
+
+    def divisible(fn, sig):  # pointers and the ints Triton would specialize, marked multiples of 16
+        skip = set() if args.no_specialize else {p.name for p in fn.params if p.do_not_specialize}
+        return {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                if sig[a].startswith("*") or (sig[a] == "i32" and a not in skip)}
+
     for d in (int(x) for x in args.head_dims.split(",")):
         common = dict(HEAD_DIM=d, CAUSAL=not args.full, VARLEN=args.varlen, PREC="tf32", ROPE=args.rope)
         triton_kernels = [("fwd (Triton)", flash._attn_fwd, flash.FWD_CONFIGS[(d, 2)][0], {}),
@@ -3114,12 +3120,8 @@ def cmd_sass(argv):
             fn = getattr(tuned, "fn", tuned)  # the JITFunction under the autotuner
             cx = dict(common, BLOCK_M=m, BLOCK_N=n, **extra)
             sig = {a: "constexpr" if a in cx else SASS_TYPES.get(a, "i32") for a in fn.arg_names}
-            skip = set() if args.no_specialize else {fn.arg_names[i] if isinstance(i, int) else i
-                                                     for i in getattr(fn, "do_not_specialize", ()) or ()}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                     if sig[a].startswith("*") or (sig[a] == "i32" and a not in skip)}
             rows.append([d, name, str((m, n, w, s))] + sass_stats(fn, sig, cx, {"num_warps": w, "num_stages": s},
-                                                                 attrs=attrs))
+                                                                 attrs=divisible(fn, sig)))
         tiles = flash._gluon_head_tiles(d) if flash.gluon is not None else None
         if tiles is not None:
             gl = flash.gl
@@ -3140,7 +3142,7 @@ def cmd_sass(argv):
             fn = flash._gl_attn_fwd
             sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
             rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
-                fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
+                fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True, attrs=divisible(fn, sig)))
             m, n, stages, split, _ = flash.GLUON_BWD_CONFIGS[main + tail]
             cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full,
                       VARLEN=args.varlen, DYNAMIC=flash._gluon_bwd_persistent(main + tail) > 0)
@@ -3152,7 +3154,7 @@ def cmd_sass(argv):
             fn = flash._gl_attn_bwd
             sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
             rows.append([d, "bwd (Gluon, sm90)", str((m, 2 * n, 10, stages))] + sass_stats(
-                fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
+                fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True, attrs=divisible(fn, sig)))
     print(markdown_table(["D", "kernel", "config (M, N, warps, stages)", "registers", "stack bytes", "spill loads",
                           "spill stores", "SASS instructions", "wgmma serialized"], rows))
     return 0

