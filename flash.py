@@ -1383,11 +1383,11 @@ if gluon is not None:
 
     # The work counts (documents, batch x heads, tiles, items) change from batch to batch and are not specialized on
     # (do_not_specialize): Triton compiles a new binary, seconds for these kernels, for every new combination of
-    # integer arguments being 1 or a multiple of 16, so batches of a varying number of rows or documents compiled
-    # these kernels again in the middle of a run. The counts only steer the schedule: the sm_90 code is the same
-    # without them (`bench.py sass`). Lengths and L's strides stay specialized: without them the D=128 forward
-    # spills and grows by 10%, so a new length or token count still compiles once per class (1, multiple of 16,
-    # other).
+    # integer arguments being 1 or a multiple of 16, so batches of a varying number of rows or documents would
+    # compile these kernels again in the middle of a run. The counts only steer the schedule: the sm_90 code is
+    # the same without them (`bench.py sass`). Lengths and L's strides stay specialized: without them the D=128
+    # forward spills and grows by 10%, so a new length or token count still compiles once per class (1, multiple
+    # of 16, other).
     _GL_COUNTS = ["n_docs", "n_items"]
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["m_tiles", "n_bh"])
