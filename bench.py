@@ -3078,12 +3078,12 @@ def sass_stats(kernel_fn, signature, constexprs, options, gluon_source=False, at
     usage = dict(t.split(":", 1) for t in next(l for l in res.splitlines() if "REG:" in l).split() if ":" in t)
     instr = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line.strip()[2:])
     return [int(usage["REG"]), int(usage["STACK"]), sass.count(" LDL"), sass.count(" STL"), instr,
-            "yes" if "C7515" in notes else "no"]
+            "yes" if "wgmma.mma_async instructions are serialized" in notes else "no"]  # (notes C7514, C7515, ...)
 
 
 def cmd_sass(argv):
     """Compile the attention kernels for sm_90 without a GPU and print registers, spills, SASS size and whether
-    ptxas serialized the tensor-core (wgmma) instructions (its note C7515: with it, the dK/dV pass ran 16-20%
+    ptxas serialized the tensor-core (wgmma) instructions (its notes C7514/C7515: with it, the dK/dV pass ran 16-20%
     slower). Run it after changing a kernel's loop structure, with the Triton the GPU machine has, installed aside:
         pip install --no-deps --target /tmp/triton36 triton==3.6.0
         PYTHONPATH=/tmp/triton36 python bench.py sass"""
