@@ -811,10 +811,12 @@ def train(config, given, rank, world_size, dev):
     # data parallelism, compiled as ddp.wrap says (document batches change shape every step: compile for dynamic
     # shapes at once instead of recompiling on the second; static packed batches compile once per shape); the
     # optimizer decays matrices, not the RMSNorm gains
+    compile_kwargs = dict(dynamic=not static_shapes(c))
+    if c.cuda_graphs:
+        compile_kwargs["mode"] = "reduce-overhead"
     w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb,
                  compute_dtype=None if ptdtype == torch.float32 else ptdtype, compile=c.compile,
-                 compile_kwargs=dict(dynamic=not static_shapes(c), **(dict(mode="reduce-overhead") if c.cuda_graphs
-                                                                      else {})))
+                 compile_kwargs=compile_kwargs)
     # CUDA graphs: the outputs of a replay live in the graph's memory until the next replay, so every training
     # forward starts a new step explicitly (its loss is added up before the next forward), and the gradients get
     # buffers of their own that every backward adds into (a gradient left as None takes the replay's output tensor

@@ -54,8 +54,8 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_work train train_autotune xl xl_memory train_small train_pack varlen hf leaderboard sweep
-           sweep_compiled suite tests)
+ALL_PARTS=(attention attention_work train train_autotune xl xl_memory train_small train_pack varlen hf leaderboard
+           sweep sweep_compiled suite tests)
 source gpu/common.sh
 
 SWEEP=(model --sweep --context_lengths 256,512,1024 --dtypes bf16,fp32 --modes fwd,fwd_bwd,train --warmup 1 --steps 2)
