@@ -1463,7 +1463,9 @@ if gluon is not None:
     # dQ_i sums over every key tile, so it is added up in an fp32 buffer: a dQ warp adds each share with a TMA bulk
     # reduce-add while the consumers go on (two buffers per warpgroup). At D=128 the two warpgroups split dQ_i's
     # columns (each multiplies both dS tiles by its half of both K tiles), which halves the fp32 traffic and the
-    # registers; at D=64 each adds its own keys' share of all columns. The grid is scheduled as the forward's
+    # registers, and a consumer holds its scaled share in registers until the next tile's S^T is issued, so the
+    # store to shared memory runs under that matmul (1-4% off the backward; at D=64 and 80 it was 2-3% slower, so
+    # there the share is stored at once); at D=64 each adds its own keys' share of all columns. The grid is scheduled as the forward's
     # (GLUON_BWD_PERSISTENT): the producer claims the next item and passes it to the consumers and the dQ warp
     # through the schedule ring; it loads the next item's K and V once both consumers have made their last matmul
     # (kv_empty), while they store the last item's dK and dV. All positions (ring, dQ buffers, phases) run on
@@ -1499,6 +1501,17 @@ if gluon is not None:
             m_lo = start_n // BLOCK_M
         n_iter = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
         return b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter
+
+    @gluon.jit
+    def _gl_bwd_put_dq(dq, dq_t, dq_smem, dqt_smem, dq_full, dq_empty, tile, WG: gl.constexpr, TAIL: gl.constexpr):
+        """A consumer's dQ share of query tile `tile` (scaled) into its shared-memory buffer for the dQ warp."""
+        buf = tile % 2
+        mbarrier.wait(dq_empty.index(2 * buf + WG), ((tile // 2) & 1) ^ 1)  # the dQ warp is done with it
+        dq_smem.index(2 * buf + WG).reshape(dq.type.shape).store(dq)
+        if TAIL > 0:
+            dqt_smem.index(2 * buf + WG).reshape(dq_t.type.shape).store(dq_t)
+        fence_async_shared()  # the TMA unit (async proxy) reads what these threads wrote
+        mbarrier.arrive(dq_full.index(2 * buf + WG), count=1)
 
     @gluon.jit
     def _gl_bwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc,
@@ -1548,6 +1561,7 @@ if gluon is not None:
                     dk_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
                     dv_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
                 key_ragged = key_lo + BLOCK_N > seqlen_k_b
+                dq_prev = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)  # SPLIT: the last dQ share
                 mbarrier.wait(kv_bar.index(WG), n_done & 1)
                 for i in range(group * n_iter):
                     tile = t + i
@@ -1564,6 +1578,9 @@ if gluon is not None:
                         qt = qt_smem.index(slot).reshape([BLOCK_M, TAIL])
                         dot = dot_smem.index(slot).reshape([BLOCK_M, TAIL])
                         st = warpgroup_mma(kt, qt.permute((1, 0)), st, is_async=True)
+                    if SPLIT:
+                        if i > 0:  # the last tile's dQ share goes to shared memory while S^T is being made
+                            _gl_bwd_put_dq(dq_prev, dq_prev, dq_smem, dqt_smem, dq_full, dq_empty, tile - 1, WG, 0)
                     dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # dP^T
                     if TAIL > 0:
                         dpt = warpgroup_mma(vt, dot.permute((1, 0)), dpt, is_async=True)
@@ -1613,12 +1630,15 @@ if gluon is not None:
                         dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0,
                                                                        deps=(dv, dk, dq, pt_op, dst_op))
                     mbarrier.arrive(empty.index(slot), count=1)
-                    mbarrier.wait(dq_empty.index(2 * buf + WG), ((tile // 2) & 1) ^ 1)  # the dQ warp is done
-                    dq_smem.index(2 * buf + WG).reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
-                    if TAIL > 0:
-                        dqt_smem.index(2 * buf + WG).reshape([BLOCK_M, TAIL]).store(dq_t * sm_scale)
-                    fence_async_shared()  # the TMA unit (async proxy) reads what these threads wrote
-                    mbarrier.arrive(dq_full.index(2 * buf + WG), count=1)
+                    if SPLIT:  # stored under the next tile's S^T (scaled into new registers: stored from the
+                        dq_prev = dq * sm_scale  # wgmma accumulators themselves, ptxas waited for them first)
+                    else:
+                        _gl_bwd_put_dq(dq * sm_scale, dq_t * sm_scale if TAIL > 0 else dq, dq_smem, dqt_smem, dq_full,
+                                       dq_empty, tile, WG, TAIL)
+                if SPLIT:
+                    if group * n_iter > 0:  # the item's last dQ share
+                        _gl_bwd_put_dq(dq_prev, dq_prev, dq_smem, dqt_smem, dq_full, dq_empty, t + group * n_iter - 1,
+                                       WG, 0)
                 if DYNAMIC:
                     mbarrier.arrive(kv_empty.index(0), count=1)  # this item's last matmul has read K and V
                 k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
