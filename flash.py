@@ -1463,13 +1463,13 @@ if gluon is not None:
     # dQ_i sums over every key tile, so it is added up in an fp32 buffer: a dQ warp adds each share with a TMA bulk
     # reduce-add while the consumers go on (two buffers per warpgroup). At D=128 the two warpgroups split dQ_i's
     # columns (each multiplies both dS tiles by its half of both K tiles), which halves the fp32 traffic and the
-    # registers, and a consumer holds its scaled share in registers until the next tile's S^T is issued, so the
-    # store to shared memory runs under that matmul (1-4% off the backward; at D=64 and 80 it was 2-3% slower, so
-    # there the share is stored at once); at D=64 each adds its own keys' share of all columns. The grid is scheduled as the forward's
-    # (GLUON_BWD_PERSISTENT): the producer claims the next item and passes it to the consumers and the dQ warp
-    # through the schedule ring; it loads the next item's K and V once both consumers have made their last matmul
-    # (kv_empty), while they store the last item's dK and dV. All positions (ring, dQ buffers, phases) run on
-    # across items.
+    # registers, and a consumer holds its scaled share in registers until the next tile's S^T is issued, so the store
+    # to shared memory runs under that matmul (1-4% off the backward; at D=64 and 80 it was 2-3% slower, so there the
+    # share is stored at once); at D=64 each adds its own keys' share of all columns. The grid is scheduled as the
+    # forward's (GLUON_BWD_PERSISTENT): the producer claims the next item and passes it to the consumers and the dQ
+    # warp through the schedule ring; it loads the next item's K and V once both consumers have made their last matmul
+    # (kv_empty), while they store the last item's dK and dV. All positions (ring, dQ buffers, phases) run on across
+    # items.
     @gluon.jit
     def _gl_bwd_item(t, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, SLOTS: gl.constexpr):
@@ -1504,7 +1504,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_bwd_put_dq(dq, dq_t, dq_smem, dqt_smem, dq_full, dq_empty, tile, WG: gl.constexpr, TAIL: gl.constexpr):
-        """A consumer's dQ share of query tile `tile` (scaled) into its shared-memory buffer for the dQ warp."""
+        """A consumer's dQ share of query tile `tile` (scaled; dq_t: its last TAIL columns, read only when TAIL > 0)
+        into its shared-memory buffers for the dQ warp."""
         buf = tile % 2
         mbarrier.wait(dq_empty.index(2 * buf + WG), ((tile // 2) & 1) ^ 1)  # the dQ warp is done with it
         dq_smem.index(2 * buf + WG).reshape(dq.type.shape).store(dq)
