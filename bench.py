@@ -3054,8 +3054,9 @@ SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "COS": "*fp32", "SIN": "*fp32",
 
 
 def sass_stats(kernel_fn, signature, constexprs, options, gluon_source=False, attrs=None):
-    """(registers, stack bytes, spill loads, spill stores, SASS instructions, wgmma serialized?) of one kernel
-    compiled for sm_90 with this Triton, read with the cuobjdump and ptxas its package carries."""
+    """(registers, stack bytes, spill loads, spill stores, SASS instructions, shared memory in KiB, wgmma
+    serialized?) of one kernel compiled for sm_90 with this Triton, read with the cuobjdump and ptxas its package
+    carries."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -3078,13 +3079,15 @@ def sass_stats(kernel_fn, signature, constexprs, options, gluon_source=False, at
     usage = dict(t.split(":", 1) for t in next(l for l in res.splitlines() if "REG:" in l).split() if ":" in t)
     instr = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line.strip()[2:])
     return [int(usage["REG"]), int(usage["STACK"]), sass.count(" LDL"), sass.count(" STL"), instr,
+            round(kernel.metadata.shared / 1024, 1),
             "yes" if "wgmma.mma_async instructions are serialized" in notes else "no"]  # (notes C7514, C7515, ...)
 
 
 def cmd_sass(argv):
-    """Compile the attention kernels for sm_90 without a GPU and print registers, spills, SASS size and whether
-    ptxas serialized the tensor-core (wgmma) instructions (its notes C7514/C7515: with it, the dK/dV pass ran 16-20%
-    slower). Run it after changing a kernel's loop structure, with the Triton the GPU machine has, installed aside:
+    """Compile the attention kernels for sm_90 without a GPU and print registers, spills, SASS size, shared memory
+    (an H100/H200 block has at most 227 KiB) and whether ptxas serialized the tensor-core (wgmma) instructions (its
+    notes C7514/C7515: with it, the dK/dV pass ran 16-20% slower). Run it after changing a kernel's loop structure
+    or a config, with the Triton the GPU machine has, installed aside:
         pip install --no-deps --target /tmp/triton36 triton==3.6.0
         PYTHONPATH=/tmp/triton36 python bench.py sass"""
     p = argparse.ArgumentParser(prog="bench.py sass", description=cmd_sass.__doc__.split("\n")[0])
@@ -3156,7 +3159,7 @@ def cmd_sass(argv):
             rows.append([d, "bwd (Gluon, sm90)", str((m, 2 * n, 10, stages))] + sass_stats(
                 fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True, attrs=divisible(fn, sig)))
     print(markdown_table(["D", "kernel", "config (M, N, warps, stages)", "registers", "stack bytes", "spill loads",
-                          "spill stores", "SASS instructions", "wgmma serialized"], rows))
+                          "spill stores", "SASS instructions", "shared KiB", "wgmma serialized"], rows, digits=1))
     return 0
 
 
@@ -3177,7 +3180,7 @@ COMMANDS = {  # name: (function, what it answers, in one line)
     "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, one run (under torchrun)"),
     "bpe": (cmd_bpe, "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken"),
     "leaderboard": (cmd_leaderboard, "the 8B training step (ms, memory, MFU, cold start) beside a PyTorch-native peer"),
-    "sass": (cmd_sass, "registers, spills and wgmma serialization of the attention kernels for sm_90 (no GPU needed)"),
+    "sass": (cmd_sass, "registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)"),
     "hf": (cmd_hf, "a Hugging Face GPT-2 on variable-length documents: padding vs padding-free, SDPA vs ours"),
 }
 

@@ -4523,8 +4523,9 @@ def test_bench_native_peer_is_our_architecture_and_leaderboard_needs_cuda():
 
 def test_bench_sass_compiles_the_kernels_for_sm90():
     # no GPU needed: the Triton kernels and the Gluon (Hopper) forward and backward (D=64, and D=80 in 64 + 16
-    # wide tiles) compile for sm_90 with this Triton, the D=64 Triton forward spills nothing, and ptxas serializes
-    # no kernel's wgmma instructions (its notes C7514/C7515: a 16-20% loss)
+    # wide tiles) compile for sm_90 with this Triton, the D=64 Triton forward spills nothing, every kernel fits a
+    # block's 227 KiB of shared memory, and ptxas serializes no kernel's wgmma instructions (its notes C7514/C7515:
+    # a 16-20% loss)
     out = subprocess.run([sys.executable, str(ROOT / "bench.py"), "sass", "--head_dims", "64,80"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -4535,8 +4536,10 @@ def test_bench_sass_compiles_the_kernels_for_sm90():
     assert {"fwd (Gluon, sm90)", "bwd (Gluon, sm90)"} <= set(kernels) or flash.gluon is None
     gluon_80 = ["fwd (Gluon, sm90)", "bwd (Gluon, sm90)"] if flash.gluon is not None else []
     assert [r[1] for r in table if r[0] == "80"] == gluon_80  # head dim 80: tiles 64 wide and a 16-wide tail
+    assert header[-2] == "shared KiB"
     for r in table:
         assert r[-1] == "no", r
+        assert 0 < float(r[-2]) <= 227, r
         if r[1] == "fwd (Triton)" and r[0] == "64":  # (the Gluon forwards' spills depend on the Triton: 3.6, the
             assert r[5] == r[6] == "0", r  # GPU machine's, has none at D=64 and 80, 3.9 a few)
 
