@@ -354,7 +354,7 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys (empty key sequence) writes O = 0
     o_dst = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M)
-    _store_rows(o_dst, start_m, stride_os, seqlen_q, offs_m0, acc / l_safe[:, None])
+    _store_rows(o_dst, start_m, stride_os, seqlen_q, offs_m0, acc * (1.0 / l_safe)[:, None])
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453  # back to natural log: L = m + log(l)
     tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
 
@@ -973,7 +973,8 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.experimental.gluon.language._core import builtin as _gl_builtin
     from triton._C.libtriton import ir as _ir
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # the name of Triton > 3.6
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # the names of Triton > 3.6
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @_gl_builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -985,11 +986,12 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernels serve everything
     gluon = None
 
-# tile width along the head dim (main + tail) -> (BLOCK_M per warpgroup, BLOCK_N, K/V stages): three stages beat
-# two by 1-6% at D=128 (224 of the 227 KiB shared memory), four at D=80 gain nothing; tiles of one head in a row
+# tile width along the head dim (main + tail) -> (BLOCK_M per warpgroup, BLOCK_N, K/V stages): D=128 takes two
+# stages, which leave room for O's staging tiles (GLUON_FWD_O_TMA below; 192.5 of the 227 KiB shared memory; without
+# staging, three stages were level with two in one run), four at D=80 gain nothing; tiles of one head in a row
 # (HEAD_MAJOR) gain 6-10% from L2; the ping-pong turns move within +-2% (+1.9% at the 8B model's S=32768). Measured
 # on the H200 (BENCHMARKS.md, What we tried).
-GLUON_FWD_CONFIGS = {64: (64, 128, 3), 80: (64, 128, 3), 96: (64, 128, 3), 128: (64, 128, 3)}
+GLUON_FWD_CONFIGS = {64: (64, 128, 3), 80: (64, 128, 3), 96: (64, 128, 3), 128: (64, 128, 2)}
 GLUON_HEAD_MAJOR = True
 # The forward's grid: k > 0 = persistent, k CTAs per SM taking work items dynamically: each CTA starts on item p
 # (its index) and its producer warp then claims the next untaken item from a counter in global memory (an atomic
@@ -1001,6 +1003,13 @@ GLUON_HEAD_MAJOR = True
 # S=16k: 0.77x cuDNN against 1.06x): causal items differ in length, and SMs sat idle at the end. FLASH_FWD_PERSISTENT=0
 # restores one CTA per item.
 GLUON_FWD_PERSISTENT = int(os.environ.get("FLASH_FWD_PERSISTENT", "1"))
+# The Gluon forward's output at head dims 64 and 128: each consumer warpgroup writes its O tile to shared memory and
+# the TMA unit stores it while the warpgroup starts its next item, instead of the warpgroup storing it from registers
+# (two bf16 per 4-byte store, a row's 16 bytes per group of four threads). Measured on the H200 (forward alone, cold
+# L2, same run): D=128 causal 1.07-1.08x cuDNN against 0.99-1.00x at S=4096, the fixed cost per work item 4.6-4.7 ->
+# 2.7-3.0 us; the staging tiles (32 KiB) leave room for 2 K/V stages at D=128, which alone were level with 3.
+# FLASH_FWD_O_TMA=0 stores from registers.
+GLUON_FWD_O_TMA = os.environ.get("FLASH_FWD_O_TMA", "1") != "0"
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
 # warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward. D=128:
 # the split (with two dQ buffers per warpgroup) took the backward from 368 to 527 TFLOP/s at S=16384, and smem is full
@@ -1146,19 +1155,20 @@ if gluon is not None:
         return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, BLOCK_N), n_full
 
     @gluon.jit
-    def _gl_fwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem,
-                         qt_smem, kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
-                         sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
-                         stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items,
-                         counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _gl_fwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem,
+                         v_smem, qt_smem, kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                         turn, sched, sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
+                         stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs,
+                         n_items, counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
-                         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr):
+                         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
         """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The
         ring position (it) and the turn count (w) run on across items, so the producer fills the next item's slots
         while this one's last matmul and its output store finish. PINGPONG: the two warpgroups take turns issuing
         their matmuls (turn barriers), so one's softmax always runs under the other's matmuls; warpgroup 0 goes
         first (its barrier starts as if released). TAIL > 0: the head dim is HEAD_DIM + TAIL columns, the last TAIL
-        in tiles of their own (qt, kt, vt; O's columns in a second accumulator), one more matmul each for S and O."""
+        in tiles of their own (qt, kt, vt; O's columns in a second accumulator), one more matmul each for S and O.
+        O_TMA: a full O tile goes out through this warpgroup's o_smem tile and a TMA store (GLUON_FWD_O_TMA)."""
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
         N_PV: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one P V product
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1268,16 +1278,30 @@ if gluon is not None:
                 mbarrier.arrive(v_empty.index(last), count=1)
 
                 l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-                rows = rows0 + gl.arange(0, BLOCK_M, layout=row_o)
-                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+                l_inv = 1.0 / l_safe  # one division per row, then a multiply per element
+                out = (acc * gl.convert_layout(l_inv, row_o)[:, None]).to(O.dtype.element_ty)
                 o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_os
-                gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :],
-                         out.to(O.dtype.element_ty), mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < head_dim))
+                if O_TMA:  # full tiles (one of a packed batch reaching past its document would write the next one's)
+                    staged = rows0 + BLOCK_M <= seqlen_q_b
+                else:
+                    staged = False
+                if staged:  # staged in shared memory and stored by the TMA unit while this warpgroup goes on
+                    tma.store_wait(0)  # the previous item's store has read the buffer
+                    o_smem.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(out)
+                    fence_async_shared()
+                    if VARLEN:
+                        _tma_store(o_desc, [q_start + rows0, h, 0], o_smem.index(WG))
+                    else:
+                        _tma_store(o_desc, [b, h, rows0, 0], o_smem.index(WG))
+                else:
+                    rows = rows0 + gl.arange(0, BLOCK_M, layout=row_o)
+                    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                    gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :], out,
+                             mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < head_dim))
                 if TAIL > 0:
                     rows = rows0 + gl.arange(0, BLOCK_M, layout=row_ot)
                     cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ot_layout))
-                    out = acc_t / gl.convert_layout(l_safe, row_ot)[:, None]
+                    out = acc_t * gl.convert_layout(l_inv, row_ot)[:, None]
                     gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :],
                              out.to(O.dtype.element_ty),
                              mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < head_dim))
@@ -1292,22 +1316,25 @@ if gluon is not None:
                 item = _gl_read_item(sched, sched_ready, sched_empty, n_seen)
             else:
                 item += gl.num_programs(0)
+        if O_TMA:
+            tma.store_wait(0)  # the last store has read its buffer before the CTA's shared memory goes
 
     # Worker partition entry points: worker partitions must share one signature, so both take every argument (the
     # default partition, consumer warpgroup 0, calls _gl_fwd_consumer directly).
     @gluon.jit
-    def _gl_fwd_wg1(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                    vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready, sched_empty,
-                    O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q,
-                    seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter, qk_scale,
-                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr,
-                    DYNAMIC: gl.constexpr):
-        _gl_fwd_consumer(1, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                         vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready,
-                         sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                         head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter,
-                         qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG, DYNAMIC)
+    def _gl_fwd_wg1(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
+                    vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready,
+                    sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim,
+                    seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter, qk_scale, HEAD_DIM:
+                    gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL:
+                    gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC:
+                    gl.constexpr, O_TMA: gl.constexpr):
+        _gl_fwd_consumer(1, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem,
+                         kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
+                         sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
+                         stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items,
+                         counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG,
+                         DYNAMIC, O_TMA)
 
     @gluon.jit
     def _gl_load_tile(desc, tail_desc, bar, dst, tail_dst, b, h, row, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
@@ -1331,13 +1358,13 @@ if gluon is not None:
         return desc.block_type.nbytes + (tail_desc.block_type.nbytes if TAIL > 0 else 0)
 
     @gluon.jit
-    def _gl_fwd_loader(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                       vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready,
-                       sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                       head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter,
-                       qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
-                       PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr):
+    def _gl_fwd_loader(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem,
+                       kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
+                       sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
+                       stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items,
+                       counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
+                       gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG:
+                       gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
         """The producer warp, over the CTA's work items: both halves of Q once each warpgroup has released the
         previous item's, then K_j and V_j, each into a ring slot once both consumers have released it (the empty
         barriers start as if their phase 1 had completed)."""
@@ -1391,11 +1418,12 @@ if gluon is not None:
     _GL_COUNTS = ["n_docs", "n_items"]
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["m_tiles", "n_bh"])
-    def _gl_attn_fwd(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, O, LSE, cu_seqlens_q, stride_ob, stride_oh,
-                     stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
-                     n_docs, n_items, counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
+    def _gl_attn_fwd(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, O, LSE, cu_seqlens_q, stride_ob,
+                     stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group,
+                     m_tiles, n_bh, n_docs, n_items, counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr):
+                     VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
+                     O_TMA: gl.constexpr):
         """Work items of 2 x BLOCK_M query rows of one batch x head (_gl_fwd_tile), n_items = m_tiles * n_bh of
         them: one CTA per item (grid n_items), or DYNAMIC, a persistent grid of G CTAs that start on items 0..G-1
         and then take the next untaken one from `counter` (zero at launch), which the producer claims and passes
@@ -1411,6 +1439,10 @@ if gluon is not None:
                                                 vt_desc.layout)
         else:
             qt_smem, kt_smem, vt_smem = q_smem, k_smem, v_smem
+        if O_TMA:  # each warpgroup's O tile on its way to the TMA store
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        else:
+            o_smem = q_smem  # (unused)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -1435,23 +1467,24 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=2)
         # (the worker tuples are written out in full: a tuple held in a variable loses its constexprs)
         gl.warp_specialize([
-            (_gl_fwd_consumer, (0, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem,
-                                kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
-                                sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
-                                stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
-                                n_docs, n_items, counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
-                                HEAD_MAJOR, PINGPONG, DYNAMIC)),
-            (_gl_fwd_wg1, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                           vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready,
-                           sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                           head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter,
-                           qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG, DYNAMIC)),
-            (_gl_fwd_loader, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem,
-                              kt_smem, vt_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
-                              sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
-                              stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh,
-                              n_docs, n_items, counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
-                              HEAD_MAJOR, PINGPONG, DYNAMIC)),
+            (_gl_fwd_consumer, (0, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem,
+                                qt_smem, kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                turn, sched, sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh,
+                                stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group,
+                                m_tiles, n_bh, n_docs, n_items, counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N,
+                                CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG, DYNAMIC, O_TMA)),
+            (_gl_fwd_wg1, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem,
+                           kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
+                           sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
+                           stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items,
+                           counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG,
+                           DYNAMIC, O_TMA)),
+            (_gl_fwd_loader, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem,
+                              qt_smem, kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                              turn, sched, sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh,
+                              stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles,
+                              n_bh, n_docs, n_items, counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL,
+                              VARLEN, HEAD_MAJOR, PINGPONG, DYNAMIC, O_TMA)),
         ], [4, 1], [240, 24])
 
     # The backward: work items of 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them
@@ -2039,14 +2072,15 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
             num_heads=heads, group=heads // kv_heads, m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items,
             DYNAMIC=dynamic, qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m,
             BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
-            HEAD_MAJOR=GLUON_HEAD_MAJOR and not (varlen and dynamic), PINGPONG=GLUON_PINGPONG, num_warps=4,
-            maxnreg=168)
+            HEAD_MAJOR=GLUON_HEAD_MAJOR and not (varlen and dynamic), PINGPONG=GLUON_PINGPONG,
+            O_TMA=GLUON_FWD_O_TMA and tail == 0 and _tma_ready(o), num_warps=4, maxnreg=168)
     grid, dynamic, consts, plans = _memo(sig, build)  # (the counter, a fresh allocation or lse, is aligned)
     (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
         _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
+    o_desc = _descriptor(o, block_m, varlen, main) if consts["O_TMA"] else q_desc
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    _launch(_gl_attn_fwd, grid, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o, lse, cu, counter=counter,
-            plans=plans, **consts)
+    _launch(_gl_attn_fwd, grid, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, o, lse, cu,
+            counter=counter, plans=plans, **consts)
     return o, lse
 
 
