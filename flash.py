@@ -1327,10 +1327,10 @@ if gluon is not None:
     def _gl_fwd_wg1(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
                     vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready,
                     sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim,
-                    seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter, qk_scale, HEAD_DIM:
-                    gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL:
-                    gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC:
-                    gl.constexpr, O_TMA: gl.constexpr):
+                    seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter, qk_scale,
+                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr,
+                    DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
         _gl_fwd_consumer(1, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem,
                          kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
                          sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
@@ -1364,9 +1364,9 @@ if gluon is not None:
                        kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
                        sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
                        stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items,
-                       counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
-                       gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG:
-                       gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
+                       counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
+                       PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
         """The producer warp, over the CTA's work items: both halves of Q once each warpgroup has released the
         previous item's, then K_j and V_j, each into a ring slot once both consumers have released it (the empty
         barriers start as if their phase 1 had completed)."""
