@@ -3139,7 +3139,7 @@ def cmd_sass(argv):
             cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full,
                       VARLEN=args.varlen, HEAD_MAJOR=flash.GLUON_HEAD_MAJOR, PINGPONG=flash.GLUON_PINGPONG,
                       DYNAMIC=flash.GLUON_FWD_PERSISTENT > 0,  # as flash.py launches it (FLASH_FWD_PERSISTENT)
-                      O_TMA=flash.GLUON_FWD_O_TMA and tail == 0)
+                      O_TMA=flash._gluon_fwd_o_tma(tail))
             types = {"q_desc": desc(m, main), "k_desc": desc(n, main), "v_desc": desc(n, main),  # tails: the
                      "o_desc": desc(m, main),
                      "qt_desc": desc(m, tail or main), "kt_desc": desc(n, tail or main),  # main ones again where

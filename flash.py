@@ -1010,6 +1010,14 @@ GLUON_FWD_PERSISTENT = int(os.environ.get("FLASH_FWD_PERSISTENT", "1"))
 # 2.7-3.0 us; the staging tiles (32 KiB) leave room for 2 K/V stages at D=128, which alone were level with 3.
 # FLASH_FWD_O_TMA=0 stores from registers.
 GLUON_FWD_O_TMA = os.environ.get("FLASH_FWD_O_TMA", "1") != "0"
+
+
+def _gluon_fwd_o_tma(tail):
+    """Whether the Gluon forward stages its O tiles for TMA stores at this head-dim tiling (not with a tail tile,
+    whose output keeps the register store)."""
+    return GLUON_FWD_O_TMA and tail == 0
+
+
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
 # warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward. D=128:
 # the split (with two dQ buffers per warpgroup) took the backward from 368 to 527 TFLOP/s at S=16384, and smem is full
@@ -2075,7 +2083,7 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
             DYNAMIC=dynamic, qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m,
             BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
             HEAD_MAJOR=GLUON_HEAD_MAJOR and not (varlen and dynamic), PINGPONG=GLUON_PINGPONG,
-            O_TMA=GLUON_FWD_O_TMA and tail == 0 and _tma_ready(o), num_warps=4, maxnreg=168)
+            O_TMA=_gluon_fwd_o_tma(tail) and _tma_ready(o), num_warps=4, maxnreg=168)
     grid, dynamic, consts, plans = _memo(sig, build)  # (the counter, a fresh allocation or lse, is aligned)
     (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
         _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
