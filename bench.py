@@ -3151,11 +3151,13 @@ def cmd_sass(argv):
             m, n, stages, split, _ = flash.GLUON_BWD_CONFIGS[main + tail]
             cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full,
                       VARLEN=args.varlen, DYNAMIC=flash._gluon_bwd_persistent(main + tail) > 0)
+            cx["DKV_TMA"] = flash._gluon_bwd_dkv_tma(tail, cx["DYNAMIC"], 1024)  # as at S=1024
             types = {"q_desc": desc(m, main), "do_desc": desc(m, main), "k_desc": desc(n, main),
                      "v_desc": desc(n, main), "dq_desc": desc(m, main // split, "fp32"),
                      "qt_desc": desc(m, tail or main), "dot_desc": desc(m, tail or main),
                      "kt_desc": desc(n, tail or main), "vt_desc": desc(n, tail or main),
-                     "dqt_desc": desc(m, tail or main // split, "fp32"), **SASS_TYPES}
+                     "dqt_desc": desc(m, tail or main // split, "fp32"), "dk_desc": desc(n, main),
+                     "dv_desc": desc(n, main), **SASS_TYPES}
             fn = flash._gl_attn_bwd
             sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
             rows.append([d, "bwd (Gluon, sm90)", str((m, 2 * n, 10, stages))] + sass_stats(
