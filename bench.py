@@ -1914,6 +1914,10 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
     case = f"docs={len(lens)} max={max_len} tokens={total} H={h} D={d}"
     ours = lambda q, k, v: (lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_len))
     makes = {"ours varlen": ours}
+    for name, make in (methods or {}).items():  # flash.py copies (bench.py attention --variants)
+        if hasattr(make, "flash"):
+            makes["ours varlen@" + name.split("@", 1)[1]] = (lambda m: lambda q, k, v: (
+                lambda q, k, v: m.flash_attn_varlen(q, k, v, cu, max_len)))(make.flash)
     if hopper_kernels():
         makes["ours varlen-triton"] = lambda q, k, v: on_backend("triton", lambda q, k, v: flash.flash_attn_varlen(
             q, k, v, cu, max_len))
@@ -1925,7 +1929,7 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
         makes["sdpa-flash dyn-pad"] = ("padded", _sdpa(SDPBackend.FLASH_ATTENTION))
     rows = []
     for name, make in makes.items():
-        if methods is not None and VARLEN_AS_DENSE[name] not in methods:
+        if methods is not None and VARLEN_AS_DENSE.get(name, name.replace("ours varlen", "ours")) not in methods:
             continue
         if isinstance(make, tuple) and make[0] == "dense":
             qq, kk, vv = (to_dense(x) for x in (q, k, v))
@@ -1993,6 +1997,48 @@ def plot_attention(rows, path):
     save_plot(path, draw)
 
 
+_FLASH_VARIANTS = {}  # name -> (spec, module): a name's operators can be registered once per process
+
+
+def flash_variant(spec):
+    """'NAME=PATH[:ATTR=VALUE,...]' -> (NAME, module): a copy of flash.py (PATH; `flash.py` is this checkout's) loaded
+    as a module of its own, with module-level settings set (VALUE a Python literal), so that kernel variants run side
+    by side in one process, on one GPU state. The copy registers its operators under its own namespace (flash.py
+    registers `flash::...`, which can exist once), and eager calls do not go through them."""
+    import ast
+    name, sep, rest = spec.partition("=")
+    if name in _FLASH_VARIANTS:
+        if _FLASH_VARIANTS[name][0] != spec:
+            raise SystemExit(f"--variants: the name {name!r} is taken in this process by {_FLASH_VARIANTS[name][0]!r}")
+        return name, _FLASH_VARIANTS[name][1]
+    path, _, settings = rest.partition(":")
+    if not (sep and name.isidentifier() and path):
+        raise SystemExit(f"--variants: {spec!r} is not NAME=PATH[:ATTR=VALUE,...]")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--variants: no such file: {path}")
+    namespace = f"flash_{name}"
+    source = open(path).read().replace('Library("flash", "FRAGMENT")', f'Library("{namespace}", "FRAGMENT")')
+    source = source.replace("torch.ops.flash.", f"torch.ops.{namespace}.").replace('"flash::', f'"{namespace}::')
+    module = type(sys)(namespace)
+    module.__file__ = os.path.abspath(path)
+    sys.modules[namespace] = module  # (the Triton and Gluon decorators look their functions' module up)
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    for item in filter(None, settings.split(",")):
+        attr, sep, value = item.partition("=")
+        if not sep or not hasattr(module, attr):
+            raise SystemExit(f"--variants: {item!r}: flash.py has no setting {attr!r}")
+        setattr(module, attr, ast.literal_eval(value))
+    _FLASH_VARIANTS[name] = (spec, module)
+    return name, module
+
+
+def variant_method(module):
+    """A dense_methods entry for a flash.py copy (flash_variant); varlen_case finds the copy as its .flash."""
+    make = lambda q, k, v: (lambda q, k, v: module.flash_attention(q, k, v, causal=True))
+    make.flash = module
+    return make
+
+
 def cmd_attention(argv):
     p = argparse.ArgumentParser(prog="bench.py attention", description="FlashAttention-2 vs PyTorch attention")
     p.add_argument("--quick", action="store_true", help="a few shapes (CPU: tiny interpreter smoke test)")
@@ -2008,6 +2054,11 @@ def cmd_attention(argv):
                    "kernels each forced, beside cuDNN: where it should switch between them (not in the default)")
     p.add_argument("--methods", help="comma list of methods to time (default all: ours, ours-triton (on Hopper), "
                    "naive, sdpa-cudnn, sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
+    p.add_argument("--variants", help="semicolon list NAME=PATH[:ATTR=VALUE,...]: copies of flash.py (edited "
+                   "kernels, other settings) timed on the dense cases as methods 'ours@NAME' beside the others, "
+                   "e.g. 'before=/tmp/flash_before.py;dkv_off=flash.py:GLUON_BWD_DKV_TMA=False'")
+    p.add_argument("--repeat", type=int, default=1, help="run the cases this many times in turn (A/B runs: the "
+                   "variance between rounds)")
     args = p.parse_args(argv)
     parts = csv_list(args.parts, ("anchors", "varlen", "sweep", "work"))
     cuda = torch.cuda.is_available()
@@ -2015,6 +2066,8 @@ def cmd_attention(argv):
     methods = dense_methods()
     wanted = csv_list(args.methods, tuple(methods)) if args.methods else list(methods)
     methods = {n: m for n, m in methods.items() if n in wanted}
+    for name, module in (flash_variant(spec) for spec in filter(None, (args.variants or "").split(";"))):
+        methods[f"ours@{name}"] = variant_method(module)
     # Most important first (the dense shapes, then packed documents, then the sweep), so a time budget cuts the
     # least important rows. FlexAttention compiles once per shape: in the sweep it runs at a few lengths only.
     jobs = []  # (tag, b, h, s, d, dtype) or ("varlen", d)
@@ -2035,9 +2088,12 @@ def cmd_attention(argv):
                      for dt in (torch.bfloat16, torch.float32)]
         if "work" in parts:
             jobs += [("work", b, h, s, 64, torch.bfloat16) for s in (512, 1024, 2048) for b, h in WORK_BH]
+    n_cases = len(jobs)
+    jobs *= max(args.repeat, 1)
     rows, t0 = [], time.time()
-    gen = torch.Generator().manual_seed(1)
     for i, job in enumerate(jobs):
+        if i % n_cases == 0:
+            gen = torch.Generator().manual_seed(1)  # (every round on the same documents)
         if args.time_budget and time.time() - t0 > args.time_budget:
             print(f"time budget reached: {len(jobs) - i} cases skipped", flush=True)
             break
@@ -2046,8 +2102,8 @@ def cmd_attention(argv):
             # on CUDA: log-normal lengths of median e^6 ~ 403, sigma 1, in [16, 4096], filling 16384 tokens
             lens = document_lengths(None, math.exp(6.0), 1.0, 4096, gen, total_tokens=16384).tolist() if cuda \
                 else [1, 5, 17, 9]
-            rows += varlen_case(lens, 2048 // d if cuda else 2, d, torch.bfloat16 if cuda else torch.float32,
-                                args.rep, methods=methods)
+            new = varlen_case(lens, 2048 // d if cuda else 2, d, torch.bfloat16 if cuda else torch.float32,
+                              args.rep, methods=methods)
         else:
             tag, b, h, s, d, dt = job
             flex_ok = dt != torch.float32 and d >= 64 and (tag == "anchors" or s in (1024, 16384))
@@ -2058,7 +2114,10 @@ def cmd_attention(argv):
                 chosen.update((n, m) for n, m in methods.items() if n in ("ours-triton", "sdpa-cudnn"))
             else:
                 chosen = {n: m for n, m in methods.items() if n != "flex" or flex_ok}
-            rows += dense_case(b, h, s, d, dt, chosen, args.rep, tag)
+            new = dense_case(b, h, s, d, dt, chosen, args.rep, tag)
+        for row in new if args.repeat > 1 else ():  # a case per round: "ours vs it" compares within one
+            row["case"] += f" (round {i // n_cases + 1})"
+        rows += new
         el = time.time() - t0
         print(f"[{i + 1}/{len(jobs)}] {job}: {el:.0f}s elapsed, ETA {el / (i + 1) * (len(jobs) - i - 1):.0f}s",
               file=sys.stderr, flush=True)

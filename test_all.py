@@ -4544,6 +4544,47 @@ def test_bench_sass_compiles_the_kernels_for_sm90():
             assert r[5] == r[6] == "0", r  # GPU machine's, has none at D=64 and 80, 3.9 a few)
 
 
+def test_bench_attention_variants_time_copies_of_flash_side_by_side(tmp_path):
+    # --variants: copies of flash.py loaded as modules of their own, their settings applied and flash's untouched,
+    # compute what flash computes, and time beside ours on the dense and packed cases, each round (--repeat) a case
+    # of its own so that "ours vs it" compares within one; bad specs are one-line errors
+    copy = tmp_path / "flash_copy.py"
+    copy.write_text((ROOT / "flash.py").read_text())
+    before = flash.GLUON_FWD_PERSISTENT
+    name, module = bench.flash_variant(f"copy={copy}:GLUON_FWD_PERSISTENT=0,GLUON_BWD_DKV_TMA=False")
+    assert name == "copy" and module is not flash and module.__file__ == str(copy)
+    assert module.GLUON_FWD_PERSISTENT == 0 and not module.GLUON_BWD_DKV_TMA
+    assert flash.GLUON_FWD_PERSISTENT == before and flash.GLUON_BWD_DKV_TMA
+    assert bench.flash_variant(f"copy={copy}:GLUON_FWD_PERSISTENT=0,GLUON_BWD_DKV_TMA=False")[1] is module
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 33, 16, generator=gen, device=dev, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, 33, 16, generator=gen, device=dev)
+    grads = [torch.autograd.grad(f(q, k, v, causal=True), (q, k, v), do) for f in (flash.flash_attention,
+                                                                                  module.flash_attention)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for spec, words in ((f"copy={ROOT / 'flash.py'}", "is taken"), ("x=/nonexistent/flash.py", "no such file"),
+                        (f"y={copy}:NO_SUCH=1", "no setting 'NO_SUCH'"), (str(copy), "is not NAME=PATH")):
+        try:
+            bench.flash_variant(spec)
+        except SystemExit as e:
+            assert words in str(e) and "\n" not in str(e), e
+        else:
+            raise AssertionError(spec)
+    if torch.cuda.is_available() or not flash.INTERPRET:
+        raise unittest.SkipTest("the side-by-side run on the CPU case list; on a GPU, bench.py attention --variants")
+    path = tmp_path / "attention.json"
+    with contextlib.redirect_stderr(io.StringIO()):
+        run_bench(["attention", "--rep", "1", "--methods", "ours", "--variants", f"copy2={copy}", "--repeat", "2",
+                   "--json", str(path)])
+    rows = [(r["case"], r["method"]) for r in json.loads(path.read_text())["rows"]]
+    cases = ["B=1 H=2 S=16 D=16 float32", "B=1 H=2 S=40 D=16 float32"]
+    want = [(f"{c} (round {i})", m) for i in (1, 2) for c in cases + ["docs=4 max=17 tokens=32 H=2 D=16"]
+            for m in (("ours", "ours@copy2") if c in cases else ("ours varlen", "ours varlen@copy2"))]
+    assert rows == want, rows
+
+
 def test_bench_bad_input_is_a_clear_error():
     for argv, words in ((["model", "--plot", "x.png"], "--plot draws the sweep"),
                         (["model", "--sweep", "--profile", "t.json"], "single run"),
