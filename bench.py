@@ -2017,7 +2017,8 @@ def flash_variant(spec):
     if not os.path.isfile(path):
         raise SystemExit(f"--variants: no such file: {path}")
     namespace = f"flash_{name}"
-    source = open(path).read().replace('Library("flash", "FRAGMENT")', f'Library("{namespace}", "FRAGMENT")')
+    with open(path) as f:
+        source = f.read().replace('Library("flash", "FRAGMENT")', f'Library("{namespace}", "FRAGMENT")')
     source = source.replace("torch.ops.flash.", f"torch.ops.{namespace}.").replace('"flash::', f'"{namespace}::')
     module = type(sys)(namespace)
     module.__file__ = os.path.abspath(path)
@@ -2055,7 +2056,8 @@ def cmd_attention(argv):
     p.add_argument("--methods", help="comma list of methods to time (default all: ours, ours-triton (on Hopper), "
                    "naive, sdpa-cudnn, sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     p.add_argument("--variants", help="semicolon list NAME=PATH[:ATTR=VALUE,...]: copies of flash.py (edited "
-                   "kernels, other settings) timed on the dense cases as methods 'ours@NAME' beside the others, "
+                   "kernels, other settings) timed as methods 'ours@NAME' (packed: 'ours varlen@NAME') beside the "
+                   "others, "
                    "e.g. 'before=/tmp/flash_before.py;dkv_off=flash.py:GLUON_BWD_DKV_TMA=False'")
     p.add_argument("--repeat", type=int, default=1, help="run the cases this many times in turn (A/B runs: the "
                    "variance between rounds)")
