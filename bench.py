@@ -2057,8 +2057,7 @@ def cmd_attention(argv):
                    "naive, sdpa-cudnn, sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     p.add_argument("--variants", help="semicolon list NAME=PATH[:ATTR=VALUE,...]: copies of flash.py (edited "
                    "kernels, other settings) timed as methods 'ours@NAME' (packed: 'ours varlen@NAME') beside the "
-                   "others, "
-                   "e.g. 'before=/tmp/flash_before.py;dkv_off=flash.py:GLUON_BWD_DKV_TMA=False'")
+                   "others, e.g. 'before=/tmp/flash_before.py;dkv_off=flash.py:GLUON_BWD_DKV_TMA=False'")
     p.add_argument("--repeat", type=int, default=1, help="run the cases this many times in turn (A/B runs: the "
                    "variance between rounds)")
     args = p.parse_args(argv)
