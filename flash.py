@@ -1317,10 +1317,7 @@ if gluon is not None:
                     tma.store_wait(0)  # the previous item's store has read the buffer
                     o_smem.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(out)
                     fence_async_shared()
-                    if VARLEN:
-                        _tma_store(o_desc, [q_start + rows0, h, 0], o_smem.index(WG))
-                    else:
-                        _tma_store(o_desc, [b, h, rows0, 0], o_smem.index(WG))
+                    _gl_store_tile(o_desc, o_smem.index(WG), b, h, q_start + rows0, VARLEN)
                 else:
                     rows = rows0 + gl.arange(0, BLOCK_M, layout=row_o)
                     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -1379,6 +1376,16 @@ if gluon is not None:
             _tma_load(desc, [b, h, row, 0], bar, dst)
             if TAIL > 0:
                 _tma_load(tail_desc, [b, h, row, HEAD_DIM], bar, tail_dst)
+
+    @gluon.jit
+    def _gl_store_tile(desc, src, b, h, row, VARLEN: gl.constexpr):
+        """A TMA store of the tile in shared memory src (written and fenced by the caller) to rows [row, row + tile)
+        of head h, rows counted as in _gl_load_tile; it runs on while the caller goes on (tma.store_wait before src
+        is written again)."""
+        if VARLEN:
+            _tma_store(desc, [row, h, 0], src)
+        else:
+            _tma_store(desc, [b, h, row, 0], src)
 
     @gluon.constexpr_function
     def _gl_tile_bytes(desc, tail_desc, TAIL):
@@ -1712,12 +1719,8 @@ if gluon is not None:
                     k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM]).store((dk * sm_scale).to(DK.dtype.element_ty))
                     v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dv.to(DV.dtype.element_ty))
                     fence_async_shared()
-                    if VARLEN:
-                        _tma_store(dk_desc, [q_start + key_lo, hk, 0], k_smem.index(WG))
-                        _tma_store(dv_desc, [q_start + key_lo, hk, 0], v_smem.index(WG))
-                    else:
-                        _tma_store(dk_desc, [b, hk, key_lo, 0], k_smem.index(WG))
-                        _tma_store(dv_desc, [b, hk, key_lo, 0], v_smem.index(WG))
+                    _gl_store_tile(dk_desc, k_smem.index(WG), b, hk, q_start + key_lo, VARLEN)
+                    _gl_store_tile(dv_desc, v_smem.index(WG), b, hk, q_start + key_lo, VARLEN)
                     tma.store_wait(0)  # the stores have read the tiles before the CTA's shared memory goes
                 else:
                     k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
