@@ -1822,11 +1822,17 @@ def forced_backend(backend):
     return lambda q, k, v: on_backend(backend, lambda q, k, v: flash.flash_attention(q, k, v, causal=True))
 
 
+def ours_method(module):
+    """A dense_methods entry: causal flash_attention of this flash.py module (flash itself, or a copy loaded by
+    flash_variant)."""
+    return lambda q, k, v: (lambda q, k, v: module.flash_attention(q, k, v, causal=True))
+
+
 def dense_methods():
     """name -> make(q, k, v) returning a callable (q, k, v) -> O for causal (B, H, S, D) attention. 'ours' is what
     flash.py picks (the Gluon forward on Hopper where it is faster), 'ours-triton' the Triton kernels alone."""
-    ours = lambda q, k, v: (lambda q, k, v: flash.flash_attention(q, k, v, causal=True))
-    methods = {"ours": ours, "naive": lambda q, k, v: (lambda q, k, v: flash.attention_reference(q, k, v, True)[0])}
+    methods = {"ours": ours_method(flash),
+               "naive": lambda q, k, v: (lambda q, k, v: flash.attention_reference(q, k, v, True)[0])}
     if not torch.cuda.is_available():
         if not flash.INTERPRET:
             del methods["ours"]
@@ -1912,12 +1918,10 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
     do = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
     useful = attention_flops(lens, h, d)
     case = f"docs={len(lens)} max={max_len} tokens={total} H={h} D={d}"
-    ours = lambda q, k, v: (lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_len))
-    makes = {"ours varlen": ours}
-    for name, make in (methods or {}).items():  # flash.py copies (bench.py attention --variants)
-        if hasattr(make, "flash"):
-            makes["ours varlen@" + name.split("@", 1)[1]] = (lambda m: lambda q, k, v: (
-                lambda q, k, v: m.flash_attn_varlen(q, k, v, cu, max_len)))(make.flash)
+    modules = {"ours varlen": flash}  # and the flash.py copies of bench.py attention --variants
+    modules.update((f"ours varlen@{n[5:]}", _FLASH_VARIANTS[n[5:]][1]) for n in methods or () if n.startswith("ours@"))
+    makes = {n: (lambda m: lambda q, k, v: (lambda q, k, v: m.flash_attn_varlen(q, k, v, cu, max_len)))(m)
+             for n, m in modules.items()}
     if hopper_kernels():
         makes["ours varlen-triton"] = lambda q, k, v: on_backend("triton", lambda q, k, v: flash.flash_attn_varlen(
             q, k, v, cu, max_len))
@@ -2033,13 +2037,6 @@ def flash_variant(spec):
     return name, module
 
 
-def variant_method(module):
-    """A dense_methods entry for a flash.py copy (flash_variant); varlen_case finds the copy as its .flash."""
-    make = lambda q, k, v: (lambda q, k, v: module.flash_attention(q, k, v, causal=True))
-    make.flash = module
-    return make
-
-
 def cmd_attention(argv):
     p = argparse.ArgumentParser(prog="bench.py attention", description="FlashAttention-2 vs PyTorch attention")
     p.add_argument("--quick", action="store_true", help="a few shapes (CPU: tiny interpreter smoke test)")
@@ -2068,7 +2065,7 @@ def cmd_attention(argv):
     wanted = csv_list(args.methods, tuple(methods)) if args.methods else list(methods)
     methods = {n: m for n, m in methods.items() if n in wanted}
     for name, module in (flash_variant(spec) for spec in filter(None, (args.variants or "").split(";"))):
-        methods[f"ours@{name}"] = variant_method(module)
+        methods[f"ours@{name}"] = ours_method(module)
     # Most important first (the dense shapes, then packed documents, then the sweep), so a time budget cuts the
     # least important rows. FlexAttention compiles once per shape: in the sweep it runs at a few lengths only.
     jobs = []  # (tag, b, h, s, d, dtype) or ("varlen", d)
