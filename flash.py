@@ -1307,12 +1307,11 @@ if gluon is not None:
                 l_inv = 1.0 / l_safe  # one division per row, then a multiply per element
                 out = (acc * gl.convert_layout(l_inv, row_o)[:, None]).to(O.dtype.element_ty)
                 o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_os
+                staged = False
                 if O_TMA:  # full tiles (one of a packed batch reaching past its document would write the next one's;
                     # a dense one is clipped by the descriptor, but Triton 3.6 fails to compile these kernels when a
                     # pointer argument, O here, goes unused)
                     staged = rows0 + BLOCK_M <= seqlen_q_b
-                else:
-                    staged = False
                 if staged:  # staged in shared memory and stored by the TMA unit while this warpgroup goes on
                     tma.store_wait(0)  # the previous item's store has read the buffer
                     o_smem.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(out)
