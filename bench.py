@@ -3208,7 +3208,7 @@ def cmd_sass(argv):
             m, n, stages, split, _ = flash.GLUON_BWD_CONFIGS[main + tail]
             cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full,
                       VARLEN=args.varlen, DYNAMIC=flash._gluon_bwd_persistent(main + tail) > 0)
-            cx["DKV_TMA"] = flash._gluon_bwd_dkv_tma(tail, cx["DYNAMIC"], 1024)  # as at S=1024
+            cx["DKV_TMA"] = flash._gluon_bwd_dkv_tma(tail, cx["DYNAMIC"], 1024, split)  # as at S=1024
             types = {"q_desc": desc(m, main), "do_desc": desc(m, main), "k_desc": desc(n, main),
                      "v_desc": desc(n, main), "dq_desc": desc(m, main // split, "fp32"),
                      "qt_desc": desc(m, tail or main), "dot_desc": desc(m, tail or main),

@@ -1036,22 +1036,27 @@ GLUON_PINGPONG = True
 GLUON_BWD_PERSISTENT = int(os.environ["FLASH_BWD_PERSISTENT"]) if "FLASH_BWD_PERSISTENT" in os.environ else None
 
 
-# On one CTA per item (GLUON_BWD_CONFIGS) without a tail and keys up to GLUON_BWD_DKV_TMA_MAX_SEQLEN long, each
-# consumer stores its full dK and dV tiles through its own K and V tiles in shared memory (free once both
-# warpgroups' last matmuls are made) and TMA stores, instead of from the wgmma registers (32 scattered stores a
-# thread for each tile, each with its 64-bit address). Measured on the H200 (D=128 causal backward alone, same
-# run): 1.07x at S=1024, 1.02x at 2048, 0.99x at 4096, 0.88-0.96x at 16k and 0.95x at 32768. The values the
-# epilogue keeps live make the inner loop spill (one warpgroup's: 5 more local loads and 3 stores a query tile),
-# which costs more per tile than the TMA store saves per item once items have many query tiles.
-# FLASH_BWD_DKV_TMA=0 keeps the register stores everywhere.
+# Where there is no head-dim tail, each consumer stores its full dK and dV tiles through its own K and V tiles in shared
+# memory and TMA stores (once the matmuls that read those tiles are made), instead of from the wgmma registers (32
+# scattered stores a thread for each tile, each with its 64-bit address). Measured on the H200 (backward alone, same
+# run, against the register store): D=64 (persistent grid, no spills either way) 1.05-1.06x at S=4096 (S=16384: within
+# the run's spread); D=128 (one CTA per item) 1.07x at S=1024, 1.02x at 2048, 1.00x at 4096, 1.09x on packed documents
+# of up to 4096 tokens, but 0.88-0.97x at S=16384 and 0.95-0.97x at S=32768. At D=128 the values the epilogue keeps live
+# make the inner loop spill (one warpgroup's: 5 more local loads and 3 stores a query tile), which costs more per tile
+# than the TMA store saves per item once items have many query tiles: there it is used for keys (packed: the longest
+# document) up to GLUON_BWD_DKV_TMA_MAX_SEQLEN. FLASH_BWD_DKV_TMA=0 keeps the register stores everywhere.
 GLUON_BWD_DKV_TMA = os.environ.get("FLASH_BWD_DKV_TMA", "1") != "0"
-GLUON_BWD_DKV_TMA_MAX_SEQLEN = 2048
+GLUON_BWD_DKV_TMA_MAX_SEQLEN = 4096
 
 
-def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k):
+def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
     """Whether the Gluon backward stores full dK/dV tiles through shared memory and TMA (before the tensors' own
-    alignment, which the launcher checks)."""
-    return GLUON_BWD_DKV_TMA and tail == 0 and not dynamic and seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
+    alignment, which the launcher checks). split: the config's dQ split (2 at D=128: each warpgroup's dQ columns read
+    both K tiles, so a K tile is free only once both warpgroups are done, which the persistent grid does not wait
+    for)."""
+    if not GLUON_BWD_DKV_TMA or tail or (dynamic and split > 1):
+        return False
+    return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
 
 
 def _gluon_bwd_persistent(tile_width):
@@ -1708,13 +1713,20 @@ if gluon is not None:
                     if group * n_iter > 0:  # the item's last dQ share
                         _gl_bwd_put_dq(dq_prev, dq_prev, dq_smem, dqt_smem, dq_full, dq_empty, t + group * n_iter - 1,
                                        WG, 0)
-                if DYNAMIC or DKV_TMA:
-                    mbarrier.arrive(kv_empty.index(0), count=1)  # this item's last matmul has read K and V
+                # kv_empty: on the persistent grid the producer loads the next item's K and V once both consumers
+                # have arrived (after this item's last matmul, or after the dK/dV stores have read the tiles back);
+                # with one CTA per item and dQ split over both warpgroups' K tiles, the dK store waits on it
+                if (DYNAMIC and not DKV_TMA) or (DKV_TMA and SPLIT):
+                    mbarrier.arrive(kv_empty.index(0), count=1)
                 staged = False
                 if DKV_TMA:  # full tiles (a packed one reaching past its document would write the next one's keys)
-                    staged = key_lo + BLOCK_N <= seqlen_k_b
+                    if VARLEN:
+                        staged = key_lo + BLOCK_N <= seqlen_k_b
+                    else:  # (rows past the tensor's are dropped by the TMA unit; a condition, not True: see O_TMA)
+                        staged = head_dim > 0
                 if staged:  # through this warpgroup's K and V tiles and TMA stores
-                    mbarrier.wait(kv_empty.index(0), 0)  # the other warpgroup's dQ products have read this K tile
+                    if SPLIT:  # (one CTA per item: the phase is 0)
+                        mbarrier.wait(kv_empty.index(0), 0)  # the other warpgroup's dQ products have read this K
                     k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM]).store((dk * sm_scale).to(DK.dtype.element_ty))
                     v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dv.to(DV.dtype.element_ty))
                     fence_async_shared()
@@ -1730,6 +1742,8 @@ if gluon is not None:
                              (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
                     gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
                              dv.to(DV.dtype.element_ty), mask=keep)
+                if DYNAMIC and DKV_TMA:
+                    mbarrier.arrive(kv_empty.index(0), count=1)
                 if TAIL > 0:
                     k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, tail_layout))
                     row_off = (q_start + k_rows[:, None]).to(gl.int64)
@@ -2177,7 +2191,8 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
                      n_items=n_items, qk_scale=LOG2E * scale, sm_scale=scale, head_dim=d, HEAD_DIM=main, TAIL=tail,
                      BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
                      DYNAMIC=dynamic, num_warps=4, maxnreg=168,
-                     DKV_TMA=_gluon_bwd_dkv_tma(tail, dynamic, seqlen_k) and _tma_ready(dk) and _tma_ready(dv)))
+                     DKV_TMA=(_gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, dq_split) and _tma_ready(dk)
+                              and _tma_ready(dv))))
     grid_delta, delta_args, grid, dynamic, consts, plans = _memo(sig, build)
     _launch(_attn_bwd_delta, grid_delta, o, dop, delta, dq_acc, cu, plans=plans, **delta_args)
     (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc), (dq_desc, dqt_desc) = (
