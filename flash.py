@@ -2025,18 +2025,23 @@ def _tma_operand(x, width):
 # 1.04-1.13x the Triton one from about 15 query tiles of 128 rows per SM at S 1024-2048, and the Triton one is up to
 # 1.17x below that; at S=512 they are within 5% either way, and the Triton launch costs less host time. The
 # backwards are level up to 1024 tokens; at 2048 the Gluon one is 1.00-1.06x from 31 tiles per SM and the Triton
-# one up to 1.12x below. From 4096 tokens the Gluon kernels win both ways (1.13-1.25x). Packed batches whose
-# documents are all shorter than 2048 tokens take the Triton kernels (their Gluon forward, with slots, was 0.81x).
+# one up to 1.12x below. From 4096 tokens the Gluon kernels win both ways (1.13-1.25x). Packed documents (16384 or
+# 32768 tokens, log-normal lengths of median 100-1000, the longest 1024-3798, `bench.py attention`): the Gluon
+# kernels 1.02-1.13x forward and 1.13-1.15x backward at 35-58 query tiles per SM, level at 10 and 2.5 (where the
+# Triton launch costs less host time); so packed batches take them from 2048 tokens in the longest document or from
+# the forward's tile count per SM.
 # (forward, backward): the least query tiles per SM for the Gluon kernels, at S >= 1024 (forward), S >= 2048
-# (backward):
+# (backward), and packed (the forward's):
 GLUON_D64_TILES_PER_SM = (15, 31)
 
 
 def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
     """Whether the Gluon kernels take a D=64 call of `query_tiles` query tiles (128 rows of one head) in all, its
     sequences (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs (see GLUON_D64_TILES_PER_SM)."""
-    if seqlen >= 4096 or packed:
-        return seqlen >= 2048
+    if packed:
+        return seqlen >= 2048 or query_tiles >= GLUON_D64_TILES_PER_SM[0] * sms
+    if seqlen >= 4096:
+        return True
     if seqlen < (2048 if backward else 1024):
         return False
     return query_tiles >= GLUON_D64_TILES_PER_SM[1 if backward else 0] * sms  # (dynamo: no bool as an index)
@@ -2064,7 +2069,9 @@ def _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward=False
     if BACKEND == "auto" and tiles == (64, 0):
         packed = cu_seqlens_q is not None
         seqlen = max_seqlen_q if packed else q.shape[2]
-        query_tiles = 0 if packed else q.shape[0] * q.shape[1] * _cdiv(seqlen, 128)
+        # query tiles of 128 rows (packed: at most one more per document than the tokens fill)
+        query_tiles = q.shape[1] * ((q.shape[0] // 128 + cu_seqlens_q.shape[0] - 1) if packed
+                                    else q.shape[0] * _cdiv(seqlen, 128))
         if not _gluon_d64(seqlen, query_tiles, packed, backward, _sm_count(q.device.index)):
             return False
     return cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q

@@ -1239,8 +1239,8 @@ def test_flash_gpu_gluon_compiles_once_across_batch_shapes():
 def test_flash_d64_kernels_by_work_per_sm_and_direction():
     """At head dims 33-64 the Gluon kernels take a call only where they were measured faster (flash._gluon_d64):
     forward from 15 query tiles per SM at 1024 tokens and more, backward from 31 at 2048; from 4096 tokens both;
-    packed documents from 2048 tokens. The cases are the measured winners of `bench.py attention --parts work` on
-    132 SMs."""
+    packed documents from 2048 tokens or 15 query tiles per SM. The cases are the measured winners of `bench.py
+    attention --parts work` on 132 SMs."""
     tiles = lambda b, h, s: b * h * -(-s // 128)
     pick = lambda b, h, s: tuple(flash._gluon_d64(s, tiles(b, h, s), False, bwd, 132) for bwd in (False, True))
     assert pick(12, 12, 1024) == (False, False)  # GPT-2 small: the Triton kernels both ways
@@ -1249,8 +1249,10 @@ def test_flash_d64_kernels_by_work_per_sm_and_direction():
     assert pick(16, 32, 2048) == (True, True) and pick(32, 32, 2048) == (True, True)
     assert pick(4, 32, 4096) == (True, True) and pick(1, 1, 8192) == (True, True)
     assert pick(4, 12, 512) == (False, False) and pick(32, 32, 512) == (False, False)  # level: less host
-    for bwd in (False, True):  # packed: by the longest document alone
+    for bwd in (False, True):  # packed: from 2048 tokens in the longest document, or from 15 query tiles per SM
         assert not flash._gluon_d64(2047, 0, True, bwd, 132) and flash._gluon_d64(2048, 0, True, bwd, 132)
+        packed = lambda query_tiles: flash._gluon_d64(300, query_tiles, True, bwd, 132)
+        assert packed(15 * 132) and not packed(15 * 132 - 1)
     # torch.compile traces the choice inside a model (dynamo): it must give the same answers there
     for bwd in (False, True):
         fn = torch.compile(lambda x: x + flash._gluon_d64(2048, 5000, False, bwd, 132), fullgraph=True,
