@@ -396,17 +396,30 @@ def in_nvtx_range(fn, name, enabled):
 
 class Phases:
     """The breakdown of one step that time_ms times as a whole: each phase (forward, backward, optimizer_step) is
-    timed from its start to the end of a device synchronize, and on CUDA its peak allocated memory is recorded (the
-    peak counter is reset when a phase starts). Optionally wraps every phase in an NVTX range (--nvtx) and a
-    profiler range (--profile)."""
+    timed from its start to its end, and on CUDA its peak allocated memory is recorded (the peak counter is reset
+    when a phase starts; the allocator's counters are kept on the host, so they need no synchronize). On CUDA a
+    phase is timed by CUDA events, read once the step is over: nothing synchronizes inside a step, so the GPU runs
+    the step as a training loop does, without waiting for the host between phases. With profiling (--profile) a
+    phase instead ends with a device synchronize inside its profiler range, so that its kernels run inside it.
+    Optionally wraps every phase in an NVTX range (--nvtx) and a profiler range."""
 
     def __init__(self, device, nvtx=False, profiling=False):
         self.device, self.nvtx, self.profiling = device, nvtx, profiling
+        self.events = self.device.type == "cuda" and not profiling
         self.reset()
 
     def reset(self):
-        self.ms = {p: [] for p in PHASES}
+        self._ms = {p: [] for p in PHASES}
+        self._pending = []  # (phase, start event, end event), read by .ms
         self.peak = {p: None for p in PHASES}
+
+    @property
+    def ms(self):
+        for name, start, end in self._pending:
+            end.synchronize()
+            self._ms[name].append(start.elapsed_time(end))
+        self._pending = []
+        return self._ms
 
     @contextlib.contextmanager
     def __call__(self, name):
@@ -416,9 +429,18 @@ class Phases:
         label = torch.profiler.record_function(name) if self.profiling else contextlib.nullcontext()
         t0 = time.perf_counter()
         with nvtx_range(name, self.nvtx), label:
+            if self.events:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
             yield
-            sync(self.device)  # inside the ranges: the phase's kernels finish within its window
-        self.ms[name].append((time.perf_counter() - t0) * 1e3)
+            if self.events:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending.append((name, start, end))
+            else:
+                sync(self.device)  # inside the ranges: the phase's kernels finish within its window
+        if not self.events:
+            self._ms[name].append((time.perf_counter() - t0) * 1e3)
         if cuda:
             peak = mib(torch.cuda.max_memory_allocated(self.device))
             self.peak[name] = max(self.peak[name] or 0.0, peak)
