@@ -2019,19 +2019,19 @@ def _tma_operand(x, width):
     return x if _tma_ready(x) else _pad(x, width).contiguous()
 
 
-# D=64 (the one head dim where the Triton kernels keep up; the rule covers head dims 33-64, tiles 64 wide): which
-# family takes a call depends on the work per SM and the direction. Measured on the H200 (`bench.py attention
-# --parts work`: S 512-2048, B·H 48-1024, each family forced, cold L2; BENCHMARKS.md): the Gluon forward is
-# 1.04-1.13x the Triton one from about 15 query tiles of 128 rows per SM at S 1024-2048, and the Triton one is up to
-# 1.17x below that; at S=512 they are within 5% either way, and the Triton launch costs less host time. The
-# backwards are level up to 1024 tokens; at 2048 the Gluon one is 1.00-1.06x from 31 tiles per SM and the Triton
-# one up to 1.12x below. From 4096 tokens the Gluon kernels win both ways (1.13-1.25x). Packed documents (16384 or
-# 32768 tokens, log-normal lengths of median 100-1000, the longest 1024-3798, `bench.py attention`): the Gluon
-# kernels 1.02-1.13x forward and 1.13-1.15x backward at 35-58 query tiles per SM, level at 10 and 2.5 (where the
-# Triton launch costs less host time); so packed batches take them from 2048 tokens in the longest document or from
-# the forward's tile count per SM.
-# (forward, backward): the least query tiles per SM for the Gluon kernels, at S >= 1024 (forward), S >= 2048
-# (backward), and packed (the forward's):
+# D=64 (the one head dim where the Triton kernels keep up; the rule covers head dims 33-64, tiles 64 wide): which family
+# takes a call depends on the work per SM and the direction. Measured on the H200 (`bench.py attention --parts work`: S
+# 512-2048, B·H 48-1024, each family forced, cold L2; BENCHMARKS.md): the Gluon forward is 1.05-1.18x the Triton one
+# from 15 query tiles of 128 rows per SM at S 1024-2048, and the Triton one up to 1.18x at 6 tiles per SM and fewer (the
+# Gluon forward also led by 7-9% at S=512 from 15 tiles and at 8.7 tiles at S=1024, GPT-2 small's shape, not taken yet:
+# the compiled GPT-2 step, where inductor launches the Triton kernels itself, is the measurement that decides). The
+# backwards are level up to 1024 tokens; at 2048 the Gluon one is 1.05-1.16x from 31 tiles per SM and level below. From
+# 4096 tokens the Gluon kernels win both ways (1.13-1.25x). Packed documents (16384 or 32768 tokens, log-normal lengths
+# of median 100-1000, the longest 1024-3798, `bench.py attention`): the Gluon kernels 1.02-1.13x forward and 1.13-1.15x
+# backward at 35-58 query tiles per SM, level at 10 and 2.5 (where the Triton launch costs less host time); so packed
+# batches take them from 2048 tokens in the longest document or from the forward's tile count per SM. (forward,
+# backward): the least query tiles per SM for the Gluon kernels, at S >= 1024 (forward), S >= 2048 (backward), and
+# packed (the forward's):
 GLUON_D64_TILES_PER_SM = (15, 31)
 
 
