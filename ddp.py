@@ -462,11 +462,11 @@ class _FSDPLinear(torch.autograd.Function):
     """y = x W^T with W all-gathered for this call only: saves x (in the matmul dtype), never the full W, and
     gathers W again in backward.
 
-    Each product is the very call that autograd makes for model.Linear's `x @ W.T` on the unsharded weight, so a
-    sharded step does the same floating-point arithmetic as a single-process one: matmul folds x to 2-D
-    (x2 = x.reshape(-1, in)) and runs mm(x2, W^T); the backward of that mm gives grad_x2 = mm(g2, W) and, W^T being
-    a column-major view, the weight gradient as mm(g2^T, x2) (never as the transpose of x2^T g2, which sums in
-    another order)."""
+    Each product is the very call that model.Linear makes on the unsharded weight, so a sharded step does the same
+    floating-point arithmetic as a single-process one: matmul folds x to 2-D (x2 = x.reshape(-1, in)) and runs
+    mm(x2, W^T); the backward of that mm gives grad_x2 = mm(g2, W) and, W^T being a column-major view, the weight
+    gradient as mm(g2^T, x2) (never as the transpose of x2^T g2, which sums in another order), written in the
+    master weights' dtype under autocast (model.weight_grad)."""
 
     @staticmethod
     def forward(ctx, x, shard, fsdp, i):
@@ -488,8 +488,9 @@ class _FSDPLinear(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = g2.mm(fsdp._full_weight(i).to(x2.dtype)).to(ctx.x_dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            fsdp._reduce_scatter(i, g2.t().mm(x2))
+        if ctx.needs_input_grad[1]:  # in the shard's dtype, as model.Linear writes it (model.weight_grad)
+            from model import weight_grad
+            fsdp._reduce_scatter(i, weight_grad(g2, x2, fsdp.layers[i].shard.dtype))
         return grad_x, None, None, None
 
 

@@ -51,6 +51,47 @@ def upcast(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def autocast_dtype(x):
+    """The dtype autocast gives matmuls on x's device, or None when autocast is off there."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def weight_grad(g, x, dtype):
+    """g^T x (g (N, out), x (N, in), one dtype) returned in dtype (the weight's: fp32 master weights): on CUDA one
+    GEMM that writes dtype itself (cuBLAS sums in fp32 either way), else the product cast. The CUDA form skips a
+    pass over every weight gradient (half precision written, read and written again in fp32) and its rounding."""
+    if g.dtype != dtype and g.is_cuda:
+        return torch.mm(g.t(), x, out_dtype=dtype)
+    return g.t().mm(x).to(dtype)
+
+
+class _AutocastLinear(torch.autograd.Function):
+    """Linear's x W^T under autocast with a weight of another dtype (fp32 master weights): the product autocast
+    would run (x and W cast to its dtype, the casts saved for the backward), with the weight gradient written in
+    the weight's dtype by its GEMM (weight_grad) instead of rounded to half precision and cast back. The input
+    gradient is g W, as autocast's. weight_lp: the weight already in dtype (Linear.weight_lp), used instead of a
+    cast."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtype, weight_lp):
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            w = weight.to(dtype) if weight_lp is None else weight_lp
+            y = x2.mm(w.t())
+        ctx.save_for_backward(x2, w)
+        ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2, w = ctx.saved_tensors
+        g2 = grad_y.reshape(-1, grad_y.shape[-1]).to(x2.dtype)
+        grad_x = g2.mm(w).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(g2, x2, ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # basic modules
 # ---------------------------------------------------------------------------------------------------------------
@@ -64,14 +105,71 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         std = math.sqrt(2.0 / (in_features + out_features))
         nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        self.register_buffer("weight_lp", None, persistent=False)  # keep_low_precision_weights
+
+    def _weight_lp(self, dtype):
+        """weight_lp when there is one in dtype (kept current by keep_low_precision_weights), else None."""
+        lp = self.weight_lp
+        return lp if lp is not None and lp.dtype == dtype else None
 
     def forward(self, x):
-        return x @ self.weight.T
+        dtype = autocast_dtype(x)
+        if dtype is None or dtype == self.weight.dtype:
+            return x @ self.weight.T
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return _AutocastLinear.apply(x, self.weight, dtype, self._weight_lp(dtype))
+        lp = self._weight_lp(dtype)
+        return x @ (self.weight if lp is None else lp).T
 
     def cross_entropy(self, x, targets, ignore_index=-100):
         """cross_entropy(self(x), targets) without the logits ever existing in full: linear_cross_entropy. A
         method of the layer, so a wrapper that owns the weight (ddp.FSDP) can supply it."""
-        return linear_cross_entropy(x, self.weight, targets, ignore_index)
+        dtype = autocast_dtype(x)
+        return linear_cross_entropy(x, self.weight, targets, ignore_index,
+                                    weight_lp=None if dtype is None else self._weight_lp(dtype))
+
+
+def keep_low_precision_weights(module, dtype=torch.bfloat16):
+    """Give every Linear of module a copy of its weight in dtype (the non-persistent buffer Linear.weight_lp, so
+    2 bytes more per weight and nothing in the state dict), which its forward under autocast to dtype multiplies
+    with in place of autocast's cast of the weight at every call (on the 2.7B step those casts are 5 ms of its
+    forward). train.AdamW's kernel writes the copy as it updates the weight (Parameter.low_precision_copy links
+    them). Any other in-place change to a weight through torch (load_state_dict, the foreach optimizer path, a
+    user's edit) bumps its version counter, and a forward pre-hook on module, run outside torch.compile, casts
+    the copies whose weights changed that way before the forward reads them. Writers that bypass the version
+    counter (a kernel of one's own, collectives into parameter storage) must be followed by
+    sync_low_precision_weights(module, force=True). Returns module."""
+    for m in module.modules():
+        if isinstance(m, Linear) and m.weight.dtype != dtype:
+            m.weight_lp = torch.empty_like(m.weight, dtype=dtype)
+            m._lp_version = None
+    if not getattr(module, "_lp_hook", None):
+        module._lp_hook = module.register_forward_pre_hook(_sync_low_precision_hook)
+    sync_low_precision_weights(module)
+    return module
+
+
+def sync_low_precision_weights(module, force=False):
+    """Recast the low-precision weight copies (keep_low_precision_weights) whose weights changed since they were
+    written, or all of them (force), and link each weight to its copy for train.AdamW."""
+    with torch.no_grad():
+        for m in module.modules():
+            lp = getattr(m, "weight_lp", None) if isinstance(m, Linear) else None
+            if lp is None:
+                continue
+            w = m.weight
+            if lp.shape != w.shape or lp.device != w.device:  # the weight was replaced or moved: a new copy
+                m.weight_lp = lp = torch.empty_like(w, dtype=lp.dtype)
+                force = True
+            if force or m._lp_version != w._version:
+                lp.copy_(w)
+                m._lp_version = w._version
+            w.low_precision_copy = lp
+
+
+@torch.compiler.disable
+def _sync_low_precision_hook(module, args):
+    sync_low_precision_weights(module)
 
 
 class Embedding(nn.Module):
@@ -620,9 +718,7 @@ def fused_head(x, weight, targets, ignore_index, chunk, need_grad):
 
 def head_dtype(x, weight):
     """The dtype of the head's matmul: autocast's when it is on (as the unfused head's would be), else theirs."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
-        torch.promote_types(x.dtype, weight.dtype)
+    return autocast_dtype(x) or torch.promote_types(x.dtype, weight.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -631,10 +727,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     first, as the unfused head's matmul would be."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index, chunk, need_grad):
+    def forward(ctx, x, weight, targets, ignore_index, chunk, need_grad, weight_lp):
         dtype = head_dtype(x, weight)
+        w = weight_lp if weight_lp is not None and weight_lp.dtype == dtype else weight.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
-            loss, dx, dw = fused_head(x.to(dtype), weight.to(dtype), targets, ignore_index, chunk, need_grad)
+            loss, dx, dw = fused_head(x.to(dtype), w, targets, ignore_index, chunk, need_grad)
         ctx.save_for_backward(dx, dw)
         ctx.dtypes = (x.dtype, weight.dtype)
         return loss
@@ -643,7 +740,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         dx, dw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        return (dx * grad).to(x_dtype), (dw * grad).to(w_dtype), None, None, None, None
+        return (dx * grad).to(x_dtype), (dw * grad).to(w_dtype), None, None, None, None, None
 
 
 def head_chunk(vocab_size):
@@ -651,10 +748,11 @@ def head_chunk(vocab_size):
     return max(1, LINEAR_CE_CHUNK_ELEMENTS // vocab_size)
 
 
-def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
+def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None, weight_lp=None):
     """cross_entropy(x @ weight.T, targets) with x (..., d) and weight (V, d), without materializing the
     (tokens x V) logits: chunk (default: as many tokens as make LINEAR_CE_CHUNK_ELEMENTS logits) tokens at a time.
-    Same value and gradients as the unfused head up to rounding (tested against cross_entropy of the logits)."""
+    Same value and gradients as the unfused head up to rounding (tested against cross_entropy of the logits).
+    weight_lp: weight already in the matmul dtype (Linear.weight_lp), used instead of a cast."""
     if x.shape[:-1] != targets.shape:
         raise ValueError(f"linear_cross_entropy: x {tuple(x.shape)} needs targets of shape {tuple(x.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
@@ -662,7 +760,7 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
     if chunk is None:
         chunk = head_chunk(weight.shape[0])
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation: no dx, dW
-    return _LinearCrossEntropy.apply(x2, weight, t.contiguous(), ignore_index, chunk, need_grad)
+    return _LinearCrossEntropy.apply(x2, weight, t.contiguous(), ignore_index, chunk, need_grad, weight_lp)
 
 
 # ---------------------------------------------------------------------------------------------------------------

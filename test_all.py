@@ -2550,6 +2550,80 @@ def test_adamw_fused_kernel_matches_spec_algorithm():
         assert "contiguous" in str(e)
 
 
+def test_autocast_linear_matches_autocast_and_writes_fp32_weight_grads():
+    """Linear under bf16 autocast (model._AutocastLinear): the output and input gradient of autocast's own
+    x @ W.T bit for bit, the weight gradient in fp32 (on CPU autocast's bf16 gradient cast; on CUDA written in
+    fp32 by the GEMM, so only within bf16 rounding of it) and close to float64."""
+    torch.manual_seed(11)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lin = model.Linear(24, 40, device=device)
+    x = torch.randn(3, 7, 24, device=device, requires_grad=True)
+    g = torch.randn(3, 7, 40, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = lin(x)
+    y.backward(g)
+    ours = y, x.grad.clone(), lin.weight.grad.clone()
+    x.grad, lin.weight.grad = None, None
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y_ref = x @ lin.weight.T
+    y_ref.backward(g)
+    assert ours[0].dtype == torch.bfloat16 and ours[2].dtype == torch.float32 and ours[1].dtype == torch.float32
+    assert torch.equal(ours[0], y_ref) and torch.equal(ours[1], x.grad)
+    if device == "cpu":
+        assert torch.equal(ours[2], lin.weight.grad)
+    else:
+        torch.testing.assert_close(ours[2], lin.weight.grad, rtol=1e-2, atol=1e-2)
+    x64 = x.detach().to(torch.bfloat16).double()
+    want = g.double().reshape(-1, 40).t() @ x64.reshape(-1, 24)
+    assert ((ours[2].double() - want).norm() / want.norm()).item() < 1e-2
+
+
+def _lp_train(keep, steps, edit_at=None, compile=False):
+    """A tiny TransformerLM trained `steps` AdamW steps (the fused kernel: the interpreter on CPU) under bf16
+    autocast, with or without keep_low_precision_weights; edit_at: a step before which a weight is changed in place
+    outside the optimizer. Returns the losses and the final parameters."""
+    torch.manual_seed(0)
+    net = model.TransformerLM(vocab_size=31, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=24)
+    if keep:
+        model.keep_low_precision_weights(net)
+    runner = torch.compile(net) if compile else net
+    opt = train.AdamW(net.parameters(), lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        if step == edit_at:
+            with torch.no_grad():
+                net.layers[0].attn.q_proj.weight.mul_(-0.5)
+                net.lm_head.weight.add_(0.25)
+        x = torch.randint(31, (2, 8), generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = runner(x, targets=torch.roll(x, 1, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in net.parameters()], net
+
+
+def test_low_precision_weight_copies_train_like_autocast_casts():
+    """keep_low_precision_weights: the bf16 copies that the forward multiplies with (written by AdamW's kernel as
+    it steps, recast by the forward pre-hook after an in-place edit) give the same training as autocast casting
+    the fp32 weights at every call, bit for bit, eager and compiled; the copies stay out of the state dict and
+    equal the rounded weights after every step."""
+    want = _lp_train(False, 4, edit_at=2)
+    got = _lp_train(True, 4, edit_at=2)
+    assert got[0] == want[0], (got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    net = got[2]
+    linears = [m for m in net.modules() if isinstance(m, model.Linear)]
+    assert len(linears) == 2 * 7 + 1 and all(m.weight_lp.dtype == torch.bfloat16 for m in linears)
+    assert all(torch.equal(m.weight_lp, m.weight.detach().to(torch.bfloat16)) for m in linears)
+    assert not any("weight_lp" in k for k in net.state_dict())
+    compiled = _lp_train(True, 3, edit_at=1, compile=True)
+    reference = _lp_train(False, 3, edit_at=1, compile=True)
+    assert compiled[0] == reference[0], (compiled[0], reference[0])
+
+
 def test_lr_cosine_schedule_values():
     f = lambda it: train.get_lr_cosine_schedule(it, 1.0, 0.1, 10, 110)
     assert f(0) == 0.0 and abs(f(5) - 0.5) < 1e-12 and abs(f(10) - 1.0) < 1e-12
