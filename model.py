@@ -96,6 +96,39 @@ class _AutocastLinear(torch.autograd.Function):
 # basic modules
 # ---------------------------------------------------------------------------------------------------------------
 
+class _AutocastQKV(torch.autograd.Function):
+    """q, k, v = x Wq^T, x Wk^T, x Wv^T under autocast with weights of another dtype, as three _AutocastLinear
+    calls would give them (forward: three GEMMs, measured faster than one over the concatenated weights), whose
+    backward runs one GEMM for the input gradient, [dq dk dv] [Wq; Wk; Wv] (K = 3 out, in place of three products
+    and two additions), and one for the three weight gradients (weight_grad of the concatenated dq, dk, dv)."""
+
+    @staticmethod
+    def forward(ctx, x, wq, wk, wv, dtype, lq, lk, lv):
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            ws = [w.to(dtype) if lp is None else lp for w, lp in ((wq, lq), (wk, lk), (wv, lv))]
+            outs = [x2.mm(w.t()).view(*x.shape[:-1], w.shape[0]) for w in ws]
+        ctx.save_for_backward(x2, *ws)
+        ctx.x_shape, ctx.w_dtype = x.shape, wq.dtype
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x2, *ws = ctx.saved_tensors
+        g = torch.cat([d.reshape(-1, d.shape[-1]).to(x2.dtype) for d in (dq, dk, dv)], 1)
+        grad_x = g.mm(torch.cat(ws)).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grads_w = weight_grad(g, x2, ctx.w_dtype).split([w.shape[0] for w in ws]) \
+            if any(ctx.needs_input_grad[1:4]) else (None, None, None)
+        return (grad_x, *grads_w, None, None, None, None)
+
+
+# Under autocast while training, Linear runs _AutocastLinear (False: autocast's own x @ W.T, whose weight gradient
+# comes out in bf16 and is cast to fp32 by a pass of its own), and CausalSelfAttention runs _AutocastQKV (False:
+# three Linear calls). Switches for comparison (bench.py gpt2's variants, gpu/linear_ab.py).
+LINEAR_FP32_WEIGHT_GRADS = True
+QKV_ONE_BACKWARD = False
+
+
 class Linear(nn.Module):
     """y = x W^T, no bias; W (out, in) ~ truncated normal, sigma^2 = 2 / (in + out), cut at +-3 sigma."""
 
@@ -116,9 +149,12 @@ class Linear(nn.Module):
         dtype = autocast_dtype(x)
         if dtype is None or dtype == self.weight.dtype:
             return x @ self.weight.T
-        if torch.is_grad_enabled() and self.weight.requires_grad:
-            return _AutocastLinear.apply(x, self.weight, dtype, self._weight_lp(dtype))
+        training = torch.is_grad_enabled() and self.weight.requires_grad
+        if training and not LINEAR_FP32_WEIGHT_GRADS:
+            return x @ self.weight.T
         lp = self._weight_lp(dtype)
+        if training:
+            return _AutocastLinear.apply(x, self.weight, dtype, lp)
         return x @ (self.weight if lp is None else lp).T
 
     def cross_entropy(self, x, targets, ignore_index=-100):
@@ -341,10 +377,11 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on q and k.
 
-    q_proj, k_proj, v_proj are three modules (the reference state-dict names), each called as a module, so wrappers
-    that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection. (One matmul
-    against the concatenated weights was measured slower in compiled training on the H200: inductor fuses the
-    concatenation of the three gradients with RoPE's backward into one slow kernel; BENCHMARKS.md.)
+    q_proj, k_proj, v_proj are three modules (the reference state-dict names). Under autocast while training their
+    products go through one _AutocastQKV (three forward GEMMs, one backward GEMM each for the input and the weight
+    gradients); otherwise, and whenever a wrapper has taken over a projection's forward (ddp.FSDP gathers a sharded
+    weight when its module runs), each is called as a module. (One forward matmul against the concatenated weights
+    was measured slower, in compiled training at GPT-2 size and alone at the 2.7B shape; BENCHMARKS.md.)
     Heads stay (B, T, H, d_k) in memory; flash and sdpa get (B, H, T, d_k) views of them, no copy.
     """
 
@@ -370,7 +407,7 @@ class CausalSelfAttention(nn.Module):
         """x (B, T, d). position_ids (..., T) broadcast over the batch (default 0..T-1). Packed mode: B == 1,
         cu_seqlens/max_seqlen mark the documents (attention stays inside each). kv_cache: decoding, see KVCache."""
         B, T, d = x.shape
-        q, k, v = (proj(x).view(B, T, self.num_heads, self.d_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (t.view(B, T, self.num_heads, self.d_head) for t in self._qkv(x))
         rope = None  # (cos, sin) for the flash kernels to apply
         if self.rope is not None:
             if position_ids is None:
@@ -391,6 +428,17 @@ class CausalSelfAttention(nn.Module):
         else:
             out = self._causal_attention(q, k, v, rope)
         return self.output_proj(out.reshape(B, T, d))
+
+    def _qkv(self, x):
+        """The three projections of x: one _AutocastQKV under autocast while training (unless a wrapper such as
+        ddp.FSDP runs the projections itself), else each module called."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        dtype = autocast_dtype(x)
+        if (QKV_ONE_BACKWARD and LINEAR_FP32_WEIGHT_GRADS and dtype is not None and torch.is_grad_enabled()
+                and all(type(p) is Linear and "forward" not in p.__dict__ and p.weight.requires_grad
+                        and p.weight.dtype != dtype for p in projs)):
+            return _AutocastQKV.apply(x, *(p.weight for p in projs), dtype, *(p._weight_lp(dtype) for p in projs))
+        return tuple(p(x) for p in projs)
 
     def _causal_attention(self, q, k, v, rope=None):
         """(B, T, H, D) in, (B, T, H, D) out (possibly a strided view). rope: tables for the flash kernels."""

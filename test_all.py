@@ -2578,6 +2578,42 @@ def test_autocast_linear_matches_autocast_and_writes_fp32_weight_grads():
     assert ((ours[2].double() - want).norm() / want.norm()).item() < 1e-2
 
 
+def test_autocast_qkv_one_backward_matches_three_linears():
+    """model._AutocastQKV (QKV_ONE_BACKWARD) against three Linear calls under bf16 autocast: the same q, k, v and
+    weight gradients (bit for bit on CPU), and an input gradient summed in one GEMM, as close to float64 as the sum
+    of three rounded products; with copies of the weights (keep_low_precision_weights) the same again."""
+    torch.manual_seed(12)
+    attn = model.CausalSelfAttention(32, 4, 16)
+    x = torch.randn(2, 9, 32, requires_grad=True)
+
+    def run(one_backward, copies=False):
+        default = model.QKV_ONE_BACKWARD
+        model.QKV_ONE_BACKWARD = one_backward
+        try:
+            for p in attn.parameters():
+                p.grad = None
+            x.grad = None
+            if copies:
+                model.keep_low_precision_weights(attn)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = attn(x)
+            y.float().pow(2).sum().backward()
+            return y, x.grad.clone(), [p.grad.clone() for p in attn.parameters()]
+        finally:
+            model.QKV_ONE_BACKWARD = default
+    one, three = run(True), run(False)
+    assert torch.equal(one[0], three[0]) and all(torch.equal(a, b) for a, b in zip(one[2], three[2]))
+    ref = model.CausalSelfAttention(32, 4, 16).double()
+    ref.load_state_dict({k: v.double() for k, v in attn.state_dict().items()})
+    x64 = x.detach().double().requires_grad_()
+    ref(x64).pow(2).sum().backward()
+    err = lambda g: ((g.double() - x64.grad).norm() / x64.grad.norm()).item()
+    assert err(one[1]) < 1e-2 and err(one[1]) <= 1.1 * err(three[1]), (err(one[1]), err(three[1]))
+    with_copies = run(True, copies=True)
+    assert torch.equal(with_copies[0], one[0]) and torch.equal(with_copies[1], one[1])
+    assert all(torch.equal(a, b) for a, b in zip(with_copies[2], one[2]))
+
+
 def _lp_train(keep, steps, edit_at=None, compile=False):
     """A tiny TransformerLM trained `steps` AdamW steps (the fused kernel: the interpreter on CPU) under bf16
     autocast, with or without keep_low_precision_weights; edit_at: a step before which a weight is changed in place
