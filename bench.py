@@ -1317,10 +1317,7 @@ def cmd_gpt2(argv):
                    "through its torch.library operators under torch.compile (flash.TRITON_OPS off; default: "
                    "inductor launches them itself), ':autotune' for torch.compile(mode='max-autotune') (Triton "
                    "matmul templates benchmarked against cuBLAS, with the elementwise work fused into their "
-                   "epilogues where they win; with ':graphs' as well, the CUDA graphs of that mode), ':lp_copies' "
-                   "for bf16 copies of the weights written by our AdamW (model.keep_low_precision_weights; default: "
-                   "autocast casts the weights at every call), ':qkv' for one backward matmul each for the input "
-                   "and the weight gradients of q, k and v (model.QKV_ONE_BACKWARD), ':autocast' for autocast's own "
+                   "epilogues where they win; with ':graphs' as well, the CUDA graphs of that mode), ':autocast' for autocast's own "
                    "Linear product (model.LINEAR_FP32_WEIGHT_GRADS off: weight gradients in bf16, then cast)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
@@ -1337,9 +1334,9 @@ def cmd_gpt2(argv):
     variants = [v.split(":") for v in args.variants.split(",") if v]
     for v in variants:
         if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside", "library_ops", "autotune",
-                                                        "lp_copies", "qkv", "autocast"}:
+                                                        "autocast"}:
             raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside][:library_ops]"
-                             f"[:autotune][:lp_copies][:qkv][:autocast] with ATTN one of {ATTN_IMPLS}")
+                             f"[:autotune][:autocast] with ATTN one of {ATTN_IMPLS}")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
     reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
@@ -1389,22 +1386,17 @@ def cmd_gpt2(argv):
         tied, graphs = "tied" in tags, "graphs" in tags and device.type == "cuda"
         ours = TransformerLM(V, T, args.d_model, args.num_layers, args.num_heads, args.d_ff, attn_impl=attn,
                              tie_embeddings=tied, device=device)
-        if "lp_copies" in tags and device.type == "cuda":
-            model_py.keep_low_precision_weights(ours)
         optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         name = "ours: TransformerLM" + (", tied" if tied else "") + (", CUDA graphs" if graphs else "") + \
-            (", bf16 weight copies" if "lp_copies" in tags and device.type == "cuda" else "") + \
-            (", one q/k/v backward" if "qkv" in tags else "") + \
             (", autocast's Linear" if "autocast" in tags else "") + \
             (", RoPE inside" if "rope_inside" in tags else "") + \
             (", flash through its operators" if "library_ops" in tags else "") + \
             (", max-autotune" if "autotune" in tags else "") + " + our AdamW"
-        switches = "FLASH_FUSED_ROPE", "QKV_ONE_BACKWARD", "LINEAR_FP32_WEIGHT_GRADS"
+        switches = "FLASH_FUSED_ROPE", "LINEAR_FP32_WEIGHT_GRADS"
         defaults = flash.TRITON_OPS, [getattr(model_py, s) for s in switches]
         model_py.FLASH_FUSED_ROPE = "rope_inside" in tags
         flash.TRITON_OPS = flash.TRITON_OPS and "library_ops" not in tags
-        model_py.QKV_ONE_BACKWARD = model_py.QKV_ONE_BACKWARD or "qkv" in tags
         model_py.LINEAR_FP32_WEIGHT_GRADS = model_py.LINEAR_FP32_WEIGHT_GRADS and "autocast" not in tags
         try:
             rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,

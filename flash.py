@@ -2458,16 +2458,15 @@ ADAMW_BLOCK = 2048  # on the H200 2048 beat 4096 and 8192
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, LP, table, g_offsets, n_chunks, neg_step, beta1, beta2, eps, decay,
-                  BLOCK: tl.constexpr, UNIT: tl.constexpr, G_UNIT: tl.constexpr, HAS_LP: tl.constexpr):
+def _adamw_kernel(P, G, M, V, table, g_offsets, n_chunks, neg_step, beta1, beta2, eps, decay,
+                  BLOCK: tl.constexpr, UNIT: tl.constexpr, G_UNIT: tl.constexpr):
     c = tl.program_id(0)
-    COLS: tl.constexpr = 4 if HAS_LP else 3  # offset rows of the table: p, m, v (and the low-precision copy)
-    start = tl.load(table + (COLS + 1) * n_chunks + c) * BLOCK  # the chunk's first element inside its tensor
+    start = tl.load(table + 4 * n_chunks + c) * BLOCK  # the chunk's first element inside its tensor
     p_off = tl.load(table + c) * UNIT + start
     m_off = tl.load(table + n_chunks + c) * UNIT + start
     v_off = tl.load(table + 2 * n_chunks + c) * UNIT + start
-    g_off = tl.load(g_offsets + tl.load(table + COLS * n_chunks + c)) * G_UNIT + start
-    n = tl.load(table + (COLS + 2) * n_chunks + c)
+    g_off = tl.load(g_offsets + tl.load(table + 3 * n_chunks + c)) * G_UNIT + start
+    n = tl.load(table + 5 * n_chunks + c)
     offs = tl.arange(0, BLOCK)
     ok = offs < n
     p = tl.load(P + p_off + offs, mask=ok).to(tl.float32)
@@ -2480,15 +2479,6 @@ def _adamw_kernel(P, G, M, V, LP, table, g_offsets, n_chunks, neg_step, beta1, b
     tl.store(P + p_off + offs, p.to(P.dtype.element_ty), mask=ok)
     tl.store(M + m_off + offs, m, mask=ok)
     tl.store(V + v_off + offs, v, mask=ok)
-    if HAS_LP:  # the weight's half-precision copy (model.keep_low_precision_weights), rounded from the new p
-        lp_off = tl.load(table + 3 * n_chunks + c) * UNIT + start
-        if LP.dtype.element_ty == tl.bfloat16:  # round to nearest even by hand, as torch's cast does (Triton's
-            bits = p.to(tl.uint32, bitcast=True)  # interpreter truncates)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            lp = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            lp = p.to(LP.dtype.element_ty)
-        tl.store(LP + lp_off + offs, lp, mask=ok)
 
 
 def _offsets(tensors):
@@ -2501,9 +2491,9 @@ def _offsets(tensors):
 
 
 def _chunk_table(columns, block):
-    """columns: [params, exp_avgs, exp_avg_sqs] (and low-precision copies), equal-length lists of contiguous
-    tensors. Returns (bases, table int64 (len(columns) + 3, n_chunks), unit): rows the columns' tensor offsets in
-    units, tensor index, chunk index inside the tensor (the kernel adds chunk * block to every offset), length."""
+    """columns: [params, exp_avgs, exp_avg_sqs], equal-length lists of contiguous tensors. Returns (bases, table
+    int64 (6, n_chunks), unit): rows p/m/v tensor offsets in units, tensor index, chunk index inside the tensor
+    (the kernel adds chunk * block to every offset), length."""
     numels = np.array([t.numel() for t in columns[0]], dtype=np.int64)
     n_chunks = -(-numels // block)
     chunk = np.concatenate([np.arange(n, dtype=np.int64) for n in n_chunks])
@@ -2515,23 +2505,19 @@ def _chunk_table(columns, block):
     return list(bases), torch.from_numpy(np.stack(table)), unit
 
 
-def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay, copies=None):
+def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay):
     """One AdamW update of equal-length lists of contiguous tensors (one device and dtype each list; m, v fp32):
     m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; p <- (p + neg_step m / (sqrt(v) + eps)) * decay, with
-    neg_step = -lr sqrt(1 - b2^t) / (1 - b1^t) and decay = 1 - lr weight_decay. copies: tensors of one half
-    precision dtype, one per parameter, that receive the new p rounded (model.keep_low_precision_weights). `cache`
-    is a dict the caller keeps per bucket between steps (the chunk table and the gradient offsets)."""
+    neg_step = -lr sqrt(1 - b2^t) / (1 - b1^t) and decay = 1 - lr weight_decay. `cache` is a dict the caller keeps
+    per bucket between steps (the chunk table and the gradient offsets)."""
     live = [i for i, p in enumerate(params) if p.numel()]
     if not live:
         return
-    columns = [params, exp_avgs, exp_avg_sqs] + ([copies] if copies is not None else [])
-    columns = [[col[i] for i in live] for col in columns]
-    grads = [grads[i] for i in live]
-    params = columns[0]
+    params, grads, exp_avgs, exp_avg_sqs = ([col[i] for i in live] for col in (params, grads, exp_avgs, exp_avg_sqs))
     device = params[0].device
-    key = tuple(t.data_ptr() for col in columns for t in col) + tuple(t.numel() for t in params)
+    key = tuple(t.data_ptr() for col in (params, exp_avgs, exp_avg_sqs) for t in col) + tuple(t.numel() for t in params)
     if cache.get("key") != key:  # built once (again only if a parameter or its state moved)
-        bases, table, unit = _chunk_table(columns, ADAMW_BLOCK)
+        bases, table, unit = _chunk_table([params, exp_avgs, exp_avg_sqs], ADAMW_BLOCK)
         cache.clear()
         cache.update(key=key, bases=bases, table=table.to(device), unit=unit, g_key=None)
     g_key = tuple(g.data_ptr() for g in grads)
@@ -2543,12 +2529,11 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
         cache.update(g_key=g_key, g_index=next(i for i, g in enumerate(grads) if g is g_base), g_offsets=g_offsets,
                      g_unit=g_unit)
     g_base = grads[cache["g_index"]]  # this step's tensor at the base address (a CUDA graph hands out new ones)
-    p, m, v = cache["bases"][:3]
-    lp = cache["bases"][3] if copies is not None else p  # p: an unused stand-in
+    p, m, v = cache["bases"]
     n_chunks = cache["table"].shape[1]
-    _adamw_kernel[(n_chunks,)](p, g_base, m, v, lp, cache["table"], cache["g_offsets"], n_chunks, neg_step,
+    _adamw_kernel[(n_chunks,)](p, g_base, m, v, cache["table"], cache["g_offsets"], n_chunks, neg_step,
                                beta1, beta2, eps, decay, BLOCK=ADAMW_BLOCK, UNIT=cache["unit"],
-                               G_UNIT=cache["g_unit"], HAS_LP=copies is not None, num_warps=8)
+                               G_UNIT=cache["g_unit"], num_warps=8)
 
 
 # ---------------------------------------------------------------------------------------------------------------

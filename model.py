@@ -70,14 +70,13 @@ class _AutocastLinear(torch.autograd.Function):
     """Linear's x W^T under autocast with a weight of another dtype (fp32 master weights): the product autocast
     would run (x and W cast to its dtype, the casts saved for the backward), with the weight gradient written in
     the weight's dtype by its GEMM (weight_grad) instead of rounded to half precision and cast back. The input
-    gradient is g W, as autocast's. weight_lp: the weight already in dtype (Linear.weight_lp), used instead of a
-    cast."""
+    gradient is g W, as autocast's. Measured on the H200 (gpu/linear_ab.py, BENCHMARKS.md): the 2.7B step 3.8 ms
+    faster (its backward 3.7 ms), the GPT-2-small step's GPU time 1.9% shorter."""
 
     @staticmethod
-    def forward(ctx, x, weight, dtype, weight_lp):
+    def forward(ctx, x, weight, dtype):
         with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            w = weight.to(dtype) if weight_lp is None else weight_lp
+            x2, w = x.reshape(-1, x.shape[-1]).to(dtype), weight.to(dtype)
             y = x2.mm(w.t())
         ctx.save_for_backward(x2, w)
         ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
@@ -89,44 +88,17 @@ class _AutocastLinear(torch.autograd.Function):
         g2 = grad_y.reshape(-1, grad_y.shape[-1]).to(x2.dtype)
         grad_x = g2.mm(w).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         grad_w = weight_grad(g2, x2, ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # basic modules
 # ---------------------------------------------------------------------------------------------------------------
 
-class _AutocastQKV(torch.autograd.Function):
-    """q, k, v = x Wq^T, x Wk^T, x Wv^T under autocast with weights of another dtype, as three _AutocastLinear
-    calls would give them (forward: three GEMMs, measured faster than one over the concatenated weights), whose
-    backward runs one GEMM for the input gradient, [dq dk dv] [Wq; Wk; Wv] (K = 3 out, in place of three products
-    and two additions), and one for the three weight gradients (weight_grad of the concatenated dq, dk, dv)."""
-
-    @staticmethod
-    def forward(ctx, x, wq, wk, wv, dtype, lq, lk, lv):
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            ws = [w.to(dtype) if lp is None else lp for w, lp in ((wq, lq), (wk, lk), (wv, lv))]
-            outs = [x2.mm(w.t()).view(*x.shape[:-1], w.shape[0]) for w in ws]
-        ctx.save_for_backward(x2, *ws)
-        ctx.x_shape, ctx.w_dtype = x.shape, wq.dtype
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        x2, *ws = ctx.saved_tensors
-        g = torch.cat([d.reshape(-1, d.shape[-1]).to(x2.dtype) for d in (dq, dk, dv)], 1)
-        grad_x = g.mm(torch.cat(ws)).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grads_w = weight_grad(g, x2, ctx.w_dtype).split([w.shape[0] for w in ws]) \
-            if any(ctx.needs_input_grad[1:4]) else (None, None, None)
-        return (grad_x, *grads_w, None, None, None, None)
-
-
 # Under autocast while training, Linear runs _AutocastLinear (False: autocast's own x @ W.T, whose weight gradient
-# comes out in bf16 and is cast to fp32 by a pass of its own), and CausalSelfAttention runs _AutocastQKV (False:
-# three Linear calls). Switches for comparison (bench.py gpt2's variants, gpu/linear_ab.py).
+# comes out in bf16 and is cast to fp32 by a pass of its own). A switch for comparison (bench.py gpt2's ':autocast'
+# variants, gpu/linear_ab.py).
 LINEAR_FP32_WEIGHT_GRADS = True
-QKV_ONE_BACKWARD = False
 
 
 class Linear(nn.Module):
@@ -138,74 +110,18 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         std = math.sqrt(2.0 / (in_features + out_features))
         nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-        self.register_buffer("weight_lp", None, persistent=False)  # keep_low_precision_weights
-
-    def _weight_lp(self, dtype):
-        """weight_lp when there is one in dtype (kept current by keep_low_precision_weights), else None."""
-        lp = self.weight_lp
-        return lp if lp is not None and lp.dtype == dtype else None
 
     def forward(self, x):
         dtype = autocast_dtype(x)
-        if dtype is None or dtype == self.weight.dtype:
-            return x @ self.weight.T
-        training = torch.is_grad_enabled() and self.weight.requires_grad
-        if training and not LINEAR_FP32_WEIGHT_GRADS:
-            return x @ self.weight.T
-        lp = self._weight_lp(dtype)
-        if training:
-            return _AutocastLinear.apply(x, self.weight, dtype, lp)
-        return x @ (self.weight if lp is None else lp).T
+        if (LINEAR_FP32_WEIGHT_GRADS and dtype is not None and dtype != self.weight.dtype and torch.is_grad_enabled()
+                and self.weight.requires_grad):
+            return _AutocastLinear.apply(x, self.weight, dtype)
+        return x @ self.weight.T
 
     def cross_entropy(self, x, targets, ignore_index=-100):
         """cross_entropy(self(x), targets) without the logits ever existing in full: linear_cross_entropy. A
         method of the layer, so a wrapper that owns the weight (ddp.FSDP) can supply it."""
-        dtype = autocast_dtype(x)
-        return linear_cross_entropy(x, self.weight, targets, ignore_index,
-                                    weight_lp=None if dtype is None else self._weight_lp(dtype))
-
-
-def keep_low_precision_weights(module, dtype=torch.bfloat16):
-    """Give every Linear of module a copy of its weight in dtype (the non-persistent buffer Linear.weight_lp, so
-    2 bytes more per weight and nothing in the state dict), which its forward under autocast to dtype multiplies
-    with in place of autocast's cast of the weight at every call (on the 2.7B step those casts are 5 ms of its
-    forward). train.AdamW's kernel writes the copy as it updates the weight (Parameter.low_precision_copy links
-    them). Any other in-place change to a weight through torch (load_state_dict, the foreach optimizer path, a
-    user's edit) bumps its version counter, and a forward pre-hook on module, run outside torch.compile, casts
-    the copies whose weights changed that way before the forward reads them. Writers that bypass the version
-    counter (a kernel of one's own, collectives into parameter storage) must be followed by
-    sync_low_precision_weights(module, force=True). Returns module."""
-    for m in module.modules():
-        if isinstance(m, Linear) and m.weight.dtype != dtype:
-            m.weight_lp = torch.empty_like(m.weight, dtype=dtype)
-            m._lp_version = None
-    if not getattr(module, "_lp_hook", None):
-        module._lp_hook = module.register_forward_pre_hook(_sync_low_precision_hook)
-    sync_low_precision_weights(module)
-    return module
-
-
-def sync_low_precision_weights(module, force=False):
-    """Recast the low-precision weight copies (keep_low_precision_weights) whose weights changed since they were
-    written, or all of them (force), and link each weight to its copy for train.AdamW."""
-    with torch.no_grad():
-        for m in module.modules():
-            lp = getattr(m, "weight_lp", None) if isinstance(m, Linear) else None
-            if lp is None:
-                continue
-            w = m.weight
-            if lp.shape != w.shape or lp.device != w.device:  # the weight was replaced or moved: a new copy
-                m.weight_lp = lp = torch.empty_like(w, dtype=lp.dtype)
-                force = True
-            if force or m._lp_version != w._version:
-                lp.copy_(w)
-                m._lp_version = w._version
-            w.low_precision_copy = lp
-
-
-@torch.compiler.disable
-def _sync_low_precision_hook(module, args):
-    sync_low_precision_weights(module)
+        return linear_cross_entropy(x, self.weight, targets, ignore_index)
 
 
 class Embedding(nn.Module):
@@ -377,11 +293,11 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on q and k.
 
-    q_proj, k_proj, v_proj are three modules (the reference state-dict names). Under autocast while training their
-    products go through one _AutocastQKV (three forward GEMMs, one backward GEMM each for the input and the weight
-    gradients); otherwise, and whenever a wrapper has taken over a projection's forward (ddp.FSDP gathers a sharded
-    weight when its module runs), each is called as a module. (One forward matmul against the concatenated weights
-    was measured slower, in compiled training at GPT-2 size and alone at the 2.7B shape; BENCHMARKS.md.)
+    q_proj, k_proj, v_proj are three modules (the reference state-dict names), each called as a module, so wrappers
+    that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection. (One matmul
+    against the concatenated weights was measured slower in compiled training on the H200: inductor fuses the
+    concatenation of the three gradients with RoPE's backward into one slow kernel; so was one backward matmul each
+    for the three input and the three weight gradients, at GPT-2 size and at 2.7B; BENCHMARKS.md.)
     Heads stay (B, T, H, d_k) in memory; flash and sdpa get (B, H, T, d_k) views of them, no copy.
     """
 
@@ -407,7 +323,7 @@ class CausalSelfAttention(nn.Module):
         """x (B, T, d). position_ids (..., T) broadcast over the batch (default 0..T-1). Packed mode: B == 1,
         cu_seqlens/max_seqlen mark the documents (attention stays inside each). kv_cache: decoding, see KVCache."""
         B, T, d = x.shape
-        q, k, v = (t.view(B, T, self.num_heads, self.d_head) for t in self._qkv(x))
+        q, k, v = (proj(x).view(B, T, self.num_heads, self.d_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
         rope = None  # (cos, sin) for the flash kernels to apply
         if self.rope is not None:
             if position_ids is None:
@@ -428,17 +344,6 @@ class CausalSelfAttention(nn.Module):
         else:
             out = self._causal_attention(q, k, v, rope)
         return self.output_proj(out.reshape(B, T, d))
-
-    def _qkv(self, x):
-        """The three projections of x: one _AutocastQKV under autocast while training (unless a wrapper such as
-        ddp.FSDP runs the projections itself), else each module called."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        dtype = autocast_dtype(x)
-        if (QKV_ONE_BACKWARD and LINEAR_FP32_WEIGHT_GRADS and dtype is not None and torch.is_grad_enabled()
-                and all(type(p) is Linear and "forward" not in p.__dict__ and p.weight.requires_grad
-                        and p.weight.dtype != dtype for p in projs)):
-            return _AutocastQKV.apply(x, *(p.weight for p in projs), dtype, *(p._weight_lp(dtype) for p in projs))
-        return tuple(p(x) for p in projs)
 
     def _causal_attention(self, q, k, v, rope=None):
         """(B, T, H, D) in, (B, T, H, D) out (possibly a strided view). rope: tables for the flash kernels."""
@@ -775,11 +680,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     first, as the unfused head's matmul would be."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index, chunk, need_grad, weight_lp):
+    def forward(ctx, x, weight, targets, ignore_index, chunk, need_grad):
         dtype = head_dtype(x, weight)
-        w = weight_lp if weight_lp is not None and weight_lp.dtype == dtype else weight.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
-            loss, dx, dw = fused_head(x.to(dtype), w, targets, ignore_index, chunk, need_grad)
+            loss, dx, dw = fused_head(x.to(dtype), weight.to(dtype), targets, ignore_index, chunk, need_grad)
         ctx.save_for_backward(dx, dw)
         ctx.dtypes = (x.dtype, weight.dtype)
         return loss
@@ -788,7 +692,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         dx, dw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        return (dx * grad).to(x_dtype), (dw * grad).to(w_dtype), None, None, None, None, None
+        return (dx * grad).to(x_dtype), (dw * grad).to(w_dtype), None, None, None, None
 
 
 def head_chunk(vocab_size):
@@ -796,11 +700,10 @@ def head_chunk(vocab_size):
     return max(1, LINEAR_CE_CHUNK_ELEMENTS // vocab_size)
 
 
-def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None, weight_lp=None):
+def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
     """cross_entropy(x @ weight.T, targets) with x (..., d) and weight (V, d), without materializing the
     (tokens x V) logits: chunk (default: as many tokens as make LINEAR_CE_CHUNK_ELEMENTS logits) tokens at a time.
-    Same value and gradients as the unfused head up to rounding (tested against cross_entropy of the logits).
-    weight_lp: weight already in the matmul dtype (Linear.weight_lp), used instead of a cast."""
+    Same value and gradients as the unfused head up to rounding (tested against cross_entropy of the logits)."""
     if x.shape[:-1] != targets.shape:
         raise ValueError(f"linear_cross_entropy: x {tuple(x.shape)} needs targets of shape {tuple(x.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
@@ -808,7 +711,7 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None, weig
     if chunk is None:
         chunk = head_chunk(weight.shape[0])
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation: no dx, dW
-    return _LinearCrossEntropy.apply(x2, weight, t.contiguous(), ignore_index, chunk, need_grad, weight_lp)
+    return _LinearCrossEntropy.apply(x2, weight, t.contiguous(), ignore_index, chunk, need_grad)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -224,20 +224,16 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
                 state["step"] += 1
-                fused = self._use_kernel(p)
-                copy = getattr(p, "low_precision_copy", None) if fused else None  # model.keep_low_precision_weights
-                copy_dtype = None if copy is None else copy.dtype
-                key = (fused, p.device, p.dtype, p.grad.dtype, copy_dtype, state["step"])
-                b = buckets.setdefault(key, ([], [], [], [], []))
-                for lst, t in zip(b, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], copy)):
+                key = (self._use_kernel(p), p.device, p.dtype, p.grad.dtype, state["step"])
+                b = buckets.setdefault(key, ([], [], [], []))
+                for lst, t in zip(b, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
                     lst.append(t)
-            for (fused, device, dt, g_dt, copy_dtype, t), (*columns, copies) in buckets.items():
+            for (fused, device, dt, g_dt, t), columns in buckets.items():
                 neg_step = -lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)  # -α_t
-                if fused:  # flash.py's kernel, which also writes the weights' half-precision copies, if any
-                    cache = self._tables.setdefault((gi, device, dt, g_dt, copy_dtype), {})
-                    flash.adamw_step(cache, *columns, neg_step, beta1, beta2, eps, 1 - lr * weight_decay,
-                                     copies=copies if copy_dtype is not None else None)
-                else:  # torch ops bump the weights' versions, so the model recasts any copies itself
+                if fused:  # flash.py's kernel; the cache keeps its chunk table between steps
+                    cache = self._tables.setdefault((gi, device, dt, g_dt), {})
+                    flash.adamw_step(cache, *columns, neg_step, beta1, beta2, eps, 1 - lr * weight_decay)
+                else:
                     self._foreach_step(*columns, neg_step, beta1, beta2, eps, lr * weight_decay)
         return loss
 

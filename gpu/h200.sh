@@ -29,6 +29,9 @@
 #                 ours sdpa                                                         when compiling from cold)
 # xl_memory       model: the same 2.7B step with selective recomputation, then      ~80 s
 #                 also the first 8 blocks recomputed in full
+# xl_linear       gpu/linear_ab.py: the 2.7B step with Linear's fp32 weight         ~100 s
+#                 gradients and with autocast's product, two rounds, then the
+#                 PyTorch-native peer
 # train_small     train.py config/small.py, 150 steps on one GPU: as configured,    ~330 s (two runs
 #                 with attn_impl flash, with cuda_graphs: tokens/s, MFU (needs      took 227 s)
 #                 data/shakespeare:
@@ -54,7 +57,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_work train train_autotune xl xl_memory train_small train_pack varlen hf leaderboard
+ALL_PARTS=(attention attention_work train train_autotune xl xl_memory xl_linear train_small train_pack varlen hf leaderboard
            sweep sweep_compiled suite tests)
 source gpu/common.sh
 
@@ -98,6 +101,11 @@ part_xl_memory() {
     run_md xl_selective 180 "$PY" bench.py "${XL[@]}" --attn flash --selective_recompute --json @JSON@
     run_md xl_selective_full8 180 "$PY" bench.py "${XL[@]}" --attn flash --selective_recompute --act_ckpt_every 1 \
         --act_ckpt_layers 8 --json @JSON@
+}
+
+part_xl_linear() {
+    begin_part xl_linear 300
+    run_md xl_linear 280 "$PY" gpu/linear_ab.py
 }
 
 part_train_small() {

@@ -1,16 +1,15 @@
 """The 2.7B step (bench.py model --size xl --context_length 2048 --batch_size 4 --compile blocks --dtype bf16
---mode train --attn flash) with the weights' mixed-precision handling varied, each variant built fresh one after
-another in one process, in rounds (ABCD ABCD), then the PyTorch-native peer once:
+--mode train --attn flash) with Linear's mixed-precision product varied, each variant built fresh one after another
+in one process, in rounds (AB AB), then the PyTorch-native peer once:
 
-    autocast    autocast's own x @ W.T (the weights cast at every call, weight gradients in bf16 then cast to fp32)
-    fp32_wgrad  model._AutocastLinear: the same products, the weight gradients written in fp32 by their GEMMs
-    copies      + model.keep_low_precision_weights (bf16 copies of the weights written by our AdamW)
-    copies_qkv  + model.QKV_ONE_BACKWARD (one backward GEMM each for q/k/v's input and weight gradients)
+    autocast    autocast's own x @ W.T (model.LINEAR_FP32_WEIGHT_GRADS off: weight gradients in bf16, then cast)
+    fp32_wgrad  model._AutocastLinear (the default): the same products, the weight gradients written in fp32 by
+                their GEMMs
 
-    python gpu/linear_ab.py [--rounds 2] [--steps 6] [--variants autocast,fp32_wgrad,copies,copies_qkv] [--no-peer]
+    python gpu/linear_ab.py [--rounds 2] [--steps 6] [--variants autocast,fp32_wgrad] [--no-peer]
 
-Prints a table (mean ms per step over the rounds, phases, peak MiB) and checks after each copies run that every
-copy equals its weight rounded to bf16."""
+Prints a table: ms per step of each round, the phases' mean, MFU (the causal half of attention, 989 TFLOP/s) and
+peak MiB."""
 import argparse
 import os
 import sys
@@ -21,8 +20,7 @@ import torch  # noqa: E402
 import bench  # noqa: E402
 import model  # noqa: E402
 
-VARIANTS = {"autocast": (False, False, False), "fp32_wgrad": (True, False, False), "copies": (True, True, False),
-            "copies_qkv": (True, True, True)}  # (LINEAR_FP32_WEIGHT_GRADS, copies, QKV_ONE_BACKWARD)
+VARIANTS = {"autocast": False, "fp32_wgrad": True}  # model.LINEAR_FP32_WEIGHT_GRADS
 
 
 def main(argv):
@@ -44,19 +42,12 @@ def main(argv):
     rows = []
     for r in range(args.rounds):
         for name in names:
-            model.LINEAR_FP32_WEIGHT_GRADS, copies, model.QKV_ONE_BACKWARD = VARIANTS[name]
+            model.LINEAR_FP32_WEIGHT_GRADS = VARIANTS[name]
             torch._dynamo.reset()
             torch.manual_seed(0)
             net = bench.build_model(dims, 10000, 2048, "flash", device)
-            if copies:
-                model.keep_low_precision_weights(net)
             row = bench.run_config(net, bench.compiled(net, "blocks"), cfg, device, torch.Generator().manual_seed(0),
                                    args.warmup, args.steps)
-            if copies:
-                stale = sum(not torch.equal(m.weight_lp, m.weight.detach().to(torch.bfloat16))
-                            for m in net.modules() if isinstance(m, model.Linear))
-                if stale:
-                    raise SystemExit(f"{name}: {stale} weight copies differ from their weights rounded to bf16")
             del net
             bench.free_memory(device)
             rows.append(dict(row, variant=name, round=r))
