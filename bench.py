@@ -1317,8 +1317,9 @@ def cmd_gpt2(argv):
                    "through its torch.library operators under torch.compile (flash.TRITON_OPS off; default: "
                    "inductor launches them itself), ':autotune' for torch.compile(mode='max-autotune') (Triton "
                    "matmul templates benchmarked against cuBLAS, with the elementwise work fused into their "
-                   "epilogues where they win; with ':graphs' as well, the CUDA graphs of that mode), ':autocast' for autocast's own "
-                   "Linear product (model.LINEAR_FP32_WEIGHT_GRADS off: weight gradients in bf16, then cast)")
+                   "epilogues where they win; with ':graphs' as well, the CUDA graphs of that mode), ':autocast' "
+                   "for autocast's own Linear product (model.LINEAR_FP32_WEIGHT_GRADS off: weight gradients in "
+                   "bf16, then cast)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)

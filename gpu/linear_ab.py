@@ -62,7 +62,8 @@ def main(argv):
         rows.append(dict(row, variant="native peer", round=0))
     print(f"\nbf16, batch 4 x 2048, compiled per block, {args.warmup} warm-up and {args.steps} timed steps a run, "
           f"{args.rounds} rounds; {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-    print("| variant | ms/step (each round) | fwd / bwd / optimizer ms (mean) | MFU | peak MiB |\n|---|---|---|---|---|")
+    print("| variant | ms/step (each round) | fwd / bwd / optimizer ms (mean) | MFU | peak MiB |")
+    print("|---|---|---|---|---|")
     flops = bench.step_flops(dims, 10000, 2048, 4, "train", "flash")
     for name in names + (["native peer"] if args.peer else []):
         mine = [r for r in rows if r["variant"] == name and r["status"] == "ok"]
