@@ -1394,8 +1394,8 @@ def cmd_gpt2(argv):
             (", RoPE inside" if "rope_inside" in tags else "") + \
             (", flash through its operators" if "library_ops" in tags else "") + \
             (", max-autotune" if "autotune" in tags else "") + " + our AdamW"
-        switches = "FLASH_FUSED_ROPE", "LINEAR_FP32_WEIGHT_GRADS"
-        defaults = flash.TRITON_OPS, [getattr(model_py, s) for s in switches]
+        switches = [(flash, "TRITON_OPS"), (model_py, "FLASH_FUSED_ROPE"), (model_py, "LINEAR_FP32_WEIGHT_GRADS")]
+        defaults = [getattr(module, name) for module, name in switches]
         model_py.FLASH_FUSED_ROPE = "rope_inside" in tags
         flash.TRITON_OPS = flash.TRITON_OPS and "library_ops" not in tags
         model_py.LINEAR_FP32_WEIGHT_GRADS = model_py.LINEAR_FP32_WEIGHT_GRADS and "autocast" not in tags
@@ -1403,9 +1403,8 @@ def cmd_gpt2(argv):
             rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
                               graphs=graphs, autotune="autotune" in tags))
         finally:
-            flash.TRITON_OPS = defaults[0]
-            for s, value in zip(switches, defaults[1]):
-                setattr(model_py, s, value)
+            for (module, name), value in zip(switches, defaults):
+                setattr(module, name, value)
         del ours, optimizer
         free_memory(device)
     peer = PeerGPT(V, T, args.d_model, args.num_layers, args.num_heads, device=device)

@@ -2023,8 +2023,8 @@ def _tma_operand(x, width):
 # takes a call depends on the work per SM and the direction. Measured on the H200 (`bench.py attention --parts work`: S
 # 512-2048, B·H 48-1024, each family forced, cold L2; BENCHMARKS.md): the Gluon forward is 1.05-1.18x the Triton one
 # from 15 query tiles of 128 rows per SM at S 1024-2048, and the Triton one up to 1.18x at 6 tiles per SM and fewer (the
-# Gluon forward also led by 7-9% at S=512 from 15 tiles and at 8.7 tiles at S=1024, GPT-2 small's shape, not taken yet:
-# the compiled GPT-2 step, where inductor launches the Triton kernels itself, is the measurement that decides). The
+# Gluon forward also led by 7-9% at S=512 from 15 tiles and at 8.7 tiles at S=1024, GPT-2 small's shape; taking it
+# there from 8 tiles left the compiled GPT-2 step level, so the threshold stays). The
 # backwards are level up to 1024 tokens; at 2048 the Gluon one is 1.05-1.16x from 31 tiles per SM and level below. From
 # 4096 tokens the Gluon kernels win both ways (1.13-1.25x). Packed documents (16384 or 32768 tokens, log-normal lengths
 # of median 100-1000, the longest 1024-3798, `bench.py attention`): the Gluon kernels 1.02-1.13x forward and 1.13-1.15x

@@ -57,6 +57,16 @@ def autocast_dtype(x):
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# basic modules
+# ---------------------------------------------------------------------------------------------------------------
+
+# Under autocast while training, Linear runs _AutocastLinear (False: autocast's own x @ W.T, whose weight gradient
+# comes out in bf16 and is cast to fp32 by a pass of its own). A switch for comparison (bench.py gpt2's ':autocast'
+# variants, gpu/linear_ab.py).
+LINEAR_FP32_WEIGHT_GRADS = True
+
+
 def weight_grad(g, x, dtype):
     """g^T x (g (N, out), x (N, in), one dtype) returned in dtype (the weight's: fp32 master weights): on CUDA one
     GEMM that writes dtype itself (cuBLAS sums in fp32 either way), else the product cast. The CUDA form skips a
@@ -89,16 +99,6 @@ class _AutocastLinear(torch.autograd.Function):
         grad_x = g2.mm(w).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         grad_w = weight_grad(g2, x2, ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# basic modules
-# ---------------------------------------------------------------------------------------------------------------
-
-# Under autocast while training, Linear runs _AutocastLinear (False: autocast's own x @ W.T, whose weight gradient
-# comes out in bf16 and is cast to fp32 by a pass of its own). A switch for comparison (bench.py gpt2's ':autocast'
-# variants, gpu/linear_ab.py).
-LINEAR_FP32_WEIGHT_GRADS = True
 
 
 class Linear(nn.Module):
