@@ -32,6 +32,8 @@
 # xl_linear       gpu/linear_ab.py: the 2.7B step with Linear's fp32 weight         ~100 s
 #                 gradients and with autocast's product, two rounds, then the
 #                 PyTorch-native peer
+# adamw           gpu/adamw_ab.py: one optimizer step, ours (fused, foreach)        ~40 s
+#                 against torch's (fused, foreach), GPT-2-small and 2.7B sizes
 # train_small     train.py config/small.py, 150 steps on one GPU: as configured,    ~330 s (two runs
 #                 with attn_impl flash, with cuda_graphs: tokens/s, MFU (needs      took 227 s)
 #                 data/shakespeare:
@@ -57,7 +59,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_work train train_autotune xl xl_memory xl_linear train_small train_pack varlen hf leaderboard
+ALL_PARTS=(attention attention_work train train_autotune xl xl_memory xl_linear adamw train_small train_pack varlen hf leaderboard
            sweep sweep_compiled suite tests)
 source gpu/common.sh
 
@@ -106,6 +108,11 @@ part_xl_memory() {
 part_xl_linear() {
     begin_part xl_linear 300
     run_md xl_linear 280 "$PY" gpu/linear_ab.py
+}
+
+part_adamw() {
+    begin_part adamw 120
+    run_md adamw 110 "$PY" gpu/adamw_ab.py
 }
 
 part_train_small() {
