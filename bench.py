@@ -1317,7 +1317,9 @@ def cmd_gpt2(argv):
                    "through its torch.library operators under torch.compile (flash.TRITON_OPS off; default: "
                    "inductor launches them itself), ':autotune' for torch.compile(mode='max-autotune') (Triton "
                    "matmul templates benchmarked against cuBLAS, with the elementwise work fused into their "
-                   "epilogues where they win; with ':graphs' as well, the CUDA graphs of that mode), ':autocast' "
+                   "epilogues where they win; with ':graphs' as well, the CUDA graphs of that mode), ':triton_norm' "
+                   "for every RMSNorm on impl='triton' (each block's norms with their residual adds in one kernel "
+                   "each way, flash.add_rms_norm; default: PyTorch ops that inductor fuses), ':autocast' "
                    "for autocast's own Linear product (model.LINEAR_FP32_WEIGHT_GRADS off: weight gradients in "
                    "bf16, then cast)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
@@ -1335,9 +1337,9 @@ def cmd_gpt2(argv):
     variants = [v.split(":") for v in args.variants.split(",") if v]
     for v in variants:
         if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside", "library_ops", "autotune",
-                                                        "autocast"}:
+                                                        "triton_norm", "autocast"}:
             raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside][:library_ops]"
-                             f"[:autotune][:autocast] with ATTN one of {ATTN_IMPLS}")
+                             f"[:autotune][:triton_norm][:autocast] with ATTN one of {ATTN_IMPLS}")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
     reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
@@ -1387,9 +1389,13 @@ def cmd_gpt2(argv):
         tied, graphs = "tied" in tags, "graphs" in tags and device.type == "cuda"
         ours = TransformerLM(V, T, args.d_model, args.num_layers, args.num_heads, args.d_ff, attn_impl=attn,
                              tie_embeddings=tied, device=device)
+        for m in ours.modules():
+            if isinstance(m, model_py.RMSNorm) and "triton_norm" in tags:
+                m.impl = "triton"
         optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         name = "ours: TransformerLM" + (", tied" if tied else "") + (", CUDA graphs" if graphs else "") + \
+            (", Triton norms" if "triton_norm" in tags else "") + \
             (", autocast's Linear" if "autocast" in tags else "") + \
             (", RoPE inside" if "rope_inside" in tags else "") + \
             (", flash through its operators" if "library_ops" in tags else "") + \

@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import weakref
+from typing import Optional
 
 import numpy as np
 import torch
@@ -2629,8 +2630,12 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
 #    registers (d up to RMS_MAX_D): the forward takes a block of rows per program; the backward runs a fixed
 #    number of programs that stride over the row blocks, each adding its rows' dy x_hat into an fp32 accumulator
 #    and writing it as one row of a (programs, d) buffer, which a torch sum turns into dg (at (32768, 4096) bf16 on an
-#    H200: 8.7 MB against the 805 MB of x, dy and dx). As with attention, under torch.compile the autograd Function
-#    calls custom ops with fake kernels; eagerly it calls the launchers directly.
+#    H200: 8.7 MB against the 805 MB of x, dy and dx). add_rms_norm is the same with the residual stream's add:
+#    h = x + r and y = rms_norm(h) in one pass (y may be stored in another dtype, autocast's, for the matmul that
+#    reads it), and in the backward the gradient that reaches h from elsewhere (the residual path) is added to dx
+#    in the same pass, so a pre-norm block's adds, norms and their gradients take one kernel each. As with
+#    attention, under torch.compile the autograd Functions call custom ops with fake kernels; eagerly they call
+#    the launchers directly.
 # ---------------------------------------------------------------------------------------------------------------
 
 RMS_MAX_D = 8192  # whole rows live in registers: compiled for sm_90 the backward spills at d = 16384 (16 warps, 128
@@ -2652,12 +2657,17 @@ def _rms_config(d):
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, W, Y, RSTD, n_rows, d, stride_x, eps,
-                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_fwd_kernel(X, R, H, W, Y, RSTD, n_rows, d, stride_x, stride_r, eps,
+                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_R: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < d)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_R:  # h = x + r, stored (in H's dtype) and normalized as it was stored
+        x += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = x.to(H.dtype.element_ty)
+        tl.store(H + rows[:, None] * d + cols[None, :], x, mask=ok)
+        x = x.to(tl.float32)
     w = tl.load(W + cols, mask=cols < d, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)  # padding lanes are 0: the sum is over the row's d elements
     y = x * rstd[:, None] * w[None, :]
@@ -2666,8 +2676,8 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, n_rows, d, stride_x, eps,
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(X, W, DY, RSTD, DX, DW_PARTIAL, n_rows, d, stride_x, stride_dy, n_blocks,
-                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_bwd_kernel(X, W, DY, RSTD, DH, DX, DW_PARTIAL, n_rows, d, stride_x, stride_dy, stride_dh, n_blocks,
+                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DH: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     w = tl.load(W + cols, mask=cols < d, other=0.0).to(tl.float32)
@@ -2682,6 +2692,8 @@ def _rms_norm_bwd_kernel(X, W, DY, RSTD, DX, DW_PARTIAL, n_rows, d, stride_x, st
         gy = dy * w[None, :]
         c = tl.sum(x_hat * gy, axis=1) / d  # mean(x_hat g dy) per row
         dx = (gy - x_hat * c[:, None]) * rstd[:, None]
+        if HAS_DH:  # the gradient reaching the norm's input from elsewhere (add_rms_norm's h)
+            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * d + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
         dw += dy * x_hat  # rows past the end have x_hat = 0
     tl.store(DW_PARTIAL + pid * d + cols, tl.sum(dw, axis=0), mask=cols < d)
@@ -2700,24 +2712,30 @@ def _rms_programs(device, n_blocks):
     return max(1, min(n_blocks, _sm_count(device.index) * RMS_BWD_PROGRAMS_PER_SM))
 
 
-def _rms_norm_forward(x, weight, eps):
-    """(y like x, rstd fp32 x.shape[:-1]) through _rms_norm_fwd_kernel."""
+def _rms_norm_forward(x, weight, eps, r=None, y_dtype=None):
+    """(y, rstd fp32 x.shape[:-1], h) through _rms_norm_fwd_kernel: y = rms_norm(h) * weight in y_dtype (default
+    h's), h = x + r in their promoted dtype (r None: h is x itself)."""
     d = x.shape[-1]
     x2, weight = _as_rows(x, d), weight.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    r2 = None if r is None else _as_rows(r, d)
+    h = x if r is None else torch.empty(x.shape, dtype=torch.promote_types(x.dtype, r.dtype), device=x.device)
+    y = torch.empty(x.shape, dtype=y_dtype or h.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     n = x2.shape[0]
     if n:
         block_m, block_d, warps = _rms_config(d)
-        _rms_norm_fwd_kernel[(triton.cdiv(n, block_m),)](x2, weight, y, rstd, n, d, x2.stride(0), eps,
-                                                         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
-    return y, rstd
+        _rms_norm_fwd_kernel[(triton.cdiv(n, block_m),)](
+            x2, x2 if r2 is None else r2, h, weight, y, rstd, n, d, x2.stride(0), 0 if r2 is None else r2.stride(0),
+            eps, BLOCK_M=block_m, BLOCK_D=block_d, HAS_R=r2 is not None, num_warps=warps)
+    return y, rstd, h
 
 
-def _rms_norm_backward(dy, x, weight, rstd):
-    """(dx like x, dweight like weight) through _rms_norm_bwd_kernel and a sum of its per-program dg rows."""
+def _rms_norm_backward(dy, x, weight, rstd, dh=None):
+    """(dx like x, dweight like weight) through _rms_norm_bwd_kernel and a sum of its per-program dg rows; dh, a
+    gradient of x from elsewhere, is added to dx in the same pass."""
     d = x.shape[-1]
     x2, dy2, w = _as_rows(x, d), _as_rows(dy, d), weight.contiguous()
+    dh2 = None if dh is None else _as_rows(dh, d)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[0]
     if not n:
@@ -2726,30 +2744,44 @@ def _rms_norm_backward(dy, x, weight, rstd):
     n_blocks = triton.cdiv(n, block_m)
     programs = _rms_programs(x.device, n_blocks)
     partial = torch.empty(programs, d, dtype=torch.float32, device=x.device)  # every program writes its row
-    _rms_norm_bwd_kernel[(programs,)](x2, w, dy2, rstd, dx, partial, n, d, x2.stride(0), dy2.stride(0), n_blocks,
-                                      BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    _rms_norm_bwd_kernel[(programs,)](x2, w, dy2, rstd, dy2 if dh2 is None else dh2, dx, partial, n, d,
+                                      x2.stride(0), dy2.stride(0), 0 if dh2 is None else dh2.stride(0), n_blocks,
+                                      BLOCK_M=block_m, BLOCK_D=block_d, HAS_DH=dh2 is not None, num_warps=warps)
     return dx, partial.sum(0).to(weight.dtype)
 
 
 @torch.library.custom_op("flash::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rms_norm_forward(x, weight, eps)
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     y_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rms_norm_forward(x, weight, eps, y_dtype=y_dtype)[:2]
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1],
-                                                                                   dtype=torch.float32)
+def _(x, weight, eps, y_dtype=None):
+    return (torch.empty_like(x, dtype=y_dtype or x.dtype, memory_format=torch.contiguous_format),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("flash::add_rms_norm_fwd", mutates_args=())
+def _add_rms_norm_fwd_op(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
+                         y_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rms_norm_forward(x, weight, eps, r, y_dtype)
+
+
+@_add_rms_norm_fwd_op.register_fake
+def _(x, r, weight, eps, y_dtype=None):
+    h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, r.dtype), memory_format=torch.contiguous_format)
+    return torch.empty_like(h, dtype=y_dtype or h.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32), h
 
 
 @torch.library.custom_op("flash::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rms_norm_backward(dy, x, weight, rstd)
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                     dh: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rms_norm_backward(dy, x, weight, rstd, dh)
 
 
 @_rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd):
+def _(dy, x, weight, rstd, dh=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
@@ -2758,8 +2790,8 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        fwd = _rms_norm_fwd_op if torch.compiler.is_compiling() else _rms_norm_forward
-        y, rstd = fwd(x, weight, eps)
+        y, rstd = _rms_norm_fwd_op(x, weight, eps) if torch.compiler.is_compiling() else \
+            _rms_norm_forward(x, weight, eps)[:2]
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -2770,30 +2802,76 @@ class _RMSNorm(torch.autograd.Function):
         return dx, dw, None
 
 
+class _AddRMSNorm(torch.autograd.Function):
+    """(h, y) = (x + r, rms_norm(x + r) * weight), or (x, rms_norm(x) * weight) when r is None (h is then x itself,
+    returned so that the gradient reaching it joins the norm's in one backward kernel). Saves h, weight, rstd."""
+
+    @staticmethod
+    def forward(ctx, x, r, weight, eps, y_dtype):
+        if torch.compiler.is_compiling():
+            y, rstd, h = _add_rms_norm_fwd_op(x, r, weight, eps, y_dtype) if r is not None else \
+                (*_rms_norm_fwd_op(x, weight, eps, y_dtype), x)
+        else:
+            y, rstd, h = _rms_norm_forward(x, weight, eps, r, y_dtype)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.has_r, ctx.r_dtype = r is not None, None if r is None else r.dtype
+        return h, y
+
+    @staticmethod
+    def backward(ctx, dh, dy):
+        h, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros(h.shape, dtype=h.dtype, device=h.device)
+        bwd = _rms_norm_bwd_op if torch.compiler.is_compiling() else _rms_norm_backward
+        dx, dw = bwd(dy, h, weight, rstd, dh)
+        dr = dx.to(ctx.r_dtype) if ctx.has_r else None
+        return dx, dr, dw, None, None
+
+
 RMS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_rms(who, x, weight, r=None, y_dtype=None):
+    """One-line errors for what the RMSNorm kernels cannot take."""
+    if not all(torch.is_tensor(t) for t in (x, weight) + (() if r is None else (r,))):
+        raise ValueError(f"flash.{who}: x, weight (and residual) must be tensors, got {type(x).__name__}, "
+                         f"{type(weight).__name__}" + ("" if r is None else f", {type(r).__name__}"))
+    for name, t in (("x", x), ("weight", weight)) + (() if r is None else (("residual", r),)):
+        if t.dtype not in RMS_DTYPES:
+            raise ValueError(f"flash.{who}: {name} must be fp16, bf16 or fp32, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"flash.{who}: x on {x.device} but {name} on {t.device}")
+    if y_dtype is not None and y_dtype not in RMS_DTYPES:
+        raise ValueError(f"flash.{who}: out_dtype must be fp16, bf16 or fp32, got {y_dtype}")
+    if x.dim() < 1 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"flash.{who}: weight must have shape ({x.shape[-1] if x.dim() else 'd'},) to match "
+                         f"x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    if r is not None and r.shape != x.shape:
+        raise ValueError(f"flash.{who}: residual {tuple(r.shape)} must have x's shape {tuple(x.shape)}")
+    if x.shape[-1] > RMS_MAX_D:
+        raise ValueError(f"flash.{who}: last dim {x.shape[-1]} > {RMS_MAX_D} is not supported")
+    if x.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"flash.{who}: x is on {x.device}; the Triton kernels need CUDA tensors (or "
+                         f"TRITON_INTERPRET=1)")
+    _check_interpreter(f"flash.{who}")
 
 
 def rms_norm(x, weight, eps=1e-5):
     """x (..., d) fp16/bf16/fp32, weight (d,) -> x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32, in x's
     dtype; differentiable in x and weight (dweight in weight's dtype). CUDA tensors (or any under the
     interpreter); d <= RMS_MAX_D."""
-    if not (torch.is_tensor(x) and torch.is_tensor(weight)):
-        raise ValueError(f"flash.rms_norm: x and weight must be tensors, got {type(x).__name__}, "
-                         f"{type(weight).__name__}")
-    if x.dtype not in RMS_DTYPES or weight.dtype not in RMS_DTYPES:
-        raise ValueError(f"flash.rms_norm: x and weight must be fp16, bf16 or fp32, got {x.dtype} and {weight.dtype}")
-    if x.dim() < 1 or weight.shape != x.shape[-1:]:
-        raise ValueError(f"flash.rms_norm: weight must have shape ({x.shape[-1] if x.dim() else 'd'},) to match "
-                         f"x {tuple(x.shape)}, got {tuple(weight.shape)}")
-    if x.shape[-1] > RMS_MAX_D:
-        raise ValueError(f"flash.rms_norm: last dim {x.shape[-1]} > {RMS_MAX_D} is not supported")
-    if x.device != weight.device:
-        raise ValueError(f"flash.rms_norm: x on {x.device} but weight on {weight.device}")
-    if x.device.type != "cuda" and not INTERPRET:
-        raise ValueError(f"flash.rms_norm: x is on {x.device}; the Triton kernels need CUDA tensors (or "
-                         f"TRITON_INTERPRET=1)")
-    _check_interpreter("flash.rms_norm")
+    _check_rms("rms_norm", x, weight)
     return _RMSNorm.apply(x, weight, float(eps))
+
+
+def add_rms_norm(x, residual, weight, eps=1e-5, out_dtype=None):
+    """(h, y) with h = x + residual (in their promoted dtype; residual None: h is x) and y = rms_norm(h, weight,
+    eps) stored in out_dtype (default h's dtype; under autocast, the matmul dtype, so the next matmul reads it
+    without a cast). One kernel each way: the forward reads x and residual and writes h and y; the backward takes
+    the gradients of both outputs (h's: the residual path's) and writes the gradient of x (= residual's, cast to
+    its dtype) and of weight. The pre-norm block's x + f(norm(x)) pattern: model.TransformerBlock."""
+    _check_rms("add_rms_norm", x, weight, residual, out_dtype)
+    return _AddRMSNorm.apply(x, residual, weight, float(eps), out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -402,7 +402,9 @@ class CausalSelfAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: z = x + MHSA(RMSNorm1(x)); y = z + FFN(RMSNorm2(z))."""
+    """Pre-norm block: z = x + MHSA(RMSNorm1(x)); y = z + FFN(RMSNorm2(z)). With both norms on impl="triton", each
+    norm runs with its residual add as flash.add_rms_norm (z = x + MHSA(..) and RMSNorm2(z) in one kernel; in the
+    backward, the gradient of the residual path joins each norm's in one kernel too)."""
 
     def __init__(self, d_model, num_heads, d_ff, context_length, theta=10000.0, attn_impl="naive", rope=None,
                  layer_idx=0, device=None, dtype=None):
@@ -422,6 +424,12 @@ class TransformerBlock(nn.Module):
         return self._forward(x, position_ids, cu_seqlens, max_seqlen, kv_cache)
 
     def _forward(self, x, position_ids, cu_seqlens, max_seqlen, kv_cache):
+        if self.ln1.impl == "triton" and self.ln2.impl == "triton":  # each norm with its residual add, one kernel
+            dtype = autocast_dtype(x)  # the norms write what the matmuls read (autocast would cast it)
+            x, y = flash.add_rms_norm(x, None, self.ln1.weight, self.ln1.eps, dtype)
+            x, y = flash.add_rms_norm(x, self.attn(y, position_ids, cu_seqlens, max_seqlen, kv_cache),
+                                      self.ln2.weight, self.ln2.eps, dtype)
+            return x + self.ffn(y)
         x = x + self.attn(self.ln1(x), position_ids, cu_seqlens, max_seqlen, kv_cache)
         return x + self.ffn(self.ln2(x))
 

@@ -1405,9 +1405,87 @@ def test_flash_rms_norm_compiles_without_graph_breaks():
     assert all(_rel(a, b) < 1e-6 for a, b in zip(grads, torch.autograd.grad(want, (x, w))))
     xs, ws = x.detach()[0], w.detach()
     y, rstd = flash._rms_norm_fwd_op(xs, ws, 1e-5)
-    for op, args in ((flash._rms_norm_fwd_op, (xs, ws, 1e-5)), (flash._rms_norm_bwd_op, (y, xs, ws, rstd))):
+    _, _, h = flash._add_rms_norm_fwd_op(xs, y, ws, 1e-5, torch.bfloat16)
+    for op, args in ((flash._rms_norm_fwd_op, (xs, ws, 1e-5)), (flash._rms_norm_bwd_op, (y, xs, ws, rstd)),
+                     (flash._add_rms_norm_fwd_op, (xs, y, ws, 1e-5, torch.bfloat16)),
+                     (flash._rms_norm_bwd_op, (y, h, ws, rstd, xs))):
         results = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
         assert all(v == "SUCCESS" for v in results.values()), results
+
+
+def _check_add_rms_norm(shape, x_dtype, r_dtype, y_dtype, tol, gen, grad_h=True):
+    """flash.add_rms_norm's h, y and the gradients of x, residual and weight against float64 PyTorch (outputs
+    poisoned first): h = x + r (x when r_dtype is None), y = rms_norm(h) * w in y_dtype; the backward takes both
+    outputs' gradients (grad_h False: h's is None, as when only y is used)."""
+    d = shape[-1]
+    x = torch.randn(shape, generator=gen).to(DEVICE, x_dtype).requires_grad_()
+    r = None if r_dtype is None else torch.randn(shape, generator=gen).to(DEVICE, r_dtype).requires_grad_()
+    w = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEVICE).requires_grad_()
+    dh, dy = (torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2))
+    inputs = (x, w) if r is None else (x, r, w)
+    with _poisoned_empty():
+        h, y = flash.add_rms_norm(x, r, w, 1e-5, y_dtype)
+        grads = torch.autograd.grad((h, y) if grad_h else (y,), inputs,
+                                    (dh.to(h.dtype), dy.to(y.dtype)) if grad_h else (dy.to(y.dtype),))
+    h_dtype = x_dtype if r is None else torch.promote_types(x_dtype, r_dtype)
+    assert h.dtype == h_dtype and y.dtype == (y_dtype or h_dtype) and [g.dtype for g in grads] == \
+        [t.dtype for t in inputs]
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    r64 = None if r is None else r.detach().double().requires_grad_()
+    h64 = x64 if r is None else x64 + r64
+    y64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+    inputs64 = (x64, w64) if r is None else (x64, r64, w64)
+    # the gradients that reached the kernel, as rounded to the outputs' dtypes
+    loss64 = (y64 * dy.to(y.dtype).double()).sum() + ((h64 * dh.to(h.dtype).double()).sum() if grad_h else 0)
+    grads64 = torch.autograd.grad(loss64, inputs64)
+    errs = dict(h=_rel(h, h64), y=_rel(y, y64), **{f"d{i}": _rel(a, b) for i, (a, b) in enumerate(zip(grads,
+                                                                                                    grads64))})
+    assert all(e < tol for e in errs.values()), (shape, x_dtype, r_dtype, y_dtype, errs)
+
+
+def test_flash_add_rms_norm_matches_float64_reference():
+    gen = torch.Generator().manual_seed(33)
+    f32, bf16 = torch.float32, torch.bfloat16
+    for shape in ((300, 80), (2, 3, 48), (1, 33), (0, 48)):
+        _check_add_rms_norm(shape, f32, f32, None, 1e-5, gen)  # fp32 throughout
+        _check_add_rms_norm(shape, f32, None, None, 1e-5, gen)  # no residual: h is x, its gradient still added
+    _check_add_rms_norm((300, 80), f32, f32, None, 1e-5, gen, grad_h=False)
+    _check_add_rms_norm((300, 80), f32, bf16, bf16, 1e-2, gen)  # the autocast block: fp32 stream, bf16 matmuls
+    _check_add_rms_norm((130, 96), f32, None, bf16, 1e-2, gen)
+    _check_add_rms_norm((70, 64), bf16, bf16, None, 1e-2, gen)
+
+
+def test_triton_norm_block_matches_torch_block():
+    """TransformerBlock with both norms on impl="triton" (flash.add_rms_norm, each with its residual add) against
+    the PyTorch formulas: fp32 outputs and every gradient within 1e-5; under bf16 autocast within bf16's rounding
+    (against float64), eager and compiled (the custom ops trace without graph breaks)."""
+    torch.manual_seed(34)
+    block = model.TransformerBlock(32, 4, 48, 16).to(DEVICE)
+    x = torch.randn(2, 16, 32, device=DEVICE, requires_grad=True)
+
+    def run(impl, autocast=False, compiled=False, dtype=None):
+        b = copy.deepcopy(block).to(dtype=dtype) if dtype else block
+        for norm in (b.ln1, b.ln2):
+            norm.impl = impl
+        xi = x.detach().to(dtype or x.dtype).requires_grad_()
+        f = torch.compile(b, backend="aot_eager", fullgraph=True) if compiled else b
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            y = f(xi)
+        y.float().pow(2).sum().backward()
+        return [y, xi.grad] + [p.grad for p in b.parameters()]
+
+    ref64 = run("torch", dtype=torch.float64)
+    fp32 = run("triton")
+    for p in block.parameters():
+        p.grad = None
+    torch32 = run("torch")
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(fp32, torch32))
+    for compiled in (False, True):
+        for p in block.parameters():
+            p.grad = None
+        ours = run("triton", autocast=True, compiled=compiled)
+        errs = [_rel(a, b) for a, b in zip(ours, ref64)]
+        assert max(errs) < 3e-2, (compiled, errs)
 
 
 def test_flash_rms_norm_rejects_bad_input():
@@ -1421,6 +1499,10 @@ def test_flash_rms_norm_rejects_bad_input():
         (lambda: flash.rms_norm(x, w.int()), ["torch.int32"]),
         (lambda: flash.rms_norm(torch.randn(2, 9000, device=DEVICE), torch.ones(9000, device=DEVICE)), ["9000 >"]),
         (lambda: RMSNorm(16, impl="cuda")(x), ["impl='cuda'", "'triton'"]),
+        (lambda: flash.add_rms_norm(x, x[:2], w), ["add_rms_norm", "residual (2, 16)", "(4, 16)"]),
+        (lambda: flash.add_rms_norm(x, x.long(), w), ["residual must be fp16, bf16 or fp32", "torch.int64"]),
+        (lambda: flash.add_rms_norm(x, x, w, out_dtype=torch.int8), ["out_dtype", "torch.int8"]),
+        (lambda: flash.add_rms_norm(x, x.tolist(), w), ["must be tensors", "list"]),
     ]
     for fn, words in cases:
         _expect(ValueError, words, fn)

@@ -29,8 +29,8 @@
 #                 ours sdpa                                                         when compiling from cold)
 # xl_memory       model: the same 2.7B step with selective recomputation, then      ~80 s
 #                 also the first 8 blocks recomputed in full
-# xl_linear       gpu/linear_ab.py: the 2.7B step with Linear's fp32 weight         ~100 s
-#                 gradients and with autocast's product, two rounds, then the
+# xl_linear       gpu/linear_ab.py: the 2.7B step as it is and with the norms on    ~100 s
+#                 our kernels (flash.add_rms_norm), two rounds, then the
 #                 PyTorch-native peer
 # adamw           gpu/adamw_ab.py: one optimizer step, ours (fused, foreach)        ~40 s
 #                 against torch's (fused, foreach), GPT-2-small and 2.7B sizes
@@ -107,7 +107,7 @@ part_xl_memory() {
 
 part_xl_linear() {
     begin_part xl_linear 300
-    run_md xl_linear 280 "$PY" gpu/linear_ab.py
+    run_md xl_linear 280 "$PY" gpu/linear_ab.py --variants fp32_wgrad,fused_norm
 }
 
 part_adamw() {

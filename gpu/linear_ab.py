@@ -1,12 +1,14 @@
 """The 2.7B step (bench.py model --size xl --context_length 2048 --batch_size 4 --compile blocks --dtype bf16
 --mode train --attn flash) with Linear's mixed-precision product varied, each variant built fresh one after another
-in one process, in rounds (AB AB), then the PyTorch-native peer once:
+in one process, in rounds (ABC ABC), then the PyTorch-native peer once:
 
     autocast    autocast's own x @ W.T (model.LINEAR_FP32_WEIGHT_GRADS off: weight gradients in bf16, then cast)
     fp32_wgrad  model._AutocastLinear (the default): the same products, the weight gradients written in fp32 by
                 their GEMMs
+    fused_norm  + every RMSNorm on impl="triton": each block's norms with their residual adds in one kernel
+                each way (flash.add_rms_norm)
 
-    python gpu/linear_ab.py [--rounds 2] [--steps 6] [--variants autocast,fp32_wgrad] [--no-peer]
+    python gpu/linear_ab.py [--rounds 2] [--steps 6] [--variants autocast,fp32_wgrad,fused_norm] [--no-peer]
 
 Prints a table: ms per step of each round, the phases' mean, MFU (the causal half of attention, 989 TFLOP/s) and
 peak MiB."""
@@ -20,7 +22,8 @@ import torch  # noqa: E402
 import bench  # noqa: E402
 import model  # noqa: E402
 
-VARIANTS = {"autocast": False, "fp32_wgrad": True}  # model.LINEAR_FP32_WEIGHT_GRADS
+VARIANTS = {"autocast": (False, "torch"), "fp32_wgrad": (True, "torch"), "fused_norm": (True, "triton")}
+# (model.LINEAR_FP32_WEIGHT_GRADS, every RMSNorm's impl)
 
 
 def main(argv):
@@ -42,10 +45,13 @@ def main(argv):
     rows = []
     for r in range(args.rounds):
         for name in names:
-            model.LINEAR_FP32_WEIGHT_GRADS = VARIANTS[name]
+            model.LINEAR_FP32_WEIGHT_GRADS, norm_impl = VARIANTS[name]
             torch._dynamo.reset()
             torch.manual_seed(0)
             net = bench.build_model(dims, 10000, 2048, "flash", device)
+            for m in net.modules():
+                if isinstance(m, model.RMSNorm):
+                    m.impl = norm_impl
             row = bench.run_config(net, bench.compiled(net, "blocks"), cfg, device, torch.Generator().manual_seed(0),
                                    args.warmup, args.steps)
             del net
