@@ -1389,9 +1389,8 @@ def cmd_gpt2(argv):
         tied, graphs = "tied" in tags, "graphs" in tags and device.type == "cuda"
         ours = TransformerLM(V, T, args.d_model, args.num_layers, args.num_heads, args.d_ff, attn_impl=attn,
                              tie_embeddings=tied, device=device)
-        for m in ours.modules():
-            if isinstance(m, model_py.RMSNorm) and "triton_norm" in tags:
-                m.impl = "triton"
+        if "triton_norm" in tags:
+            model_py.set_norm_impl(ours, "triton")
         optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         name = "ours: TransformerLM" + (", tied" if tied else "") + (", CUDA graphs" if graphs else "") + \

@@ -159,6 +159,17 @@ class RMSNorm(nn.Module):
         return (x * inv_rms * self.weight.to(x.dtype)).to(in_dtype)
 
 
+def set_norm_impl(module, impl):
+    """Every RMSNorm inside module on impl ("torch" or "triton"; a TransformerBlock whose two norms are on "triton"
+    also fuses their residual adds). Returns module."""
+    if impl not in ("torch", "triton"):
+        raise ValueError(f"set_norm_impl: impl={impl!r}, expected 'torch' or 'triton'")
+    for m in module.modules():
+        if isinstance(m, RMSNorm):
+            m.impl = impl
+    return module
+
+
 def silu(x):
     """SiLU(x) = x * sigmoid(x)."""
     return x * torch.sigmoid(x)

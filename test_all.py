@@ -1464,9 +1464,7 @@ def test_triton_norm_block_matches_torch_block():
     x = torch.randn(2, 16, 32, device=DEVICE, requires_grad=True)
 
     def run(impl, autocast=False, compiled=False, dtype=None):
-        b = copy.deepcopy(block).to(dtype=dtype) if dtype else block
-        for norm in (b.ln1, b.ln2):
-            norm.impl = impl
+        b = model.set_norm_impl(copy.deepcopy(block).to(dtype=dtype) if dtype else block, impl)
         xi = x.detach().to(dtype or x.dtype).requires_grad_()
         f = torch.compile(b, backend="aot_eager", fullgraph=True) if compiled else b
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
@@ -2925,10 +2923,8 @@ def _loss_curve(batches, fused=True, norm_impl="torch", device="cpu", attn_impl=
     """The loss of every step of train.AdamW on a tiny TransformerLM (fp32, fixed seed; autocast: the forward under
     bf16 autocast): through the fused head (model(x, targets=y), as train.py) or F.cross_entropy of the materialized
     logits; RMSNorms on norm_impl."""
-    m = _tiny_lm(attn_impl, seed=0, vocab_size=64, context_length=32, d_ff=64).to(device)
-    for module in m.modules():
-        if isinstance(module, RMSNorm):
-            module.impl = norm_impl
+    m = model.set_norm_impl(_tiny_lm(attn_impl, seed=0, vocab_size=64, context_length=32, d_ff=64).to(device),
+                            norm_impl)
     opt = train.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
     losses = []
     for x, y in batches:

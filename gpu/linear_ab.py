@@ -48,10 +48,7 @@ def main(argv):
             model.LINEAR_FP32_WEIGHT_GRADS, norm_impl = VARIANTS[name]
             torch._dynamo.reset()
             torch.manual_seed(0)
-            net = bench.build_model(dims, 10000, 2048, "flash", device)
-            for m in net.modules():
-                if isinstance(m, model.RMSNorm):
-                    m.impl = norm_impl
+            net = model.set_norm_impl(bench.build_model(dims, 10000, 2048, "flash", device), norm_impl)
             row = bench.run_config(net, bench.compiled(net, "blocks"), cfg, device, torch.Generator().manual_seed(0),
                                    args.warmup, args.steps)
             del net
