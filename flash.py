@@ -2634,7 +2634,7 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
 #    h = x + r and y = rms_norm(h) in one pass (y may be stored in another dtype, autocast's, for the matmul that
 #    reads it), and in the backward the gradient that reaches h from elsewhere (the residual path) is added to dx
 #    in the same pass, so a pre-norm block's adds, norms and their gradients take one kernel each. As with
-#    attention, under torch.compile the autograd Functions call custom ops with fake kernels; eagerly they call
+#    attention, under torch.compile the autograd Function calls custom ops with fake kernels; eagerly it calls
 #    the launchers directly.
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -2785,26 +2785,10 @@ def _(dy, x, weight, rstd, dh=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
-class _RMSNorm(torch.autograd.Function):
-    """y = rms_norm(x) * weight with gradients for x and weight; saves x, weight and the fp32 rstd per row."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, rstd = _rms_norm_fwd_op(x, weight, eps) if torch.compiler.is_compiling() else \
-            _rms_norm_forward(x, weight, eps)[:2]
-        ctx.save_for_backward(x, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        bwd = _rms_norm_bwd_op if torch.compiler.is_compiling() else _rms_norm_backward
-        dx, dw = bwd(dy, *ctx.saved_tensors)
-        return dx, dw, None
-
-
 class _AddRMSNorm(torch.autograd.Function):
     """(h, y) = (x + r, rms_norm(x + r) * weight), or (x, rms_norm(x) * weight) when r is None (h is then x itself,
-    returned so that the gradient reaching it joins the norm's in one backward kernel). Saves h, weight, rstd."""
+    returned so that the gradient reaching it joins the norm's in one backward kernel; rms_norm takes y alone).
+    Saves h, weight, rstd."""
 
     @staticmethod
     def forward(ctx, x, r, weight, eps, y_dtype):
@@ -2861,7 +2845,7 @@ def rms_norm(x, weight, eps=1e-5):
     dtype; differentiable in x and weight (dweight in weight's dtype). CUDA tensors (or any under the
     interpreter); d <= RMS_MAX_D."""
     _check_rms("rms_norm", x, weight)
-    return _RMSNorm.apply(x, weight, float(eps))
+    return _AddRMSNorm.apply(x, None, weight, float(eps), None)[1]
 
 
 def add_rms_norm(x, residual, weight, eps=1e-5, out_dtype=None):
