@@ -74,8 +74,8 @@ def attention_reference(q, k, v, causal=False):
 
 
 def attention_varlen_reference(q, k, v, cu_seqlens, causal=True, cu_seqlens_k=None):
-    """Packed (total_tokens, H, D) attention, one document at a time (query t sees key s only inside its own document): returns
-    (O, L) with L of shape (H, total_tokens), the flash-attn varlen layout."""
+    """Packed (total_tokens, H, D) attention, one document at a time (query t sees key s only inside its own
+    document): returns (O, L) with L of shape (H, total_tokens), the flash-attn varlen layout."""
     cu_q = cu_seqlens.tolist()
     cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.tolist()
     o = q.new_zeros(q.shape)
@@ -2478,9 +2478,12 @@ def _adamw_chunk(P, G, M, V, p_off, g_off, m_off, v_off, n, neg_step, beta1, bet
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, table, g_offsets, n_chunks, neg_step, beta1, beta2, eps, decay,
-                  BLOCK: tl.constexpr, UNIT: tl.constexpr, G_UNIT: tl.constexpr):
+def _adamw_kernel(P, G, M, V, table, g_offsets, n_chunks, neg_step, beta1, beta2, eps, decay, SCALARS,
+                  BLOCK: tl.constexpr, UNIT: tl.constexpr, G_UNIT: tl.constexpr, DEVICE_SCALARS: tl.constexpr):
     c = tl.program_id(0)
+    if DEVICE_SCALARS:  # (neg_step, decay) written by the host before the launch: the launch can be a graph's
+        neg_step = tl.load(SCALARS)
+        decay = tl.load(SCALARS + 1)
     start = tl.load(table + 4 * n_chunks + c) * BLOCK  # the chunk's first element inside its tensor
     p_off = tl.load(table + c) * UNIT + start
     m_off = tl.load(table + n_chunks + c) * UNIT + start
@@ -2517,11 +2520,13 @@ def _chunk_table(columns, block):
     return list(bases), torch.from_numpy(np.stack(table)), unit
 
 
-def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay):
+def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay, scalars=None):
     """One AdamW update of equal-length lists of contiguous tensors (one device and dtype each list; m, v fp32):
     m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; p <- (p + neg_step m / (sqrt(v) + eps)) * decay, with
     neg_step = -lr sqrt(1 - b2^t) / (1 - b1^t) and decay = 1 - lr weight_decay. `cache` is a dict the caller keeps
-    per bucket between steps (the chunk table and the gradient offsets)."""
+    per bucket between steps (the chunk table and the gradient offsets). scalars: None, or an fp32 tensor of two
+    on the device from which the kernel reads (neg_step, decay) instead (the floats are then ignored), so that a
+    CUDA graph that captured the launch takes each replay's step size from there."""
     live = [i for i, p in enumerate(params) if p.numel()]
     if not live:
         return
@@ -2535,17 +2540,23 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
     g_key = tuple(g.data_ptr() for g in grads)
     if cache["g_key"] != g_key:  # new gradient addresses: send their offsets, without waiting for the GPU
         g_base, g_offsets, g_unit = _offsets(grads)
-        g_offsets = torch.from_numpy(g_offsets)
+        # the pinned host copy is kept as long as the device one: a CUDA graph that captured this copy reads it
+        # at every replay
+        host = torch.from_numpy(g_offsets)
         if device.type == "cuda":
-            g_offsets = g_offsets.pin_memory().to(device, non_blocking=True)
-        cache.update(g_key=g_key, g_index=next(i for i, g in enumerate(grads) if g is g_base), g_offsets=g_offsets,
-                     g_unit=g_unit)
+            host = host.pin_memory()
+        cache.update(g_key=g_key, g_index=next(i for i, g in enumerate(grads) if g is g_base), g_host=host,
+                     g_offsets=host.to(device, non_blocking=True), g_unit=g_unit)
     g_base = grads[cache["g_index"]]  # this step's tensor at the base address (a CUDA graph hands out new ones)
     p, m, v = cache["bases"]
     n_chunks = cache["table"].shape[1]
+    if scalars is not None and (scalars.device != device or scalars.dtype != torch.float32 or scalars.numel() != 2):
+        raise ValueError(f"adamw_step: scalars must be 2 fp32 values on {device}, got {scalars.numel()} "
+                         f"{scalars.dtype} on {scalars.device}")
     _adamw_kernel[(n_chunks,)](p, g_base, m, v, cache["table"], cache["g_offsets"], n_chunks, neg_step,
-                               beta1, beta2, eps, decay, BLOCK=ADAMW_BLOCK, UNIT=cache["unit"],
-                               G_UNIT=cache["g_unit"], num_warps=8)
+                               beta1, beta2, eps, decay, cache["table"] if scalars is None else scalars,
+                               BLOCK=ADAMW_BLOCK, UNIT=cache["unit"], G_UNIT=cache["g_unit"],
+                               DEVICE_SCALARS=scalars is not None, num_warps=8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
