@@ -2630,6 +2630,87 @@ def test_adamw_fused_kernel_matches_spec_algorithm():
         assert "contiguous" in str(e)
 
 
+def test_adamw_capturable_eager_matches_plain():
+    """AdamW(capturable=True) stepped eagerly (the kernel reads its step size and decay from a device tensor that
+    step() writes) gives the parameters and state of the plain fused step bit for bit, with the learning rate
+    changed between steps and two groups; advance() with no captured step refuses, naming the capture."""
+    torch.manual_seed(5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = [torch.randn(s, device=device) for s in ((9, 4), (flash.ADAMW_BLOCK + 5,), (3,))]
+    runs = []
+    for capturable in (False, True):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = train.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
+                          lr=1e-2, betas=(0.9, 0.95), fused=True, capturable=capturable)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(3):
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 * (step + 1)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen).to(device)
+            opt.step()
+        runs.append((ps, opt))
+    (plain, plain_opt), (cap, cap_opt) = runs
+    for a, b in zip(plain, cap):
+        assert torch.equal(a, b) and cap_opt.state[b]["step"] == plain_opt.state[a]["step"] == 3
+        assert torch.equal(cap_opt.state[b]["exp_avg_sq"], plain_opt.state[a]["exp_avg_sq"])
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    for opt in (train.AdamW([p], capturable=True), cap_opt, train.AdamW([p])):
+        _expect(RuntimeError, ["capture step() first"], opt.advance)
+    _expect(ValueError, ["capturable=True"], train.capture_step, lambda: None, train.AdamW([p]))
+
+
+def test_gpu_capture_step_trains_like_eager_steps():
+    """A whole training step (forward, backward, clip, AdamW) captured by train.capture_step and replayed gives the
+    eager steps' parameters, losses and gradient norms, with a learning rate that changes every step (replays read
+    it through optimizer.advance(): one frozen at capture would end far off, which the test checks is detectable)."""
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA GPU")
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 97, (2, 4, 33), generator=gen).to(device) for _ in range(6)]  # 2 micro-batches
+
+    def run(mode):
+        torch.manual_seed(0)
+        net = model.TransformerLM(97, 32, 64, 2, 4, 192, attn_impl="sdpa", device=device)
+        opt = train.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1, capturable=mode == "graph")
+        buffer = batches[0].clone()
+
+        def step():
+            losses = []
+            for micro in buffer:
+                loss = net(micro[:, :-1], targets=micro[:, 1:])
+                (loss / 2).backward()
+                losses.append(loss.detach())
+            norm = ddp.clip_grad_norm(list(net.parameters()), 0.5)
+            opt.step()
+            return torch.stack(losses), norm
+        side, replay, out = torch.cuda.Stream(), None, []
+        for i, batch in enumerate(batches):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (1 + i) if mode != "frozen" else 1e-3
+            buffer.copy_(batch)
+            if mode == "graph" and i >= 2:
+                replay = replay or train.capture_step(step, opt)
+                losses, norm = replay()
+            else:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    losses, norm = step()
+                    opt.zero_grad(set_to_none=True)
+                torch.cuda.current_stream().wait_stream(side)
+            out.append(torch.cat([losses, norm[None]]).tolist())
+        return torch.cat([p.detach().flatten() for p in net.parameters()]), out, opt
+    eager, eager_log, eager_opt = run("eager")
+    graph, graph_log, graph_opt = run("graph")
+    frozen, _, _ = run("frozen")
+    torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(graph_log), torch.tensor(eager_log), rtol=1e-5, atol=1e-6)
+    assert (frozen - eager).abs().max() > 100 * (graph - eager).abs().max() + 1e-4
+    assert all(s["step"] == 6 for s in graph_opt.state.values())
+
+
 def test_autocast_linear_matches_autocast_and_writes_fp32_weight_grads():
     """Linear under bf16 autocast (model._AutocastLinear): the output and input gradient of autocast's own
     x @ W.T bit for bit, the weight gradient in fp32 (on CPU autocast's bf16 gradient cast; on CUDA written in
@@ -3146,10 +3227,11 @@ def test_config_errors_are_one_line_with_a_suggestion_and_status_2(tmp_path):
 
 
 def test_gpu_cuda_graphs_train_like_the_compiled_step(tmp_path):
-    """train.py with cuda_graphs (every micro-step replayed as CUDA graphs, grad_accum 2: the gradients of two
-    replays must add up, not overwrite each other) logs the same losses and gradient norms as the compiled step
-    without graphs, up to the run-to-run noise of bf16 kernels; for concat batches and for packed ones at static
-    shapes (pack_static) against packing compiled for dynamic shapes."""
+    """train.py with cuda_graphs logs the same losses and gradient norms as the compiled step without graphs, up
+    to the run-to-run noise of bf16 kernels, with grad_accum 2: for concat batches (the whole step one graph from
+    the third step on, so its learning rate must follow the schedule) and for packed ones at static shapes
+    (pack_static: every micro-step replayed, the gradients of two replays must add up, not overwrite each other)
+    against packing compiled for dynamic shapes."""
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA GPU")
     data = tmp_path / "d"

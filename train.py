@@ -90,8 +90,9 @@ device = "auto"                 # 'auto' (cuda if available), 'cpu', 'cuda', 'cu
 dtype = "auto"                  # 'auto' (bfloat16 on CUDA, float32 on CPU) | 'float32' | 'bfloat16' (autocast)
 compile = False                 # torch.compile the model
 cuda_graphs = False             # with compile on CUDA, static shapes (batching 'concat', or 'pack' with
-                                # pack_static), one process: mode='reduce-overhead',
-                                # every micro-step replays as CUDA graphs (no launch cost on the host)
+                                # pack_static), one process: no launch cost on the host. concat: the whole step
+                                # (every micro-batch, clip, AdamW) is one CUDA graph from the third step on
+                                # (capture_step); pack_static: mode='reduce-overhead', each micro-step replayed
 ddp_impl = "bucketed"           # torchrun: 'bucketed'|'naive'|'flat'|'overlap'|'fsdp'|'torch'|'torch_fsdp' (ddp.wrap)
 zero1 = False                   # shard AdamW state across ranks (ddp.ShardedOptimizer; not with fsdp)
 bucket_size_mb = 25.0           # bucket size of ddp_impl='bucketed'
@@ -182,16 +183,27 @@ class AdamW(torch.optim.Optimizer):
     m and v are fp32 (fp64 for fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded once.
     fused=None (default) steps CUDA parameters with one fused Triton kernel per (group, dtype) and everything else
     with torch._foreach_* ops; fused=True insists on the kernel (on CPU it then runs in Triton's interpreter: for
-    tests), fused=False always uses foreach."""
+    tests), fused=False always uses foreach.
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None):
+    capturable=True lets step() be captured in a CUDA graph (capture_step does it for a whole training step): the
+    kernel then reads its step size and decay, which change with the learning rate and t, from a small tensor per
+    bucket on the device. Eagerly, step() writes that tensor before each launch; while a stream is capturing it
+    only records the launches, and advance() does the host's part of each replayed step instead: it counts the step
+    and writes the tensors from the groups' current lr. Every parameter then needs the kernel and its state (one
+    eager step first), and all parameters of a group the same t."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None,
+                 capturable=False):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"AdamW: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"AdamW: betas must lie in [0, 1) (got {betas})")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.fused = fused
+        self.capturable = capturable
         self._tables = {}  # bucket -> flash.adamw_step's cache (chunk table, gradient offsets)
+        self._scalars = {}  # bucket -> (neg_step, decay) on the device (capturable)
+        self._captured = set()  # the buckets a captured step() launches for
 
     def _use_kernel(self, p):
         if self.fused is False or p.dtype == torch.float64:
@@ -203,15 +215,11 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("AdamW(fused=True) needs contiguous parameters and gradients")
         return True
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _buckets(self, count):
+        """{(group index, fused, device, dtype, grad dtype): (t, [params], [grads], [exp_avgs], [exp_avg_sqs])} over
+        the parameters with a gradient, their state made first; count: add this step to every t."""
+        buckets = {}
         for gi, group in enumerate(self.param_groups):
-            lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            buckets = {}  # (fused, device, dtype, grad dtype, t) -> tensor lists for one launch / foreach call each
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -219,23 +227,91 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError("AdamW does not support sparse gradients")
                 state = self.state[p]
                 if not state:
+                    if not count:
+                        raise RuntimeError("AdamW: capturing step() needs the optimizer state first; take one eager "
+                                           "step before the capture")
                     state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
-                state["step"] += 1
-                key = (self._use_kernel(p), p.device, p.dtype, p.grad.dtype, state["step"])
+                state["step"] += count
+                key = (gi, self._use_kernel(p), p.device, p.dtype, p.grad.dtype, state["step"])
                 b = buckets.setdefault(key, ([], [], [], []))
                 for lst, t in zip(b, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
                     lst.append(t)
-            for (fused, device, dt, g_dt, t), columns in buckets.items():
-                neg_step = -lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)  # -α_t
-                if fused:  # flash.py's kernel; the cache keeps its chunk table between steps
-                    cache = self._tables.setdefault((gi, device, dt, g_dt), {})
-                    flash.adamw_step(cache, *columns, neg_step, beta1, beta2, eps, 1 - lr * weight_decay)
-                else:
-                    self._foreach_step(*columns, neg_step, beta1, beta2, eps, lr * weight_decay)
+        by_bucket = {}
+        for (*key, t), columns in buckets.items():
+            if tuple(key) in by_bucket:
+                if self.capturable:
+                    raise RuntimeError(f"AdamW(capturable=True): parameters of group {key[0]} are at different "
+                                       f"step counts ({by_bucket[tuple(key)][0]} and {t}); one kernel launch reads "
+                                       f"one step size")
+                key = (*key, t)  # eager: its own launch
+            by_bucket[tuple(key)] = (t, *columns)
+        return by_bucket
+
+    @staticmethod
+    def _step_size(group, t):
+        """(-α_t, α·λ) of a group at step t: -α_t = -lr sqrt(1 - β2^t) / (1 - β1^t)."""
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        return -lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t), lr * group["weight_decay"]
+
+    def _write_scalars(self, key, neg_step, lr_wd):
+        """The kernel's (neg_step, decay) of a bucket into its device tensor; returns the tensor."""
+        scalars = self._scalars.get(key)
+        if scalars is None:
+            scalars = self._scalars[key] = torch.empty(2, dtype=torch.float32, device=key[2])
+        host = torch.tensor([neg_step, 1 - lr_wd], dtype=torch.float32)
+        # pinned: the copy is queued without the host waiting for the GPU (from pageable memory it waited for the
+        # work queued before it, so a replayed step could not be issued ahead); the host allocator keeps the
+        # buffer until the copy is done
+        scalars.copy_(host.pin_memory() if scalars.is_cuda else host, non_blocking=True)
+        return scalars
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing and not self.capturable:
+            raise RuntimeError("AdamW.step() is being captured in a CUDA graph: make the optimizer with "
+                               "capturable=True (its step size then comes from the device)")
+        for key, (t, *columns) in self._buckets(count=0 if capturing else 1).items():
+            group = self.param_groups[key[0]]
+            fused, beta1, beta2, eps = key[1], *group["betas"], group["eps"]
+            neg_step, lr_wd = self._step_size(group, t)
+            if not fused:
+                if capturing:
+                    raise RuntimeError(f"AdamW(capturable=True) captures the fused kernel only; group {key[0]} has "
+                                       f"{key[3]} parameters on {key[2]} that take the foreach path")
+                self._foreach_step(*columns, neg_step, beta1, beta2, eps, lr_wd)
+                continue
+            scalars = None
+            if capturing:
+                scalars = self._scalars.get(key)
+                if scalars is None:
+                    raise RuntimeError("AdamW: capturing step() needs one eager step with capturable=True first")
+                self._captured.add(key)
+            elif self.capturable:
+                scalars = self._write_scalars(key, neg_step, lr_wd)
+            cache = self._tables.setdefault(key, {})  # flash.py's kernel; its chunk table kept between steps
+            flash.adamw_step(cache, *columns, neg_step, beta1, beta2, eps, 1 - lr_wd, scalars=scalars)
         return loss
+
+    @torch.no_grad()
+    def advance(self):
+        """The host's part of a captured step(), before each replay of its graph: add this step to every t and
+        write each bucket's step size and decay (from the groups' lr now) where the captured kernels read them."""
+        if not self._captured:
+            raise RuntimeError("AdamW.advance() is the host's part of a replayed step: capture step() first, with "
+                               "capturable=True")
+        for key, (t, *_) in self._buckets(count=1).items():
+            if key not in self._captured:
+                raise RuntimeError(f"AdamW.advance(): the captured step() does not step group {key[0]}'s "
+                                   f"{key[3]} parameters on {key[2]}")
+            self._write_scalars(key, *self._step_size(self.param_groups[key[0]], t))
 
     @staticmethod
     def _foreach_step(params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, lr_wd):
@@ -262,6 +338,33 @@ def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iter
         progress = (it - warmup_iters) / max(1, cosine_cycle_iters - warmup_iters)
         return min_learning_rate + 0.5 * (1 + math.cos(math.pi * progress)) * (max_learning_rate - min_learning_rate)
     return min_learning_rate
+
+
+def capture_step(step, optimizer):
+    """Capture step(), all the GPU work of one training step (every micro-batch's forward and backward, the
+    clip, optimizer.step()) reading its batch from tensors that stay where they are, as one CUDA graph; returns
+    replay(), which runs optimizer.advance() (the step count and the step size, on the host) and replays the graph,
+    and gives back step()'s outputs: the same tensors after every replay, holding that replay's values.
+    optimizer must be AdamW(capturable=True), stepped eagerly at least once already (that step compiles and
+    autotunes the kernels and makes the state; run it on a side stream, as torch.cuda.graph asks). The gradients
+    are set to None first, so the capture allocates them from the graph's memory and every replay's first backward
+    writes them afresh (no zeroing pass). After the capture, step the optimizer only through replay().
+    replay.graph is the torch.cuda.CUDAGraph."""
+    if not getattr(optimizer, "capturable", False):
+        raise ValueError("capture_step needs an optimizer made with capturable=True (train.AdamW)")
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+
+    def replay():
+        optimizer.advance()
+        graph.replay()
+        return outputs
+    replay.graph = graph
+    return replay
 
 
 def clip_grad_norm(parameters, max_l2_norm):
@@ -812,22 +915,23 @@ def train(config, given, rank, world_size, dev):
     # shapes at once instead of recompiling on the second; static packed batches compile once per shape); the
     # optimizer decays matrices, not the RMSNorm gains
     compile_kwargs = dict(dynamic=not static_shapes(c))
-    if c.cuda_graphs:
+    whole_step = c.cuda_graphs and c.batching == "concat"  # else graphs per micro-step, by torch.compile
+    if c.cuda_graphs and not whole_step:
         compile_kwargs["mode"] = "reduce-overhead"
     w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb,
                  compute_dtype=None if ptdtype == torch.float32 else ptdtype, compile=c.compile,
                  compile_kwargs=compile_kwargs)
-    # CUDA graphs: the outputs of a replay live in the graph's memory until the next replay, so every training
-    # forward starts a new step explicitly (its loss is added up before the next forward), and the gradients get
-    # buffers of their own that every backward adds into (a gradient left as None takes the replay's output tensor
-    # itself, which the next micro-batch's replay overwrites); evaluation runs the model uncompiled rather than
-    # record a second set of graphs for inference
-    step_begin = torch.compiler.cudagraph_mark_step_begin if c.cuda_graphs else lambda: None
-    if c.cuda_graphs:
+    # CUDA graphs per micro-step (reduce-overhead): the outputs of a replay live in the graph's memory until the
+    # next replay, so every training forward starts a new step explicitly (its loss is added up before the next
+    # forward), and the gradients get buffers of their own that every backward adds into (a gradient left as None
+    # takes the replay's output tensor itself, which the next micro-batch's replay overwrites). Both kinds of
+    # graphs: evaluation runs the model uncompiled rather than record a second set of graphs for inference
+    step_begin = torch.compiler.cudagraph_mark_step_begin if c.cuda_graphs and not whole_step else lambda: None
+    if c.cuda_graphs and not whole_step:
         for p in w.parameters():
             p.grad = torch.zeros_like(p)
     optimizer = w.make_optimizer(AdamW, decay_groups(c.weight_decay), zero1=c.zero1, lr=c.learning_rate,
-                                 betas=(c.beta1, c.beta2), eps=c.eps)
+                                 betas=(c.beta1, c.beta2), eps=c.eps, **(dict(capturable=True) if whole_step else {}))
     start_iter = 0
     if ckpt is not None:
         w.load_state_dict(_clean_state_dict(ckpt["model"]))
@@ -863,6 +967,25 @@ def train(config, given, rank, world_size, dev):
     # fp64: every micro-batch loss enters the sum exactly, so the logged loss does not depend on how many ranks
     # computed the micro-batches (two ranks or one: bit for bit)
     loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+
+    def optimizer_step(batches):
+        """The GPU work of one optimizer step over this rank's micro-batches; returns the gradient norm."""
+        for j, (x, y, cu_seqlens, max_seqlen) in enumerate(batches):
+            step_begin()
+            with w.no_sync() if j < local_accum - 1 else contextlib.nullcontext():
+                with autocast:  # targets given: the mean loss through the fused head, never the full logits
+                    loss = (w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y) if cu_seqlens is not None
+                            else w(x, targets=y))
+                (loss / local_accum).backward()  # the wrappers average over ranks: 1/grad_accum overall
+            loss_sum.add_(loss.detach())
+        w.finish()
+        grad_norm = w.clip_grad_norm(max_norm)
+        optimizer.step()
+        return grad_norm
+
+    # whole_step: two eager steps on a side stream (they compile, autotune and make AdamW's state), then the step is
+    # captured with its batch in fixed buffers, which every later step fills before replaying it
+    replay, batch_buffers, side = None, None, torch.cuda.Stream(dev) if whole_step else None
     w.train()
     try:
         for it in range(start_iter, c.max_iters):
@@ -880,22 +1003,29 @@ def train(config, given, rank, world_size, dev):
             lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            batches = []
             for j in range(local_accum):
                 generator = batch_generator(c.seed, it, rank * local_accum + j)
-                x, y, cu_seqlens, max_seqlen, n_real = make_batch(train_tokens, train_docs, c, generator, dev,
-                                                                  meta["eot_id"])
+                *batch, n_real = make_batch(train_tokens, train_docs, c, generator, dev, meta["eot_id"])
+                batches.append(batch)
                 tokens_since += n_real
-                step_begin()
-                with w.no_sync() if j < local_accum - 1 else contextlib.nullcontext():
-                    with autocast:  # targets given: the mean loss through the fused head, never the full logits
-                        loss = (w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y) if cu_seqlens is not None
-                                else w(x, targets=y))
-                    (loss / local_accum).backward()  # the wrappers average over ranks: 1/grad_accum overall
-                loss_sum += loss.detach()
-            w.finish()
-            grad_norm = w.clip_grad_norm(max_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=not c.cuda_graphs)
+            if whole_step and it >= start_iter + 2:
+                if replay is None:
+                    batch_buffers = [(x.clone(), y.clone(), None, None) for x, y, _, _ in batches]
+                    replay = capture_step(lambda: optimizer_step(batch_buffers), optimizer)
+                for (bx, by, _, _), (x, y, _, _) in zip(batch_buffers, batches):
+                    bx.copy_(x)
+                    by.copy_(y)
+                grad_norm = replay()
+            elif whole_step:
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    grad_norm = optimizer_step(batches)
+                    optimizer.zero_grad(set_to_none=True)
+                torch.cuda.current_stream(dev).wait_stream(side)
+            else:
+                grad_norm = optimizer_step(batches)
+                optimizer.zero_grad(set_to_none=not c.cuda_graphs)
 
             step = it + 1
             if step % c.log_interval == 0 or step == c.max_iters:
