@@ -105,8 +105,8 @@ import flash  # noqa: E402
 import model as model_py  # noqa: E402  (the module itself: --nvtx swaps its attention function for an annotated one)
 from flash import flash_attn_varlen  # noqa: E402
 from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token  # noqa: E402
-from train import (PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, pack_batch, pad_batch, pad_packed,  # noqa: E402
-                   sample_documents)
+from train import (PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, capture_step, pack_batch, pad_batch,  # noqa: E402
+                   pad_packed, sample_documents)
 
 SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4))  # tiny: CPU tests and smoke runs
 MODES = ("fwd", "fwd_bwd", "train")
@@ -1309,9 +1309,13 @@ def cmd_gpt2(argv):
     p.add_argument("--d_ff", type=int, default=2048, help="ours (SwiGLU): 2048 = 3 matrices with the parameters "
                    "of the peer's 4 x d_model GELU MLP (2 matrices), so both models have GPT-2 small's size")
     p.add_argument("--batch_size", type=int, default=12)
-    p.add_argument("--variants", default="sdpa:tied,flash:tied,flash:tied:graphs", help="ours to run: attn_impl, "
+    p.add_argument("--variants", default="sdpa:tied,flash:tied,flash:tied:graphs,flash:tied:step_graph",
+                   help="ours to run: attn_impl, "
                    "with ':tied' for tied input/output embeddings (as GPT-2 and the peer), ':graphs' for "
                    "torch.compile(mode='reduce-overhead'), the step replayed as CUDA graphs (no host launch cost), "
+                   "':step_graph' for the whole step (forward, backward, AdamW) captured as one CUDA graph "
+                   "(train.capture_step, the model compiled in default mode; what train.py --cuda_graphs=True runs "
+                   "for concat batches), "
                    "':rope_inside' for RoPE applied inside the flash kernels (default: separate passes "
                    "before them; model.FLASH_FUSED_ROPE) and ':library_ops' for flash's Triton kernels called "
                    "through its torch.library operators under torch.compile (flash.TRITON_OPS off; default: "
@@ -1336,10 +1340,12 @@ def cmd_gpt2(argv):
     device = pick_device(args.device)
     variants = [v.split(":") for v in args.variants.split(",") if v]
     for v in variants:
-        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "rope_inside", "library_ops", "autotune",
-                                                        "triton_norm", "autocast"}:
-            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs][:rope_inside][:library_ops]"
-                             f"[:autotune][:triton_norm][:autocast] with ATTN one of {ATTN_IMPLS}")
+        if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "step_graph", "rope_inside", "library_ops",
+                                                        "autotune", "triton_norm", "autocast"}:
+            raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs|:step_graph][:rope_inside]"
+                             f"[:library_ops][:autotune][:triton_norm][:autocast] with ATTN one of {ATTN_IMPLS}")
+        if {"graphs", "step_graph"} <= set(v):
+            raise SystemExit(f"--variants: {':'.join(v)!r}: ':graphs' and ':step_graph' are two ways to the same end")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
     reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
@@ -1352,7 +1358,7 @@ def cmd_gpt2(argv):
     x, y = random_batch(V, B, T, device, torch.Generator().manual_seed(args.seed))
     tokens = B * T
 
-    def bench(name, attn, net, loss_of, optimizer, flops_per_tok, graphs=False, autotune=False):
+    def bench(name, attn, net, loss_of, optimizer, flops_per_tok, graphs=False, autotune=False, step_graph=False):
         mode = ("max-autotune" if graphs else "max-autotune-no-cudagraphs") if autotune else \
             "reduce-overhead" if graphs else None
         loss_fn = torch.compile(loss_of, mode=mode) if args.compile else loss_of
@@ -1365,6 +1371,21 @@ def cmd_gpt2(argv):
                 loss = loss_fn(x, y)
             loss.backward()
             optimizer.step()
+        if step_graph:  # two eager steps on a side stream, then the step captured and replayed ever after
+            eager_step, side, replays = step, torch.cuda.Stream(device), []
+
+            def step():
+                if replays:
+                    return replays[0]()
+                if getattr(step, "eager_steps", 0) < 2:
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(side):
+                        eager_step()
+                    torch.cuda.current_stream(device).wait_stream(side)
+                    step.eager_steps = getattr(step, "eager_steps", 0) + 1
+                    return
+                replays.append(capture_step(eager_step, optimizer))
+                replays[0]()
         phases = Phases(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -1387,13 +1408,15 @@ def cmd_gpt2(argv):
     rows = []
     for attn, *tags in variants:
         tied, graphs = "tied" in tags, "graphs" in tags and device.type == "cuda"
+        step_graph = "step_graph" in tags and device.type == "cuda"
         ours = TransformerLM(V, T, args.d_model, args.num_layers, args.num_heads, args.d_ff, attn_impl=attn,
                              tie_embeddings=tied, device=device)
         if "triton_norm" in tags:
             model_py.set_norm_impl(ours, "triton")
-        optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        optimizer = AdamW(ours.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, capturable=step_graph)
         ours_flops = flops_per_token(V, T, args.d_model, args.num_layers, args.d_ff, causal=attn != "naive")
         name = "ours: TransformerLM" + (", tied" if tied else "") + (", CUDA graphs" if graphs else "") + \
+            (", the step as one CUDA graph" if step_graph else "") + \
             (", Triton norms" if "triton_norm" in tags else "") + \
             (", autocast's Linear" if "autocast" in tags else "") + \
             (", RoPE inside" if "rope_inside" in tags else "") + \
@@ -1406,7 +1429,7 @@ def cmd_gpt2(argv):
         model_py.LINEAR_FP32_WEIGHT_GRADS = model_py.LINEAR_FP32_WEIGHT_GRADS and "autocast" not in tags
         try:
             rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
-                              graphs=graphs, autotune="autotune" in tags))
+                              graphs=graphs, autotune="autotune" in tags, step_graph=step_graph))
         finally:
             for (module, name), value in zip(switches, defaults):
                 setattr(module, name, value)

@@ -1,17 +1,18 @@
-"""How much of the GPT-2-small step (bench.py gpt2's flash:tied:graphs shape: batch 12 x 1024, vocab 50304, tied,
-bf16 autocast, our AdamW) is the host's, timed three ways in one process on one GPU:
+"""The GPT-2-small step (bench.py gpt2's shape: batch 12 x 1024, vocab 50304, tied, flash, bf16 autocast, our
+AdamW) replayed as CUDA graphs two ways in one process on one GPU, and where each one's GPU time goes:
 
     A  torch.compile(mode="reduce-overhead"): forward and backward replayed as CUDA graphs, AdamW launched eagerly
-       (what bench.py gpt2 ':graphs' and train.py --cuda_graphs=True run)
-    B  A with dynamo's guard evaluation skipped (torch.compiler.set_stance(skip_guard_eval_unsafe=True))
-    C  a default-mode compiled step captured whole (zero_grad, forward, backward, AdamW) in one torch.cuda.CUDAGraph
-       and replayed: a timing probe, not a training mode (our AdamW's step size is a host float, so the replays
-       keep the one of the captured step)
+       (bench.py gpt2 ':graphs'; train.py --cuda_graphs=True for packed batches)
+    B  the default-mode compiled step captured whole (forward, backward, AdamW) by train.capture_step and replayed
+       (bench.py gpt2 ':step_graph'; train.py --cuda_graphs=True for concat batches)
+    B' B's graph replayed without optimizer.advance() (the step size stays the captured one: only to isolate what
+       the host's part costs)
 
     python gpu/step_graph_ab.py
 
-Prints the median wall time of 30 steps each followed by a synchronize (as bench.py gpt2 and nanoGPT's bench time
-them) and the median GPU time of 10 steps issued while the GPU is kept busy (events around each step)."""
+Prints per variant the median wall time of 30 steps each followed by a synchronize (as bench.py gpt2 and nanoGPT's
+bench time them) and the median GPU time of 10 steps issued while the GPU is kept busy (events around each
+step)."""
 import os
 import statistics
 import sys
@@ -22,15 +23,15 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 from model import TransformerLM  # noqa: E402
-from train import AdamW  # noqa: E402
+from train import AdamW, capture_step  # noqa: E402
 
 V, T, B = 50304, 1024, 12
 
 
-def build(device):
+def build(device, capturable=False):
     torch.manual_seed(0)
     net = TransformerLM(V, T, 768, 12, 12, 2048, attn_impl="flash", tie_embeddings=True, device=device)
-    return net, AdamW(net.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    return net, AdamW(net.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, capturable=capturable)
 
 
 def wall_ms(step, n=30):
@@ -74,41 +75,33 @@ def main():
     for _ in range(15):
         step_a()
     rows["A reduce-overhead"] = (wall_ms(step_a), gpu_ms(step_a))
-    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-        for _ in range(3):
-            step_a()
-        rows["B A, guards skipped"] = (wall_ms(step_a), gpu_ms(step_a))
     del net, opt, f
     torch._dynamo.reset()
     bench.free_memory(device)
 
-    net, opt = build(device)
+    net, opt = build(device, capturable=True)
     f = torch.compile(lambda a, b: net(a, targets=b))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for _ in range(5):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = f(x, y)
-            loss.backward()
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)  # the gradients are allocated inside the capture, from the graph's pool
-    with torch.cuda.graph(graph):
+
+    def step_b():
+        opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = f(x, y)
         loss.backward()
         opt.step()
-    losses = []
-    for _ in range(5):
-        graph.replay()
-        losses.append(loss.item())
+        return loss.detach()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for _ in range(3):
+            step_b()
+    torch.cuda.current_stream().wait_stream(side)
+    replay = capture_step(step_b, opt)
+    losses = [replay().item() for _ in range(5)]
     if not losses[-1] < losses[0]:
         raise SystemExit(f"the captured step does not train: losses {losses}")
-    rows["C whole step, one CUDA graph"] = (wall_ms(graph.replay), gpu_ms(graph.replay))
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; C's losses over 5 replays: "
+    rows["B whole step, capture_step"] = (wall_ms(replay), gpu_ms(replay))
+    rows["B' B without advance()"] = (wall_ms(replay.graph.replay), gpu_ms(replay.graph.replay))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; B's losses over 5 replays: "
           f"{', '.join(f'{v:.3f}' for v in losses)}\n")
     print("| variant | wall ms (median, synchronized steps) | GPU ms (median) |\n|---|---|---|")
     for name, (wall, gpu) in rows.items():
