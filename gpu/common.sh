@@ -186,12 +186,13 @@ run_parts() {
 # train_runs "NAME NPROC [train.py options]"...: one `torchrun train.py config/small.py --max_iters=150` per
 # argument (each at most 185 s), then a Markdown table of them (tokens/s, ms/step, MFU: medians of the logged steps
 # after step 40; scaling against the first run) in the part's .md and .json. Needs data/shakespeare.
+# TRAIN_CONFIG=FILE runs another config file instead (TRAIN_CONFIG= : train.py's own defaults).
 train_runs() {
     if [ ! -f data/shakespeare/meta.json ]; then
         printf '**data/shakespeare is missing: run `python data/prepare.py shakespeare` and carry it.**\n' >>"$P.md"
         return 1
     fi
-    local tmp spec name nproc names=()
+    local tmp spec name nproc names=() config=${TRAIN_CONFIG-config/small.py}
     tmp=$(mktemp -d)  # each run's out_dir: its checkpoint (1.4 GB) stays out of the results
     for spec in "$@"; do
         set -- $spec
@@ -199,19 +200,21 @@ train_runs() {
         nproc=$2
         shift 2
         names+=("$name:$nproc")
-        run_log "$name" 185 "$TORCHRUN" --standalone --nproc_per_node="$nproc" train.py config/small.py \
+        run_log "$name" 185 "$TORCHRUN" --standalone --nproc_per_node="$nproc" train.py $config \
             --max_iters=150 --save_interval=100000 --out_dir="$tmp/$name" "$@"
         cp "$tmp/$name/log.jsonl" "$P.$name.jsonl" 2>/dev/null
         cp "$tmp/$name/loss.png" "$P.$name.png" 2>/dev/null
     done
     rm -rf "$tmp"
-    "$PY" - "$P" "${names[@]}" >>"$P.md" <<'PYEOF'
+    "$PY" - "$P" "$config" "${names[@]}" >>"$P.md" <<'PYEOF'
 import json, os, sys
-prefix, runs = sys.argv[1], [r.split(":") for r in sys.argv[2:]]
-print("`train.py config/small.py --max_iters=150` under torchrun (12 layers, d_model 768, context 1024, 64k tokens "
-      "per step at any world size, vocab 2048, bf16, compiled; attention as the config says (auto: sdpa) unless the "
-      "run names another). Medians of the logged steps after step 40; the first run's tokens/s per GPU is the "
-      "base of the last-but-two column.\n")
+prefix, config, runs = sys.argv[1], sys.argv[2], [r.split(":") for r in sys.argv[3:]]
+command = " ".join(["train.py", config, "--max_iters=150"] if config else ["train.py", "--max_iters=150"])
+shape = ("(12 layers, d_model 768, context 1024, 64k tokens per step at any world size, vocab 2048, bf16, compiled; "
+         "attention as the config says (auto: sdpa) unless the run names another)" if config == "config/small.py"
+         else "with each run's options")
+print(f"`{command}` under torchrun {shape}. Medians of the logged steps after step 40; the first run's tokens/s per "
+      f"GPU is the base of the last-but-two column.\n")
 print("| run | GPUs | tokens/s | ms/step | MFU | per GPU vs the first run | final val loss | last train loss |")
 print("|---|---|---|---|---|---|---|---|")
 rows, base = [], None
@@ -236,6 +239,6 @@ for name, gpus in runs:
     print(f"| {name} | {gpus} | {tok:,.0f} | {ms:.1f} | {100 * mfu:.1f}% | {row['scaling']:.1%} | "
           f"{fmt(row['final_val_loss'], '.3f')} | {fmt(row['last_train_loss'], '.3f')} |")
 with open(prefix + ".json", "w") as f:
-    json.dump(dict(command="train.py config/small.py --max_iters=150", rows=rows), f, indent=1)
+    json.dump(dict(command=command, rows=rows), f, indent=1)
 PYEOF
 }

