@@ -594,10 +594,10 @@ class TransformerLM(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 class _CrossEntropy(torch.autograd.Function):
-    """Forward: loss_i = logsumexp(o_i) - o_i[target_i] in fp32; backward written out: d loss / d o = (softmax(o) - onehot(target)) / count, one
-    elementwise pass over the logits. (Autograd's own backward of the gather builds a dense fp32 zero tensor of the
-    logits' size and scatters into it: the loss took 4.0 ms of kernel time in a 30 ms GPT-2-small step on the H200,
-    1.6 ms written out.)"""
+    """Forward: loss_i = logsumexp(o_i) - o_i[target_i] in fp32; backward written out: d loss / d o = (softmax(o) -
+    onehot(target)) / count, one elementwise pass over the logits. (Autograd's own backward of the gather builds a dense
+    fp32 zero tensor of the logits' size and scatters into it: the loss took 4.0 ms of kernel time in a 30 ms
+    GPT-2-small step on the H200, 1.6 ms written out.)"""
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index):
@@ -743,8 +743,9 @@ def count_params(model):
 
 
 def flops_per_token(vocab_size, context_length, d_model, num_layers, d_ff, causal=True):
-    """Training FLOPs per token = 3 x forward (backward = 2 x forward; a matmul (m x n)(n x p) is 2mnp). Forward per sequence of T tokens:
-    L (8 T d^2 + 4 T^2 d + 6 T d d_ff) + 2 T d V; causal halves the T^2 terms (tile-skipping kernels do half)."""
+    """Training FLOPs per token = 3 x forward (backward = 2 x forward; a matmul (m x n)(n x p) is 2mnp). Forward per
+    sequence of T tokens: L (8 T d^2 + 4 T^2 d + 6 T d d_ff) + 2 T d V; causal halves the T^2 terms (tile-skipping
+    kernels do half)."""
     T, d = context_length, d_model
     attn_t2 = (2 if causal else 4) * T * T * d
     forward = num_layers * (8 * T * d * d + attn_t2 + 6 * T * d * d_ff) + 2 * T * d * vocab_size
@@ -983,7 +984,8 @@ def read_llama(path):
     extra = [name for name in tensors if name not in rename and not name.endswith("rotary_emb.inv_freq")]
     if absent or extra:
         raise ValueError(f"{path}: tensors do not match its config.json: missing {absent[:4]}"
-                         f"{' ...' if len(absent) > 4 else ''}, unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}")
+                         f"{' ...' if len(absent) > 4 else ''}, unexpected {extra[:4]}"
+                         f"{' ...' if len(extra) > 4 else ''}")
     state = {}
     for theirs, mine in rename.items():
         w = tensors[theirs]

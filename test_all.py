@@ -2169,7 +2169,8 @@ def test_param_count_and_flops_match_spec():
     for name, want in expected.items():
         p = PRESETS[name]
         d, L, d_ff = p["d_model"], p["num_layers"], p["d_ff"]
-        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d  # embeddings + lm_head, per layer 4d^2 + 3 d d_ff + 2d, the final norm
+        # embeddings + lm_head, per layer 4d^2 + 3 d d_ff + 2d, the final norm
+        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d
         assert abs(psi - want) / want < 1e-3, name
         assert d % p["num_heads"] == 0
     m = TransformerLM(V, 16, 64, 3, 4, 96)
@@ -2388,7 +2389,8 @@ def test_llama_load_round_trips_and_reads_hf_save_pretrained(tmp_path):
     hf = LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(str(tmp_path / "hf"))
     ours = model_py.load_llama(str(tmp_path / "hf"))
-    assert ours.ln_final.eps == 1e-6 and ours.context_length == 40 and ours.token_embeddings.weight is ours.lm_head.weight
+    assert ours.ln_final.eps == 1e-6 and ours.context_length == 40
+    assert ours.token_embeddings.weight is ours.lm_head.weight
     idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (ours(idx) - hf(idx).logits).abs().max() <= 1e-5
@@ -2588,8 +2590,8 @@ def test_adamw_low_precision_params_keep_fp32_state():
 
 
 def test_adamw_fused_kernel_matches_spec_algorithm():
-    """The fused Triton step (interpreter on CPU) against the plain algorithm in float64: ragged sizes around the chunk size,
-    two groups, fp32 and bf16 parameters, and gradients reallocated between steps (the kernel must follow them),
+    """The fused Triton step (interpreter on CPU) against the plain algorithm in float64: ragged sizes around the chunk
+    size, two groups, fp32 and bf16 parameters, and gradients reallocated between steps (the kernel must follow them),
     the last time as unaligned views into one buffer."""
     torch.manual_seed(4)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -4832,7 +4834,8 @@ def test_bench_hf_rows_columns_and_equal_first_losses(tmp_path):
     for key, r in rows.items():
         assert r["status"] == "ok" and r["ms_per_step"] > 0 and r["tokens_per_s"] > 0, (key, r["status"])
     assert len({r["real_tokens"] for r in rows.values()}) == 1  # the same documents in every row
-    assert rows["sdpa_pad"]["speedup"] == 1.0 and rows["ours_packed"]["real_tokens"] == rows["ours_packed"]["token_slots"]
+    assert rows["sdpa_pad"]["speedup"] == 1.0
+    assert rows["ours_packed"]["real_tokens"] == rows["ours_packed"]["token_slots"]
     losses = [r["loss_first_batch"] for r in rows.values()]
     assert max(losses) - min(losses) < 1e-4, losses  # every strategy keeps the documents apart
     for key in ("sdpa_pad_compiled", "ours_packed_compiled"):
