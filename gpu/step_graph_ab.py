@@ -1,5 +1,5 @@
 """The GPT-2-small step (bench.py gpt2's shape: batch 12 x 1024, vocab 50304, tied, flash, bf16 autocast, our
-AdamW) replayed as CUDA graphs two ways in one process on one GPU, and where each one's GPU time goes:
+AdamW) replayed as CUDA graphs two ways in one process on one GPU:
 
     A  torch.compile(mode="reduce-overhead"): forward and backward replayed as CUDA graphs, AdamW launched eagerly
        (bench.py gpt2 ':graphs'; train.py --cuda_graphs=True for packed batches)
