@@ -106,7 +106,7 @@ import model as model_py  # noqa: E402  (the module itself: --nvtx swaps its att
 from flash import flash_attn_varlen  # noqa: E402
 from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token  # noqa: E402
 from train import (PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, capture_step, pack_batch, pad_batch,  # noqa: E402
-                   pad_packed, sample_documents)
+                   pad_packed, sample_documents, warmup_step)
 
 SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4))  # tiny: CPU tests and smoke runs
 MODES = ("fwd", "fwd_bwd", "train")
@@ -1372,20 +1372,15 @@ def cmd_gpt2(argv):
             loss.backward()
             optimizer.step()
         if step_graph:  # two eager steps on a side stream, then the step captured and replayed ever after
-            eager_step, side, replays = step, torch.cuda.Stream(device), []
+            eager_step, side, state = step, torch.cuda.Stream(device), dict(eager_left=2, replay=None)
 
             def step():
-                if replays:
-                    return replays[0]()
-                if getattr(step, "eager_steps", 0) < 2:
-                    side.wait_stream(torch.cuda.current_stream(device))
-                    with torch.cuda.stream(side):
-                        eager_step()
-                    torch.cuda.current_stream(device).wait_stream(side)
-                    step.eager_steps = getattr(step, "eager_steps", 0) + 1
-                    return
-                replays.append(capture_step(eager_step, optimizer))
-                replays[0]()
+                if state["replay"] is None and state["eager_left"]:
+                    state["eager_left"] -= 1
+                    return warmup_step(eager_step, side)
+                if state["replay"] is None:
+                    state["replay"] = capture_step(eager_step, optimizer)
+                state["replay"]()
         phases = Phases(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

@@ -2697,11 +2697,8 @@ def test_gpu_capture_step_trains_like_eager_steps():
                 replay = replay or train.capture_step(step, opt)
                 losses, norm = replay()
             else:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    losses, norm = step()
-                    opt.zero_grad(set_to_none=True)
-                torch.cuda.current_stream().wait_stream(side)
+                losses, norm = train.warmup_step(step, side)
+                opt.zero_grad(set_to_none=True)
             out.append(torch.cat([losses, norm[None]]).tolist())
         return torch.cat([p.detach().flatten() for p in net.parameters()]), out, opt
     eager, eager_log, eager_opt = run("eager")

@@ -340,13 +340,25 @@ def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iter
     return min_learning_rate
 
 
+def warmup_step(step, stream):
+    """step() on the side stream `stream`, after the work queued before it and before the work queued after it:
+    how the eager steps before capture_step run (torch.cuda.graph asks for warm-up off the default stream). Returns
+    step()'s result."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        out = step()
+    current.wait_stream(stream)
+    return out
+
+
 def capture_step(step, optimizer):
     """Capture step(), all the GPU work of one training step (every micro-batch's forward and backward, the
     clip, optimizer.step()) reading its batch from tensors that stay where they are, as one CUDA graph; returns
     replay(), which runs optimizer.advance() (the step count and the step size, on the host) and replays the graph,
     and gives back step()'s outputs: the same tensors after every replay, holding that replay's values.
     optimizer must be AdamW(capturable=True), stepped eagerly at least once already (that step compiles and
-    autotunes the kernels and makes the state; run it on a side stream, as torch.cuda.graph asks). The gradients
+    autotunes the kernels and makes the state; warmup_step runs it on a side stream). The gradients
     are set to None first, so the capture allocates them from the graph's memory and every replay's first backward
     writes them afresh (no zeroing pass). After the capture, step the optimizer only through replay().
     replay.graph is the torch.cuda.CUDAGraph."""
@@ -1018,11 +1030,8 @@ def train(config, given, rank, world_size, dev):
                     by.copy_(y)
                 grad_norm = replay()
             elif whole_step:
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    grad_norm = optimizer_step(batches)
-                    optimizer.zero_grad(set_to_none=True)
-                torch.cuda.current_stream(dev).wait_stream(side)
+                grad_norm = warmup_step(lambda: optimizer_step(batches), side)
+                optimizer.zero_grad(set_to_none=True)
             else:
                 grad_norm = optimizer_step(batches)
                 optimizer.zero_grad(set_to_none=not c.cuda_graphs)

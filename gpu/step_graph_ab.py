@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 from model import TransformerLM  # noqa: E402
-from train import AdamW, capture_step  # noqa: E402
+from train import AdamW, capture_step, warmup_step  # noqa: E402
 
 V, T, B = 50304, 1024, 12
 
@@ -90,11 +90,8 @@ def main():
         opt.step()
         return loss.detach()
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for _ in range(3):
-            step_b()
-    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):  # compile and warm up outside the capture
+        warmup_step(step_b, side)
     replay = capture_step(step_b, opt)
     losses = [replay().item() for _ in range(5)]
     if not losses[-1] < losses[0]:
