@@ -476,6 +476,23 @@ def measure(step, warmup, steps, device, phases, nvtx=False, profiler=None, snap
                 peak_mib=max(peaks) if peaks else None)
 
 
+def whole_step_graph(step, optimizer, device, eager_steps=2):
+    """step() (a whole training step ending in optimizer.step()) as one CUDA graph, what train.py --cuda_graphs=True
+    runs for concat batches: the first eager_steps calls run it eagerly on a side stream (they compile, autotune and
+    make the optimizer's state), the next one captures it (train.capture_step) and replays it, every later call
+    replays. optimizer: capturable (train.AdamW or a torch.optim one)."""
+    side, state = torch.cuda.Stream(device), dict(eager_left=eager_steps, replay=None)
+
+    def run():
+        if state["replay"] is None and state["eager_left"]:
+            state["eager_left"] -= 1
+            return warmup_step(step, side)
+        if state["replay"] is None:
+            state["replay"] = capture_step(step, optimizer)
+        return state["replay"]()
+    return run
+
+
 def peak_breakdown(snapshot, top=15):
     """Where a memory peak goes, from a memory-history snapshot (torch.cuda.memory._snapshot(), as --memory_snapshot
     dumps it): the blocks allocated while the history was recorded that are live when their total is highest,
@@ -642,23 +659,34 @@ def step_flops(dims, vocab_size, context_length, batch_size, mode, attn):
     return per_token / 3 * (1 if mode == "fwd" else 3) * batch_size * context_length
 
 
-def torch_adamw(params):
-    """The native peer's optimizer: torch's AdamW, fused on CUDA."""
+def torch_adamw(params, capturable=False):
+    """The native peer's optimizer: torch's AdamW, fused on CUDA (capturable: its step count on the device, so a
+    CUDA graph can replay the step)."""
     params = list(params)
-    return torch.optim.AdamW(params, lr=1e-4, fused=params[0].is_cuda)
+    return torch.optim.AdamW(params, lr=1e-4, fused=params[0].is_cuda, capturable=capturable)
 
 
 def run_config(net, runner, cfg, device, generator, warmup, steps, nvtx=False, profiler=None, snapshot=None,
-               make_optimizer=lambda params: AdamW(params, lr=1e-4)):
+               make_optimizer=lambda params, capturable: AdamW(params, lr=1e-4, capturable=capturable)):
     """Measure one configuration (cfg: size, dims, vocab_size, context_length, batch_size, dtype, compile, attn,
-    mode) and return its row; out-of-memory becomes a row with status "OOM" (memory freed) instead of a crash."""
+    mode, optionally cuda_graphs) and return its row; out-of-memory becomes a row with status "OOM" (memory freed)
+    instead of a crash. With cfg["cuda_graphs"] (mode train, CUDA) the step is one CUDA graph (whole_step_graph:
+    the first two warm-up steps eager, the third captures it), so there is no split by phase and the peak is the
+    allocator's over the whole run."""
     row = dict(cfg, params=count_params(net), status="ok")
+    graphs = cfg.get("cuda_graphs", False)
     x, y = random_batch(cfg["vocab_size"], cfg["batch_size"], cfg["context_length"], device, generator)
-    optimizer = make_optimizer(net.parameters()) if cfg["mode"] == "train" else None
+    optimizer = make_optimizer(net.parameters(), graphs) if cfg["mode"] == "train" else None
     phases = Phases(device, nvtx=nvtx, profiling=profiler is not None)
-    step = lambda: run_step(net, runner, optimizer, x, y, cfg["mode"], cfg["dtype"], phases)
+    step = lambda: run_step(net, runner, optimizer, x, y, cfg["mode"], cfg["dtype"],
+                            (lambda name: contextlib.nullcontext()) if graphs else phases)
+    if graphs:
+        step = whole_step_graph(step, optimizer, device)
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         row.update(measure(step, warmup, steps, device, phases, nvtx=nvtx, profiler=profiler, snapshot=snapshot))
+        if graphs:
+            row["peak_mib"] = mib(torch.cuda.max_memory_allocated(device))
     except Exception as e:
         row["status"] = failure(e)
     del optimizer, x, y, step
@@ -687,7 +715,8 @@ def print_model_rows(rows):
     header = ["model", "size", "params", "ctx", "batch", "dtype", "compile", "attn", "recompute", "mode", "ms/step",
               "first step ms", "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
     body = [[r.get("model", "ours"), r["size"], millions(r["params"]), r["context_length"], r["batch_size"],
-             r["dtype"], r["compile"], r["attn"], r.get("recompute", "none"), r["mode"]] + row_cells(r)
+             r["dtype"], r["compile"] + (", step graph" if r.get("cuda_graphs") else ""), r["attn"],
+             r.get("recompute", "none"), r["mode"]] + row_cells(r)
             for r in rows]
     print(markdown_table(header, body))
 
@@ -907,9 +936,16 @@ def cmd_model(argv):
     p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler over the timed steps: top kernels per "
                                                            "phase and a Chrome trace written here")
     p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA memory history of the timed steps")
+    p.add_argument("--cuda_graphs", action="store_true", help="mode train on CUDA: the whole step (forward, "
+                   "backward, optimizer) as one CUDA graph, for ours and --peer (torch's AdamW then capturable): "
+                   "two eager warm-up steps, the third captures (needs --warmup >= 3); no split by phase")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.cuda_graphs and (args.mode != "train" or args.sweep or args.warmup < 3 or args.nvtx
+                             or args.memory_snapshot):
+        raise SystemExit("--cuda_graphs captures one training step: it needs --mode train and --warmup >= 3 (two "
+                         "eager steps, then the capture), without --sweep, --nvtx or --memory_snapshot")
     if args.sweep and (args.nvtx or args.profile or args.memory_snapshot or args.peer
                        or recompute_label(args) != "none"):
         raise SystemExit("--nvtx, --profile, --memory_snapshot, --peer and recomputation are for a single run; "
@@ -919,6 +955,8 @@ def cmd_model(argv):
     if args.plot and not args.sweep:
         raise SystemExit("--plot draws the sweep; add --sweep (a single run is one row)")
     device = pick_device(args.device)
+    if args.cuda_graphs and device.type != "cuda":
+        raise SystemExit(f"--cuda_graphs needs a CUDA device, got {device}")
     torch.manual_seed(args.seed)
     info = run_info("model", argv, device)
     print_header("bench.py model" + (" --sweep" if args.sweep else ""), info)
@@ -930,7 +968,7 @@ def cmd_model(argv):
     dims = model_dims(args.size, args)
     cfg = dict(size=args.size, dims=dims, vocab_size=args.vocab_size, context_length=args.context_length,
                batch_size=args.batch_size, dtype=args.dtype, compile=args.compile, attn=args.attn, mode=args.mode,
-               recompute=recompute_label(args))
+               recompute=recompute_label(args), cuda_graphs=args.cuda_graphs)
     net = build_model(dims, args.vocab_size, args.context_length, args.attn, device, **recompute_kwargs(args))
     runner = compiled(net, args.compile)
     profiler = None
@@ -1371,16 +1409,8 @@ def cmd_gpt2(argv):
                 loss = loss_fn(x, y)
             loss.backward()
             optimizer.step()
-        if step_graph:  # two eager steps on a side stream, then the step captured and replayed ever after
-            eager_step, side, state = step, torch.cuda.Stream(device), dict(eager_left=2, replay=None)
-
-            def step():
-                if state["replay"] is None and state["eager_left"]:
-                    state["eager_left"] -= 1
-                    return warmup_step(eager_step, side)
-                if state["replay"] is None:
-                    state["replay"] = capture_step(eager_step, optimizer)
-                state["replay"]()
+        if step_graph:
+            step = whole_step_graph(step, optimizer, device)
         phases = Phases(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

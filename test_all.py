@@ -2666,7 +2666,8 @@ def test_adamw_capturable_eager_matches_plain():
 def test_gpu_capture_step_trains_like_eager_steps():
     """A whole training step (forward, backward, clip, AdamW) captured by train.capture_step and replayed gives the
     eager steps' parameters, losses and gradient norms, with a learning rate that changes every step (replays read
-    it through optimizer.advance(): one frozen at capture would end far off, which the test checks is detectable)."""
+    it through optimizer.advance(): one frozen at capture would end far off, which the test checks is detectable).
+    torch's fused AdamW made capturable, its lr a tensor, replays the same way (the peer of bench.py --cuda_graphs)."""
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA GPU")
     device = torch.device("cuda")
@@ -2676,7 +2677,11 @@ def test_gpu_capture_step_trains_like_eager_steps():
     def run(mode):
         torch.manual_seed(0)
         net = model.TransformerLM(97, 32, 64, 2, 4, 192, attn_impl="sdpa", device=device)
-        opt = train.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1, capturable=mode == "graph")
+        if mode.startswith("torch"):  # torch's capturable AdamW, its lr a tensor that replays read
+            opt = torch.optim.AdamW(net.parameters(), lr=torch.tensor(1e-3, device=device), weight_decay=0.1,
+                                    fused=True, capturable=True)
+        else:
+            opt = train.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1, capturable=mode == "graph")
         buffer = batches[0].clone()
 
         def step():
@@ -2691,9 +2696,13 @@ def test_gpu_capture_step_trains_like_eager_steps():
         side, replay, out = torch.cuda.Stream(), None, []
         for i, batch in enumerate(batches):
             for group in opt.param_groups:
-                group["lr"] = 1e-3 * (1 + i) if mode != "frozen" else 1e-3
+                lr = 1e-3 * (1 + i) if mode != "frozen" else 1e-3
+                if torch.is_tensor(group["lr"]):
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
             buffer.copy_(batch)
-            if mode == "graph" and i >= 2:
+            if mode in ("graph", "torch-graph") and i >= 2:
                 replay = replay or train.capture_step(step, opt)
                 losses, norm = replay()
             else:
@@ -2708,6 +2717,11 @@ def test_gpu_capture_step_trains_like_eager_steps():
     torch.testing.assert_close(torch.tensor(graph_log), torch.tensor(eager_log), rtol=1e-5, atol=1e-6)
     assert (frozen - eager).abs().max() > 100 * (graph - eager).abs().max() + 1e-4
     assert all(s["step"] == 6 for s in graph_opt.state.values())
+    torch_eager, torch_eager_log, _ = run("torch-eager")
+    torch_graph, torch_graph_log, torch_opt = run("torch-graph")
+    torch.testing.assert_close(torch_graph, torch_eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(torch_graph_log), torch.tensor(torch_eager_log), rtol=1e-5, atol=1e-6)
+    assert all(s["step"].item() == 6 for s in torch_opt.state.values())
 
 
 def test_autocast_linear_matches_autocast_and_writes_fp32_weight_grads():
@@ -4240,6 +4254,23 @@ def test_bench_model_peer_runs_the_native_model_beside_ours(tmp_path):
     assert [c[0] for c in cells] == ["ours", "native peer"]
     assert f"ours vs the native peer: {peer['mean_ms'] / ours['mean_ms']:.3f}x" in text
     _expect(SystemExit, ["drop --peer"], bench.main, ["model"] + BENCH_TINY + ["--peer", "--profile", "t.json"])
+
+
+def test_bench_model_cuda_graphs_refusals_and_gpu_rows(tmp_path):
+    """bench.py model --cuda_graphs: one-line refusals of what it cannot time; on a GPU, ours and the peer each
+    run as one captured step, rows without a phase split but with the allocator's peak."""
+    graphs = ["model"] + BENCH_TINY + ["--attn", "sdpa", "--cuda_graphs"]
+    _expect(SystemExit, ["--warmup >= 3"], bench.main, graphs + ["--warmup", "2"])
+    _expect(SystemExit, ["--mode train"], bench.main, graphs + ["--mode", "fwd"])
+    if not torch.cuda.is_available():
+        _expect(SystemExit, ["needs a CUDA device"], bench.main, graphs + ["--device", "cpu"])
+        return
+    path = tmp_path / "rows.json"
+    text = run_bench(graphs + ["--device", "cuda", "--warmup", "3", "--steps", "3", "--peer", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["cuda_graphs"] for r in rows)
+    assert all(r["phase_ms"] == {} and r["peak_mib"] > 0 and r["tflops"] > 0 for r in rows)
+    assert text.count("none, step graph") == 2
 
 
 def test_bench_sweep_marks_oom_and_errors_and_continues(tmp_path):

@@ -358,12 +358,15 @@ def capture_step(step, optimizer):
     replay(), which runs optimizer.advance() (the step count and the step size, on the host) and replays the graph,
     and gives back step()'s outputs: the same tensors after every replay, holding that replay's values.
     optimizer must be AdamW(capturable=True), stepped eagerly at least once already (that step compiles and
-    autotunes the kernels and makes the state; warmup_step runs it on a side stream). The gradients
-    are set to None first, so the capture allocates them from the graph's memory and every replay's first backward
-    writes them afresh (no zeroing pass). After the capture, step the optimizer only through replay().
-    replay.graph is the torch.cuda.CUDAGraph."""
-    if not getattr(optimizer, "capturable", False):
-        raise ValueError("capture_step needs an optimizer made with capturable=True (train.AdamW)")
+    autotunes the kernels and makes the state; warmup_step runs it on a side stream). A torch.optim optimizer made
+    with capturable=True works too (it keeps its step count on the device and has no advance(); its lr is read at
+    every replay only when it is a tensor). The gradients are set to None first, so the capture allocates them from
+    the graph's memory and every replay's first backward writes them afresh (no zeroing pass). After the capture,
+    step the optimizer only through replay(). replay.graph is the torch.cuda.CUDAGraph."""
+    if not (getattr(optimizer, "capturable", False)
+            or all(group.get("capturable", False) for group in optimizer.param_groups)):
+        raise ValueError("capture_step needs an optimizer made with capturable=True (train.AdamW or torch.optim)")
+    advance = getattr(optimizer, "advance", lambda: None)
     optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
@@ -372,7 +375,7 @@ def capture_step(step, optimizer):
         outputs = step()
 
     def replay():
-        optimizer.advance()
+        advance()
         graph.replay()
         return outputs
     replay.graph = graph

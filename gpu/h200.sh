@@ -28,6 +28,8 @@
 # xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        60-300 s (60 s in the last
 #                 block, bf16): ours flash beside the PyTorch-native peer, then     run; up to 190 s + 110 s
 #                 ours sdpa                                                         when compiling from cold)
+# xl_graphs       model: the 2.7B step as one CUDA graph (--cuda_graphs), ours      not yet measured
+#                 beside the peer; then both eagerly
 # xl_memory       model: the same 2.7B step with selective recomputation, then      ~80 s
 #                 also the first 8 blocks recomputed in full
 # xl_linear       gpu/linear_ab.py: the 2.7B step as it is and with the norms on    ~100 s
@@ -62,8 +64,8 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_work train train_autotune xl xl_memory xl_linear adamw train_small train_graphs train_pack
-           varlen hf leaderboard
+ALL_PARTS=(attention attention_work train train_autotune xl xl_graphs xl_memory xl_linear adamw train_small
+           train_graphs train_pack varlen hf leaderboard
            sweep sweep_compiled suite tests)
 source gpu/common.sh
 
@@ -99,6 +101,13 @@ part_xl() {
     # ours with flash, then the PyTorch-native peer in the same process; then ours with sdpa
     run_md xl_flash_peer 300 "$PY" bench.py "${XL[@]}" --attn flash --peer --json @JSON@
     run_md xl_sdpa 180 "$PY" bench.py "${XL[@]}" --attn sdpa --json @JSON@
+}
+
+part_xl_graphs() {
+    begin_part xl_graphs 570
+    # the step as one CUDA graph, ours beside the peer (its torch AdamW capturable); then both eagerly
+    run_md xl_graph_peer 330 "$PY" bench.py "${XL[@]}" --warmup 3 --attn flash --peer --cuda_graphs --json @JSON@
+    run_md xl_eager_peer 240 "$PY" bench.py "${XL[@]}" --attn flash --peer --json @JSON@
 }
 
 part_xl_memory() {
