@@ -11,8 +11,9 @@ AdamW) replayed as CUDA graphs two ways in one process on one GPU:
     python gpu/step_graph_ab.py
 
 Prints per variant the median wall time of 30 steps each followed by a synchronize (as bench.py gpt2 and nanoGPT's
-bench time them) and the median GPU time of 10 steps issued while the GPU is kept busy (events around each
-step)."""
+bench time them), the median GPU time of 10 steps issued back to back while the GPU is kept busy (events around each
+step), and the median GPU time of 10 steps each issued alone behind a busy GPU and followed by a synchronize
+(bench.time_ms(host_ahead=True), bench.py gpt2's GPU ms)."""
 import os
 import statistics
 import sys
@@ -57,6 +58,10 @@ def gpu_ms(step, n=10):
     return statistics.median(a.elapsed_time(b) for a, b in events)
 
 
+def isolated_ms(step, device):
+    return statistics.median(bench.time_ms(step, device, warmup=1, steps=10, host_ahead=True))
+
+
 def main():
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -74,7 +79,7 @@ def main():
         opt.step()
     for _ in range(15):
         step_a()
-    rows["A reduce-overhead"] = (wall_ms(step_a), gpu_ms(step_a))
+    rows["A reduce-overhead"] = (wall_ms(step_a), gpu_ms(step_a), isolated_ms(step_a, device))
     del net, opt, f
     torch._dynamo.reset()
     bench.free_memory(device)
@@ -96,13 +101,15 @@ def main():
     losses = [replay().item() for _ in range(5)]
     if not losses[-1] < losses[0]:
         raise SystemExit(f"the captured step does not train: losses {losses}")
-    rows["B whole step, capture_step"] = (wall_ms(replay), gpu_ms(replay))
-    rows["B' B without advance()"] = (wall_ms(replay.graph.replay), gpu_ms(replay.graph.replay))
+    rows["B whole step, capture_step"] = (wall_ms(replay), gpu_ms(replay), isolated_ms(replay, device))
+    rows["B' B without advance()"] = (wall_ms(replay.graph.replay), gpu_ms(replay.graph.replay),
+                                      isolated_ms(replay.graph.replay, device))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; B's losses over 5 replays: "
           f"{', '.join(f'{v:.3f}' for v in losses)}\n")
-    print("| variant | wall ms (median, synchronized steps) | GPU ms (median) |\n|---|---|---|")
-    for name, (wall, gpu) in rows.items():
-        print(f"| {name} | {wall:.2f} | {gpu:.2f} |")
+    print("| variant | wall ms (median, synchronized steps) | GPU ms (median, back to back) | GPU ms (median, "
+          "each step alone) |\n|---|---|---|---|")
+    for name, (wall, gpu, alone) in rows.items():
+        print(f"| {name} | {wall:.2f} | {gpu:.2f} | {alone:.2f} |")
 
 
 if __name__ == "__main__":
