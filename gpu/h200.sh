@@ -18,9 +18,9 @@
 # attention_work  attention --parts work: D=64 at S 512-2048 over B·H, flash.py's   ~50 s
 #                 pick and the Gluon and Triton kernels each forced, beside cuDNN
 #                 (the D=64 rule)
-# train           gpt2 (GPT-2-small shape: ours sdpa, flash, flash + CUDA graphs    ~170 s before the
-#                 per micro-step, flash + the step as one CUDA graph, vs a          step-graph variant joined
-#                 torch.nn peer)                                                    (not yet run with it)
+# train           gpt2 (GPT-2-small shape: ours sdpa, flash, flash + CUDA graphs    ~180 s
+#                 per micro-step, flash + the step as one CUDA graph, vs a
+#                 torch.nn peer)
 # train_autotune  gpt2: flash compiled in max-autotune mode, beside the default     135 s with inductor's
 #                 mode and the torch.nn peer                                        autotune cache warm; from
 #                                                                                   cold it did not end within
@@ -28,8 +28,8 @@
 # xl              model: the 2.7B shape (xl, ctx 2048, batch 4, compiled per        60-300 s (60 s in the last
 #                 block, bf16): ours flash beside the PyTorch-native peer, then     run; up to 190 s + 110 s
 #                 ours sdpa                                                         when compiling from cold)
-# xl_graphs       model: the 2.7B step as one CUDA graph (--cuda_graphs), ours      not yet measured
-#                 beside the peer; then both eagerly
+# xl_graphs       model: the 2.7B step as one CUDA graph (--cuda_graphs), ours      ~65 s (inductor's
+#                 beside the peer; then both eagerly                                cache warm)
 # xl_memory       model: the same 2.7B step with selective recomputation, then      ~80 s
 #                 also the first 8 blocks recomputed in full
 # xl_linear       gpu/linear_ab.py: the 2.7B step as it is and with the norms on    ~100 s
@@ -60,13 +60,19 @@
 # suite           precision, compile, the small model's --profile, the xl           not yet measured (rmsnorm
 #                 model's --memory_snapshot, rmsnorm, launch (host time of a       alone: ~30 s)
 #                 flash.py call)
-# tests           python3 test_all.py gpu flash (the GPU tests, natively)           not yet measured
+# tests_triton    python3 test_all.py on the GPU, natively: the Triton kernels'     ~240 s
+#                 tests (dense, ragged, GQA, varlen, RoPE inside, compiled ops,
+#                 launch plans)
+# tests_gluon     the same: the Gluon kernels against float64                       over 230 s (not yet
+#                 (test_flash_gpu_gluon_matches_reference)                          measured in one piece)
+# tests_model     the same: the mixed kernel families, the norms, the model, the    ~180 s (most of it;
+#                 CUDA-graph steps, bench.py's GPU rows                             the rest not yet timed)
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
 ALL_PARTS=(attention attention_work train train_autotune xl xl_graphs xl_memory xl_linear adamw train_small
            train_graphs train_pack varlen hf leaderboard
-           sweep sweep_compiled suite tests)
+           sweep sweep_compiled suite tests_triton tests_gluon tests_model)
 source gpu/common.sh
 
 SWEEP=(model --sweep --context_lengths 256,512,1024 --dtypes bf16,fp32 --modes fwd,fwd_bwd,train --warmup 1 --steps 2)
@@ -192,12 +198,24 @@ part_suite() {
     run_md launch 120 "$PY" bench.py launch --json @JSON@
 }
 
-part_tests() {
-    begin_part tests 570
-    run_log tests 560 "$PY" test_all.py gpu flash
+# The GPU tests in three parts (all of `test_all.py gpu flash` takes over 10 minutes natively). Each name is a
+# substring test_all.py matches against the test names.
+TESTS_TRITON=(flash_reference flash_triton flash_varlen flash_rope_inside flash_gpu_rope flash_delta flash_compiles
+              flash_gpu_compiled flash_launch flash_says flash_rejects)
+TESTS_MODEL=(flash_gluon_kernels_do_not flash_gpu_gluon_compiles flash_d64 flash_gpu_mixed flash_gpu_direct
+             flash_gpu_bf16 rms_norm flash_attention_impl gpu_flash_model gpu_selective gpu_capture
+             200_steps_rope_inside flash_model_rope gpu_cuda_graphs bench_model_cuda_graphs gpu_time_ms
+             bench_attention_variants)
+
+tests_part() {  # tests_part NAME TEST-NAME-SUBSTRINGS...
+    begin_part "$1" 570
+    run_log "$1" 560 "$PY" test_all.py "${@:2}"
     { echo '```'
       grep -E '^(ok|FAIL|SKIP) |^failed: |passed, [0-9]+ failed|s in all$' "$P.log"
       echo '```'; } >>"$P.md"
 }
+part_tests_triton() { tests_part tests_triton "${TESTS_TRITON[@]}"; }
+part_tests_gluon() { tests_part tests_gluon flash_gpu_gluon_matches_reference; }
+part_tests_model() { tests_part tests_model "${TESTS_MODEL[@]}"; }
 
 run_parts
