@@ -4266,7 +4266,8 @@ def test_bench_model_cuda_graphs_refusals_and_gpu_rows(tmp_path):
         _expect(SystemExit, ["needs a CUDA device"], bench.main, graphs + ["--device", "cpu"])
         return
     path = tmp_path / "rows.json"
-    text = run_bench(graphs + ["--device", "cuda", "--dtype", "bf16", "--warmup", "3", "--steps", "3", "--peer", "--json", str(path)])
+    text = run_bench(graphs + ["--device", "cuda", "--dtype", "bf16", "--warmup", "3", "--steps", "3", "--peer",
+                               "--json", str(path)])
     rows = json.loads(path.read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["cuda_graphs"] for r in rows)
     assert all(r["phase_ms"] == {} and r["peak_mib"] > 0 and r["tflops"] > 0 for r in rows)
