@@ -105,8 +105,8 @@ import flash  # noqa: E402
 import model as model_py  # noqa: E402  (the module itself: --nvtx swaps its attention function for an annotated one)
 from flash import flash_attn_varlen  # noqa: E402
 from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token  # noqa: E402
-from train import (PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, capture_step, pack_batch, pad_batch,  # noqa: E402
-                   pad_packed, sample_documents, warmup_step)
+from train import (PEAK_FLOPS as PEAK_FLOPS_BY_GPU, AdamW, pack_batch, pad_batch, pad_packed,  # noqa: E402
+                   sample_documents, whole_step_graph)
 
 SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4))  # tiny: CPU tests and smoke runs
 MODES = ("fwd", "fwd_bwd", "train")
@@ -474,23 +474,6 @@ def measure(step, warmup, steps, device, phases, nvtx=False, profiler=None, snap
                 phase_ms={p: statistics.fmean(v) for p, v in phases.ms.items() if v},
                 phase_peak_mib={p: v for p, v in phases.peak.items() if v is not None},
                 peak_mib=max(peaks) if peaks else None)
-
-
-def whole_step_graph(step, optimizer, device, eager_steps=2):
-    """step() (a whole training step ending in optimizer.step()) as one CUDA graph, what train.py --cuda_graphs=True
-    runs for concat batches: the first eager_steps calls run it eagerly on a side stream (they compile, autotune and
-    make the optimizer's state), the next one captures it (train.capture_step) and replays it, every later call
-    replays. optimizer: capturable (train.AdamW or a torch.optim one)."""
-    side, state = torch.cuda.Stream(device), dict(eager_left=eager_steps, replay=None)
-
-    def run():
-        if state["replay"] is None and state["eager_left"]:
-            state["eager_left"] -= 1
-            return warmup_step(step, side)
-        if state["replay"] is None:
-            state["replay"] = capture_step(step, optimizer)
-        return state["replay"]()
-    return run
 
 
 def peak_breakdown(snapshot, top=15):

@@ -382,6 +382,25 @@ def capture_step(step, optimizer):
     return replay
 
 
+def whole_step_graph(step, optimizer, device, eager_steps=2):
+    """step() (a whole training step ending in optimizer.step()) as one CUDA graph, every call one step: the first
+    eager_steps calls run it eagerly on a side stream (warmup_step: they compile, autotune and make the optimizer's
+    state) and set the gradients to None after it, the next one captures it (capture_step) and replays it, every
+    later call replays. optimizer: capturable (AdamW or a torch.optim one). Returns the function to call."""
+    side, state = torch.cuda.Stream(device), dict(eager_left=eager_steps, replay=None)
+
+    def run():
+        if state["replay"] is None and state["eager_left"]:
+            state["eager_left"] -= 1
+            out = warmup_step(step, side)
+            optimizer.zero_grad(set_to_none=True)
+            return out
+        if state["replay"] is None:
+            state["replay"] = capture_step(step, optimizer)
+        return state["replay"]()
+    return run
+
+
 def clip_grad_norm(parameters, max_l2_norm):
     """Global L2 norm over all gradients (parameters without one are skipped); if it exceeds max_l2_norm, scale
     every gradient in place by max_l2_norm / (norm + 1e-6). Returns the norm before clipping as a 0-dim fp32 tensor
@@ -946,7 +965,7 @@ def train(config, given, rank, world_size, dev):
         for p in w.parameters():
             p.grad = torch.zeros_like(p)
     optimizer = w.make_optimizer(AdamW, decay_groups(c.weight_decay), zero1=c.zero1, lr=c.learning_rate,
-                                 betas=(c.beta1, c.beta2), eps=c.eps, **(dict(capturable=True) if whole_step else {}))
+                                 betas=(c.beta1, c.beta2), eps=c.eps, capturable=whole_step)
     start_iter = 0
     if ckpt is not None:
         w.load_state_dict(_clean_state_dict(ckpt["model"]))
@@ -998,9 +1017,9 @@ def train(config, given, rank, world_size, dev):
         optimizer.step()
         return grad_norm
 
-    # whole_step: two eager steps on a side stream (they compile, autotune and make AdamW's state), then the step is
-    # captured with its batch in fixed buffers, which every later step fills before replaying it
-    replay, batch_buffers, side = None, None, torch.cuda.Stream(dev) if whole_step else None
+    # whole_step: the step reads its micro-batches from fixed buffers, which every step fills first; two eager steps,
+    # then the step is captured and replayed (whole_step_graph)
+    run_whole_step, batch_buffers = None, None
     w.train()
     try:
         for it in range(start_iter, c.max_iters):
@@ -1024,17 +1043,14 @@ def train(config, given, rank, world_size, dev):
                 *batch, n_real = make_batch(train_tokens, train_docs, c, generator, dev, meta["eot_id"])
                 batches.append(batch)
                 tokens_since += n_real
-            if whole_step and it >= start_iter + 2:
-                if replay is None:
+            if whole_step:
+                if run_whole_step is None:
                     batch_buffers = [(x.clone(), y.clone(), None, None) for x, y, _, _ in batches]
-                    replay = capture_step(lambda: optimizer_step(batch_buffers), optimizer)
+                    run_whole_step = whole_step_graph(lambda: optimizer_step(batch_buffers), optimizer, dev)
                 for (bx, by, _, _), (x, y, _, _) in zip(batch_buffers, batches):
                     bx.copy_(x)
                     by.copy_(y)
-                grad_norm = replay()
-            elif whole_step:
-                grad_norm = warmup_step(lambda: optimizer_step(batches), side)
-                optimizer.zero_grad(set_to_none=True)
+                grad_norm = run_whole_step()
             else:
                 grad_norm = optimizer_step(batches)
                 optimizer.zero_grad(set_to_none=not c.cuda_graphs)
