@@ -1819,15 +1819,18 @@ if gluon is not None:
                     mbarrier.wait(empty.index(slot), (((t + i) // NUM_STAGES) & 1) ^ 1)
                     rows = start_m + offs
                     l_off = b.to(gl.int64) * stride_lb + h * stride_lh + q_start + rows
-                    lse_smem.index(slot).store(gl.load(LSE + l_off, mask=rows < seqlen_q_b, other=0.0)
-                                               * 1.4426950408889634)
-                    delta_smem.index(slot).store(gl.load(DELTA + l_off, mask=rows < seqlen_q_b, other=0.0))
-                    # (the expect is this warp's arrival: it releases the two stores above with the TMA bytes)
+                    # the TMA loads first, so that L's and Delta's load latency runs under theirs (level to 7% off
+                    # the backward, the most on packed documents); the slot is ready after the bytes and a second
+                    # arrival
                     mbarrier.expect(ready.index(slot), 2 * _gl_tile_bytes(q_desc, qt_desc, TAIL))
                     _gl_load_tile(q_desc, qt_desc, ready.index(slot), q_smem.index(slot), qt_smem.index(slot), b, h,
                                   q_start + start_m, HEAD_DIM, TAIL, VARLEN)
                     _gl_load_tile(do_desc, dot_desc, ready.index(slot), do_smem.index(slot), dot_smem.index(slot), b,
                                   h, q_start + start_m, HEAD_DIM, TAIL, VARLEN)
+                    lse_smem.index(slot).store(gl.load(LSE + l_off, mask=rows < seqlen_q_b, other=0.0)
+                                               * 1.4426950408889634)
+                    delta_smem.index(slot).store(gl.load(DELTA + l_off, mask=rows < seqlen_q_b, other=0.0))
+                    mbarrier.arrive(ready.index(slot), count=1)  # (releases the two stores above)
                 t += group * n_iter
                 n_done += 1
             n_seen += 1
@@ -1946,7 +1949,7 @@ if gluon is not None:
                 mbarrier.init(dq_full.index(i), count=1)
                 mbarrier.init(dq_empty.index(i), count=1)
             for i in gl.static_range(NUM_STAGES):
-                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(ready.index(i), count=2)  # the TMA bytes' expect and the L/Delta stores
                 mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
             gl.warp_specialize([  # (the tuples written out: see the forward)
                 (_gl_bwd_consumer,
