@@ -2654,20 +2654,23 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
 
 RMS_MAX_D = 8192  # whole rows live in registers: compiled for sm_90 the backward spills at d = 16384 (16 warps, 128
 # registers a thread), none up to 8192, so wider rows are rejected rather than run slowly
-RMS_ELEMENTS = 4096  # elements of a program's tile (BLOCK_M rows x BLOCK_D columns), 16 a thread. Not tuned on a GPU:
-# a starting point that keeps every tensor of the backward (x, dy, g, the dg accumulator) in registers on sm_90
-# (the backward: 115-117 registers at d = 768 and 4096, read with bench.sass_stats); bench.py rmsnorm times it
-RMS_BWD_PROGRAMS_PER_SM = 4  # backward programs per SM: enough to fill it, few dg rows to sum
+RMS_ELEMENTS = 4096  # elements of a forward program's tile (BLOCK_M rows x BLOCK_D columns), 16 a thread (97% of a
+# copy's bandwidth at (32768, 4096) bf16 on an H200, bench.py rmsnorm)
+# The backward's tile: 16 elements a thread, at least 2048 elements (so at d = 768 two rows and 4 warps, at 4096 one
+# row and 8 warps), and programs per SM: 2 from 2048 columns, 4 below. Swept on an H200 (1-8 rows, 4-16 warps, 2-8
+# programs per SM) at (32768, 4096) bf16, (8192, 2560) and (12288, 768) fp32 x with bf16 dy: 95%, 90% and 92% of
+# a copy of the same bytes; the best other tiles were 3-16 points lower.
+RMS_BWD_ELEMENTS = 2048
 RMS_INTERPRET_BLOCK_M = 128  # the interpreter: its time goes by programs and loop steps, not tile size
 
 
-def _rms_config(d):
+def _rms_config(d, backward=False):
     """(BLOCK_M, BLOCK_D, num_warps) for rows of d elements."""
     block_d = triton.next_power_of_2(d)
     if INTERPRET:
         return RMS_INTERPRET_BLOCK_M, block_d, 4
-    block_m = max(1, RMS_ELEMENTS // block_d)
-    return block_m, block_d, block_m * block_d // 512  # 16 elements a thread: 8 warps, 16 at d > 4096
+    block_m = max(1, (RMS_BWD_ELEMENTS if backward else RMS_ELEMENTS) // block_d)
+    return block_m, block_d, max(4, block_m * block_d // 512)  # 16 elements a thread
 
 
 @triton.jit
@@ -2690,24 +2693,53 @@ def _rms_norm_fwd_kernel(X, R, H, W, Y, RSTD, n_rows, d, stride_x, stride_r, eps
 
 
 @triton.jit
+def _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy, stride_dh, HAS_DH: tl.constexpr):
+    """A block's x, dy and (HAS_DH) dh as loaded (0 past the ends); dh is 0.0 without HAS_DH."""
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < d)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0)
+    dh = 0.0
+    if HAS_DH:  # the gradient reaching the norm's input from elsewhere (add_rms_norm's h)
+        dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=ok, other=0.0)
+    return x, dy, dh
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(X, W, DY, RSTD, DH, DX, DW_PARTIAL, n_rows, d, stride_x, stride_dy, stride_dh, n_blocks,
-                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DH: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DH: tl.constexpr,
+                         PREFETCH: tl.constexpr):
+    # Each program strides over the row blocks. PREFETCH: it loads its next block's x, dy (and dh) before it works
+    # on the current one, so that a load is always in flight (1.2-1.5x the bandwidth of loading each block when it
+    # is reached, bench.py rmsnorm's shapes on an H200); it doubles the registers those take, so rows wider than
+    # 4096 (16 warps, 128 registers a thread) load each block when they reach it rather than spill.
     pid = tl.program_id(0)
+    step = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
     w = tl.load(W + cols, mask=cols < d, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # summed over its rows once, at the end
-    for blk in range(pid, n_blocks, tl.num_programs(0)):
-        rows = (blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: rows * stride may pass 2^31
-        ok = (rows[:, None] < n_rows) & (cols[None, :] < d)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if PREFETCH:
+        rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: rows * stride may pass 2^31
+        x_next, dy_next, dh_next = _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy, stride_dh,
+                                                 HAS_DH)
+    for blk in range(pid, n_blocks, step):
+        rows = (blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        if PREFETCH:
+            x, dy, dh = x_next, dy_next, dh_next
+            x_next, dy_next, dh_next = _rms_bwd_rows(X, DY, DH, rows + step * BLOCK_M, cols, n_rows, d, stride_x,
+                                                     stride_dy, stride_dh, HAS_DH)
+        else:  # (dh is loaded where it is added, so it is not live across the row sums)
+            x, dy, _ = _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy, stride_dh, False)
+        x, dy = x.to(tl.float32), dy.to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)
         x_hat = x * rstd[:, None]
         gy = dy * w[None, :]
         c = tl.sum(x_hat * gy, axis=1) / d  # mean(x_hat g dy) per row
         dx = (gy - x_hat * c[:, None]) * rstd[:, None]
-        if HAS_DH:  # the gradient reaching the norm's input from elsewhere (add_rms_norm's h)
-            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        ok = (rows[:, None] < n_rows) & (cols[None, :] < d)
+        if HAS_DH:
+            if not PREFETCH:
+                dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=ok, other=0.0)
+            dx += dh.to(tl.float32)
         tl.store(DX + rows[:, None] * d + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
         dw += dy * x_hat  # rows past the end have x_hat = 0
     tl.store(DW_PARTIAL + pid * d + cols, tl.sum(dw, axis=0), mask=cols < d)
@@ -2719,11 +2751,12 @@ def _as_rows(t, d):
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _rms_programs(device, n_blocks):
-    """Backward programs: a few per SM on CUDA (the interpreter: 2, so a program steps over several blocks)."""
+def _rms_programs(device, n_blocks, block_d):
+    """Backward programs: 2 or 4 per SM on CUDA (RMS_BWD_ELEMENTS; the interpreter: 2, so a program steps over
+    several blocks)."""
     if device.type != "cuda":
         return max(1, min(n_blocks, 2))
-    return max(1, min(n_blocks, _sm_count(device.index) * RMS_BWD_PROGRAMS_PER_SM))
+    return max(1, min(n_blocks, _sm_count(device.index) * (2 if block_d >= 2048 else 4)))
 
 
 def _rms_norm_forward(x, weight, eps, r=None, y_dtype=None):
@@ -2754,13 +2787,14 @@ def _rms_norm_backward(dy, x, weight, rstd, dh=None):
     n = x2.shape[0]
     if not n:
         return dx, torch.zeros_like(weight)
-    block_m, block_d, warps = _rms_config(d)
+    block_m, block_d, warps = _rms_config(d, backward=True)
     n_blocks = triton.cdiv(n, block_m)
-    programs = _rms_programs(x.device, n_blocks)
+    programs = _rms_programs(x.device, n_blocks, block_d)
     partial = torch.empty(programs, d, dtype=torch.float32, device=x.device)  # every program writes its row
     _rms_norm_bwd_kernel[(programs,)](x2, w, dy2, rstd, dy2 if dh2 is None else dh2, dx, partial, n, d,
                                       x2.stride(0), dy2.stride(0), 0 if dh2 is None else dh2.stride(0), n_blocks,
-                                      BLOCK_M=block_m, BLOCK_D=block_d, HAS_DH=dh2 is not None, num_warps=warps)
+                                      BLOCK_M=block_m, BLOCK_D=block_d, HAS_DH=dh2 is not None,
+                                      PREFETCH=block_d <= 4096, num_warps=warps)
     return dx, partial.sum(0).to(weight.dtype)
 
 
@@ -2813,12 +2847,15 @@ class _AddRMSNorm(torch.autograd.Function):
             y, rstd, h = _rms_norm_forward(x, weight, eps, r, y_dtype)
         ctx.save_for_backward(h, weight, rstd)
         ctx.has_r, ctx.r_dtype = r is not None, None if r is None else r.dtype
-        return h, y
+        ctx.set_materialize_grads(False)  # an output nothing used gets None, not a tensor of zeros (rms_norm's h:
+        return h, y  # the backward kernel would read them)
 
     @staticmethod
     def backward(ctx, dh, dy):
         h, weight, rstd = ctx.saved_tensors
-        if dy is None:
+        if dy is None:  # only h was used
+            if dh is None:
+                return None, None, None, None, None
             dy = torch.zeros(h.shape, dtype=h.dtype, device=h.device)
         bwd = _rms_norm_bwd_op if torch.compiler.is_compiling() else _rms_norm_backward
         dx, dw = bwd(dy, h, weight, rstd, dh)

@@ -1382,6 +1382,7 @@ def test_flash_rms_norm_matches_float64_reference_on_ragged_shapes():
     _check_rms_norm((300, 80), torch.bfloat16, 1e-2, gen)
     _check_rms_norm((2, 3, 48), torch.bfloat16, 1e-2, gen, w_dtype=torch.float32)  # autocast-style: fp32 weight
     _check_rms_norm((70, 96), torch.float16, 2e-3, gen, scale=300.0)  # x^2 = 90000 overflows fp16, not fp32
+    _check_rms_norm((300, 4100), torch.float32, 1e-5, gen)  # rows past 4096: the backward without its prefetch
     norm = RMSNorm(80, impl="triton")  # the model's switch: same values as its PyTorch formula
     norm.weight.data = torch.randn(80, generator=gen)
     x = torch.randn(3, 50, 80, generator=gen).to(DEVICE)
@@ -1453,6 +1454,7 @@ def test_flash_add_rms_norm_matches_float64_reference():
     _check_add_rms_norm((300, 80), f32, bf16, bf16, 1e-2, gen)  # the autocast block: fp32 stream, bf16 matmuls
     _check_add_rms_norm((130, 96), f32, None, bf16, 1e-2, gen)
     _check_add_rms_norm((70, 64), bf16, bf16, None, 1e-2, gen)
+    _check_add_rms_norm((300, 4100), f32, f32, None, 1e-5, gen)  # dh added without the backward's prefetch
 
 
 def test_triton_norm_block_matches_torch_block():
@@ -4620,7 +4622,7 @@ def test_bench_rmsnorm_rows_table_and_cuda_check(tmp_path):
                                                          for m in ("ours", "F.rms_norm", "copy")]
     ((header, table),) = _md_tables(bench.rmsnorm_table(rows))
     assert header == ["shape", "method", "fwd ms", "fwd GB/s", "fwd % of copy", "fwd+bwd ms", "fwd+bwd GB/s",
-                      "fwd+bwd % of copy"]
+                      "fwd+bwd % of copy", "bwd % of copy"]
     for r, cells in zip(rows, table):
         n, d = (int(v) for v in r["shape"].split(" x "))
         assert r["fwd_bytes"] == 2 * n * d * 4 + d * 4 and r["fwd_bwd_bytes"] == 5 * n * d * 4 + 2 * d * 4
@@ -4628,10 +4630,16 @@ def test_bench_rmsnorm_rows_table_and_cuda_check(tmp_path):
         copy = next(c for c in rows if c["shape"] == r["shape"] and c["method"] == "copy")
         assert cells[4] == f"{100 * r['fwd_gb_s'] / copy['fwd_gb_s']:.0f}%"
         if r["method"] == "copy":
-            assert r["fwd_bwd_ms"] is None and cells[4] == "100%" and cells[5:] == ["—"] * 3
+            assert r["fwd_bwd_ms"] is None and cells[4] == "100%" and cells[5:] == ["—"] * 4
         else:
             assert math.isclose(r["fwd_bwd_gb_s"], r["fwd_bwd_bytes"] / r["fwd_bwd_ms"] / 1e6)
             assert cells[7] == f"{100 * r['fwd_bwd_gb_s'] / copy['fwd_gb_s']:.0f}%"
+            bwd_bytes = r["fwd_bwd_bytes"] - r["fwd_bytes"]
+            if r["fwd_bwd_ms"] > r["fwd_ms"]:  # the backward's bytes over its share of the time
+                assert math.isclose(r["bwd_gb_s"], bwd_bytes / (r["fwd_bwd_ms"] - r["fwd_ms"]) / 1e6)
+                assert cells[8] == f"{100 * r['bwd_gb_s'] / copy['fwd_gb_s']:.0f}%"
+            else:
+                assert r["bwd_gb_s"] is None and cells[8] == "—"
     if not torch.cuda.is_available():
         _expect(SystemExit, ["needs CUDA"], bench.main, ["rmsnorm"])
     else:
