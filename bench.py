@@ -1346,7 +1346,8 @@ def cmd_gpt2(argv):
                    "for every RMSNorm on impl='triton' (each block's norms with their residual adds in one kernel "
                    "each way, flash.add_rms_norm; default: PyTorch ops that inductor fuses), ':autocast' "
                    "for autocast's own Linear product (model.LINEAR_FP32_WEIGHT_GRADS off: weight gradients in "
-                   "bf16, then cast)")
+                   "bf16, then cast), ':coordinate_descent' for inductor's coordinate-descent tuning (each "
+                   "generated elementwise and reduction kernel's block sizes and warps benchmarked at compile time)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)
@@ -1362,9 +1363,11 @@ def cmd_gpt2(argv):
     variants = [v.split(":") for v in args.variants.split(",") if v]
     for v in variants:
         if v[0] not in ATTN_IMPLS or not set(v[1:]) <= {"tied", "graphs", "step_graph", "rope_inside", "library_ops",
-                                                        "autotune", "triton_norm", "autocast"}:
+                                                        "autotune", "triton_norm", "autocast",
+                                                        "coordinate_descent"}:
             raise SystemExit(f"--variants: {':'.join(v)!r} is not ATTN[:tied][:graphs|:step_graph][:rope_inside]"
-                             f"[:library_ops][:autotune][:triton_norm][:autocast] with ATTN one of {ATTN_IMPLS}")
+                             f"[:library_ops][:autotune][:triton_norm][:autocast][:coordinate_descent] with ATTN "
+                             f"one of {ATTN_IMPLS}")
         if {"graphs", "step_graph"} <= set(v):
             raise SystemExit(f"--variants: {':'.join(v)!r}: ':graphs' and ':step_graph' are two ways to the same end")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
@@ -1429,15 +1432,21 @@ def cmd_gpt2(argv):
             (", autocast's Linear" if "autocast" in tags else "") + \
             (", RoPE inside" if "rope_inside" in tags else "") + \
             (", flash through its operators" if "library_ops" in tags else "") + \
-            (", max-autotune" if "autotune" in tags else "") + " + our AdamW"
+            (", max-autotune" if "autotune" in tags else "") + \
+            (", coordinate-descent tuned" if "coordinate_descent" in tags else "") + " + our AdamW"
         switches = [(flash, "TRITON_OPS"), (model_py, "FLASH_FUSED_ROPE"), (model_py, "LINEAR_FP32_WEIGHT_GRADS")]
         defaults = [getattr(module, name) for module, name in switches]
         model_py.FLASH_FUSED_ROPE = "rope_inside" in tags
         flash.TRITON_OPS = flash.TRITON_OPS and "library_ops" not in tags
         model_py.LINEAR_FP32_WEIGHT_GRADS = model_py.LINEAR_FP32_WEIGHT_GRADS and "autocast" not in tags
+        tuning = contextlib.nullcontext()
+        if "coordinate_descent" in tags:  # (compiling happens in the first steps: the patch spans them all)
+            import torch._inductor.config as inductor_config
+            tuning = inductor_config.patch(coordinate_descent_tuning=True)
         try:
-            rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
-                              graphs=graphs, autotune="autotune" in tags, step_graph=step_graph))
+            with tuning:
+                rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
+                                  graphs=graphs, autotune="autotune" in tags, step_graph=step_graph))
         finally:
             for (module, name), value in zip(switches, defaults):
                 setattr(module, name, value)

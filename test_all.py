@@ -4457,17 +4457,32 @@ def test_bench_compile_side_by_side(tmp_path):
 
 def test_bench_gpt2_variant_tags_pick_the_compile_mode():
     """bench.py gpt2 compiles each variant's step in the mode its tags ask for (':autotune': max-autotune, without
-    CUDA graphs unless ':graphs' runs on a GPU; the peer in the default mode), and names it in the row."""
-    modes, real = [], torch.compile
-    torch.compile = lambda fn=None, **kw: modes.append(kw.get("mode")) or fn
+    CUDA graphs unless ':graphs' runs on a GPU; the peer in the default mode), with inductor's coordinate-descent
+    tuning on through every step of a ':coordinate_descent' variant only, and names it in the row."""
+    import torch._inductor.config as inductor_config
+    modes, tuned, real = [], {}, torch.compile
+
+    def fake_compile(fn=None, **kw):
+        modes.append(kw.get("mode"))
+        n = len(modes)
+
+        def run(*args):
+            tuned.setdefault(n, set()).add(inductor_config.coordinate_descent_tuning)
+            return fn(*args)
+        return run
+    torch.compile = fake_compile
     try:
         text = run_bench(["gpt2", "--vocab_size", "64", "--context_length", "8", "--d_model", "16", "--num_layers",
                           "1", "--num_heads", "2", "--d_ff", "32", "--batch_size", "2", "--variants",
-                          "naive:tied,naive:tied:autotune", "--warmup", "1", "--steps", "1", "--device", "cpu"])
+                          "naive:tied,naive:tied:autotune,naive:tied:coordinate_descent", "--warmup", "1", "--steps",
+                          "1", "--device", "cpu"])
     finally:
         torch.compile = real
-    assert modes == [None, "max-autotune-no-cudagraphs", None], modes
+    assert modes == [None, "max-autotune-no-cudagraphs", None, None], modes
+    assert tuned == {1: {False}, 2: {False}, 3: {True}, 4: {False}}, tuned
+    assert not inductor_config.coordinate_descent_tuning
     assert "ours: TransformerLM, tied, max-autotune + our AdamW" in text
+    assert "ours: TransformerLM, tied, coordinate-descent tuned + our AdamW" in text
     _expect(SystemExit, ["[:autotune]"], bench.main, ["gpt2", "--variants", "naive:fast"])
 
 
