@@ -63,8 +63,8 @@
 # tests_triton    python3 test_all.py on the GPU, natively: the Triton kernels'     ~240 s
 #                 tests (dense, ragged, GQA, varlen, RoPE inside, compiled ops,
 #                 launch plans)
-# tests_gluon     the same: the Gluon kernels against float64                       over 230 s (not yet
-#                 (test_flash_gpu_gluon_matches_reference)                          measured in one piece)
+# tests_gluon     the same: the Gluon kernels against float64                       ~260 s
+#                 (test_flash_gpu_gluon_matches_reference)
 # tests_model     the same: the mixed kernel families, the norms, the model, the    ~180 s (most of it;
 #                 CUDA-graph steps, bench.py's GPU rows                             the rest not yet timed)
 set -u
