@@ -1457,6 +1457,24 @@ def test_flash_add_rms_norm_matches_float64_reference():
     _check_add_rms_norm((300, 4100), f32, f32, None, 1e-5, gen)  # dh added without the backward's prefetch
 
 
+def test_flash_rms_norm_backward_reads_no_zero_filled_gradient():
+    # rms_norm's autograd Function also returns its input h (for add_rms_norm's residual); nothing uses it, so its
+    # gradient must reach the backward kernel as None, not as a tensor of zeros it would read and add
+    gen = torch.Generator().manual_seed(34)
+    calls, real = [], flash._rms_norm_backward
+    flash._rms_norm_backward = lambda dy, x, w, rstd, dh=None: calls.append(dh) or real(dy, x, w, rstd, dh)
+    try:
+        x = torch.randn(6, 32, generator=gen).to(DEVICE).requires_grad_()
+        w = torch.randn(32, generator=gen).to(DEVICE).requires_grad_()
+        flash.rms_norm(x, w).square().sum().backward()
+        h, y = flash.add_rms_norm(x, x.detach(), w, 1e-5)
+        (h.sum() + y.square().sum()).backward()  # both used: the residual's gradient is added in the kernel
+    finally:
+        flash._rms_norm_backward = real
+    assert len(calls) == 2 and calls[0] is None and calls[1] is not None
+    assert torch.equal(calls[1], torch.ones_like(calls[1]))
+
+
 def test_triton_norm_block_matches_torch_block():
     """TransformerBlock with both norms on impl="triton" (flash.add_rms_norm, each with its residual add) against
     the PyTorch formulas: fp32 outputs and every gradient within 1e-5; under bf16 autocast within bf16's rounding
