@@ -1370,6 +1370,7 @@ def cmd_gpt2(argv):
                              f"one of {ATTN_IMPLS}")
         if {"graphs", "step_graph"} <= set(v):
             raise SystemExit(f"--variants: {':'.join(v)!r}: ':graphs' and ':step_graph' are two ways to the same end")
+    import torch._inductor.config as inductor_config  # (':coordinate_descent')
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS if device.type == "cuda" else None)
     reference = args.reference_tokens_per_s
     torch.manual_seed(args.seed)
@@ -1434,19 +1435,18 @@ def cmd_gpt2(argv):
             (", flash through its operators" if "library_ops" in tags else "") + \
             (", max-autotune" if "autotune" in tags else "") + \
             (", coordinate-descent tuned" if "coordinate_descent" in tags else "") + " + our AdamW"
-        switches = [(flash, "TRITON_OPS"), (model_py, "FLASH_FUSED_ROPE"), (model_py, "LINEAR_FP32_WEIGHT_GRADS")]
+        # module switches, set for this variant's whole run (it compiles in its first steps) and restored after
+        switches = [(flash, "TRITON_OPS"), (model_py, "FLASH_FUSED_ROPE"), (model_py, "LINEAR_FP32_WEIGHT_GRADS"),
+                    (inductor_config, "coordinate_descent_tuning")]
         defaults = [getattr(module, name) for module, name in switches]
         model_py.FLASH_FUSED_ROPE = "rope_inside" in tags
         flash.TRITON_OPS = flash.TRITON_OPS and "library_ops" not in tags
         model_py.LINEAR_FP32_WEIGHT_GRADS = model_py.LINEAR_FP32_WEIGHT_GRADS and "autocast" not in tags
-        tuning = contextlib.nullcontext()
-        if "coordinate_descent" in tags:  # (compiling happens in the first steps: the patch spans them all)
-            import torch._inductor.config as inductor_config
-            tuning = inductor_config.patch(coordinate_descent_tuning=True)
+        inductor_config.coordinate_descent_tuning = inductor_config.coordinate_descent_tuning or \
+            "coordinate_descent" in tags
         try:
-            with tuning:
-                rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
-                                  graphs=graphs, autotune="autotune" in tags, step_graph=step_graph))
+            rows.append(bench(name, attn, ours, lambda a, b, net=ours: net(a, targets=b), optimizer, ours_flops,
+                              graphs=graphs, autotune="autotune" in tags, step_graph=step_graph))
         finally:
             for (module, name), value in zip(switches, defaults):
                 setattr(module, name, value)
