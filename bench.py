@@ -3262,12 +3262,12 @@ def cmd_sass(argv):
                                                                  attrs=divisible(fn, sig)))
         tiles = flash._gluon_head_tiles(d) if flash.gluon is not None else None
         if tiles is not None:
-            gl = flash.gl
             main, tail = tiles
 
-            def desc(rows, cols, dtype="bf16"):  # the type of a descriptor of (rows x cols) tiles
+            def desc(rows, cols, dtype="bf16", swizzle=None):  # the type of a descriptor of (rows x cols) tiles
                 block = [rows, 1, cols] if args.varlen else [1, 1, rows, cols]
-                layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32 if dtype == "fp32" else gl.bfloat16)
+                layout = flash._smem_layout(tuple(block), torch.float32 if dtype == "fp32" else torch.bfloat16,
+                                            swizzle)
                 return f"tensordesc<{dtype}{block},{layout!r}>"
 
             m, n, stages = flash.GLUON_FWD_CONFIGS[main + tail]
@@ -3283,15 +3283,16 @@ def cmd_sass(argv):
             sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
             rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
                 fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True, attrs=divisible(fn, sig)))
-            m, n, stages, split, _ = flash.GLUON_BWD_CONFIGS[main + tail]
+            m, n, stages, split, _, dq_swizzle = flash.GLUON_BWD_CONFIGS[main + tail]
             cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, CAUSAL=not args.full,
                       VARLEN=args.varlen, DYNAMIC=flash._gluon_bwd_persistent(main + tail) > 0)
             cx["DKV_TMA"] = flash._gluon_bwd_dkv_tma(tail, cx["DYNAMIC"], 1024, split)  # as at S=1024
+            dq = desc(m, main // split, "fp32", dq_swizzle)  # (a tail's dQ tiles: the default swizzle)
             types = {"q_desc": desc(m, main), "do_desc": desc(m, main), "k_desc": desc(n, main),
-                     "v_desc": desc(n, main), "dq_desc": desc(m, main // split, "fp32"),
+                     "v_desc": desc(n, main), "dq_desc": dq,
                      "qt_desc": desc(m, tail or main), "dot_desc": desc(m, tail or main),
                      "kt_desc": desc(n, tail or main), "vt_desc": desc(n, tail or main),
-                     "dqt_desc": desc(m, tail or main // split, "fp32"), "dk_desc": desc(n, main),
+                     "dqt_desc": desc(m, tail, "fp32") if tail else dq, "dk_desc": desc(n, main),
                      "dv_desc": desc(n, main), **SASS_TYPES}
             fn = flash._gl_attn_bwd
             sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}

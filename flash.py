@@ -1023,14 +1023,23 @@ def _gluon_fwd_o_tma(tail):
 # warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward. D=128:
 # the split (with two dQ buffers per warpgroup) took the backward from 368 to 527 TFLOP/s at S=16384, and smem is full
 # (226 KiB) at two stages; D=64: three stages beat two by 1-3%, the split does not pay (measured on the H200). 80
-# and 96 (64 + a tail, no split): shared memory holds three stages at 80 (213 KiB), two at 96 (225 KiB). Last, the
+# and 96 (64 + a tail, no split): shared memory holds three stages at 80 (213 KiB), two at 96 (225 KiB). Fifth, the
 # grid: True = persistent with dynamic scheduling, as the forward's; False = one CTA per item. Measured on the H200
 # (backward alone, cold L2), dynamic against the kernel before it (one CTA per key tile): D=64 1.03x at S=1k, 1.00x
 # from 4k, 1.12x on long packed documents; D=80 1.03x; D=128 0.84-0.96x: its consumers are at the register limit,
 # and the persistent loop's item bookkeeping (numbers that were kernel arguments) spills into the inner loop (28
 # local loads a query tile against 7); one CTA per item lets the compiler drop the loop (0.2-2.9% from before).
-GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True), 80: (64, 64, 3, 1, True), 96: (64, 64, 2, 1, True),
-                     128: (64, 64, 2, 2, False)}
+# Sixth, the swizzle (bytes) of the fp32 dQ shares in shared memory. A consumer thread holds two adjacent columns of a
+# row and writes them with one 8-byte store, which shared memory serves a half-warp (4 rows x 32 bytes) at a time; in
+# 128-byte swizzled rows those 4 rows XOR only the two low 16-byte chunk bits, so pairs of them hit the same banks
+# (ncu, D=128 S=4096: the dQ stores took twice their ideal wavefronts, 8% of the backward's shared-memory wavefronts,
+# and the consumers stalled on them and on the fence after them). With 32 bytes the tile is 8-column blocks, the 4
+# rows fill one 128-byte line, and the dQ warp's TMA reduce-adds go out in 8-column boxes (4x the boxes). Measured on
+# the H200 (backward alone, three rounds in one run): D=128 1.1-1.3% faster at S=1024 and 4096, level from 16384 and
+# on packed documents; D=64 and 80 (twice the boxes per unit of work) 1.12-1.30x slower, so they keep 128. (A tail's
+# dQ tiles always take the widest swizzle: with 32 bytes the D=80 kernel spills, `bench.py sass`.)
+GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True, 128), 80: (64, 64, 3, 1, True, 128),
+                     96: (64, 64, 2, 1, True, 128), 128: (64, 64, 2, 2, False, 32)}
 GLUON_PINGPONG = True
 # The backward's grid: None = as GLUON_BWD_CONFIGS says for the head dim, else k as the forward's
 # GLUON_FWD_PERSISTENT, for every head dim (FLASH_BWD_PERSISTENT=k).
@@ -2094,23 +2103,28 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
 
 
 @functools.cache
-def _smem_layout(block, dtype):
-    """The shared-memory layout of a TMA tile, made once per (block, dtype): building it is most of a descriptor's
-    host cost (9 of 13 us, timed on a CPU)."""
+def _smem_layout(block, dtype, swizzle=None):
+    """The shared-memory layout of a TMA tile, made once per (block, dtype, swizzle): building it is most of a
+    descriptor's host cost (9 of 13 us, timed on a CPU). swizzle: its swizzle width in bytes, else the widest the
+    tile's rows allow."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    if swizzle is not None:
+        return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=gl_dtype.primitive_bitwidth,
+                                    rank=len(block))
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
-def _descriptor(x, rows, varlen, cols):
+def _descriptor(x, rows, varlen, cols, swizzle=None):
     """A TMA descriptor over x for tiles of `rows` rows and `cols` columns of one head: (rows, 1, cols) packed,
     (1, 1, rows, cols) dense. Tiles reaching past x's rows or columns read zeros there; stores there are dropped."""
     block = (rows, 1, cols) if varlen else (1, 1, rows, cols)
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), _smem_layout(block, x.dtype))
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), _smem_layout(block, x.dtype, swizzle))
 
 
-def _head_descriptors(x, rows, varlen, main, tail):
-    """The descriptors of x's main tiles and of its tail tiles (the main ones again where there is no tail)."""
-    desc = _descriptor(x, rows, varlen, main)
+def _head_descriptors(x, rows, varlen, main, tail, swizzle=None):
+    """The descriptors of x's main tiles (swizzled `swizzle` bytes if given) and of its tail tiles (the main ones
+    again where there is no tail)."""
+    desc = _descriptor(x, rows, varlen, main, swizzle)
     return desc, _descriptor(x, rows, varlen, tail) if tail else desc
 
 
@@ -2165,7 +2179,7 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
     config = GLUON_BWD_CONFIGS[main + tail]
-    block_m, block_n, stages, dq_split, _ = config
+    block_m, block_n, stages, dq_split, _, dq_swizzle = config
     batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                          max_seqlen_q)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
@@ -2207,9 +2221,9 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     grid_delta, delta_args, grid, dynamic, consts, plans = _memo(sig, build)
     _launch(_attn_bwd_delta, grid_delta, o, dop, delta, dq_acc, cu, plans=plans, **delta_args)
     (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc), (dq_desc, dqt_desc) = (
-        _head_descriptors(x, rows, varlen, cols, tail) for x, rows, cols in (
-            (qp, block_m, main), (dop, block_m, main), (kp, block_n, main), (vp, block_n, main),
-            (dq_acc, block_m, main // dq_split)))
+        _head_descriptors(x, rows, varlen, cols, tail, swizzle) for x, rows, cols, swizzle in (
+            (qp, block_m, main, None), (dop, block_m, main, None), (kp, block_n, main, None),
+            (vp, block_n, main, None), (dq_acc, block_m, main // dq_split, dq_swizzle)))
     dk_desc, dv_desc = ((_descriptor(dk, block_n, varlen, main), _descriptor(dv, block_n, varlen, main))
                         if consts["DKV_TMA"] else (k_desc, v_desc))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
