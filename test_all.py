@@ -4955,6 +4955,27 @@ def test_bench_varlen_block_diagonal_nested_and_xformers_rows():
             assert "not installed" in str(e)
 
 
+def test_nanogpt_peer_reads_the_checkouts_time_and_refuses_bad_paths(tmp_path):
+    # gpu/nanogpt_peer.py runs bench.py of a nanoGPT checkout as it is and reads its line "time per iteration";
+    # here a stand-in checkout with nanoGPT's settings and that line, and no checkout at all
+    script = str(ROOT / "gpu" / "nanogpt_peer.py")
+    (tmp_path / "bench.py").write_text("import sys\nbatch_size, block_size, compile, dtype = 12, 1024, True, "
+                                       "'bfloat16'\nassert sys.argv[1:] == ['--real_data=False']\n"
+                                       "print('19/20 loss: 10.9')\nprint('time per iteration: 26.6600ms, MFU: 1%')\n")
+    out = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("nanoGPT: batch 12 x 1024, compile True, bfloat16, random data: 26.66 ms/step"), lines
+    assert lines[-1] == f"nanoGPT tokens/s {12 * 1024 / 26.66e-3:.0f}"
+    for argv in ([], [str(tmp_path / "missing")]):
+        out = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+            "usage: python gpu/nanogpt_peer.py PATH_TO_NANOGPT (a checkout with bench.py and model.py)"], out.stderr
+    (tmp_path / "bench.py").write_text("print('no timing here')\n")
+    out = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "printed no 'time per iteration'" in out.stderr
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # runner
 # ---------------------------------------------------------------------------------------------------------------

@@ -21,6 +21,9 @@
 # train           gpt2 (GPT-2-small shape: ours sdpa, flash, flash + CUDA graphs    ~180 s
 #                 per micro-step, flash + the step as one CUDA graph, vs a
 #                 torch.nn peer)
+# nanogpt         nanoGPT's own bench.py (NANOGPT_DIR: a checkout of                ~260 s
+#                 karpathy/nanoGPT), then gpt2 with the step as one CUDA graph
+#                 and nanoGPT's tokens/s as the reference; twice over
 # train_autotune  gpt2: flash compiled in max-autotune mode, beside the default     135 s with inductor's
 #                 mode and the torch.nn peer                                        autotune cache warm; from
 #                                                                                   cold it did not end within
@@ -70,7 +73,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_work train train_autotune xl xl_graphs xl_memory xl_linear adamw train_small
+ALL_PARTS=(attention attention_work train nanogpt train_autotune xl xl_graphs xl_memory xl_linear adamw train_small
            train_graphs train_pack varlen hf leaderboard
            sweep sweep_compiled suite tests_triton tests_gluon tests_model)
 source gpu/common.sh
@@ -93,6 +96,25 @@ part_attention_work() {
 part_train() {
     begin_part train 570
     run_md gpt2 560 "$PY" bench.py gpt2 --json @JSON@ --plot @PNG@
+}
+
+part_nanogpt() {
+    begin_part nanogpt 570
+    # nanoGPT's own bench.py (a checkout of karpathy/nanoGPT at NANOGPT_DIR, carried to the machine) and then ours
+    # (the step as one CUDA graph) with nanoGPT's tokens/s as the reference, twice over: ratio and peaks in one call
+    if [ ! -f "${NANOGPT_DIR:-}/bench.py" ]; then
+        printf '\n**nanogpt: not run, NANOGPT_DIR names no nanoGPT checkout.**\n' | tee -a "$P.md"
+        return 1
+    fi
+    local round ref
+    for round in 1 2; do
+        run_log "nanogpt_$round" 150 "$PY" gpu/nanogpt_peer.py "$NANOGPT_DIR"
+        grep '^nanoGPT: ' "$P.log" | tail -n 1 >>"$P.md"
+        ref=$(sed -n 's|^nanoGPT tokens/s \([0-9]*\)$|\1|p' "$P.log" | tail -n 1)
+        [ -n "$ref" ] || return 1
+        run_md "gpt2_$round" 200 "$PY" bench.py gpt2 --variants flash:tied:step_graph --reference_tokens_per_s "$ref" \
+            --json @JSON@
+    done
 }
 
 part_train_autotune() {

@@ -1,0 +1,46 @@
+"""nanoGPT's own benchmark as the peer of `bench.py gpt2`: runs bench.py of a nanoGPT checkout (karpathy/nanoGPT,
+not part of this repository) on random data, compiled, in bf16, its defaults otherwise (GPT-2 124M, batch 12 x
+1024), and prints its time per step, tokens/s and, on CUDA, the peak of torch's allocator after its run (nanoGPT
+prints no memory figure).
+
+    python gpu/nanogpt_peer.py PATH_TO_NANOGPT
+
+The last line reads `nanoGPT tokens/s N`, which `PART=nanogpt bash gpu/h200.sh` hands to `bench.py gpt2
+--reference_tokens_per_s`.
+"""
+import contextlib
+import io
+import os
+import re
+import runpy
+import sys
+
+import torch
+
+
+def main():
+    if len(sys.argv) != 2 or not os.path.isfile(os.path.join(sys.argv[1], "bench.py")):
+        raise SystemExit("usage: python gpu/nanogpt_peer.py PATH_TO_NANOGPT (a checkout with bench.py and model.py)")
+    root = os.path.abspath(sys.argv[1])
+    os.chdir(root)  # its bench.py reads configurator.py and imports model from its own folder
+    sys.path.insert(0, root)
+    sys.argv = ["bench.py", "--real_data=False"]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        config = runpy.run_path("bench.py", run_name="__main__")
+    found = re.search(r"time per iteration: ([0-9.]+)ms", log.getvalue())
+    if found is None:
+        raise SystemExit("gpu/nanogpt_peer.py: nanoGPT's bench.py printed no 'time per iteration'")
+    ms = float(found.group(1))
+    tokens = config["batch_size"] * config["block_size"]
+    peak = f"{torch.cuda.max_memory_allocated() / 2**20:,.0f} MiB" if cuda else "no CUDA"
+    print(f"nanoGPT: batch {config['batch_size']} x {config['block_size']}, compile {config['compile']}, "
+          f"{config['dtype']}, random data: {ms:.2f} ms/step, peak {peak}")
+    print(f"nanoGPT tokens/s {tokens / ms * 1e3:.0f}")
+
+
+if __name__ == "__main__":
+    main()
