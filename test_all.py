@@ -4976,6 +4976,51 @@ def test_nanogpt_peer_reads_the_checkouts_time_and_refuses_bad_paths(tmp_path):
     assert out.returncode == 1 and "printed no 'time per iteration'" in out.stderr
 
 
+def test_ncu_attention_summarizes_ncu_csv_pages_and_runs_the_workload(tmp_path):
+    # gpu/ncu_attention.py summary on pages in the layout ncu writes (raw: header, units, a row per launch; source:
+    # a '"Kernel Name"' line before each kernel's table): times in the units given, the tensor cores' share, stall
+    # samples summed by reason and ranked by instruction, shared wavefronts by opcode with their excess over ideal
+    tensor = "sm__ops_path_tensor_op_hgmma_src_bf16_dst_fp32_sparsity_off.sum.pct_of_peak_sustained_elapsed"
+    raw = tmp_path / "raw.csv"
+    raw.write_text('"ID","Kernel Name","gpu__time_duration.sum","sm__cycles_elapsed.avg.per_second","%s"\n'
+                   '"","","usecond","Ghz","%%"\n"0","_gl_attn_fwd","233.408","1.736418","35.279985"\n'
+                   '"1","_gl_attn_bwd","1,327.968","1.777560","55.526205"\n' % tensor)  # (one unit a column)
+    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "L1 Wavefronts Shared",
+            "L1 Wavefronts Shared Ideal", "stall_barrier", "stall_long_sb", "stall_mio", "stall_barrier (Not Issued)"]
+    body = [["0x10", "      STS.64 [R3+0x4000], R16", "261", "262,144", "1,048,576", "524,288", "3", "0", "158", "9"],
+            ["0x20", "      @!P0  BRA 0x7f86", "10,078", "65,536", "0", "0", "0", "10,075", "0", "0"],
+            ["0x30", "      STS.64 [R3+0x4400], R18", "63", "262,144", "1,048,576", "524,288", "0", "0", "13", "0"],
+            ["0x40", "      HGMMA.64x64x16.F32.BF16 R152, gdesc[UR44], RZ", "68", "270,336", "2,162,688",
+             "2,162,688", "15", "0", "8", "0"]]
+    table = "\n".join(",".join(f'"{c}"' for c in row) for row in [cols] + body)
+    (tmp_path / "source.csv").write_text(f'"Kernel Name","_gl_attn_fwd",\n{table}\n"Kernel Name","_gl_attn_bwd",\n'
+                                         f'{table}\n')
+    script = str(ROOT / "gpu" / "ncu_attention.py")
+    out = subprocess.run([sys.executable, script, "summary", str(raw), str(tmp_path / "source.csv"), "--top", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "0.233 ms at 1.74 GHz; tensor cores (bf16 wgmma) at 35.3% of their peak" in text
+    assert "1.328 ms at 1.78 GHz; tensor cores (bf16 wgmma) at 55.5%" in text
+    assert text.count("## _gl_attn_fwd: warp-state samples (10,272)") == 1  # 3+158+10,075+13+15+8, not Not Issued
+    assert "| long_sb | 10,075 | 98.1% |" in text and "| mio | 179 | 1.7% |" in text
+    ranked = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 0 |")]
+    assert ranked[:2] == ["| 1 | `@!P0  BRA 0x7f86` | 65,536 | 10,078 | long_sb 10075 |",
+                          "| 0 | `STS.64 [R3+0x4000], R16` | 262,144 | 261 | mio 158, barrier 3 |"], ranked
+    assert "| STS.64 | 2,097,152 | 49.2% | 1,048,576 | 1,048,576 |" in text
+    assert "| HGMMA.64x64x16.F32.BF16 | 2,162,688 | 50.8% | 2,162,688 | 0 |" in text
+    out = subprocess.run([sys.executable, script, "summary", str(tmp_path / "source.csv"), str(raw)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        f"{tmp_path / 'source.csv'}: not ncu's raw CSV page (its 'ID' and 'Kernel Name' columns, a row per launch)"]
+    out = subprocess.run([sys.executable, script, "run", "1", "2", "100", "64"], capture_output=True, text=True,
+                         timeout=600)  # the workload (with no profiler attached, the profiled range is a no-op)
+    if torch.cuda.is_available():
+        assert out.returncode == 0 and "profiled one forward+backward: B=1 H=2 S=100 D=64" in out.stdout, out.stderr
+    else:
+        assert out.returncode == 1 and out.stderr.strip() == "gpu/ncu_attention.py run: needs a CUDA GPU"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # runner
 # ---------------------------------------------------------------------------------------------------------------

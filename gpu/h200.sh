@@ -15,6 +15,10 @@
 # attention       attention: dense causal shapes (B·S = 16384, H·D = 2048, B=1      150 s (dense and packed;
 #                 H=32 S=32768, the 2.7B model's) and packed documents: ours        then the batch-1 sweep with
 #                 (Gluon kernels on Hopper), ours-triton, cuDNN, FlexAttention      what is left of 400 s)
+# ncu_attention   Nsight Compute on the Gluon kernels (D=128 S=4096; the D=64       not yet run as a part
+#                 forward at S=1024): gpu/ncu_attention.py's tables (time, tensor    (its ncu commands by
+#                 cores' share of peak, stall reasons, the SASS lines with the      hand: ~80 s)
+#                 most samples, shared-memory wavefronts against the ideal)
 # attention_work  attention --parts work: D=64 at S 512-2048 over B·H, flash.py's   ~50 s
 #                 pick and the Gluon and Triton kernels each forced, beside cuDNN
 #                 (the D=64 rule)
@@ -73,8 +77,8 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_work train nanogpt train_autotune xl xl_graphs xl_memory xl_linear adamw train_small
-           train_graphs train_pack varlen hf leaderboard
+ALL_PARTS=(attention ncu_attention attention_work train nanogpt train_autotune xl xl_graphs xl_memory xl_linear adamw
+           train_small train_graphs train_pack varlen hf leaderboard
            sweep sweep_compiled suite tests_triton tests_gluon tests_model)
 source gpu/common.sh
 
@@ -86,6 +90,27 @@ part_attention() {
     # The dense and packed cases run first; the batch-1 sweep fills what is left of the 400 s budget.
     run_md attention 560 "$PY" bench.py attention --rep 25 --methods ours,ours-triton,sdpa-cudnn,flex \
         --time_budget 400 --json @JSON@ --plot @PNG@
+}
+
+part_ncu_attention() {
+    begin_part ncu_attention 570
+    # Nsight Compute on the Gluon kernels (D=128 S=4096 both ways; the D=64 forward at S=1024, whose backward is
+    # Triton's there): each report kept (gzipped) and summarized by gpu/ncu_attention.py
+    local ncu spec name tmp
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    tmp=$(mktemp -d)
+    for spec in "d128_s4096 4 16 4096 128" "d64_s1024 16 32 1024 64"; do
+        set -- $spec
+        name=$1
+        shift
+        run_log "ncu_$name" 240 "$ncu" --profile-from-start off --clock-control none --set full --import-source no \
+            -k regex:_gl_attn -o "$P-$name" -f "$PY" gpu/ncu_attention.py run "$@" || continue
+        "$ncu" -i "$P-$name.ncu-rep" --page raw --csv >"$tmp/raw.csv" 2>>"$P.log"
+        "$ncu" -i "$P-$name.ncu-rep" --page source --csv --print-source sass >"$tmp/source.csv" 2>>"$P.log"
+        printf '\n# B H S D = %s\n\n' "$*" >>"$P.md"
+        run_md "summary_$name" 60 "$PY" gpu/ncu_attention.py summary "$tmp/raw.csv" "$tmp/source.csv"
+    done
+    rm -rf "$tmp"
 }
 
 part_attention_work() {
