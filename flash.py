@@ -2220,10 +2220,10 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
                               and _tma_ready(dv))))
     grid_delta, delta_args, grid, dynamic, consts, plans = _memo(sig, build)
     _launch(_attn_bwd_delta, grid_delta, o, dop, delta, dq_acc, cu, plans=plans, **delta_args)
-    (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc), (dq_desc, dqt_desc) = (
-        _head_descriptors(x, rows, varlen, cols, tail, swizzle) for x, rows, cols, swizzle in (
-            (qp, block_m, main, None), (dop, block_m, main, None), (kp, block_n, main, None),
-            (vp, block_n, main, None), (dq_acc, block_m, main // dq_split, dq_swizzle)))
+    (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
+        _head_descriptors(x, rows, varlen, main, tail) for x, rows in (
+            (qp, block_m), (dop, block_m), (kp, block_n), (vp, block_n)))
+    dq_desc, dqt_desc = _head_descriptors(dq_acc, block_m, varlen, main // dq_split, tail, dq_swizzle)
     dk_desc, dv_desc = ((_descriptor(dk, block_n, varlen, main), _descriptor(dv, block_n, varlen, main))
                         if consts["DKV_TMA"] else (k_desc, v_desc))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse

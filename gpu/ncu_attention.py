@@ -31,11 +31,11 @@ def run(b, h, s, d):
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
-    for profiled in (False, False, False, True):  # warm-ups compile and autotune outside the profiled range
-        if profiled:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStart()
+    for _ in range(3):  # warm-ups: compiling and autotuning stay outside the profiled range
         flash.flash_attention(q, k, v, causal=True).backward(do)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    flash.flash_attention(q, k, v, causal=True).backward(do)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     print(f"profiled one forward+backward: B={b} H={h} S={s} D={d}, causal bf16")
@@ -50,7 +50,8 @@ def number(text):
 
 def raw_rows(path):
     """ncu's raw page: a header row, a units row, one row per kernel launch -> [(name, {metric: (value, unit)})]."""
-    rows = list(csv.reader(open(path, newline="")))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     if len(rows) < 3 or rows[0][:1] != ["ID"] or "Kernel Name" not in rows[0] or any(
             len(r) != len(rows[0]) for r in rows[1:]):
         raise SystemExit(f"{path}: not ncu's raw CSV page (its 'ID' and 'Kernel Name' columns, a row per launch)")
@@ -61,13 +62,14 @@ def raw_rows(path):
 def source_blocks(path):
     """ncu's source page with --csv: per kernel a line '"Kernel Name","NAME"', then a table -> {name: [row dicts]}."""
     blocks, name, lines = {}, None, []
-    for line in open(path, newline=""):
-        if line.startswith('"Kernel Name"'):
-            if name is not None:
-                blocks[name] = list(csv.DictReader(lines))
-            name, lines = next(csv.reader([line]))[1], []
-        elif name is not None:
-            lines.append(line)
+    with open(path, newline="") as f:
+        for line in f:
+            if line.startswith('"Kernel Name"'):
+                if name is not None:
+                    blocks[name] = list(csv.DictReader(lines))
+                name, lines = next(csv.reader([line]))[1], []
+            elif name is not None:
+                lines.append(line)
     if name is not None:
         blocks[name] = list(csv.DictReader(lines))
     if not blocks:
@@ -96,7 +98,7 @@ def summary(raw_path, source_path, top):
         all_samples = sum(totals.values()) or 1
         out.append(f"## {name}: warp-state samples ({all_samples:,})\n\n| reason | samples | share |\n|---|---|---|")
         out += [f"| {c} | {n:,} | {n / all_samples:.1%} |" for c, n in totals.most_common(8)]
-        out.append(f"\n| # | SASS | executed | samples | main reasons |\n|---|---|---|---|---|")
+        out.append("\n| # | SASS | executed | samples | main reasons |\n|---|---|---|---|---|")
         key = "Warp Stall Sampling (All Samples)"
         for i, r in sorted(enumerate(rows), key=lambda x: -number(x[1][key]))[:top]:
             main = sorted(((number(r[c]), c[6:]) for c in reasons), reverse=True)[:2]
