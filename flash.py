@@ -1654,6 +1654,7 @@ if gluon is not None:
                     start_m = (m_lo + i % n_iter) * BLOCK_M
                     rows = start_m + offs_q
                     mbarrier.wait(ready.index(slot), (tile // NUM_STAGES) & 1)
+                    lse_row = lse_smem.index(slot).load(col_st)  # read before the matmuls: its latency hides there
                     q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
                     do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
                     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)  # (not loop-carried)
@@ -1669,7 +1670,7 @@ if gluon is not None:
                     if TAIL > 0:
                         dpt = warpgroup_mma(vt, dot.permute((1, 0)), dpt, is_async=True)
                     st = warpgroup_mma_wait(num_outstanding=N_MM, deps=(st,))
-                    pt = gl.exp2(st * qk_scale - lse_smem.index(slot).load(col_st)[None, :])
+                    pt = gl.exp2(st * qk_scale - lse_row[None, :])
                     masked = key_ragged | (start_m + BLOCK_M > seqlen_q_b)
                     if CAUSAL:
                         masked = masked | (start_m < key_lo + BLOCK_N)
