@@ -991,8 +991,11 @@ except ImportError:  # a Triton without Gluon: the Triton kernels serve everythi
 # stages, which leave room for O's staging tiles (GLUON_FWD_O_TMA below; 192.5 of the 227 KiB shared memory; without
 # staging, three stages were level with two in one run), four at D=80 gain nothing; tiles of one head in a row
 # (HEAD_MAJOR) gain 6-10% from L2; the ping-pong turns move within +-2% (+1.9% at the 8B model's S=32768). Measured
-# on the H200 (BENCHMARKS.md, What we tried).
-GLUON_FWD_CONFIGS = {64: (64, 128, 3), 80: (64, 128, 3), 96: (64, 128, 3), 128: (64, 128, 2)}
+# on the H200 (BENCHMARKS.md, What we tried). Fourth, Q tiles per consumer warpgroup: with 2 the producer loads the
+# next item's Q as soon as it has issued this item's last K/V loads, instead of once both warpgroups have made their
+# last S (2-3% off the D=64 forward at S=1024 and on packed documents, level at D=80); D=128 keeps 1 (two would take
+# 224.6 KiB, and measured 3-7% slower at S=16384).
+GLUON_FWD_CONFIGS = {64: (64, 128, 3, 2), 80: (64, 128, 3, 2), 96: (64, 128, 3, 2), 128: (64, 128, 2, 1)}
 GLUON_HEAD_MAJOR = True
 # The forward's grid: k > 0 = persistent, k CTAs per SM taking work items dynamically: each CTA starts on item p
 # (its index) and its producer warp then claims the next untaken item from a counter in global memory (an atomic
@@ -1219,13 +1222,12 @@ if gluon is not None:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
+        Q_BUFS: gl.constexpr = q_smem.type.shape[0] // 2  # Q tiles per warpgroup (items in flight)
         if TAIL > 0:
             ot_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                 instr_shape=[16, TAIL, 16])
             pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ot_layout, k_width=2)
             row_ot: gl.constexpr = gl.SliceLayout(1, ot_layout)
-            qt = qt_smem.index(WG).reshape([BLOCK_M, TAIL])
         it = 0  # K/V tiles consumed so far (the ring position)
         w = 0  # turns taken so far
         n_done = 0  # work items done so far (the phase of q_bar)
@@ -1248,7 +1250,11 @@ if gluon is not None:
                 if TAIL > 0:
                     acc_t = gl.zeros([BLOCK_M, TAIL], gl.float32, layout=ot_layout)
                 s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-                mbarrier.wait(q_bar.index(WG), n_done & 1)
+                qi = 2 * (n_done % Q_BUFS) + WG
+                q = q_smem.index(qi).reshape([BLOCK_M, HEAD_DIM])
+                if TAIL > 0:
+                    qt = qt_smem.index(qi).reshape([BLOCK_M, TAIL])
+                mbarrier.wait(q_bar.index(qi), (n_done // Q_BUFS) & 1)
 
                 slot = it % NUM_STAGES  # key tile 0: S_0 and its softmax
                 mbarrier.wait(k_ready.index(slot), (it // NUM_STAGES) & 1)
@@ -1301,7 +1307,7 @@ if gluon is not None:
                     p = gl.convert_layout(p_next.to(q_smem.dtype), p_layout)
                     if TAIL > 0:
                         p_t = gl.convert_layout(p, pt_layout)
-                mbarrier.arrive(q_empty.index(WG), count=1)  # every S of this item is made: Q's slot is free
+                mbarrier.arrive(q_empty.index(qi), count=1)  # every S of this item is made: Q's slot is free
                 last = (it + n_tiles - 1) % NUM_STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NUM_STAGES) & 1)
                 v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
@@ -1414,10 +1420,11 @@ if gluon is not None:
                        counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
                        PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
-        """The producer warp, over the CTA's work items: both halves of Q once each warpgroup has released the
-        previous item's, then K_j and V_j, each into a ring slot once both consumers have released it (the empty
-        barriers start as if their phase 1 had completed)."""
+        """The producer warp, over the CTA's work items: both halves of Q, each into its warpgroup's Q tile of this
+        item (one of Q_BUFS, released Q_BUFS items ago), then K_j and V_j, each into a ring slot once both consumers
+        have released it (the empty barriers start as if their phase 1 had completed)."""
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        Q_BUFS: gl.constexpr = q_smem.type.shape[0] // 2
         it = 0
         n_done = 0
         item = gl.program_id(0)
@@ -1431,9 +1438,10 @@ if gluon is not None:
             if start_m < seqlen_q_b:
                 kv_h = h // group
                 for wg in gl.static_range(2):
-                    mbarrier.wait(q_empty.index(wg), (n_done & 1) ^ 1)
-                    mbarrier.expect(q_bar.index(wg), _gl_tile_bytes(q_desc, qt_desc, TAIL))
-                    _gl_load_tile(q_desc, qt_desc, q_bar.index(wg), q_smem.index(wg), qt_smem.index(wg),
+                    qi = 2 * (n_done % Q_BUFS) + wg
+                    mbarrier.wait(q_empty.index(qi), ((n_done // Q_BUFS) & 1) ^ 1)
+                    mbarrier.expect(q_bar.index(qi), _gl_tile_bytes(q_desc, qt_desc, TAIL))
+                    _gl_load_tile(q_desc, qt_desc, q_bar.index(qi), q_smem.index(qi), qt_smem.index(qi),
                                   b, h, q_start + start_m + wg * BLOCK_M, HEAD_DIM, TAIL, VARLEN)
                 for j in range(n_tiles):
                     slot = (it + j) % NUM_STAGES
@@ -1470,18 +1478,19 @@ if gluon is not None:
     def _gl_attn_fwd(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, O, LSE, cu_seqlens_q, stride_ob,
                      stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group,
                      m_tiles, n_bh, n_docs, n_items, counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr,
-                     O_TMA: gl.constexpr):
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                     CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr,
+                     DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
         """Work items of 2 x BLOCK_M query rows of one batch x head (_gl_fwd_tile), n_items = m_tiles * n_bh of
         them: one CTA per item (grid n_items), or DYNAMIC, a persistent grid of G CTAs that start on items 0..G-1
         and then take the next untaken one from `counter` (zero at launch), which the producer claims and passes
         to the consumers through the `sched` ring, loading the next item's tiles while the consumers finish."""
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
         if TAIL > 0:  # the last TAIL columns of the head dim (else the tail descriptors and tiles are never used)
-            qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [2] + qt_desc.block_type.shape, qt_desc.layout)
+            qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [2 * Q_BUFS] + qt_desc.block_type.shape,
+                                                qt_desc.layout)
             kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [NUM_STAGES] + kt_desc.block_type.shape,
                                                 kt_desc.layout)
             vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [NUM_STAGES] + vt_desc.block_type.shape,
@@ -1492,8 +1501,8 @@ if gluon is not None:
             o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
         else:
             o_smem = q_smem  # (unused)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -1504,11 +1513,12 @@ if gluon is not None:
         sched_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         sched_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
-            mbarrier.init(q_bar.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=1)
             mbarrier.init(turn.index(i), count=1)
             mbarrier.init(sched_ready.index(i), count=1)
             mbarrier.init(sched_empty.index(i), count=2)
+        for i in gl.static_range(2 * Q_BUFS):
+            mbarrier.init(q_bar.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # released by both consumer warpgroups
@@ -1666,7 +1676,8 @@ if gluon is not None:
                     if SPLIT:
                         if i > 0:  # the last tile's dQ share goes to shared memory while S^T is being made
                             _gl_bwd_put_dq(dq_prev, dq_prev, dq_smem, dqt_smem, dq_full, dq_empty, tile - 1, WG, 0)
-                    dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # dP^T
+                    minus_delta = zero_st - delta_smem.index(slot).load(col_st)[None, :]
+                    dpt = warpgroup_mma(v, do.permute((1, 0)), minus_delta, is_async=True)  # dP^T - Delta
                     if TAIL > 0:
                         dpt = warpgroup_mma(vt, dot.permute((1, 0)), dpt, is_async=True)
                     st = warpgroup_mma_wait(num_outstanding=N_MM, deps=(st,))
@@ -1685,16 +1696,18 @@ if gluon is not None:
                         pt_op_t = gl.convert_layout(pt_op, op_t_layout)
                         dv_t = warpgroup_mma(pt_op_t, dot, dv_t, is_async=True)
                     dpt = warpgroup_mma_wait(num_outstanding=N_MM, deps=(dpt,))
-                    dst = (pt * (dpt - delta_smem.index(slot).load(col_st)[None, :])).to(dtype)
+                    dst = (pt * dpt).to(dtype)
                     ds_smem.index(2 * buf + WG).store(dst)
-                    fence_async_shared()
-                    if SPLIT:
+                    if SPLIT:  # at once: the other warpgroup's dQ products wait for this dS
+                        fence_async_shared()
                         mbarrier.arrive(ds_ready.index(buf), count=1)
                     dst_op = gl.convert_layout(dst, op_layout)
                     dk = warpgroup_mma(dst_op, q, dk, is_async=True)                             # dK += dS^T Q
                     if TAIL > 0:
                         dst_op_t = gl.convert_layout(dst_op, op_t_layout)
                         dk_t = warpgroup_mma(dst_op_t, qt, dk_t, is_async=True)
+                    if not SPLIT:  # only this warpgroup reads its dS: the stores complete under dK's matmul
+                        fence_async_shared()
                     dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
                     if SPLIT:  # this warpgroup's columns of dQ_i, over both warpgroups' keys
                         mbarrier.wait(ds_ready.index(buf), (tile // 2) & 1)
@@ -2134,7 +2147,7 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
     config = GLUON_FWD_CONFIGS[main + tail]
-    block_m, block_n, stages = config
+    block_m, block_n, stages, q_bufs = config
     batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                                  max_seqlen_q)
     o = _empty_out(q)
@@ -2160,7 +2173,7 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
             **_strides("o", o, varlen), **lse_strides, head_dim=d, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             num_heads=heads, group=heads // kv_heads, m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items,
             DYNAMIC=dynamic, qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m,
-            BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
+            BLOCK_N=block_n, NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal, VARLEN=varlen,
             HEAD_MAJOR=GLUON_HEAD_MAJOR and not (varlen and dynamic), PINGPONG=GLUON_PINGPONG,
             O_TMA=_gluon_fwd_o_tma(tail) and _tma_ready(o), num_warps=4, maxnreg=168)
     grid, dynamic, consts, plans = _memo(sig, build)  # (the counter, a fresh allocation or lse, is aligned)
