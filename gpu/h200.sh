@@ -15,9 +15,9 @@
 # attention       attention: dense causal shapes (B·S = 16384, H·D = 2048, B=1      150 s (dense and packed;
 #                 H=32 S=32768, the 2.7B model's) and packed documents: ours        then the batch-1 sweep with
 #                 (Gluon kernels on Hopper), ours-triton, cuDNN, FlexAttention      what is left of 400 s)
-# ncu_attention   Nsight Compute on the Gluon kernels (D=128 S=4096; the D=64       not yet run as a part
-#                 forward at S=1024): gpu/ncu_attention.py's tables (time, tensor    (its ncu commands by
-#                 cores' share of peak, stall reasons, the SASS lines with the      hand: ~80 s)
+# ncu_attention   Nsight Compute on the Gluon kernels (D=128 S=4096; the D=64       ~70 s
+#                 forward at S=1024): gpu/ncu_attention.py's tables (time, tensor
+#                 cores' share of peak, stall reasons, the SASS lines with the
 #                 most samples, shared-memory wavefronts against the ideal)
 # attention_work  attention --parts work: D=64 at S 512-2048 over B·H, flash.py's   ~50 s
 #                 pick and the Gluon and Triton kernels each forced, beside cuDNN
