@@ -3272,8 +3272,8 @@ def cmd_sass(argv):
 
             m, n, stages, q_bufs = flash.GLUON_FWD_CONFIGS[main + tail]
             cx = dict(HEAD_DIM=main, TAIL=tail, BLOCK_M=m, BLOCK_N=n, NUM_STAGES=stages, Q_BUFS=q_bufs,
-                      CAUSAL=not args.full,
-                      VARLEN=args.varlen, HEAD_MAJOR=flash.GLUON_HEAD_MAJOR, PINGPONG=flash.GLUON_PINGPONG,
+                      CAUSAL=not args.full, VARLEN=args.varlen, HEAD_MAJOR=flash.GLUON_HEAD_MAJOR,
+                      PINGPONG=flash.GLUON_PINGPONG,
                       DYNAMIC=flash.GLUON_FWD_PERSISTENT > 0,  # as flash.py launches it (FLASH_FWD_PERSISTENT)
                       O_TMA=flash._gluon_fwd_o_tma(tail))
             types = {"q_desc": desc(m, main), "k_desc": desc(n, main), "v_desc": desc(n, main),  # tails: the
