@@ -1844,6 +1844,7 @@ def varlen_attention(args, batches, tokens, device):
 SWEEP_SEQ = [2 ** i for i in range(7, 17)]
 SWEEP_D = [16, 32, 64, 128]
 DENSE_SHAPES = [(d, s) for d in (64, 128) for s in (1024, 4096, 16384)]  # (D, S); B = 16384 / S, H = 2048 / D
+SUSTAINED_SHAPES = [(1, 32, 16384, 64), (1, 16, 16384, 128), (1, 32, 32768, 128)]  # (B, H, S, D)
 WORK_BH = [(4, 12), (12, 12), (16, 16), (16, 32), (32, 32)]  # (B, H) of the 'work' part; (12, 12) is GPT-2 small's
 PEERS_MAX_SEQ = {"naive": 16384, "flex": 65536, "sdpa-efficient": 65536}  # expensive peers capped at long S
 
@@ -1919,14 +1920,18 @@ def dense_methods():
     return methods
 
 
-def time_fwd_bwd(make, q, k, v, do, rep, with_bwd=True):
+def time_fwd_bwd(make, q, k, v, do, rep, with_bwd=True, sustain=0, readings=None):
     """(fwd ms, bwd ms, fwd+bwd ms, host ms of fwd+bwd) for make(q, k, v); 'OOM' or 'n/a' (unsupported) instead of
     numbers. Each is the median of time_ms samples: on CUDA as many as fit in `rep` ms, every call with a cold L2
     cache and the host ahead of the GPU (GPU time alone; the host's own time per fwd+bwd call is the fourth
-    number), after 5 warm-up calls; on the CPU (the Triton interpreter: slow) 3 samples."""
+    number), after 5 warm-up calls; on the CPU (the Triton interpreter: slow) 3 samples. sustain > 0 (CUDA):
+    sustained_ms instead, `sustain` seconds of warm-up and as many timed for each of the three (no host ms;
+    readings gets the GPU's (MHz, W) of each)."""
     cuda = q.device.type == "cuda"
 
     def median_ms(fn, host_ms=None):
+        if sustain and cuda:
+            return sustained_ms(fn, q.device, sustain, readings)
         return statistics.median(time_ms(fn, q.device, warmup=5 if cuda else 0, steps=3,
                                          budget_ms=rep if cuda else None, flush_l2=cuda, host_ahead=cuda,
                                          host_ms=host_ms))
@@ -1940,7 +1945,7 @@ def time_fwd_bwd(make, q, k, v, do, rep, with_bwd=True):
         grad(o)
         t_b = median_ms(lambda: grad(o))
         host = []
-        t_fb = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
+        t_fb = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), None if sustain else host)
         return t_f, t_b, t_fb, statistics.median(host) if host else None
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
@@ -1952,11 +1957,40 @@ def time_fwd_bwd(make, q, k, v, do, rep, with_bwd=True):
         return ("n/a",) * 4
 
 
+def gpu_reading(device):
+    """(SM clock MHz, board power W) now, through NVML (torch.cuda.clock_rate / power_draw); (None, None) where
+    NVML is not installed or does not answer."""
+    try:
+        return float(torch.cuda.clock_rate(device)), torch.cuda.power_draw(device) / 1e3
+    except Exception:  # no pynvml, no NVML library, or a GPU it does not report
+        return None, None
+
+
+def sustained_ms(fn, device, seconds, readings=None):
+    """ms per call of fn() as a long run sees it: fn runs back to back (no L2 flush, no pause, the host ahead) for
+    `seconds` untimed, so the GPU settles at the clock its power limit allows for this work, then for `seconds`
+    more in samples of about 0.2 s (events around each); the median sample. A short burst after idle runs at the
+    top clock, while minutes of training run at the power-capped one: on the H200 a long attention kernel drew
+    ~690 W and ran at 1.6-1.75 GHz instead of 1.98. readings (a list) gets (mean SM MHz, mean W) of the samples.
+    Only meaningful when a call takes the GPU longer than the host takes to issue it."""
+    per_call = time_ms(fn, device, warmup=2, steps=1)[0]
+    reps = max(1, round(200 / per_call))
+    for _ in range(max(1, round(seconds * 1e3 / per_call))):
+        fn()
+    samples, seen = [], []
+    for _ in range(max(3, round(seconds * 1e3 / (reps * per_call)))):
+        samples += time_ms(fn, device, steps=1, reps=reps)
+        seen.append(gpu_reading(device))
+    if readings is not None and seen[0][0] is not None:
+        readings.append(tuple(statistics.mean(r[i] for r in seen) for i in (0, 1)))
+    return statistics.median(samples)
+
+
 def _tflops(flops, ms):
     return flops / ms / 1e9 if isinstance(ms, float) else ms
 
 
-def dense_case(b, h, s, d, dtype, methods, rep, tag):
+def dense_case(b, h, s, d, dtype, methods, rep, tag, sustain=0):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(s * 131 + d)
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
@@ -1964,14 +1998,16 @@ def dense_case(b, h, s, d, dtype, methods, rep, tag):
     flops = b * attention_flops([s], h, d)
     rows = []
     for name, make in methods.items():
+        readings = []
         if s > PEERS_MAX_SEQ.get(name, 1 << 30):
             t = ("skipped",) * 4
         elif name in ("sdpa-cudnn", "sdpa-flash") and dtype == torch.float32:
             t = ("n/a",) * 4
         else:
-            t = time_fwd_bwd(make, q, k, v, do, rep)
+            t = time_fwd_bwd(make, q, k, v, do, rep, sustain=sustain, readings=readings)
         rows.append(dict(tag=tag, case=f"B={b} H={h} S={s} D={d} {str(dtype)[6:]}", method=name,
-                         fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2], host_ms=t[3], fwd_tflops=_tflops(flops, t[0]),
+                         fwd_ms=t[0], bwd_ms=t[1], fwd_bwd_ms=t[2], host_ms=t[3], gpu=readings or None,
+                         fwd_tflops=_tflops(flops, t[0]),
                          bwd_tflops=_tflops(BWD_FLOPS * flops, t[1]),
                          fwd_bwd_tflops=_tflops(FWD_BWD_FLOPS * flops, t[2])))
     del q, k, v, do
@@ -2026,7 +2062,9 @@ def varlen_case(lens, h, d, dtype, rep, with_peers=True, methods=None):
 
 
 def attention_table(rows):
-    """One line per (case, method): ms and TFLOP/s, plus ours' fwd+bwd speed over the method's (>1: ours faster)."""
+    """One line per (case, method): ms and TFLOP/s, plus ours' fwd+bwd speed over the method's (>1: ours faster);
+    the GPU's clock and power where they were read (the sustained part)."""
+    with_gpu = any(r.get("gpu") for r in rows)
     ours = {}
     for r in rows:  # the first "ours" row of each case
         if r["method"].startswith("ours"):
@@ -2039,11 +2077,13 @@ def attention_table(rows):
             f = [o[key] / r[key] if isinstance(o[key], float) and isinstance(r[key], float) and r[key] else None
                  for key in ("fwd_tflops", "fwd_bwd_tflops")]
             ratio = " / ".join(f"{x:.2f}x" if x is not None else "—" for x in f)
+        gpu = " / ".join(f"{mhz:.0f} MHz {w:.0f} W" for mhz, w in r.get("gpu") or ()) or None
         body.append([r["case"], r["method"], r["fwd_ms"], r["bwd_ms"], r["fwd_bwd_ms"], r["fwd_tflops"],
-                     r["fwd_bwd_tflops"], ratio, r.get("host_ms")])
+                     r["fwd_bwd_tflops"], ratio, r.get("host_ms")] + ([gpu] if with_gpu else []))
     return markdown_table(["case", "method", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
-                           "ours vs it (fwd / fwd+bwd)", "host ms per fwd+bwd"], body,
-                          digits=[2, 2, 3, 3, 3, 0, 0, 2, 3])
+                           "ours vs it (fwd / fwd+bwd)", "host ms per fwd+bwd"]
+                          + (["GPU clock and power (fwd / bwd / fwd+bwd)"] if with_gpu else []), body,
+                          digits=[2, 2, 3, 3, 3, 0, 0, 2, 3, 0])
 
 
 def plot_attention(rows, path):
@@ -2123,7 +2163,12 @@ def cmd_attention(argv):
                    "(in this order): anchors = the dense shapes B·S = 16384, H·D = 2048; varlen = packed "
                    "documents; sweep = one head, S 128..65536, D 16..128; work = D=64 at S 512..2048 over B·H "
                    "from 48 to 1024 (1.5 to 124 query tiles per SM): what flash.py picks, the Gluon and Triton "
-                   "kernels each forced, beside cuDNN: where it should switch between them (not in the default)")
+                   "kernels each forced, beside cuDNN: where it should switch between them; sustained = the "
+                   "anchors' long calls (S=16384 and the 8B model's S=32768) timed as a long run sees them, at the "
+                   "clock the GPU's power limit leaves (bench.sustained_ms; --sustain). work and sustained are not "
+                   "in the default")
+    p.add_argument("--sustain", type=float, default=1.0, help="sustained part: seconds of warm-up and of timing for "
+                   "each method and direction")
     p.add_argument("--methods", help="comma list of methods to time (default all: ours, ours-triton (on Hopper), "
                    "naive, sdpa-cudnn, sdpa-flash, sdpa-efficient, flex); packed documents follow the same names")
     p.add_argument("--variants", help="semicolon list NAME=PATH[:ATTR=VALUE,...]: copies of flash.py (edited "
@@ -2132,7 +2177,7 @@ def cmd_attention(argv):
     p.add_argument("--repeat", type=int, default=1, help="run the cases this many times in turn (A/B runs: the "
                    "variance between rounds)")
     args = p.parse_args(argv)
-    parts = csv_list(args.parts, ("anchors", "varlen", "sweep", "work"))
+    parts = csv_list(args.parts, ("anchors", "varlen", "sweep", "work", "sustained"))
     cuda = torch.cuda.is_available()
     allow_recompiles()  # FlexAttention compiles once per shape: past the default 8 it would fall back to eager
     methods = dense_methods()
@@ -2160,6 +2205,8 @@ def cmd_attention(argv):
                      for dt in (torch.bfloat16, torch.float32)]
         if "work" in parts:
             jobs += [("work", b, h, s, 64, torch.bfloat16) for s in (512, 1024, 2048) for b, h in WORK_BH]
+        if "sustained" in parts:
+            jobs += [("sustained", b, h, s, d, torch.bfloat16) for b, h, s, d in SUSTAINED_SHAPES]
     n_cases = len(jobs)
     jobs *= max(args.repeat, 1)
     rows, t0 = [], time.time()
@@ -2178,7 +2225,7 @@ def cmd_attention(argv):
                               args.rep, methods=methods)
         else:
             tag, b, h, s, d, dt = job
-            flex_ok = dt != torch.float32 and d >= 64 and (tag == "anchors" or s in (1024, 16384))
+            flex_ok = dt != torch.float32 and d >= 64 and (tag in ("anchors", "sustained") or s in (1024, 16384))
             if tag == "work":  # what flash.py picks, then each kernel family forced, beside cuDNN
                 chosen = {n: m for n, m in methods.items() if n == "ours"}
                 if hopper_kernels():
@@ -2186,7 +2233,9 @@ def cmd_attention(argv):
                 chosen.update((n, m) for n, m in methods.items() if n in ("ours-triton", "sdpa-cudnn"))
             else:
                 chosen = {n: m for n, m in methods.items() if n != "flex" or flex_ok}
-            new = dense_case(b, h, s, d, dt, chosen, args.rep, tag)
+            if tag == "sustained" and (i // n_cases) % 2:  # every other round in the opposite order
+                chosen = dict(reversed(chosen.items()))
+            new = dense_case(b, h, s, d, dt, chosen, args.rep, tag, args.sustain if tag == "sustained" else 0)
         for row in new if args.repeat > 1 else ():  # a case per round: "ours vs it" compares within one
             row["case"] += f" (round {i // n_cases + 1})"
         rows += new

@@ -4226,6 +4226,19 @@ def test_bench_time_ms_counts_calls_and_measures_milliseconds():
     assert 2 < len(samples) <= 10, samples  # as many as fit in the budget, never fewer than steps
 
 
+def test_bench_sustained_ms_warms_up_then_times_back_to_back_calls():
+    calls = []
+
+    def call():
+        calls.append(time.perf_counter())
+        time.sleep(0.005)
+    readings = []
+    ms = bench.sustained_ms(call, "cpu", 0.1, readings)
+    # 2 calls estimate the time per call, ~20 warm up for 0.1 s, then samples of ~0.2 s (40 calls) for >= 3 samples
+    assert 5.0 <= ms < 50 and 2 + 15 + 3 * 30 <= len(calls) <= 2 + 25 + 3 * 45, (ms, len(calls))
+    assert readings == []  # no GPU clock or power to read on the CPU
+
+
 def test_bench_markdown_table_is_the_one_formatter():
     table = bench.markdown_table(["a", "b", "c", "d"], [[1.23456, 12345.6, None, "OOM"], [0.001234, 2, "x|y", 1.5]],
                                  digits=[3, 1, 2, 0])

@@ -15,6 +15,11 @@
 # attention       attention: dense causal shapes (B·S = 16384, H·D = 2048, B=1      150 s (dense and packed;
 #                 H=32 S=32768, the 2.7B model's) and packed documents: ours        then the batch-1 sweep with
 #                 (Gluon kernels on Hopper), ours-triton, cuDNN, FlexAttention      what is left of 400 s)
+# attention_sustained
+#                 attention --parts sustained --repeat 2: the long dense calls      ~155 s
+#                 (S=16384, the 8B model's S=32768), each direction run for 1 s
+#                 before 1 s of timing, at the clock the power limit leaves (the
+#                 GPU's clock and power read too): ours, cuDNN, FlexAttention
 # ncu_attention   Nsight Compute on the Gluon kernels (D=128 S=4096; the D=64       ~70 s
 #                 forward at S=1024): gpu/ncu_attention.py's tables (time, tensor
 #                 cores' share of peak, stall reasons, the SASS lines with the
@@ -77,8 +82,8 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention ncu_attention attention_work train nanogpt train_autotune xl xl_graphs xl_memory xl_linear adamw
-           train_small train_graphs train_pack varlen hf leaderboard
+ALL_PARTS=(attention attention_sustained ncu_attention attention_work train nanogpt train_autotune xl xl_graphs
+           xl_memory xl_linear adamw train_small train_graphs train_pack varlen hf leaderboard
            sweep sweep_compiled suite tests_triton tests_gluon tests_model)
 source gpu/common.sh
 
@@ -111,6 +116,12 @@ part_ncu_attention() {
         run_md "summary_$name" 60 "$PY" gpu/ncu_attention.py summary "$tmp/raw.csv" "$tmp/source.csv"
     done
     rm -rf "$tmp"
+}
+
+part_attention_sustained() {
+    begin_part attention_sustained 300
+    run_md attention_sustained 290 "$PY" bench.py attention --parts sustained --methods ours,sdpa-cudnn,flex \
+        --repeat 2 --sustain 1 --json @JSON@
 }
 
 part_attention_work() {
