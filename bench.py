@@ -1945,7 +1945,7 @@ def time_fwd_bwd(make, q, k, v, do, rep, with_bwd=True, sustain=0, readings=None
         grad(o)
         t_b = median_ms(lambda: grad(o))
         host = []
-        t_fb = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), None if sustain else host)
+        t_fb = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
         return t_f, t_b, t_fb, statistics.median(host) if host else None
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
