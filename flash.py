@@ -806,6 +806,12 @@ def _require_triton_device(q):
     _check_interpreter("flash")
 
 
+def _interpreter_bf16(x):
+    """Whether x is bf16 in Triton's CPU interpreter, which has no bf16 arithmetic (it keeps bf16 as 16-bit
+    integers, and its tl.dot multiplies those): the attention kernels then run on fp32 copies."""
+    return INTERPRET and x.dtype == torch.bfloat16
+
+
 def _check_interpreter(who):
     if INTERPRET and _INTERPRET_TOO_LATE:
         raise RuntimeError(f"{who}: triton was imported before flash.py could set TRITON_INTERPRET=1 (there is no "
@@ -853,6 +859,10 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     kernels (tables as for _rope_kwargs). traced: the body of a triton_op the compiler is tracing (TRITON_OPS),
     which launches through wrap_triton, with no memo (its tensors have no addresses)."""
     _require_triton_device(q)
+    if _interpreter_bf16(q):
+        o, lse = _triton_forward(q.float(), k.float(), v.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, causal, cos, sin)
+        return o.to(q.dtype), lse
     varlen = cu_seqlens_q is not None
     batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                                  max_seqlen_k)
@@ -901,6 +911,10 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                                      cu_seqlens_q, max_seqlen_q, causal)
         return rope_reference(dq, cos, sin, inverse=True), rope_reference(dk, cos, sin, inverse=True), dv
     _require_triton_device(q)
+    if _interpreter_bf16(q):
+        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, causal, "triton", cos, sin)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     varlen = cu_seqlens_q is not None
     batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                          max_seqlen_k)

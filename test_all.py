@@ -760,6 +760,20 @@ def _check_varlen(lens, h, h_kv, d, causal, lens_k=None, gen=None, tol=1e-5, dty
     assert torch.equal(o2, o)
 
 
+def test_flash_triton_bf16_inputs():
+    """bf16 q, k, v through the Triton kernels (forced), dense (ragged, grouped heads) and packed, against float64.
+    On the CPU this runs in Triton's interpreter, which has no bf16 arithmetic (its tl.dot multiplies the raw bits
+    of bf16 operands): flash.py runs such calls in fp32 there and returns bf16."""
+    gen = torch.Generator().manual_seed(6)
+    old, flash.BACKEND = flash.BACKEND, "triton"
+    try:
+        for causal in (True, False):
+            _check_dense(1, 2, 1, 37, 37, 32, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+            _check_varlen([5, 1, 40], 2, 2, 16, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+    finally:
+        flash.BACKEND = old
+
+
 def test_flash_varlen_many_short_documents_and_long_ones():
     gen = torch.Generator().manual_seed(4)
     for causal in (True, False):
