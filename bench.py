@@ -3262,7 +3262,13 @@ def sass_stats(kernel_fn, signature, constexprs, options, gluon_source=False, at
         notes = run(os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin).stderr
     usage = dict(t.split(":", 1) for t in next(l for l in res.splitlines() if "REG:" in l).split() if ":" in t)
     instr = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line.strip()[2:])
-    return [int(usage["REG"]), int(usage["STACK"]), sass.count(" LDL"), sass.count(" STL"), instr,
+    # a warp-specialized kernel launches with usage["REG"] a thread and then moves registers between its partitions
+    # (setmaxnreg): the highest register its code names tells what its busiest partition uses
+    registers = int(usage["REG"])
+    if "SETMAXREG" in sass:
+        used = 1 + max(int(r) for r in re.findall(r"\bR(\d+)\b", sass))
+        registers = f"{registers} at launch, {used} used"
+    return [registers, int(usage["STACK"]), sass.count(" LDL"), sass.count(" STL"), instr,
             round(kernel.metadata.shared / 1024, 1),
             "yes" if "wgmma.mma_async instructions are serialized" in notes else "no"]  # (notes C7514, C7515, ...)
 
