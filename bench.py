@@ -102,6 +102,7 @@ import torch.utils.checkpoint  # noqa: E402
 
 import ddp  # noqa: E402
 import flash  # noqa: E402
+import hf  # noqa: E402
 import model as model_py  # noqa: E402  (the module itself: --nvtx swaps its attention function for an annotated one)
 from flash import flash_attn_varlen  # noqa: E402
 from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, cross_entropy, flops_per_token  # noqa: E402
@@ -2680,7 +2681,7 @@ def cmd_ddp(argv):
 
 # ---------------------------------------------------------------------------------------------------------------
 # hf: a Hugging Face GPT-2 trained on variable-length documents: padded, dynamically padded and padding-free
-# batches, with SDPA, our kernels (flash.register_hf_attention) and FlexAttention, the same documents for every row
+# batches, with SDPA, our kernels (hf.register_hf_attention) and FlexAttention, the same documents for every row
 # ---------------------------------------------------------------------------------------------------------------
 #     python bench.py hf --json hf.json --plot hf.png
 #     python bench.py hf --n_layer 2 --n_embd 64 --steps 2      # a small run (on CPU: the interpreter, tiny sizes)
@@ -2856,7 +2857,7 @@ def cmd_hf(argv):
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    flash.register_hf_attention("ours")
+    hf.register_hf_attention("ours")
     allow_recompiles()
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -4,7 +4,7 @@
     python sample.py --prompt "ROMEO:" --num_samples 3 --temperature 0.8 --top_p 0.9
     echo "To be, or not" | python sample.py --max_new_tokens 100
     python sample.py --prompt "KING:" --prompt "First Citizen:" --temperature 0   # batched prompts, greedy
-    python sample.py --ckpt out/llama                  # a Llama-format directory (model.save_llama)
+    python sample.py --ckpt out/llama                  # a Llama-format directory (hf.save_llama)
 
 Decoding keeps a KV cache (model.KVCache), so each new token runs the model on one position, not the whole prefix;
 prompts of different lengths decode together in one batch.
@@ -18,7 +18,8 @@ import sys
 import torch
 
 from bpe import Tokenizer
-from model import TransformerLM, load_llama, softmax
+from hf import load_llama
+from model import TransformerLM, softmax
 
 EOT = "<|endoftext|>"
 
@@ -139,14 +140,14 @@ def _find(path, ckpt_path, what):
 
 
 def load_llama_dir(path, device="cpu"):
-    """A Llama-format directory (config.json + model.safetensors, e.g. from model.save_llama) with our tokenizer
+    """A Llama-format directory (config.json + model.safetensors, e.g. from hf.save_llama) with our tokenizer
     files beside it -> (model in eval mode on device, Tokenizer, eot_id, {"llama_config": its config.json}).
     The tokenizer must be our BPE's vocab.json + merges.txt (tokenizer.json is not read); special tokens come from
     special_tokens_map.json when present, else <|endoftext|>."""
     missing = [name for name in ("vocab.json", "merges.txt") if not os.path.isfile(os.path.join(path, name))]
     if missing:
         raise FileNotFoundError(f"Llama directory {path} has no {' or '.join(missing)}: sample.py needs our BPE "
-                                f"tokenizer files beside the weights (model.save_llama(..., tokenizer=tok) writes "
+                                f"tokenizer files beside the weights (hf.save_llama(..., tokenizer=tok) writes "
                                 f"them; Hugging Face tokenizer.json is not read)")
     special_tokens = [EOT]
     specials_path = os.path.join(path, "special_tokens_map.json")

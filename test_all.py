@@ -58,6 +58,7 @@ import bench  # noqa: E402
 import bpe  # noqa: E402
 import ddp  # noqa: E402
 import flash  # noqa: E402
+import hf  # noqa: E402
 import model  # noqa: E402
 import model as model_py  # noqa: E402
 import sample  # noqa: E402
@@ -1549,7 +1550,7 @@ def test_flash_gpu_rms_norm_at_model_widths():
         _check_rms_norm((n, d), torch.float32, 1e-5, gen)
 
 
-# --- Hugging Face interop: flash.register_hf_attention (transformers models on our kernels) ---
+# --- Hugging Face interop: hf.register_hf_attention (transformers models on our kernels) ---
 # transformers is an optional extra (requirements-hf.txt): without it these tests skip. Tiny GPT-2 and Llama models
 # (dropout off, no KV cache) with our attention are held to the same models with transformers' eager attention.
 
@@ -1575,7 +1576,7 @@ def _hf_pair(kind, **overrides):
     _need_hf("transformers")
     import copy
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
-    name = flash.register_hf_attention()
+    name = hf.register_hf_attention()
     if kind == "gpt2":  # layer-dependent scaling: exercises folding another `scaling` into q
         cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=40, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0,
                          resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False, scale_attn_by_inverse_layer_idx=True,
@@ -1685,9 +1686,9 @@ def test_hf_attention_errors_name_the_problem():
     q = torch.randn(1, 2, 3, 16)
     cases = [(lambda: ours(input_ids=ids, attention_mask=holes), "pad between real tokens"),
              (lambda: ours(input_ids=ids, attention_mask=torch.ones(2, 1, 9, 9, dtype=torch.bool)), "2-D"),
-             (lambda: flash.hf_attention(ours.transformer.h[0].attn, q, torch.randn(1, 2, 5, 16),
+             (lambda: hf.hf_attention(ours.transformer.h[0].attn, q, torch.randn(1, 2, 5, 16),
                                          torch.randn(1, 2, 5, 16), None), "KV cache"),
-             (lambda: flash.register_hf_attention("my_flash"), "'flash'")]
+             (lambda: hf.register_hf_attention("my_flash"), "'flash'")]
     _, dropping = _hf_pair("gpt2", attn_pdrop=0.1)
     cases.append((lambda: dropping.train()(input_ids=ids), "dropout"))
     for fn, words in cases:
@@ -2368,7 +2369,7 @@ def test_sample_cli_prints_batched_samples(tmp_path):
             assert words in str(e.code), e.code
 
 
-# --- Llama-format checkpoints (model.save_llama / load_llama, sample.py on a directory) ---
+# --- Llama-format checkpoints (hf.save_llama / load_llama, sample.py on a directory) ---
 # transformers and safetensors are optional extras (requirements-hf.txt): without them these tests skip (_need_hf
 # is in the flash.py section).
 
@@ -2389,20 +2390,20 @@ def test_llama_export_gives_hf_llama_the_same_logits_tied_and_untied(tmp_path):
     for tie in (False, True):
         m = _llama_lm(tie)
         out = tmp_path / f"tie{tie}"
-        model_py.save_llama(m, str(out))
+        hf.save_llama(m, str(out))
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["tie_word_embeddings"] is tie and cfg["rope_theta"] == 500.0 and cfg["num_key_value_heads"] == 4
         assert cfg["intermediate_size"] == 48 and cfg["max_position_embeddings"] == 32 and cfg["rms_norm_eps"] == 1e-5
-        hf = LlamaForCausalLM.from_pretrained(str(out), attn_implementation="eager", dtype=torch.float32).eval()
-        assert (hf.lm_head.weight is hf.model.embed_tokens.weight) is tie
+        theirs_m = LlamaForCausalLM.from_pretrained(str(out), attn_implementation="eager", dtype=torch.float32).eval()
+        assert (theirs_m.lm_head.weight is theirs_m.model.embed_tokens.weight) is tie
         with torch.no_grad():
-            ours, theirs = m(idx), hf(idx).logits
+            ours, theirs = m(idx), theirs_m(idx).logits
             assert (ours - theirs).abs().max() <= 1e-5, (ours - theirs).abs().max()
             # without the q/k row reordering the RoPE pairs differ: the check above would fail
-            for layer in hf.model.layers:
+            for layer in theirs_m.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-                    proj.weight.copy_(model_py.half_to_interleaved_rows(proj.weight, 4))
-            assert (hf(idx).logits - ours).abs().max() > 1e-3
+                    proj.weight.copy_(hf.half_to_interleaved_rows(proj.weight, 4))
+            assert (theirs_m(idx).logits - ours).abs().max() > 1e-3
 
 
 def test_llama_load_round_trips_and_reads_hf_save_pretrained(tmp_path):
@@ -2410,36 +2411,36 @@ def test_llama_load_round_trips_and_reads_hf_save_pretrained(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     for tie in (False, True):
         m = _llama_lm(tie, seed=2, theta=12345.0)
-        model_py.save_llama(m, str(tmp_path / "ours"), overwrite=True)
-        back = model_py.load_llama(str(tmp_path / "ours"))
+        hf.save_llama(m, str(tmp_path / "ours"), overwrite=True)
+        back = hf.load_llama(str(tmp_path / "ours"))
         assert list(back.state_dict()) == list(m.state_dict())
         assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values()))
         assert (back.token_embeddings.weight is back.lm_head.weight) is tie and not back.training
-        assert model_py.rope_theta_of(back) == 12345.0
+        assert hf.rope_theta_of(back) == 12345.0
     # the other direction from transformers' own files: its random Llama, saved by save_pretrained
     torch.manual_seed(3)
     cfg = LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
                       max_position_embeddings=40, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True)
-    hf = LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(str(tmp_path / "hf"))
-    ours = model_py.load_llama(str(tmp_path / "hf"))
+    theirs_m = LlamaForCausalLM(cfg).eval()
+    theirs_m.save_pretrained(str(tmp_path / "hf"))
+    ours = hf.load_llama(str(tmp_path / "hf"))
     assert ours.ln_final.eps == 1e-6 and ours.context_length == 40
     assert ours.token_embeddings.weight is ours.lm_head.weight
     idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert (ours(idx) - hf(idx).logits).abs().max() <= 1e-5
+        assert (ours(idx) - theirs_m(idx).logits).abs().max() <= 1e-5
 
 
 def test_llama_checkpoint_errors_name_the_problem(tmp_path):
     _need_hf("safetensors")
     m = _llama_lm(False)
     out = tmp_path / "x"
-    model_py.save_llama(m, str(out))
-    cases = [(lambda: model_py.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
-             (lambda: model_py.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
-             (lambda: model_py.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
-             (lambda: model_py.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
-             (lambda: model_py.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None), str(tmp_path / "n")),
+    hf.save_llama(m, str(out))
+    cases = [(lambda: hf.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
+             (lambda: hf.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
+             (lambda: hf.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
+             (lambda: hf.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
+             (lambda: hf.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None), str(tmp_path / "n")),
               ValueError, "RoPE")]
     cfg = json.loads((out / "config.json").read_text())
     for name, change, words in (("gqa", dict(num_key_value_heads=2), "num_key_value_heads=2"),
@@ -2451,12 +2452,12 @@ def test_llama_checkpoint_errors_name_the_problem(tmp_path):
         d.mkdir()
         shutil.copy(out / "model.safetensors", d / "model.safetensors")
         (d / "config.json").write_text(json.dumps(dict(cfg, **change)))
-        cases.append((lambda d=d: model_py.load_llama(str(d)), ValueError, words))
+        cases.append((lambda d=d: hf.load_llama(str(d)), ValueError, words))
     (tmp_path / "cut").mkdir()
     shutil.copy(out / "config.json", tmp_path / "cut" / "config.json")
     data = (out / "model.safetensors").read_bytes()
     (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
-    cases.append((lambda: model_py.load_llama(str(tmp_path / "cut")), RuntimeError, "truncated or corrupt"))
+    cases.append((lambda: hf.load_llama(str(tmp_path / "cut")), RuntimeError, "truncated or corrupt"))
     for fn, exc, words in cases:
         try:
             fn()
@@ -2464,7 +2465,7 @@ def test_llama_checkpoint_errors_name_the_problem(tmp_path):
             assert words in str(e), (words, str(e))
         else:
             raise AssertionError(f"no {exc.__name__} ({words})")
-    model_args, state = model_py.llama_init(str(out), vocab_size=97, context_length=32)
+    model_args, state = hf.llama_init(str(out), vocab_size=97, context_length=32)
     fresh = TransformerLM(**model_args)
     fresh.load_state_dict(state)  # what train.py's init_from=<directory> does
     assert torch.equal(fresh.layers[1].attn.q_proj.weight, m.layers[1].attn.q_proj.weight)
@@ -2475,7 +2476,7 @@ def test_llama_directory_samples_like_the_saved_model(tmp_path):
     ckpt, m = _tiny_checkpoint(tmp_path)
     tok = Tokenizer.from_files(ckpt["tokenizer"]["vocab"], ckpt["tokenizer"]["merges"], [EOT])
     out = tmp_path / "llama"
-    model_py.save_llama(m, str(out), tokenizer=tok)
+    hf.save_llama(m, str(out), tokenizer=tok)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["eos_token_id"] == tok.special_ids[EOT]
     loaded, tokenizer, eot_id, _ = sample.load_model(str(out))
@@ -3218,7 +3219,7 @@ def test_init_from_a_llama_directory_fine_tunes_the_exported_model(tmp_path):
     m = TransformerLM(**ckpt["model_args"])
     m.load_state_dict(ckpt["model"])
     llama = tmp_path / "llama"
-    model_py.save_llama(m, str(llama))
+    hf.save_llama(m, str(llama))
     tuned = tmp_path / "tuned"
     train.main(common + [f"--out_dir={tuned}", "--max_iters=3", f"--init_from={llama}"])
     final_val = [r["val_loss"] for r in _log(first) if "val_loss" in r][-1]

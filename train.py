@@ -36,7 +36,8 @@ import torch
 
 import ddp
 import flash
-from model import TransformerLM, auto_attn_impl, count_params, flops_per_token, llama_init
+from hf import llama_init
+from model import TransformerLM, auto_attn_impl, count_params, flops_per_token
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -682,7 +683,7 @@ def check_config(c, world_size):
     """Values apply_config cannot judge alone; raises ConfigError naming the key."""
     if c.init_from not in ("scratch", "resume") and not os.path.isfile(os.path.join(c.init_from, "config.json")):
         raise ConfigError(f"init_from must be 'scratch', 'resume' or a Llama-format checkpoint directory "
-                          f"(config.json + model.safetensors, as model.save_llama writes), got {c.init_from!r}")
+                          f"(config.json + model.safetensors, as hf.save_llama writes), got {c.init_from!r}")
     if c.batching not in BATCHING:
         raise ConfigError(f"batching must be one of {BATCHING}, got {c.batching!r}")
     if c.ddp_impl not in DDP_IMPLS:

@@ -1,0 +1,469 @@
+"""The Hugging Face and Llama bridge: the one file that needs the optional extras (requirements-hf.txt).
+
+  1. Llama-format checkpoints: save_llama / load_llama / read_llama / llama_init, a directory that
+     LlamaForCausalLM.from_pretrained reads (config.json + model.safetensors); needs safetensors only.
+  2. Our attention kernels as a transformers attention implementation: register_hf_attention() adds hf_attention
+     and its mask hook hf_attention_mask, so AutoModelForCausalLM.from_config(cfg, attn_implementation="ours")
+     runs flash.py's kernels, padding-free where the batch says where documents start.
+
+The extras are imported inside the functions that need them, so this file imports without them.
+"""
+import inspect
+import json
+import math
+import os
+import weakref
+
+import torch
+import torch.nn as nn
+
+from flash import flash_attention, flash_attn_varlen
+from model import RMSNorm, RotaryEmbedding, TransformerLM
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Llama-format checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+# The two architectures are the same (pre-norm, RMSNorm, SwiGLU, RoPE, no biases) except for which two elements of a
+# head vector RoPE turns together: ours pairs neighbours (x[2j], x[2j+1]), Llama's rotate-half code pairs the two
+# halves (x[j], x[j + d_k/2]), pair j turning at the same frequency theta^(-2j/d_k) in both. Reordering the output
+# rows of q_proj and k_proj inside every head (ours 0, 2, 4, ..., 1, 3, 5, ... become Llama's 0, 1, 2, ...) turns
+# one into the other: a score q . k sums over the pairs, so it does not change. v_proj and output_proj keep their
+# rows. Only safetensors is needed (imported inside these functions); config.json is plain JSON written here, so
+# exporting and loading work without transformers and without a network.
+
+
+LLAMA_WEIGHTS = "model.safetensors"
+LLAMA_INDEX = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {tensor name: file}}
+_LLAMA_LAYER_NAMES = (  # (ours, Llama's) inside layer i; SwiGLU's w1 is gate_proj (under SiLU), w3 up, w2 down
+    ("ln1.weight", "input_layernorm.weight"), ("attn.q_proj.weight", "self_attn.q_proj.weight"),
+    ("attn.k_proj.weight", "self_attn.k_proj.weight"), ("attn.v_proj.weight", "self_attn.v_proj.weight"),
+    ("attn.output_proj.weight", "self_attn.o_proj.weight"), ("ln2.weight", "post_attention_layernorm.weight"),
+    ("ffn.w1.weight", "mlp.gate_proj.weight"), ("ffn.w3.weight", "mlp.up_proj.weight"),
+    ("ffn.w2.weight", "mlp.down_proj.weight"))
+_LLAMA_ROPE_ROWS = ("attn.q_proj.weight", "attn.k_proj.weight")
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise ImportError("Llama-format checkpoints need the safetensors package (pip install -r "
+                          "requirements-hf.txt)") from e
+    return safetensors.torch
+
+
+def interleaved_to_half_rows(w, num_heads):
+    """Rows of a q/k projection (num_heads * d_k, d_model) from our RoPE pairing to Llama's: inside each head, rows
+    2j and 2j+1 (one rotated pair) move to rows j and j + d_k/2."""
+    d_k = w.shape[0] // num_heads
+    return w.reshape(num_heads, d_k // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def half_to_interleaved_rows(w, num_heads):
+    """The inverse of interleaved_to_half_rows: rows j and j + d_k/2 of each head move to rows 2j and 2j+1."""
+    d_k = w.shape[0] // num_heads
+    return w.reshape(num_heads, 2, d_k // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def _is_tied(model):
+    return model.token_embeddings.weight is model.lm_head.weight
+
+
+def rope_theta_of(model):
+    """rope_theta of a TransformerLM, read back from its RoPE tables (the model keeps only the tables): pair 1 at
+    position 1 turns by theta^(-2/d_k); that estimate, rounded to 1, 2, ... significant digits, is checked by
+    rebuilding the fp32 tables, and the first value that gives them bit for bit is returned."""
+    rope = model.layers[0].attn.rope
+    if rope is None:
+        raise ValueError("the model has no RoPE (rope_theta=None): Llama has no equivalent")
+    d_k = model.d_model // model.num_heads
+    if d_k < 4:
+        return 10000.0  # one pair per head, which turns at frequency 1 whatever theta is
+    if rope.cos.shape[0] >= 2:
+        angle = math.atan2(float(rope.sin[1, 1].double()), float(rope.cos[1, 1].double()))
+        estimate = angle ** (-d_k / 2)
+        for digits in range(1, 10):
+            candidate = float(f"{estimate:.{digits}g}")
+            rebuilt = RotaryEmbedding(candidate, d_k, rope.cos.shape[0])
+            if torch.equal(rebuilt.cos, rope.cos.cpu()) and torch.equal(rebuilt.sin, rope.sin.cpu()):
+                return candidate
+    raise ValueError("cannot tell the model's rope_theta from its RoPE tables: pass it (save_llama(..., "
+                     "rope_theta=...))")
+
+
+def llama_config(model, rope_theta=None):
+    """The config.json of LlamaForCausalLM for a TransformerLM: as many key-value heads as heads (no GQA), no
+    biases, SiLU, max_position_embeddings = context_length."""
+    theta = rope_theta_of(model) if rope_theta is None else float(rope_theta)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": model.vocab_size, "hidden_size": model.d_model,
+        "intermediate_size": model.layers[0].ffn.w1.out_features, "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_heads,
+        "head_dim": model.d_model // model.num_heads, "hidden_act": "silu",
+        "max_position_embeddings": model.context_length, "rms_norm_eps": model.ln_final.eps,
+        "tie_word_embeddings": _is_tied(model),
+        # both spellings: older transformers read rope_theta, newer ones rope_parameters
+        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+        "initializer_range": 0.02, "use_cache": True,
+        "dtype": str(model.lm_head.weight.dtype).replace("torch.", ""),
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    }
+
+
+def llama_state_dict(model):
+    """Our weights under Llama's names (CPU tensors, q/k rows reordered for rotate-half RoPE); a tied lm_head is
+    left out, as tie_word_embeddings tells the loader to share the embedding."""
+    ours = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    out = {"model.embed_tokens.weight": ours["token_embeddings.weight"], "model.norm.weight": ours["ln_final.weight"]}
+    if not _is_tied(model):
+        out["lm_head.weight"] = ours["lm_head.weight"]
+    for i in range(model.num_layers):
+        for mine, theirs in _LLAMA_LAYER_NAMES:
+            w = ours[f"layers.{i}.{mine}"]
+            if mine in _LLAMA_ROPE_ROWS:
+                w = interleaved_to_half_rows(w, model.num_heads)
+            out[f"model.layers.{i}.{theirs}"] = w.contiguous()
+    return out
+
+
+def _write_atomic(path, write):
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False):
+    """Write out_dir/config.json and out_dir/model.safetensors that LlamaForCausalLM.from_pretrained(out_dir) loads
+    into the same function as `model` (a TransformerLM, or a torch.compile / wrapper around one). tokenizer: a
+    bpe.Tokenizer (anything with .save(dir) and .special_ids) whose vocab.json and merges.txt go beside them, with
+    <|endoftext|> as bos/eos id and special_tokens_map.json naming its special tokens. Existing files are an error
+    unless overwrite=True; each file is written to a temp name and renamed, config.json last."""
+    while True:  # torch.compile keeps the model as _orig_mod, data-parallel wrappers as .module
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            break
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"save_llama needs a TransformerLM, got {type(model).__name__}")
+    st = _safetensors()
+    config = llama_config(model, rope_theta)
+    tensors = llama_state_dict(model)
+    os.makedirs(out_dir, exist_ok=True)
+    names = ["config.json", LLAMA_WEIGHTS] + (["vocab.json", "merges.txt", "special_tokens_map.json"]
+                                              if tokenizer is not None else [])
+    existing = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
+    if existing and not overwrite:
+        raise FileExistsError(f"save_llama: {out_dir} already holds {', '.join(existing)} (pass overwrite=True)")
+    if tokenizer is not None:
+        eot = tokenizer.special_ids.get("<|endoftext|>")
+        config.update(bos_token_id=eot, eos_token_id=eot)
+        tokenizer.save(out_dir)
+        specials = {"additional_special_tokens": list(tokenizer.special_ids)}
+        if eot is not None:
+            specials.update(bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+        _write_atomic(os.path.join(out_dir, "special_tokens_map.json"),
+                      lambda p: open(p, "w").write(json.dumps(specials, indent=1)))
+    _write_atomic(os.path.join(out_dir, LLAMA_WEIGHTS), lambda p: st.save_file(tensors, p, metadata={"format": "pt"}))
+    _write_atomic(os.path.join(out_dir, "config.json"), lambda p: open(p, "w").write(json.dumps(config, indent=2)))
+    return out_dir
+
+
+def _llama_tensors(path):
+    """Every tensor of a Llama directory (model.safetensors, or the shards its index names), on the CPU."""
+    st = _safetensors()
+    index = os.path.join(path, LLAMA_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, LLAMA_WEIGHTS)):
+        files = [LLAMA_WEIGHTS]
+    else:
+        raise FileNotFoundError(f"{path} has neither {LLAMA_WEIGHTS} nor {LLAMA_INDEX}: not a safetensors Llama "
+                                f"checkpoint (pytorch_model.bin is not read)")
+    tensors = {}
+    for name in files:
+        try:
+            tensors.update(st.load_file(os.path.join(path, name), device="cpu"))
+        except Exception as e:
+            raise RuntimeError(f"cannot read {os.path.join(path, name)}: truncated or corrupt ({e})") from e
+    return tensors
+
+
+def read_llama(path):
+    """A Llama directory as (model_args for TransformerLM, state dict under our names, rms_norm_eps). Only what
+    TransformerLM can express is accepted; anything else (GQA, biases, another activation, RoPE scaling, a head dim
+    other than hidden_size / heads) is an error naming the setting."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in {path}: not a Llama checkpoint directory")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    if cfg.get("model_type", "llama") != "llama":
+        raise ValueError(f"{config_path}: model_type {cfg['model_type']!r}, expected 'llama'")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in cfg]
+    if missing:
+        raise ValueError(f"{config_path} lacks {', '.join(missing)}")
+    d_model, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    rope = dict(cfg.get("rope_parameters") or {})
+    if cfg.get("rope_scaling"):
+        rope.update(cfg["rope_scaling"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    unsupported = [(key, cfg.get(key, default), want) for key, default, want in (
+        ("num_key_value_heads", heads, heads), ("head_dim", d_model // heads, d_model // heads),
+        ("hidden_act", "silu", "silu"), ("attention_bias", False, False), ("mlp_bias", False, False))]
+    unsupported = [(k, got, want) for k, got, want in unsupported if got is not None and got != want]
+    if rope_type != "default":
+        unsupported.append(("rope_type", rope_type, "default"))
+    if unsupported:
+        raise ValueError(f"{config_path}: TransformerLM cannot express " + ", ".join(
+            f"{k}={got!r} (needs {want!r})" for k, got, want in unsupported))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    layers = cfg["num_hidden_layers"]
+    model_args = dict(vocab_size=cfg["vocab_size"], context_length=cfg.get("max_position_embeddings", 2048),
+                      d_model=d_model, num_layers=layers, num_heads=heads, d_ff=cfg["intermediate_size"],
+                      rope_theta=float(theta), tie_embeddings=tied)
+
+    tensors = _llama_tensors(path)
+    if tied:
+        tensors.pop("lm_head.weight", None)  # some writers store the shared matrix twice
+    rename = {"model.embed_tokens.weight": "token_embeddings.weight", "model.norm.weight": "ln_final.weight"}
+    if not tied:
+        rename["lm_head.weight"] = "lm_head.weight"
+    rename.update({f"model.layers.{i}.{theirs}": f"layers.{i}.{mine}"
+                   for i in range(layers) for mine, theirs in _LLAMA_LAYER_NAMES})
+    absent = [name for name in rename if name not in tensors]
+    extra = [name for name in tensors if name not in rename and not name.endswith("rotary_emb.inv_freq")]
+    if absent or extra:
+        raise ValueError(f"{path}: tensors do not match its config.json: missing {absent[:4]}"
+                         f"{' ...' if len(absent) > 4 else ''}, unexpected {extra[:4]}"
+                         f"{' ...' if len(extra) > 4 else ''}")
+    state = {}
+    for theirs, mine in rename.items():
+        w = tensors[theirs]
+        if mine.endswith(_LLAMA_ROPE_ROWS):
+            w = half_to_interleaved_rows(w, heads).contiguous()
+        state[mine] = w
+    if tied:
+        state["lm_head.weight"] = state["token_embeddings.weight"]
+    return model_args, state, float(cfg.get("rms_norm_eps", 1e-5))
+
+
+def load_llama(path, device=None, attn_impl="naive", dtype=None, act_ckpt_every=0):
+    """A TransformerLM holding the weights of a Llama directory (ours from save_llama, or LlamaForCausalLM's
+    save_pretrained without GQA), in eval mode. Parameters keep TransformerLM's fp32 unless dtype is given; the
+    RMSNorm eps is set from rms_norm_eps."""
+    model_args, state, eps = read_llama(path)
+    model = TransformerLM(**model_args, attn_impl=attn_impl, act_ckpt_every=act_ckpt_every, dtype=dtype)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise RuntimeError(f"{path}: tensor shapes do not match its config.json: {e}") from e
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.eps = eps
+    return model.to(device).eval() if device is not None else model.eval()
+
+
+def llama_init(path, vocab_size=None, context_length=None):
+    """For train.py's init_from=<Llama directory>: (model_args, state dict) to build and fill a TransformerLM,
+    checked against the run: the dataset's vocab_size must equal the checkpoint's, the run's context_length must
+    fit in its max_position_embeddings, and its RMSNorm eps must be TransformerLM's (model_args has no eps, so a
+    resumed run could not restore another)."""
+    model_args, state, eps = read_llama(path)
+    default_eps = inspect.signature(RMSNorm).parameters["eps"].default
+    if eps != default_eps:
+        raise ValueError(f"{path}: rms_norm_eps={eps}, but TransformerLM's RMSNorm uses {default_eps}")
+    if vocab_size is not None and model_args["vocab_size"] != vocab_size:
+        raise ValueError(f"{path} has vocab_size {model_args['vocab_size']} but the dataset has {vocab_size}: "
+                         f"fine-tune on data tokenized with the checkpoint's tokenizer")
+    if context_length is not None and context_length > model_args["context_length"]:
+        raise ValueError(f"context_length={context_length} exceeds {path}'s max_position_embeddings "
+                         f"{model_args['context_length']}")
+    return model_args, state
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Hugging Face attention: these kernels as a transformers attention implementation. register_hf_attention() adds
+#    hf_attention (the attention) and hf_attention_mask (what the model's mask builder hands it) under one name, so
+#    AutoModelForCausalLM.from_config(cfg, attn_implementation="ours") runs them (transformers is imported
+#    only inside register_hf_attention). What a call attends to, in order:
+#      cu_seq_lens_q / max_length_q given (DataCollatorWithFlattening(return_flash_attn_kwargs=True)): the packed
+#        documents they name, flash_attn_varlen; nothing is read on the host, so this is the path to compile.
+#      a 2-D padding mask (batch, keys): every row is cut into three segments, pads before, real tokens, pads
+#        after, and flash_attn_varlen runs on the segments, so real tokens see only real tokens of their row, with
+#        left, right or both-sided padding. The boundaries come from the mask on the device (3 per row: a fixed
+#        shape). A mask with a hole (a pad between real tokens) cannot be cut that way: an error. With a mask, a
+#        row is one document (position_ids are not read).
+#      no mask, position_ids: a document starts wherever the position does not follow the previous one (or a row
+#        starts). Eagerly these are read on the host once per forward (cached by tensor) and a batch without
+#        restarts takes the dense kernel; under torch.compile they cannot be read, so every token's document start
+#        becomes one boundary (a fixed shape of tokens + 1, most segments empty): correct for dense and packed
+#        batches alike, but the kernels launch programs for every empty segment (their length bound is the
+#        config's max_position_embeddings, checked on the device). Pass the collator's kwargs.
+#      neither: dense flash_attention (causal unless the layer says otherwise).
+#    Our kernels scale scores by 1/sqrt(d): another `scaling` (GPT-2's scale_attn_by_inverse_layer_idx, or no
+#    scaling) is folded into q. Not supported, each a clear error: attention dropout, sliding windows, softcapping,
+#    attention sinks, 4-D masks, and queries shorter than keys (decoding with a KV cache: generate with sdpa).
+# ---------------------------------------------------------------------------------------------------------------
+
+_HF_DOCS = {}  # eager only: the last position_ids tensor seen -> its documents (every layer of a forward shares it)
+
+
+def _hf_fail(what):
+    raise ValueError(f"flash.hf_attention: {what}")
+
+
+def _hf_documents_eager(position_ids, batch, seqlen):
+    """(cu_seqlens int32, max_seqlen) of the documents position_ids mark in a (batch, seqlen) batch, or None when
+    every row is a single document; read on the host once per position_ids tensor."""
+    cached = _HF_DOCS.get("entry")
+    if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
+        return cached[2]
+    pos = position_ids.expand(batch, seqlen)
+    starts = torch.ones(batch, seqlen, dtype=torch.bool, device=pos.device)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    docs = None
+    if bool(starts[:, 1:].any()):
+        cu = torch.cat([starts.flatten().nonzero().flatten(), starts.new_full((1,), batch * seqlen, dtype=torch.long)])
+        docs = cu.to(torch.int32), int((cu[1:] - cu[:-1]).max())
+    _HF_DOCS["entry"] = (weakref.ref(position_ids), position_ids._version, docs)
+    return docs
+
+
+def _hf_documents_traced(position_ids, batch, seqlen, bound):
+    """The same documents without a host read (for torch.compile): boundary t is the first token of token t's
+    document, plus the end; nondecreasing, so the segments between equal boundaries are empty."""
+    pos = position_ids.expand(batch, seqlen)
+    starts = torch.ones(batch, seqlen, dtype=torch.bool, device=pos.device)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    t = torch.arange(batch * seqlen, device=pos.device)
+    first = torch.cummax(torch.where(starts.flatten(), t, 0), dim=0).values
+    cu = torch.cat([first, first.new_full((1,), batch * seqlen)]).to(torch.int32)
+    max_seqlen = seqlen
+    if bound is not None and bound < seqlen:  # documents longer than the model's positions cannot be valid
+        torch._assert_async((cu[1:] - cu[:-1]).max() <= bound,
+                            "flash.hf_attention: a document is longer than max_position_embeddings")
+        max_seqlen = bound
+    return cu, max_seqlen
+
+
+def _hf_segments(mask):
+    """A (batch, seqlen) padding mask (True = real token) as 3 segments per row, pads / real tokens / pads:
+    int32 boundaries (3 * batch + 1) into the flattened batch, computed on the device."""
+    batch, seqlen = mask.shape
+    real = mask.sum(dim=-1)
+    first = mask.to(torch.int8).argmax(dim=-1)  # the first real token (0 for a row without any)
+    row = torch.arange(batch, device=mask.device) * seqlen
+    cu = torch.stack([row, row + first, row + first + real], dim=-1).flatten()
+    return torch.cat([cu, cu.new_full((1,), batch * seqlen)]).to(torch.int32)
+
+
+def _hf_mask_is_contiguous(mask):
+    """Per row: the real tokens form one run (no pad between two real tokens)."""
+    seqlen = mask.shape[-1]
+    real = mask.sum(dim=-1)
+    first = mask.to(torch.int8).argmax(dim=-1)
+    last = seqlen - 1 - mask.flip(-1).to(torch.int8).argmax(dim=-1)
+    return (real == 0) | (last - first + 1 == real)
+
+
+def hf_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                      attention_mask=None, **kwargs):
+    """transformers' mask hook for hf_attention: the 2-D padding mask (batch, kv_length) as booleans, or None when
+    there is none (or, eagerly, when it has no pad). Checked here, once per forward: a mask with a hole is an error
+    (eagerly a ValueError; under torch.compile an assertion on the device)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        _hf_fail(f"only 2-D padding masks (batch, keys) can be honoured, got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    ok = _hf_mask_is_contiguous(mask)
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok.all(), "flash.hf_attention: a padding mask with a pad between real tokens")
+        return mask
+    if not bool(ok.all()):
+        rows = (~ok).nonzero().flatten().tolist()
+        _hf_fail(f"padding mask rows {rows[:8]} have a pad between real tokens: only one run of real tokens per "
+                 f"row (left and/or right padding) can be honoured")
+    return None if bool(mask.all()) else mask
+
+
+def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
+                 sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """transformers' attention hook: query (B, H, S, D), key/value (B, H_kv, S_k, D), attention_mask from
+    hf_attention_mask -> (output (B, S, H, D), None). See the section comment for what it attends to."""
+    if dropout:
+        _hf_fail(f"attention dropout ({dropout}) is not implemented: set the config's attention dropout "
+                 f"(attn_pdrop / attention_dropout) to 0")
+    for name, val in (("sliding_window", sliding_window), ("softcap", softcap), ("s_aux", s_aux)):
+        if val is not None:
+            _hf_fail(f"{name} is not supported")
+    if attention_mask is not None and (not torch.is_tensor(attention_mask) or attention_mask.dim() != 2):
+        _hf_fail("got a mask that is not a 2-D padding mask: build the model with this attention's name so its "
+                 "mask hook (hf_attention_mask) makes the mask")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    B, H, S, D = query.shape
+    if key.shape[2] != S:
+        _hf_fail(f"{S} queries against {key.shape[2]} keys (decoding with a KV cache) is not supported: use "
+                 f"attn_implementation='sdpa' to generate")
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    if scaling is not None and not math.isclose(scaling, D ** -0.5, rel_tol=1e-6):
+        query = query * (scaling * math.sqrt(D))  # the kernels scale by 1/sqrt(D)
+
+    def packed(cu, max_seqlen, cu_k=None, max_k=None):
+        flat = lambda x: x.transpose(1, 2).reshape(B * S, x.shape[1], D)  # a view for HF's (B, S, H, D) memory
+        out = flash_attn_varlen(flat(query), flat(key), flat(value), cu, max_seqlen, causal=causal,
+                                cu_seqlens_k=cu_k, max_seqlen_k=max_k)
+        return out.view(B, S, H, D), None
+
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        if attention_mask is not None or B != 1:
+            _hf_fail("cu_seq_lens_q describes one packed row (batch 1) without a padding mask, got batch "
+                     f"{B}{' and a mask' if attention_mask is not None else ''}")
+        max_q = kwargs.get("max_length_q")
+        if max_q is None:
+            _hf_fail("cu_seq_lens_q needs max_length_q (a Python int, the longest document)")
+        cu_k = kwargs.get("cu_seq_lens_k")
+        cu_k = None if cu_k is None or cu_k is cu_q else cu_k.to(torch.int32)
+        max_k = kwargs.get("max_length_k", max_q) if cu_k is not None else None
+        return packed(cu_q.to(torch.int32), max_q, cu_k, max_k)
+    if attention_mask is not None:
+        return packed(_hf_segments(attention_mask), S)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None:
+        if torch.compiler.is_compiling():
+            bound = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+            return packed(*_hf_documents_traced(position_ids, B, S, bound))
+        docs = _hf_documents_eager(position_ids, B, S)
+        if docs is not None:
+            return packed(*docs)
+    return flash_attention(query, key, value, causal=causal).transpose(1, 2), None
+
+
+HF_RESERVED = ("flash", "sdpa", "flex", "eager", "paged", "|", "/")  # transformers gives names holding these
+# their own meaning: any name with "flash" in it is taken for a FlashAttention kernel to fetch from the hub
+
+
+def register_hf_attention(name="ours"):
+    """Register hf_attention and its mask hook with transformers under `name`; returns the name. Then
+    AutoModelForCausalLM.from_config(cfg, attn_implementation=name) (or model.set_attn_implementation(name)) uses
+    these kernels. Needs transformers (requirements-hf.txt)."""
+    clash = [word for word in HF_RESERVED if word in name]
+    if clash or not name:
+        raise ValueError(f"register_hf_attention: name {name!r} contains {clash or 'nothing'}; transformers reads "
+                         f"names containing {', '.join(map(repr, HF_RESERVED))} as its own implementations")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError("register_hf_attention needs transformers: pip install -r requirements-hf.txt") from e
+    AttentionInterface.register(name, hf_attention)
+    AttentionMaskInterface.register(name, hf_attention_mask)
+    return name
