@@ -72,6 +72,22 @@ from model import (CausalSelfAttention, Embedding, Linear, PRESETS, RMSNorm, Rot
                    scaled_dot_product_attention, silu, softmax)
 
 
+
+def cases(names, values):
+    """Run a test once per case, as pytest.mark.parametrize does (and is, under pytest): @cases("d, causal",
+    [(64, True), (80, False)]) calls test(d=64, causal=True), then test(d=80, causal=False); the runner names each
+    case test[64-True]."""
+    names = [n.strip() for n in names.split(",")]
+    values = [v if isinstance(v, tuple) else (v,) for v in values]
+
+    def wrap(fn):
+        fn.cases = [dict(zip(names, v)) for v in values]
+        if "pytest" in sys.modules:
+            import pytest
+            return pytest.mark.parametrize(",".join(names), values if len(names) > 1 else [v[0] for v in values])(fn)
+        return fn
+    return wrap
+
 # ---------------------------------------------------------------------------------------------------------------
 # bpe.py and data/ (the data/ part starts at its own header below)
 # ---------------------------------------------------------------------------------------------------------------
@@ -5060,6 +5076,24 @@ def test_runner_fails_when_no_test_matches():
     assert "no test name contains any of: no_test_is_named_like_this" in err.getvalue()
 
 
+@cases("a, b", [(1, 2), (3, 4)])
+def test_runner_runs_every_case(a, b):
+    _CASES_SEEN.append((a, b))
+    assert b == a + 1
+
+
+_CASES_SEEN = []
+
+
+def test_runner_names_and_runs_cases():
+    _CASES_SEEN.clear()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["test_runner_runs_every_case"]) == 0
+    assert _CASES_SEEN == [(1, 2), (3, 4)]
+    assert "ok   test_runner_runs_every_case[1-2]" in out.getvalue() and "2 passed" in out.getvalue()
+
+
 def main(argv):
     tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
     if argv:
@@ -5067,16 +5101,18 @@ def main(argv):
         if not tests:  # a typo must not pass as "0 passed"
             print(f"no test name contains any of: {' '.join(argv)}", file=sys.stderr)
             return 2
+    runs = [(f"{n}[{'-'.join(map(str, kw.values()))}]" if hasattr(f, "cases") else n, f, kw)
+            for n, f in tests for kw in getattr(f, "cases", [{}])]
     passed, failed, skipped = 0, [], 0
     t_all = time.time()
-    for name, fn in tests:
+    for name, fn, kwargs in runs:
         t0 = time.time()
         try:
             if "tmp_path" in fn.__code__.co_varnames[:fn.__code__.co_argcount]:
                 with tempfile.TemporaryDirectory() as d:
-                    fn(tmp_path=Path(d))
+                    fn(tmp_path=Path(d), **kwargs)
             else:
-                fn()
+                fn(**kwargs)
         except unittest.SkipTest as e:
             skipped += 1
             print(f"SKIP {name}: {e}", flush=True)
