@@ -3586,17 +3586,18 @@ def _ddp_entry(rank, world_size, port, checks):
         dist.barrier()  # no rank tears the group down while another still has a collective in flight
     finally:
         dist.destroy_process_group()
-    # every check passed: skip the interpreter's teardown, which now and then aborted a finished worker
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0)  # every check passed: skip the interpreter's teardown, which now and then aborted a spawned worker
 
 
 def _spawn(*checks, world_size=2):
     """Run check(rank, world_size) for each check, in order, on every rank of one new process group."""
     for attempt in range(3):
         try:
-            mp.spawn(_ddp_entry, args=(world_size, _free_port(), checks), nprocs=world_size, join=True)
+            # fork starts in a blink (nothing to import again) but is safe only before this process touches CUDA
+            mp.start_processes(_ddp_entry, args=(world_size, _free_port(), checks), nprocs=world_size, join=True,
+                               start_method="spawn" if torch.cuda.is_initialized() else "fork")
             return
         except mp.ProcessRaisedException as e:  # another process took the free port before rank 0 bound it
             if "address already in use" not in str(e).lower() or attempt == 2:
@@ -3604,34 +3605,31 @@ def _spawn(*checks, world_size=2):
 
 
 class _ToyLM(nn.Module):
-    """A tiny LM from model.py's parts, with ragged sizes (vocab 29, rows not divisible by 2 or 4): optional tied
-    embedding/lm_head, a frozen parameter, a never-used parameter and one used only when asked (`extra`)."""
+    """A tiny LM from model.py's parts with ragged sizes (vocab 29, rows not divisible by 2 or 4), a tied embedding
+    and lm_head, a frozen parameter, a never-used parameter and one used only when asked (`extra`)."""
 
-    def __init__(self, tie=False, frozen=False, unused=False, extra=False, vocab_size=29, d_model=12, d_ff=19):
+    def __init__(self, vocab_size=29, d_model=12, d_ff=19):
         super().__init__()
         self.emb = model.Embedding(vocab_size, d_model)
         self.norm1, self.norm2, self.norm_f = (model.RMSNorm(d_model) for _ in range(3))
+        self.norm2.weight.requires_grad_(False)
         self.ffn = model.SwiGLU(d_model, d_ff)
         self.proj = model.Linear(d_model, d_model)
         self.head = model.Linear(d_model, vocab_size)
-        if tie:
-            self.head.weight = self.emb.weight
-        if frozen:
-            self.norm2.weight.requires_grad_(False)
-        self.unused = model.Linear(d_model, 5) if unused else None
-        self.extra = model.Linear(d_model, vocab_size) if extra else None
+        self.head.weight = self.emb.weight
+        self.unused = model.Linear(d_model, 5)
+        self.extra = model.Linear(d_model, vocab_size)
 
     def forward(self, ids, use_extra=False):
         x = self.emb(ids)
         x = x + self.ffn(self.norm1(x))
         x = x + self.proj(self.norm2(x))
-        logits = self.head(self.norm_f(x))
-        return logits + self.extra(x) if use_extra else logits
+        return self.head(self.norm_f(x)) + (self.extra(x) if use_extra else 0)
 
 
-def _make_model(seed, **kw):
+def _make_model(seed):
     torch.manual_seed(seed)
-    return _ToyLM(**kw).to(DDP_DEVICE)
+    return _ToyLM().to(DDP_DEVICE)
 
 
 def _tiny_transformer(seed):
@@ -3659,8 +3657,7 @@ def _pieces(x, y, rank, world_size, accum=1):
 
 
 def _loss(m, x, y, use_extra=None, autocast=False, fused=False):
-    """Mean cross-entropy over (x, y): under bf16 autocast, through the fused head (m(x, targets=y)), with the
-    `extra` layer, if asked."""
+    """Mean cross-entropy over (x, y); if asked, under bf16 autocast, by the fused head, with the `extra` layer."""
     with torch.autocast(DDP_DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
         if fused:
             return m(x, targets=y)
@@ -3668,14 +3665,11 @@ def _loss(m, x, y, use_extra=None, autocast=False, fused=False):
 
 
 def _reference(make, data, make_opt, world_size=2, accum=1, uses_extra=None, **how):
-    """One process doing the ranks' arithmetic: the loss is the mean over ranks and micro-batches of each piece's
-    loss (_loss(**how)). Returns the model, its optimizer and [(model state, optimizer state)] after every step.
-
-    For 2 ranks, 1 micro-batch, this is bitwise what the wrappers compute: rank r's backward starts from dL_r = 1,
-    the reference's from 1/2, and scaling by a power of two is exact (barring underflow), so every intermediate of
-    the reference is exactly half of rank r's; autograd adds g0/2 + g1/2 into .grad where the wrappers compute
-    (g0 + g1) / 2: the same number, since a sum of two values does not depend on their order and halving is exact.
-    (A full-batch mean would sum all rows inside one matmul: another order, another rounding.)"""
+    """One process doing the ranks' arithmetic: the loss is the mean of the losses of every rank's micro-batches.
+    Returns the model, its optimizer and [(model state, optimizer state)] after every step. For 2 ranks this is
+    bitwise what the wrappers compute: the backward of half r starts from 1/2 where rank r's starts from 1, and
+    halving is exact, so every intermediate is exactly half of rank r's and autograd adds g0/2 + g1/2 where the
+    wrappers compute (g0 + g1) / 2: the same number. (A full-batch mean would sum all rows in one matmul.)"""
     ref = make()
     opt = make_opt(ref.parameters())
     snaps = []
@@ -3690,15 +3684,13 @@ def _reference(make, data, make_opt, world_size=2, accum=1, uses_extra=None, **h
 
 
 def _rank_step(w, finish, opt, x, y, rank, world_size, accum=1, uses_extra=None, set_to_none=True, **how):
-    """One optimizer step of rank `rank` on its share of (x, y): `accum` micro-batches, all but the last under
-    no_sync() (where finish() must do nothing), then finish()."""
+    """One optimizer step of rank `rank` on its share of (x, y): `accum` micro-batches, each followed by finish(),
+    all but the last under no_sync() (where finish() must do nothing)."""
     opt.zero_grad(set_to_none=set_to_none)
     for k, (xm, ym) in enumerate(_pieces(x, y, rank, world_size, accum)):
         with w.no_sync() if k < accum - 1 else contextlib.nullcontext():
             (_loss(w, xm, ym, _USES_EXTRA[uses_extra](rank, k), **how) / accum).backward()
-            if k < accum - 1:
-                finish()
-    finish()
+            finish()
     opt.step()
 
 
@@ -3712,7 +3704,6 @@ def _assert_close(got, want, what, atol=1e-6, rtol=1e-5):
 
 
 def _assert_optimizer_state_close(got, want, what, atol=0, rtol=0):
-    """Optimizer state dicts: equal groups and keys, tensors as in _assert_close, other values equal."""
     assert got["param_groups"] == want["param_groups"], what
     assert sorted(got["state"]) == sorted(want["state"]), what
     for i, s in want["state"].items():
@@ -3730,21 +3721,19 @@ _DDP = {"naive": ddp.DDPNaive, "flat": ddp.DDPFlat, "overlap": ddp.DDP,
 
 
 def _check_ddp(rank, world_size, names, accum=1, uses_extra=None):
-    """The DDP wrappers `names` (rank r starts from seed r: the wrap-time broadcast must fix that) on a model with
-    tied weights, a frozen and an unused parameter, against one process after every step, with p.grad set to None
-    and kept (bucket views stay in place) by turns."""
-    make = lambda seed: _make_model(seed, tie=True, frozen=True, unused=True, extra=True)  # noqa: E731
+    """The DDP wrappers `names` (rank r starts from seed r: the wrap-time broadcast must fix that) against one
+    process after every step, with p.grad set to None and kept (bucket views stay in place) by turns."""
     data, make_opt = _batches(3, batch_size=world_size * accum), _OPTIMIZERS["adamw"]
-    *_, want = _reference(lambda: make(0), data, make_opt, world_size, accum, uses_extra)
+    *_, want = _reference(lambda: _make_model(0), data, make_opt, world_size, accum, uses_extra)
     for name in names:
-        w = _DDP[name](make(rank))
+        w = _DDP[name](_make_model(rank))
         opt = make_opt(w.parameters())
         for step, (x, y) in enumerate(data):
             _rank_step(w, w.finish_gradient_synchronization, opt, x, y, rank, world_size, accum, uses_extra,
                        set_to_none=step % 2 == 0)
-            _assert_close(w.module.state_dict(), want[step][0], f"{name}, {accum} micro-batches, extra layer "
-                                                                 f"used by {uses_extra}, step {step}")
-            assert w.module.unused.weight.grad is None, name
+            what = f"{name}, {accum} micro-batch(es), extra layer used by {uses_extra}, step {step}"
+            _assert_close(w.module.state_dict(), want[step][0], what)
+            assert w.module.unused.weight.grad is None, what
         assert w.module.head.weight is w.module.emb.weight, name
 
 
@@ -3774,7 +3763,7 @@ def _check_zero1(rank, world_size):
             _assert_close(got[step], want[step], f"{what} step {step}")
         counts = [None] * world_size
         dist.all_gather_object(counts, sum(p.numel() for p in (opt.optimizer.state if opt.optimizer else [])))
-        total = sum(p.numel() for p in net.parameters())
+        total = sum(p.numel() for p in net.parameters() if p.grad is not None)
         assert sum(counts) == total and max(counts) <= total / world_size + 12 * 29, counts
         full = opt.state_dict()
         _assert_optimizer_state_close(full, ref_opt.state_dict(), what, atol=1e-6, rtol=1e-5)
@@ -3805,17 +3794,15 @@ def test_ddp_wrappers_and_zero1_match_one_process_on_four_ranks():
 # -- FSDP and ddp.wrap (2 ranks) ----------------------------------------------------------------------------------
 
 def _check_fsdp(rank, world_size):
-    """FSDP on a model with tied weights, a frozen parameter and ragged shapes against one process after every
-    step: fp32 (to 2e-6), compute_dtype=bf16 and bf16 autocast with fp32 gathers (bf16 noise: 3e-2). Shards hold
-    about 1/N of the matrices, shard gradients are fp32 and shard-shaped, full parameters fp32; clip_grad_norm
-    returns the global norm and clips to it; load_full_params round-trips."""
-    make = lambda seed: _make_model(seed, tie=True, frozen=True)  # noqa: E731
+    """FSDP against one process after every step: fp32 (to 2e-6), compute_dtype=bf16 and bf16 autocast with fp32
+    gathers (bf16 noise: 3e-2). Shards hold about 1/N of the matrices, shard gradients are fp32 and shard-shaped,
+    full parameters fp32; clip_grad_norm returns the global norm and clips to it; load_full_params round-trips."""
     data, make_opt = _batches(3, seq=8), _OPTIMIZERS["adamw"]
-    ref, _, want = _reference(lambda: make(0), data, make_opt, world_size)
+    ref, _, want = _reference(lambda: _make_model(0), data, make_opt, world_size)
+    n_full = sum(p.numel() for p in ref.parameters() if p.dim() == 2)
     for compute_dtype, autocast, atol in ((torch.bfloat16, False, 3e-2), (None, True, 3e-2), (None, False, 2e-6)):
         what = f"FSDP compute_dtype={compute_dtype} autocast={autocast}"
-        sharded = ddp.FSDP(make(rank), compute_dtype=compute_dtype)
-        n_full = sum(p.numel() for p in ref.parameters() if p.dim() == 2)
+        sharded = ddp.FSDP(_make_model(rank), compute_dtype=compute_dtype)
         assert sum(s.numel() for s in sharded.shards) <= n_full / world_size + 4 * 29, what
         with torch.no_grad():
             assert sharded(data[0][0]).dtype == (compute_dtype or torch.float32), what
@@ -3823,22 +3810,23 @@ def _check_fsdp(rank, world_size):
         for step, (x, y) in enumerate(data):
             _rank_step(sharded, sharded.finish_gradient_synchronization, opt, x, y, rank, world_size,
                        autocast=autocast)
-            assert all(s.grad.dtype == torch.float32 and s.grad.shape == s.shape for s in sharded.shards), what
+            assert all(s.grad is None or (s.grad.dtype == torch.float32 and s.grad.shape == s.shape)
+                       for s in sharded.shards), what
             got = ddp.gather_full_params(sharded)
             assert all(v.dtype == torch.float32 for v in got.values()), what
             _assert_close(got, want[step][0], f"{what} step {step}", atol=atol)
 
     # clipping, on the fp32 run: the global norm over shards and replicated parameters equals one process's
     x, y = data[0]
-    for p in list(ref.parameters()) + list(sharded.parameters()):
-        p.grad = None
+    ref.zero_grad(set_to_none=True)
+    sharded.zero_grad(set_to_none=True)
     _loss(ref, x, y).backward()
     _loss(sharded, *_pieces(x, y, rank, world_size)[0]).backward()
     sharded.finish_gradient_synchronization()
     ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
     norm = sharded.clip_grad_norm(0.5 * ref_norm.item())
     assert torch.allclose(norm, ref_norm, rtol=1e-5), (norm, ref_norm)
-    shard_sq = sum(s.grad.norm() ** 2 for s in sharded.shards)
+    shard_sq = sum(s.grad.norm() ** 2 for s in sharded.shards if s.grad is not None)
     dist.all_reduce(shard_sq)
     total = (shard_sq + sum(p.grad.norm() ** 2 for p in sharded.replicated if p.grad is not None)).sqrt()
     assert abs(total.item() - 0.5 * ref_norm.item()) < 1e-4 * ref_norm.item(), (total, ref_norm)
@@ -3851,9 +3839,9 @@ _EXACT_SETUPS = [("naive", {}), ("flat", {}), ("overlap", {}), ("bucketed", dict
                  ("torch", {}), ("torch_fsdp", {})]
 
 
-def _wrapped(impl, kw, make_opt, seed, make=_tiny_transformer):
-    w = ddp.wrap(make(seed), impl, bucket_size_mb=kw.get("bucket_size_mb", 25.0), compute_dtype=kw.get("compute_dtype"))
-    return w, w.make_optimizer(make_opt, zero1=kw.get("zero1", False))
+def _wrapped(impl, make_opt, seed, make=_tiny_transformer, zero1=False, **wrap_kw):
+    w = ddp.wrap(make(seed), impl, **wrap_kw)
+    return w, w.make_optimizer(make_opt, zero1=zero1)
 
 
 def _check_wrap_exact(rank, world_size):
@@ -3868,9 +3856,9 @@ def _check_wrap_exact(rank, world_size):
         *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt)
         full = []  # per setup: its full (model, optimizer) state dicts after `steps` steps, as rank 0 has them
         for impl, kw in _EXACT_SETUPS:
-            what = f"{impl}{' + zero1' if kw.get('zero1') else ''} {opt_name}"
+            what = f"{impl} {kw} {opt_name}"
             checked = impl != "torch_fsdp" or rank == 0  # torch_fsdp's full dicts are complete on rank 0 only
-            w, opt = _wrapped(impl, kw, make_opt, seed=rank)  # rank r starts from seed r: wrap fixes that
+            w, opt = _wrapped(impl, make_opt, rank, **kw)  # rank r starts from seed r: wrap fixes that
             for step in range(steps):
                 _rank_step(w, w.finish, opt, *data[step], rank, world_size)
                 shared = [w.state_dict(), None]
@@ -3882,55 +3870,50 @@ def _check_wrap_exact(rank, world_size):
             dist.broadcast_object_list(shared, src=0)
             full.append(shared)
         for k, (impl, kw) in enumerate(_EXACT_SETUPS):  # resume from the setup before (another impl), step on
-            w, opt = _wrapped(impl, kw, make_opt, seed=rank)
+            w, opt = _wrapped(impl, make_opt, rank, **kw)
             w.load_state_dict(full[k - 1][0])
             w.load_optimizer_state_dict(opt, full[k - 1][1])
             _rank_step(w, w.finish, opt, *data[steps], rank, world_size)
-            sd = w.state_dict()
+            sd, what = w.state_dict(), f"{impl} {kw} {opt_name} resumed from {_EXACT_SETUPS[k - 1][0]}"
             if impl != "torch_fsdp" or rank == 0:
-                _assert_close(sd, want[steps][0], f"{impl} {opt_name} resumed from {_EXACT_SETUPS[k - 1][0]}",
-                              atol=0, rtol=0)
-
-
-def _bf16_lookup_lm(seed):
-    """The tiny TransformerLM with its embedding read in bf16, as FSDP(compute_dtype=bf16) reads it (autocast
-    alone leaves a lookup in fp32)."""
-    net = _tiny_transformer(seed)
-    emb = net.token_embeddings
-    emb.forward = lambda ids: emb.weight.to(torch.bfloat16)[ids]
-    return net
+                _assert_close(sd, want[steps][0], what, atol=0, rtol=0)
 
 
 def _check_wrap_bf16(rank, world_size):
     """The same comparison under bf16 autocast: within 1e-4 after every step (bit for bit on CPU). FSDP with
     compute_dtype=bf16 also reads the embedding in bf16, so its reference does too (and sums the embedding
     gradient rows in bf16 where FSDP sums them in fp32: hence a tolerance)."""
+    def _bf16_lookup_lm(seed):  # autocast alone reads the embedding in fp32
+        net = _tiny_transformer(seed)
+        emb = net.token_embeddings
+        emb.forward = lambda ids: emb.weight.to(torch.bfloat16)[ids]
+        return net
+
     data, make_opt = _batches(3, seq=8), _OPTIMIZERS["sgd"]
     *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt, autocast=True)
     *_, want_bf16_lookup = _reference(lambda: _bf16_lookup_lm(0), data, make_opt, autocast=True)
     for impl, kw in [("bucketed", {}), ("naive", dict(zero1=True)), ("fsdp", {}),
                      ("fsdp", dict(compute_dtype=torch.bfloat16)), ("torch", {})]:
         ref = want_bf16_lookup if kw.get("compute_dtype") else want
-        w, opt = _wrapped(impl, kw, make_opt, seed=rank)
+        w, opt = _wrapped(impl, make_opt, rank, **kw)
         for step, (x, y) in enumerate(data):
             _rank_step(w, w.finish, opt, x, y, rank, world_size, autocast=True)
             _assert_close(w.state_dict(), ref[step][0], f"{impl} {kw} bf16 step {step}", atol=1e-4, rtol=0)
-
-
-def _checkpointed_lm(seed):
-    net = _tiny_transformer(seed)
-    net.act_ckpt_every = 1
-    return net
 
 
 def _check_fsdp_fused_checkpointed(rank, world_size):
     """The leaderboard's step on a tiny model: FSDP, every block recomputed in backward, the fused LM head
     (model(x, targets=y)), our AdamW; and one process doing the same; both against the plain model (full logits
     into cross_entropy) within 1e-5 after every step (the fused head sums in another order)."""
+    def checkpointed(seed):
+        net = _tiny_transformer(seed)
+        net.act_ckpt_every = 1
+        return net
+
     data, make_opt = _batches(3, seq=8), _OPTIMIZERS["adamw"]
     *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt)
-    *_, one = _reference(lambda: _checkpointed_lm(0), data, make_opt, fused=True)
-    w, opt = _wrapped("fsdp", {}, make_opt, seed=rank, make=_checkpointed_lm)
+    *_, one = _reference(lambda: checkpointed(0), data, make_opt, fused=True)
+    w, opt = _wrapped("fsdp", make_opt, rank, make=checkpointed)
     for step, (x, y) in enumerate(data):
         _rank_step(w, w.finish, opt, x, y, rank, world_size, fused=True)
         _assert_close(w.state_dict(), want[step][0], f"FSDP fused + checkpointed, step {step}", atol=1e-5, rtol=0)
@@ -3938,14 +3921,21 @@ def _check_fsdp_fused_checkpointed(rank, world_size):
 
 
 def test_fsdp_and_every_ddp_wrap_impl_match_one_process():
-    """_check_fsdp, then ddp.wrap: every impl bit for bit (_check_wrap_exact), under bf16 autocast, and FSDP with
-    checkpointing and the fused head."""
+    """FSDP (_check_fsdp); ddp.wrap: every impl bit for bit, under bf16 autocast, FSDP + checkpoints + fused head."""
     _spawn(_check_fsdp, _check_wrap_exact, _check_wrap_bf16, _check_fsdp_fused_checkpointed)
 
 
-def test_ddp_wrap_single_process_and_bad_input():
-    if dist.is_initialized():
-        raise unittest.SkipTest("a process group is already initialized in this process")
+def test_ddp_without_a_process_group_and_bad_input():
+    """Without torchrun, init_distributed gives one process, wrap(impl="none") the plain model and optimizer; every
+    wrapper asks for a process group in one line; unknown impls and bench.py ddp variants are named."""
+    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
+    try:
+        rank, local_rank, world_size, device = ddp.init_distributed()
+        assert (rank, local_rank, world_size) == (0, 0, 1) and not dist.is_initialized()
+        assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+        ddp.cleanup_distributed()  # nothing to clean: must not raise
+    finally:
+        os.environ.update(saved)
     net = _tiny_transformer(0)
     w = ddp.wrap(net, "none")
     assert w.model is net and w.world_size == 1 and isinstance(w.no_sync(), contextlib.nullcontext)
@@ -3962,24 +3952,13 @@ def test_ddp_wrap_single_process_and_bad_input():
     _expect(ValueError, ["unknown data-parallel impl", "'nccl'"], ddp.wrap, net, "nccl")
     for make in (lambda: ddp.wrap(net, "bucketed"), lambda: ddp.DDPNaive(net), lambda: ddp.FSDP(net),
                  lambda: ddp.ShardedOptimizer(net.parameters(), train.AdamW)):
-        _expect(RuntimeError, ["torch.distributed is not initialized", "torchrun"], make)
+        _expect(RuntimeError, ["torch.distributed is not initialized: launch with torchrun"], make)
     # bench.py ddp builds its variants through the same factory, under the same names
     w, opt = bench._build_variant("none", _tiny_transformer(0), train.AdamW, 1e-3)
     assert w.impl == "none" and type(opt) is train.AdamW
     assert all(v.split("+")[0].split("-")[0] in ddp.IMPLS for v in bench.DDP_VARIANTS)
     for bad in ("torch-ddp", "bucketed+zero2", "naive-25"):
         _expect(ValueError, ["unknown variant", repr(bad)], bench._build_variant, bad, net, train.AdamW, 1e-3)
-
-
-def test_init_distributed_without_torchrun_is_single_process():
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
-    try:
-        rank, local_rank, world_size, device = ddp.init_distributed()
-        assert (rank, local_rank, world_size) == (0, 0, 1) and not dist.is_initialized()
-        assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
-        ddp.cleanup_distributed()  # nothing to clean: must not raise
-    finally:
-        os.environ.update(saved)
 
 
 # ---------------------------------------------------------------------------------------------------------------
