@@ -42,9 +42,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # ---------------------------------------------------------------------------------------------------------------
 
 def init_distributed():
-    """(rank, local_rank, world_size, device) from torchrun's RANK / LOCAL_RANK / WORLD_SIZE: NCCL with one GPU per
-    process on CUDA, gloo on CPU. Without those variables: one process and no process group. NCCL settings in the
-    environment (e.g. NCCL_NVLS_ENABLE=0) are left as they are."""
+    """(rank, local_rank, world_size, device) from torchrun's environment: NCCL with a GPU per process on CUDA, gloo
+    on CPU; without torchrun, one process and no process group. NCCL_* settings in the environment stay."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 0, 1, torch.device("cuda" if cuda else "cpu")
@@ -54,7 +53,7 @@ def init_distributed():
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(**(dict(backend="nccl", device_id=device) if cuda else dict(backend="gloo")))
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return rank, local_rank, world_size, device
 
 
@@ -85,8 +84,7 @@ def _all_reduce_mean(t):
     _finish_average(t)
 
 
-def _all_reduce_flat(grads):  # one all-reduce per dtype over a flattened copy
-
+def _all_reduce_flat(grads):  # one all-reduce per dtype, over a flattened copy
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in same])
@@ -106,8 +104,8 @@ def _broadcast_from_rank0(module):
 # ---------------------------------------------------------------------------------------------------------------
 
 def weak_hook(method):
-    """A gradient hook that holds its wrapper weakly: tensor hooks live in C++, out of reach of Python's cycle
-    collector, so a strong one (parameter -> hook -> wrapper -> module -> parameter) would leak a dropped wrapper."""
+    """A gradient hook holding its wrapper weakly: tensor hooks live in C++, out of reach of the cycle collector,
+    so a strong one (parameter -> hook -> wrapper -> module -> parameter) would leak a dropped wrapper."""
     ref = weakref.WeakMethod(method)
 
     def hook(*args):
@@ -118,8 +116,8 @@ def weak_hook(method):
 
 
 class _DataParallel(nn.Module):
-    """What all four DDP wrappers share: .module, forward passthrough, the rank-0 broadcast at wrap time, no_sync().
-    Parameters are taken once from module.parameters(), so tied weights count once; frozen ones are skipped."""
+    """What the DDP wrappers share: .module, forward, the rank-0 broadcast at wrap time, no_sync(). Parameters come
+    once from module.parameters(), so tied weights count once; frozen ones are skipped."""
 
     def __init__(self, module):
         super().__init__()
@@ -134,8 +132,8 @@ class _DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: backward passes inside communicate nothing (finish_gradient_synchronization()
-        is a no-op there); the next synchronized backward sends the sum."""
+        """Backward passes inside communicate nothing (finish_gradient_synchronization() is a no-op there); the
+        next synchronized backward sends the sum."""
         previous, self.require_sync = self.require_sync, False
         try:
             yield
@@ -144,7 +142,7 @@ class _DataParallel(nn.Module):
 
 
 class DDPNaive(_DataParallel):
-    """After backward: one all-reduce per parameter gradient. No overlap with backward."""
+    """After backward: one all-reduce per parameter gradient."""
 
     def finish_gradient_synchronization(self):
         if self.require_sync:
@@ -154,8 +152,7 @@ class DDPNaive(_DataParallel):
 
 
 class DDPFlat(_DataParallel):
-    """After backward: all gradients flattened into one buffer per dtype, one all-reduce each, copied back (one
-    call instead of one per parameter, for a temporary buffer as large as the gradients)."""
+    """After backward: the gradients flattened into one buffer per dtype, one all-reduce each, copied back."""
 
     def finish_gradient_synchronization(self):
         if self.require_sync:
@@ -163,10 +160,9 @@ class DDPFlat(_DataParallel):
 
 
 class DDPIndividualParameters(_DataParallel):
-    """Overlap per parameter: a post-accumulate-grad hook starts an async all-reduce of each gradient the moment
-    autograd has finished accumulating it (tied weights: once, after both uses), so communication runs while
-    backward continues. A parameter without gradient this step fires no hook; that must hold on every rank. A
-    gradient accumulated under no_sync() that the last backward did not reach is all-reduced in finish."""
+    """Overlap per parameter: a post-accumulate-grad hook starts an async all-reduce of each gradient once autograd
+    has accumulated it (tied weights: after both uses), while backward goes on. A parameter without gradient fires
+    no hook (the same on every rank, please); one accumulated under no_sync() only is all-reduced in finish."""
 
     def __init__(self, module):
         super().__init__(module)
@@ -191,8 +187,8 @@ class DDPIndividualParameters(_DataParallel):
 
 
 class _Bucket:
-    """Parameters sharing one flat gradient buffer; p.grad is a view into it after the first backward. One extra
-    slot per parameter holds a "had a gradient" flag, all-reduced with the gradients."""
+    """Parameters sharing one flat gradient buffer (p.grad becomes a view into it), plus a "had a gradient" flag
+    slot per parameter, all-reduced with the gradients."""
 
     def __init__(self, params):
         self.params = params
@@ -207,15 +203,10 @@ class _Bucket:
 
 
 class DDPBucketed(_DataParallel):
-    """Overlap per bucket. Parameters go into buckets of at most bucket_size_mb MiB in reverse registration order
-    (about the order backward produces them; a larger parameter gets a bucket of its own). Every p.grad becomes a
-    view into its bucket's buffer, so the all-reduce needs no flatten/unflatten copies; a bucket's async all-reduce
-    starts as soon as its last gradient is ready.
-
-    Buckets are launched strictly in index order (a ready bucket waits for the ones before it), and finish launches
-    the rest in the same order, so every rank issues identical collectives even when a parameter is unused on some
-    ranks. Missing gradients count as zeros; a parameter unused on every rank keeps grad None, as in single-process
-    training (the flag slots tell)."""
+    """Overlap per bucket: parameters in buckets of at most bucket_size_mb MiB in reverse registration order (about
+    backward's order), p.grad a view into its bucket's buffer, a bucket's async all-reduce started when its last
+    gradient is ready. Buckets launch in index order, the rest in finish, so every rank issues the same collectives
+    even where a parameter is unused on some ranks (its gradient counts as zeros; unused everywhere, grad None)."""
 
     def __init__(self, module, bucket_size_mb):
         super().__init__(module)
@@ -232,16 +223,14 @@ class DDPBucketed(_DataParallel):
             size += nbytes
         if current:
             self.buckets.append(_Bucket(current))
-        self.next_bucket = 0  # index of the first bucket not launched yet in this step
+        self.next_bucket = 0  # the first bucket not launched yet in this step
         hook = weak_hook(self._hook)
         for b, bucket in enumerate(self.buckets):
             for j, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, j=j: hook(b, j))
 
     @staticmethod
-    def _grad_into_view(bucket, j):
-        """Point p.grad at its slot: after zero_grad(set_to_none=True) autograd hands us a fresh tensor (one copy);
-        with set_to_none=False it accumulated into the view already."""
+    def _grad_into_view(bucket, j):  # a fresh gradient is copied in; one kept by zero_grad() is the view already
         p, view = bucket.params[j], bucket.views[j]
         if p.grad is None:
             view.zero_()
@@ -306,11 +295,10 @@ def DDP(module, bucket_size_mb=None):
 # ---------------------------------------------------------------------------------------------------------------
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Each rank owns about 1/N of the parameter elements (greedy by size, largest first, to the rank with the
-    fewest so far), keeps optimizer state only for those and steps them with an inner optimizer_cls. Gradients must
-    already be averaged (a DDP wrapper does that). Each added group's parameters move into a flat buffer per dtype
-    of N equal segments (rank r's parameters in segment r, padded) and p.data becomes a view into it, so after the
-    inner step one in-place all-gather per buffer brings every rank's updates everywhere, with no copies."""
+    """Each rank owns about 1/N of the parameter elements (largest first, to the rank with the fewest so far) and
+    keeps and steps their state with an inner optimizer_cls; gradients come averaged (by a DDP wrapper). A group's
+    parameters become views into a flat buffer per dtype of N equal segments (rank r's parameters in segment r),
+    so one in-place all-gather per buffer after the inner step brings every rank's updates everywhere."""
 
     def __init__(self, params, optimizer_cls, **kwargs):
         self.rank, self.world_size = _rank_and_world()
@@ -329,22 +317,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        params = group["params"]
-        for p in sorted(params, key=lambda p: -p.numel()):  # stable: equal sizes keep their order
+        for p in sorted(group["params"], key=lambda p: -p.numel()):  # stable: equal sizes keep their order
             r = min(range(self.world_size), key=lambda r: (self.owned_numel[r], r))
             self.owner[p] = r
             self.owned_numel[r] += p.numel()
-        self._flatten(params)
-        owned = [p for p in params if self.owner[p] == self.rank]
+        self._flatten(group["params"])
+        owned = [p for p in group["params"] if self.owner[p] == self.rank]
         if not owned:
             self.inner_index.append(None)
-            return
-        inner = {**group, "params": owned}
-        if self.optimizer is None:
-            self.optimizer = self.optimizer_cls([inner], **self.inner_kwargs)
+        elif self.optimizer is None:
+            self.optimizer = self.optimizer_cls([{**group, "params": owned}], **self.inner_kwargs)
+            self.inner_index.append(0)
         else:
-            self.optimizer.add_param_group(inner)
-        self.inner_index.append(len(self.optimizer.param_groups) - 1)
+            self.optimizer.add_param_group({**group, "params": owned})
+            self.inner_index.append(len(self.optimizer.param_groups) - 1)
 
     @torch.no_grad()
     def _flatten(self, params):
@@ -354,12 +340,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             seg_len = max(sum(p.numel() for p in seg) for seg in segments)
             buffer = torch.zeros(self.world_size * seg_len, dtype=key[0], device=key[1])
             for r, seg in enumerate(segments):
-                offset = r * seg_len
-                for p in seg:
-                    view = buffer[offset:offset + p.numel()].view_as(p)
-                    view.copy_(p.data)
-                    p.data = view
-                    offset += p.numel()
+                sizes = [p.numel() for p in seg]
+                for p, view in zip(seg, buffer[r * seg_len:(r + 1) * seg_len].split(sizes + [seg_len - sum(sizes)])):
+                    view.copy_(p.data.reshape(-1))
+                    p.data = view.view_as(p)
             self.flat_buffers.append((buffer, seg_len))
 
     @torch.no_grad()
@@ -377,13 +361,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             _all_gather(buffer, buffer[self.rank * seg_len:(self.rank + 1) * seg_len])
         return loss
 
-    def _all_params(self):
-        return [p for group in self.param_groups for p in group["params"]]
-
     def state_dict(self):
         """The consolidated state in torch.optim's format (parameters numbered across the groups) on every rank,
         tensors on CPU. Call on all ranks: each owner broadcasts its parameters' state."""
-        params = self._all_params()
+        params = [p for group in self.param_groups for p in group["params"]]
         index = {p: i for i, p in enumerate(params)}
         local = self.optimizer.state if self.optimizer is not None else {}
         device = self.flat_buffers[0][0].device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -404,7 +385,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                  for g in self.param_groups]}
 
     def load_state_dict(self, state_dict):
-        """Load a consolidated state (from state_dict() or a checkpoint); each rank keeps its own parameters'."""
+        """Load a consolidated state (state_dict()'s or a checkpoint's); each rank keeps its own parameters'."""
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("state dict and optimizer disagree on the parameter groups or their sizes")
@@ -412,16 +393,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in saved.items() if k != "params"})
         if self.optimizer is None:
             return
-        params = self._all_params()
+        params = [p for group in self.param_groups for p in group["params"]]
         position = {p: j for j, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-        inner_state = {position[params[int(i)]]: s for i, s in state_dict["state"].items()
-                       if params[int(i)] in position}
-        inner_groups = []
-        for group, k in zip(self.param_groups, self.inner_index):
-            if k is not None:  # the inner group keeps its own extra keys; the wrapper's hyperparameters win
-                inner = self.optimizer.param_groups[k]
-                inner_groups.append({**inner, **group, "params": [position[p] for p in inner["params"]]})
-        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        inner_groups = [{**self.optimizer.param_groups[k], **group,  # the inner group's extra keys stay
+                         "params": [position[p] for p in self.optimizer.param_groups[k]["params"]]}
+                        for group, k in zip(self.param_groups, self.inner_index) if k is not None]
+        self.optimizer.load_state_dict({"param_groups": inner_groups, "state": {
+            position[params[int(i)]]: s for i, s in state_dict["state"].items() if params[int(i)] in position}})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -452,8 +430,7 @@ class _FSDPLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         import model
-        (x2,) = ctx.saved_tensors
-        fsdp, i = ctx.fsdp, ctx.i
+        (x2,), fsdp, i = ctx.saved_tensors, ctx.fsdp, ctx.i
         fsdp._before_backward(i)
         g2 = grad_y.to(x2.dtype).reshape(-1, grad_y.shape[-1])
         grad_x = None
@@ -465,8 +442,8 @@ class _FSDPLinear(torch.autograd.Function):
 
 
 class _FSDPLinearCrossEntropy(torch.autograd.Function):
-    """model.linear_cross_entropy(x, W, targets) with W all-gathered for this call only: the fused head computes
-    the loss and both gradients in its forward (model.fused_head), so backward needs no second gather."""
+    """The fused LM head's loss (model.fused_head) with W all-gathered for this call only: it computes both
+    gradients in forward, so backward needs no second gather."""
 
     @staticmethod
     def forward(ctx, x, targets, shard, fsdp, i, ignore_index, need_grad):
@@ -503,8 +480,7 @@ class _FSDPEmbedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (ids,) = ctx.saved_tensors
-        fsdp, i = ctx.fsdp, ctx.i
+        (ids,), fsdp, i = ctx.saved_tensors, ctx.fsdp, ctx.i
         fsdp._before_backward(i)
         if ctx.needs_input_grad[1]:
             layer = fsdp.layers[i]
@@ -515,17 +491,13 @@ class _FSDPEmbedding(torch.autograd.Function):
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallel (ZeRO-3) for any model built from model.py's Linear and Embedding.
-
-    Their weights are sharded across ranks (tied weights once); the rest (RMSNorm gains) is replicated, its
-    gradients averaged in finish_gradient_synchronization(). module.parameters() then holds the fp32 shards and the
-    replicated parameters: a plain optimizer built after wrapping updates each rank's part. A sharded layer's
-    forward all-gathers its weight (cast to compute_dtype first), uses it and frees it.
-
-    Prefetch: the first forward records the layer order; then each layer's gather is queued before the previous
-    layer's compute, so they overlap, with at most two gathered weights alive. Backward mirrors it; weight gradients
-    are reduce-scattered asynchronously into fp32 shard gradients, at most two in flight. Checkpointed recomputation
-    gathers on demand. Gradient accumulation: several backward passes add up the shard gradients (no no_sync())."""
+    """Fully sharded data parallel (ZeRO-3) for any model built from model.py's Linear and Embedding: their weights
+    are sharded over ranks (tied weights once) and all-gathered (in compute_dtype) for each use; the rest is
+    replicated, its gradients averaged in finish. module.parameters() then holds fp32 shards and replicated
+    parameters, for a plain optimizer built after wrapping. The first forward records the layer order; then the
+    next layer's gather is queued before each layer's compute (at most two gathered weights alive), and backward
+    mirrors it, reduce-scattering weight gradients asynchronously into fp32 shard gradients (at most two in
+    flight). Gradient accumulation: several backward passes add up the shard gradients (there is no no_sync())."""
 
     def __init__(self, module, compute_dtype=None):
         super().__init__()
@@ -534,17 +506,13 @@ class FSDP(nn.Module):
         self.module, self.compute_dtype = module, compute_dtype
         _broadcast_from_rank0(module)
         self.layers, shards = [], {}  # shards: original weight -> its shard (a tied weight is sharded once)
-        for m in list(module.modules()):
-            if not isinstance(m, (model.Linear, model.Embedding)):
-                continue
-            w = m.weight
+        for m in [m for m in module.modules() if isinstance(m, (model.Linear, model.Embedding))]:
+            w, i, is_embedding = m.weight, len(self.layers), isinstance(m, model.Embedding)
             if w not in shards:
                 shards[w] = self._make_shard(w)
-            m.weight = shards[w]
-            i = len(self.layers)
-            is_embedding = isinstance(m, model.Embedding)
-            self.layers.append(_ShardedLayer(shards[w], w.shape[0], (self.world_size * shards[w].shape[0],
-                                                                     w.shape[1]), is_embedding))
+            m.weight = shard = shards[w]
+            self.layers.append(_ShardedLayer(shard, w.shape[0], (self.world_size * shard.shape[0], w.shape[1]),
+                                             is_embedding))
             fn = _FSDPEmbedding if is_embedding else _FSDPLinear
             m.forward = lambda x, fn=fn, i=i: fn.apply(x, self.layers[i].shard, self, i)
             if not is_embedding:  # the fused LM head (model.Linear.cross_entropy) on the gathered weight
@@ -580,14 +548,11 @@ class FSDP(nn.Module):
     # -- gathers ---------------------------------------------------------------------------------------------------
     def _gather(self, i):
         """Start the async all-gather of layer i's full weight (in compute_dtype) unless it is already underway."""
-        if i in self._gathered:
-            return
-        layer = self.layers[i]
-        shard = layer.shard.detach()
-        if self.compute_dtype is not None:
-            shard = shard.to(self.compute_dtype)
-        full = shard.new_empty(layer.padded_shape)
-        self._gathered[i] = (full, _all_gather(full, shard, async_op=True))
+        if i not in self._gathered:
+            shard = self.layers[i].shard.detach()
+            shard = shard.to(self.compute_dtype) if self.compute_dtype is not None else shard
+            full = shard.new_empty(self.layers[i].padded_shape)
+            self._gathered[i] = (full, _all_gather(full, shard, async_op=True))
 
     def _full_weight(self, i):  # gathered now unless prefetched; forgotten here, so freed when the caller is done
         self._gather(i)
@@ -631,9 +596,7 @@ class FSDP(nn.Module):
         """Reduce-scatter layer i's full weight gradient, in fp32 and zero-padded, into this rank's shard gradient."""
         layer = self.layers[i]
         if grad_w.shape != layer.padded_shape:
-            full = grad_w.new_zeros(layer.padded_shape, dtype=layer.shard.dtype)
-            full[:layer.rows] = grad_w
-            grad_w = full
+            grad_w = torch.cat([grad_w, grad_w.new_zeros(layer.padded_shape[0] - layer.rows, grad_w.shape[1])])
         grad_w = grad_w.to(layer.shard.dtype)  # reduce in fp32, like the master weights (no-op when already)
         shard_grad = torch.empty_like(layer.shard)
         work = _reduce_scatter(shard_grad, grad_w, op=_avg_op(), async_op=True)
@@ -666,10 +629,9 @@ class FSDP(nn.Module):
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_l2_norm, sharded=()):
-    """Global L2 norm over the gradients of `parameters` (replicated: counted once) and of `sharded` (each rank
-    holds a disjoint part: their squares are summed over ranks with one all-reduce); parameters without a gradient
-    are skipped. Every gradient is scaled in place by clamp(max_l2_norm / (norm + 1e-6), max=1), which is exactly 1
-    when not clipping, so no host sync is needed. Returns the norm before clipping as a 0-dim fp32 tensor."""
+    """Scale every gradient by clamp(max_l2_norm / (norm + 1e-6), max=1) (exactly 1 when not clipping: no host sync)
+    and return the global L2 norm as a 0-dim fp32 tensor, over `parameters` (replicated) and `sharded` (disjoint
+    parts on each rank: their squares are summed over ranks). Parameters without a gradient are skipped."""
     sharded = list(sharded)
     grads = [p.grad for p in parameters if p.grad is not None]
     shard_grads = [p.grad for p in sharded if p.grad is not None]
@@ -701,38 +663,46 @@ def _gather_rows(t, rows):
     """The first `rows` rows of a tensor sharded by row blocks (t: this rank's block), on every rank."""
     full = t.new_empty((_rank_and_world()[1] * t.shape[0], *t.shape[1:]))
     _all_gather(full, t.detach().contiguous())
-    return full[:rows].clone() if full.shape[0] != rows else full  # a clone does not keep the padding alive
+    return full[:rows]
 
 
 def _own_rows(full, shape):
     """This rank's row block of `full`, zero-padded to `shape` (a shard's shape)."""
     start = _rank_and_world()[0] * shape[0]
     rows = full[start:start + shape[0]]
-    own = full.new_zeros(shape)
-    own[:rows.shape[0]] = rows
-    return own
+    return torch.cat([rows, rows.new_zeros(shape[0] - rows.shape[0], *shape[1:])])
+
+
+def _full(t, p):
+    """Tensor t shaped like parameter p (p itself, or its optimizer state) made full on every rank: rows gathered
+    under FSDP, the full tensor of a torch_fsdp DTensor; t as it is where p is not sharded."""
+    if hasattr(t, "full_tensor"):
+        return t.full_tensor()
+    return _gather_rows(t, p._fsdp_full_shape[0]) if hasattr(p, "_fsdp_full_shape") and t.shape == p.shape else t
+
+
+def _shard(t, p):
+    """The reverse of _full: this rank's part of the full tensor t, sharded like parameter p."""
+    if hasattr(p, "device_mesh") and tuple(t.shape) == tuple(p.shape):  # a torch_fsdp DTensor
+        from torch.distributed.tensor import distribute_tensor
+        return distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
+    return _own_rows(t, p.shape) if tuple(t.shape) == getattr(p, "_fsdp_full_shape", None) else t
 
 
 def gather_full_params(model):
-    """The full state dict of an FSDP-wrapped model (FSDP or its .module), keyed like the unwrapped model's own
-    state_dict() (tied weights under both names), shards all-gathered in fp32. Call on all ranks; every rank gets
-    the dict (rank 0 saves it)."""
+    """The full state dict of a model under FSDP (FSDP or its .module) or torch_fsdp, keyed like the unwrapped
+    model's. Call on all ranks; every rank gets the dict."""
     module = model.module if isinstance(model, FSDP) else model
-    out, full_by_shard = {}, {}
-    with torch.no_grad():
-        for name, t in module.state_dict(keep_vars=True).items():
-            if not hasattr(t, "_fsdp_full_shape"):
-                out[name] = t.detach().clone()
-            else:
-                if id(t) not in full_by_shard:
-                    full_by_shard[id(t)] = _gather_rows(t, t._fsdp_full_shape[0])
-                out[name] = full_by_shard[id(t)]
-    return out
+    full = {}  # by tensor: a tied weight is gathered once
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in full:
+            full[id(t)] = _full(t, t).detach().clone()
+    return {name: full[id(t)] for name, t in module.state_dict(keep_vars=True).items()}
 
 
 def load_full_params(model, state_dict):
-    """Load a full state dict (gather_full_params's or a single-process model's) into an FSDP-wrapped model: each
-    rank copies its own rows into its shards. No communication."""
+    """Load a full state dict (gather_full_params's or a single-process model's) into a model under FSDP or
+    torch_fsdp: each rank keeps its own part."""
     module = model.module if isinstance(model, FSDP) else model
     own = module.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
@@ -740,42 +710,31 @@ def load_full_params(model, state_dict):
         raise ValueError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
         for name, t in own.items():
-            src = state_dict[name]
-            if hasattr(t, "_fsdp_full_shape"):
-                if tuple(src.shape) != t._fsdp_full_shape:
-                    raise ValueError(f"{name}: shape {tuple(src.shape)}, expected {t._fsdp_full_shape}")
-                src = _own_rows(src, t.shape)
-            t.copy_(src)
+            shape = getattr(t, "_fsdp_full_shape", tuple(t.shape))
+            if tuple(state_dict[name].shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(state_dict[name].shape)}, expected {shape}")
+            t.copy_(_shard(state_dict[name], t))
 
 
 def gather_full_optimizer_state(model, optimizer):
-    """The state dict of an optimizer over an FSDP-wrapped model's parameters with every shard-shaped state tensor
-    (AdamW's moments) all-gathered: the format, numbering and shapes of the unwrapped model's optimizer, so it loads
-    at any world size and under any wrapper. Tensors on CPU. Call on all ranks (every rank then holds the dict)."""
+    """The state dict of an optimizer over a model under FSDP or torch_fsdp, every sharded state tensor made full
+    (on CPU): that of the unwrapped model's optimizer, so it loads at any world size, under any wrapper. Call on
+    all ranks; every rank gets it."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved = optimizer.state_dict()
-    state = {}
-    with torch.no_grad():
-        for i in sorted(saved["state"]):  # the same keys on every rank: every rank steps the same parameters
-            p, state[i] = params[i], {}
-            for k, v in saved["state"][i].items():
-                if torch.is_tensor(v) and hasattr(p, "_fsdp_full_shape") and v.shape == p.shape:
-                    v = _gather_rows(v, p._fsdp_full_shape[0])
-                state[i][k] = v.to("cpu", copy=True) if torch.is_tensor(v) else v
+    state = {i: {k: _full(v, params[i]).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
+             for i, s in sorted(saved["state"].items())}  # in the same order on every rank
     return {"state": state, "param_groups": saved["param_groups"]}
 
 
 def load_full_optimizer_state(model, optimizer, state_dict):
-    """Load a full optimizer state (gather_full_optimizer_state's, or a single-process optimizer's) into the
-    optimizer of an FSDP-wrapped model: each rank keeps its own rows of every full-shaped state tensor."""
+    """Load a full optimizer state (gather_full_optimizer_state's or a single-process optimizer's) into the
+    optimizer of a model under FSDP or torch_fsdp: each rank keeps its own part of every full-shaped tensor."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if len(params) != sum(len(g["params"]) for g in state_dict["param_groups"]):
         raise ValueError("optimizer state and optimizer disagree on the number of parameters")
-    state = {}
-    for i, saved in state_dict["state"].items():
-        p = params[int(i)]
-        state[i] = {k: (_own_rows(v, p.shape) if torch.is_tensor(v) and hasattr(p, "_fsdp_full_shape") and
-                        tuple(v.shape) == p._fsdp_full_shape else v) for k, v in saved.items()}
+    state = {i: {k: _shard(v, params[int(i)]) if torch.is_tensor(v) else v for k, v in s.items()}
+             for i, s in state_dict["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
 
 
@@ -785,20 +744,6 @@ def load_full_optimizer_state(model, optimizer, state_dict):
 
 IMPLS = ("none", "naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")
 _SHARDED_IMPLS = ("fsdp", "torch_fsdp")
-
-
-def wrap(model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, compile_kwargs=None):
-    """Wrap `model` (on its device already) for data parallelism and return a Parallel, the only object a
-    training loop needs. impl:
-      none        one process, no communication (the plain model)
-      naive, flat, overlap, bucketed   DDPNaive, DDPFlat, DDPIndividualParameters, DDPBucketed(bucket_size_mb)
-      fsdp        FSDP(compute_dtype): weights all-gathered in compute_dtype (None: their own fp32)
-      torch       torch.nn.parallel.DistributedDataParallel
-      torch_fsdp  FSDP2: fully_shard per block of model.layers and around the whole model, params cast to
-                  compute_dtype (None: fp32), gradients reduced in fp32
-    compile=True applies torch.compile(**compile_kwargs): inside our DDP wrappers and torch's DDP (their hooks stay
-    eager), around the FSDP variants (the gathers are part of the compiled forward)."""
-    return Parallel(model, impl, bucket_size_mb, compute_dtype, compile, compile_kwargs or {})
 
 
 def _torch_ddp(module):
@@ -820,11 +765,18 @@ def _torch_fsdp(model, compute_dtype):
 
 
 class Parallel:
-    """A model under one data-parallel impl (see wrap) with the operations a training loop needs, the same for
-    every impl (the module docstring shows the loop). .module is the unwrapped model (its parameters are the shards
-    under the FSDP variants), .model what is called. State dicts are in the unwrapped model's and a plain
-    torch.optim optimizer's format under every impl (torch_fsdp: complete on rank 0 only), so a checkpoint of one
-    impl and world size loads into any other."""
+    """wrap(model, impl, ...): `model` (on its device) under one data-parallel impl, with the operations a training
+    loop needs, the same for every impl (the module docstring shows the loop). impl:
+      none        one process, no communication (the plain model)
+      naive, flat, overlap, bucketed   DDPNaive, DDPFlat, DDPIndividualParameters, DDPBucketed(bucket_size_mb)
+      fsdp        FSDP(compute_dtype): weights all-gathered in compute_dtype (None: their own fp32)
+      torch       torch.nn.parallel.DistributedDataParallel
+      torch_fsdp  FSDP2: fully_shard per block of model.layers and around the whole model, params cast to
+                  compute_dtype (None: fp32), gradients reduced in fp32
+    compile=True applies torch.compile(**compile_kwargs) inside our DDP wrappers and torch's DDP (hooks stay eager),
+    around the FSDP variants. .module is the unwrapped model, .model what is called. State dicts have the unwrapped
+    model's and a torch.optim optimizer's format under every impl, so a checkpoint of one impl and world size loads
+    into any other."""
 
     def __init__(self, model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, compile_kwargs=None):
         if impl not in IMPLS:
@@ -839,6 +791,7 @@ class Parallel:
             self.model = compiled(build[impl](model))
         else:
             self.model = build[impl](compiled(model))
+        self._ours = getattr(self.model, "_orig_mod", self.model)  # our wrapper (DDP* or FSDP), also if compiled
 
     def __call__(self, *inputs, **kwargs):
         return self.model(*inputs, **kwargs)
@@ -851,17 +804,15 @@ class Parallel:
         return self.train(False)
 
     def named_parameters(self):
-        """The trainable parameters under their unwrapped names (the shards under the FSDP variants): what the
-        optimizer must hold."""
+        """The trainable parameters under their unwrapped names (the shards under the FSDP variants)."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 
     def make_optimizer(self, optimizer_cls, param_groups=None, zero1=False, **kwargs):
-        """optimizer_cls(groups, **kwargs) over the wrapped parameters; param_groups(named_parameters) -> groups
-        (default: one group of all). zero1=True shards the optimizer state over ranks (ShardedOptimizer; a plain
-        optimizer under impl none); the FSDP variants shard it already and refuse it."""
+        """optimizer_cls(param_groups(named_parameters) or all parameters, **kwargs); zero1=True shards its state
+        (ShardedOptimizer; plain under impl none; the FSDP variants shard it already and refuse)."""
         groups = param_groups(self.named_parameters()) if param_groups is not None else self.parameters()
         if zero1 and self.impl in _SHARDED_IMPLS:
             raise ValueError(f"zero1 shards optimizer state on top of replicated DDP; impl {self.impl!r} shards "
@@ -871,8 +822,7 @@ class Parallel:
         return optimizer_cls(groups, **kwargs)
 
     def no_sync(self):
-        """Backward passes inside accumulate gradients locally (our DDP wrappers and torch's DDP). A null context
-        under impl none and the FSDP variants, which keep gradients sharded: every backward reduce-scatters."""
+        """Backward passes inside accumulate gradients locally (a null context where gradients are sharded)."""
         if self.impl in _SHARDED_IMPLS or self.impl == "none":
             return contextlib.nullcontext()
         return self.model.no_sync()
@@ -880,86 +830,40 @@ class Parallel:
     def finish(self):
         """Finish the gradient synchronization of the last backward (torch's impls finish inside backward)."""
         if self.impl in ("naive", "flat", "overlap", "bucketed", "fsdp"):
-            self._ours().finish_gradient_synchronization()
-
-    def _ours(self):
-        """Our wrapper object (DDP* or FSDP), also from under torch.compile's OptimizedModule."""
-        return getattr(self.model, "_orig_mod", self.model) if self.impl == "fsdp" else self.model
+            self._ours.finish_gradient_synchronization()
 
     def clip_grad_norm(self, max_norm):
-        """Clip to the global gradient norm (max_norm = inf: only measure it); returns the norm as a 0-dim tensor
-        without a host sync. Under fsdp the shards' squares are summed over ranks."""
+        """Clip to the global gradient norm (max_norm = inf: only measure) and return it, without a host sync."""
         if self.impl == "fsdp":
-            return self._ours().clip_grad_norm(max_norm)
+            return self._ours.clip_grad_norm(max_norm)
         if self.impl == "torch_fsdp":  # DTensor gradients: torch reduces the norm over the mesh
             return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
         return clip_grad_norm(self.parameters(), max_norm)
 
     def state_dict(self):
-        """The full model state dict, keyed like the unwrapped model's own. Collective under the FSDP variants
-        (call on all ranks); under torch_fsdp only rank 0's is complete (CPU tensors)."""
-        if self.impl == "fsdp":
-            return gather_full_params(self.module)
-        if self.impl == "torch_fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-            return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True,
-                                                                              cpu_offload=True))
-        return self.module.state_dict()
+        """The full model state dict, keyed like the unwrapped model's (collective under the FSDP variants)."""
+        return gather_full_params(self.module) if self.impl in _SHARDED_IMPLS else self.module.state_dict()
 
     def load_state_dict(self, state_dict):
         """Load a full model state dict (state_dict()'s under any impl, or a single-process model's) on every rank."""
-        if self.impl == "fsdp":
+        if self.impl in _SHARDED_IMPLS:
             load_full_params(self.module, state_dict)
-        elif self.impl == "torch_fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-            set_model_state_dict(self.module, state_dict, options=StateDictOptions(full_state_dict=True))
         else:
             self.module.load_state_dict(state_dict)
 
     def optimizer_state_dict(self, optimizer):
-        """The optimizer's full state in torch.optim's format (parameters numbered across groups, in the
-        unwrapped model's shapes): consolidated under ZeRO-1, gathered under the FSDP variants (collective then;
-        under torch_fsdp only rank 0's is complete)."""
-        if self.impl == "fsdp":
+        """The optimizer's full state in torch.optim's format and the unwrapped model's shapes (collective under
+        ZeRO-1 and the FSDP variants)."""
+        if self.impl in _SHARDED_IMPLS:
             return gather_full_optimizer_state(self.module, optimizer)
-        if self.impl == "torch_fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-            by_name = get_optimizer_state_dict(self.module, optimizer,
-                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            return _numbered(by_name)
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer, state_dict):
         """Load optimizer_state_dict()'s format (from any impl and world size) on every rank."""
-        if self.impl == "fsdp":
+        if self.impl in _SHARDED_IMPLS:
             load_full_optimizer_state(self.module, optimizer, state_dict)
-        elif self.impl == "torch_fsdp" and not any(torch.is_tensor(v) and v.dim() > 0
-                                                   for s in state_dict["state"].values() for v in s.values()):
-            optimizer.load_state_dict(state_dict)  # nothing to shard (e.g. plain SGD), which torch's loader refuses
-        elif self.impl == "torch_fsdp":
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                                 set_optimizer_state_dict)
-            names = [n for g in get_optimizer_state_dict(self.module, optimizer)["param_groups"] for n in g["params"]]
-            set_optimizer_state_dict(self.module, optimizer, _named(state_dict, names),
-                                     options=StateDictOptions(full_state_dict=True))
         else:
             optimizer.load_state_dict(state_dict)
 
 
-def _numbered(by_name):
-    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) in torch.optim's numbering: the
-    parameters of all groups in order. Ranks without the full dict (torch_fsdp's other ranks) get {}."""
-    if not by_name:
-        return {}
-    index, groups = {}, []
-    for g in by_name["param_groups"]:
-        groups.append({**g, "params": [index.setdefault(n, len(index)) for n in g["params"]]})
-    return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
-
-
-def _named(numbered, names):
-    """The reverse of _numbered, with the names of the optimizer's parameters in order."""
-    if len(names) != sum(len(g["params"]) for g in numbered["param_groups"]):
-        raise ValueError("optimizer state and optimizer disagree on the number of parameters")
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in numbered["param_groups"]]
-    return {"state": {names[int(i)]: s for i, s in numbered["state"].items()}, "param_groups": groups}
+wrap = Parallel  # the factory: wrap(model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, ...)

@@ -3854,29 +3854,22 @@ def _check_wrap_exact(rank, world_size):
     steps, data = 3, _batches(4, seq=8)
     for opt_name, make_opt in _OPTIMIZERS.items():
         *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt)
-        full = []  # per setup: its full (model, optimizer) state dicts after `steps` steps, as rank 0 has them
+        full = []  # per setup: its full (model, optimizer) state dicts after `steps` steps
         for impl, kw in _EXACT_SETUPS:
             what = f"{impl} {kw} {opt_name}"
-            checked = impl != "torch_fsdp" or rank == 0  # torch_fsdp's full dicts are complete on rank 0 only
             w, opt = _wrapped(impl, make_opt, rank, **kw)  # rank r starts from seed r: wrap fixes that
             for step in range(steps):
                 _rank_step(w, w.finish, opt, *data[step], rank, world_size)
-                shared = [w.state_dict(), None]
-                if checked:
-                    _assert_close(shared[0], want[step][0], f"{what} step {step}", atol=0, rtol=0)
-            shared[1] = w.optimizer_state_dict(opt)
-            if checked:
-                _assert_optimizer_state_close(shared[1], want[steps - 1][1], f"{what} optimizer_state_dict")
-            dist.broadcast_object_list(shared, src=0)
-            full.append(shared)
+                _assert_close(w.state_dict(), want[step][0], f"{what} step {step}", atol=0, rtol=0)
+            full.append((w.state_dict(), w.optimizer_state_dict(opt)))
+            _assert_optimizer_state_close(full[-1][1], want[steps - 1][1], f"{what} optimizer_state_dict")
         for k, (impl, kw) in enumerate(_EXACT_SETUPS):  # resume from the setup before (another impl), step on
             w, opt = _wrapped(impl, make_opt, rank, **kw)
             w.load_state_dict(full[k - 1][0])
             w.load_optimizer_state_dict(opt, full[k - 1][1])
             _rank_step(w, w.finish, opt, *data[steps], rank, world_size)
-            sd, what = w.state_dict(), f"{impl} {kw} {opt_name} resumed from {_EXACT_SETUPS[k - 1][0]}"
-            if impl != "torch_fsdp" or rank == 0:
-                _assert_close(sd, want[steps][0], what, atol=0, rtol=0)
+            what = f"{impl} {kw} {opt_name} resumed from {_EXACT_SETUPS[k - 1][0]}"
+            _assert_close(w.state_dict(), want[steps][0], what, atol=0, rtol=0)
 
 
 def _check_wrap_bf16(rank, world_size):
