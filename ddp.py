@@ -132,8 +132,7 @@ class _DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside communicate nothing (finish_gradient_synchronization() is a no-op there); the
-        next synchronized backward sends the sum."""
+        """Backward passes inside communicate nothing (and finish is a no-op); the next synced one sends the sum."""
         previous, self.require_sync = self.require_sync, False
         try:
             yield
@@ -191,15 +190,11 @@ class _Bucket:
     slot per parameter, all-reduced with the gradients."""
 
     def __init__(self, params):
-        self.params = params
-        sizes = [p.numel() for p in params]
+        self.params, sizes = params, [p.numel() for p in params]
         self.buffer = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
         *chunks, self.flags = self.buffer.split(sizes + [len(params)])
         self.views = [c.view_as(p) for c, p in zip(chunks, params)]
-        self.reset()
-
-    def reset(self):
-        self.ready, self.num_ready, self.work = [False] * len(self.params), 0, None
+        self.ready, self.num_ready, self.work = [False] * len(params), 0, None
 
 
 class DDPBucketed(_DataParallel):
@@ -281,7 +276,7 @@ class DDPBucketed(_DataParallel):
                 used = bucket.flags.tolist()
                 for j, p in enumerate(bucket.params):
                     p.grad = bucket.views[j] if bucket.ready[j] or used[j] > 0 else None
-            bucket.reset()
+            bucket.ready, bucket.num_ready, bucket.work = [False] * len(bucket.params), 0, None
         self.next_bucket = 0
 
 
@@ -442,8 +437,7 @@ class _FSDPLinear(torch.autograd.Function):
 
 
 class _FSDPLinearCrossEntropy(torch.autograd.Function):
-    """The fused LM head's loss (model.fused_head) with W all-gathered for this call only: it computes both
-    gradients in forward, so backward needs no second gather."""
+    """The fused LM head (model.fused_head, both gradients made in forward) on W all-gathered for this call only."""
 
     @staticmethod
     def forward(ctx, x, targets, shard, fsdp, i, ignore_index, need_grad):
@@ -614,8 +608,7 @@ class FSDP(nn.Module):
             shard.grad += shard_grad
 
     def finish_gradient_synchronization(self):
-        """Wait for every reduce-scatter (shard gradients are then fp32, averaged, shaped like the shards), average
-        the replicated parameters' gradients, release gathered buffers."""
+        """Wait for the reduce-scatters (fp32 shard gradients), average the replicated gradients, free gathers."""
         while self._pending:
             self._accumulate(*self._pending.pop(0))
         _all_reduce_flat([p.grad for p in self.replicated if p.grad is not None])
@@ -659,13 +652,6 @@ def clip_grad_norm(parameters, max_l2_norm, sharded=()):
     return norm
 
 
-def _gather_rows(t, rows):
-    """The first `rows` rows of a tensor sharded by row blocks (t: this rank's block), on every rank."""
-    full = t.new_empty((_rank_and_world()[1] * t.shape[0], *t.shape[1:]))
-    _all_gather(full, t.detach().contiguous())
-    return full[:rows]
-
-
 def _own_rows(full, shape):
     """This rank's row block of `full`, zero-padded to `shape` (a shard's shape)."""
     start = _rank_and_world()[0] * shape[0]
@@ -678,7 +664,11 @@ def _full(t, p):
     under FSDP, the full tensor of a torch_fsdp DTensor; t as it is where p is not sharded."""
     if hasattr(t, "full_tensor"):
         return t.full_tensor()
-    return _gather_rows(t, p._fsdp_full_shape[0]) if hasattr(p, "_fsdp_full_shape") and t.shape == p.shape else t
+    if not hasattr(p, "_fsdp_full_shape") or t.shape != p.shape:
+        return t
+    full = t.new_empty((_rank_and_world()[1] * t.shape[0], *t.shape[1:]))  # every rank's row block, padded
+    _all_gather(full, t.detach().contiguous())
+    return full[:p._fsdp_full_shape[0]]
 
 
 def _shard(t, p):
@@ -690,19 +680,17 @@ def _shard(t, p):
 
 
 def gather_full_params(model):
-    """The full state dict of a model under FSDP (FSDP or its .module) or torch_fsdp, keyed like the unwrapped
-    model's. Call on all ranks; every rank gets the dict."""
+    """The unwrapped model's state dict (on CPU) from a model under FSDP (or its .module) or torch_fsdp (collective)."""
     module = model.module if isinstance(model, FSDP) else model
     full = {}  # by tensor: a tied weight is gathered once
     for name, t in module.state_dict(keep_vars=True).items():
         if id(t) not in full:
-            full[id(t)] = _full(t, t).detach().clone()
+            full[id(t)] = _full(t, t).detach().to("cpu", copy=True)
     return {name: full[id(t)] for name, t in module.state_dict(keep_vars=True).items()}
 
 
 def load_full_params(model, state_dict):
-    """Load a full state dict (gather_full_params's or a single-process model's) into a model under FSDP or
-    torch_fsdp: each rank keeps its own part."""
+    """Load a full state dict into a model under FSDP or torch_fsdp: each rank keeps its own part of each tensor."""
     module = model.module if isinstance(model, FSDP) else model
     own = module.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
@@ -717,9 +705,8 @@ def load_full_params(model, state_dict):
 
 
 def gather_full_optimizer_state(model, optimizer):
-    """The state dict of an optimizer over a model under FSDP or torch_fsdp, every sharded state tensor made full
-    (on CPU): that of the unwrapped model's optimizer, so it loads at any world size, under any wrapper. Call on
-    all ranks; every rank gets it."""
+    """An optimizer's state dict over a model under FSDP or torch_fsdp, sharded tensors made full (on CPU): the
+    unwrapped model's optimizer's, for any world size and wrapper (collective)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved = optimizer.state_dict()
     state = {i: {k: _full(v, params[i]).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
@@ -728,8 +715,7 @@ def gather_full_optimizer_state(model, optimizer):
 
 
 def load_full_optimizer_state(model, optimizer, state_dict):
-    """Load a full optimizer state (gather_full_optimizer_state's or a single-process optimizer's) into the
-    optimizer of a model under FSDP or torch_fsdp: each rank keeps its own part of every full-shaped tensor."""
+    """Load a full optimizer state into an optimizer over a model under FSDP or torch_fsdp (each rank its part)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if len(params) != sum(len(g["params"]) for g in state_dict["param_groups"]):
         raise ValueError("optimizer state and optimizer disagree on the number of parameters")
@@ -771,8 +757,7 @@ class Parallel:
       naive, flat, overlap, bucketed   DDPNaive, DDPFlat, DDPIndividualParameters, DDPBucketed(bucket_size_mb)
       fsdp        FSDP(compute_dtype): weights all-gathered in compute_dtype (None: their own fp32)
       torch       torch.nn.parallel.DistributedDataParallel
-      torch_fsdp  FSDP2: fully_shard per block of model.layers and around the whole model, params cast to
-                  compute_dtype (None: fp32), gradients reduced in fp32
+      torch_fsdp  FSDP2 (fully_shard per block of model.layers and around the model), compute_dtype params
     compile=True applies torch.compile(**compile_kwargs) inside our DDP wrappers and torch's DDP (hooks stay eager),
     around the FSDP variants. .module is the unwrapped model, .model what is called. State dicts have the unwrapped
     model's and a torch.optim optimizer's format under every impl, so a checkpoint of one impl and world size loads
@@ -787,10 +772,7 @@ class Parallel:
                  "bucketed": lambda m: DDPBucketed(m, bucket_size_mb), "torch": _torch_ddp,
                  "fsdp": lambda m: FSDP(m, compute_dtype), "torch_fsdp": lambda m: _torch_fsdp(m, compute_dtype)}
         compiled = (lambda m: torch.compile(m, **(compile_kwargs or {}))) if compile else (lambda m: m)
-        if impl in _SHARDED_IMPLS:
-            self.model = compiled(build[impl](model))
-        else:
-            self.model = build[impl](compiled(model))
+        self.model = compiled(build[impl](model)) if impl in _SHARDED_IMPLS else build[impl](compiled(model))
         self._ours = getattr(self.model, "_orig_mod", self.model)  # our wrapper (DDP* or FSDP), also if compiled
 
     def __call__(self, *inputs, **kwargs):
@@ -823,9 +805,8 @@ class Parallel:
 
     def no_sync(self):
         """Backward passes inside accumulate gradients locally (a null context where gradients are sharded)."""
-        if self.impl in _SHARDED_IMPLS or self.impl == "none":
-            return contextlib.nullcontext()
-        return self.model.no_sync()
+        sharded_or_none = self.impl in _SHARDED_IMPLS or self.impl == "none"
+        return contextlib.nullcontext() if sharded_or_none else self.model.no_sync()
 
     def finish(self):
         """Finish the gradient synchronization of the last backward (torch's impls finish inside backward)."""
