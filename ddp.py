@@ -161,7 +161,7 @@ class DDPFlat(_DataParallel):
 class DDPIndividualParameters(_DataParallel):
     """Overlap per parameter: a post-accumulate-grad hook starts an async all-reduce of each gradient once autograd
     has accumulated it (tied weights: after both uses), while backward goes on. A parameter without gradient fires
-    no hook (the same on every rank, please); one accumulated under no_sync() only is all-reduced in finish."""
+    no hook, which must hold on every rank; one accumulated under no_sync() only is all-reduced in finish."""
 
     def __init__(self, module):
         super().__init__(module)
