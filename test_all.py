@@ -13,6 +13,7 @@ import collections
 import contextlib
 import copy
 import datetime
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -34,6 +35,7 @@ import time
 import traceback
 import tracemalloc
 import unittest
+import unittest.mock
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -3563,18 +3565,14 @@ def test_two_process_gloo_fsdp_and_torch_fsdp_train_save_and_resume(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # ddp.py
 # ---------------------------------------------------------------------------------------------------------------
-
-# ---------------------------------------------------------------------------------------------------------------
-# ddp.py: every wrapper against single-process training on the full batch. Each test spawns 2 (one
-# test 4) processes: CPU + gloo, or one GPU each + NCCL where the machine has enough GPUs (so the same tests check
-# the NCCL paths on a GPU host). Each process also trains the single-process reference itself, so the
-# comparison happens inside the workers and a failed assert fails the spawn.
-# ---------------------------------------------------------------------------------------------------------------
+# Every wrapper against one process training on the global batch. A test spawns one process group (CPU + gloo, or
+# a GPU per rank + NCCL where there are enough GPUs) whose workers run several checks in turn; each worker trains
+# the one-process reference itself, so the comparison happens inside the workers and a failed assert fails the spawn.
 
 DDP_DEVICE = torch.device("cpu")  # set per worker process by _ddp_entry
 
 
-def _ddp_entry(rank, world_size, port, worker, args):
+def _ddp_entry(rank, world_size, port, checks):
     global DDP_DEVICE
     torch.set_num_threads(1)
     backend = "gloo"
@@ -3584,21 +3582,23 @@ def _ddp_entry(rank, world_size, port, worker, args):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=90))  # a hang becomes an error, not a stuck CI
     try:
-        worker(rank, world_size, *args)
+        for check in checks:
+            check(rank, world_size)
         dist.barrier()  # no rank tears the group down while another still has a collective in flight
     finally:
         dist.destroy_process_group()
-    # The worker passed. Leave without the interpreter's teardown: about one run in ten of the FSDP test aborted
-    # there ("terminate called without an active exception", no Python frame left) after every check had passed.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0)  # every check passed: skip the interpreter's teardown, which now and then aborted a spawned worker
 
 
-def _spawn(worker, *args, world_size=2):
+def _spawn(*checks, world_size=2):
+    """Run check(rank, world_size) for each check, in order, on every rank of one new process group."""
     for attempt in range(3):
         try:
-            mp.spawn(_ddp_entry, args=(world_size, _free_port(), worker, args), nprocs=world_size, join=True)
+            # fork starts in a blink (nothing to import again) but CUDA does not survive it: spawn on GPU machines
+            mp.start_processes(_ddp_entry, args=(world_size, _free_port(), checks), nprocs=world_size, join=True,
+                               start_method="spawn" if torch.cuda.is_available() else "fork")
             return
         except mp.ProcessRaisedException as e:  # another process took the free port before rank 0 bound it
             if "address already in use" not in str(e).lower() or attempt == 2:
@@ -3606,38 +3606,37 @@ def _spawn(worker, *args, world_size=2):
 
 
 class _ToyLM(nn.Module):
-    """A tiny LM from model.py's parts, with ragged sizes (vocab 29, rows not divisible by 2 or 4): optional tied
-    embedding/lm_head, a frozen parameter, a never-used parameter and one used only when asked (`extra`)."""
+    """A tiny LM from model.py's parts with ragged sizes (vocab 29, rows not divisible by 2 or 4), a tied embedding
+    and lm_head, a frozen parameter, a never-used parameter and one used only when asked (`extra`)."""
 
-    def __init__(self, tie=False, frozen=False, unused=False, extra=False, vocab_size=29, d_model=12, d_ff=19):
+    def __init__(self, vocab_size=29, d_model=12, d_ff=19):
         super().__init__()
         self.emb = model.Embedding(vocab_size, d_model)
-        self.norm1 = model.RMSNorm(d_model)
+        self.norm1, self.norm2, self.norm_f = (model.RMSNorm(d_model) for _ in range(3))
+        self.norm2.weight.requires_grad_(False)
         self.ffn = model.SwiGLU(d_model, d_ff)
-        self.norm2 = model.RMSNorm(d_model)
         self.proj = model.Linear(d_model, d_model)
-        self.norm_f = model.RMSNorm(d_model)
         self.head = model.Linear(d_model, vocab_size)
-        if tie:
-            self.head.weight = self.emb.weight
-        if frozen:
-            self.norm2.weight.requires_grad_(False)
-        self.unused = model.Linear(d_model, 5) if unused else None
-        self.extra = model.Linear(d_model, vocab_size) if extra else None
+        self.head.weight = self.emb.weight
+        self.unused = model.Linear(d_model, 5)
+        self.extra = model.Linear(d_model, vocab_size)
 
     def forward(self, ids, use_extra=False):
         x = self.emb(ids)
         x = x + self.ffn(self.norm1(x))
         x = x + self.proj(self.norm2(x))
-        logits = self.head(self.norm_f(x))
-        if use_extra:
-            logits = logits + self.extra(x)
-        return logits
+        return self.head(self.norm_f(x)) + (self.extra(x) if use_extra else 0)
 
 
-def _make_model(seed, **kw):
+def _make_model(seed):
     torch.manual_seed(seed)
-    return _ToyLM(**kw).to(DDP_DEVICE)
+    return _ToyLM().to(DDP_DEVICE)
+
+
+def _tiny_transformer(seed):
+    torch.manual_seed(seed)
+    return model.TransformerLM(vocab_size=29, context_length=8, d_model=12, num_layers=2, num_heads=2,
+                               d_ff=19).to(DDP_DEVICE)
 
 
 def _batches(steps, batch_size=4, seq=7, vocab_size=29, seed=123):
@@ -3646,370 +3645,195 @@ def _batches(steps, batch_size=4, seq=7, vocab_size=29, seed=123):
              torch.randint(0, vocab_size, (batch_size, seq), generator=g).to(DDP_DEVICE)) for _ in range(steps)]
 
 
-def _adamw():
-    """Our AdamW when train.py is importable (the default path), else torch's."""
-    try:
-        from train import AdamW
-        return AdamW
-    except ImportError:
-        return torch.optim.AdamW
+_OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+               "adamw": lambda ps: train.AdamW(ps, lr=1e-2, weight_decay=0.1)}
+_USES_EXTRA = {None: lambda rank, micro: None, "first micro-batch": lambda rank, micro: micro == 0,
+               "rank 1": lambda rank, micro: rank == 1}
 
 
-def _reference(steps, make, data, opt_cls, loss_fn=None, lr=1e-2):
-    """Single-process training on the full batch: returns the parameter snapshots after every step."""
+def _pieces(x, y, rank, world_size, accum=1):
+    """Rank `rank`'s `accum` micro-batches of the global batch (x, y)."""
+    n = x.shape[0] // (world_size * accum)
+    return [(x[i * n:(i + 1) * n], y[i * n:(i + 1) * n]) for i in range(rank * accum, (rank + 1) * accum)]
+
+
+def _loss(m, x, y, use_extra=None, autocast=False, fused=False):
+    """Mean cross-entropy over (x, y); if asked, under bf16 autocast, by the fused head, with the `extra` layer."""
+    with torch.autocast(DDP_DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+        if fused:
+            return m(x, targets=y)
+        return model.cross_entropy(m(x) if use_extra is None else m(x, use_extra=use_extra), y)
+
+
+def _reference(make, data, make_opt, world_size=2, accum=1, uses_extra=None, **how):
+    """One process doing the ranks' arithmetic: the loss is the mean of the losses of every rank's micro-batches.
+    Returns the model, its optimizer and [(model state, optimizer state)] after every step. For 2 ranks this is
+    bitwise what the wrappers compute: the backward of half r starts from 1/2 where rank r's starts from 1, and
+    halving is exact, so every intermediate is exactly half of rank r's and autograd adds g0/2 + g1/2 where the
+    wrappers compute (g0 + g1) / 2: the same number. (A full-batch mean would sum all rows in one matmul.)"""
     ref = make()
-    opt = opt_cls(ref.parameters(), lr=lr, weight_decay=0.1)
-    loss_fn = loss_fn or (lambda m, x, y: model.cross_entropy(m(x), y))
+    opt = make_opt(ref.parameters())
     snaps = []
-    for x, y in data[:steps]:
+    for x, y in data:
         opt.zero_grad(set_to_none=True)
-        loss_fn(ref, x, y).backward()
+        losses = [_loss(ref, xm, ym, _USES_EXTRA[uses_extra](r, k), **how) for r in range(world_size)
+                  for k, (xm, ym) in enumerate(_pieces(x, y, r, world_size, accum))]
+        (sum(losses[1:], losses[0]) / len(losses)).backward()
         opt.step()
-        snaps.append({k: v.detach().clone() for k, v in ref.state_dict().items()})
-    return ref, snaps
+        snaps.append(({k: v.detach().clone() for k, v in ref.state_dict().items()}, copy.deepcopy(opt.state_dict())))
+    return ref, opt, snaps
+
+
+def _rank_step(w, finish, opt, x, y, rank, world_size, accum=1, uses_extra=None, set_to_none=True, **how):
+    """One optimizer step of rank `rank` on its share of (x, y): `accum` micro-batches, each followed by finish(),
+    all but the last under no_sync(), where nothing may be all-reduced (and finish() must do nothing)."""
+    opt.zero_grad(set_to_none=set_to_none)
+    for k, (xm, ym) in enumerate(_pieces(x, y, rank, world_size, accum)):
+        quiet = k < accum - 1
+        deaf = unittest.mock.patch.object(dist, "all_reduce", side_effect=AssertionError("all_reduce in no_sync()"))
+        with w.no_sync() if quiet else contextlib.nullcontext(), deaf if quiet else contextlib.nullcontext():
+            (_loss(w, xm, ym, _USES_EXTRA[uses_extra](rank, k), **how) / accum).backward()
+            finish()
+    opt.step()
 
 
 def _assert_close(got, want, what, atol=1e-6, rtol=1e-5):
+    """Each tensor of state dict `got` within atol + rtol * |want| of `want`'s (atol = rtol = 0: bit for bit)."""
     assert got.keys() == want.keys(), (what, sorted(got), sorted(want))
     for k in want:
-        err = (got[k].double() - want[k].double()).abs().max().item()
-        assert torch.allclose(got[k], want[k], atol=atol, rtol=rtol), f"{what}: {k} differs by {err:.3g}"
+        g, e = got[k].to(want[k].device), want[k]
+        err = (g.double() - e.double()).abs().max().item()
+        assert torch.allclose(g, e, atol=atol, rtol=rtol), f"{what}: {k} differs by {err:.3g}"
 
 
-def _local(x, rank, world_size):
-    n = x.shape[0] // world_size
-    return x[rank * n:(rank + 1) * n]
+def _assert_optimizer_state_close(got, want, what, atol=0, rtol=0):
+    assert got["param_groups"] == want["param_groups"], what
+    assert sorted(got["state"]) == sorted(want["state"]), what
+    for i, s in want["state"].items():
+        for k, v in s.items():
+            g = got["state"][i][k]
+            same = torch.allclose(g.cpu(), v.cpu(), atol=atol, rtol=rtol) if torch.is_tensor(v) else g == v
+            assert same, (what, i, k)
 
 
-# -- DDP ----------------------------------------------------------------------------------------------------------
+# -- DDP and ZeRO-1 (4 ranks) -------------------------------------------------------------------------------------
 
-def _worker_wrappers(rank, world_size):
-    steps, data, opt_cls = 3, _batches(3), _adamw()
-    kw = dict(tie=True, frozen=True)
-    _, want = _reference(steps, lambda: _make_model(0, **kw), data, opt_cls)
-    wrappers = [("naive", ddp.DDPNaive), ("flat", ddp.DDPFlat), ("overlap", ddp.DDP),
-                ("bucketed-tiny", lambda m: ddp.DDPBucketed(m, 0.0005)),  # ~500 B: several buckets
-                ("bucketed-one", lambda m: ddp.DDP(m, bucket_size_mb=1))]
-    for name, wrap in wrappers:
-        wrapped = wrap(_make_model(rank, **kw))  # rank r starts from seed r: the broadcast must fix that
-        opt = opt_cls(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
+_DDP = {"naive": ddp.DDPNaive, "flat": ddp.DDPFlat, "overlap": ddp.DDP,
+        "bucketed": lambda m: ddp.DDPBucketed(m, 0.0005),  # ~500 B: several buckets
+        "bucketed-one": lambda m: ddp.DDP(m, bucket_size_mb=1)}
+
+
+def _check_ddp(rank, world_size, names, accum=1, uses_extra=None):
+    """The DDP wrappers `names` (rank r starts from seed r: the wrap-time broadcast must fix that) against one
+    process after every step, with p.grad set to None and kept (bucket views stay in place) by turns."""
+    data, make_opt = _batches(3, batch_size=world_size * accum), _OPTIMIZERS["adamw"]
+    *_, want = _reference(lambda: _make_model(0), data, make_opt, world_size, accum, uses_extra)
+    for name in names:
+        w = _DDP[name](_make_model(rank))
+        opt = make_opt(w.parameters())
         for step, (x, y) in enumerate(data):
-            # alternate zero_grad styles: p.grad set to None, and p.grad kept (bucket views stay in place)
-            opt.zero_grad(set_to_none=step % 2 == 0)
-            model.cross_entropy(wrapped(_local(x, rank, world_size)), _local(y, rank, world_size)).backward()
-            wrapped.finish_gradient_synchronization()
-            opt.step()
-            _assert_close(wrapped.module.state_dict(), want[step], f"{name} step {step}")
-        assert wrapped.module.head.weight is wrapped.module.emb.weight
+            _rank_step(w, w.finish_gradient_synchronization, opt, x, y, rank, world_size, accum, uses_extra,
+                       set_to_none=step % 2 == 0)
+            what = f"{name}, {accum} micro-batch(es), extra layer used by {uses_extra}, step {step}"
+            _assert_close(w.module.state_dict(), want[step][0], what)
+            assert w.module.unused.weight.grad is None, what
+        assert w.module.head.weight is w.module.emb.weight, name
 
 
-def test_ddp_wrappers_match_single_process_with_tied_and_frozen_params():
-    """naive, flat, per-parameter overlap and bucketed DDP (several buckets and one) on a model with tied
-    weights and a frozen parameter: after every step the parameters equal full-batch single-process training."""
-    _spawn(_worker_wrappers)
+def _check_zero1(rank, world_size):
+    """ShardedOptimizer (our AdamW and torch's) under naive and bucketed DDP against the unsharded optimizer, with
+    proj.weight joining as a new group after step 2: the parameters after every step, the state split about
+    evenly, the consolidated state dict equal to the reference's, and a reload that steps on like the reference."""
+    data, kw = _batches(4, batch_size=world_size), dict(lr=1e-2, weight_decay=0.1)
 
-
-def _worker_no_sync(rank, world_size):
-    steps, accum, data, opt_cls = 2, 2, _batches(2, batch_size=8), _adamw()
-
-    def pieces(x, y, r):  # rank r's micro-batches; the `extra` layer is used by the first micro-batch only
-        x, y = _local(x, r, world_size), _local(y, r, world_size)
-        return [(_local(x, m, accum), _local(y, m, accum), m == 0) for m in range(accum)]
-
-    def big_batch(m, x, y):
-        return sum(model.cross_entropy(m(xm, use_extra=e), ym)
-                   for r in range(world_size) for xm, ym, e in pieces(x, y, r)) / (world_size * accum)
-
-    _, want = _reference(steps, lambda: _make_model(0, extra=True), data, opt_cls, loss_fn=big_batch)
-    for name, wrap in [("naive", ddp.DDPNaive), ("overlap", ddp.DDP),
-                       ("bucketed", lambda m: ddp.DDPBucketed(m, 0.0005))]:
-        wrapped = wrap(_make_model(0, extra=True))
-        opt = opt_cls(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
+    def run(wrap, make_opt, rank, world_size):
+        net = _make_model(0)
+        w = wrap(net)
+        opt = make_opt([p for n, p in net.named_parameters() if n != "proj.weight"])
+        snaps = []
         for step, (x, y) in enumerate(data):
-            opt.zero_grad(set_to_none=True)
-            for micro, (xm, ym, use_extra) in enumerate(pieces(x, y, rank)):
-                if micro < accum - 1:
-                    with wrapped.no_sync():
-                        (model.cross_entropy(wrapped(xm, use_extra=use_extra), ym) / accum).backward()
-                        wrapped.finish_gradient_synchronization()  # a no-op inside no_sync()
-                else:
-                    (model.cross_entropy(wrapped(xm, use_extra=use_extra), ym) / accum).backward()
-            wrapped.finish_gradient_synchronization()
-            opt.step()
-            _assert_close(wrapped.module.state_dict(), want[step], f"{name} no_sync step {step}")
+            if step == 2:
+                opt.add_param_group({"params": [net.proj.weight], "lr": 5e-3})
+            _rank_step(w, getattr(w, "finish_gradient_synchronization", lambda: None), opt, x, y, rank, world_size)
+            snaps.append({k: v.detach().clone() for k, v in net.state_dict().items()})
+        return net, opt, snaps
 
-
-def test_ddp_no_sync_accumulation_equals_one_big_batch():
-    """Two micro-batches per rank, the first under no_sync(), give the same step as one full batch, also for a
-    layer that only the first (unsynchronized) micro-batch uses."""
-    _spawn(_worker_no_sync)
-
-
-def _worker_unused(rank, world_size):
-    steps, data, opt_cls = 2, _batches(2), _adamw()
-    _, want = _reference(steps, lambda: _make_model(0, unused=True), data, opt_cls)
-    for name, wrap in [("naive", ddp.DDPNaive), ("flat", ddp.DDPFlat), ("overlap", ddp.DDP),
-                       ("bucketed", lambda m: ddp.DDPBucketed(m, 0.0005))]:
-        wrapped = wrap(_make_model(0, unused=True))
-        opt = opt_cls(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
-        for step, (x, y) in enumerate(data):
-            opt.zero_grad(set_to_none=True)
-            model.cross_entropy(wrapped(_local(x, rank, world_size)), _local(y, rank, world_size)).backward()
-            wrapped.finish_gradient_synchronization()
-            assert wrapped.module.unused.weight.grad is None, name
-            opt.step()
-            _assert_close(wrapped.module.state_dict(), want[step], f"{name} unused step {step}")
-
-    # bucketed only: a parameter used by rank 1 alone (missing gradients count as zeros on the other ranks)
-    half = lambda m, x, y: sum(model.cross_entropy(m(xh, use_extra=h == 1), yh)  # noqa: E731
-                               for h, (xh, yh) in enumerate(zip(x.chunk(2), y.chunk(2)))) / 2
-    _, want = _reference(steps, lambda: _make_model(0, extra=True), data, opt_cls, loss_fn=half)
-    wrapped = ddp.DDPBucketed(_make_model(0, extra=True), 0.0005)
-    opt = opt_cls(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
-    for step, (x, y) in enumerate(data):
-        opt.zero_grad(set_to_none=True)
-        logits = wrapped(_local(x, rank, world_size), use_extra=rank == 1)
-        model.cross_entropy(logits, _local(y, rank, world_size)).backward()
-        wrapped.finish_gradient_synchronization()
-        opt.step()
-        _assert_close(wrapped.module.state_dict(), want[step], f"rank-dependent unused step {step}")
-
-
-def test_ddp_unused_parameter_does_not_hang():
-    """A parameter unused on every rank keeps grad None and nothing hangs (all wrappers); under bucketed DDP a
-    parameter used on one rank only still matches single-process training."""
-    _spawn(_worker_unused)
-
-
-# -- ZeRO-1 -------------------------------------------------------------------------------------------------------
-
-def _worker_zero1(rank, world_size, opt_names, bucketed):
-    steps, data = 4, _batches(4, batch_size=4 * world_size // 2)
-    for opt_name in opt_names:
-        opt_cls = _adamw() if opt_name == "ours" else torch.optim.AdamW
-
-        def run(wrap, make_opt, x_of, y_of):
-            net = _make_model(0)
-            wrapped = wrap(net)
-            # proj.weight joins the optimizer as a new group after step 2 (until then it is not updated)
-            opt = make_opt([p for n, p in net.named_parameters() if n != "proj.weight"])
-            snaps = []
-            for step, (x, y) in enumerate(data):
-                if step == 2:
-                    opt.add_param_group({"params": [net.proj.weight], "lr": 5e-3})
-                opt.zero_grad(set_to_none=True)
-                model.cross_entropy(wrapped(x_of(x)), y_of(y)).backward()
-                if wrapped is not net:
-                    wrapped.finish_gradient_synchronization()
-                opt.step()
-                snaps.append({k: v.detach().clone() for k, v in net.state_dict().items()})
-            return net, opt, snaps
-
-        ident = lambda t: t  # noqa: E731
-        ref_net, ref_opt, want = run(lambda m: m, lambda ps: opt_cls(ps, lr=1e-2, weight_decay=0.1), ident, ident)
-        wrap = (lambda m: ddp.DDPBucketed(m, 0.0005)) if bucketed else ddp.DDPNaive
-        net, opt, got = run(wrap, lambda ps: ddp.ShardedOptimizer(ps, opt_cls, lr=1e-2, weight_decay=0.1),
-                            lambda x: _local(x, rank, world_size), lambda y: _local(y, rank, world_size))
-        for step in range(steps):
-            _assert_close(got[step], want[step], f"zero1 {opt_name} step {step}")
-
-        # optimizer state: about 1/N of the elements per rank, and the consolidated state equals the reference's
-        owned = sum(p.numel() for p in opt.optimizer.state) if opt.optimizer is not None else 0
-        counts = [0] * world_size
-        dist.all_gather_object(counts, owned)
-        total = sum(p.numel() for p in net.parameters())
+    for opt_cls, name in itertools.product((train.AdamW, torch.optim.AdamW), ("naive", "bucketed")):
+        what = f"zero1 {opt_cls.__module__}.AdamW under {name}"
+        ref_net, ref_opt, want = run(lambda m: m, lambda ps: opt_cls(ps, **kw), 0, 1)
+        net, opt, got = run(_DDP[name], lambda ps: ddp.ShardedOptimizer(ps, opt_cls, **kw), rank, world_size)
+        for step in range(len(data)):
+            _assert_close(got[step], want[step], f"{what} step {step}")
+        counts = [None] * world_size
+        dist.all_gather_object(counts, sum(p.numel() for p in (opt.optimizer.state if opt.optimizer else [])))
+        total = sum(p.numel() for p in net.parameters() if p.grad is not None)
         assert sum(counts) == total and max(counts) <= total / world_size + 12 * 29, counts
-        full, ref_full = opt.state_dict(), ref_opt.state_dict()
-        assert full["param_groups"] == ref_full["param_groups"]
-        assert full["state"].keys() == ref_full["state"].keys()
-        for i, s in ref_full["state"].items():
-            for k, v in s.items():
-                if torch.is_tensor(v):
-                    assert torch.allclose(full["state"][i][k], v.cpu(), atol=1e-6, rtol=1e-5), (opt_name, i, k)
-                else:
-                    assert full["state"][i][k] == v, (opt_name, i, k)
-
-        # a round trip through load_state_dict continues exactly like the reference
+        full = opt.state_dict()
+        _assert_optimizer_state_close(full, ref_opt.state_dict(), what, atol=1e-6, rtol=1e-5)
         fresh_net = _make_model(0)
         fresh_net.load_state_dict(net.state_dict())
-        fresh = ddp.ShardedOptimizer([p for n, p in fresh_net.named_parameters() if n != "proj.weight"], opt_cls,
-                                     lr=1e-2, weight_decay=0.1)
+        fresh = ddp.ShardedOptimizer([p for n, p in fresh_net.named_parameters() if n != "proj.weight"], opt_cls, **kw)
         fresh.add_param_group({"params": [fresh_net.proj.weight], "lr": 5e-3})
         fresh.load_state_dict(full)
         for o, n in ((opt, net), (fresh, fresh_net), (ref_opt, ref_net)):
             for p in n.parameters():
                 p.grad = torch.full_like(p, 0.01)
             o.step()
-        _assert_close(fresh_net.state_dict(), ref_net.state_dict(), f"zero1 {opt_name} reload")
-        _assert_close(net.state_dict(), ref_net.state_dict(), f"zero1 {opt_name} extra step")
+        _assert_close(fresh_net.state_dict(), ref_net.state_dict(), f"{what}, reloaded, one more step")
+        _assert_close(net.state_dict(), ref_net.state_dict(), f"{what}, one more step")
 
 
-def test_zero1_matches_unsharded_optimizer_with_add_param_group():
-    """ShardedOptimizer (our AdamW and torch's) under DDP equals the unsharded optimizer, including a parameter
-    group added mid-training; state is split about evenly; the consolidated state dict equals the reference's
-    and loads back."""
-    _spawn(_worker_zero1, ("ours", "torch"), False)
+def test_ddp_wrappers_and_zero1_match_one_process_on_four_ranks():
+    """Our DDP wrappers: plain steps; two micro-batches, the first under no_sync() and alone using a layer; and
+    (bucketed, whose missing gradients count as zeros) a layer used on rank 1 alone. Then ZeRO-1 (_check_zero1)."""
+    _spawn(functools.partial(_check_ddp, names=list(_DDP)),
+           functools.partial(_check_ddp, names=["naive", "overlap", "bucketed"], accum=2,
+                             uses_extra="first micro-batch"),
+           functools.partial(_check_ddp, names=["bucketed"], uses_extra="rank 1"),
+           _check_zero1, world_size=4)
 
 
-def test_bucketed_ddp_with_zero1_on_four_processes():
-    """The 4-rank path: bucketed DDP + ZeRO-1 with our AdamW equals single-process training."""
-    _spawn(_worker_zero1, ("ours",), True, world_size=4)
+# -- FSDP and ddp.wrap (2 ranks) ----------------------------------------------------------------------------------
 
-
-# -- FSDP ---------------------------------------------------------------------------------------------------------
-
-def _tiny_transformer(seed, tie=False):
-    torch.manual_seed(seed)
-    return model.TransformerLM(vocab_size=29, context_length=8, d_model=12, num_layers=2, num_heads=2, d_ff=19,
-                               tie_embeddings=tie).to(DDP_DEVICE)
-
-
-def _worker_fsdp(rank, world_size, models):
-    steps, data, opt_cls = 3, _batches(3, seq=8), _adamw()
-    makers = {"toy": lambda s: _make_model(s, tie=True, frozen=True), "TransformerLM": _tiny_transformer}
-    for name in models:
-        make = makers[name]
-        ref, want = _reference(steps, lambda: make(0), data, opt_cls)
-        sharded = ddp.FSDP(make(rank))
-        n_local = sum(s.numel() for s in sharded.shards)
-        n_full = sum(p.numel() for p in ref.parameters() if p.dim() == 2)
-        assert n_local <= n_full / world_size + 4 * 29, (n_local, n_full)
-        opt = opt_cls(sharded.parameters(), lr=1e-2, weight_decay=0.1)
+def _check_fsdp(rank, world_size):
+    """FSDP against one process after every step: fp32 (to 2e-6), compute_dtype=bf16 and bf16 autocast with fp32
+    gathers (bf16 noise: 3e-2). Shards hold about 1/N of the matrices, shard gradients are fp32 and shard-shaped,
+    full parameters fp32; clip_grad_norm returns the global norm and clips to it; load_full_params round-trips."""
+    data, make_opt = _batches(3, seq=8), _OPTIMIZERS["adamw"]
+    ref, _, want = _reference(lambda: _make_model(0), data, make_opt, world_size)
+    n_full = sum(p.numel() for p in ref.parameters() if p.dim() == 2)
+    for compute_dtype, autocast, atol in ((torch.bfloat16, False, 3e-2), (None, True, 3e-2), (None, False, 2e-6)):
+        what = f"FSDP compute_dtype={compute_dtype} autocast={autocast}"
+        sharded = ddp.FSDP(_make_model(rank), compute_dtype=compute_dtype)
+        assert sum(s.numel() for s in sharded.shards) <= n_full / world_size + 4 * 29, what
+        with torch.no_grad():
+            assert sharded(data[0][0]).dtype == (compute_dtype or torch.float32), what
+        opt = make_opt(sharded.parameters())
         for step, (x, y) in enumerate(data):
-            opt.zero_grad(set_to_none=True)
-            model.cross_entropy(sharded(_local(x, rank, world_size)), _local(y, rank, world_size)).backward()
-            sharded.finish_gradient_synchronization()
-            for s in sharded.shards:
-                assert s.grad is None or (s.grad.dtype == torch.float32 and s.grad.shape == s.shape)
-            opt.step()
-            _assert_close(ddp.gather_full_params(sharded), want[step], f"FSDP {name} step {step}", atol=2e-6)
+            _rank_step(sharded, sharded.finish_gradient_synchronization, opt, x, y, rank, world_size,
+                       autocast=autocast)
+            assert all(s.grad is None or (s.grad.dtype == torch.float32 and s.grad.shape == s.shape)
+                       for s in sharded.shards), what
+            got = ddp.gather_full_params(sharded)
+            assert all(v.dtype == torch.float32 for v in got.values()), what
+            _assert_close(got, want[step][0], f"{what} step {step}", atol=atol)
 
-        # clipping: the global norm over shards + replicated parameters equals the single-process one
-        x, y = data[0]
-        for m in (ref, sharded):
-            for p in m.parameters():
-                p.grad = None
-        model.cross_entropy(ref(x), y).backward()
-        model.cross_entropy(sharded(_local(x, rank, world_size)), _local(y, rank, world_size)).backward()
-        sharded.finish_gradient_synchronization()
-        ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()
-                                                         if p.grad is not None]))
-        norm = sharded.clip_grad_norm(0.5 * ref_norm.item())
-        assert torch.allclose(norm, ref_norm, rtol=1e-5), (norm, ref_norm)
-        shard_sq = sum(s.grad.norm() ** 2 for s in sharded.shards if s.grad is not None)
-        dist.all_reduce(shard_sq)
-        total = (shard_sq + sum(p.grad.norm() ** 2 for p in sharded.replicated if p.grad is not None)).sqrt()
-        assert abs(total.item() - 0.5 * ref_norm.item()) < 1e-4 * ref_norm.item(), (total, ref_norm)
-
-        # load_full_params puts a full state dict back into the shards
-        ddp.load_full_params(sharded, ref.state_dict())
-        _assert_close(ddp.gather_full_params(sharded), ref.state_dict(), f"FSDP {name} load_full_params")
-
-
-def test_fsdp_matches_single_process_and_gathers_its_state_dict():
-    """FSDP in fp32 on a model with tied weights, a frozen parameter and ragged shapes: after every step the
-    gathered full state dict equals single-process training's; shard gradients are fp32 with the shard's shape;
-    clip_grad_norm returns the global norm and clips to it; load_full_params round-trips."""
-    _spawn(_worker_fsdp, ("toy",))
-
-
-def _attention_calls_its_linears():
-    """FSDP gathers a weight when its Linear is called; an attention that reads q/k/v weights itself bypasses it."""
-    net, called = _tiny_transformer(0), []
-    q_proj = net.layers[0].attn.q_proj
-    q_proj.forward = lambda x, f=q_proj.forward: called.append(1) or f(x)
-    net(torch.zeros(1, 4, dtype=torch.long))
-    return bool(called)
-
-
-def test_fsdp_on_transformer_lm_matches_single_process():
-    """The same checks on a tiny TransformerLM (the model train.py wraps)."""
-    assert _attention_calls_its_linears(), "CausalSelfAttention must call q_proj/k_proj/v_proj for FSDP to gather them"
-    _spawn(_worker_fsdp, ("TransformerLM",))
-
-
-def _worker_fsdp_compute_dtype(rank, world_size):
-    steps, data, opt_cls = 3, _batches(3, seq=8), _adamw()
-    make = lambda: _make_model(0, tie=True)  # noqa: E731
-    _, want = _reference(steps, make, data, opt_cls)
-    sharded = ddp.FSDP(make(), compute_dtype=torch.bfloat16)
-    opt = opt_cls(sharded.parameters(), lr=1e-2, weight_decay=0.1)
-    for step, (x, y) in enumerate(data):
-        opt.zero_grad(set_to_none=True)
-        logits = sharded(_local(x, rank, world_size))
-        assert logits.dtype == torch.bfloat16
-        model.cross_entropy(logits, _local(y, rank, world_size)).backward()
-        sharded.finish_gradient_synchronization()
-        assert all(s.grad.dtype == torch.float32 for s in sharded.shards)
-        opt.step()
-    got = ddp.gather_full_params(sharded)
-    assert all(v.dtype == torch.float32 for v in got.values())
-    _assert_close(got, want[-1], "FSDP bf16", atol=3e-2, rtol=0)  # lr 1e-2 steps: bf16 noise only
-    # the same steps under bf16 autocast with fp32 all-gathers (compute_dtype=None) also stay close
-    sharded = ddp.FSDP(make())
-    opt = opt_cls(sharded.parameters(), lr=1e-2, weight_decay=0.1)
-    for x, y in data:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(DDP_DEVICE.type, dtype=torch.bfloat16):
-            logits = sharded(_local(x, rank, world_size))
-        model.cross_entropy(logits, _local(y, rank, world_size)).backward()
-        sharded.finish_gradient_synchronization()
-        opt.step()
-    _assert_close(ddp.gather_full_params(sharded), want[-1], "FSDP autocast", atol=3e-2, rtol=0)
-
-
-def test_fsdp_compute_dtype_bf16_runs_and_stays_close():
-    """FSDP with compute_dtype=bf16 (tied weights): bf16 logits, fp32 shard gradients and master weights,
-    parameters within bf16 noise of fp32 single-process training; likewise under bf16 autocast."""
-    _spawn(_worker_fsdp_compute_dtype)
-
-
-# -- ddp.wrap: every impl against one process, bit for bit ------------------------------------------------------
-
-def _half_batch_reference(make, data, make_opt, steps, autocast=contextlib.nullcontext):
-    """One process, the same arithmetic as 2 ranks: loss = (L(first half) + L(second half)) / 2, where L is the
-    mean over a half, i.e. what each rank computes. Why this is bitwise equal to the wrappers: rank r's backward
-    starts from dL_r = 1, the reference's half-r backward from 1/2, and scaling by a power of two is exact in
-    binary floating point (barring underflow), so every intermediate of the reference is exactly half of rank r's;
-    autograd then accumulates g0/2 + g1/2 into .grad while the wrappers compute (g0 + g1) / 2 (gloo: sum, then
-    divide): the same number, since a sum of two values does not depend on their order and halving is exact.
-    (A full-batch mean would instead sum all rows inside one matmul: another order, another rounding.)"""
-    ref = make()
-    opt = make_opt(ref.parameters())
-    snaps = []
-    for x, y in data[:steps]:
-        opt.zero_grad(set_to_none=True)
-        with autocast():
-            l0 = model.cross_entropy(ref(x.chunk(2)[0]), y.chunk(2)[0])
-            l1 = model.cross_entropy(ref(x.chunk(2)[1]), y.chunk(2)[1])
-        ((l0 + l1) / 2).backward()
-        opt.step()
-        snaps.append(({k: v.detach().clone() for k, v in ref.state_dict().items()}, copy.deepcopy(opt.state_dict())))
-    return snaps
-
-
-def _same_state(got, want, what, exact=True, atol=1e-4):
-    assert got.keys() == want.keys(), (what, sorted(got), sorted(want))
-    for k in want:
-        g, e = got[k].to(want[k].device), want[k]
-        if exact:
-            assert torch.equal(g, e), f"{what}: {k} differs by {(g.double() - e.double()).abs().max().item():.3g}"
-        else:
-            _assert_close({k: g}, {k: e}, what, atol=atol, rtol=0)
-
-
-def _same_optimizer_state(got, want, what):
-    assert got["param_groups"] == want["param_groups"], what
-    assert sorted(got["state"]) == sorted(want["state"]), what
-    for i, s in want["state"].items():
-        for k, v in s.items():
-            g = got["state"][i][k]
-            same = torch.equal(g.cpu(), v.cpu()) if torch.is_tensor(v) else g == v
-            assert same, (what, i, k)
-
-
-_OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1), "adamw": lambda ps: train.AdamW(ps, lr=1e-2,
-                                                                                              weight_decay=0.1)}
+    # clipping, on the fp32 run: the global norm over shards and replicated parameters equals one process's
+    x, y = data[0]
+    ref.zero_grad(set_to_none=True)
+    sharded.zero_grad(set_to_none=True)
+    _loss(ref, x, y).backward()
+    _loss(sharded, *_pieces(x, y, rank, world_size)[0]).backward()
+    sharded.finish_gradient_synchronization()
+    ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
+    norm = sharded.clip_grad_norm(0.5 * ref_norm.item())
+    assert torch.allclose(norm, ref_norm, rtol=1e-5), (norm, ref_norm)
+    shard_sq = sum(s.grad.norm() ** 2 for s in sharded.shards if s.grad is not None)
+    dist.all_reduce(shard_sq)
+    total = (shard_sq + sum(p.grad.norm() ** 2 for p in sharded.replicated if p.grad is not None)).sqrt()
+    assert abs(total.item() - 0.5 * ref_norm.item()) < 1e-4 * ref_norm.item(), (total, ref_norm)
+    ddp.load_full_params(sharded, ref.state_dict())
+    _assert_close(ddp.gather_full_params(sharded), ref.state_dict(), "FSDP load_full_params")
 
 
 _EXACT_SETUPS = [("naive", {}), ("flat", {}), ("overlap", {}), ("bucketed", dict(bucket_size_mb=0.0005)),
@@ -4017,125 +3841,96 @@ _EXACT_SETUPS = [("naive", {}), ("flat", {}), ("overlap", {}), ("bucketed", dict
                  ("torch", {}), ("torch_fsdp", {})]
 
 
-def _wrapped_run(impl, kw, make_opt, seed):
-    w = ddp.wrap(_tiny_transformer(seed), impl, bucket_size_mb=kw.get("bucket_size_mb", 25.0),
-                 compute_dtype=kw.get("compute_dtype"))
-    return w, w.make_optimizer(lambda groups: make_opt(groups), zero1=kw.get("zero1", False))
+def _wrapped(impl, make_opt, seed, make=_tiny_transformer, zero1=False, **wrap_kw):
+    w = ddp.wrap(make(seed), impl, **wrap_kw)
+    return w, w.make_optimizer(make_opt, zero1=zero1)
 
 
-def _wrapped_step(w, opt, x, y, rank, world_size, autocast=contextlib.nullcontext):
-    opt.zero_grad(set_to_none=True)
-    with autocast():
-        loss = model.cross_entropy(w(_local(x, rank, world_size)), _local(y, rank, world_size))
-    loss.backward()
-    w.finish()
-    opt.step()
-
-
-def _worker_wrap_exact(rank, world_size):
+def _check_wrap_exact(rank, world_size):
+    """ddp.wrap under every impl (our four DDP wrappers, ZeRO-1 over two of them, FSDP, torch DDP, FSDP2), fp32,
+    SGD and our AdamW, deterministic algorithms, warnings as errors: after every step the full state dict equals
+    one process doing the same arithmetic bit for bit; the full optimizer state dict too; and each setup resumed
+    from another impl's full state dicts takes the next step bit for bit."""
     warnings.simplefilter("error")  # no deprecated call or silent fallback anywhere on these paths
     torch.use_deterministic_algorithms(True)
     steps, data = 3, _batches(4, seq=8)
     for opt_name, make_opt in _OPTIMIZERS.items():
-        want = _half_batch_reference(lambda: _tiny_transformer(0), data, make_opt, steps + 1)
-        full = []  # per setup: its full (model, optimizer) state dicts after `steps` steps, as rank 0 has them
+        *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt)
+        full = []  # per setup: its full (model, optimizer) state dicts after `steps` steps
         for impl, kw in _EXACT_SETUPS:
-            what = f"{impl}{' + zero1' if kw.get('zero1') else ''} {opt_name}"
-            checked = impl != "torch_fsdp" or rank == 0  # torch_fsdp's full dicts are complete on rank 0 only
-            w, opt = _wrapped_run(impl, kw, make_opt, seed=rank)  # rank r starts from seed r: wrap fixes that
+            what = f"{impl} {kw} {opt_name}"
+            w, opt = _wrapped(impl, make_opt, rank, **kw)  # rank r starts from seed r: wrap fixes that
             for step in range(steps):
-                _wrapped_step(w, opt, *data[step], rank, world_size)
-                sd = w.state_dict()
-                if checked:
-                    _same_state(sd, want[step][0], f"{what} step {step}")
-            sd, osd = w.state_dict(), w.optimizer_state_dict(opt)
-            if checked:
-                _same_optimizer_state(osd, want[steps - 1][1], f"{what} optimizer_state_dict")
-            shared = [sd, osd]
-            dist.broadcast_object_list(shared, src=0)
-            full.append(shared)
-        # every setup resumes from the previous setup's full state dicts (another impl) and steps on exactly
-        for k, (impl, kw) in enumerate(_EXACT_SETUPS):
-            w, opt = _wrapped_run(impl, kw, make_opt, seed=rank)
+                _rank_step(w, w.finish, opt, *data[step], rank, world_size)
+                _assert_close(w.state_dict(), want[step][0], f"{what} step {step}", atol=0, rtol=0)
+            full.append((w.state_dict(), w.optimizer_state_dict(opt)))
+            _assert_optimizer_state_close(full[-1][1], want[steps - 1][1], f"{what} optimizer_state_dict")
+        for k, (impl, kw) in enumerate(_EXACT_SETUPS):  # resume from the setup before (another impl), step on
+            w, opt = _wrapped(impl, make_opt, rank, **kw)
             w.load_state_dict(full[k - 1][0])
             w.load_optimizer_state_dict(opt, full[k - 1][1])
-            _wrapped_step(w, opt, *data[steps], rank, world_size)
-            sd = w.state_dict()
-            if impl != "torch_fsdp" or rank == 0:
-                _same_state(sd, want[steps][0], f"{impl} {opt_name} resumed from {_EXACT_SETUPS[k - 1][0]}")
+            _rank_step(w, w.finish, opt, *data[steps], rank, world_size)
+            what = f"{impl} {kw} {opt_name} resumed from {_EXACT_SETUPS[k - 1][0]}"
+            _assert_close(w.state_dict(), want[steps][0], what, atol=0, rtol=0)
 
 
-def test_ddp_wrap_every_impl_bitwise_equals_one_process():
-    """ddp.wrap under every impl (our four DDP wrappers, ZeRO-1 over two of them, FSDP, torch DDP, FSDP2), fp32,
-    SGD and our AdamW, deterministic algorithms, warnings as errors: after every step the full state dict equals
-    one process doing the same arithmetic bit for bit (torch.equal); the full optimizer state dict too; and each
-    setup resumed from another impl's full state dicts takes the next step bit for bit."""
-    _spawn(_worker_wrap_exact)
-
-
-def _bf16_lookup_lm(seed):
-    """The tiny TransformerLM with its embedding read in bf16, as FSDP(compute_dtype=bf16) reads it (autocast
-    alone leaves a lookup in fp32)."""
-    net = _tiny_transformer(seed)
-    emb = net.token_embeddings
-    emb.forward = lambda ids: emb.weight.to(torch.bfloat16)[ids]
-    return net
-
-
-def _worker_wrap_bf16(rank, world_size):
-    warnings.simplefilter("error")
-    torch.use_deterministic_algorithms(True)
-    steps, data, make_opt = 3, _batches(3, seq=8), _OPTIMIZERS["sgd"]
-    autocast = lambda: torch.autocast(DDP_DEVICE.type, dtype=torch.bfloat16)  # noqa: E731
-    want = _half_batch_reference(lambda: _tiny_transformer(0), data, make_opt, steps, autocast=autocast)
-    want_bf16_lookup = _half_batch_reference(lambda: _bf16_lookup_lm(0), data, make_opt, steps, autocast=autocast)
-    for impl, kw in [("bucketed", {}), ("naive", dict(zero1=True)), ("fsdp", {}),
-                     ("fsdp", dict(compute_dtype=torch.bfloat16)), ("torch", {})]:
-        ref = want_bf16_lookup if kw.get("compute_dtype") else want
-        w, opt = _wrapped_run(impl, kw, make_opt, seed=0)
-        for step in range(steps):
-            _wrapped_step(w, opt, *data[step], rank, world_size, autocast=autocast)
-            _same_state(w.state_dict(), ref[step][0], f"{impl} {kw} bf16 step {step}", exact=False, atol=1e-4)
-
-
-def test_ddp_wrap_bf16_autocast_stays_within_1e4_of_one_process():
+def _check_wrap_bf16(rank, world_size):
     """The same comparison under bf16 autocast: within 1e-4 after every step (bit for bit on CPU). FSDP with
     compute_dtype=bf16 also reads the embedding in bf16, so its reference does too (and sums the embedding
     gradient rows in bf16 where FSDP sums them in fp32: hence a tolerance)."""
-    _spawn(_worker_wrap_bf16)
+    def _bf16_lookup_lm(seed):  # autocast alone reads the embedding in fp32
+        net = _tiny_transformer(seed)
+        emb = net.token_embeddings
+        emb.forward = lambda ids: emb.weight.to(torch.bfloat16)[ids]
+        return net
 
-
-def _worker_fused_checkpointed(rank, world_size):
-    # the leaderboard's step on a tiny model: FSDP, every block recomputed in backward, the fused head
-    # (model(x, targets=y): its loss and gradients come from the gathered head weight), our AdamW
-    steps, data, make_opt = 3, _batches(3, seq=8), _OPTIMIZERS["adamw"]
-    want = _half_batch_reference(lambda: _tiny_transformer(0), data, make_opt, steps)
-    for impl in ("fsdp", "none"):
-        net = _tiny_transformer(rank if impl == "fsdp" else 0)
-        net.act_ckpt_every = 1
-        w = ddp.wrap(net, impl)
-        opt = w.make_optimizer(lambda groups: make_opt(groups))
+    data, make_opt = _batches(3, seq=8), _OPTIMIZERS["sgd"]
+    *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt, autocast=True)
+    *_, want_bf16_lookup = _reference(lambda: _bf16_lookup_lm(0), data, make_opt, autocast=True)
+    for impl, kw in [("bucketed", {}), ("naive", dict(zero1=True)), ("fsdp", {}),
+                     ("fsdp", dict(compute_dtype=torch.bfloat16)), ("torch", {})]:
+        ref = want_bf16_lookup if kw.get("compute_dtype") else want
+        w, opt = _wrapped(impl, make_opt, rank, **kw)
         for step, (x, y) in enumerate(data):
-            opt.zero_grad(set_to_none=True)
-            if impl == "fsdp":
-                loss = w(_local(x, rank, world_size), targets=_local(y, rank, world_size))
-            else:  # one process, the same half-batch arithmetic as the ranks
-                loss = (w(x.chunk(2)[0], targets=y.chunk(2)[0]) + w(x.chunk(2)[1], targets=y.chunk(2)[1])) / 2
-            loss.backward()
-            w.finish()
-            opt.step()
-            _same_state(w.state_dict(), want[step][0], f"{impl} fused + checkpointed, step {step}", exact=False,
-                        atol=1e-5)
+            _rank_step(w, w.finish, opt, x, y, rank, world_size, autocast=True)
+            _assert_close(w.state_dict(), ref[step][0], f"{impl} {kw} bf16 step {step}", atol=1e-4, rtol=0)
 
 
-def test_fsdp_checkpointed_fused_head_step_equals_the_plain_step():
-    """FSDP with per-block activation checkpointing and the fused LM head, 3 AdamW steps on 2 ranks, against one
-    process running the plain model (full logits into cross_entropy): every parameter within 1e-5 after every
-    step (the fused head sums in another order, so not bit for bit)."""
-    _spawn(_worker_fused_checkpointed)
+def _check_fsdp_fused_checkpointed(rank, world_size):
+    """The leaderboard's step on a tiny model: FSDP, every block recomputed in backward, the fused LM head
+    (model(x, targets=y)), our AdamW; and one process doing the same; both against the plain model (full logits
+    into cross_entropy) within 1e-5 after every step (the fused head sums in another order)."""
+    def checkpointed(seed):
+        net = _tiny_transformer(seed)
+        net.act_ckpt_every = 1
+        return net
+
+    data, make_opt = _batches(3, seq=8), _OPTIMIZERS["adamw"]
+    *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt)
+    *_, one = _reference(lambda: checkpointed(0), data, make_opt, fused=True)
+    w, opt = _wrapped("fsdp", make_opt, rank, make=checkpointed)
+    for step, (x, y) in enumerate(data):
+        _rank_step(w, w.finish, opt, x, y, rank, world_size, fused=True)
+        _assert_close(w.state_dict(), want[step][0], f"FSDP fused + checkpointed, step {step}", atol=1e-5, rtol=0)
+        _assert_close(one[step][0], want[step][0], f"fused + checkpointed, step {step}", atol=1e-5, rtol=0)
 
 
-def test_ddp_wrap_single_process_and_bad_input():
+def test_fsdp_and_every_ddp_wrap_impl_match_one_process():
+    """FSDP (_check_fsdp); ddp.wrap: every impl bit for bit, under bf16 autocast, FSDP + checkpoints + fused head."""
+    _spawn(_check_fsdp, _check_wrap_exact, _check_wrap_bf16, _check_fsdp_fused_checkpointed)
+
+
+def test_ddp_without_a_process_group_and_bad_input():
+    """Without torchrun, init_distributed gives one process, wrap(impl="none") the plain model and optimizer; every
+    wrapper asks for a process group in one line; unknown impls and bench.py ddp variants are named."""
+    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
+    try:
+        rank, local_rank, world_size, device = ddp.init_distributed()
+        assert (rank, local_rank, world_size) == (0, 0, 1) and not dist.is_initialized()
+        assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+        ddp.cleanup_distributed()  # nothing to clean: must not raise
+    finally:
+        os.environ.update(saved)
     net = _tiny_transformer(0)
     w = ddp.wrap(net, "none")
     assert w.model is net and w.world_size == 1 and isinstance(w.no_sync(), contextlib.nullcontext)
@@ -4149,38 +3944,16 @@ def test_ddp_wrap_single_process_and_bad_input():
     assert torch.allclose(norm, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
     assert abs(train.clip_grad_norm(net.parameters(), float("inf")).item() - 0.1) < 1e-5
     assert w.state_dict().keys() == net.state_dict().keys()
-    for bad, words in (("nccl", ["unknown data-parallel impl", "'nccl'"]),):
-        _expect(ValueError, words, ddp.wrap, net, bad)
-    if not dist.is_initialized():
-        _expect(RuntimeError, ["torchrun"], ddp.wrap, net, "bucketed")
+    _expect(ValueError, ["unknown data-parallel impl", "'nccl'"], ddp.wrap, net, "nccl")
+    for make in (lambda: ddp.wrap(net, "bucketed"), lambda: ddp.DDPNaive(net), lambda: ddp.FSDP(net),
+                 lambda: ddp.ShardedOptimizer(net.parameters(), train.AdamW)):
+        _expect(RuntimeError, ["torch.distributed is not initialized: launch with torchrun"], make)
     # bench.py ddp builds its variants through the same factory, under the same names
     w, opt = bench._build_variant("none", _tiny_transformer(0), train.AdamW, 1e-3)
     assert w.impl == "none" and type(opt) is train.AdamW
     assert all(v.split("+")[0].split("-")[0] in ddp.IMPLS for v in bench.DDP_VARIANTS)
     for bad in ("torch-ddp", "bucketed+zero2", "naive-25"):
         _expect(ValueError, ["unknown variant", repr(bad)], bench._build_variant, bad, net, train.AdamW, 1e-3)
-
-
-def test_init_distributed_without_torchrun_is_single_process():
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
-    try:
-        rank, local_rank, world_size, device = ddp.init_distributed()
-        assert (rank, local_rank, world_size) == (0, 0, 1) and not dist.is_initialized()
-        assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
-        ddp.cleanup_distributed()  # nothing to clean: must not raise
-    finally:
-        os.environ.update(saved)
-
-
-def test_wrappers_need_a_process_group():
-    if dist.is_initialized():
-        raise unittest.SkipTest("a process group is already initialized in this process")
-    try:
-        ddp.DDPNaive(_make_model(0))
-    except RuntimeError as e:
-        assert "torchrun" in str(e)
-    else:
-        raise AssertionError("DDPNaive without a process group should raise")
 
 
 # ---------------------------------------------------------------------------------------------------------------
