@@ -240,17 +240,12 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
     special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
     t0 = time.time()
     word_counts = pretokenize(input_path, special_tokens, num_workers, verbose)
-    vocab = _initial_vocab(special_tokens)
-    merges = []
-
+    vocab, merges = _initial_vocab(special_tokens), []
     # State: every distinct pre-token as a list of ids, its count, pair counts and pair -> words index.
     # The index is lazy: a word stays listed under a pair it lost; merging re-checks the word.
-    words = [list(w) for w in word_counts]
-    counts = list(word_counts.values())
-    pair_counts = defaultdict(int)
-    index = defaultdict(set)
-    for wid, w in enumerate(words):
-        n = counts[wid]
+    words, counts = [list(w) for w in word_counts], list(word_counts.values())
+    pair_counts, index = defaultdict(int), defaultdict(set)
+    for wid, (w, n) in enumerate(zip(words, counts)):
         for pair in zip(w, w[1:]):
             pair_counts[pair] += n
             index[pair].add(wid)
@@ -305,8 +300,7 @@ def train_bpe_reference(input_path, vocab_size, special_tokens):
     with open(input_path, encoding="utf-8", newline="") as f:
         text = f.read()
     word_counts = Counter(tuple(bytes([x]) for x in w.encode("utf-8")) for w in _pretokens(text, special_tokens))
-    vocab = _initial_vocab(special_tokens)
-    merges = []
+    vocab, merges = _initial_vocab(special_tokens), []
     while len(vocab) < vocab_size:
         pairs = Counter()
         for w, n in word_counts.items():

