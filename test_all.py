@@ -1393,153 +1393,8 @@ def test_flash_gpu_rms_norm_at_model_widths():
         _check_rms_norm((n, d), torch.float32, 1e-5, gen)
 
 
-# --- Hugging Face interop: hf.register_hf_attention (transformers models on our kernels) ---
-# transformers is an optional extra (requirements-hf.txt): without it these tests skip. Tiny GPT-2 and Llama models
-# (dropout off, no KV cache) with our attention are held to the same models with transformers' eager attention.
-
-def _need_hf(*modules):
-    """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            raise unittest.SkipTest(f"needs {name} (pip install -r requirements-hf.txt)")
-    if "transformers" in modules:
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-
-
-HF_VOCAB = 53
-
-
-def _hf_pair(kind, **overrides):
-    """(eager model, model on our kernels) with the same random weights; kind 'gpt2' or 'llama' (GQA: 4 heads
-    sharing 2 key-value heads, head dim 8)."""
-    _need_hf("transformers")
-    import copy
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
-    name = hf.register_hf_attention()
-    if kind == "gpt2":  # layer-dependent scaling: exercises folding another `scaling` into q
-        cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=40, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0,
-                         resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False, scale_attn_by_inverse_layer_idx=True,
-                         bos_token_id=0, eos_token_id=0)
-    else:
-        cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40, use_cache=False,
-                          bos_token_id=0, eos_token_id=0)
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    torch.manual_seed(0)
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name)
-    ours.load_state_dict(eager.state_dict())
-    assert ours.config._attn_implementation == name and eager.config._attn_implementation == "eager"
-    return eager, ours
-
-
-def _hf_grads(m):
-    return {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
-
-def _hf_run(m, batch):
-    """(logits, parameter gradients) of one forward and backward on the loss transformers computes from labels."""
-    m.zero_grad(set_to_none=True)
-    out = m(**batch)
-    out.loss.backward()
-    return out.logits.detach(), out.loss.detach(), _hf_grads(m)
-
-
-def _assert_hf_close(got, want, real=None):
-    (logits, loss, grads), (logits_ref, loss_ref, grads_ref) = got, want
-    keep = (lambda x: x[real]) if real is not None else (lambda x: x)
-    assert _rel(keep(logits), keep(logits_ref)) < 1e-4, _rel(keep(logits), keep(logits_ref))
-    assert abs(loss - loss_ref) <= 1e-4 * abs(loss_ref)
-    assert grads.keys() == grads_ref.keys() and grads
-    for name in grads:
-        assert _rel(grads[name], grads_ref[name]) < 1e-4, (name, _rel(grads[name], grads_ref[name]))
-
-
-def test_hf_attention_padded_batches_match_eager():
-    gen = torch.Generator().manual_seed(11)
-    lens = [21, 14, 3, 21]  # right padding, then the same rows left-padded; 21 is no multiple of a tile
-    ids = torch.randint(HF_VOCAB, (4, 21), generator=gen)
-    for kind in ("gpt2", "llama"):
-        eager, ours = _hf_pair(kind)
-        for side in ("right", "left"):
-            mask = torch.zeros(4, 21, dtype=torch.long)
-            for r, n in enumerate(lens):
-                mask[r, :n] = 1
-            if side == "left":
-                mask = mask.flip(-1)
-            # labels: real tokens after a real one (the model shifts them), so no pad's output is in the loss
-            labels = ids.masked_fill(mask == 0, -100)
-            labels[torch.arange(4), mask.argmax(-1)] = -100
-            batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
-            _assert_hf_close(_hf_run(ours, batch), _hf_run(eager, batch), real=mask.bool())
-
-
-def test_hf_attention_padding_free_matches_eager_and_each_document_alone():
-    _need_hf("transformers")
-    from transformers import DataCollatorWithFlattening
-    gen = torch.Generator().manual_seed(12)
-    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
-    for kind in ("gpt2", "llama"):
-        eager, ours = _hf_pair(kind)
-        for kwargs in (False, True):
-            batch = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
-            assert batch["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in batch) is kwargs
-            got = _hf_run(ours, batch)
-            # eager attention sees the same packing through position_ids (no mask, no cache)
-            ref_batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
-            _assert_hf_close(got, _hf_run(eager, ref_batch))
-        # the loss of the packed row is the token-weighted mean of each document's own loss
-        with torch.no_grad():
-            losses = [(len(d) - 1, eager(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss)
-                      for d in docs if len(d) > 1]
-            per_doc = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
-        assert abs(got[1] - per_doc) <= 1e-5 * per_doc, (got[1], per_doc)
-
-
-def test_hf_attention_compiles_without_graph_breaks():
-    # fullgraph=True: a graph break anywhere in the model (our hooks included) raises. Three paths: the collator's
-    # kwargs, a padding mask, and position_ids alone (the fixed-shape boundaries)
-    _need_hf("transformers")
-    from transformers import DataCollatorWithFlattening
-    gen = torch.Generator().manual_seed(13)
-    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (9, 3, 14)]
-    eager, ours = _hf_pair("llama")
-    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
-    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
-    ids = torch.randint(HF_VOCAB, (2, 13), generator=gen)
-    mask = torch.ones(2, 13, dtype=torch.long)
-    mask[0, 10:] = 0
-    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    positions = {k: packed[k] for k in ("input_ids", "labels", "position_ids")}
-    for batch, real in ((packed, None), (padded, mask.bool()), (positions, None)):
-        _assert_hf_close(_hf_run(compiled, batch), _hf_run(eager, {k: v for k, v in batch.items()
-                                                                     if not k.startswith(("cu_", "max_"))}), real)
-
-
-def test_hf_attention_errors_name_the_problem():
-    eager, ours = _hf_pair("gpt2")
-    ids = torch.randint(HF_VOCAB, (2, 9))
-    holes = torch.ones(2, 9, dtype=torch.long)
-    holes[1, 4] = 0
-    q = torch.randn(1, 2, 3, 16)
-    cases = [(lambda: ours(input_ids=ids, attention_mask=holes), "pad between real tokens"),
-             (lambda: ours(input_ids=ids, attention_mask=torch.ones(2, 1, 9, 9, dtype=torch.bool)), "2-D"),
-             (lambda: hf.hf_attention(ours.transformer.h[0].attn, q, torch.randn(1, 2, 5, 16),
-                                         torch.randn(1, 2, 5, 16), None), "KV cache"),
-             (lambda: hf.register_hf_attention("my_flash"), "'flash'")]
-    _, dropping = _hf_pair("gpt2", attn_pdrop=0.1)
-    cases.append((lambda: dropping.train()(input_ids=ids), "dropout"))
-    for fn, words in cases:
-        _expect(ValueError, [words], fn)
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# model.py, then sample.py
+# model.py, hf.py, then sample.py
 # ---------------------------------------------------------------------------------------------------------------
 
 # --- model.py ---
@@ -1969,6 +1824,245 @@ def test_param_count_and_flops_match_spec():
     assert math.isclose(flops_per_token(50257, 1024, 1600, 48, 6400), full - 3 * 48 * 2 * 1024 * 1600)
 
 
+# --- hf.py: Llama-format checkpoints, and transformers models on our attention kernels ---
+# transformers and safetensors are optional extras (requirements-hf.txt): without them these tests skip. Tiny GPT-2
+# and Llama models (dropout off, no KV cache) on our attention are held to the same models on transformers' eager one.
+
+def _need_hf(*modules):
+    """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise unittest.SkipTest(f"needs {name} (pip install -r requirements-hf.txt)")
+    if "transformers" in modules:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
+def _llama_lm(tie, seed=0, theta=500.0):
+    torch.manual_seed(seed)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
+    m = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta, tie_embeddings=tie).eval()
+    with torch.no_grad():  # RMSNorm gains away from 1, so a swapped or dropped gain would show
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return m
+
+
+def test_llama_export_gives_hf_llama_the_same_logits_and_reads_back(tmp_path):
+    # ours -> save_llama -> LlamaForCausalLM: the same logits, tied and untied; and back through load_llama bit for bit
+    _need_hf("safetensors", "transformers")
+    from transformers import LlamaForCausalLM
+    idx = torch.randint(97, (2, 29), generator=torch.Generator().manual_seed(1))
+    for tie, theta in ((False, 500.0), (True, 12345.0)):
+        m, out = _llama_lm(tie, theta=theta), tmp_path / f"tie{tie}"
+        hf.save_llama(m, str(out))
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["tie_word_embeddings"] is tie and cfg["rope_theta"] == theta and cfg["num_key_value_heads"] == 4
+        assert cfg["intermediate_size"] == 48 and cfg["max_position_embeddings"] == 32 and cfg["rms_norm_eps"] == 1e-5
+        theirs = LlamaForCausalLM.from_pretrained(str(out), attn_implementation="eager", dtype=torch.float32).eval()
+        assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) is tie
+        with torch.no_grad():
+            ours = m(idx)
+            assert (ours - theirs(idx).logits).abs().max() <= 1e-5
+            for layer in theirs.model.layers:  # without the q/k row reordering the RoPE pairs differ
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    proj.weight.copy_(hf.half_to_interleaved_rows(proj.weight, 4))
+            assert (theirs(idx).logits - ours).abs().max() > 1e-3
+        back = hf.load_llama(str(out))
+        assert list(back.state_dict()) == list(m.state_dict()) and hf.rope_theta_of(back) == theta
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values()))
+        assert (back.token_embeddings.weight is back.lm_head.weight) is tie and not back.training
+
+
+def test_llama_load_reads_hf_save_pretrained(tmp_path):
+    _need_hf("safetensors", "transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(3)  # transformers' own random Llama, saved by save_pretrained
+    cfg = LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
+                      max_position_embeddings=40, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True)
+    theirs = LlamaForCausalLM(cfg).eval()
+    theirs.save_pretrained(str(tmp_path))
+    ours = hf.load_llama(str(tmp_path))
+    assert ours.ln_final.eps == 1e-6 and ours.context_length == 40
+    assert ours.token_embeddings.weight is ours.lm_head.weight
+    idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (ours(idx) - theirs(idx).logits).abs().max() <= 1e-5
+
+
+def test_llama_checkpoint_errors_name_the_problem(tmp_path):
+    _need_hf("safetensors")
+    m, out = _llama_lm(False), tmp_path / "x"
+    hf.save_llama(m, str(out))
+    cases = [(lambda: hf.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
+             (lambda: hf.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
+             (lambda: hf.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
+             (lambda: hf.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
+             (lambda: hf.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None), str(tmp_path / "n")),
+              ValueError, "RoPE")]
+    cfg = json.loads((out / "config.json").read_text())
+    for name, change, words in (("gqa", dict(num_key_value_heads=2), "num_key_value_heads=2"),
+                                ("act", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+                                ("scaled", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
+                                 "rope_type='llama3'"),
+                                ("layers", dict(num_hidden_layers=3), "missing ['model.layers.2")):
+        (tmp_path / name).mkdir()
+        shutil.copy(out / "model.safetensors", tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        cases.append((lambda d=tmp_path / name: hf.load_llama(str(d)), ValueError, words))
+    (tmp_path / "cut").mkdir()
+    shutil.copy(out / "config.json", tmp_path / "cut" / "config.json")
+    data = (out / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cases.append((lambda: hf.load_llama(str(tmp_path / "cut")), RuntimeError, "truncated or corrupt"))
+    for fn, exc, words in cases:
+        _expect(exc, [words], fn)
+    model_args, state = hf.llama_init(str(out), vocab_size=97, context_length=32)
+    fresh = TransformerLM(**model_args)
+    fresh.load_state_dict(state)  # what train.py's init_from=<directory> does
+    assert torch.equal(fresh.layers[1].attn.q_proj.weight, m.layers[1].attn.q_proj.weight)
+
+
+def test_llama_directory_samples_like_the_saved_model(tmp_path):
+    _need_hf("safetensors")
+    ckpt, m = _tiny_checkpoint(tmp_path)
+    tok = Tokenizer.from_files(ckpt["tokenizer"]["vocab"], ckpt["tokenizer"]["merges"], [EOT])
+    out = tmp_path / "llama"
+    hf.save_llama(m, str(out), tokenizer=tok)
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.special_ids[EOT]
+    loaded, tokenizer, eot_id, _ = sample.load_model(str(out))
+    assert eot_id == tok.special_ids[EOT] and tokenizer.encode("the cat sat") == tok.encode("the cat sat")
+    prompt = tok.encode("the cat")
+    assert sample.generate(loaded, prompt, 10, temperature=0) == sample.generate(m, prompt, 10, temperature=0)
+    out_text = io.StringIO()
+    with contextlib.redirect_stdout(out_text):
+        sample.main(["--ckpt", str(out), "--prompt", "the dog", "--max_new_tokens", "5", "--device", "cpu"])
+    assert out_text.getvalue().startswith("the dog")
+    (out / "merges.txt").unlink()
+    _expect(SystemExit, ["has no merges.txt"], lambda: sample.main(["--ckpt", str(out), "--device", "cpu"]))
+
+
+HF_VOCAB = 53
+
+
+def _hf_pair(kind, **overrides):
+    """(eager model, model on our kernels) with the same random weights; kind 'gpt2' (layer-dependent scaling:
+    another `scaling` folded into q) or 'llama' (GQA: 4 heads sharing 2 key-value heads, head dim 8)."""
+    _need_hf("transformers")
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+    name = hf.register_hf_attention()
+    if kind == "gpt2":
+        cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=40, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False, scale_attn_by_inverse_layer_idx=True,
+                         bos_token_id=0, eos_token_id=0)
+    else:
+        cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40, use_cache=False,
+                          bos_token_id=0, eos_token_id=0)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name)
+    ours.load_state_dict(eager.state_dict())
+    assert ours.config._attn_implementation == name and eager.config._attn_implementation == "eager"
+    return eager, ours
+
+
+def _hf_run(m, batch, backward=True):
+    """(logits, loss, parameter gradients) of one forward (and backward) on the loss transformers computes."""
+    m.zero_grad(set_to_none=True)
+    out = m(**batch)
+    if backward:
+        out.loss.backward()
+    grads = {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def _assert_hf_close(got, want, real=None):
+    """Logits (those of real tokens, when given), loss and every gradient within 1e-4, relative."""
+    (logits, loss, grads), (logits_ref, loss_ref, grads_ref) = got, want
+    keep = (lambda x: x[real]) if real is not None else (lambda x: x)
+    assert _rel(keep(logits), keep(logits_ref)) < 1e-4, _rel(keep(logits), keep(logits_ref))
+    assert abs(loss - loss_ref) <= 1e-4 * abs(loss_ref) and grads.keys() == grads_ref.keys()
+    for name in grads:
+        assert _rel(grads[name], grads_ref[name]) < 1e-4, (name, _rel(grads[name], grads_ref[name]))
+
+
+def _padded_batch(gen, rows=((0, 14), (18, 21), (4, 19), (0, 21))):
+    """Right, left, both-sided and no padding (real tokens [a, b) of 21, none a multiple of a tile); labels: the
+    real tokens after a real one (the model shifts them), so no pad's output is in the loss."""
+    ids, mask = torch.randint(HF_VOCAB, (len(rows), 21), generator=gen), torch.zeros(len(rows), 21, dtype=torch.long)
+    for r, (a, b) in enumerate(rows):
+        mask[r, a:b] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[torch.arange(len(rows)), mask.argmax(-1)] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels), mask.bool()
+
+
+@cases("kind", ["gpt2", "llama"])
+def test_hf_attention_padded_batches_match_eager(kind):
+    eager, ours = _hf_pair(kind)
+    batch, real = _padded_batch(torch.Generator().manual_seed(11))
+    _assert_hf_close(_hf_run(ours, batch), _hf_run(eager, batch), real=real)
+
+
+@cases("kind, kwargs", [("gpt2", False), ("llama", True)])
+def test_hf_attention_padding_free_matches_eager_and_each_document_alone(kind, kwargs):
+    # DataCollatorWithFlattening's packed row: by position_ids alone, or by its flash-attention kwargs
+    _need_hf("transformers")
+    from transformers import DataCollatorWithFlattening
+    gen = torch.Generator().manual_seed(12)
+    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
+    eager, ours = _hf_pair(kind)
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
+    assert batch["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in batch) is kwargs
+    got = _hf_run(ours, batch)  # eager attention sees the same packing through position_ids (no mask, no cache)
+    _assert_hf_close(got, _hf_run(eager, {k: batch[k] for k in ("input_ids", "labels", "position_ids")}))
+    with torch.no_grad():  # the packed row's loss is the token-weighted mean of each document's own loss
+        losses = [(len(d) - 1, eager(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss) for d in docs
+                  if len(d) > 1]
+    per_doc = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
+    assert abs(got[1] - per_doc) <= 1e-5 * per_doc, (got[1], per_doc)
+
+
+def test_hf_attention_compiles_without_graph_breaks():
+    # fullgraph=True: a graph break anywhere in the model (our hooks included) raises. Three paths: the collator's
+    # kwargs, a padding mask, and position_ids alone (the fixed-shape boundaries); forward only, against eager
+    _need_hf("transformers")
+    from transformers import DataCollatorWithFlattening
+    gen = torch.Generator().manual_seed(13)
+    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (9, 3, 14)]
+    eager, ours = _hf_pair("llama", num_hidden_layers=1)
+    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+    positions = {k: packed[k] for k in ("input_ids", "labels", "position_ids")}
+    padded, padded_real = _padded_batch(gen, rows=((0, 10), (3, 13)))
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="eager", fullgraph=True)
+    for batch, real in ((packed, None), (padded, padded_real), (positions, None)):
+        want = _hf_run(eager, {k: v for k, v in batch.items() if not k.startswith(("cu_", "max_"))}, backward=False)
+        _assert_hf_close(_hf_run(compiled, batch, backward=False), want, real)
+    torch._dynamo.reset()
+
+
+def test_hf_attention_errors_name_the_problem():
+    eager, ours = _hf_pair("gpt2")
+    ids, holes = torch.randint(HF_VOCAB, (2, 9)), torch.ones(2, 9, dtype=torch.long)
+    holes[1, 4] = 0
+    q = torch.randn(1, 2, 3, 16)
+    _, dropping = _hf_pair("gpt2", attn_pdrop=0.1)
+    for fn, words in [(lambda: ours(input_ids=ids, attention_mask=holes), "pad between real tokens"),
+                      (lambda: ours(input_ids=ids, attention_mask=torch.ones(2, 1, 9, 9, dtype=torch.bool)), "2-D"),
+                      (lambda: hf.hf_attention(ours.transformer.h[0].attn, q, torch.randn(1, 2, 5, 16),
+                                               torch.randn(1, 2, 5, 16), None), "KV cache"),
+                      (lambda: hf.register_hf_attention("my_flash"), "'flash'"),
+                      (lambda: dropping.train()(input_ids=ids), "dropout")]:
+        _expect(ValueError, [words], fn)
+
+
 # --- sample.py ---
 
 def test_sample_next_greedy_top_k_and_top_p_follow_spec():
@@ -2118,132 +2212,6 @@ def test_sample_cli_prints_batched_samples(tmp_path):
             raise AssertionError(f"sample.py accepted {argv}")
         except SystemExit as e:
             assert words in str(e.code), e.code
-
-
-# --- Llama-format checkpoints (hf.save_llama / load_llama, sample.py on a directory) ---
-# transformers and safetensors are optional extras (requirements-hf.txt): without them these tests skip (_need_hf
-# is in the flash.py section).
-
-def _llama_lm(tie, seed=0, theta=500.0):
-    torch.manual_seed(seed)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
-    m = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta, tie_embeddings=tie).eval()
-    with torch.no_grad():  # RMSNorm gains away from 1, so a swapped or dropped gain would show
-        for p in m.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
-    return m
-
-
-def test_llama_export_gives_hf_llama_the_same_logits_tied_and_untied(tmp_path):
-    _need_hf("safetensors", "transformers")
-    from transformers import LlamaForCausalLM
-    idx = torch.randint(97, (2, 29), generator=torch.Generator().manual_seed(1))
-    for tie in (False, True):
-        m = _llama_lm(tie)
-        out = tmp_path / f"tie{tie}"
-        hf.save_llama(m, str(out))
-        cfg = json.loads((out / "config.json").read_text())
-        assert cfg["tie_word_embeddings"] is tie and cfg["rope_theta"] == 500.0 and cfg["num_key_value_heads"] == 4
-        assert cfg["intermediate_size"] == 48 and cfg["max_position_embeddings"] == 32 and cfg["rms_norm_eps"] == 1e-5
-        theirs_m = LlamaForCausalLM.from_pretrained(str(out), attn_implementation="eager", dtype=torch.float32).eval()
-        assert (theirs_m.lm_head.weight is theirs_m.model.embed_tokens.weight) is tie
-        with torch.no_grad():
-            ours, theirs = m(idx), theirs_m(idx).logits
-            assert (ours - theirs).abs().max() <= 1e-5, (ours - theirs).abs().max()
-            # without the q/k row reordering the RoPE pairs differ: the check above would fail
-            for layer in theirs_m.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-                    proj.weight.copy_(hf.half_to_interleaved_rows(proj.weight, 4))
-            assert (theirs_m(idx).logits - ours).abs().max() > 1e-3
-
-
-def test_llama_load_round_trips_and_reads_hf_save_pretrained(tmp_path):
-    _need_hf("safetensors", "transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
-    for tie in (False, True):
-        m = _llama_lm(tie, seed=2, theta=12345.0)
-        hf.save_llama(m, str(tmp_path / "ours"), overwrite=True)
-        back = hf.load_llama(str(tmp_path / "ours"))
-        assert list(back.state_dict()) == list(m.state_dict())
-        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values()))
-        assert (back.token_embeddings.weight is back.lm_head.weight) is tie and not back.training
-        assert hf.rope_theta_of(back) == 12345.0
-    # the other direction from transformers' own files: its random Llama, saved by save_pretrained
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
-                      max_position_embeddings=40, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True)
-    theirs_m = LlamaForCausalLM(cfg).eval()
-    theirs_m.save_pretrained(str(tmp_path / "hf"))
-    ours = hf.load_llama(str(tmp_path / "hf"))
-    assert ours.ln_final.eps == 1e-6 and ours.context_length == 40
-    assert ours.token_embeddings.weight is ours.lm_head.weight
-    idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert (ours(idx) - theirs_m(idx).logits).abs().max() <= 1e-5
-
-
-def test_llama_checkpoint_errors_name_the_problem(tmp_path):
-    _need_hf("safetensors")
-    m = _llama_lm(False)
-    out = tmp_path / "x"
-    hf.save_llama(m, str(out))
-    cases = [(lambda: hf.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
-             (lambda: hf.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
-             (lambda: hf.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
-             (lambda: hf.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
-             (lambda: hf.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None), str(tmp_path / "n")),
-              ValueError, "RoPE")]
-    cfg = json.loads((out / "config.json").read_text())
-    for name, change, words in (("gqa", dict(num_key_value_heads=2), "num_key_value_heads=2"),
-                                ("act", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-                                ("scaled", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
-                                 "rope_type='llama3'"),
-                                ("layers", dict(num_hidden_layers=3), "missing ['model.layers.2")):
-        d = tmp_path / name
-        d.mkdir()
-        shutil.copy(out / "model.safetensors", d / "model.safetensors")
-        (d / "config.json").write_text(json.dumps(dict(cfg, **change)))
-        cases.append((lambda d=d: hf.load_llama(str(d)), ValueError, words))
-    (tmp_path / "cut").mkdir()
-    shutil.copy(out / "config.json", tmp_path / "cut" / "config.json")
-    data = (out / "model.safetensors").read_bytes()
-    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
-    cases.append((lambda: hf.load_llama(str(tmp_path / "cut")), RuntimeError, "truncated or corrupt"))
-    for fn, exc, words in cases:
-        try:
-            fn()
-        except exc as e:
-            assert words in str(e), (words, str(e))
-        else:
-            raise AssertionError(f"no {exc.__name__} ({words})")
-    model_args, state = hf.llama_init(str(out), vocab_size=97, context_length=32)
-    fresh = TransformerLM(**model_args)
-    fresh.load_state_dict(state)  # what train.py's init_from=<directory> does
-    assert torch.equal(fresh.layers[1].attn.q_proj.weight, m.layers[1].attn.q_proj.weight)
-
-
-def test_llama_directory_samples_like_the_saved_model(tmp_path):
-    _need_hf("safetensors")
-    ckpt, m = _tiny_checkpoint(tmp_path)
-    tok = Tokenizer.from_files(ckpt["tokenizer"]["vocab"], ckpt["tokenizer"]["merges"], [EOT])
-    out = tmp_path / "llama"
-    hf.save_llama(m, str(out), tokenizer=tok)
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["eos_token_id"] == tok.special_ids[EOT]
-    loaded, tokenizer, eot_id, _ = sample.load_model(str(out))
-    assert eot_id == tok.special_ids[EOT] and tokenizer.encode("the cat sat") == tok.encode("the cat sat")
-    prompt = tok.encode("the cat")
-    assert sample.generate(loaded, prompt, 10, temperature=0) == sample.generate(m, prompt, 10, temperature=0)
-    out_text = io.StringIO()
-    with contextlib.redirect_stdout(out_text):
-        sample.main(["--ckpt", str(out), "--prompt", "the dog", "--max_new_tokens", "5", "--device", "cpu"])
-    assert out_text.getvalue().startswith("the dog")
-    (out / "merges.txt").unlink()
-    try:
-        sample.main(["--ckpt", str(out), "--device", "cpu"])
-        raise AssertionError("a directory without merges.txt was accepted")
-    except SystemExit as e:
-        assert "has no merges.txt" in str(e.code), e.code
 
 
 # ---------------------------------------------------------------------------------------------------------------
