@@ -1851,10 +1851,11 @@ def _llama_lm(tie, seed=0, theta=500.0):
     return m
 
 
-def test_llama_export_gives_hf_llama_the_same_logits_and_reads_back(tmp_path):
-    # ours -> save_llama -> LlamaForCausalLM: the same logits, tied and untied; and back through load_llama bit for bit
+def test_llama_export_and_load_agree_with_hf_llama(tmp_path):
+    # ours -> save_llama -> LlamaForCausalLM: the same logits, tied and untied, and back through load_llama bit for
+    # bit; then transformers' own random Llama, saved by save_pretrained, -> load_llama: the same logits
     _need_hf("safetensors", "transformers")
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
     idx = torch.randint(97, (2, 29), generator=torch.Generator().manual_seed(1))
     for tie, theta in ((False, 500.0), (True, 12345.0)):
         m, out = _llama_lm(tie, theta=theta), tmp_path / f"tie{tie}"
@@ -1875,17 +1876,12 @@ def test_llama_export_gives_hf_llama_the_same_logits_and_reads_back(tmp_path):
         assert list(back.state_dict()) == list(m.state_dict()) and hf.rope_theta_of(back) == theta
         assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values()))
         assert (back.token_embeddings.weight is back.lm_head.weight) is tie and not back.training
-
-
-def test_llama_load_reads_hf_save_pretrained(tmp_path):
-    _need_hf("safetensors", "transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(3)  # transformers' own random Llama, saved by save_pretrained
+    torch.manual_seed(3)
     cfg = LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
                       max_position_embeddings=40, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True)
     theirs = LlamaForCausalLM(cfg).eval()
-    theirs.save_pretrained(str(tmp_path))
-    ours = hf.load_llama(str(tmp_path))
+    theirs.save_pretrained(str(tmp_path / "hf"))
+    ours = hf.load_llama(str(tmp_path / "hf"))
     assert ours.ln_final.eps == 1e-6 and ours.context_length == 40
     assert ours.token_embeddings.weight is ours.lm_head.weight
     idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
@@ -1909,12 +1905,10 @@ def test_llama_checkpoint_errors_name_the_problem(tmp_path):
                                 ("scaled", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
                                  "rope_type='llama3'"),
                                 ("layers", dict(num_hidden_layers=3), "missing ['model.layers.2")):
-        (tmp_path / name).mkdir()
-        shutil.copy(out / "model.safetensors", tmp_path / name / "model.safetensors")
+        shutil.copytree(out, tmp_path / name)
         (tmp_path / name / "config.json").write_text(json.dumps(dict(cfg, **change)))
         cases.append((lambda d=tmp_path / name: hf.load_llama(str(d)), ValueError, words))
-    (tmp_path / "cut").mkdir()
-    shutil.copy(out / "config.json", tmp_path / "cut" / "config.json")
+    shutil.copytree(out, tmp_path / "cut")
     data = (out / "model.safetensors").read_bytes()
     (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
     cases.append((lambda: hf.load_llama(str(tmp_path / "cut")), RuntimeError, "truncated or corrupt"))
@@ -1972,24 +1966,22 @@ def _hf_pair(kind, **overrides):
     return eager, ours
 
 
-def _hf_run(m, batch, backward=True):
-    """(logits, loss, parameter gradients) of one forward (and backward) on the loss transformers computes."""
-    m.zero_grad(set_to_none=True)
-    out = m(**batch)
-    if backward:
-        out.loss.backward()
-    grads = {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-    return out.logits.detach(), out.loss.detach(), grads
-
-
-def _assert_hf_close(got, want, real=None):
-    """Logits (those of real tokens, when given), loss and every gradient within 1e-4, relative."""
-    (logits, loss, grads), (logits_ref, loss_ref, grads_ref) = got, want
-    keep = (lambda x: x[real]) if real is not None else (lambda x: x)
-    assert _rel(keep(logits), keep(logits_ref)) < 1e-4, _rel(keep(logits), keep(logits_ref))
-    assert abs(loss - loss_ref) <= 1e-4 * abs(loss_ref) and grads.keys() == grads_ref.keys()
-    for name in grads:
-        assert _rel(grads[name], grads_ref[name]) < 1e-4, (name, _rel(grads[name], grads_ref[name]))
+def _assert_hf_close(ours, eager, batch, eager_batch=None, real=None, backward=True):
+    """ours(**batch) against eager(**eager_batch): the logits (of real tokens, when given), the loss transformers
+    computes from the labels and (backward) every parameter's gradient, within 1e-4 relative. Returns ours' loss."""
+    results = []
+    for m, b in ((ours, batch), (eager, batch if eager_batch is None else eager_batch)):
+        m.zero_grad(set_to_none=True)
+        out = m(**b)
+        if backward:
+            out.loss.backward()
+        logits = out.logits.detach() if real is None else out.logits.detach()[real]
+        results.append((logits, out.loss.detach(), [p.grad for p in m.parameters() if p.grad is not None]))
+    (logits, loss, grads), (logits_ref, loss_ref, grads_ref) = results
+    assert _rel(logits, logits_ref) < 1e-4 and abs(loss - loss_ref) <= 1e-4 * loss_ref, _rel(logits, logits_ref)
+    assert len(grads) == len(grads_ref) == (len(list(eager.parameters())) if backward else 0)
+    assert all(_rel(g, r) < 1e-4 for g, r in zip(grads, grads_ref))
+    return loss
 
 
 def _padded_batch(gen, rows=((0, 14), (18, 21), (4, 19), (0, 21))):
@@ -2007,7 +1999,7 @@ def _padded_batch(gen, rows=((0, 14), (18, 21), (4, 19), (0, 21))):
 def test_hf_attention_padded_batches_match_eager(kind):
     eager, ours = _hf_pair(kind)
     batch, real = _padded_batch(torch.Generator().manual_seed(11))
-    _assert_hf_close(_hf_run(ours, batch), _hf_run(eager, batch), real=real)
+    _assert_hf_close(ours, eager, batch, real=real)
 
 
 @cases("kind, kwargs", [("gpt2", False), ("llama", True)])
@@ -2020,13 +2012,13 @@ def test_hf_attention_padding_free_matches_eager_and_each_document_alone(kind, k
     eager, ours = _hf_pair(kind)
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
     assert batch["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in batch) is kwargs
-    got = _hf_run(ours, batch)  # eager attention sees the same packing through position_ids (no mask, no cache)
-    _assert_hf_close(got, _hf_run(eager, {k: batch[k] for k in ("input_ids", "labels", "position_ids")}))
+    # eager attention sees the same packing through position_ids (no mask, no cache)
+    loss = _assert_hf_close(ours, eager, batch, {k: batch[k] for k in ("input_ids", "labels", "position_ids")})
     with torch.no_grad():  # the packed row's loss is the token-weighted mean of each document's own loss
         losses = [(len(d) - 1, eager(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss) for d in docs
                   if len(d) > 1]
     per_doc = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
-    assert abs(got[1] - per_doc) <= 1e-5 * per_doc, (got[1], per_doc)
+    assert abs(loss - per_doc) <= 1e-5 * per_doc, (loss, per_doc)
 
 
 def test_hf_attention_compiles_without_graph_breaks():
@@ -2043,8 +2035,8 @@ def test_hf_attention_compiles_without_graph_breaks():
     torch._dynamo.reset()
     compiled = torch.compile(ours, backend="eager", fullgraph=True)
     for batch, real in ((packed, None), (padded, padded_real), (positions, None)):
-        want = _hf_run(eager, {k: v for k, v in batch.items() if not k.startswith(("cu_", "max_"))}, backward=False)
-        _assert_hf_close(_hf_run(compiled, batch, backward=False), want, real)
+        _assert_hf_close(compiled, eager, batch, {k: v for k, v in batch.items() if not k.startswith(("cu_", "max_"))},
+                         real, backward=False)
     torch._dynamo.reset()
 
 
