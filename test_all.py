@@ -1422,26 +1422,18 @@ def test_linear_and_embedding_init_forward_and_weight_read_at_call_time():
     assert torch.equal(emb(ids), emb.weight[ids])
 
 
-def test_rmsnorm_matches_formula_in_fp32_and_keeps_dtype():
+def test_norm_ffn_rope_and_attention_match_their_formulas():
     torch.manual_seed(0)
-    norm = RMSNorm(37)
+    norm, x = RMSNorm(37), torch.randn(3, 5, 37, dtype=torch.float64)  # RMSNorm in fp32 at least, input's dtype out
     norm.weight.data = torch.randn(37)
-    x = torch.randn(3, 5, 37, dtype=torch.float64)
-    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
-    assert torch.allclose(norm(x), ref, atol=1e-6)
+    rms = lambda x: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    assert torch.allclose(norm(x), rms(x), atol=1e-6)
     xb = (x * 300).bfloat16()  # squares of 300 overflow nothing in fp32, but the sum would lose bits in bf16
-    out = norm(xb)
-    ref_b = xb.double() / torch.sqrt(xb.double().pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
-    assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), ref_b, rtol=1e-2, atol=1e-2)
-    xh = torch.full((1, 37), 300.0, dtype=torch.float16)  # 300^2 = 90000 overflows fp16
-    assert torch.isfinite(RMSNorm(37)(xh)).all()
-
-
-def test_silu_swiglu_and_rope_match_their_formulas():
-    torch.manual_seed(0)
+    assert norm(xb).dtype == torch.bfloat16 and torch.allclose(norm(xb).double(), rms(xb.double()), 1e-2, 1e-2)
+    assert torch.isfinite(RMSNorm(37)(torch.full((1, 37), 300.0, dtype=torch.float16))).all()  # 300^2 > fp16 max
     x = torch.randn(4, 9, 24, dtype=torch.float64)
-    assert torch.allclose(silu(x), F.silu(x))
     ffn = SwiGLU(24, 40, dtype=torch.float64)
+    assert torch.allclose(silu(x), F.silu(x))
     assert torch.allclose(ffn(x), (F.silu(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T)
     assert SwiGLU(200).w1.weight.shape == (512, 200)  # d_ff defaults to 64 * round(8d / 192)
     # RoPE against complex rotation: pair j at position p turns by p * theta^(-2j/d_k), pairs stay interleaved
@@ -1454,11 +1446,7 @@ def test_silu_swiglu_and_rope_match_their_formulas():
     assert torch.allclose(rope(x, pos), torch.stack((z.real, z.imag), dim=-1).flatten(-2), atol=1e-5)
     assert torch.allclose(rope(x), rope(x, torch.arange(7)))  # default positions 0..T-1
     assert dict(rope.named_buffers()).keys() == {"cos", "sin"} and rope.state_dict() == {}  # tables: non-persistent
-
-
-def test_softmax_and_attention_match_reference_with_mask():
-    torch.manual_seed(0)
-    x = torch.randn(3, 11, dtype=torch.float64) * 1000  # huge logits: only a max-shift keeps this finite
+    x = torch.randn(3, 11, dtype=torch.float64) * 1000  # huge logits: only a max-shift keeps softmax finite
     assert torch.allclose(softmax(x, -1), torch.softmax(x, -1)) and torch.allclose(softmax(x, 0), torch.softmax(x, 0))
     q, k, v = (torch.randn(2, 3, n, d, dtype=torch.float64) for n, d in ((5, 8), (9, 8), (9, 6)))
     mask = torch.rand(5, 9) > 0.4
@@ -1679,8 +1667,8 @@ def test_gpu_flash_model_matches_naive_fp32_bf16_packed_and_compiled():
 
 
 def test_gpu_selective_recompute_compiled_keeps_less_and_trains_the_same():
-    """Compiled per block under bf16 autocast with flash attention: selective recomputation keeps less memory
-    through the forward (the peak at its end) and gives the same loss and gradients up to bf16 rounding."""
+    # compiled per block, bf16 autocast, flash: selective recomputation keeps less memory through the forward (the
+    # peak at its end) and gives the same loss and gradients up to bf16 rounding
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA GPU (the CPU test checks what is recomputed, eagerly)")
     idx = torch.randint(0, 512, (8, 512), device="cuda")
