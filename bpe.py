@@ -199,7 +199,8 @@ def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
     jobs = [c + (special_tokens,) for c in _file_chunks(input_path, special_tokens, num_workers)]
     total, done = Counter(), 0
     progress = Progress("pre-tokenize", os.path.getsize(input_path), "B", verbose=verbose)
-    pool = multiprocessing.get_context().Pool(min(num_workers, len(jobs))) if min(num_workers, len(jobs)) > 1 else None
+    workers = min(num_workers, len(jobs))
+    pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
     try:
         for counts, nbytes in (pool.imap_unordered if pool else map)(_pretokenize_chunk, jobs):
             total.update(counts)
