@@ -1437,12 +1437,8 @@ def cmd_gpt2(argv):
             (", max-autotune" if "autotune" in tags else "") + \
             (", coordinate-descent tuned" if "coordinate_descent" in tags else "") + " + our AdamW"
         # module switches, set for this variant's whole run (it compiles in its first steps) and restored after
-        switches = [(flash, "TRITON_OPS"), (model_py, "FLASH_FUSED_ROPE"), (model_py, "LINEAR_FP32_WEIGHT_GRADS"),
-                    (inductor_config, "coordinate_descent_tuning")]
+        switches = [(inductor_config, "coordinate_descent_tuning")]
         defaults = [getattr(module, name) for module, name in switches]
-        model_py.FLASH_FUSED_ROPE = "rope_inside" in tags
-        flash.TRITON_OPS = flash.TRITON_OPS and "library_ops" not in tags
-        model_py.LINEAR_FP32_WEIGHT_GRADS = model_py.LINEAR_FP32_WEIGHT_GRADS and "autocast" not in tags
         inductor_config.coordinate_descent_tuning = inductor_config.coordinate_descent_tuning or \
             "coordinate_descent" in tags
         try:
