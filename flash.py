@@ -1,15 +1,13 @@
-"""Every GPU kernel of the stack, each beside the plain PyTorch it must equal. Sections, in file order:
+"""Every GPU kernel of the stack, each beside the plain PyTorch it must equal. Map, in file order:
 
-  1. Attention references: naive attention (dense and packed) and the tiled PyTorch twin of the kernels
-  2. Attention in Triton (FlashAttention-2): forward, backward (dQ pass with Delta, dK/dV pass), launchers
-  3. Attention on Hopper in Gluon, forward and backward (FlashAttention-3's design: TMA, warp specialization,
-     async wgmma, dQ by TMA reduce-adds)
-  4. Attention entry points: the one place that picks the kernels, one autograd Function, torch.compile custom
-     ops, flash_attention / flash_attn_varlen, FlashAttentionTriton (the (batch, seq, d) interface)
-  5. AdamW: one fused step kernel per parameter bucket (train.AdamW is the optimizer that calls it)
-  6. Cross-entropy rows with their gradient in place (model.linear_cross_entropy, the fused LM head, uses it)
-  7. RMSNorm: one forward kernel (also saving 1/rms per row), one backward kernel (dx, per-program dg rows)
-  8. Hugging Face interop: these kernels as a transformers attention implementation
+  1. Attention references: naive attention (dense, packed) and the tiled PyTorch twin of the kernels
+  2. Attention in Triton (FlashAttention-2): forward, dQ pass, dK/dV pass, their launchers
+  3. Attention on Hopper in Gluon (FlashAttention-3's design: TMA, warp specialization, async wgmma)
+  4. Attention entry points: the one place that picks the kernels, one autograd Function, flash_attention,
+     flash_attn_varlen, FlashAttentionTriton (the (batch, seq, d) interface)
+  5. AdamW: the optimizer and its fused step kernel
+  6. Cross-entropy rows with their gradient in place (the fused LM head's inner step)
+  7. RMSNorm, with and without the residual add: one forward kernel, one backward kernel
 
     flash_attention(q, k, v, causal=True)          q (B, H, S, D), k/v (B, H_kv, S_k, D), any strides -> (B, H, S, D)
     flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True)   packed (total_tokens, H, D) -> same
@@ -21,14 +19,11 @@ top-left alignment of SDPA's is_causal); O = P V; L = logsumexp of each row of S
 never store S or P: the forward keeps a running max m_i and sum l_i (online softmax), the backward recomputes
 P = exp(S - L) tile by tile and uses Delta = rowsum(dO * O) (which equals rowsum(P * dP)), so
 dS = P * (dP - Delta), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), dV = P^T dO.
-Under torch.compile the entry points call torch.library operators with fake (meta) kernels, so a model that calls
-them compiles without graph breaks; eager calls skip the operator layer (its dispatch costs host time). From the
-second call with the same shapes on, the launchers run the compiled kernels directly (_launch). On a machine
-without CUDA the Triton kernels run only under the interpreter, so importing this file there sets
+FLASH_BACKEND=triton forces the Triton kernels, FLASH_BACKEND=gluon insists on the Hopper ones (default: auto).
+On a machine without CUDA the Triton kernels run in Triton's interpreter, so importing this file there sets
 TRITON_INTERPRET=1 (unless it is already set) before importing triton; it is slow, so keep shapes tiny there.
 """
 import functools
-import inspect
 import math
 import os
 import sys
@@ -42,14 +37,13 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 # late for triton's own language helpers, so the kernels cannot run (_check_interpreter)
 _INTERPRET_TOO_LATE = not torch.cuda.is_available() and "triton" in sys.modules and \
     "TRITON_INTERPRET" not in os.environ
-if not torch.cuda.is_available():  # no GPU: run the kernels in Triton's interpreter (slow; must be set
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported)
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-AUTOTUNE = os.environ.get("FLASH_AUTOTUNE", "1") != "0"  # 0: take each class's first (measured best) config, no
-# benchmarking: a faster cold start, e.g. for the GPU test run, where every new shape class would be tuned
+BACKEND = os.environ.get("FLASH_BACKEND", "auto")  # 'auto' | 'triton' | 'gluon'; read at each call
 LOG2E = 1.4426950408889634  # the kernels keep scores in base 2 so that they can use exp2; inside kernels log2(e) and
 # ln(2) are spelled as literals because Triton reads only constexpr globals
 
@@ -57,7 +51,6 @@ LOG2E = 1.4426950408889634  # the kernels keep scores in base 2 so that they can
 # ---------------------------------------------------------------------------------------------------------------
 # 1. Attention references: naive attention and the tiled PyTorch twin of the kernels
 # ---------------------------------------------------------------------------------------------------------------
-
 def attention_reference(q, k, v, causal=False):
     """Naive attention on (..., H, S, D) with k/v (..., H_kv, S_k, D): returns (O, L), L = logsumexp of the scores
     Materializes the (S, S_k) scores: for tests and as the naive baseline only."""
@@ -168,13 +161,11 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 # 2. Attention in Triton (FlashAttention-2). One layout serves dense and packed inputs: a tensor is addressed as
 #      base + batch * stride_b + head * stride_h + (seq_start + row) * stride_s + dim
 #    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch].
-#    L and Delta are fp32, (B, H, S) dense and (H, total) packed.
-#    Tuning: a short list of (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class and element size sits
-#    above each kernel; autotune keys on the bucketed sequence length, D, dtype, causal and the packed flag and
-#    caches its pick on disk. Compiling is the cold-start cost (several seconds per config on the H200), hence two
-#    configs per class and little integer specialization (do_not_specialize): the forward reuses one binary for
-#    every length, the backward kernels one per length class (1, a multiple of 16, other). The interpreter runs
-#    one small fixed config (tiles smaller than the test lengths, so every code path runs).
+#    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes its operands' strides as one
+#    tuple (b, h, s per operand, in the order of its pointers) and the query and key cu_seqlens as a pair.
+#    Autotuning picks among two (BLOCK_M, BLOCK_N, warps, stages) per head-dim class and element size; compiling
+#    is the cold-start cost, hence few integers specialized (do_not_specialize). The interpreter runs one small
+#    config, tiles smaller than the test lengths, so every code path runs.
 # ---------------------------------------------------------------------------------------------------------------
 
 TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC"]
@@ -186,28 +177,27 @@ def _tune_class(head_dim, dtype):
 
 
 def _autotuned(table):
-    """triton.autotune over the configs of `table` ({(head-dim class, element size): [configs]}), pruned to the
-    caller's class (to its first config with FLASH_AUTOTUNE=0); the plain kernel under the interpreter."""
+    """triton.autotune over the caller's class of `table` ({(head-dim class, element size): [configs]}), its pick
+    cached on disk; the plain kernel under the interpreter."""
     def wrap(kernel):
         if INTERPRET:
             return kernel
         every = sorted({cfg for cfgs in table.values() for cfg in cfgs})
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
 
-        def prune(configs, named_args, **kwargs):  # also what the compiler tunes over in a traced launch
-            wanted = table[_tune_class(kwargs["HEAD_DIM"], named_args["Q"].dtype)][:None if AUTOTUNE else 1]
+        def prune(configs, named_args, **kwargs):
+            wanted = table[_tune_class(kwargs["HEAD_DIM"], named_args["Q"].dtype)]
             return [c for c in configs
                     if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
-        # results cached on disk where this Triton has the option, so a second cold start skips the benchmarking
-        cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-        return triton.autotune(configs, key=TUNE_KEY, prune_configs_by={"early_config_prune": prune}, **cache)(kernel)
+        return triton.autotune(configs, key=TUNE_KEY, prune_configs_by={"early_config_prune": prune},
+                               cache_results=True)(kernel)
     return wrap
 
 
 @triton.jit
 def _rows(base, stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """A BLOCK x HEAD_DIM tile of pointers at row 0 of one head of one sequence; _load_rows/_store_rows offset it."""
+    """A BLOCK x HEAD_DIM tile of pointers at row 0 of one head of one sequence."""
     return base + tl.arange(0, BLOCK)[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
 
 
@@ -224,53 +214,19 @@ def _store_rows(dst, start, stride, seqlen, offs, x):
 
 
 @triton.jit
-def _rope(x, cos_base, sin_base, start, stride_cs, seqlen, offs, rope_half, INVERSE: tl.constexpr):
-    """RoPE on a tile x (BLOCK x HEAD_DIM) of rows start + offs: pair (2j, 2j+1) of a row turned by the angle whose
-    cosine and sine are column j of that row of the tables (cos_base, sin_base: row 0 of this sequence); INVERSE
-    turns back (the transpose: how a gradient goes through RoPE). fp32 math, x's dtype out, as the unfused
-    formulation rounds. Columns past 2 * rope_half (a zero-padded head dim) and rows past seqlen come out zero."""
-    BLOCK: tl.constexpr = x.shape[0]
-    HALF: tl.constexpr = x.shape[1] // 2
-    rows = start + offs
-    cols = tl.arange(0, HALF)
-    keep = (rows[:, None] < seqlen) & (cols[None, :] < rope_half)
-    at = rows[:, None] * stride_cs + cols[None, :]
-    c = tl.load(cos_base + at, mask=keep, other=0.0)
-    s = tl.load(sin_base + at, mask=keep, other=0.0)
-    if INVERSE:
-        s = -s
-    xe, xo = tl.split(tl.reshape(x.to(tl.float32), [BLOCK, HALF, 2]))
-    return tl.reshape(tl.join(xe * c - xo * s, xe * s + xo * c), [BLOCK, 2 * HALF]).to(x.dtype)
-
-
-@triton.jit
-def _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start):
-    """Row 0 of sequence b's queries and of its keys in the cos and sin tables (for _rope)."""
-    base = b64 * stride_cb
-    return (COS + base + q_start * stride_cs, SIN + base + q_start * stride_cs, COS + base + k_start * stride_cs,
-            SIN + base + k_start * stride_cs)
-
-
-@triton.jit
-def _doc_bounds(q0, q1, k0, k1):
-    """First row and length of a packed sequence's queries and keys from its cu_seqlens entries (b and b + 1 of
-    each), which the kernels load themselves: the compiler's analysis of what a traced launch writes (TRITON_OPS)
-    takes every tensor argument of a call on the way to a store's address for written, so a helper given the
-    pointers would have it copy cu_seqlens around each launch. The starts are 64-bit: start * stride can pass 2^31
-    in a long packed batch."""
+def _doc_bounds(cu_seqlens, b):
+    """First row and length of packed sequence b's queries and keys (64-bit starts: start * stride may pass 2^31)."""
+    cu_q, cu_k = cu_seqlens
+    q0, q1, k0, k1 = tl.load(cu_q + b), tl.load(cu_q + b + 1), tl.load(cu_k + b), tl.load(cu_k + b + 1)
     return q0.to(tl.int64), q1 - q0, k0.to(tl.int64), k1 - k0
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k, qk_scale,
-               cos_k, sin_k, stride_cs, rope_half, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               BLOCK_N: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr):
-    """The online softmax over key tiles [lo, hi): m_i running max, l_i running sum, acc = unnormalized P V.
-    ROPE: each key tile is rotated as it is loaded (q came rotated)."""
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """The online softmax over key tiles [lo, hi): m_i running max, l_i running sum, acc = unnormalized P V."""
     for start_n in range(lo, hi, BLOCK_N):
         k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED)
-        if ROPE:
-            k = _rope(k, cos_k, sin_k, start_n, stride_cs, seqlen_k, offs_n, rope_half, False)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if MASKED:  # ragged end and, when causal, the diagonal: the only tiles that compare indices
             cols = start_n + offs_n
@@ -288,7 +244,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, off
     return acc, l_i, m_i
 
 
-FWD_CONFIGS = {  # (64, 2) and (128, 2): the best of 6-8 candidates each in a tile sweep on the H200
+FWD_CONFIGS = {  # (head-dim class, element size): (BLOCK_M, BLOCK_N, warps, stages), the best first
     (64, 2): [(128, 64, 8, 3), (128, 64, 4, 3)],
     (128, 2): [(128, 64, 8, 3), (128, 128, 8, 2)],
     (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)],
@@ -299,27 +255,24 @@ FWD_CONFIGS = {  # (64, 2) and (128, 2): the best of 6-8 candidates each in a ti
 
 
 @_autotuned(FWD_CONFIGS)
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "SEQ_BUCKET", "stride_lb", "stride_lh"])
-def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
-              stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-              stride_ob, stride_oh, stride_os, stride_lb, stride_lh, COS, SIN, stride_cb, stride_cs, rope_half,
-              seqlen_q, seqlen_k, num_heads, group, qk_scale, SEQ_BUCKET,
-              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-              ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "SEQ_BUCKET"])
+def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen_q, seqlen_k, num_heads, group,
+              qk_scale, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+              PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch x head): O and L of BLOCK_M query rows. Key tiles left of the diagonal
     run without index compares, the diagonal tile and a ragged end with them; tiles right of it are never
-    visited. ROPE: Q and K rotated as they are loaded, with the cos/sin rows of their positions (COS, SIN:
-    (rows, D/2) per sequence, stride_cb apart; packed: one row per token)."""
+    visited."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
-    qk_scale = tl.cast(qk_scale, tl.float32)  # inductor passes Python floats as fp64 (TRITON_OPS), Triton as fp32
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
+        stride_ob, stride_oh, stride_os = strides
+    qk_scale = tl.cast(qk_scale, tl.float32)  # a Python float may come typed fp64
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest causal tiles launch first
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:  # sequence b's slice of the packed rows
-        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(tl.load(cu_seqlens_q + b), tl.load(cu_seqlens_q + b + 1),
-                                                           tl.load(cu_seqlens_k + b), tl.load(cu_seqlens_k + b + 1))
+        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:  # a tile past its sequence's end exits at once
         return
@@ -332,9 +285,6 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
     k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
     v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True)
-    cos_q, sin_q, cos_k, sin_k = _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start)
-    if ROPE:
-        q = _rope(q, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, False)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -346,11 +296,9 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
         hi = seqlen_k
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED=False, CAUSAL=CAUSAL,
-                               BLOCK_N=BLOCK_N, PREC=PREC, ROPE=ROPE)
+                               seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED=True, CAUSAL=CAUSAL,
-                               BLOCK_N=BLOCK_N, PREC=PREC, ROPE=ROPE)
+                               seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys (empty key sequence) writes O = 0
     o_dst = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M)
@@ -359,14 +307,12 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
     tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "stride_lb", "stride_lh"])
-def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_dob, stride_doh,
-                    stride_dos, stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh, seqlen_q, num_heads, head_dim,
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q"])
+def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, strides, stride_lb, stride_lh, seqlen_q, num_heads, head_dim,
                     dq_cols, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns of O and dO
-    (HEAD_DIM, a power of two, is the tile width), one program per (BLOCK_M rows, batch x head); it also zeroes the
-    same rows (the first dq_cols <= HEAD_DIM columns) of DQ, the fp32 buffer the Gluon backward adds dQ into (one
-    launch fewer). The Triton backward works Delta out in its dQ pass."""
+    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns, and the same rows
+    of DQ (its first dq_cols columns), the fp32 buffer the Gluon backward adds dQ into, zeroed."""
+    stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = strides
     pid_bh = tl.program_id(0)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
@@ -395,14 +341,11 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, stride_ob, stride_oh, stride
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k,
-              qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              BLOCK_N: tl.constexpr, PREC: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
-    # Where V is loaded matters on the H200: beside K is 13% faster at D=128, after P 15% faster at D=64.
+              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+              HEAD_DIM: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED)
-        if ROPE:
-            k = _rope(k, cos_k, sin_k, start_n, stride_cs, seqlen_k, offs_n, rope_half, False)
-        if HEAD_DIM > 64:
+        if HEAD_DIM > 64:  # where V is loaded is tuned per head dim: beside K here, after P below
             v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
         if MASKED:
@@ -419,7 +362,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi
     return dq
 
 
-DQ_CONFIGS = {  # (64, 2): 128 x 64 tiles with V loaded after P, the best of a backward sweep on the H200
+DQ_CONFIGS = {
     (64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)],
     (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)],
     (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)],
@@ -429,22 +372,20 @@ DQ_CONFIGS = {  # (64, 2): 128 x 64 tiles with V loaded after P, the best of a b
 }
 
 
-# The backward kernels specialize the lengths (divisible by 16 or not, so a few binaries at most): the dQ pass at
-# D=64 takes 0.77 ms with it against 0.92 ms without on the H200; the dK/dV pass does not move but follows suit.
 @_autotuned(DQ_CONFIGS)
-@triton.jit(do_not_specialize=["SEQ_BUCKET", "stride_lb", "stride_lh"])
-def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
-                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                 stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
-                 stride_dqs, stride_lb, stride_lh,
-                 COS, SIN, stride_cb, stride_cs, rope_half, seqlen_q, seqlen_k, num_heads, group, qk_scale, sm_scale,
-                 SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once. It first
-    works out Delta = rowsum(dO * O) in fp32 for its rows and stores it for pass 2 (no pre-pass of its own: one
-    launch and one read of dO fewer). ROPE: Q and K rotated as loaded, dQ (a gradient of the rotated Q) turned back
-    before it is stored."""
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SEQ_BUCKET"])
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb, stride_lh, seqlens, num_heads,
+                 group, scales, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+                 PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once. It also
+    stores Delta = rowsum(dO * O) of its rows for pass 2. scales: (log2(e) / sqrt(d), 1 / sqrt(d)). The lengths
+    are specialized (a few binaries: 1, a multiple of 16, other)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
+        stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = \
+            strides
+    seqlen_q, seqlen_k = seqlens
+    qk_scale, sm_scale = scales
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as in _attn_fwd
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -452,8 +393,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     h = pid_bh % num_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:  # sequence b's slice of the packed rows
-        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(tl.load(cu_seqlens_q + b), tl.load(cu_seqlens_q + b + 1),
-                                                           tl.load(cu_seqlens_k + b), tl.load(cu_seqlens_k + b + 1))
+        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -466,9 +406,6 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    start_m, stride_qs, seqlen_q, offs_m0, True)
     do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM,
                           BLOCK_M), start_m, stride_dos, seqlen_q, offs_m0, True)
-    cos_q, sin_q, cos_k, sin_k = _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start)
-    if ROPE:
-        q = _rope(q, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, False)
     o = _load_rows(_rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M),
                    start_m, stride_os, seqlen_q, offs_m0, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rows past seqlen_q load as zeros: Delta 0 there
@@ -486,24 +423,18 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
         hi = seqlen_k
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED=False, CAUSAL=CAUSAL,
-                   BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM, ROPE=ROPE)
+                   seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, cos_k, sin_k, stride_cs, rope_half, MASKED=True, CAUSAL=CAUSAL,
-                   BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM, ROPE=ROPE)
-    if ROPE:
-        dq = _rope(dq, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, True)
+                   seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
     dq_dst = _rows(DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs, stride_dqs, HEAD_DIM, BLOCK_M)
     _store_rows(dq_dst, start_m, stride_dqs, seqlen_q, offs_m0, dq * sm_scale)
 
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, hi, offs_n, seqlen_q,
-                qk_scale, cos_q, sin_q, stride_cs, rope_half, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                BLOCK_M: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr):
-    # MASKED: rows may pass seqlen_q (bounds masks on every load); CAUSAL: the tiles cross the diagonal.
-    # Works on the transposed scores (keys x queries) so P^T, dP^T and dS^T need no transposes. Each operand is
-    # loaded just before the matmul that needs it (L first, dO after P^T, Delta after dV): FlexAttention's order.
+                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+    # On the transposed scores (keys x queries), so P^T, dP^T and dS^T need no transposes; each operand loaded
+    # just before the matmul that needs it. MASKED: rows may pass seqlen_q; CAUSAL: the tiles cross the diagonal.
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -512,8 +443,6 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
         else:
             lse2 = tl.load(LSE_h + offs_m) * 1.4426950408889634
         q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, MASKED)
-        if ROPE:
-            q = _rope(q, cos_q, sin_q, start_m, stride_cs, seqlen_q, offs_m0, rope_half, False)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         if CAUSAL:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, -1.0e6)
@@ -530,8 +459,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
     return dk, dv
 
 
-DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in registers; (64, 2), (128, 2): the
-    # fastest of 5 candidates in FlexAttention's loop order on the H200
+DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in registers
     (64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)],
     (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)],
     (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)],
@@ -542,20 +470,20 @@ DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in re
 
 
 @_autotuned(DKDV_CONFIGS)
-@triton.jit(do_not_specialize=["SEQ_BUCKET", "stride_lb", "stride_lh"])
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
-                   stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                   stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks,
-                   stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, COS, SIN, stride_cb, stride_cs,
-                   rope_half, seqlen_q, seqlen_k, num_kv_heads, qk_scale, sm_scale, SEQ_BUCKET,
-                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                   ROPE: tl.constexpr, GROUP: tl.constexpr, EVEN_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SEQ_BUCKET"])
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_lb, stride_lh, seqlens,
+                   num_kv_heads, scales, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                   VARLEN: tl.constexpr, PREC: tl.constexpr, GROUP: tl.constexpr, EVEN_Q: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pass 2: one program per key tile and K/V head, K_j and V_j held in registers, a loop over the query heads
-    of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics). ROPE: K and each
-    Q tile rotated as loaded, dK turned back before it is stored."""
+    of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
     tl.static_assert(128 % BLOCK_N == 0)  # EVEN_Q (no ragged query tile) is decided on the host for 128 rows
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
+        stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs = \
+        strides
+    seqlen_q, seqlen_k = seqlens
+    qk_scale, sm_scale = scales
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as in _attn_fwd
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)  # causal: the first key tiles have the most query rows, so they launch first
@@ -563,8 +491,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     hk = pid_bh % num_kv_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:  # sequence b's slice of the packed rows
-        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(tl.load(cu_seqlens_q + b), tl.load(cu_seqlens_q + b + 1),
-                                                           tl.load(cu_seqlens_k + b), tl.load(cu_seqlens_k + b + 1))
+        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
@@ -575,9 +502,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    start_n, stride_ks, seqlen_k, offs_n0, True)
     v = _load_rows(_rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N),
                    start_n, stride_vs, seqlen_k, offs_n0, True)
-    cos_q, sin_q, cos_k, sin_k = _rope_rows(COS, SIN, b64, stride_cb, stride_cs, q_start, k_start)
-    if ROPE:
-        k = _rope(k, cos_k, sin_k, start_n, stride_cs, seqlen_k, offs_n0, rope_half, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dk_dst = DK + b64 * stride_dkb + hk * stride_dkh + k_start * stride_dks
@@ -590,19 +514,14 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
         lo = start_n + BLOCK_N
     else:
         lo = 0
-    # Loop bounds matter to the compiler here. The diagonal loop has a fixed trip count (BLOCK_N / BLOCK_M; rows past
-    # a ragged end are masked), and the remaining rows, ragged end included, are one loop, masked only when there is
-    # a ragged end (EVEN_Q). With a diagonal loop of variable length, or a separate loop for the ragged tile, ptxas
-    # serializes the wgmma instructions of the whole kernel (its performance note C7515; `bench.py sass` shows it):
-    # 16% slower at D=128. The loop starts at a multiple of BLOCK_N and, with no ragged tile, the L offsets are
-    # visibly multiples of 128, so the L and Delta rows load with wide copies although the L strides are not
-    # specialized (do_not_specialize).
-    # GROUP (query heads per K/V head) is a constexpr: with one head per group the compiler drops the outer loop.
+    # A diagonal loop of fixed trip count, then the other rows as one loop masked only at a ragged end (EVEN_Q):
+    # other loop shapes make ptxas serialize the wgmma instructions (`bench.py sass` shows it). GROUP, query heads
+    # per K/V head, is a constexpr, so with one the compiler drops the outer loop.
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, stride_qs, HEAD_DIM, BLOCK_M)
         do_src = _rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM, BLOCK_M)
-        if EVEN_Q:  # dense with seqlen_q % 128 == 0, so the L strides are multiples of 128: written so to the compiler
+        if EVEN_Q:  # the L strides are multiples of 128: written so, the L and Delta rows load with wide copies
             l_off = (b64 * (stride_lb // 128) + h * (stride_lh // 128)) * 128
         else:
             l_off = b64 * stride_lb + h * stride_lh + q_start
@@ -610,139 +529,17 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
         DELTA_h = DELTA + l_off
         if CAUSAL:  # with EVEN_Q, a diagonal tile that starts before seqlen_q ends before it (BLOCK_N divides 128)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, start_n,
-                                 start_n + BLOCK_N, offs_n, seqlen_q, qk_scale, cos_q, sin_q, stride_cs, rope_half,
-                                 MASKED=not EVEN_Q, CAUSAL=True, BLOCK_M=BLOCK_M, PREC=PREC, ROPE=ROPE)
+                                 start_n + BLOCK_N, offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q, CAUSAL=True,
+                                 BLOCK_M=BLOCK_M, PREC=PREC)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, seqlen_q,
-                             offs_n, seqlen_q, qk_scale, cos_q, sin_q, stride_cs, rope_half, MASKED=not EVEN_Q,
-                             CAUSAL=False, BLOCK_M=BLOCK_M, PREC=PREC, ROPE=ROPE)
-    if ROPE:
-        dk = _rope(dk, cos_k, sin_k, start_n, stride_cs, seqlen_k, offs_n0, rope_half, True)
+                             offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q, CAUSAL=False, BLOCK_M=BLOCK_M, PREC=PREC)
     _store_rows(_rows(dk_dst, stride_dks, HEAD_DIM, BLOCK_N), start_n, stride_dks, seqlen_k, offs_n0, dk * sm_scale)
     _store_rows(_rows(dv_dst, stride_dvs, HEAD_DIM, BLOCK_N), start_n, stride_dvs, seqlen_k, offs_n0, dv)
 
 
 # Launchers: dense (B, H, S, D) when cu_seqlens_q is None, packed (total, H, D) otherwise.
 
-# Direct launches. Triton's kernel[grid](...) costs 30-60 us of host time per launch on the H200 machine (the
-# autotuner's key, binding and specializing every argument, the cache lookup) where running the compiled kernel
-# takes 7-11 us (measured: BENCHMARKS.md, What we tried). A launch is keyed by everything Triton specializes on:
-# the kernel, the device, the grid, every argument that is not a tensor (ints, floats, flags, constexprs) and, of
-# each tensor or TMA descriptor, the dtype and whether its address is 16-byte aligned (plus a descriptor's shape,
-# strides and block). The launchers' own signatures (_memo, _where) fix all of that but the kernel, so their
-# launches are keyed by the kernel inside their memo entry; _launch builds the full key for any other. The first
-# call with a key launches the normal way and keeps the compiled kernel and its bound arguments; later calls swap
-# in their own tensors and run the compiled kernel directly. Where this Triton's internals differ from what it
-# expects, or a launch hook (a profiler) is active, it launches the normal way. FLASH_DIRECT_LAUNCH=0 turns it off.
-DIRECT_LAUNCH = os.environ.get("FLASH_DIRECT_LAUNCH", "1") != "0" and not INTERPRET
-_LAUNCHES = {}  # key -> (run, grid, function, metadata, bound args with the tensors left out, tensor slots, stream
-# getter), or None where the launch goes the normal way
-try:
-    from triton import knobs as _knobs
-    from triton.runtime import driver as _driver
-    from triton.runtime.autotuner import Autotuner as _Autotuner
-except ImportError:  # an older Triton: normal launches only
-    DIRECT_LAUNCH = False
-
-
-def _arg_key(v):
-    if isinstance(v, torch.Tensor):
-        return v.dtype, v.data_ptr() % 16 == 0
-    base = getattr(v, "base", None)  # a TMA descriptor
-    if isinstance(base, torch.Tensor):
-        return base.dtype, base.data_ptr() % 16 == 0, tuple(v.shape), tuple(v.strides), tuple(v.block_shape)
-    return v
-
-
-def _hooks_active():
-    hook = _knobs.runtime.launch_enter_hook
-    return hook is not None and getattr(hook, "calls", True)
-
-
-def _direct(kernel, grid, args, kwargs, device):
-    """The compiled kernel that kernel[grid](*args, **kwargs) just ran, with its launch grid, its bound arguments
-    (the tensors left out), where each tensor goes and the device's stream getter, or None where this Triton's
-    internals are not the expected ones."""
-    try:
-        jit, extra = (kernel.fn, kernel.best_config.all_kwargs()) if isinstance(kernel, _Autotuner) else (kernel, {})
-        full = {**kwargs, **extra}
-        compiled = jit.run(*args, grid=grid, warmup=True, **full)  # Triton's cache: the kernel that just ran
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        binder = jit.device_caches[device][4]
-        bound, _, _ = binder(*args, **full, debug=full.get("debug", jit.debug) or _knobs.runtime.debug,
-                             instrumentation_mode=_knobs.compilation.instrumentation_mode)
-        g = tuple(grid(bound) if callable(grid) else grid)
-        values = list(bound.values())
-        slots = []  # (position in the bound arguments, position in args or None, name in kwargs)
-        for i, (name, value) in enumerate(bound.items()):
-            if isinstance(value, torch.Tensor) or hasattr(value, "block_shape"):
-                slots.append((i, i if i < len(args) else None, name))
-                values[i] = None  # no reference kept to the first call's tensors
-        stream = functools.partial(_driver.active.get_current_stream, device)
-        return compiled.run, g + (1,) * (3 - len(g)), compiled.function, compiled.packed_metadata, values, slots, \
-            stream
-    except Exception:  # noqa: BLE001 (any mismatch: launch the normal way)
-        return None
-
-
-def _launch(kernel, grid, *args, plans=None, **kwargs):
-    """kernel[grid](*args, **kwargs), run directly from the second call with the same key on (DIRECT_LAUNCH).
-    plans: the dict a launcher's _memo entry keeps its launches' plans in, keyed by the kernel; its signature must
-    fix the grid, every argument but the tensors, every tensor's dtype, the device and that every tensor is 16-byte
-    aligned (_where). Without it the launch is keyed here by all of that."""
-    if not DIRECT_LAUNCH:
-        kernel[grid](*args, **kwargs)
-        return
-    if plans is None:
-        plans, key = _LAUNCHES, (kernel, _driver.active.get_current_device(), None if callable(grid) else grid,
-                                 tuple(kwargs), *map(_arg_key, args), *map(_arg_key, kwargs.values()))
-    else:
-        key = kernel
-    plan = plans.get(key, False)
-    if not plan or _hooks_active():
-        kernel[grid](*args, **kwargs)
-        if plan is False:
-            if len(plans) > 4096:  # many shapes (e.g. packed batches of every length): start over
-                plans.clear()
-            plans[key] = _direct(kernel, grid, args, kwargs, _driver.active.get_current_device())
-        return
-    run, g, function, metadata, values, slots, stream = plan
-    values = list(values)
-    for i, pos, name in slots:
-        values[i] = args[pos] if pos is not None else kwargs[name]
-    run(g[0], g[1], g[2], stream(), function, metadata, None, None, None, *values)
-
-
-_ARGS = {}  # a launcher's signature -> its launches' grids and arguments other than tensors, and their plans
-
-
-def _memo(sig, build):
-    """(*build(), plans) once per sig: the grids and the arguments other than tensors of a launcher's launches,
-    where sig holds everything they follow from (shapes, strides, dtypes, flags, lengths), and a dict for their
-    direct-launch plans (_launch; None where sig does not fix where they run: _where). Working the arguments out
-    costs 30-60 us of host time per call (measured on a CPU), more than a direct launch."""
-    got = _ARGS.get(sig)
-    if got is None:
-        if len(_ARGS) > 4096:
-            _ARGS.clear()
-        got = _ARGS[sig] = (*build(), {} if sig[-1][1] else None)
-    return got
-
-
-def _plan_stores():
-    """Every dict of direct-launch plans: the one of launches keyed in _launch and those of the _memo entries."""
-    return [_LAUNCHES] + [entry[-1] for entry in _ARGS.values() if entry[-1] is not None]
-
-
-def _where(*tensors):
-    """The last part of a launcher's _memo signature: the current device and whether all the tensors are 16-byte
-    aligned (Triton specializes on both), so that _launch can key the launches by the kernel alone."""
-    bits = 0
-    for t in tensors:
-        bits |= t.data_ptr()
-    return _driver.active.get_current_device() if DIRECT_LAUNCH else None, not bits & 15
-
-
-def _cdiv(a, b):  # triton.cdiv and triton.next_power_of_2 cost microseconds each from Python
+def _cdiv(a, b):
     return -(-a // b)
 
 
@@ -751,9 +548,8 @@ def _pow2(n):
 
 
 def _bucket(n):
-    """SEQ_BUCKET, the autotuning key's length class: n rounded up to a power of two (at least 16). A symbolic
-    length (a triton_op traced with dynamic shapes) passes as it is: the compiler autotunes on its own key."""
-    return max(16, _pow2(n)) if isinstance(n, int) else n
+    """SEQ_BUCKET, the autotuning key's length class: n rounded up to a power of two (at least 16)."""
+    return max(16, _pow2(n))
 
 
 def _blocks(name):
@@ -768,17 +564,16 @@ def _unit_last(x):  # the kernels read rows with unit stride along the head dim
 
 
 def _empty_out(x):
-    """The output buffer for x (O, dQ, dK, dV): x's own layout when it is dense, so the (B, S, H, D) memory of a
-    transposed view is kept and the caller's transpose back is free. The fake kernels use the same rule."""
+    """The output buffer for x (O, dQ, dK, dV): x's own layout when it is dense (the (B, S, H, D) memory of a
+    transposed view is kept, so the caller's transpose back is free)."""
     if x.stride(-1) == 1:
         return torch.empty_like(x)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _kernel_head_dim(d):
-    """The Triton kernels' tile width along the head dim: tl.dot needs at least 16 and tiles need powers of two,
-    so other head dims run in wider tiles of zero-padded copies (zeros change no score), e.g. 80 -> 128. The Gluon
-    kernels have tiles of their own (_gluon_head_tiles: 80 = 64 + 16)."""
+    """The Triton kernels' tile width along the head dim: a power of two of at least 16; other head dims run on
+    zero-padded copies (zeros change no score)."""
     return max(16, _pow2(d))
 
 
@@ -786,11 +581,9 @@ def _pad(x, d_pad):
     return x if x.shape[-1] == d_pad else torch.nn.functional.pad(x, (0, d_pad - x.shape[-1]))
 
 
-def _strides(name, x, varlen):
-    """The kernel's stride_{name}b, stride_{name}h, stride_{name}s arguments for x (packed: no batch stride)."""
-    st = x.stride()
-    b, h, s = (0, st[1], st[0]) if varlen else st[:3]
-    return {f"stride_{name}b": b, f"stride_{name}h": h, f"stride_{name}s": s}
+def _strides(varlen, *xs):
+    """The (b, h, s) strides of each tensor, one flat tuple (packed tensors have no batch stride)."""
+    return tuple(s for x in xs for s in ((0, x.stride(1), x.stride(0)) if varlen else x.stride()[:3]))
 
 
 def _precision(dtype):
@@ -819,52 +612,24 @@ def _check_interpreter(who):
 
 
 def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-    """(batch, heads, kv_heads, seqlen_q, seqlen_k, L shape, L strides) of a dense or a packed call."""
+    """(batch, heads, kv_heads, seqlen_q, seqlen_k, L shape, L strides (b, h)) of a dense or a packed call."""
     if cu_seqlens_q is not None:
         heads, total = q.shape[1], q.shape[0]
-        return cu_seqlens_q.shape[0] - 1, heads, k.shape[1], max_seqlen_q, max_seqlen_k, (heads, total), \
-            dict(stride_lb=0, stride_lh=total)
+        return cu_seqlens_q.shape[0] - 1, heads, k.shape[1], max_seqlen_q, max_seqlen_k, (heads, total), (0, total)
     b, heads, s = q.shape[:3]
-    return b, heads, k.shape[1], s, k.shape[2], (b, heads, s), dict(stride_lb=heads * s, stride_lh=s)
+    return b, heads, k.shape[1], s, k.shape[2], (b, heads, s), (heads * s, s)
 
 
-def _rope_kwargs(cos, sin, dummy):
-    """The Triton kernels' RoPE arguments as (the tables, the other arguments, their part of a launcher's _memo
-    signature): the fp32 tables (rows x D/2; dense (S, D/2) shared by the batch or (B, S, D/2), packed (total, D/2))
-    or, without RoPE, a dummy pointer and ROPE=False."""
-    if cos is None:
-        return dict(COS=dummy, SIN=dummy), dict(stride_cb=0, stride_cs=0, rope_half=0, ROPE=False), None
-    return dict(COS=cos, SIN=sin), dict(stride_cb=cos.stride(0) if cos.dim() == 3 else 0, stride_cs=cos.stride(-2),
-                                        rope_half=cos.shape[-1], ROPE=True), (cos.shape, cos.stride())
-
-
-def rope_reference(x, cos, sin, inverse=False):
-    """RoPE in PyTorch on dense (B, H, S, D) or packed (total, H, D) x, with the tables of _rope_kwargs: pair
-    (2j, 2j+1) turned by the angle of column j (inverse: turned back); fp32 math, x's dtype out. The Gluon
-    kernels' RoPE (a pass before them and after their backward) and the tests' reference."""
-    if x.dim() == 4:  # dense: the tables' first S rows
-        cos, sin = cos[..., :x.shape[2], :], sin[..., :x.shape[2], :]
-    c, s = (t[:, None] if x.dim() == 3 or t.dim() == 3 else t for t in (cos, sin))  # a heads axis
-    if inverse:
-        s = -s
-    xf = x.float()
-    xe, xo = xf[..., 0::2], xf[..., 1::2]
-    return torch.stack((xe * c - xo * s, xe * s + xo * c), -1).flatten(-2).to(x.dtype)
-
-
-def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos=None, sin=None,
-                    traced=False):
-    """(O, L) of attention; dense or packed (cu_seqlens_q given); cos/sin: RoPE applied to q and k in the
-    kernels (tables as for _rope_kwargs). traced: the body of a triton_op the compiler is tracing (TRITON_OPS),
-    which launches through wrap_triton, with no memo (its tensors have no addresses)."""
+def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+    """(O, L) of attention with the Triton kernel; dense, or packed when cu_seqlens_q is given."""
     _require_triton_device(q)
     if _interpreter_bf16(q):
         o, lse = _triton_forward(q.float(), k.float(), v.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, causal, cos, sin)
+                                 max_seqlen_k, causal)
         return o.to(q.dtype), lse
     varlen = cu_seqlens_q is not None
-    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
-                                                                                 max_seqlen_k)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q,
+                                                                              max_seqlen_k)
     o = _empty_out(q)
     lse = q.new_empty(lse_shape, dtype=torch.float32)
     if batch * heads * seqlen_q == 0:
@@ -872,89 +637,43 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
     qp, kp, vp = (_unit_last(_pad(x, d_pad)) for x in (q, k, v))
     op = o if d_pad == d else _empty_out(qp)
-    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
-    tables, rope, rope_sig = _rope_kwargs(cos, sin, lse)
-
-    def build():
-        return ((lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
-                dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
-                     **_strides("o", op, varlen), **lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                     num_heads=heads, group=heads // kv_heads, qk_scale=LOG2E / math.sqrt(d),
-                     SEQ_BUCKET=_bucket(seqlen_q), **rope, HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
-                     PREC=_precision(q.dtype), **_blocks("fwd")))
-    if traced:
-        grid, consts = build()
-        _wrap_triton(_attn_fwd)[grid](qp, kp, vp, op, lse, cu_q, cu_k, **tables, **consts)
-    else:
-        sig = ("fwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), op.stride(), causal,
-               varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig, _precision(q.dtype),
-               _where(qp, kp, vp, op, lse, cu_q, cu_k, *tables.values()))
-        grid, consts, plans = _memo(sig, build)
-        _launch(_attn_fwd, grid, qp, kp, vp, op, lse, cu_q, cu_k, plans=plans, **tables, **consts)
+    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
+    grid = lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
+    _attn_fwd[grid](qp, kp, vp, op, lse, cu, _strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
+                    heads // kv_heads, LOG2E / math.sqrt(d), _bucket(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal,
+                    VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend,
-              cos=None, sin=None, traced=False):
-    """(dQ, dK, dV): the dQ pass (which also works out Delta), then the dK/dV pass; the one place that picks the
-    backward kernels (the Gluon one wherever it applies and backend, the forward's, is not 'triton'). cos/sin:
-    the forward's RoPE (inside the Triton kernels; around the Gluon one, as PyTorch passes). traced: as for
-    _triton_forward (the Triton kernels only)."""
-    if not traced and backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                               do, o, backward=True):
-        if cos is None:
-            return _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal)
-        dq, dk, dv = _gluon_backward(do, rope_reference(q, cos, sin), rope_reference(k, cos, sin), v, o, lse,
-                                     cu_seqlens_q, max_seqlen_q, causal)
-        return rope_reference(dq, cos, sin, inverse=True), rope_reference(dk, cos, sin, inverse=True), dv
+def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+    """(dQ, dK, dV) with the Triton kernels: the dQ pass (which also works out Delta), then the dK/dV pass."""
     _require_triton_device(q)
     if _interpreter_bf16(q):
-        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k, causal, "triton", cos, sin)
+        grads = _triton_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, cu_seqlens_q,
+                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
         return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     varlen = cu_seqlens_q is not None
-    batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
-                                                                         max_seqlen_k)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, _, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
     dop, qp, kp, vp, op = (_unit_last(_pad(x, d_pad)) for x in (do, q, k, v, o))
     dqp, dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dq, qp), (dk, kp), (dv, vp)))
-    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
+    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     delta = torch.empty_like(lse)
-    tables, rope, rope_sig = _rope_kwargs(cos, sin, lse)
-
-    def build():
-        scale = 1.0 / math.sqrt(d)
-        common = dict(**lse_strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=LOG2E * scale, sm_scale=scale,
-                      SEQ_BUCKET=_bucket(max(seqlen_q, seqlen_k)), **rope, HEAD_DIM=d_pad,
-                      CAUSAL=causal, VARLEN=varlen, PREC=_precision(q.dtype))
-        return ((lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))),
-                dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
-                     **_strides("o", op, varlen), **_strides("do", dop, varlen), **_strides("dq", dqp, varlen),
-                     num_heads=heads, group=heads // kv_heads, **common, **_blocks("dq")),
-                (lambda meta: (batch * kv_heads, _cdiv(seqlen_k, meta["BLOCK_N"]))),
-                dict(**_strides("q", qp, varlen), **_strides("k", kp, varlen), **_strides("v", vp, varlen),
-                     **_strides("do", dop, varlen), **_strides("dk", dkp, varlen), **_strides("dv", dvp, varlen),
-                     num_kv_heads=kv_heads, GROUP=heads // kv_heads, EVEN_Q=not varlen and seqlen_q % 128 == 0,
-                     **common, **_blocks("dkdv")))
-    dq_tensors = (qp, kp, vp, op, dop, dqp, lse, delta, cu_q, cu_k)
-    dkdv_tensors = (qp, kp, vp, dop, dkp, dvp, lse, delta, cu_q, cu_k)
-    if traced:
-        grid_q, dq_args, grid_k, dkdv_args = build()
-        _wrap_triton(_attn_bwd_dq)[grid_q](*dq_tensors, **tables, **dq_args)
-        _wrap_triton(_attn_bwd_dkdv)[grid_k](*dkdv_tensors, **tables, **dkdv_args)
-    else:
-        sig = ("bwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), dop.stride(),
-               op.stride(), dqp.stride(), dkp.stride(), dvp.stride(), causal,
-               varlen and (batch, max_seqlen_q, max_seqlen_k), rope_sig, _precision(q.dtype),
-               _where(*dq_tensors, dkp, dvp, *tables.values()))
-        grid_q, dq_args, grid_k, dkdv_args, plans = _memo(sig, build)
-        _launch(_attn_bwd_dq, grid_q, *dq_tensors, plans=plans, **tables, **dq_args)
-        _launch(_attn_bwd_dkdv, grid_k, *dkdv_tensors, plans=plans, **tables, **dkdv_args)
+    scale = 1.0 / math.sqrt(d)
+    common = dict(SEQ_BUCKET=_bucket(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
+                  PREC=_precision(q.dtype))
+    _attn_bwd_dq[lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))](
+        qp, kp, vp, op, dop, dqp, lse, delta, cu, _strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
+        (seqlen_q, seqlen_k), heads, heads // kv_heads, (LOG2E * scale, scale), **common, **_blocks("dq"))
+    _attn_bwd_dkdv[lambda meta: (batch * kv_heads, _cdiv(seqlen_k, meta["BLOCK_N"]))](
+        qp, kp, vp, dop, dkp, dvp, lse, delta, cu, _strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
+        (seqlen_q, seqlen_k), kv_heads, (LOG2E * scale, scale), **common, GROUP=heads // kv_heads,
+        EVEN_Q=not varlen and seqlen_q % 128 == 0, **_blocks("dkdv"))
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
             g.copy_(gp[..., :d])
@@ -963,22 +682,19 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Attention on Hopper in Gluon (sm90: TMA, mbarriers, asynchronous wgmma, warp specialization), the design of
-#    FlashAttention-3. Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item; it may loop over
-#    several, GLUON_FWD_PERSISTENT) and has three partitions: a producer warp
-#    that streams K_j and V_j through a ring of NUM_STAGES shared-memory slots with TMA, and two consumer
-#    warpgroups of BLOCK_M rows each that run independently of each other (each waits only on the ring), so one's
-#    softmax runs while the other's matmuls occupy the tensor cores. Inside a consumer the loop is software
-#    pipelined: S_j = Q K_j^T is issued, then P_(j-1) V_(j-1), and the softmax of S_j runs while that second
-#    matmul is in flight; P stays in registers as the A operand of the wgmma. Backward (below the forward): the
-#    same roles turned around, a CTA per key tile, the query tiles streamed, dQ added up with TMA reduce-adds.
-#    Producer warps get 24 registers, consumers 240. Same tensors in and out as the Triton kernels (O and the
-#    fp32 logsumexp L; dQ, dK, dV). Used on sm90 for bf16/fp16 with D from 33 to 128 in tiles 64 or 128 wide, D
-#    from 65 to 96 as 64 plus a tail tile of 16 or 32 columns with matmuls of its own (80 = 64 + 16: the 2.7B
-#    model's head dim), TMA reading zeros past D and the stores masked (_gluon_head_tiles; section 4 decides);
-#    FLASH_BACKEND=triton forces the Triton kernels, FLASH_BACKEND=gluon insists on these.
+#    FlashAttention-3. Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item) and has three partitions:
+#    a producer warp that streams K_j and V_j through a ring of NUM_STAGES shared-memory slots with TMA, and two
+#    consumer warpgroups of BLOCK_M rows each that take turns on the tensor cores, so one's softmax runs while the
+#    other's matmuls do. Inside a consumer the loop is software pipelined: S_j = Q K_j^T is issued, then
+#    P_(j-1) V_(j-1), and the softmax of S_j runs while that second matmul is in flight; P stays in registers as
+#    the A operand of the wgmma. Backward (below the forward): the same roles turned around, a CTA per key tile,
+#    the query tiles streamed, dQ added up with TMA reduce-adds. Each kernel's state travels in a few aggregates
+#    (config, global tensors, shared tiles and barriers, schedule), so a partition takes a handful of arguments
+#    and its body reads as schedule -> mainloop -> epilogue. Used on sm90 for bf16/fp16 with D from 33 to 128 in
+#    tiles 64 or 128 wide, D from 65 to 96 as 64 plus a tail tile of 16 or 32 columns with matmuls of its own
+#    (80 = 64 + 16: the 2.7B model's head dim), TMA reading zeros past D and the stores masked (_gluon_head_tiles).
 # ---------------------------------------------------------------------------------------------------------------
 
-BACKEND = os.environ.get("FLASH_BACKEND", "auto")  # 'auto' | 'triton' | 'gluon'
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -986,6 +702,7 @@ try:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.experimental.gluon.language._core import builtin as _gl_builtin
+    from triton.language.core import _aggregate
     from triton._C.libtriton import ir as _ir
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # the names of Triton > 3.6
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -1000,99 +717,110 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernels serve everything
     gluon = None
 
-# tile width along the head dim (main + tail) -> (BLOCK_M per warpgroup, BLOCK_N, K/V stages): D=128 takes two
-# stages, which leave room for O's staging tiles (GLUON_FWD_O_TMA below; 192.5 of the 227 KiB shared memory; without
-# staging, three stages were level with two in one run), four at D=80 gain nothing; tiles of one head in a row
-# (HEAD_MAJOR) gain 6-10% from L2; the ping-pong turns move within +-2% (+1.9% at the 8B model's S=32768). Measured
-# on the H200 (BENCHMARKS.md, What we tried). Fourth, Q tiles per consumer warpgroup: with 2 the producer loads the
-# next item's Q as soon as it has issued this item's last K/V loads, instead of once both warpgroups have made their
-# last S (2-3% off the D=64 forward at S=1024 and on packed documents, level at D=80); D=128 keeps 1 (two would take
-# 224.6 KiB, and measured 3-7% slower at S=16384).
+# tile width along the head dim (main + tail) -> (BLOCK_M per consumer warpgroup, BLOCK_N, K/V stages, Q tiles
+# per warpgroup: with 2 the producer loads the next item's Q while this item's last matmuls run). D=128 keeps
+# two stages and one Q tile, so that O's staging tiles fit in shared memory.
 GLUON_FWD_CONFIGS = {64: (64, 128, 3, 2), 80: (64, 128, 3, 2), 96: (64, 128, 3, 2), 128: (64, 128, 2, 1)}
-GLUON_HEAD_MAJOR = True
-# The forward's grid: k > 0 = persistent, k CTAs per SM taking work items dynamically: each CTA starts on item p
-# (its index) and its producer warp then claims the next untaken item from a counter in global memory (an atomic
-# add) and hands it to the consumers through a two-slot ring in shared memory, so the next item's Q and first K/V
-# tiles load while the last one's matmuls and stores finish, and a CTA that drew short items takes more. 0 = one
-# CTA per item (the hardware's scheduling). Measured on the H200 (forward, cold L2): dynamic against one CTA per
-# item 1.22x at D=64 S=1k, 1.14x at D=128 S=1k, 1.05-1.09x at 4k and D=80, 1.01-1.02x from 16k, 1.18-1.27x on
-# packed documents. A static share (CTA p taking items p, p + G, ...) had been slower than one CTA per item (D=128,
-# S=16k: 0.77x cuDNN against 1.06x): causal items differ in length, and SMs sat idle at the end. FLASH_FWD_PERSISTENT=0
-# restores one CTA per item.
-GLUON_FWD_PERSISTENT = int(os.environ.get("FLASH_FWD_PERSISTENT", "1"))
-# The Gluon forward's output at head dims 64 and 128: each consumer warpgroup writes its O tile to shared memory and
-# the TMA unit stores it while the warpgroup starts its next item, instead of the warpgroup storing it from registers
-# (two bf16 per 4-byte store, a row's 16 bytes per group of four threads). Measured on the H200 (forward alone, cold
-# L2, same run): D=128 causal 1.07-1.08x cuDNN against 0.99-1.00x at S=4096, the fixed cost per work item 4.6-4.7 ->
-# 2.7-3.0 us; the staging tiles (32 KiB) leave room for 2 K/V stages at D=128, which alone were level with 3.
-# FLASH_FWD_O_TMA=0 stores from registers.
-GLUON_FWD_O_TMA = os.environ.get("FLASH_FWD_O_TMA", "1") != "0"
-
-
-def _gluon_fwd_o_tma(tail):
-    """Whether the Gluon forward stages its O tiles for TMA stores at this head-dim tiling (not with a tail tile,
-    whose output keeps the register store)."""
-    return GLUON_FWD_O_TMA and tail == 0
-
-
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
-# warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys) of the backward. D=128:
-# the split (with two dQ buffers per warpgroup) took the backward from 368 to 527 TFLOP/s at S=16384, and smem is full
-# (226 KiB) at two stages; D=64: three stages beat two by 1-3%, the split does not pay (measured on the H200). 80
-# and 96 (64 + a tail, no split): shared memory holds three stages at 80 (213 KiB), two at 96 (225 KiB). Fifth, the
-# grid: True = persistent with dynamic scheduling, as the forward's; False = one CTA per item. Measured on the H200
-# (backward alone, cold L2), dynamic against the kernel before it (one CTA per key tile): D=64 1.03x at S=1k, 1.00x
-# from 4k, 1.12x on long packed documents; D=80 1.03x; D=128 0.84-0.96x: its consumers are at the register limit,
-# and the persistent loop's item bookkeeping (numbers that were kernel arguments) spills into the inner loop (28
-# local loads a query tile against 7); one CTA per item lets the compiler drop the loop (0.2-2.9% from before).
-# Sixth, the swizzle (bytes) of the fp32 dQ shares in shared memory. A consumer thread holds two adjacent columns of a
-# row and writes them with one 8-byte store, which shared memory serves a half-warp (4 rows x 32 bytes) at a time; in
-# 128-byte swizzled rows those 4 rows XOR only the two low 16-byte chunk bits, so pairs of them hit the same banks
-# (ncu, D=128 S=4096: the dQ stores took twice their ideal wavefronts, 8% of the backward's shared-memory wavefronts,
-# and the consumers stalled on them and on the fence after them). With 32 bytes the tile is 8-column blocks, the 4
-# rows fill one 128-byte line, and the dQ warp's TMA reduce-adds go out in 8-column boxes (4x the boxes). Measured on
-# the H200 (backward alone, three rounds in one run): D=128 1.1-1.3% faster at S=1024 and 4096, level from 16384 and
-# on packed documents; D=64 and 80 (twice the boxes per unit of work) 1.12-1.30x slower, so they keep 128. (A tail's
-# dQ tiles always take the widest swizzle: with 32 bytes the D=80 kernel spills, `bench.py sass`.)
+# warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys; the grid: True =
+# persistent with dynamic scheduling, False = one CTA per item, which lets the compiler drop the item loop where
+# the consumers are at the register limit; the swizzle in bytes of the fp32 dQ shares in shared memory, 32 at
+# D=128, where 128-byte rows made the consumers' 8-byte stores hit the same banks).
 GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True, 128), 80: (64, 64, 3, 1, True, 128),
                      96: (64, 64, 2, 1, True, 128), 128: (64, 64, 2, 2, False, 32)}
-GLUON_PINGPONG = True
-# The backward's grid: None = as GLUON_BWD_CONFIGS says for the head dim, else k as the forward's
-# GLUON_FWD_PERSISTENT, for every head dim (FLASH_BWD_PERSISTENT=k).
-GLUON_BWD_PERSISTENT = int(os.environ["FLASH_BWD_PERSISTENT"]) if "FLASH_BWD_PERSISTENT" in os.environ else None
-
-
-# Where there is no head-dim tail, each consumer stores its full dK and dV tiles through its own K and V tiles in shared
-# memory and TMA stores (once the matmuls that read those tiles are made), instead of from the wgmma registers (32
-# scattered stores a thread for each tile, each with its 64-bit address). Measured on the H200 (backward alone, same
-# run, against the register store): D=64 (persistent grid, no spills either way) 1.05-1.06x at S=4096 (S=16384: within
-# the run's spread); D=128 (one CTA per item) 1.07x at S=1024, 1.02x at 2048, 1.00x at 4096, 1.09x on packed documents
-# of up to 4096 tokens, but 0.88-0.97x at S=16384 and 0.95-0.97x at S=32768. At D=128 the values the epilogue keeps live
-# make the inner loop spill (one warpgroup's: 5 more local loads and 3 stores a query tile), which costs more per tile
-# than the TMA store saves per item once items have many query tiles: there it is used for keys (packed: the longest
-# document) up to GLUON_BWD_DKV_TMA_MAX_SEQLEN. FLASH_BWD_DKV_TMA=0 keeps the register stores everywhere.
-GLUON_BWD_DKV_TMA = os.environ.get("FLASH_BWD_DKV_TMA", "1") != "0"
+# the backward stores full dK/dV tiles through shared memory and TMA up to this many keys per sequence at D=128:
+# past it the values the epilogue keeps live make its inner loop spill
 GLUON_BWD_DKV_TMA_MAX_SEQLEN = 4096
 
-
-def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
-    """Whether the Gluon backward stores full dK/dV tiles through shared memory and TMA (before the tensors' own
-    alignment, which the launcher checks). split: the config's dQ split (2 at D=128: each warpgroup's dQ columns read
-    both K tiles, so a K tile is free only once both warpgroups are done, which the persistent grid does not wait
-    for)."""
-    if not GLUON_BWD_DKV_TMA or tail or (dynamic and split > 1):
-        return False
-    return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
-
-
-def _gluon_bwd_persistent(tile_width):
-    """CTAs per SM of the Gluon backward's persistent grid at this head-dim tile width (main + tail); 0 = one CTA
-    per work item."""
-    if GLUON_BWD_PERSISTENT is not None:
-        return GLUON_BWD_PERSISTENT
-    return int(GLUON_BWD_CONFIGS[tile_width][4])
-
 if gluon is not None:
+    _KINDS = {"constexpr": gl.constexpr, "int": (gl.tensor, gl.constexpr), "tensor": gl.tensor,
+              "smem": gl.shared_memory_descriptor, "desc": tma.tensor_descriptor}
+
+    def _bundle(**fields):
+        """A Gluon aggregate of the fields named by kind (kind="name name ..."; an int may come as a constexpr,
+        as Triton passes ints equal to 1), built positionally in the order given: one value for a partition to
+        take where it needs many."""
+        names = [(name, kind) for kind, group in fields.items() for name in group.split()]
+
+        def wrap(cls):
+            cls.__annotations__ = {name: _KINDS[kind] for name, kind in names}
+
+            @gluon.constexpr_function
+            def __init__(self, *values):
+                for field, value in zip(names, values):
+                    if field[1] in ("constexpr", "int") and not isinstance(value, (gl.tensor, gl.constexpr)):
+                        value = gl.constexpr(value)
+                    setattr(self, field[0], value)
+            cls.__init__ = __init__
+            return _aggregate(cls)
+        return wrap
+
+    @gluon.jit
+    def _gl_warp_uniform(x):
+        """x (an int32 every lane of the warp holds the same value of) as lane 0's value, through a shuffle: the
+        usual way to tell the compiler that a value is the same in every lane."""
+        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @_bundle(smem="ring ready empty", tensor="counter", constexpr="DYNAMIC")
+    class _Schedule:
+        """A persistent CTA's work items (DYNAMIC): its producer claims the next untaken item from `counter` (zero
+        at launch; the first G items went one to each of the G CTAs) and hands it to the other partitions through a
+        two-slot ring in shared memory, each slot read by all of them before it is filled again."""
+
+        @gluon.jit
+        def publish(self, n, item):
+            """The producer: item into slot n % 2, once every reader has taken what the slot held before."""
+            s = n % 2
+            mbarrier.wait(self.empty.index(s), ((n // 2) & 1) ^ 1)
+            layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+            self.ring.index(s).store(gl.full([1], item, gl.int32, layout))
+            mbarrier.arrive(self.ready.index(s), count=1)
+
+        @gluon.jit
+        def read(self, n):
+            """A reader: the CTA's n-th work item."""
+            s = n % 2
+            mbarrier.wait(self.ready.index(s), (n // 2) & 1)
+            layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+            item = gl.max(self.ring.index(s).load(layout), 0)
+            mbarrier.arrive(self.empty.index(s), count=1)
+            return _gl_warp_uniform(item)
+
+        @gluon.jit
+        def claim(self):
+            """The producer: the next item no CTA has taken yet."""
+            return gl.num_programs(0) + gl.atomic_add(self.counter, 1, sem="relaxed")
+
+    @gluon.jit
+    def _gl_schedule(counter, DYNAMIC: gl.constexpr):
+        """A _Schedule with its ring allocated (the caller sets up its barriers)."""
+        ring = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        return _Schedule(ring, ready, empty, counter, DYNAMIC)
+
+    @gluon.jit
+    def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
+        """Packed batches, one program (or work item) per slot g of a tile of TILE rows: document b owns the slots
+        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), at least as many as its tiles, so total // TILE + n_docs
+        slots hold every tile of every document and only a few (at most two a document) are left empty, where a
+        grid of max_seqlen / TILE tiles per document is mostly empty when lengths differ. Returns (b, its first
+        row, its length, the tile of b at slot g; past b's tiles where the slot is empty). b is found by counting
+        the documents whose first slot is <= g, CHUNK of them at a time."""
+        CHUNK: gl.constexpr = 256
+        WARPS: gl.constexpr = gl.num_warps()
+        offs = gl.arange(0, CHUNK, layout=gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0]))
+        count = gl.to_tensor(0)
+        for c in range(0, n_docs, CHUNK):
+            d = c + offs
+            first = gl.load(cu_seqlens + d, mask=d < n_docs, other=0) // TILE + d
+            count += gl.sum(((first <= g) & (d < n_docs)).to(gl.int32), 0)
+        b = count - 1  # (document 0's first slot is 0 <= g)
+        start = gl.load(cu_seqlens + b)
+        length = gl.load(cu_seqlens + b + 1) - start
+        return b, start, length, g - (start // TILE + b)
+
     @gluon.jit
     def _gl_softmax(s, m_i, l_i, start_n, offs_m, offs_n, seqlen_k, qk_scale, masked, CAUSAL: gl.constexpr):
         """One online-softmax step on the scores of one key tile, in base 2: returns P, m_i, l_i and alpha, the
@@ -1108,291 +836,6 @@ if gluon is not None:
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
-
-    @gluon.jit
-    def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
-        """Packed batches, one program (or work item) per slot g of a tile of TILE rows: document b owns the slots
-        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), at least as many as its tiles, so total // TILE + n_docs
-        slots hold every tile of every document and only a few (at most two a document) are left empty, where a
-        grid of max_seqlen / TILE tiles per document is mostly empty when lengths differ (measured on the H200, D=128:
-        about 12 ns of the forward per empty item; 24 documents of up to 4096 tokens went from 0.425 to 0.326 ms).
-        Returns (b, its first row, its length, the tile of b at slot g; past b's tiles where the slot is empty). b is
-        found by counting the documents whose first slot is <= g, CHUNK of them at a time."""
-        CHUNK: gl.constexpr = 256
-        WARPS: gl.constexpr = gl.num_warps()
-        offs = gl.arange(0, CHUNK, layout=gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0]))
-        count = gl.to_tensor(0)
-        for c in range(0, n_docs, CHUNK):
-            d = c + offs
-            first = gl.load(cu_seqlens + d, mask=d < n_docs, other=0) // TILE + d
-            count += gl.sum(((first <= g) & (d < n_docs)).to(gl.int32), 0)
-        b = count - 1  # (document 0's first slot is 0 <= g)
-        start = gl.load(cu_seqlens + b)
-        length = gl.load(cu_seqlens + b + 1) - start
-        return b, start, length, g - (start // TILE + b)
-
-    @gluon.jit
-    def _gl_publish_item(sched, sched_ready, sched_empty, n, item):
-        """Dynamic scheduling, the producer: work item `item` into slot n % 2 of the CTA's schedule ring, once both
-        consumer warpgroups have read what the slot held before."""
-        s = n % 2
-        mbarrier.wait(sched_empty.index(s), ((n // 2) & 1) ^ 1)
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        sched.index(s).store(gl.full([1], item, gl.int32, layout))
-        mbarrier.arrive(sched_ready.index(s), count=1)
-
-    @gluon.jit
-    def _gl_read_item(sched, sched_ready, sched_empty, n):
-        """Dynamic scheduling, a consumer: the n-th work item of this CTA, from the schedule ring."""
-        s = n % 2
-        mbarrier.wait(sched_ready.index(s), (n // 2) & 1)
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        item = gl.max(sched.index(s).load(layout), 0)
-        mbarrier.arrive(sched_empty.index(s), count=1)
-        return _gl_warp_uniform(item)
-
-    @gluon.jit
-    def _gl_first_item(sched, sched_ready, sched_empty, DYNAMIC: gl.constexpr):
-        """A reader of the backward's work items (a consumer, the dQ warp): its CTA's first item."""
-        if DYNAMIC:
-            item = _gl_read_item(sched, sched_ready, sched_empty, 0)
-        else:
-            item = gl.program_id(0)
-        return item
-
-    @gluon.jit
-    def _gl_next_item(sched, sched_ready, sched_empty, n_seen, n_items, DYNAMIC: gl.constexpr):
-        """The item after n_seen of them: the next from the schedule ring, or with one CTA per item n_items, which
-        ends the reader's loop after one pass (so the compiler drops the loop)."""
-        if DYNAMIC:
-            item = _gl_read_item(sched, sched_ready, sched_empty, n_seen)
-        else:
-            item = n_items
-        return item
-
-    @gluon.jit
-    def _gl_warp_uniform(x):
-        """x (an int32 every lane of the warp holds the same value of) as lane 0's value, through a shuffle, the
-        usual way to tell the compiler that a value is the same in every lane. ptxas drops most of these shuffles
-        (it knows a shared-memory load of one address already is) and the backward's spills stay as they were; the
-        D=128 forward comes out 32 instructions shorter (SASS compiled for sm_90). What was measured has it."""
-        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=gl.int32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _gl_fwd_tile(t, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr):
-        """Work item t (2 x BLOCK_M query rows of one batch x head) -> (b, h, q_start, seqlen_q, seqlen_k, start_m,
-        n_tiles, n_full): key tiles to visit, and how many of them need no compare. HEAD_MAJOR: consecutive items
-        are the query tiles of one head (longest first), so the CTAs working at once share that head's K and V in
-        L2; else one tile of every head, longest first over all. Packed: m_tiles slots per head (_gl_doc_slot), the
-        documents from the last, each one's query tiles longest first; one document's rows, its keys its own
-        (cu_seqlens_k = cu_seqlens_q). Empty items (past a document's tiles) have start_m >= seqlen_q."""
-        if HEAD_MAJOR:
-            bh = t // m_tiles
-            pid_m = m_tiles - 1 - t % m_tiles
-        else:
-            bh = t % n_bh
-            pid_m = m_tiles - 1 - t // n_bh
-        q_start = 0
-        if VARLEN:  # bh is the head, pid_m a slot
-            h = bh
-            b, q_start, seqlen_q, pid_m = _gl_doc_slot(cu_seqlens_q, n_docs, pid_m, 2 * BLOCK_M)
-            seqlen_k = seqlen_q
-        else:
-            b = bh // num_heads
-            h = bh % num_heads
-        start_m = pid_m * 2 * BLOCK_M
-        if CAUSAL:
-            hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M)
-            n_full = gl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N) // BLOCK_N  # tiles with no compare
-        else:
-            hi = seqlen_k
-            n_full = seqlen_k // BLOCK_N
-        return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, BLOCK_N), n_full
-
-    @gluon.jit
-    def _gl_fwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem,
-                         v_smem, qt_smem, kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                         turn, sched, sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os,
-                         stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs,
-                         n_items, counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
-                         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
-        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The
-        ring position (it) and the turn count (w) run on across items, so the producer fills the next item's slots
-        while this one's last matmul and its output store finish. PINGPONG: the two warpgroups take turns issuing
-        their matmuls (turn barriers), so one's softmax always runs under the other's matmuls; warpgroup 0 goes
-        first (its barrier starts as if released). TAIL > 0: the head dim is HEAD_DIM + TAIL columns, the last TAIL
-        in tiles of their own (qt, kt, vt; O's columns in a second accumulator), one more matmul each for S and O.
-        O_TMA: a full O tile goes out through this warpgroup's o_smem tile and a TMA store (GLUON_FWD_O_TMA)."""
-        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-        N_PV: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one P V product
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        Q_BUFS: gl.constexpr = q_smem.type.shape[0] // 2  # Q tiles per warpgroup (items in flight)
-        if TAIL > 0:
-            ot_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, TAIL, 16])
-            pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ot_layout, k_width=2)
-            row_ot: gl.constexpr = gl.SliceLayout(1, ot_layout)
-        it = 0  # K/V tiles consumed so far (the ring position)
-        w = 0  # turns taken so far
-        n_done = 0  # work items done so far (the phase of q_bar)
-        n_seen = 0  # work items taken so far, empty ones included (the position in the schedule ring)
-        if DYNAMIC:
-            item = _gl_read_item(sched, sched_ready, sched_empty, 0)
-        else:
-            item = gl.program_id(0)
-        while item < n_items:
-            b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = _gl_fwd_tile(
-                item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
-                VARLEN, HEAD_MAJOR)
-            if start_m < seqlen_q_b:
-                rows0 = start_m + WG * BLOCK_M
-                offs_m = rows0 + gl.arange(0, BLOCK_M, layout=row_s)
-                offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-                l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
-                acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-                if TAIL > 0:
-                    acc_t = gl.zeros([BLOCK_M, TAIL], gl.float32, layout=ot_layout)
-                s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-                qi = 2 * (n_done % Q_BUFS) + WG
-                q = q_smem.index(qi).reshape([BLOCK_M, HEAD_DIM])
-                if TAIL > 0:
-                    qt = qt_smem.index(qi).reshape([BLOCK_M, TAIL])
-                mbarrier.wait(q_bar.index(qi), (n_done // Q_BUFS) & 1)
-
-                slot = it % NUM_STAGES  # key tile 0: S_0 and its softmax
-                mbarrier.wait(k_ready.index(slot), (it // NUM_STAGES) & 1)
-                k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-                if PINGPONG:
-                    mbarrier.wait(turn.index(WG), (w & 1) ^ 1 ^ WG)
-                s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
-                if TAIL > 0:
-                    s = warpgroup_mma(qt, kt_smem.index(slot).reshape([BLOCK_N, TAIL]).permute((1, 0)), s,
-                                      is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - WG), count=1)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                p, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, 0, offs_m, offs_n, seqlen_k_b, qk_scale, n_full == 0,
-                                                 CAUSAL)
-                p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-                if TAIL > 0:
-                    p_t = gl.convert_layout(p, pt_layout)
-                for j in range(1, n_tiles):
-                    slot = (it + j) % NUM_STAGES
-                    prev = (it + j - 1) % NUM_STAGES
-                    mbarrier.wait(k_ready.index(slot), ((it + j) // NUM_STAGES) & 1)
-                    k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-                    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
-                    v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                    if PINGPONG:
-                        mbarrier.wait(turn.index(WG), ((w + j) & 1) ^ 1 ^ WG)
-                    s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)  # S_j = Q K_j^T
-                    if TAIL > 0:
-                        s = warpgroup_mma(qt, kt_smem.index(slot).reshape([BLOCK_N, TAIL]).permute((1, 0)), s,
-                                          is_async=True)
-                    acc = warpgroup_mma(p, v, acc, is_async=True)                            # O += P_(j-1) V_(j-1)
-                    if TAIL > 0:
-                        acc_t = warpgroup_mma(p_t, vt_smem.index(prev).reshape([BLOCK_N, TAIL]), acc_t,
-                                              is_async=True)
-                    if PINGPONG:
-                        mbarrier.arrive(turn.index(1 - WG), count=1)
-                    s = warpgroup_mma_wait(num_outstanding=N_PV, deps=(s,))                   # S_j ready; PV runs on
-                    mbarrier.arrive(k_empty.index(slot), count=1)
-                    p_next, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, j * BLOCK_N, offs_m, offs_n, seqlen_k_b,
-                                                          qk_scale, j >= n_full, CAUSAL)
-                    if TAIL > 0:
-                        acc, acc_t, p, p_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t, p, p_t))
-                        acc_t = acc_t * gl.convert_layout(alpha, row_ot)[:, None]
-                    else:
-                        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
-                    mbarrier.arrive(v_empty.index(prev), count=1)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    p = gl.convert_layout(p_next.to(q_smem.dtype), p_layout)
-                    if TAIL > 0:
-                        p_t = gl.convert_layout(p, pt_layout)
-                mbarrier.arrive(q_empty.index(qi), count=1)  # every S of this item is made: Q's slot is free
-                last = (it + n_tiles - 1) % NUM_STAGES
-                mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NUM_STAGES) & 1)
-                v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-                if PINGPONG:
-                    mbarrier.wait(turn.index(WG), ((w + n_tiles) & 1) ^ 1 ^ WG)
-                acc = warpgroup_mma(p, v, acc, is_async=True)
-                if TAIL > 0:
-                    acc_t = warpgroup_mma(p_t, vt_smem.index(last).reshape([BLOCK_N, TAIL]), acc_t, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - WG), count=1)
-                if TAIL > 0:
-                    acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(last), count=1)
-
-                l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-                l_inv = 1.0 / l_safe  # one division per row, then a multiply per element
-                out = (acc * gl.convert_layout(l_inv, row_o)[:, None]).to(O.dtype.element_ty)
-                o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_os
-                staged = False
-                if O_TMA:  # full tiles (one of a packed batch reaching past its document would write the next one's;
-                    # a dense one is clipped by the descriptor, but Triton 3.6 fails to compile these kernels when a
-                    # pointer argument, O here, goes unused)
-                    staged = rows0 + BLOCK_M <= seqlen_q_b
-                if staged:  # staged in shared memory and stored by the TMA unit while this warpgroup goes on
-                    tma.store_wait(0)  # the previous item's store has read the buffer
-                    o_smem.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(out)
-                    fence_async_shared()
-                    _gl_store_tile(o_desc, o_smem.index(WG), b, h, q_start + rows0, VARLEN)
-                else:
-                    rows = rows0 + gl.arange(0, BLOCK_M, layout=row_o)
-                    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                    gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :], out,
-                             mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < head_dim))
-                if TAIL > 0:
-                    rows = rows0 + gl.arange(0, BLOCK_M, layout=row_ot)
-                    cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ot_layout))
-                    out = acc_t * gl.convert_layout(l_inv, row_ot)[:, None]
-                    gl.store(O + o_base + rows[:, None].to(gl.int64) * stride_os + cols[None, :],
-                             out.to(O.dtype.element_ty),
-                             mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < head_dim))
-                l_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
-                gl.store(LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
-                         mask=offs_m < seqlen_q_b)
-                it += n_tiles
-                w += n_tiles + 1
-                n_done += 1
-            n_seen += 1
-            if DYNAMIC:
-                item = _gl_read_item(sched, sched_ready, sched_empty, n_seen)
-            else:
-                item += gl.num_programs(0)
-        if O_TMA:
-            tma.store_wait(0)  # the last store has read its buffer before the CTA's shared memory goes
-
-    # Worker partition entry points: worker partitions must share one signature, so both take every argument (the
-    # default partition, consumer warpgroup 0, calls _gl_fwd_consumer directly).
-    @gluon.jit
-    def _gl_fwd_wg1(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                    vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched, sched_ready,
-                    sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, head_dim,
-                    seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items, counter, qk_scale,
-                    HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr,
-                    DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
-        _gl_fwd_consumer(1, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem,
-                         kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
-                         sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
-                         stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items,
-                         counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG,
-                         DYNAMIC, O_TMA)
 
     @gluon.jit
     def _gl_load_tile(desc, tail_desc, bar, dst, tail_dst, b, h, row, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
@@ -1425,79 +868,302 @@ if gluon is not None:
         """The bytes of one tile loaded by _gl_load_tile."""
         return desc.block_type.nbytes + (tail_desc.block_type.nbytes if TAIL > 0 else 0)
 
+    @gluon.constexpr_function
+    def _gl_tail(desc, tail_desc):
+        """TAIL, the width of the tail tiles: 0 where the tail descriptor is the main one again (no tail)."""
+        width = tail_desc.block_type.shape[-1]
+        return 0 if width == desc.block_type.shape[-1] else width
+
+    @gluon.constexpr_function
+    def _gl_rows(desc):
+        """The rows of a descriptor's tiles."""
+        shape = desc.block_type.shape
+        return shape[0] if len(shape) == 3 else shape[2]
+
+    @gluon.constexpr_function
+    def _gl_packed(desc):
+        """VARLEN: packed descriptors are (total, H, D), dense ones (B, H, S, D)."""
+        return len(desc.block_type.shape) == 3
+
+    # The work counts (documents, batch x heads, tiles, items) change from batch to batch and are not specialized on
+    # (do_not_specialize), or batches of a varying number of rows or documents would compile the kernels again in
+    # the middle of a run; they only steer the schedule. Lengths and L's strides stay specialized.
+    _GL_COUNTS = ["n_docs", "n_items"]
+
+    # ---- the forward ----
+
+    @_bundle(constexpr="HEAD_DIM TAIL BLOCK_M BLOCK_N NUM_STAGES Q_BUFS CAUSAL VARLEN HEAD_MAJOR O_TMA",
+             tensor="cu_seqlens_q qk_scale",
+             int="seqlen_q seqlen_k num_heads group m_tiles n_bh n_docs n_items head_dim")
+    class _FwdConfig:
+        """The forward's tiling and problem, what every partition reads. HEAD_DIM: the main tile width along the
+        head dim, TAIL: the columns after it in tiles of their own (0: none); BLOCK_M query rows per consumer
+        warpgroup (a work item has two), BLOCK_N keys per K/V tile, NUM_STAGES K/V ring slots, Q_BUFS Q tiles per
+        warpgroup (work items in flight); HEAD_MAJOR: consecutive items are one head's query tiles (they share its
+        K and V in L2); O_TMA: full O tiles leave through shared memory and a TMA store; group: query heads per K/V
+        head; m_tiles: items per batch x head (packed: slots per head)."""
+
+        @gluon.jit
+        def item(self, t):
+            """Work item t (2 x BLOCK_M query rows of one batch x head) -> (b, h, q_start, seqlen_q, seqlen_k,
+            start_m, n_tiles, n_full): key tiles to visit, and how many of them need no compare. HEAD_MAJOR: the
+            query tiles of one head in a row (longest first); else one tile of every head, longest first over all.
+            Packed: m_tiles slots per head (_gl_doc_slot), the documents from the last, each one's query tiles
+            longest first; one document's rows, its keys its own. Empty items have start_m >= seqlen_q."""
+            BLOCK_M: gl.constexpr = self.BLOCK_M
+            BLOCK_N: gl.constexpr = self.BLOCK_N
+            if self.HEAD_MAJOR:
+                bh = t // self.m_tiles
+                pid_m = self.m_tiles - 1 - t % self.m_tiles
+            else:
+                bh = t % self.n_bh
+                pid_m = self.m_tiles - 1 - t // self.n_bh
+            q_start = 0
+            seqlen_q = self.seqlen_q
+            seqlen_k = self.seqlen_k
+            if self.VARLEN:  # bh is the head, pid_m a slot
+                h = bh
+                b, q_start, seqlen_q, pid_m = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_m, 2 * BLOCK_M)
+                seqlen_k = seqlen_q
+            else:
+                b = bh // self.num_heads
+                h = bh % self.num_heads
+            start_m = pid_m * 2 * BLOCK_M
+            if self.CAUSAL:
+                hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M)
+                n_full = gl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N) // BLOCK_N  # tiles with no compare
+            else:
+                hi = seqlen_k
+                n_full = seqlen_k // BLOCK_N
+            return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, BLOCK_N), n_full
+
+    @_bundle(desc="q k v qt kt vt o", tensor="O LSE", int="stride_ob stride_oh stride_os stride_lb stride_lh")
+    class _FwdGlobal:
+        """The forward's tensors in global memory: TMA descriptors of Q, K, V, their tails (the main ones again where
+        there is no tail) and O; O and L for the stores from registers."""
+
+    @_bundle(smem="q k v qt kt vt o q_ready q_empty k_ready k_empty v_ready v_empty turn")
+    class _FwdShared:
+        """The forward's shared memory: the tiles and the barriers that hand them from producer to consumers. q/qt
+        hold 2 x Q_BUFS tiles (warpgroup wg's of item n at 2 * (n % Q_BUFS) + wg), k/v (and tails) a ring of
+        NUM_STAGES, o one staging tile per warpgroup; turn: the warpgroups' turns on the tensor cores."""
+
     @gluon.jit
-    def _gl_fwd_loader(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem,
-                       kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
-                       sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
-                       stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items,
-                       counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr,
-                       PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
+    def _gl_fwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
+        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The
+        ring position (it) and the turn count (w) run on across items, so the producer fills the next item's slots
+        while this one's last matmul and its output store finish. The warpgroups take turns issuing their matmuls
+        (turn barriers), so one's softmax always runs under the other's matmuls; warpgroup 0 goes first (its
+        barrier starts as if released). TAIL > 0: the head dim's last TAIL columns in tiles of their own (O's in
+        a second accumulator), one more matmul each for S and O."""
+        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+        TAIL: gl.constexpr = cfg.TAIL
+        BLOCK_M: gl.constexpr = cfg.BLOCK_M
+        BLOCK_N: gl.constexpr = cfg.BLOCK_N
+        NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+        N_PV: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one P V product
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = smem.q.dtype
+        if TAIL > 0:
+            ot_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, TAIL, 16])
+            pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ot_layout, k_width=2)
+            row_ot: gl.constexpr = gl.SliceLayout(1, ot_layout)
+        it = 0  # K/V tiles consumed so far (the ring position)
+        w = 0  # turns taken so far
+        n_done = 0  # work items done so far (the phase of q_ready)
+        n_seen = 0  # work items taken so far, empty ones included (the position in the schedule ring)
+        if sched.DYNAMIC:
+            item = sched.read(0)
+        else:
+            item = gl.program_id(0)
+        while item < cfg.n_items:
+            b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = cfg.item(item)
+            if start_m < seqlen_q_b:
+                rows0 = start_m + WG * BLOCK_M
+                offs_m = rows0 + gl.arange(0, BLOCK_M, layout=row_s)
+                offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+                l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=row_s)
+                acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+                if TAIL > 0:
+                    acc_t = gl.zeros([BLOCK_M, TAIL], gl.float32, layout=ot_layout)
+                s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+                qi = 2 * (n_done % cfg.Q_BUFS) + WG
+                q = smem.q.index(qi).reshape([BLOCK_M, HEAD_DIM])
+                if TAIL > 0:
+                    qt = smem.qt.index(qi).reshape([BLOCK_M, TAIL])
+                mbarrier.wait(smem.q_ready.index(qi), (n_done // cfg.Q_BUFS) & 1)
+
+                # mainloop: S_0 and its softmax, then per key tile j: S_j and P_(j-1) V_(j-1) issued, S_j's softmax
+                # under the second matmul
+                slot = it % NUM_STAGES
+                mbarrier.wait(smem.k_ready.index(slot), (it // NUM_STAGES) & 1)
+                k = smem.k.index(slot).reshape([BLOCK_N, HEAD_DIM])
+                mbarrier.wait(smem.turn.index(WG), (w & 1) ^ 1 ^ WG)
+                s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+                if TAIL > 0:
+                    s = warpgroup_mma(qt, smem.kt.index(slot).reshape([BLOCK_N, TAIL]).permute((1, 0)), s,
+                                      is_async=True)
+                mbarrier.arrive(smem.turn.index(1 - WG), count=1)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                mbarrier.arrive(smem.k_empty.index(slot), count=1)
+                p, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, 0, offs_m, offs_n, seqlen_k_b, cfg.qk_scale,
+                                                 n_full == 0, cfg.CAUSAL)
+                p = gl.convert_layout(p.to(dtype), p_layout)
+                if TAIL > 0:
+                    p_t = gl.convert_layout(p, pt_layout)
+                for j in range(1, n_tiles):
+                    slot = (it + j) % NUM_STAGES
+                    prev = (it + j - 1) % NUM_STAGES
+                    mbarrier.wait(smem.k_ready.index(slot), ((it + j) // NUM_STAGES) & 1)
+                    k = smem.k.index(slot).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(smem.v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
+                    v = smem.v.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(smem.turn.index(WG), ((w + j) & 1) ^ 1 ^ WG)
+                    s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)  # S_j = Q K_j^T
+                    if TAIL > 0:
+                        s = warpgroup_mma(qt, smem.kt.index(slot).reshape([BLOCK_N, TAIL]).permute((1, 0)), s,
+                                          is_async=True)
+                    acc = warpgroup_mma(p, v, acc, is_async=True)                            # O += P_(j-1) V_(j-1)
+                    if TAIL > 0:
+                        acc_t = warpgroup_mma(p_t, smem.vt.index(prev).reshape([BLOCK_N, TAIL]), acc_t,
+                                              is_async=True)
+                    mbarrier.arrive(smem.turn.index(1 - WG), count=1)
+                    s = warpgroup_mma_wait(num_outstanding=N_PV, deps=(s,))                   # S_j ready; PV runs on
+                    mbarrier.arrive(smem.k_empty.index(slot), count=1)
+                    p_next, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, j * BLOCK_N, offs_m, offs_n, seqlen_k_b,
+                                                          cfg.qk_scale, j >= n_full, cfg.CAUSAL)
+                    if TAIL > 0:
+                        acc, acc_t, p, p_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t, p, p_t))
+                        acc_t = acc_t * gl.convert_layout(alpha, row_ot)[:, None]
+                    else:
+                        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+                    mbarrier.arrive(smem.v_empty.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    p = gl.convert_layout(p_next.to(dtype), p_layout)
+                    if TAIL > 0:
+                        p_t = gl.convert_layout(p, pt_layout)
+                mbarrier.arrive(smem.q_empty.index(qi), count=1)  # every S of this item is made: Q's slot is free
+                last = (it + n_tiles - 1) % NUM_STAGES
+                mbarrier.wait(smem.v_ready.index(last), ((it + n_tiles - 1) // NUM_STAGES) & 1)
+                v = smem.v.index(last).reshape([BLOCK_N, HEAD_DIM])
+                mbarrier.wait(smem.turn.index(WG), ((w + n_tiles) & 1) ^ 1 ^ WG)
+                acc = warpgroup_mma(p, v, acc, is_async=True)
+                if TAIL > 0:
+                    acc_t = warpgroup_mma(p_t, smem.vt.index(last).reshape([BLOCK_N, TAIL]), acc_t, is_async=True)
+                mbarrier.arrive(smem.turn.index(1 - WG), count=1)
+                if TAIL > 0:
+                    acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(smem.v_empty.index(last), count=1)
+
+                # epilogue: O = acc / l and L = m + log(l)
+                l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+                l_inv = 1.0 / l_safe  # one division per row, then a multiply per element
+                out = (acc * gl.convert_layout(l_inv, row_o)[:, None]).to(glob.O.dtype.element_ty)
+                o_base = b.to(gl.int64) * glob.stride_ob + h * glob.stride_oh + q_start.to(gl.int64) * glob.stride_os
+                staged = False
+                if cfg.O_TMA:  # full tiles (one of a packed batch reaching past its document would write the next
+                    # one's; a dense one is clipped by the descriptor, but Triton 3.6 fails to compile these kernels
+                    # when a pointer argument, O here, goes unused)
+                    staged = rows0 + BLOCK_M <= seqlen_q_b
+                if staged:  # staged in shared memory and stored by the TMA unit while this warpgroup goes on
+                    tma.store_wait(0)  # the previous item's store has read the buffer
+                    smem.o.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(out)
+                    fence_async_shared()
+                    _gl_store_tile(glob.o, smem.o.index(WG), b, h, q_start + rows0, cfg.VARLEN)
+                else:
+                    rows = rows0 + gl.arange(0, BLOCK_M, layout=row_o)
+                    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                    gl.store(glob.O + o_base + rows[:, None].to(gl.int64) * glob.stride_os + cols[None, :], out,
+                             mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < cfg.head_dim))
+                if TAIL > 0:
+                    rows = rows0 + gl.arange(0, BLOCK_M, layout=row_ot)
+                    cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ot_layout))
+                    out = acc_t * gl.convert_layout(l_inv, row_ot)[:, None]
+                    gl.store(glob.O + o_base + rows[:, None].to(gl.int64) * glob.stride_os + cols[None, :],
+                             out.to(glob.O.dtype.element_ty),
+                             mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < cfg.head_dim))
+                l_base = b.to(gl.int64) * glob.stride_lb + h * glob.stride_lh + q_start
+                gl.store(glob.LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
+                         mask=offs_m < seqlen_q_b)
+                it += n_tiles
+                w += n_tiles + 1
+                n_done += 1
+            n_seen += 1
+            if sched.DYNAMIC:
+                item = sched.read(n_seen)
+            else:
+                item += gl.num_programs(0)
+        if cfg.O_TMA:
+            tma.store_wait(0)  # the last store has read its buffer before the CTA's shared memory goes
+
+    @gluon.jit
+    def _gl_fwd_loader(cfg, glob, smem, sched):
         """The producer warp, over the CTA's work items: both halves of Q, each into its warpgroup's Q tile of this
         item (one of Q_BUFS, released Q_BUFS items ago), then K_j and V_j, each into a ring slot once both consumers
         have released it (the empty barriers start as if their phase 1 had completed)."""
-        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-        Q_BUFS: gl.constexpr = q_smem.type.shape[0] // 2
+        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+        TAIL: gl.constexpr = cfg.TAIL
+        NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
         it = 0
         n_done = 0
         item = gl.program_id(0)
         n_seen = 0  # work items taken so far (the position in the schedule ring)
-        while item < n_items:
-            if DYNAMIC:
-                _gl_publish_item(sched, sched_ready, sched_empty, n_seen, item)
-            b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = _gl_fwd_tile(
-                item, cu_seqlens_q, seqlen_q, seqlen_k, num_heads, m_tiles, n_bh, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
-                VARLEN, HEAD_MAJOR)
+        while item < cfg.n_items:
+            if sched.DYNAMIC:
+                sched.publish(n_seen, item)
+            b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = cfg.item(item)
             if start_m < seqlen_q_b:
-                kv_h = h // group
+                kv_h = h // cfg.group
                 for wg in gl.static_range(2):
-                    qi = 2 * (n_done % Q_BUFS) + wg
-                    mbarrier.wait(q_empty.index(qi), ((n_done // Q_BUFS) & 1) ^ 1)
-                    mbarrier.expect(q_bar.index(qi), _gl_tile_bytes(q_desc, qt_desc, TAIL))
-                    _gl_load_tile(q_desc, qt_desc, q_bar.index(qi), q_smem.index(qi), qt_smem.index(qi),
-                                  b, h, q_start + start_m + wg * BLOCK_M, HEAD_DIM, TAIL, VARLEN)
+                    qi = 2 * (n_done % cfg.Q_BUFS) + wg
+                    mbarrier.wait(smem.q_empty.index(qi), ((n_done // cfg.Q_BUFS) & 1) ^ 1)
+                    mbarrier.expect(smem.q_ready.index(qi), _gl_tile_bytes(glob.q, glob.qt, TAIL))
+                    _gl_load_tile(glob.q, glob.qt, smem.q_ready.index(qi), smem.q.index(qi), smem.qt.index(qi),
+                                  b, h, q_start + start_m + wg * cfg.BLOCK_M, HEAD_DIM, TAIL, cfg.VARLEN)
                 for j in range(n_tiles):
                     slot = (it + j) % NUM_STAGES
                     phase = ((it + j) // NUM_STAGES) & 1
-                    row = q_start + j * BLOCK_N
-                    mbarrier.wait(k_empty.index(slot), phase ^ 1)
-                    mbarrier.expect(k_ready.index(slot), _gl_tile_bytes(k_desc, kt_desc, TAIL))
-                    _gl_load_tile(k_desc, kt_desc, k_ready.index(slot), k_smem.index(slot), kt_smem.index(slot),
-                                  b, kv_h, row, HEAD_DIM, TAIL, VARLEN)
-                    mbarrier.wait(v_empty.index(slot), phase ^ 1)
-                    mbarrier.expect(v_ready.index(slot), _gl_tile_bytes(v_desc, vt_desc, TAIL))
-                    _gl_load_tile(v_desc, vt_desc, v_ready.index(slot), v_smem.index(slot), vt_smem.index(slot),
-                                  b, kv_h, row, HEAD_DIM, TAIL, VARLEN)
+                    row = q_start + j * cfg.BLOCK_N
+                    mbarrier.wait(smem.k_empty.index(slot), phase ^ 1)
+                    mbarrier.expect(smem.k_ready.index(slot), _gl_tile_bytes(glob.k, glob.kt, TAIL))
+                    _gl_load_tile(glob.k, glob.kt, smem.k_ready.index(slot), smem.k.index(slot), smem.kt.index(slot),
+                                  b, kv_h, row, HEAD_DIM, TAIL, cfg.VARLEN)
+                    mbarrier.wait(smem.v_empty.index(slot), phase ^ 1)
+                    mbarrier.expect(smem.v_ready.index(slot), _gl_tile_bytes(glob.v, glob.vt, TAIL))
+                    _gl_load_tile(glob.v, glob.vt, smem.v_ready.index(slot), smem.v.index(slot), smem.vt.index(slot),
+                                  b, kv_h, row, HEAD_DIM, TAIL, cfg.VARLEN)
                 it += n_tiles
                 n_done += 1
             n_seen += 1
-            if DYNAMIC:  # the next item not yet taken by any CTA (the first G went one to each)
-                item = gl.num_programs(0) + gl.atomic_add(counter, 1, sem="relaxed")
+            if sched.DYNAMIC:
+                item = sched.claim()
             else:
                 item += gl.num_programs(0)
-        if DYNAMIC:
-            _gl_publish_item(sched, sched_ready, sched_empty, n_seen, item)  # past the last: the consumers stop
-
-    # The work counts (documents, batch x heads, tiles, items) change from batch to batch and are not specialized on
-    # (do_not_specialize): Triton compiles a new binary, seconds for these kernels, for every new combination of
-    # integer arguments being 1 or a multiple of 16, so batches of a varying number of rows or documents would
-    # compile these kernels again in the middle of a run. The counts only steer the schedule: the sm_90 code is
-    # the same without them (`bench.py sass`). Lengths and L's strides stay specialized: without them the D=128
-    # forward spills and grows by 10%, so a new length or token count still compiles once per class (1, multiple
-    # of 16, other).
-    _GL_COUNTS = ["n_docs", "n_items"]
+        if sched.DYNAMIC:
+            sched.publish(n_seen, item)  # past the last: the consumers stop
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["m_tiles", "n_bh"])
-    def _gl_attn_fwd(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, O, LSE, cu_seqlens_q, stride_ob,
-                     stride_oh, stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group,
-                     m_tiles, n_bh, n_docs, n_items, counter, qk_scale, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                     CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HEAD_MAJOR: gl.constexpr, PINGPONG: gl.constexpr,
-                     DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
-        """Work items of 2 x BLOCK_M query rows of one batch x head (_gl_fwd_tile), n_items = m_tiles * n_bh of
+    def _gl_attn_fwd(descs, O, LSE, cu_seqlens_q, counter, out_strides, head_dim, seqlen_q, seqlen_k, num_heads,
+                     group, m_tiles, n_bh, n_docs, n_items, qk_scale, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                     CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
+        """Work items of 2 x BLOCK_M query rows of one batch x head (_FwdConfig.item), n_items = m_tiles * n_bh of
         them: one CTA per item (grid n_items), or DYNAMIC, a persistent grid of G CTAs that start on items 0..G-1
-        and then take the next untaken one from `counter` (zero at launch), which the producer claims and passes
-        to the consumers through the `sched` ring, loading the next item's tiles while the consumers finish."""
+        and take the next untaken one from `counter` as they finish (_Schedule). descs: the TMA descriptors (q, k,
+        v, their tails, o); out_strides: O's (b, h, s) and L's (b, h). The tiling follows from the descriptors."""
+        q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc = descs
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh = out_strides
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
+        TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -1514,123 +1180,150 @@ if gluon is not None:
             o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
         else:
             o_smem = q_smem  # (unused)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # the schedule ring (dynamic scheduling): two work-item numbers, each read by both consumers
-        sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        sched_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        sched_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        sched = _gl_schedule(counter, DYNAMIC)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-            mbarrier.init(sched_ready.index(i), count=1)
-            mbarrier.init(sched_empty.index(i), count=2)
+            mbarrier.init(sched.ready.index(i), count=1)
+            mbarrier.init(sched.empty.index(i), count=2)  # read by both consumers
         for i in gl.static_range(2 * Q_BUFS):
-            mbarrier.init(q_bar.index(i), count=1)
+            mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # released by both consumer warpgroups
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=2)
-        # (the worker tuples are written out in full: a tuple held in a variable loses its constexprs)
-        gl.warp_specialize([
-            (_gl_fwd_consumer, (0, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem,
-                                qt_smem, kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                turn, sched, sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh,
-                                stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group,
-                                m_tiles, n_bh, n_docs, n_items, counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N,
-                                CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG, DYNAMIC, O_TMA)),
-            (_gl_fwd_wg1, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem, qt_smem,
-                           kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, sched,
-                           sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh, stride_os, stride_lb,
-                           stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles, n_bh, n_docs, n_items,
-                           counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, HEAD_MAJOR, PINGPONG,
-                           DYNAMIC, O_TMA)),
-            (_gl_fwd_loader, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, q_smem, k_smem, v_smem,
-                              qt_smem, kt_smem, vt_smem, o_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                              turn, sched, sched_ready, sched_empty, O, LSE, cu_seqlens_q, stride_ob, stride_oh,
-                              stride_os, stride_lb, stride_lh, head_dim, seqlen_q, seqlen_k, num_heads, group, m_tiles,
-                              n_bh, n_docs, n_items, counter, qk_scale, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL,
-                              VARLEN, HEAD_MAJOR, PINGPONG, DYNAMIC, O_TMA)),
-        ], [4, 1], [240, 24])
+        smem = _FwdShared(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, q_ready, q_empty, k_ready,
+                          k_empty, v_ready, v_empty, turn)
+        cfg = _FwdConfig(HEAD_DIM, TAIL, _gl_rows(q_desc), _gl_rows(k_desc), NUM_STAGES, Q_BUFS, CAUSAL,
+                         _gl_packed(q_desc), HEAD_MAJOR, O_TMA, cu_seqlens_q, qk_scale, seqlen_q, seqlen_k,
+                         num_heads, group, m_tiles, n_bh, n_docs, n_items, head_dim)
+        glob = _FwdGlobal(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, O, LSE, stride_ob, stride_oh,
+                          stride_os, stride_lb, stride_lh)
+        gl.warp_specialize([(_gl_fwd_consumer, (0, cfg, glob, smem, sched)),
+                            (_gl_fwd_consumer, (gl.constexpr(1), cfg, glob, smem, sched)),
+                            (_gl_fwd_loader, (cfg, glob, smem, sched))], [4, 1], [240, 24])
 
-    # The backward: work items of 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them
-    # with its K and V in shared memory and dK, dV accumulating in registers; a producer warp streams the query
-    # tiles (Q_i, dO_i, and L_i, Delta_i: BLOCK_M rows) of every query head of the group through a ring. Per query
-    # tile a consumer makes five matmuls on transposed scores (keys x queries), so no register tile is transposed:
+    # ---- the backward ----
+    # Work items of 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them with its K and
+    # V in shared memory and dK, dV accumulating in registers; a producer warp streams the query tiles (Q_i, dO_i,
+    # and L_i, Delta_i: BLOCK_M rows) of every query head of the group through a ring. Per query tile a consumer
+    # makes five matmuls on transposed scores (keys x queries), so no register tile is transposed:
     #   S^T = K Q_i^T,  dP^T = V dO_i^T,  P^T = exp2(S^T * scale - L_i),  dS^T = P^T * (dP^T - Delta_i),
     #   dV += P^T dO_i,  dK += dS^T Q_i,  dQ_i = dS K  (dS^T through shared memory, read transposed).
     # dQ_i sums over every key tile, so it is added up in an fp32 buffer: a dQ warp adds each share with a TMA bulk
-    # reduce-add while the consumers go on (two buffers per warpgroup). At D=128 the two warpgroups split dQ_i's
-    # columns (each multiplies both dS tiles by its half of both K tiles), which halves the fp32 traffic and the
-    # registers, and a consumer holds its scaled share in registers until the next tile's S^T is issued, so the store
-    # to shared memory runs under that matmul (1-4% off the backward; at D=64 and 80 it was 2-3% slower, so there the
-    # share is stored at once); at D=64 each adds its own keys' share of all columns. The grid is scheduled as the
-    # forward's (GLUON_BWD_PERSISTENT): the producer claims the next item and passes it to the consumers and the dQ
-    # warp through the schedule ring; it loads the next item's K and V once both consumers have made their last matmul
-    # (kv_empty), while they store the last item's dK and dV. All positions (ring, dQ buffers, phases) run on across
-    # items.
-    @gluon.jit
-    def _gl_bwd_item(t, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, SLOTS: gl.constexpr):
-        """Work item t -> (b, K/V head hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter): keys [start_n,
-        start_n + 2 x BLOCK_N) of one batch x K/V head, which see the query tiles m_lo .. m_lo + n_iter - 1 of each
-        query head of its group. Consecutive items are the n_tiles key tiles of one batch x head (they share its Q
-        and dO in L2), the first (causal: the longest) first. Packed: a document's keys are its own (cu_seqlens_k =
-        cu_seqlens_q); n_tiles = max_seqlen / (2 x BLOCK_N) tiles per document x head, those past its end empty,
-        or SLOTS, n_tiles slots per head (_gl_doc_slot), the documents in order, only a few empty (a persistent
-        grid takes every item in turn; one CTA per item returns at once from an empty one, and the forward's slots
-        made that backward 3% slower). Empty items have start_n >= seqlen_k."""
-        bh = t // n_tiles
-        pid_n = t % n_tiles
-        q_start = 0
-        if VARLEN and SLOTS:  # bh is the K/V head, pid_n a slot
-            hk = bh
-            b, q_start, seqlen_q, pid_n = _gl_doc_slot(cu_seqlens_q, n_docs, pid_n, 2 * BLOCK_N)
-            seqlen_k = seqlen_q
-        else:
-            b = bh // num_kv_heads
-            hk = bh % num_kv_heads
-            if VARLEN:
-                q_start = gl.load(cu_seqlens_q + b)
-                seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
+    # reduce-add while the consumers go on (two buffers per warpgroup). With the dQ split (D=128) the two
+    # warpgroups make half of dQ_i's columns each (each multiplies both dS tiles by its half of both K tiles), and
+    # a consumer holds its scaled share in registers until the next tile's S^T is issued, so the store to shared
+    # memory runs under that matmul. The producer loads the next item's K and V once both consumers have made
+    # their last matmul (kv_empty). All positions (ring, dQ buffers, phases) run on across items.
+
+    @_bundle(constexpr="HEAD_DIM TAIL BLOCK_M BLOCK_N NUM_STAGES DQ_COLS CAUSAL VARLEN DKV_TMA",
+             tensor="cu_seqlens_q qk_scale sm_scale",
+             int="seqlen_q seqlen_k num_kv_heads group n_tiles n_docs n_items head_dim")
+    class _BwdConfig:
+        """The backward's tiling and problem, what every partition reads. BLOCK_M query rows per step, BLOCK_N keys
+        per consumer warpgroup (a work item has two), NUM_STAGES Q/dO ring slots, DQ_COLS the dQ columns a
+        warpgroup makes (HEAD_DIM / 2 with the dQ split); DKV_TMA: full dK/dV tiles leave through shared memory
+        and TMA stores; n_tiles: items per batch x K/V head (packed on the persistent grid: slots per K/V head)."""
+
+        @gluon.jit
+        def item(self, t, SLOTS: gl.constexpr):
+            """Work item t -> (b, K/V head hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter): keys [start_n,
+            start_n + 2 x BLOCK_N) of one batch x K/V head, which see the query tiles m_lo .. m_lo + n_iter - 1 of
+            each query head of its group. Consecutive items are the key tiles of one batch x head (they share its Q
+            and dO in L2), the first (causal: the longest) first. Packed: a document's keys are its own; n_tiles
+            tiles per document x head, those past its end empty, or SLOTS, n_tiles slots per head (_gl_doc_slot),
+            only a few empty (a persistent grid takes every item in turn; one CTA per item returns at once from an
+            empty one). Empty items have start_n >= seqlen_k."""
+            BLOCK_M: gl.constexpr = self.BLOCK_M
+            BLOCK_N: gl.constexpr = self.BLOCK_N
+            bh = t // self.n_tiles
+            pid_n = t % self.n_tiles
+            q_start = 0
+            seqlen_q = self.seqlen_q
+            seqlen_k = self.seqlen_k
+            if self.VARLEN and SLOTS:  # bh is the K/V head, pid_n a slot
+                hk = bh
+                b, q_start, seqlen_q, pid_n = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_n, 2 * BLOCK_N)
                 seqlen_k = seqlen_q
-        start_n = pid_n * 2 * BLOCK_N
-        m_lo = 0
-        if CAUSAL:  # query rows before start_n see none of these keys
-            m_lo = start_n // BLOCK_M
-        n_iter = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
-        return b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter
+            else:
+                b = bh // self.num_kv_heads
+                hk = bh % self.num_kv_heads
+                if self.VARLEN:
+                    q_start = gl.load(self.cu_seqlens_q + b)
+                    seqlen_q = gl.load(self.cu_seqlens_q + b + 1) - q_start
+                    seqlen_k = seqlen_q
+            start_n = pid_n * 2 * BLOCK_N
+            m_lo = 0
+            if self.CAUSAL:  # query rows before start_n see none of these keys
+                m_lo = start_n // BLOCK_M
+            n_iter = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+            return b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter
+
+    @_bundle(desc="q k v do dq qt kt vt dot dqt dk dv", tensor="DK DV LSE DELTA",
+             int="stride_dkb stride_dkh stride_dks stride_dvb stride_dvh stride_dvs stride_lb stride_lh")
+    class _BwdGlobal:
+        """The backward's tensors in global memory: TMA descriptors of Q, K, V, dO, the fp32 dQ buffer, their tails
+        (the main ones again where there is no tail), dK and dV; dK, dV, L and Delta for the loads and stores from
+        registers."""
+
+    @_bundle(smem="q do k v ds dq qt dot kt vt dqt lse delta kv_ready kv_empty ready empty ds_ready dq_full dq_empty")
+    class _BwdShared:
+        """The backward's shared memory. q/do (and tails), lse, delta: a ring of NUM_STAGES query tiles (ready:
+        loaded; empty: both consumers done). k/v (and tails): each warpgroup's keys (kv_ready per warpgroup;
+        kv_empty: both consumers done with the item). ds and dq: two buffers per warpgroup, buffer b of warpgroup
+        wg at 2 * b + wg (ds_ready: both warpgroups' dS stored; dq_full / dq_empty: a dQ share handed to the dQ
+        warp / given back)."""
 
     @gluon.jit
-    def _gl_bwd_put_dq(dq, dq_t, dq_smem, dqt_smem, dq_full, dq_empty, tile, WG: gl.constexpr, TAIL: gl.constexpr):
+    def _gl_bwd_put_dq(smem, dq, dq_t, tile, WG: gl.constexpr, TAIL: gl.constexpr):
         """A consumer's dQ share of query tile `tile` (scaled; dq_t: its last TAIL columns, read only when TAIL > 0)
         into its shared-memory buffers for the dQ warp."""
         buf = tile % 2
-        mbarrier.wait(dq_empty.index(2 * buf + WG), ((tile // 2) & 1) ^ 1)  # the dQ warp is done with it
-        dq_smem.index(2 * buf + WG).reshape(dq.type.shape).store(dq)
+        mbarrier.wait(smem.dq_empty.index(2 * buf + WG), ((tile // 2) & 1) ^ 1)  # the dQ warp is done with it
+        smem.dq.index(2 * buf + WG).reshape(dq.type.shape).store(dq)
         if TAIL > 0:
-            dqt_smem.index(2 * buf + WG).reshape(dq_t.type.shape).store(dq_t)
+            smem.dqt.index(2 * buf + WG).reshape(dq_t.type.shape).store(dq_t)
         fence_async_shared()  # the TMA unit (async proxy) reads what these threads wrote
-        mbarrier.arrive(dq_full.index(2 * buf + WG), count=1)
+        mbarrier.arrive(smem.dq_full.index(2 * buf + WG), count=1)
 
     @gluon.jit
-    def _gl_bwd_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc,
-                         dot_desc, dqt_desc, dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                         qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready,
-                         empty, ds_ready, dq_full, dq_empty, sched, sched_ready, sched_empty, DK, DV, LSE, DELTA,
-                         cu_seqlens_q, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-                         stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group, n_tiles, n_docs, n_items,
-                         counter, qk_scale, sm_scale, head_dim, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                         DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
-        NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
-        DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
+    def _gl_bwd_first_item(sched):
+        """A reader of the backward's work items (a consumer, the dQ warp): its CTA's first item."""
+        if sched.DYNAMIC:
+            item = sched.read(0)
+        else:
+            item = gl.program_id(0)
+        return item
+
+    @gluon.jit
+    def _gl_bwd_next_item(sched, n_seen, n_items):
+        """The item after n_seen of them: the next from the schedule ring, or with one CTA per item n_items, which
+        ends the reader's loop after one pass (so the compiler drops the loop)."""
+        if sched.DYNAMIC:
+            item = sched.read(n_seen)
+        else:
+            item = n_items
+        return item
+
+    @gluon.jit
+    def _gl_bwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
+        """One consumer warpgroup: keys [start_n + WG * BLOCK_N, + BLOCK_N) of each of the CTA's work items."""
+        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+        TAIL: gl.constexpr = cfg.TAIL
+        BLOCK_M: gl.constexpr = cfg.BLOCK_M
+        BLOCK_N: gl.constexpr = cfg.BLOCK_N
+        NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+        DQ_COLS: gl.constexpr = cfg.DQ_COLS
+        CAUSAL: gl.constexpr = cfg.CAUSAL
         SPLIT: gl.constexpr = DQ_COLS < HEAD_DIM  # (never with a tail: the configs say so)
         N_MM: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one product over the head dim
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1641,24 +1334,22 @@ if gluon is not None:
                                                             instr_shape=[16, DQ_COLS, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_st: gl.constexpr = gl.SliceLayout(0, st_layout)
-        dtype: gl.constexpr = q_smem.dtype
+        dtype: gl.constexpr = smem.q.dtype
         offs_q = gl.arange(0, BLOCK_M, layout=col_st)
-        k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
-        v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        k = smem.k.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        v = smem.v.index(WG).reshape([BLOCK_N, HEAD_DIM])
         if TAIL > 0:  # the head dim's last TAIL columns: tiles, accumulators and dQ shares of their own
             tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                   instr_shape=[16, TAIL, 16])
             op_t_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=tail_layout, k_width=2)
-            kt = kt_smem.index(WG).reshape([BLOCK_N, TAIL])
-            vt = vt_smem.index(WG).reshape([BLOCK_N, TAIL])
+            kt = smem.kt.index(WG).reshape([BLOCK_N, TAIL])
+            vt = smem.vt.index(WG).reshape([BLOCK_N, TAIL])
         t = 0  # query tiles consumed so far (the ring position and the dQ buffers' count)
-        n_done = 0  # items with keys done so far (the phase of kv_bar)
+        n_done = 0  # items with keys done so far (the phase of kv_ready)
         n_seen = 0  # items taken so far, empty ones included (the position in the schedule ring)
-        item = _gl_first_item(sched, sched_ready, sched_empty, DYNAMIC)
-        while item < n_items:
-            b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = _gl_bwd_item(
-                item, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
-                VARLEN, DYNAMIC)
+        item = _gl_bwd_first_item(sched)
+        while item < cfg.n_items:
+            b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = cfg.item(item, sched.DYNAMIC)
             if start_n < seqlen_k_b:
                 key_lo = start_n + WG * BLOCK_N
                 keys = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
@@ -1669,33 +1360,34 @@ if gluon is not None:
                     dv_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
                 key_ragged = key_lo + BLOCK_N > seqlen_k_b
                 dq_prev = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)  # SPLIT: the last dQ share
-                mbarrier.wait(kv_bar.index(WG), n_done & 1)
-                for i in range(group * n_iter):
+                mbarrier.wait(smem.kv_ready.index(WG), n_done & 1)
+                # mainloop: one query tile (of every query head of the group in turn) per step
+                for i in range(cfg.group * n_iter):
                     tile = t + i
                     slot = tile % NUM_STAGES
                     buf = tile % 2
                     start_m = (m_lo + i % n_iter) * BLOCK_M
                     rows = start_m + offs_q
-                    mbarrier.wait(ready.index(slot), (tile // NUM_STAGES) & 1)
-                    lse_row = lse_smem.index(slot).load(col_st)  # read before the matmuls: its latency hides there
-                    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-                    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                    mbarrier.wait(smem.ready.index(slot), (tile // NUM_STAGES) & 1)
+                    lse_row = smem.lse.index(slot).load(col_st)  # read before the matmuls: its latency hides there
+                    q = smem.q.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                    do = smem.do.index(slot).reshape([BLOCK_M, HEAD_DIM])
                     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)  # (not loop-carried)
                     st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # S^T = K Q^T
                     if TAIL > 0:
-                        qt = qt_smem.index(slot).reshape([BLOCK_M, TAIL])
-                        dot = dot_smem.index(slot).reshape([BLOCK_M, TAIL])
+                        qt = smem.qt.index(slot).reshape([BLOCK_M, TAIL])
+                        dot = smem.dot.index(slot).reshape([BLOCK_M, TAIL])
                         st = warpgroup_mma(kt, qt.permute((1, 0)), st, is_async=True)
                     if SPLIT:
                         if i > 0:  # the last tile's dQ share goes to shared memory while S^T is being made
-                            _gl_bwd_put_dq(dq_prev, dq_prev, dq_smem, dqt_smem, dq_full, dq_empty, tile - 1, WG, 0)
-                    # Delta as dP^T's starting value: the tensor cores subtract it (D=64 backward 1-2.5% faster)
-                    minus_delta = zero_st - delta_smem.index(slot).load(col_st)[None, :]
+                            _gl_bwd_put_dq(smem, dq_prev, dq_prev, tile - 1, WG, 0)
+                    # Delta as dP^T's starting value: the tensor cores subtract it
+                    minus_delta = zero_st - smem.delta.index(slot).load(col_st)[None, :]
                     dpt = warpgroup_mma(v, do.permute((1, 0)), minus_delta, is_async=True)  # dP^T - Delta
                     if TAIL > 0:
                         dpt = warpgroup_mma(vt, dot.permute((1, 0)), dpt, is_async=True)
                     st = warpgroup_mma_wait(num_outstanding=N_MM, deps=(st,))
-                    pt = gl.exp2(st * qk_scale - lse_row[None, :])
+                    pt = gl.exp2(st * cfg.qk_scale - lse_row[None, :])
                     masked = key_ragged | (start_m + BLOCK_M > seqlen_q_b)
                     if CAUSAL:
                         masked = masked | (start_m < key_lo + BLOCK_N)
@@ -1711,30 +1403,29 @@ if gluon is not None:
                         dv_t = warpgroup_mma(pt_op_t, dot, dv_t, is_async=True)
                     dpt = warpgroup_mma_wait(num_outstanding=N_MM, deps=(dpt,))
                     dst = (pt * dpt).to(dtype)
-                    ds_smem.index(2 * buf + WG).store(dst)
+                    smem.ds.index(2 * buf + WG).store(dst)
                     if SPLIT:  # at once: the other warpgroup's dQ products wait for this dS
                         fence_async_shared()
-                        mbarrier.arrive(ds_ready.index(buf), count=1)
+                        mbarrier.arrive(smem.ds_ready.index(buf), count=1)
                     dst_op = gl.convert_layout(dst, op_layout)
                     dk = warpgroup_mma(dst_op, q, dk, is_async=True)                             # dK += dS^T Q
                     if TAIL > 0:
                         dst_op_t = gl.convert_layout(dst_op, op_t_layout)
                         dk_t = warpgroup_mma(dst_op_t, qt, dk_t, is_async=True)
-                    if not SPLIT:  # only this warpgroup reads its dS: the stores complete under dK's matmul (D=64
-                        # backward 4% faster at S=4096, D=80 1.5%)
+                    if not SPLIT:  # only this warpgroup reads its dS: the stores complete under dK's matmul
                         fence_async_shared()
                     dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
                     if SPLIT:  # this warpgroup's columns of dQ_i, over both warpgroups' keys
-                        mbarrier.wait(ds_ready.index(buf), (tile // 2) & 1)
+                        mbarrier.wait(smem.ds_ready.index(buf), (tile // 2) & 1)
                         for w in gl.static_range(2):
-                            k_cols = k_smem.index(w).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
-                            dq = warpgroup_mma(ds_smem.index(2 * buf + w).permute((1, 0)), k_cols, dq,
+                            k_cols = smem.k.index(w).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+                            dq = warpgroup_mma(smem.ds.index(2 * buf + w).permute((1, 0)), k_cols, dq,
                                                use_acc=w > 0, is_async=True)                    # dQ = dS K
                     else:
-                        dq = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), k, dq, use_acc=False,
+                        dq = warpgroup_mma(smem.ds.index(2 * buf + WG).permute((1, 0)), k, dq, use_acc=False,
                                            is_async=True)
                     if TAIL > 0:
-                        dq_t = warpgroup_mma(ds_smem.index(2 * buf + WG).permute((1, 0)), kt,
+                        dq_t = warpgroup_mma(smem.ds.index(2 * buf + WG).permute((1, 0)), kt,
                                              gl.zeros([BLOCK_M, TAIL], gl.float32, layout=tail_layout),
                                              use_acc=False, is_async=True)
                         dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t = warpgroup_mma_wait(
@@ -1742,206 +1433,182 @@ if gluon is not None:
                     else:
                         dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0,
                                                                        deps=(dv, dk, dq, pt_op, dst_op))
-                    mbarrier.arrive(empty.index(slot), count=1)
+                    mbarrier.arrive(smem.empty.index(slot), count=1)
                     if SPLIT:  # stored under the next tile's S^T (scaled into new registers: stored from the
-                        dq_prev = dq * sm_scale  # wgmma accumulators themselves, ptxas waited for them first)
+                        dq_prev = dq * cfg.sm_scale  # wgmma accumulators themselves, ptxas waited for them first)
                     else:
-                        _gl_bwd_put_dq(dq * sm_scale, dq_t * sm_scale if TAIL > 0 else dq, dq_smem, dqt_smem, dq_full,
-                                       dq_empty, tile, WG, TAIL)
+                        _gl_bwd_put_dq(smem, dq * cfg.sm_scale, dq_t * cfg.sm_scale if TAIL > 0 else dq, tile, WG,
+                                       TAIL)
                 if SPLIT:
-                    if group * n_iter > 0:  # the item's last dQ share
-                        _gl_bwd_put_dq(dq_prev, dq_prev, dq_smem, dqt_smem, dq_full, dq_empty, t + group * n_iter - 1,
-                                       WG, 0)
-                # kv_empty: on the persistent grid the producer loads the next item's K and V once both consumers
-                # have arrived (after this item's last matmul, or after the dK/dV stores have read the tiles back);
-                # with one CTA per item and dQ split over both warpgroups' K tiles, the dK store waits on it
-                if (DYNAMIC and not DKV_TMA) or (DKV_TMA and SPLIT):
-                    mbarrier.arrive(kv_empty.index(0), count=1)
+                    if cfg.group * n_iter > 0:  # the item's last dQ share
+                        _gl_bwd_put_dq(smem, dq_prev, dq_prev, t + cfg.group * n_iter - 1, WG, 0)
+
+                # epilogue: dK and dV. kv_empty: on the persistent grid the producer loads the next item's K and V
+                # once both consumers have arrived (after this item's last matmul, or after the dK/dV stores have
+                # read the tiles back); with one CTA per item and dQ split over both warpgroups' K tiles, the dK
+                # store waits on it
+                if (sched.DYNAMIC and not cfg.DKV_TMA) or (cfg.DKV_TMA and SPLIT):
+                    mbarrier.arrive(smem.kv_empty.index(0), count=1)
                 staged = False
-                if DKV_TMA:  # full tiles (a packed one reaching past its document would write the next one's keys)
-                    if VARLEN:
+                if cfg.DKV_TMA:  # full tiles (a packed one reaching past its document would write the next one's)
+                    if cfg.VARLEN:
                         staged = key_lo + BLOCK_N <= seqlen_k_b
                     else:  # (rows past the tensor's are dropped by the TMA unit; a condition, not True: see O_TMA)
-                        staged = head_dim > 0
+                        staged = cfg.head_dim > 0
                 if staged:  # through this warpgroup's K and V tiles and TMA stores
                     if SPLIT:  # (one CTA per item: the phase is 0)
-                        mbarrier.wait(kv_empty.index(0), 0)  # the other warpgroup's dQ products have read this K
-                    k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM]).store((dk * sm_scale).to(DK.dtype.element_ty))
-                    v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dv.to(DV.dtype.element_ty))
+                        mbarrier.wait(smem.kv_empty.index(0), 0)  # the other warpgroup's dQ products have read this K
+                    dk_out = (dk * cfg.sm_scale).to(glob.DK.dtype.element_ty)
+                    smem.k.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dk_out)
+                    smem.v.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dv.to(glob.DV.dtype.element_ty))
                     fence_async_shared()
-                    _gl_store_tile(dk_desc, k_smem.index(WG), b, hk, q_start + key_lo, VARLEN)
-                    _gl_store_tile(dv_desc, v_smem.index(WG), b, hk, q_start + key_lo, VARLEN)
+                    _gl_store_tile(glob.dk, smem.k.index(WG), b, hk, q_start + key_lo, cfg.VARLEN)
+                    _gl_store_tile(glob.dv, smem.v.index(WG), b, hk, q_start + key_lo, cfg.VARLEN)
                     tma.store_wait(0)  # the stores have read the tiles before the CTA's shared memory goes
                 else:
                     k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
                     row_off = (q_start + k_rows[:, None]).to(gl.int64)  # packed: keys share the queries' offsets
                     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-                    keep = (k_rows[:, None] < seqlen_k_b) & (cols[None, :] < head_dim)
-                    gl.store(DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + row_off * stride_dks + cols[None, :],
-                             (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
-                    gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs + cols[None, :],
-                             dv.to(DV.dtype.element_ty), mask=keep)
-                if DYNAMIC and DKV_TMA:
-                    mbarrier.arrive(kv_empty.index(0), count=1)
+                    keep = (k_rows[:, None] < seqlen_k_b) & (cols[None, :] < cfg.head_dim)
+                    gl.store(glob.DK + b.to(gl.int64) * glob.stride_dkb + hk * glob.stride_dkh
+                             + row_off * glob.stride_dks
+                             + cols[None, :], (dk * cfg.sm_scale).to(glob.DK.dtype.element_ty), mask=keep)
+                    gl.store(glob.DV + b.to(gl.int64) * glob.stride_dvb + hk * glob.stride_dvh
+                             + row_off * glob.stride_dvs
+                             + cols[None, :], dv.to(glob.DV.dtype.element_ty), mask=keep)
+                if sched.DYNAMIC and cfg.DKV_TMA:
+                    mbarrier.arrive(smem.kv_empty.index(0), count=1)
                 if TAIL > 0:
                     k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, tail_layout))
                     row_off = (q_start + k_rows[:, None]).to(gl.int64)
                     cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, tail_layout))
-                    keep = (k_rows[:, None] < seqlen_k_b) & (cols[None, :] < head_dim)
-                    gl.store(DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + row_off * stride_dks
-                             + cols[None, :], (dk_t * sm_scale).to(DK.dtype.element_ty), mask=keep)
-                    gl.store(DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + row_off * stride_dvs
-                             + cols[None, :], dv_t.to(DV.dtype.element_ty), mask=keep)
-                t += group * n_iter
+                    keep = (k_rows[:, None] < seqlen_k_b) & (cols[None, :] < cfg.head_dim)
+                    gl.store(glob.DK + b.to(gl.int64) * glob.stride_dkb + hk * glob.stride_dkh
+                             + row_off * glob.stride_dks
+                             + cols[None, :], (dk_t * cfg.sm_scale).to(glob.DK.dtype.element_ty), mask=keep)
+                    gl.store(glob.DV + b.to(gl.int64) * glob.stride_dvb + hk * glob.stride_dvh
+                             + row_off * glob.stride_dvs
+                             + cols[None, :], dv_t.to(glob.DV.dtype.element_ty), mask=keep)
+                t += cfg.group * n_iter
                 n_done += 1
             n_seen += 1
-            item = _gl_next_item(sched, sched_ready, sched_empty, n_seen, n_items, DYNAMIC)
-
-    # Worker partition entry points (one signature for all, as warp_specialize needs; the default partition,
-    # consumer warpgroup 0, calls _gl_bwd_consumer directly).
-    @gluon.jit
-    def _gl_bwd_wg1(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
-                    dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
-                    dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched,
-                    sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks,
-                    stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group,
-                    n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM: gl.constexpr,
-                    TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    VARLEN: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
-        _gl_bwd_consumer(1, q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
-                         dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem,
-                         kt_smem, vt_smem, dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready,
-                         dq_full, dq_empty, sched, sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q,
-                         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh,
-                         seqlen_q, seqlen_k, num_kv_heads, group, n_tiles, n_docs, n_items, counter, qk_scale, sm_scale,
-                         head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, DYNAMIC, DKV_TMA)
+            item = _gl_bwd_next_item(sched, n_seen, cfg.n_items)
 
     @gluon.jit
-    def _gl_bwd_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
-                       dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
-                       dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty,
-                       sched, sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh,
-                       stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k,
-                       num_kv_heads, group, n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim,
-                       HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
+    def _gl_bwd_loader(cfg, glob, smem, sched):
         """The producer warp, over the CTA's work items: each warpgroup's K and V once both consumers have made the
         last item's final matmul, then Q_i and dO_i of every query tile of every head of the group into the ring
         with their rows of L (in base 2) and Delta, a slot at a time once both consumers have released it."""
-        NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+        TAIL: gl.constexpr = cfg.TAIL
+        BLOCK_M: gl.constexpr = cfg.BLOCK_M
+        NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
         offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
         t = 0  # query tiles loaded so far (the ring position)
         n_done = 0  # items with keys loaded so far (the phase of kv_empty)
         n_seen = 0  # items taken so far (the position in the schedule ring)
         item = gl.program_id(0)
-        while item < n_items:
-            if DYNAMIC:
-                _gl_publish_item(sched, sched_ready, sched_empty, n_seen, item)
-            b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = _gl_bwd_item(
-                item, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
-                VARLEN, DYNAMIC)
+        while item < cfg.n_items:
+            if sched.DYNAMIC:
+                sched.publish(n_seen, item)
+            b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = cfg.item(item, sched.DYNAMIC)
             if start_n < seqlen_k_b:
-                if DYNAMIC:  # (one CTA per item: its K and V slots start free)
-                    mbarrier.wait(kv_empty.index(0), (n_done & 1) ^ 1)
+                if sched.DYNAMIC:  # (one CTA per item: its K and V slots start free)
+                    mbarrier.wait(smem.kv_empty.index(0), (n_done & 1) ^ 1)
                 for wg in gl.static_range(2):
-                    row = q_start + start_n + wg * BLOCK_N
-                    mbarrier.expect(kv_bar.index(wg), 2 * _gl_tile_bytes(k_desc, kt_desc, TAIL))
-                    _gl_load_tile(k_desc, kt_desc, kv_bar.index(wg), k_smem.index(wg), kt_smem.index(wg), b, hk,
-                                  row, HEAD_DIM, TAIL, VARLEN)
-                    _gl_load_tile(v_desc, vt_desc, kv_bar.index(wg), v_smem.index(wg), vt_smem.index(wg), b, hk,
-                                  row, HEAD_DIM, TAIL, VARLEN)
-                for i in range(group * n_iter):
+                    row = q_start + start_n + wg * cfg.BLOCK_N
+                    mbarrier.expect(smem.kv_ready.index(wg), 2 * _gl_tile_bytes(glob.k, glob.kt, TAIL))
+                    _gl_load_tile(glob.k, glob.kt, smem.kv_ready.index(wg), smem.k.index(wg), smem.kt.index(wg), b, hk,
+                                  row, HEAD_DIM, TAIL, cfg.VARLEN)
+                    _gl_load_tile(glob.v, glob.vt, smem.kv_ready.index(wg), smem.v.index(wg), smem.vt.index(wg), b, hk,
+                                  row, HEAD_DIM, TAIL, cfg.VARLEN)
+                for i in range(cfg.group * n_iter):
                     slot = (t + i) % NUM_STAGES
-                    h = hk * group + i // n_iter
+                    h = hk * cfg.group + i // n_iter
                     start_m = (m_lo + i % n_iter) * BLOCK_M
-                    mbarrier.wait(empty.index(slot), (((t + i) // NUM_STAGES) & 1) ^ 1)
+                    mbarrier.wait(smem.empty.index(slot), (((t + i) // NUM_STAGES) & 1) ^ 1)
                     rows = start_m + offs
-                    l_off = b.to(gl.int64) * stride_lb + h * stride_lh + q_start + rows
-                    # the TMA loads first, so that L's and Delta's load latency runs under theirs (level to 7% off
-                    # the backward, the most on packed documents); the slot is ready after the bytes and a second
-                    # arrival
-                    mbarrier.expect(ready.index(slot), 2 * _gl_tile_bytes(q_desc, qt_desc, TAIL))
-                    _gl_load_tile(q_desc, qt_desc, ready.index(slot), q_smem.index(slot), qt_smem.index(slot), b, h,
-                                  q_start + start_m, HEAD_DIM, TAIL, VARLEN)
-                    _gl_load_tile(do_desc, dot_desc, ready.index(slot), do_smem.index(slot), dot_smem.index(slot), b,
-                                  h, q_start + start_m, HEAD_DIM, TAIL, VARLEN)
-                    lse_smem.index(slot).store(gl.load(LSE + l_off, mask=rows < seqlen_q_b, other=0.0)
+                    l_off = b.to(gl.int64) * glob.stride_lb + h * glob.stride_lh + q_start + rows
+                    # the TMA loads first, so that L's and Delta's load latency runs under theirs; the slot is ready
+                    # after the bytes and a second arrival
+                    mbarrier.expect(smem.ready.index(slot), 2 * _gl_tile_bytes(glob.q, glob.qt, TAIL))
+                    _gl_load_tile(glob.q, glob.qt, smem.ready.index(slot), smem.q.index(slot), smem.qt.index(slot),
+                                  b, h, q_start + start_m, HEAD_DIM, TAIL, cfg.VARLEN)
+                    _gl_load_tile(glob.do, glob.dot, smem.ready.index(slot), smem.do.index(slot),
+                                  smem.dot.index(slot), b, h, q_start + start_m, HEAD_DIM, TAIL, cfg.VARLEN)
+                    smem.lse.index(slot).store(gl.load(glob.LSE + l_off, mask=rows < seqlen_q_b, other=0.0)
                                                * 1.4426950408889634)
-                    delta_smem.index(slot).store(gl.load(DELTA + l_off, mask=rows < seqlen_q_b, other=0.0))
-                    mbarrier.arrive(ready.index(slot), count=1)  # (releases the two stores above)
-                t += group * n_iter
+                    smem.delta.index(slot).store(gl.load(glob.DELTA + l_off, mask=rows < seqlen_q_b, other=0.0))
+                    mbarrier.arrive(smem.ready.index(slot), count=1)  # (releases the two stores above)
+                t += cfg.group * n_iter
                 n_done += 1
             n_seen += 1
-            if DYNAMIC:  # the next item not yet taken by any CTA (the first G went one to each)
-                item = gl.num_programs(0) + gl.atomic_add(counter, 1, sem="relaxed")
+            if sched.DYNAMIC:
+                item = sched.claim()
             else:
-                item = n_items
-        if DYNAMIC:
-            _gl_publish_item(sched, sched_ready, sched_empty, n_seen, item)  # past the last: the others stop
+                item = cfg.n_items
+        if sched.DYNAMIC:
+            sched.publish(n_seen, item)  # past the last: the others stop
 
     @gluon.jit
-    def _gl_bwd_dq_writer(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
-                          dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem,
-                          kt_smem, vt_smem, dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready,
-                          dq_full, dq_empty, sched, sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q,
-                          stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh,
-                          seqlen_q, seqlen_k, num_kv_heads, group, n_tiles, n_docs, n_items, counter, qk_scale,
-                          sm_scale, head_dim, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
-                          DKV_TMA: gl.constexpr):
+    def _gl_bwd_dq_writer(cfg, glob, smem, sched):
         """The dQ warp: each warpgroup's dQ share from shared memory added to the fp32 dQ buffer with a TMA bulk
         reduce-add; a buffer is given back once its reduce has read it, one query tile later."""
-        DQ_COLS: gl.constexpr = dq_smem.type.shape[-1]
+        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+        DQ_COLS: gl.constexpr = cfg.DQ_COLS
         t = 0  # query tiles done so far, over all items (the dQ buffers' count)
         n_seen = 0
-        item = _gl_first_item(sched, sched_ready, sched_empty, DYNAMIC)
-        while item < n_items:
-            b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = _gl_bwd_item(
-                item, cu_seqlens_q, seqlen_q, seqlen_k, num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N, CAUSAL,
-                VARLEN, DYNAMIC)
+        item = _gl_bwd_first_item(sched)
+        while item < cfg.n_items:
+            b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = cfg.item(item, sched.DYNAMIC)
             if start_n < seqlen_k_b:
-                for i in range(group * n_iter):
+                for i in range(cfg.group * n_iter):
                     tile = t + i
-                    h = hk * group + i // n_iter
-                    start_m = (m_lo + i % n_iter) * BLOCK_M
+                    h = hk * cfg.group + i // n_iter
+                    start_m = (m_lo + i % n_iter) * cfg.BLOCK_M
                     buf = tile % 2
                     for wg in gl.static_range(2):
                         col = wg * DQ_COLS if DQ_COLS < HEAD_DIM else 0
-                        mbarrier.wait(dq_full.index(2 * buf + wg), (tile // 2) & 1)
-                        if VARLEN:
-                            _tma_reduce_add(dq_desc, [q_start + start_m, h, col], dq_smem.index(2 * buf + wg))
-                            if TAIL > 0:
-                                _tma_reduce_add(dqt_desc, [q_start + start_m, h, HEAD_DIM],
-                                                dqt_smem.index(2 * buf + wg))
+                        mbarrier.wait(smem.dq_full.index(2 * buf + wg), (tile // 2) & 1)
+                        if cfg.VARLEN:
+                            _tma_reduce_add(glob.dq, [q_start + start_m, h, col], smem.dq.index(2 * buf + wg))
+                            if cfg.TAIL > 0:
+                                _tma_reduce_add(glob.dqt, [q_start + start_m, h, HEAD_DIM],
+                                                smem.dqt.index(2 * buf + wg))
                         else:
-                            _tma_reduce_add(dq_desc, [b, h, start_m, col], dq_smem.index(2 * buf + wg))
-                            if TAIL > 0:
-                                _tma_reduce_add(dqt_desc, [b, h, start_m, HEAD_DIM], dqt_smem.index(2 * buf + wg))
+                            _tma_reduce_add(glob.dq, [b, h, start_m, col], smem.dq.index(2 * buf + wg))
+                            if cfg.TAIL > 0:
+                                _tma_reduce_add(glob.dqt, [b, h, start_m, HEAD_DIM], smem.dqt.index(2 * buf + wg))
                     if tile > 0:
-                        tma.store_wait(4 if TAIL > 0 else 2)  # the previous tile's reduces have read their buffers
-                        mbarrier.arrive(dq_empty.index(2 * (1 - buf)), count=1)
-                        mbarrier.arrive(dq_empty.index(2 * (1 - buf) + 1), count=1)
-                t += group * n_iter
+                        tma.store_wait(4 if cfg.TAIL > 0 else 2)  # the previous tile's reduces have read their buffers
+                        mbarrier.arrive(smem.dq_empty.index(2 * (1 - buf)), count=1)
+                        mbarrier.arrive(smem.dq_empty.index(2 * (1 - buf) + 1), count=1)
+                t += cfg.group * n_iter
             n_seen += 1
-            item = _gl_next_item(sched, sched_ready, sched_empty, n_seen, n_items, DYNAMIC)
+            item = _gl_bwd_next_item(sched, n_seen, cfg.n_items)
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["n_tiles"])
-    def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
-                     dv_desc, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-                     stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group, n_tiles,
-                     n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     VARLEN: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
-        """Work items of 2 x BLOCK_N keys of one batch x K/V head (_gl_bwd_item), n_items of them: one CTA per item
-        (grid n_items) or, DYNAMIC, a persistent grid of G CTAs that start on items 0..G-1 and then take the next
-        untaken one from `counter` (zero at launch), as the forward. dQ (fp32, zeroed by the caller) is added to.
-        DKV_TMA: full dK and dV tiles leave through shared memory and TMA stores (_gluon_bwd_dkv_tma)."""
+    def _gl_attn_bwd(descs, DK, DV, LSE, DELTA, cu_seqlens_q, counter, out_strides, seqlen_q, seqlen_k, num_kv_heads,
+                     group, n_tiles, n_docs, n_items, qk_scale, sm_scale, head_dim, NUM_STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
+        """Work items of 2 x BLOCK_N keys of one batch x K/V head (_BwdConfig.item), n_items of them: one CTA per
+        item (grid n_items) or, DYNAMIC, a persistent grid as the forward's. dQ (fp32, zeroed by the caller) is
+        added to. descs: the TMA descriptors (q, k, v, do, dq, their tails, dk, dv); out_strides: dK's and dV's
+        (b, h, s), L's (b, h). The tiling follows from the descriptors."""
+        q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc = \
+            descs
+        stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh = out_strides
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
+        TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
+        BLOCK_M: gl.constexpr = _gl_rows(q_desc)
+        BLOCK_N: gl.constexpr = _gl_rows(k_desc)
+        cfg = _BwdConfig(HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, NUM_STAGES, dq_desc.block_type.shape[-1], CAUSAL,
+                         _gl_packed(q_desc), DKV_TMA, cu_seqlens_q, qk_scale, sm_scale, seqlen_q, seqlen_k,
+                         num_kv_heads, group, n_tiles, n_docs, n_items, head_dim)
         live = True
         if not DYNAMIC:  # one CTA per item: an empty one (packed, past its document) returns before allocating
-            _, _, _, _, seqlen_k_b, start_n, _, _ = _gl_bwd_item(gl.program_id(0), cu_seqlens_q, seqlen_q, seqlen_k,
-                                                                 num_kv_heads, n_tiles, n_docs, BLOCK_M, BLOCK_N,
-                                                                 CAUSAL, VARLEN, DYNAMIC)
+            _, _, _, _, seqlen_k_b, start_n, _, _ = cfg.item(gl.program_id(0), DYNAMIC)
             live = start_n < seqlen_k_b
         if live:
             q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -1966,63 +1633,36 @@ if gluon is not None:
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
             delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
                                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
             dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
             ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
             empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            # the schedule ring (dynamic scheduling): two work-item numbers, each read by both consumers and the dQ warp
-            sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            sched_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            sched_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            sched = _gl_schedule(counter, DYNAMIC)
             mbarrier.init(kv_empty.index(0), count=2)  # both consumers have made their last matmul of an item
             for i in gl.static_range(2):
-                mbarrier.init(kv_bar.index(i), count=1)
+                mbarrier.init(kv_ready.index(i), count=1)
                 mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' dS tiles are in shared memory
-                mbarrier.init(sched_ready.index(i), count=1)
-                mbarrier.init(sched_empty.index(i), count=3)
+                mbarrier.init(sched.ready.index(i), count=1)
+                mbarrier.init(sched.empty.index(i), count=3)  # read by both consumers and the dQ warp
             for i in gl.static_range(4):
                 mbarrier.init(dq_full.index(i), count=1)
                 mbarrier.init(dq_empty.index(i), count=1)
             for i in gl.static_range(NUM_STAGES):
                 mbarrier.init(ready.index(i), count=2)  # the TMA bytes' expect and the L/Delta stores
                 mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
-            gl.warp_specialize([  # (the tuples written out: see the forward)
-                (_gl_bwd_consumer,
-                 (0, q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
-                  dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
-                  dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched,
-                  sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks,
-                  stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group,
-                  n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N,
-                  CAUSAL, VARLEN, DYNAMIC, DKV_TMA)),
-                (_gl_bwd_wg1,
-                 (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
-                  dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
-                  dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched,
-                  sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks,
-                  stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group,
-                  n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N,
-                  CAUSAL, VARLEN, DYNAMIC, DKV_TMA)),
-                (_gl_bwd_loader,
-                 (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
-                  dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
-                  dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched,
-                  sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks,
-                  stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group,
-                  n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N,
-                  CAUSAL, VARLEN, DYNAMIC, DKV_TMA)),
-                (_gl_bwd_dq_writer,
-                 (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
-                  dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
-                  dqt_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_ready, dq_full, dq_empty, sched,
-                  sched_ready, sched_empty, DK, DV, LSE, DELTA, cu_seqlens_q, stride_dkb, stride_dkh, stride_dks,
-                  stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh, seqlen_q, seqlen_k, num_kv_heads, group,
-                  n_tiles, n_docs, n_items, counter, qk_scale, sm_scale, head_dim, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N,
-                  CAUSAL, VARLEN, DYNAMIC, DKV_TMA)),
-            ], [4, 1, 1], [240, 24, 24])
+            smem = _BwdShared(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
+                              dqt_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty, ds_ready, dq_full,
+                              dq_empty)
+            glob = _BwdGlobal(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
+                              dk_desc, dv_desc, DK, DV, LSE, DELTA, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                              stride_dvh, stride_dvs, stride_lb, stride_lh)
+            gl.warp_specialize([(_gl_bwd_consumer, (0, cfg, glob, smem, sched)),
+                                (_gl_bwd_consumer, (gl.constexpr(1), cfg, glob, smem, sched)),
+                                (_gl_bwd_loader, (cfg, glob, smem, sched)),
+                                (_gl_bwd_dq_writer, (cfg, glob, smem, sched))], [4, 1, 1], [240, 24, 24])
 
 
 def _gluon_head_tiles(d):
@@ -2038,14 +1678,49 @@ def _gluon_head_tiles(d):
     return None
 
 
+def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
+    """Whether the Gluon backward stores full dK/dV tiles through shared memory and TMA (before the tensors' own
+    alignment, which the launcher checks). split: the config's dQ split (2 at D=128: each warpgroup's dQ columns
+    read both K tiles, so a K tile is free only once both warpgroups are done, which the persistent grid does not
+    wait for)."""
+    if tail or (dynamic and split > 1):
+        return False
+    return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
+
+
 _SM90 = {}  # device index -> whether it is an sm90 GPU
+_SMS = {}  # device index -> its number of SMs
 
 
-@torch.compiler.assume_constant_result  # a compiler tracing a call (_triton_traced) takes the answer as it is
 def _is_sm90(device_index):
     if device_index not in _SM90:
         _SM90[device_index] = torch.cuda.get_device_capability(device_index) == (9, 0)
     return _SM90[device_index]
+
+
+def _sm_count(device_index):
+    if device_index not in _SMS:
+        _SMS[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _SMS[device_index]
+
+
+# At D=64 (head dims 33-64, tiles 64 wide) the Triton kernels keep up where there is little work per SM, so the
+# Gluon kernels take a call from these many query tiles of 128 rows per SM (forward, backward): dense from 1024
+# tokens (forward) and 2048 (backward), always from 4096; packed from the forward's count, or documents of 2048
+# tokens and more (bench.py attention --parts work measures both families at each point).
+GLUON_D64_TILES_PER_SM = (15, 31)
+
+
+def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
+    """Whether the Gluon kernels take a D=64 call of `query_tiles` query tiles (128 rows of one head) in all, its
+    sequences (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs."""
+    if packed:
+        return seqlen >= 2048 or query_tiles >= GLUON_D64_TILES_PER_SM[0] * sms
+    if seqlen >= 4096:
+        return True
+    if seqlen < (2048 if backward else 1024):
+        return False
+    return query_tiles >= GLUON_D64_TILES_PER_SM[1 if backward else 0] * sms
 
 
 def _tma_ready(x):
@@ -2055,87 +1730,34 @@ def _tma_ready(x):
                                                                 for st in x.stride()[:-1])
 
 
-def _tma_operand(x, width):
-    """x itself where TMA can read it (tiles reaching past its head dim read zeros there, so a head dim of 72
-    costs no padded copy), else a contiguous copy zero-padded to `width` columns."""
-    return x if _tma_ready(x) else _pad(x, width).contiguous()
-
-
-# D=64 (the one head dim where the Triton kernels keep up; the rule covers head dims 33-64, tiles 64 wide): which family
-# takes a call depends on the work per SM and the direction. Measured on the H200 (`bench.py attention --parts work`: S
-# 512-2048, B·H 48-1024, each family forced, cold L2; BENCHMARKS.md): the Gluon forward is 1.05-1.18x the Triton one
-# from 15 query tiles of 128 rows per SM at S 1024-2048, and the Triton one up to 1.18x at 6 tiles per SM and fewer (the
-# Gluon forward also led by 7-9% at S=512 from 15 tiles and at 8.7 tiles at S=1024, GPT-2 small's shape; taking it
-# there from 8 tiles left the compiled GPT-2 step level, so the threshold stays). The
-# backwards are level up to 1024 tokens; at 2048 the Gluon one is 1.05-1.16x from 31 tiles per SM and level below. From
-# 4096 tokens the Gluon kernels win both ways (1.13-1.25x). Packed documents (16384 or 32768 tokens, log-normal lengths
-# of median 100-1000, the longest 1024-3798, `bench.py attention`): the Gluon kernels 1.02-1.13x forward and 1.13-1.15x
-# backward at 35-58 query tiles per SM, level at 10 and 2.5 (where the Triton launch costs less host time); so packed
-# batches take them from 2048 tokens in the longest document or from the forward's tile count per SM. (forward,
-# backward): the least query tiles per SM for the Gluon kernels, at S >= 1024 (forward), S >= 2048 (backward), and
-# packed (the forward's):
-GLUON_D64_TILES_PER_SM = (15, 31)
-
-
-def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
-    """Whether the Gluon kernels take a D=64 call of `query_tiles` query tiles (128 rows of one head) in all, its
-    sequences (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs (see GLUON_D64_TILES_PER_SM)."""
-    if packed:
-        return seqlen >= 2048 or query_tiles >= GLUON_D64_TILES_PER_SM[0] * sms
-    if seqlen >= 4096:
-        return True
-    if seqlen < (2048 if backward else 1024):
-        return False
-    return query_tiles >= GLUON_D64_TILES_PER_SM[1 if backward else 0] * sms  # (dynamo: no bool as an index)
-
-
-_SMS = {}  # device index -> its number of SMs
-
-
-@torch.compiler.assume_constant_result  # as _is_sm90
-def _sm_count(device_index):
-    if device_index not in _SMS:
-        _SMS[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return _SMS[device_index]
-
-
-def _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward=False):
-    """The part of _gluon_supported that follows from shapes, dtypes and the device alone (what a compiler tracing
-    the call knows): sm90 bf16/fp16 inputs with D from 33 to 128 (in the tiles of _gluon_head_tiles; at D=64 where
-    _gluon_d64 says so for the direction) and, when packed, keys that share the queries' document boundaries."""
+def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, backward=False):
+    """Whether the Gluon kernels take the call (the forward, or the backward): sm90 bf16/fp16 inputs with D from 33
+    to 128 (at D=64 where _gluon_d64 says so for the direction, unless FLASH_BACKEND=gluon insists), keys that share
+    the queries' documents when packed, and at D 64 or 128 the tensors (`more`: the backward's dO and O) TMA-ready,
+    as the Triton kernels read any strides there; at other head dims, where the Triton kernels need padded copies,
+    those that are not TMA-ready are copied."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     tiles = _gluon_head_tiles(q.shape[-1])
-    if tiles is None or not _is_sm90(q.device.index):
+    if tiles is None or not _is_sm90(q.device.index) or (cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q):
         return False
+    packed = cu_seqlens_q is not None
     if BACKEND == "auto" and tiles == (64, 0):
-        packed = cu_seqlens_q is not None
         seqlen = max_seqlen_q if packed else q.shape[2]
         # query tiles of 128 rows (packed: at most one more per document than the tokens fill)
         query_tiles = q.shape[1] * ((q.shape[0] // 128 + cu_seqlens_q.shape[0] - 1) if packed
                                     else q.shape[0] * _cdiv(seqlen, 128))
         if not _gluon_d64(seqlen, query_tiles, packed, backward, _sm_count(q.device.index)):
             return False
-    return cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
-
-
-def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, backward=False):
-    """Whether the Gluon kernels take the call (the forward, or the backward): _gluon_may_apply, and at D 64 or 128
-    the tensors (`more` are further ones, the backward's dO and O) TMA-ready (_tma_ready), as the Triton kernels read
-    any strides there; at other head dims, where the Triton kernels need padded copies, those that are not
-    TMA-ready are copied."""
-    if not _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward):
-        return False
     if _kernel_head_dim(q.shape[-1]) == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
         return False
-    return cu_seqlens_q is not None or k.shape[2] > 0
+    return packed or k.shape[2] > 0
 
 
 @functools.cache
 def _smem_layout(block, dtype, swizzle=None):
-    """The shared-memory layout of a TMA tile, made once per (block, dtype, swizzle): building it is most of a
-    descriptor's host cost (9 of 13 us, timed on a CPU). swizzle: its swizzle width in bytes, else the widest the
-    tile's rows allow."""
+    """The shared-memory layout of a TMA tile, made once per (block, dtype, swizzle). swizzle: its swizzle width in
+    bytes, else the widest the tile's rows allow."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     if swizzle is not None:
         return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=gl_dtype.primitive_bitwidth,
@@ -2158,47 +1780,41 @@ def _head_descriptors(x, rows, varlen, main, tail, swizzle=None):
 
 
 def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
+    """(O, L) with the Gluon forward on a persistent grid: one CTA per SM takes work items from a counter."""
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
-    config = GLUON_FWD_CONFIGS[main + tail]
-    block_m, block_n, stages, q_bufs = config
-    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
-                                                                                 max_seqlen_q)
+    block_m, block_n, stages, q_bufs = GLUON_FWD_CONFIGS[main + tail]
+    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q,
+                                                                              max_seqlen_q)
     o = _empty_out(q)
     lse = q.new_empty(lse_shape, dtype=torch.float32)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     qp, kp, vp = (_tma_operand(x, main + tail) for x in (q, k, v))
-    cu = cu_seqlens_q if varlen else lse
-    sig = ("gluon fwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), o.stride(), causal,
-           varlen and (batch, max_seqlen_q), config, GLUON_FWD_PERSISTENT, GLUON_HEAD_MAJOR, GLUON_PINGPONG,
-           _where(qp, kp, vp, o, lse, cu))
-
-    def build():
-        # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
-        m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else _cdiv(seqlen_q, 2 * block_m)
-        n_bh = heads if varlen else batch * heads
-        n_items = m_tiles * n_bh
-        ctas = GLUON_FWD_PERSISTENT * _sm_count(q.device.index)
-        dynamic = 0 < ctas < n_items
-        # dynamic: the CTAs take items from a counter (zeroed per call) as they finish the last; packed, in the
-        # order longest first over all heads (faster there than head by head, measured)
-        return (ctas if dynamic else n_items,), dynamic, dict(
-            **_strides("o", o, varlen), **lse_strides, head_dim=d, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            num_heads=heads, group=heads // kv_heads, m_tiles=m_tiles, n_bh=n_bh, n_docs=batch, n_items=n_items,
-            DYNAMIC=dynamic, qk_scale=LOG2E / math.sqrt(d), HEAD_DIM=main, TAIL=tail, BLOCK_M=block_m,
-            BLOCK_N=block_n, NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal, VARLEN=varlen,
-            HEAD_MAJOR=GLUON_HEAD_MAJOR and not (varlen and dynamic), PINGPONG=GLUON_PINGPONG,
-            O_TMA=_gluon_fwd_o_tma(tail) and _tma_ready(o), num_warps=4, maxnreg=168)
-    grid, dynamic, consts, plans = _memo(sig, build)  # (the counter, a fresh allocation or lse, is aligned)
+    # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
+    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else _cdiv(seqlen_q, 2 * block_m)
+    n_bh = heads if varlen else batch * heads
+    n_items = m_tiles * n_bh
+    ctas = _sm_count(q.device.index)
+    dynamic = ctas < n_items
+    o_tma = tail == 0 and _tma_ready(o)
     (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
         _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
-    o_desc = _descriptor(o, block_m, varlen, main) if consts["O_TMA"] else q_desc
+    o_desc = _descriptor(o, block_m, varlen, main) if o_tma else q_desc
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    _launch(_gl_attn_fwd, grid, q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, o, lse, cu,
-            counter=counter, plans=plans, **consts)
+    _gl_attn_fwd[(ctas if dynamic else n_items,)](
+        (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc), o, lse, cu_seqlens_q if varlen else lse,
+        counter, _strides(varlen, o) + (lb, lh), d, seqlen_q, seqlen_k, heads, heads // kv_heads, m_tiles, n_bh,
+        batch, n_items, LOG2E / math.sqrt(d), NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal,
+        HEAD_MAJOR=not (varlen and dynamic), DYNAMIC=dynamic, O_TMA=o_tma, num_warps=4, maxnreg=168)
     return o, lse
+
+
+def _tma_operand(x, width):
+    """x itself where TMA can read it (tiles reaching past its head dim read zeros there, so a head dim of 72
+    costs no padded copy), else a contiguous copy zero-padded to `width` columns."""
+    return x if _tma_ready(x) else _pad(x, width).contiguous()
 
 
 def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
@@ -2207,10 +1823,8 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
-    config = GLUON_BWD_CONFIGS[main + tail]
-    block_m, block_n, stages, dq_split, _, dq_swizzle = config
-    batch, heads, kv_heads, seqlen_q, seqlen_k, _, lse_strides = _layout(q, k, cu_seqlens_q, max_seqlen_q,
-                                                                         max_seqlen_q)
+    block_m, block_n, stages, dq_split, persistent, dq_swizzle = GLUON_BWD_CONFIGS[main + tail]
+    batch, heads, kv_heads, seqlen_q, seqlen_k, _, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -2220,170 +1834,114 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
     dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q if varlen else lse
-    persistent = _gluon_bwd_persistent(main + tail)
-    sig = ("gluon bwd", q.dtype, d, qp.shape, qp.stride(), kp.shape, kp.stride(), vp.stride(), dop.stride(),
-           o.stride(), dk.stride(), dv.stride(), causal, varlen and (batch, max_seqlen_q), config, persistent,
-           _where(dop, qp, kp, vp, o, lse, delta, dq_acc, dk, dv, cu))
-
-    def build():
-        scale = 1.0 / math.sqrt(d)
-        # work items: key tiles x batch x K/V heads; on the persistent grid packed batches in slots (_gl_doc_slot) x
-        # K/V heads instead
-        n_tiles, n_bh = _cdiv(seqlen_k, 2 * block_n), batch * kv_heads
-        ctas = persistent * _sm_count(q.device.index)
-        dynamic = 0 < ctas < n_tiles * n_bh
-        if varlen and dynamic:
-            n_tiles, n_bh = k.shape[0] // (2 * block_n) + batch, kv_heads
-        n_items = n_tiles * n_bh
-        return ((batch * heads, _cdiv(seqlen_q, 64)),
-                dict(**_strides("o", o, varlen), **_strides("do", dop, varlen), **_strides("dq", dq_acc, varlen),
-                     **lse_strides, seqlen_q=seqlen_q, num_heads=heads, head_dim=d, dq_cols=main + tail,
-                     HEAD_DIM=_kernel_head_dim(main + tail), VARLEN=varlen, BLOCK_M=64),
-                (ctas if dynamic else n_items,), dynamic,
-                dict(**_strides("dk", dk, varlen), **_strides("dv", dv, varlen), **lse_strides, seqlen_q=seqlen_q,
-                     seqlen_k=seqlen_k, num_kv_heads=kv_heads, group=heads // kv_heads, n_tiles=n_tiles, n_docs=batch,
-                     n_items=n_items, qk_scale=LOG2E * scale, sm_scale=scale, head_dim=d, HEAD_DIM=main, TAIL=tail,
-                     BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal, VARLEN=varlen,
-                     DYNAMIC=dynamic, num_warps=4, maxnreg=168,
-                     DKV_TMA=(_gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, dq_split) and _tma_ready(dk)
-                              and _tma_ready(dv))))
-    grid_delta, delta_args, grid, dynamic, consts, plans = _memo(sig, build)
-    _launch(_attn_bwd_delta, grid_delta, o, dop, delta, dq_acc, cu, plans=plans, **delta_args)
+    _attn_bwd_delta[(batch * heads, _cdiv(seqlen_q, 64))](
+        o, dop, delta, dq_acc, cu, _strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
+        HEAD_DIM=_kernel_head_dim(main + tail), VARLEN=varlen, BLOCK_M=64)
+    # work items: key tiles x batch x K/V heads; on the persistent grid packed batches in slots (_gl_doc_slot) x
+    # K/V heads instead
+    scale = 1.0 / math.sqrt(d)
+    n_tiles, n_bh = _cdiv(seqlen_k, 2 * block_n), batch * kv_heads
+    ctas = _sm_count(q.device.index) if persistent else 0
+    dynamic = 0 < ctas < n_tiles * n_bh
+    if varlen and dynamic:
+        n_tiles, n_bh = k.shape[0] // (2 * block_n) + batch, kv_heads
+    n_items = n_tiles * n_bh
+    dkv_tma = _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, dq_split) and _tma_ready(dk) and _tma_ready(dv)
     (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
         _head_descriptors(x, rows, varlen, main, tail) for x, rows in (
             (qp, block_m), (dop, block_m), (kp, block_n), (vp, block_n)))
     dq_desc, dqt_desc = _head_descriptors(dq_acc, block_m, varlen, main // dq_split, tail, dq_swizzle)
     dk_desc, dv_desc = ((_descriptor(dk, block_n, varlen, main), _descriptor(dv, block_n, varlen, main))
-                        if consts["DKV_TMA"] else (k_desc, v_desc))
+                        if dkv_tma else (k_desc, v_desc))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    _launch(_gl_attn_bwd, grid, q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc,
-            dqt_desc, dk_desc, dv_desc, dk, dv, lse, delta, cu, counter=counter, plans=plans, **consts)
+    _gl_attn_bwd[(ctas if dynamic else n_items,)](
+        (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc),
+        dk, dv, lse, delta, cu, counter, _strides(varlen, dk, dv) + (lb, lh), seqlen_q, seqlen_k, kv_heads,
+        heads // kv_heads, n_tiles, batch, n_items, LOG2E * scale, scale, d, NUM_STAGES=stages, CAUSAL=causal,
+        DYNAMIC=dynamic, DKV_TMA=dkv_tma, num_warps=4, maxnreg=168)
     dq.copy_(dq_acc[..., :d])
     return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Attention entry points. One autograd Function serves dense and packed calls; under torch.compile its forward
-#    and backward call the operators below (opaque to the compiler, with fake kernels), eagerly they call the
-#    launchers directly, as the operator layer's dispatch costs host time (4-9 us a call on the H200 machine, as
-#    registered here; 20-32 us through torch.library.custom_op).
+# 4. Attention entry points. One autograd Function serves dense and packed calls. Eagerly it calls the kernels'
+#    launchers directly; under torch.compile, and when a dispatch mode is active (selective recomputation's, a
+#    FLOP counter's), it calls them through two torch.library operators with fake kernels, so a model that calls
+#    them compiles without graph breaks.
 # ---------------------------------------------------------------------------------------------------------------
 
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos=None,
-             sin=None):
-    """(O, L): the one place that picks the forward kernels (backend, BACKEND when the call began, from
-    FLASH_BACKEND: 'auto' takes the Gluon kernel wherever it applies, 'triton' never, 'gluon' always or raises).
-    cos/sin: RoPE on q and k, inside the Triton kernels; before the Gluon one, as a PyTorch pass."""
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
+    """(O, L): the one place that picks the forward kernels (backend: BACKEND when the call began; 'auto' takes the
+    Gluon kernel wherever it applies, 'triton' never, 'gluon' always or raises)."""
     if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
-        if cos is not None:
-            q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
         return _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal)
     if backend == "gluon":
         raise RuntimeError("flash: FLASH_BACKEND=gluon but the Gluon kernels need an sm90 GPU, bf16/fp16, head dim "
                            f"<= 128 and TMA-aligned strides (got {q.dtype}, {tuple(q.shape)}, {q.stride()})")
-    return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin)
+    return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
 
 
-# The operators are registered with torch.library.Library, not torch.library.custom_op: custom_op wraps each call in
-# checks of its own (disabling dynamo, output aliasing) that cost 15-25 us more host time per call on the H200
-# machine (BENCHMARKS.md, What we tried); the schema, the implementation and the fake kernel are the same.
+def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
+    """(dQ, dK, dV): the one place that picks the backward kernels (as the forward's backend says)."""
+    if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o,
+                                                backward=True):
+        return _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal)
+    return _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+
+
+# The operators are registered with torch.library.Library rather than torch.library.custom_op, whose checks add
+# host time to every call; the schema, the implementation and the fake kernel are the same.
 _LIB = torch.library.Library("flash", "FRAGMENT")
 _LIB.define("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-            "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, str backend, Tensor? cos, Tensor? sin) "
-            "-> (Tensor, Tensor)")
+            "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, str backend) -> (Tensor, Tensor)")
 _LIB.define("attention_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cu_seqlens_q, "
-            "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, str backend, "
-            "Tensor? cos, Tensor? sin) -> (Tensor, Tensor, Tensor)")
+            "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, str backend) "
+            "-> (Tensor, Tensor, Tensor)")
 _LIB.impl("attention_fwd", _forward, "CompositeExplicitAutograd")
 _LIB.impl("attention_bwd", _backward, "CompositeExplicitAutograd")
 _attention_fwd_op, _attention_bwd_op = torch.ops.flash.attention_fwd.default, torch.ops.flash.attention_bwd.default
 
 
 @torch.library.register_fake("flash::attention_fwd", lib=_LIB)
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos, sin):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
     return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("flash::attention_bwd", lib=_LIB)
-def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend, cos, sin):
+def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
     return _empty_out(q), _empty_out(k), _empty_out(v)
 
 
-# With flash.TRITON_OPS (read at call time; on by default, FLASH_TRITON_OPS=0 turns it off), a call under
-# torch.compile on CUDA, with static shapes, that only the Triton kernels can take (backend 'triton', or
-# _gluon_may_apply false) goes through these triton_op operators instead (the same arguments as the operators
-# above; they take the Triton kernels whatever backend says): the compiler traces their bodies, so it allocates the
-# outputs and launches the kernels from its own generated code (autotuning them over the same configs), without the
-# operators' dispatch, the launchers' Python and PyTorch's allocation calls (about 40% less host time per compiled
-# call, measured: BENCHMARKS.md, What we tried). Not under the interpreter, whose kernels the compiler cannot
-# launch.
-TRITON_OPS_AVAILABLE = not INTERPRET and hasattr(torch.library, "triton_op")
-TRITON_OPS = TRITON_OPS_AVAILABLE and os.environ.get("FLASH_TRITON_OPS", "1") != "0"
-if TRITON_OPS_AVAILABLE:
-    from torch.library import wrap_triton as _wrap_triton
-
-    @torch.library.triton_op("flash::triton_attention_fwd", mutates_args=())
-    def _triton_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-                       cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                       backend: str, cos: torch.Tensor | None,
-                       sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin,
-                               traced=True)
-
-    @torch.library.triton_op("flash::triton_attention_bwd", mutates_args=())
-    def _triton_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                       lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, backend: str,
-                       cos: torch.Tensor | None,
-                       sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                         backend, cos, sin, traced=True)
-
-
-def _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward=False):
-    """Whether this call's forward (or backward) goes through the triton_op operators (TRITON_OPS): compiling with
-    static shapes (dynamic ones, as train.py compiles document batches, keep the operators above until measured on
-    a GPU), on CUDA, and sure to take the Triton kernels that way."""
-    sizes = (*q.shape, max_seqlen_q, *(() if cu_seqlens_q is None else cu_seqlens_q.shape))
-    return TRITON_OPS and q.is_cuda and torch.compiler.is_compiling() and BACKEND != "gluon" and \
-        not any(isinstance(n, torch.SymInt) for n in sizes) and \
-        (BACKEND == "triton" or not _gluon_may_apply(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward))
-
-
 def _through_ops():
-    """Whether to call the kernels through the torch.library operators: when compiling, and when a dispatch mode
-    is active (selective recomputation's, which keeps the forward's outputs instead of running it again; a FLOP
-    counter's), since those see only operators. Plain eager calls skip the layer (it costs host time)."""
+    """Whether to call the kernels through the operators: when compiling, and when a dispatch mode is active
+    (those see only operators). Plain eager calls skip the layer: its dispatch costs host time."""
     return torch.compiler.is_compiling() or _current_dispatch_mode() is not None
 
 
 class _FlashAttention(torch.autograd.Function):
-    """(O, L) with gradients for q, k, v; dense when cu_seqlens_q is None, packed otherwise; cos/sin (or None):
-    RoPE applied to q and k first (the tables of _rope_kwargs; no gradient). L is not differentiable."""
+    """(O, L) with gradients for q, k, v; dense when cu_seqlens_q is None, packed otherwise. L is not
+    differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, cos, sin):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
         if cu_seqlens_k is None:
             cu_seqlens_k = cu_seqlens_q
-        traced = _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
-        ctx.traced = _triton_traced(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, backward=True)  # may differ (D=64)
-        fwd = _triton_fwd_op if traced else _attention_fwd_op if _through_ops() else _forward
-        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND, cos, sin)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, cos, sin)
+        fwd = _attention_fwd_op if _through_ops() else _forward
+        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # no zeros made for L's gradient (it has none): ~0.1 ms of host per call
+        ctx.set_materialize_grads(False)  # no zeros made for L's gradient (it has none)
         ctx.args = (max_seqlen_q, max_seqlen_k, causal, BACKEND)  # the backward follows the forward's backend
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         if do is None:  # O took no part in what is differentiated
-            return (None,) * 10
-        bwd = _triton_bwd_op if ctx.traced else _attention_bwd_op if _through_ops() else _backward
-        saved = ctx.saved_tensors
-        dq, dk, dv = bwd(do, *saved[:7], *ctx.args, *saved[7:])
-        return (dq, dk, dv) + (None,) * 7
+            return (None,) * 8
+        bwd = _attention_bwd_op if _through_ops() else _backward
+        dq, dk, dv = bwd(do, *ctx.saved_tensors, *ctx.args)
+        return (dq, dk, dv) + (None,) * 5
 
 
 def _check_qkv(q, k, v, ndim):
@@ -2399,39 +1957,15 @@ def _check_qkv(q, k, v, ndim):
         raise ValueError(f"flash: head dim {q.shape[-1]} > 256 is not supported")
 
 
-def _rope_tables(rope, q, k, packed, cu_seqlens_k):
-    """(cos, sin) as fp32 contiguous tables after checking them against q and k (None without RoPE)."""
-    if rope is None:
-        return None, None
-    cos, sin = rope
-    d = q.shape[-1]
-    rows = q.shape[0] if packed else max(q.shape[2], k.shape[2])
-    shape = ", ".join(map(str, cos.shape))
-    if d % 2 or cos.shape != sin.shape or cos.shape[-1] != d // 2:
-        raise ValueError(f"flash: rope needs (cos, sin) of one shape ending in head_dim / 2 = {d / 2}, got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-    if packed and (cos.dim() != 2 or cos.shape[0] != rows or cu_seqlens_k is not None):
-        raise ValueError(f"flash: packed rope needs tables of one row per token ({rows}, {d // 2}) and keys in the "
-                         f"queries' documents (no cu_seqlens_k), got ({shape})")
-    if not packed and not (cos.dim() == 2 or (cos.dim() == 3 and cos.shape[0] == q.shape[0])) or \
-            cos.shape[-2] < rows:
-        raise ValueError(f"flash: rope needs tables (S, {d // 2}) or (B={q.shape[0]}, S, {d // 2}) with S >= "
-                         f"{rows} positions, got ({shape})")
-    if cos.device != q.device:
-        raise ValueError(f"flash: rope tables on {cos.device}, q on {q.device}")
-    return cos.float().contiguous(), sin.float().contiguous()
-
-
 def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None,
-                       max_seqlen_k=None, rope=None):
+                       max_seqlen_k=None):
     """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning the logsumexp L
-    ((B, H, S) dense, (H, total) packed; fp32, not differentiable). rope=(cos, sin): rotary embeddings applied to
-    q and k inside the kernels (see flash_attention)."""
+    ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
     if cu_seqlens is None:
         _check_qkv(q, k, v, 4)
         if q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] != 0:
             raise ValueError(f"flash: batch must match and H_kv divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
-        return _FlashAttention.apply(q, k, v, None, None, 0, 0, causal, *_rope_tables(rope, q, k, False, None))
+        return _FlashAttention.apply(q, k, v, None, None, 0, 0, causal)
     _check_qkv(q, k, v, 3)
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"flash: H_kv must divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
@@ -2445,26 +1979,19 @@ def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, c
                              f"{tuple(cu.shape)} on {cu.device}")
     if cu_seqlens_k is not None and cu_seqlens.shape != cu_seqlens_k.shape:
         raise ValueError("flash: cu_seqlens and cu_seqlens_k must have the same number of sequences")
-    return _FlashAttention.apply(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal,
-                                 *_rope_tables(rope, q, k, True, cu_seqlens_k))
+    return _FlashAttention.apply(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal)
 
 
-def flash_attention(q, k, v, causal=True, rope=None):
-    """q (B, H, S, D), k/v (B, H_kv, S_k, D) with H % H_kv == 0, any strides -> O (B, H, S, D); differentiable.
-    rope=(cos, sin): rotary embeddings on q and k, applied as the kernels load them (interleaved pairs: pair
-    (2j, 2j+1) of the row at position i turns by the angle whose cosine and sine are cos[i, j], sin[i, j]); the
-    tables are (S, D/2), shared by the batch, or (B, S, D/2), and get no gradient. The same result as rotating q
-    and k first (rope_reference), without the passes over q and k that costs."""
-    return attention_with_lse(q, k, v, causal, rope=rope)[0]
+def flash_attention(q, k, v, causal=True):
+    """q (B, H, S, D), k/v (B, H_kv, S_k, D) with H % H_kv == 0, any strides -> O (B, H, S, D); differentiable."""
+    return attention_with_lse(q, k, v, causal)[0]
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None, max_seqlen_k=None,
-                      rope=None):
+def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None, max_seqlen_k=None):
     """Packed documents: q (total_q, H, D), k/v (total_k, H_kv, D), int32 cu_seqlens (num_seqs + 1) -> O like q.
     Each query attends only inside its own document; max_seqlen is a Python int >= the longest document (it sizes
-    the grid and is not checked on the device, to avoid a host sync per call). rope=(cos, sin): as for
-    flash_attention with tables of one row per token, (total, D/2) (each document's own positions)."""
-    return attention_with_lse(q, k, v, causal, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, rope)[0]
+    the grid and is not checked on the device, to avoid a host sync per call)."""
+    return attention_with_lse(q, k, v, causal, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)[0]
 
 
 class FlashAttentionTriton(torch.autograd.Function):
@@ -2483,27 +2010,23 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        as4 = lambda x: x.reshape(-1, 1, *x.shape[-2:])
-        dq, dk, dv = _backward(as4(do), as4(q), as4(k), as4(v), as4(o), lse.reshape(-1, 1, q.shape[-2]), None,
-                               None, 0, 0, ctx.causal, "triton")
+        as4 = lambda x: x.reshape(-1, 1, *x.shape[-2:])  # noqa: E731
+        dq, dk, dv = _triton_backward(as4(do), as4(q), as4(k), as4(v), as4(o), lse.reshape(-1, 1, q.shape[-2]),
+                                      None, None, 0, 0, ctx.causal)
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
 
 
+
 # ---------------------------------------------------------------------------------------------------------------
-# 5. AdamW: one launch steps every parameter of a (group, dtype) bucket (train.AdamW holds the algorithm, the
-#    groups and the state, and calls adamw_step). The tensors are cut into ADAMW_BLOCK-element chunks; a table built
-#    once gives each chunk's element offset from a base tensor (the lowest address) for p, m and v, its tensor's
-#    index, its index inside the tensor and its length. Gradients are new tensors after every backward (grads set to
-#    None), so their offsets live in a separate per-tensor array, the only thing re-sent when they move (a few
-#    hundred bytes, pinned and non-blocking: rebuilding and sending the 2 MB chunk table every step cost 8 ms of host
-#    time per GPT-2-small step on the H200). Offsets are stored in units of UNIT elements, so when every tensor
-#    starts 16 elements apart the compiler knows the alignment, and a full chunk is read and written without a
-#    mask: both are needed for 16-byte loads and stores (masked on every chunk, the kernel moved 4.09 TB/s on the
-#    2.7B model's 3.4B parameters on the H200; unmasked on full chunks 4.20). One pass reads p, g, m, v and writes
-#    p, m, v: 28 bytes per fp32 parameter, the least possible (the foreach path makes about 8 passes).
+# 5. AdamW, t counted per parameter: m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
+#    p <- p - a_t m / (sqrt(v) + eps) with a_t = lr sqrt(1 - b2^t) / (1 - b1^t); then p <- p (1 - lr wd).
+#    On CUDA one launch steps every parameter of a (group, dtype) bucket in one pass over p, g, m, v, chunk by
+#    chunk through a table built once (each chunk's offsets from a base tensor, its tensor, its length). Gradients
+#    are new tensors after every backward, so their offsets are a small array of their own, re-sent only when they
+#    move. Offsets count 16 elements at a time where they can, so full chunks load and store 16 bytes a thread.
 # ---------------------------------------------------------------------------------------------------------------
 
-ADAMW_BLOCK = 2048  # on the H200 2048 beat 4096 and 8192
+ADAMW_BLOCK = 2048
 
 
 @triton.jit
@@ -2567,12 +2090,10 @@ def _chunk_table(columns, block):
 
 
 def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay, scalars=None):
-    """One AdamW update of equal-length lists of contiguous tensors (one device and dtype each list; m, v fp32):
-    m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; p <- (p + neg_step m / (sqrt(v) + eps)) * decay, with
-    neg_step = -lr sqrt(1 - b2^t) / (1 - b1^t) and decay = 1 - lr weight_decay. `cache` is a dict the caller keeps
-    per bucket between steps (the chunk table and the gradient offsets). scalars: None, or an fp32 tensor of two
-    on the device from which the kernel reads (neg_step, decay) instead (the floats are then ignored), so that a
-    CUDA graph that captured the launch takes each replay's step size from there."""
+    """One fused AdamW update of equal-length lists of contiguous tensors (m, v fp32): p <- (p + neg_step m /
+    (sqrt(v) + eps)) * decay. `cache`: a dict the caller keeps per bucket (chunk table, gradient offsets). scalars:
+    None, or 2 fp32 values on the device the kernel reads (neg_step, decay) from instead, so that a CUDA graph that
+    captured the launch takes each replay's step size from there."""
     live = [i for i, p in enumerate(params) if p.numel()]
     if not live:
         return
@@ -2586,9 +2107,7 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
     g_key = tuple(g.data_ptr() for g in grads)
     if cache["g_key"] != g_key:  # new gradient addresses: send their offsets, without waiting for the GPU
         g_base, g_offsets, g_unit = _offsets(grads)
-        # the pinned host copy is kept as long as the device one: a CUDA graph that captured this copy reads it
-        # at every replay
-        host = torch.from_numpy(g_offsets)
+        host = torch.from_numpy(g_offsets)  # kept: a CUDA graph that captured the copy reads it at every replay
         if device.type == "cuda":
             host = host.pin_memory()
         cache.update(g_key=g_key, g_index=next(i for i, g in enumerate(grads) if g is g_base), g_host=host,
@@ -2607,18 +2126,12 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
 
 
 class AdamW(torch.optim.Optimizer):
-    """AdamW with decoupled weight decay (t per parameter, ε after sqrt(v), decay by α·λ after the Adam update).
-    m and v are fp32 (fp64 for fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded once.
-    fused=None (default) steps CUDA parameters with one fused Triton kernel per (group, dtype) and everything else
-    with torch._foreach_* ops; fused=True insists on the kernel (on CPU it then runs in Triton's interpreter: for
-    tests), fused=False always uses foreach.
-
-    capturable=True lets step() be captured in a CUDA graph (capture_step does it for a whole training step): the
-    kernel then reads its step size and decay, which change with the learning rate and t, from a small tensor per
-    bucket on the device. Eagerly, step() writes that tensor before each launch; while a stream is capturing it
-    only records the launches, and advance() does the host's part of each replayed step instead: it counts the step
-    and writes the tensors from the groups' current lr. Every parameter then needs the kernel and its state (one
-    eager step first), and all parameters of a group the same t."""
+    """AdamW with decoupled weight decay (the formulas above). m and v are fp32 (fp64 for fp64 parameters); bf16
+    and fp16 parameters are updated in fp32 and rounded once. fused=None steps CUDA parameters with the fused
+    kernel and others with torch._foreach_* ops; True insists on the kernel (the interpreter on CPU), False never.
+    capturable=True lets step() be captured in a CUDA graph (train.capture_step): the kernel then reads its step
+    size and decay from a device tensor per bucket, which step() writes eagerly and advance(), the host's part of
+    each replay, writes from the groups' current lr (every parameter needs its state first: one eager step)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None,
                  capturable=False):
@@ -2690,9 +2203,7 @@ class AdamW(torch.optim.Optimizer):
         if scalars is None:
             scalars = self._scalars[key] = torch.empty(2, dtype=torch.float32, device=key[2])
         host = torch.tensor([neg_step, 1 - lr_wd], dtype=torch.float32)
-        # pinned: the copy is queued without the host waiting for the GPU (from pageable memory it waited for the
-        # work queued before it, so a replayed step could not be issued ahead); the host allocator keeps the
-        # buffer until the copy is done
+        # pinned, so that the copy is queued without the host waiting for the GPU
         scalars.copy_(host.pin_memory() if scalars.is_cuda else host, non_blocking=True)
         return scalars
 
@@ -2759,11 +2270,10 @@ class AdamW(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 6. Cross-entropy over rows of logits, gradient in place (model.linear_cross_entropy runs it chunk by chunk, so
-#    the logits of a whole batch never exist at once). For each row x with target t (t == ignore_index: no loss,
-#    zero gradient): loss = logsumexp(x) - x[t], computed in fp32 by an online max/sum over column blocks; then x is
-#    overwritten with scale * (softmax(x) - onehot(t)), the loss's gradient, where scale = dL/dloss_row (1/count
-#    for a mean) is read from a one-element tensor, so the host never waits for the count.
+# 6. Cross-entropy over rows of logits, gradient in place (model.linear_cross_entropy runs it chunk by chunk).
+#    For each row x with target t (t == ignore_index: no loss, zero gradient): loss = logsumexp(x) - x[t] in fp32
+#    by an online max/sum, then x is overwritten with scale * (softmax(x) - onehot(t)), scale = dL/dloss_row read
+#    from a one-element tensor (so the host never waits for the count of targets).
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -2832,31 +2342,18 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 7. RMSNorm over the last dim (model.RMSNorm with impl="triton" calls rms_norm). For a row x of d elements and a
-#    gain g (d,), in fp32 whatever the input dtype: r = 1 / sqrt(mean(x^2) + eps), y = (x r) g, stored in x's dtype;
-#    the forward also keeps r per row (fp32), so the backward never recomputes the mean of squares. With x_hat = x r
-#    and gy = g dy, the backward gives dx = r (gy - x_hat mean(x_hat gy)) (the gradient through the division by
-#    the rms is the projection term) and dg = sum over rows of dy x_hat. One kernel each way, whole rows in
-#    registers (d up to RMS_MAX_D): the forward takes a block of rows per program; the backward runs a fixed
-#    number of programs that stride over the row blocks, each adding its rows' dy x_hat into an fp32 accumulator
-#    and writing it as one row of a (programs, d) buffer, which a torch sum turns into dg (at (32768, 4096) bf16 on an
-#    H200: 8.7 MB against the 805 MB of x, dy and dx). add_rms_norm is the same with the residual stream's add:
-#    h = x + r and y = rms_norm(h) in one pass (y may be stored in another dtype, autocast's, for the matmul that
-#    reads it), and in the backward the gradient that reaches h from elsewhere (the residual path) is added to dx
-#    in the same pass, so a pre-norm block's adds, norms and their gradients take one kernel each. As with
-#    attention, under torch.compile the autograd Function calls custom ops with fake kernels; eagerly it calls
-#    the launchers directly.
+# 7. RMSNorm over the last dim, in fp32 whatever the dtype: r = 1 / sqrt(mean(x^2) + eps), y = (x r) g, r kept per
+#    row for the backward: with x_hat = x r and gy = g dy, dx = r (gy - x_hat mean(x_hat gy)) and dg = sum over rows
+#    of dy x_hat. Whole rows in registers (d <= RMS_MAX_D). The backward's programs stride over the row blocks,
+#    each summing its rows' dy x_hat into one row of a (programs, d) buffer that a torch sum turns into dg.
+#    add_rms_norm also adds the residual stream (h = x + r, one pass) and, in the backward, the gradient reaching
+#    h from the residual path, so a pre-norm block's adds, norms and their gradients take one kernel each. As with
+#    attention: custom ops with fake kernels under torch.compile, the launchers directly when eager.
 # ---------------------------------------------------------------------------------------------------------------
 
-RMS_MAX_D = 8192  # whole rows live in registers: compiled for sm_90 the backward spills at d = 16384 (16 warps, 128
-# registers a thread), none up to 8192, so wider rows are rejected rather than run slowly
-RMS_ELEMENTS = 4096  # elements of a forward program's tile (BLOCK_M rows x BLOCK_D columns), 16 a thread (97% of a
-# copy's bandwidth at (32768, 4096) bf16 on an H200, bench.py rmsnorm)
-# The backward's tile: 16 elements a thread, at least 2048 elements (so at d = 768 two rows and 4 warps, at 4096 one
-# row and 8 warps), and programs per SM: 2 from 2048 columns, 4 below. Swept on an H200 (1-8 rows, 4-16 warps, 2-8
-# programs per SM) at (32768, 4096) bf16, (8192, 2560) and (12288, 768) fp32 x with bf16 dy: 95%, 90% and 92% of
-# a copy of the same bytes; the best other tiles were 3-16 points lower.
-RMS_BWD_ELEMENTS = 2048
+RMS_MAX_D = 8192  # the backward spills past it (rows live in registers): wider rows are refused
+RMS_ELEMENTS = 4096  # a forward program's tile, BLOCK_M rows x BLOCK_D columns: 16 elements a thread
+RMS_BWD_ELEMENTS = 2048  # the backward's, with 2 programs per SM from 2048 columns, 4 below
 RMS_INTERPRET_BLOCK_M = 128  # the interpreter: its time goes by programs and loop steps, not tile size
 
 
@@ -2904,10 +2401,8 @@ def _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy, stride_
 def _rms_norm_bwd_kernel(X, W, DY, RSTD, DH, DX, DW_PARTIAL, n_rows, d, stride_x, stride_dy, stride_dh, n_blocks,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DH: tl.constexpr,
                          PREFETCH: tl.constexpr):
-    # Each program strides over the row blocks. PREFETCH: it loads its next block's x, dy (and dh) before it works
-    # on the current one, so that a load is always in flight (1.2-1.5x the bandwidth of loading each block when it
-    # is reached, bench.py rmsnorm's shapes on an H200); it doubles the registers those take, so rows wider than
-    # 4096 (16 warps, 128 registers a thread) load each block when they reach it rather than spill.
+    # Each program strides over the row blocks. PREFETCH: it loads its next block before it works on the current
+    # one, so a load is always in flight; that doubles the registers they take, so rows past 4096 do without.
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
@@ -2948,8 +2443,7 @@ def _as_rows(t, d):
 
 
 def _rms_programs(device, n_blocks, block_d):
-    """Backward programs: 2 or 4 per SM on CUDA (RMS_BWD_ELEMENTS; the interpreter: 2, so a program steps over
-    several blocks)."""
+    """Backward programs: 2 or 4 per SM on CUDA; 2 in the interpreter, so a program steps over several blocks."""
     if device.type != "cuda":
         return max(1, min(n_blocks, 2))
     return max(1, min(n_blocks, _sm_count(device.index) * (2 if block_d >= 2048 else 4)))
@@ -3096,10 +2590,8 @@ def rms_norm(x, weight, eps=1e-5):
 
 
 def add_rms_norm(x, residual, weight, eps=1e-5, out_dtype=None):
-    """(h, y) with h = x + residual (in their promoted dtype; residual None: h is x) and y = rms_norm(h, weight,
-    eps) stored in out_dtype (default h's dtype; under autocast, the matmul dtype, so the next matmul reads it
-    without a cast). One kernel each way: the forward reads x and residual and writes h and y; the backward takes
-    the gradients of both outputs (h's: the residual path's) and writes the gradient of x (= residual's, cast to
-    its dtype) and of weight. The pre-norm block's x + f(norm(x)) pattern: model.TransformerBlock."""
+    """(h, y) with h = x + residual (their promoted dtype; residual None: h is x) and y = rms_norm(h, weight, eps)
+    stored in out_dtype (default h's; under autocast the matmul dtype, so the next matmul reads it as it is). One
+    kernel each way; the backward takes both outputs' gradients (h's: the residual path's)."""
     _check_rms("add_rms_norm", x, weight, residual, out_dtype)
     return _AddRMSNorm.apply(x, residual, weight, float(eps), out_dtype)

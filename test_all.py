@@ -9,6 +9,7 @@ machine without CUDA the Triton kernels run under the interpreter (TRITON_INTERP
 imports triton); on a GPU the same tests run natively and the GPU-only tests (names containing "gpu") run too.
 Multi-process tests use gloo on CPU (NCCL when there is a GPU per rank) and skip with a reason when they can't run.
 """
+import ast
 import collections
 import contextlib
 import copy
@@ -475,6 +476,7 @@ def test_prepare_shakespeare_splits_whole_works(tmp_path):
     assert sum(map(len, train)) > 8_000_000
 
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # flash.py
 # ---------------------------------------------------------------------------------------------------------------
@@ -482,6 +484,7 @@ def test_prepare_shakespeare_splits_whole_works(tmp_path):
 # On CPU the kernels run in the Triton interpreter (slow): tiny fp32 shapes, chosen so that every code path runs
 # (tiles there are 32 x 16 and 16 x 32: several diagonal sub-tiles, ragged last tiles, lengths 1 and 17).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and flash.gluon is not None
 
 
 def _rel(a, b):
@@ -508,253 +511,147 @@ def _poisoned_empty():
         torch.empty, torch.empty_like = empty, empty_like
 
 
+@contextlib.contextmanager
+def _backend(name):
+    old, flash.BACKEND = flash.BACKEND, name
+    try:
+        yield
+    finally:
+        flash.BACKEND = old
+
+
+def _check_attention(q, k, v, causal, tol, cu=None, max_len=0, cu_k=None, max_len_k=0):
+    """O, L, dQ, dK, dV of flash.attention_with_lse (outputs poisoned first) against float64 attention."""
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel())).to(q.device, q.dtype)
+    with _poisoned_empty():
+        o, lse = flash.attention_with_lse(q, k, v, causal, cu, max_len, cu_k, max_len_k or max_len)
+        o.backward(do)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    if cu is None:
+        ro, rlse = flash.attention_reference(*ref, causal)
+    else:
+        ro, rlse = flash.attention_varlen_reference(*ref, cu, causal, cu_k)
+    ro.backward(do.double())
+    errs = dict(o=_rel(o, ro), lse=_rel(lse, rlse), dq=_rel(q.grad, ref[0].grad), dk=_rel(k.grad, ref[1].grad),
+                dv=_rel(v.grad, ref[2].grad))
+    assert all(e < tol for e in errs.values()), (tuple(q.shape), tuple(k.shape), causal, errs)
+    return o
+
+
 def _check_dense(b, h, h_kv, s, s_k, d, causal, dtype=torch.float32, tol=1e-5, layout="bhsd", gen=None):
-    shape = lambda heads, n: (b, heads, n, d) if layout == "bhsd" else (b, n, heads, d)
+    shape = lambda heads, n: (b, heads, n, d) if layout == "bhsd" else (b, n, heads, d)  # noqa: E731
     q, k, v = (torch.randn(shape(hh, n), generator=gen, dtype=torch.float32).to(DEVICE, dtype)
                for hh, n in ((h, s), (h_kv, s_k), (h_kv, s_k)))
     if layout == "bshd":  # the (B, S, H, D) projection output seen as (B, H, S, D), no copy
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
-    with _poisoned_empty():
-        o, lse = flash.attention_with_lse(q, k, v, causal)
-        o.backward(do)
-    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ro, rlse = flash.attention_reference(*ref, causal)
-    ro.backward(do.double())
-    errs = dict(o=_rel(o, ro), lse=_rel(lse, rlse), dq=_rel(q.grad, ref[0].grad), dk=_rel(k.grad, ref[1].grad),
-                dv=_rel(v.grad, ref[2].grad))
-    assert all(e < tol for e in errs.values()), (b, h, h_kv, s, s_k, d, causal, layout, errs)
-    return o
+    return _check_attention(q, k, v, causal, tol)
 
 
-def test_flash_reference_twin_matches_naive_attention():
+def _check_varlen(lens, h, h_kv, d, causal, lens_k=None, gen=None, tol=1e-5, dtype=torch.float32):
+    cu_of = lambda ns: torch.tensor([0] + ns, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)  # noqa: E731
+    q = torch.randn(sum(lens), h, d, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(sum(lens_k or lens), h_kv, d, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    cu_k = None if lens_k is None else cu_of(lens_k)
+    o = _check_attention(q, k, v, causal, tol, cu_of(lens), max(lens), cu_k, max(lens_k or lens))
+    assert torch.equal(flash.flash_attn_varlen(q, k, v, cu_of(lens), max(lens), causal, cu_k, max(lens_k or lens)),
+                       o)  # the public entry point
+
+
+@cases("causal", [False, True])
+def test_flash_reference_twin_matches_naive_attention(causal):
     gen = torch.Generator().manual_seed(0)
-    for causal in (False, True):
-        for batch, s, d in ((2, 1, 16), (1, 17, 32), (2, 100, 16), (1, 130, 64)):
-            q, k, v = (torch.randn(batch, s, d, generator=gen, dtype=torch.float64, requires_grad=True)
-                       for _ in range(3))
-            o = flash.FlashAttentionPyTorch.apply(q, k, v, causal)
-            assert o.grad_fn.saved_tensors[-1].shape == (batch, s)  # L saved, (batch, seq_q)
-            lse = o.grad_fn.saved_tensors[-1]
-            do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
-            dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
-            ro, rlse = flash.attention_reference(q, k, v, causal)
-            rdq, rdk, rdv = torch.autograd.grad(ro, (q, k, v), do)
-            for a, r in ((o, ro), (lse, rlse), (dq, rdq), (dk, rdk), (dv, rdv)):
-                assert _rel(a, r) < 1e-10, (causal, batch, s, d)
+    for batch, s, d in ((2, 1, 16), (1, 17, 32), (2, 100, 16), (1, 130, 64)):
+        q, k, v = (torch.randn(batch, s, d, generator=gen, dtype=torch.float64, requires_grad=True)
+                   for _ in range(3))
+        o = flash.FlashAttentionPyTorch.apply(q, k, v, causal)
+        lse = o.grad_fn.saved_tensors[-1]
+        assert lse.shape == (batch, s)  # L saved, (batch, seq_q)
+        do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+        ro, rlse = flash.attention_reference(q, k, v, causal)
+        grads = torch.autograd.grad(o, (q, k, v), do) + torch.autograd.grad(ro, (q, k, v), do)
+        assert _rel(o, ro) < 1e-10 and _rel(lse, rlse) < 1e-10
+        assert all(_rel(a, r) < 1e-10 for a, r in zip(grads[:3], grads[3:])), (causal, batch, s, d)
 
 
-def test_flash_triton_dense_ragged_lengths_and_head_dims():
+@cases("b, h, h_kv, s, s_k, d, layout", [
+    (2, 2, 2, 1, 1, 16, "bhsd"), (1, 2, 2, 17, 17, 32, "bhsd"), (1, 1, 1, 100, 100, 64, "bhsd"),
+    (1, 1, 1, 257, 257, 16, "bhsd"), (1, 2, 2, 128, 128, 16, "bhsd"),  # 128: no ragged tile (dK/dV's EVEN_Q)
+    (2, 4, 2, 45, 45, 32, "bshd"),  # grouped heads in the (B, S, H, D) memory of projections
+    (1, 3, 1, 33, 33, 24, "bhsd"),  # head dim 24 runs zero-padded to 32
+    (1, 4, 2, 128, 128, 16, "bhsd"), (1, 2, 2, 20, 50, 16, "bhsd"), (1, 2, 1, 50, 20, 16, "bhsd"),
+    (1, 2, 2, 20, 70, 16, "bhsd"), (1, 2, 1, 128, 192, 16, "bhsd")])  # more keys than queries: zero dK, dV past them
+def test_flash_triton_dense_matches_float64(b, h, h_kv, s, s_k, d, layout):
     gen = torch.Generator().manual_seed(1)
     for causal in (False, True):
-        for b, h, s, d in ((2, 2, 1, 16), (1, 2, 17, 32), (1, 1, 100, 64), (1, 1, 257, 16), (1, 2, 128, 16)):
-            _check_dense(b, h, h, s, s, d, causal, gen=gen)  # 128: no ragged tile (the dK/dV kernel's EVEN_Q)
+        o = _check_dense(b, h, h_kv, s, s_k, d, causal, layout=layout, gen=gen)
+        if layout == "bshd":
+            assert o.transpose(1, 2).is_contiguous()  # the output keeps the (B, S, H, D) memory: the merge is free
 
 
-def test_flash_triton_gqa_strided_views_and_odd_head_dim():
-    gen = torch.Generator().manual_seed(2)
-    for causal in (False, True):
-        o = _check_dense(2, 4, 2, 45, 45, 32, causal, layout="bshd", gen=gen)
-        assert o.transpose(1, 2).is_contiguous()  # output keeps the (B, S, H, D) memory: the merge is free
-        _check_dense(1, 3, 1, 33, 33, 24, causal, gen=gen)  # head dim 24 runs zero-padded to 32
-        _check_dense(1, 4, 2, 128, 128, 16, causal, gen=gen)  # grouped heads without a ragged tile
-    _check_dense(1, 2, 2, 20, 50, 16, False, gen=gen)  # more keys than queries
-    _check_dense(1, 2, 1, 50, 20, 16, True, gen=gen)  # causal, fewer keys than queries (top-left aligned)
-    # causal, more keys than queries: key tiles past the last query get zero dK, dV (ragged, then no ragged tile)
-    _check_dense(1, 2, 2, 20, 70, 16, True, gen=gen)
-    _check_dense(1, 2, 1, 128, 192, 16, True, gen=gen)
+@cases("lens, h, h_kv, d, lens_k", [
+    ([1, 2, 5, 1, 17, 3, 1, 9, 40, 1, 33, 70], 2, 2, 16, None),  # many in one tile, then several tiles long
+    ([3, 0, 40, 1, 0, 17, 0, 0], 2, 2, 16, None),  # empty documents (train.pad_packed makes them)
+    ([3, 50, 1, 18], 4, 2, 32, None),  # grouped-query heads
+    ([5, 30, 1, 12], 2, 1, 16, [40, 3, 17, 1]), ([20, 33, 7], 2, 2, 16, [20, 40, 3])])  # keys of their own lengths
+def test_flash_triton_varlen_matches_float64(lens, h, h_kv, d, lens_k):
+    gen = torch.Generator().manual_seed(4)
+    for causal in (True, False):
+        _check_varlen(lens, h, h_kv, d, causal, lens_k, gen=gen)
 
 
-def test_flash_triton_apply_interface_saves_one_lse():
-    gen = torch.Generator().manual_seed(3)
+def test_flash_triton_bf16_and_apply_interface():
+    """bf16 q, k, v through the Triton kernels (forced), dense and packed, against float64 (Triton's interpreter
+    has no bf16 arithmetic: flash.py runs such calls in fp32 there and returns bf16); and the (batch, seq, d)
+    interface, which saves one L."""
+    gen = torch.Generator().manual_seed(6)
+    with _backend("triton"):
+        for causal in (True, False):
+            _check_dense(1, 2, 1, 37, 37, 32, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
+            _check_varlen([5, 1, 40], 2, 2, 16, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
     for causal in (False, True):
         q, k, v = (torch.randn(3, 40, 32, generator=gen).to(DEVICE).requires_grad_() for _ in range(3))
         o = flash.FlashAttentionTriton.apply(q, k, v, causal)
         lse = o.grad_fn.saved_tensors[-1]
         assert lse.shape == (3, 40) and lse.dtype == torch.float32
         do = torch.randn(o.shape, generator=gen).to(DEVICE)
-        grads = torch.autograd.grad(o, (q, k, v), do)
         ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
         ro, rlse = flash.attention_reference(*ref, causal)
-        rgrads = torch.autograd.grad(ro, ref, do.double())
+        grads = torch.autograd.grad(o, (q, k, v), do) + torch.autograd.grad(ro, ref, do.double())
         assert _rel(o, ro) < 1e-5 and _rel(lse, rlse) < 1e-5
-        assert all(_rel(g, r) < 1e-5 for g, r in zip(grads, rgrads))
+        assert all(_rel(g, r) < 1e-5 for g, r in zip(grads[:3], grads[3:]))
 
 
-def _check_varlen(lens, h, h_kv, d, causal, lens_k=None, gen=None, tol=1e-5, dtype=torch.float32):
-    cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)
-    lens_k = lens if lens_k is None else lens_k
-    cu_k = torch.tensor([0] + lens_k, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)
-    q = torch.randn(sum(lens), h, d, generator=gen).to(DEVICE, dtype).requires_grad_()
-    k, v = (torch.randn(sum(lens_k), h_kv, d, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(2))
-    do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
-    with _poisoned_empty():
-        o, lse = flash.attention_with_lse(q, k, v, causal, cu, max(lens), None if lens_k is lens else cu_k,
-                                          max(lens_k))
-        o.backward(do)
-    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ro, rlse = flash.attention_varlen_reference(*ref, cu, causal, cu_k)
-    ro.backward(do.double())
-    errs = dict(o=_rel(o, ro), lse=_rel(lse, rlse), dq=_rel(q.grad, ref[0].grad), dk=_rel(k.grad, ref[1].grad),
-                dv=_rel(v.grad, ref[2].grad))
-    assert all(e < tol for e in errs.values()), (lens, h, h_kv, d, causal, errs)
-    o2 = flash.flash_attn_varlen(q, k, v, cu, max(lens), causal, None if lens_k is lens else cu_k,
-                                 max(lens_k))  # the public entry point
-    assert torch.equal(o2, o)
-
-
-def test_flash_triton_bf16_inputs():
-    """bf16 q, k, v through the Triton kernels (forced), dense (ragged, grouped heads) and packed, against float64.
-    On the CPU this runs in Triton's interpreter, which has no bf16 arithmetic (its tl.dot multiplies the raw bits
-    of bf16 operands): flash.py runs such calls in fp32 there and returns bf16."""
-    gen = torch.Generator().manual_seed(6)
-    old, flash.BACKEND = flash.BACKEND, "triton"
-    try:
-        for causal in (True, False):
-            _check_dense(1, 2, 1, 37, 37, 32, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            _check_varlen([5, 1, 40], 2, 2, 16, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-    finally:
-        flash.BACKEND = old
-
-
-def test_flash_varlen_many_short_documents_and_long_ones():
-    gen = torch.Generator().manual_seed(4)
-    for causal in (True, False):
-        # many documents inside one 32-row tile, length 1 upward, then ones spanning several tiles
-        _check_varlen([1, 2, 5, 1, 17, 3, 1, 9, 40, 1, 33, 70], 2, 2, 16, causal, gen=gen)
-        _check_varlen([3, 0, 40, 1, 0, 17, 0, 0], 2, 2, 16, causal, gen=gen)  # empty documents (train.pad_packed)
-    _check_varlen([3, 50, 1, 18], 4, 2, 32, True, gen=gen)  # grouped-query heads
-
-
-def test_flash_varlen_separate_key_lengths():
-    gen = torch.Generator().manual_seed(5)
-    _check_varlen([5, 30, 1, 12], 2, 1, 16, False, lens_k=[40, 3, 17, 1], gen=gen)
-    _check_varlen([20, 33, 7], 2, 2, 16, True, lens_k=[20, 40, 3], gen=gen)
-
-
-def _rope_angles(positions, d, theta=10000.0):
-    """(cos, sin) fp32 tables (len(positions), d/2) of RoPE angles position * theta^(-2j/d), made in float64."""
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = positions.double()[..., None] * inv
-    return ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
-
-
-def _check_rope(b, h, h_kv, s, d, causal, lens=None, tables="shared", dtype=torch.float32, tol=1e-5, gen=None,
-                layout="bhsd"):
-    """flash_attention / flash_attn_varlen with rope=(cos, sin) (rotated inside the kernels) against float64:
-    RoPE applied first (rope_reference), then attention; O, L, dQ, dK, dV. tables: 'shared' (S + 5, D/2) for the
-    whole batch, 'batch' (B, S, D/2) with a different position offset per sequence; packed (lens): one row per
-    token, each document's positions from 0."""
-    packed = lens is not None
-    if packed:
-        cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)
-        shapes = [(sum(lens), h, d), (sum(lens), h_kv, d), (sum(lens), h_kv, d)]
-        cos, sin = _rope_angles(torch.cat([torch.arange(n) for n in lens]), d)
-    else:
-        shapes = [(b, hh, s, d) if layout == "bhsd" else (b, s, hh, d) for hh in (h, h_kv, h_kv)]
-        pos = torch.arange(s + 5) if tables == "shared" else torch.arange(s)[None] + 7 * torch.arange(b)[:, None]
-        cos, sin = _rope_angles(pos, d)
-    q, k, v = (torch.randn(sh, generator=gen).to(DEVICE, dtype) for sh in shapes)
-    if layout == "bshd":
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
-    with _poisoned_empty():
-        if packed:
-            o, lse = flash.attention_with_lse(q, k, v, causal, cu, max(lens), rope=(cos, sin))
-        else:
-            o, lse = flash.attention_with_lse(q, k, v, causal, rope=(cos, sin))
-        o.backward(do)
-    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    c64, s64 = (t.double() if packed or tables == "batch" else t[:s].double() for t in (cos, sin))
-    rq, rk = flash.rope_reference(ref[0], c64, s64), flash.rope_reference(ref[1], c64, s64)
-    if packed:
-        ro, rlse = flash.attention_varlen_reference(rq, rk, ref[2], cu, causal)
-    else:
-        ro, rlse = flash.attention_reference(rq, rk, ref[2], causal)
-    ro.backward(do.double())
-    errs = dict(o=_rel(o, ro), lse=_rel(lse, rlse), dq=_rel(q.grad, ref[0].grad), dk=_rel(k.grad, ref[1].grad),
-                dv=_rel(v.grad, ref[2].grad))
-    assert all(e < tol for e in errs.values()), (b, h, h_kv, s, d, causal, lens, tables, errs)
-
-
-def test_flash_rope_inside_the_kernels_matches_rotating_first():
-    """RoPE applied by the Triton kernels as they load Q and K (the gradients turned back before they are stored)
-    against rotating q and k first, in float64: dense with tables shared by the batch or one per sequence, GQA,
-    a ragged length, a padded head dim (24 -> 32) and the (B, S, H, D) memory of projections; packed documents
-    with their own positions; the bad tables each get an error naming the problem."""
-    gen = torch.Generator().manual_seed(21)
-    for causal in (True, False):
-        _check_rope(2, 2, 2, 45, 16, causal, gen=gen)
-        _check_rope(2, 4, 2, 33, 16, causal, tables="batch", gen=gen)
-        _check_rope(1, 2, 1, 20, 24, causal, gen=gen, layout="bshd")
-        _check_rope(0, 2, 2, 0, 16, causal, lens=[1, 17, 40, 3], gen=gen)
-    q = torch.randn(1, 2, 8, 16, device=DEVICE)
-    cos, sin = _rope_angles(torch.arange(8), 16)
-    for bad, msg in (((cos[:5], sin[:5]), "S >= 8 positions"), ((cos[:, :4], sin[:, :4]), "head_dim / 2"),
-                     ((cos[None].expand(3, 8, 8), sin[None].expand(3, 8, 8)), "B=1")):
-        _expect(ValueError, [msg], lambda: flash.flash_attention(q, q, q, rope=bad))
-    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
-    x = q[0].transpose(0, 1)
-    _expect(ValueError, ["one row per token"], lambda: flash.flash_attn_varlen(x, x, x, cu, 5, rope=(cos[:6], sin[:6])))
-
-
-def test_flash_gpu_rope_on_both_kernel_families():
-    """RoPE through flash_attention / flash_attn_varlen in bf16 on the GPU, the Triton kernels (rotating inside)
-    and, on Hopper, the Gluon ones (RoPE as passes around them), against float64: dense D=64 and 128 with GQA and
-    per-sequence tables, packed D=64."""
-    if not torch.cuda.is_available():
-        raise unittest.SkipTest("needs CUDA")
-    gen = torch.Generator().manual_seed(22)
-    old = flash.BACKEND
-    try:
-        for backend in ("triton", "gluon") if flash.gluon is not None and torch.cuda.get_device_capability() == (9, 0) \
-                else ("triton",):
-            flash.BACKEND = backend
-            for causal in (True, False):
-                _check_rope(2, 4, 2, 300, 128, causal, tables="batch", dtype=torch.bfloat16, tol=2e-2, gen=gen)
-                _check_rope(1, 4, 4, 1000, 64, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen, layout="bshd")
-                _check_rope(0, 4, 2, 0, 64, causal, lens=[1, 300, 7, 900, 64], dtype=torch.bfloat16, tol=2e-2,
-                            gen=gen)
-    finally:
-        flash.BACKEND = old
-
-
-def test_flash_delta_pass_zeroes_the_dq_buffer_of_the_gluon_backward():
-    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 against float64, and the first
-    dq_cols columns of the fp32 dQ buffer (poisoned with NaN first) zeroed on every row of every document and the
-    columns past them left alone, dense and packed (on CPU under the interpreter; the Gluon backward relies on it, as
-    it adds dQ into that buffer). A head dim below the tile width (12 of 16) reads only its own columns: O and dO
+@cases("lens, d", [(None, 16), (None, 12), ([1, 70, 5, 33], 16), ([1, 70, 5, 33], 12)])
+def test_flash_delta_pass_zeroes_the_dq_buffer_of_the_gluon_backward(lens, d):
+    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 against float64, and the first dq_cols columns
+    of the fp32 dQ buffer (poisoned with NaN first) zeroed on every row of every document, the columns past them
+    left alone, dense and packed. A head dim below the tile width (12 of 16) reads only its own columns: O and dO
     are views into NaN-filled rows 16 wide."""
     gen = torch.Generator().manual_seed(8)
-    for lens, d in itertools.product((None, [1, 70, 5, 33]), (16, 12)):
-        shape = (2, 3, 45, 16) if lens is None else (sum(lens), 3, 16)
-        o, do = (torch.full(shape, float("nan"), device=DEVICE) for _ in range(2))
-        for x in (o, do):
-            x[..., :d] = torch.randn(shape[:-1] + (d,), generator=gen).to(DEVICE)
-        o, do = o[..., :d], do[..., :d]
-        ref = (o.double() * do.double()).sum(-1)  # (B, H, S) dense, (total, H) packed
-        varlen = lens is not None
-        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE) if varlen else None
-        lse_shape = (3, shape[0]) if varlen else shape[:3]
-        delta = torch.full(lse_shape, float("nan"), device=DEVICE)
-        dq = torch.full(shape, float("nan"), device=DEVICE)
-        dq_cols = 16 if lens is None else 8
-        lse_strides = dict(stride_lb=0, stride_lh=shape[0]) if varlen else dict(stride_lb=3 * 45, stride_lh=45)
-        seqlen, batch = (max(lens), len(lens)) if varlen else (45, 2)
-        flash._attn_bwd_delta[(batch * 3, -(-seqlen // 16))](
-            o, do, delta, dq, cu if varlen else delta, **flash._strides("o", o, varlen),
-            **flash._strides("do", do, varlen), **flash._strides("dq", dq, varlen), **lse_strides, seqlen_q=seqlen,
-            num_heads=3, head_dim=d, dq_cols=dq_cols, HEAD_DIM=16, VARLEN=varlen, BLOCK_M=16)
-        assert torch.allclose(delta.double(), ref.T if varlen else ref, atol=1e-5)
-        assert torch.equal(dq[..., :dq_cols], torch.zeros_like(dq[..., :dq_cols]))
-        assert dq[..., dq_cols:].isnan().all()
+    varlen = lens is not None
+    shape = (sum(lens), 3, 16) if varlen else (2, 3, 45, 16)
+    o, do = (torch.full(shape, float("nan"), device=DEVICE) for _ in range(2))
+    for x in (o, do):
+        x[..., :d] = torch.randn(shape[:-1] + (d,), generator=gen).to(DEVICE)
+    o, do = o[..., :d], do[..., :d]
+    ref = (o.double() * do.double()).sum(-1)  # (B, H, S) dense, (total, H) packed
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE) if varlen else None
+    delta = torch.full((3, shape[0]) if varlen else shape[:3], float("nan"), device=DEVICE)
+    dq = torch.full(shape, float("nan"), device=DEVICE)
+    dq_cols = 8 if varlen else 16
+    lse_strides = (0, shape[0]) if varlen else (3 * 45, 45)
+    seqlen, batch = (max(lens), len(lens)) if varlen else (45, 2)
+    flash._attn_bwd_delta[(batch * 3, -(-seqlen // 16))](
+        o, do, delta, dq, cu if varlen else delta, flash._strides(varlen, o, do, dq), *lse_strides, seqlen, 3, d,
+        dq_cols, HEAD_DIM=16, VARLEN=varlen, BLOCK_M=16)
+    assert torch.allclose(delta.double(), ref.T if varlen else ref, atol=1e-5)
+    assert torch.equal(dq[..., :dq_cols], torch.zeros_like(dq[..., :dq_cols])) and dq[..., dq_cols:].isnan().all()
 
 
 def test_flash_compiles_without_graph_breaks():
     # aot_eager traces through the fake kernels and the registered autograd formulas with fullgraph=True (a graph
-    # break would raise), then runs the real kernels; no C++ compiler needed.
+    # break would raise), then runs the real kernels; no C++ compiler needed
     gen = torch.Generator().manual_seed(6)
     b, s, h, d = 1, 24, 2, 16
     x = torch.randn(b, s, 3 * h * d, generator=gen).to(DEVICE).requires_grad_()
@@ -766,220 +663,12 @@ def test_flash_compiles_without_graph_breaks():
         packed = flash.flash_attn_varlen(q.transpose(1, 2)[0], k.transpose(1, 2)[0], v.transpose(1, 2)[0], cu, 19)
         return dense + packed.reshape(b, s, h * d)
 
-    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
-    out = compiled(x)
+    out = torch.compile(attend, backend="aot_eager", fullgraph=True)(x)
     (gx,) = torch.autograd.grad(out.square().sum(), x)
     x2 = x.detach().requires_grad_()
     out2 = attend(x2)
     (gx2,) = torch.autograd.grad(out2.square().sum(), x2)
     assert _rel(out, out2) < 1e-6 and _rel(gx, gx2) < 1e-6
-
-
-_TRITON_OPS_TRACE = r'''
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-
-
-class Driver:  # the compiler's analysis of a traced kernel asks the active driver for its target: there is no GPU
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-
-triton.runtime.driver.set_active(Driver())
-from functorch.compile import aot_function, make_boxed_func  # noqa: E402
-from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-import flash  # noqa: E402
-
-assert flash.TRITON_OPS_AVAILABLE and not flash.INTERPRET
-fwd_op, bwd_op = torch.ops.flash.attention_fwd.default, torch.ops.flash.attention_bwd.default
-
-
-def launches(q, k, v, cu, max_seqlen, causal, cos, sin):
-    """The kernel launches in the graph of the triton_op forward then backward, and the outputs of both."""
-    graphs = []
-
-    def keep(gm, _):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    def both(q, k, v, do):
-        o, lse = flash._triton_fwd_op(q, k, v, cu, cu, max_seqlen, max_seqlen, causal, "auto", cos, sin)
-        return (o, lse, *flash._triton_bwd_op(do, q, k, v, o, lse, cu, cu, max_seqlen, max_seqlen, causal, "auto",
-                                              cos, sin))
-
-    outs = aot_function(both, fw_compiler=keep)(q, k, v, torch.empty_like(q))
-    found = []
-    for node in graphs[0].graph.nodes:
-        if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
-            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-            found.append((kernel.fn.__name__, sorted(node.kwargs["tensors_to_clone"]), len(kernel.configs)))
-            args = {**kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]),
-                    **{name: getattr(x, "meta", {}).get("val", x) for name, x in node.kwargs["kwargs"].items()}}
-            compile_as_inductor(kernel, args)
-    return found, outs
-
-
-def compile_as_inductor(kernel, args):
-    """Compile a traced launch for sm_90 with its arguments typed as inductor types them, which is not as Triton
-    does: a Python float is fp64 and an int equal to 1 a constant."""
-    fn, config = kernel.fn, kernel.configs[0]
-    constants = dict(config.kwargs)
-    signature = {}
-    for i, name in enumerate(fn.arg_names):
-        value = constants.get(name, args.get(name))
-        if i in fn.constexprs or name in constants or value is None or (type(value) is int and value == 1):
-            constants[name] = value
-            signature[name] = "constexpr"
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}[value.dtype]
-        else:
-            signature[name] = "fp64" if isinstance(value, float) else "i32"
-    triton.compile(triton.compiler.ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
-
-
-def check(q, k, v, cu=None, max_seqlen=0, causal=True, rope=False):
-    rows = q.shape[0] if cu is not None else q.shape[2]
-    cos, sin = (torch.empty(rows, q.shape[-1] // 2, device="cuda"),) * 2 if rope else (None, None)
-    found, outs = launches(q, k, v, cu, max_seqlen, causal, cos, sin)
-    d_pad = flash._kernel_head_dim(q.shape[-1])
-    n = lambda table: len(table[flash._tune_class(d_pad, q.dtype)]) if flash.AUTOTUNE else 1
-    # each launch writes its outputs only (no input is taken for written and copied) and tunes over its class
-    assert found == [("_attn_fwd", ["LSE", "O"], n(flash.FWD_CONFIGS)),
-                     ("_attn_bwd_dq", ["DELTA", "DQ"], n(flash.DQ_CONFIGS)),
-                     ("_attn_bwd_dkdv", ["DK", "DV"], n(flash.DKDV_CONFIGS))], found
-    # the same outputs, layouts included, as the operators' fake kernels give
-    o, lse = fwd_op(q, k, v, cu, cu, max_seqlen, max_seqlen, causal, "triton", cos, sin)
-    want = (o, lse, *bwd_op(q, q, k, v, o, lse, cu, cu, max_seqlen, max_seqlen, causal, "triton", cos, sin))
-    assert [(t.shape, t.stride(), t.dtype) for t in outs] == [(t.shape, t.stride(), t.dtype) for t in want]
-
-
-with FakeTensorMode():
-    bshd = lambda b, s, h, d, dtype: torch.empty(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2)
-    bf16 = torch.bfloat16
-    check(bshd(2, 300, 4, 64, bf16), bshd(2, 300, 2, 64, bf16), bshd(2, 300, 2, 64, bf16), rope=True)
-    q = torch.empty(1, 3, 77, 32, device="cuda")  # fp32, non-causal (a padded head dim: the GPU test; fake CUDA
-    # views fail in a PyTorch built without CUDA)
-    check(q, torch.empty_like(q), torch.empty_like(q), causal=False)
-    cu = torch.empty(5, device="cuda", dtype=torch.int32)  # packed, GQA, RoPE
-    packed = lambda h: torch.empty(400, h, 64, device="cuda", dtype=bf16)
-    check(packed(4), packed(2), packed(2), cu, 257, rope=True)
-
-    # which calls take the operators: compiling on CUDA, and only where the Gluon kernels cannot apply
-    torch.compiler.is_compiling = lambda: True
-    flash._is_sm90 = lambda index: True
-    flash._sm_count = lambda index: 132
-    flash.TRITON_OPS = True
-    traced = lambda q, cu=None, backward=False: flash._triton_traced(q, cu, cu, q.shape[0] if cu is not None
-                                                                     else q.shape[2], backward)
-    d64, d128 = bshd(2, 300, 4, 64, bf16), bshd(2, 300, 4, 128, bf16)
-    assert traced(d64) and traced(d128.float()) and traced(packed(4), cu)  # D=64, little work: Triton
-    assert traced(d64, backward=True) and traced(packed(4), cu, backward=True)
-    assert traced(d128) == (flash.gluon is None)
-    many = bshd(16, 1024, 16, 64, bf16)  # 2048 query tiles: the Gluon forward where there is one, the Triton backward
-    assert traced(many) == (flash.gluon is None) and traced(many, backward=True)
-    flash.BACKEND = "triton"
-    assert traced(d128)
-    flash.BACKEND = "gluon"
-    assert not traced(d64)
-    flash.BACKEND = "auto"
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    assert not flash._triton_traced(packed(4), cu, cu, ShapeEnv().create_unbacked_symint())  # dynamic shapes
-    flash.TRITON_OPS = False
-    assert not traced(d64)
-print("ok")
-'''
-
-
-def test_flash_triton_ops_trace_to_the_kernels_alone():
-    """The triton_op path (flash.TRITON_OPS) traced as torch.compile traces it, with fake CUDA tensors (no GPU
-    needed): the forward and backward become one launch of each Triton kernel, each writing only its own outputs
-    (so the compiler copies no input around it), tuning over its class's configs and compiling for sm_90 with the
-    argument types inductor gives it, with the outputs and layouts of the operators' fake kernels; bf16 dense with
-    RoPE and GQA, fp32, bf16 packed. And only calls with static shapes that the Gluon kernels cannot take go that
-    way."""
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        raise unittest.SkipTest("needs Triton's CUDA backend")
-    if torch.cuda.is_available():
-        raise unittest.SkipTest("with a GPU, test_flash_gpu_compiled_triton_ops_match_reference compiles and runs "
-                                "the same path for real (the stand-in driver here is for machines without one)")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", _TRITON_OPS_TRACE], capture_output=True, text=True, env=env,
-                         cwd=ROOT, stdin=subprocess.DEVNULL, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
-
-
-def test_flash_gpu_compiled_triton_ops_match_reference():
-    """With flash.TRITON_OPS on, torch.compile launches the Triton kernels from its own generated code: no flash
-    operator left in it, and the compiled O, L, dQ, dK, dV equal float64 attention (bf16 dense with RoPE and GQA,
-    causal and not; fp32 with a padded head dim; bf16 packed documents)."""
-    if not torch.cuda.is_available() or not flash.TRITON_OPS_AVAILABLE:
-        raise unittest.SkipTest("needs a CUDA GPU and torch.library.triton_op")
-    from torch._inductor.utils import run_and_get_code
-    gen = torch.Generator().manual_seed(41)
-    rand = lambda *shape, dtype=torch.bfloat16: torch.randn(shape, generator=gen).to("cuda", dtype)
-
-    def check(attend, inputs, reference, tol):
-        torch._dynamo.reset()
-        xs = [x.clone().requires_grad_() for x in inputs]
-        compiled = torch.compile(attend, fullgraph=True)
-        do = rand(*inputs[0].shape, dtype=inputs[0].dtype)
-
-        def run():
-            o, lse = compiled(*xs)
-            o.backward(do)
-            return o, lse
-        (o, lse), code = run_and_get_code(run)
-        code = "\n".join(code)
-        assert "_attn_fwd" in code and "_attn_bwd_dkdv" in code and "flash.attention_" not in code
-        ref = [x.detach().double().requires_grad_() for x in inputs]
-        ro, rlse = reference(*ref)
-        ro.backward(do.double())
-        errs = [_rel(o, ro), _rel(lse, rlse)] + [_rel(x.grad, r.grad) for x, r in zip(xs, ref)]
-        assert max(errs) < tol, errs
-
-    old = flash.TRITON_OPS, torch.backends.cuda.matmul.allow_tf32
-    flash.TRITON_OPS, torch.backends.cuda.matmul.allow_tf32 = True, False  # fp32: IEEE dots (an earlier test may
-    try:                                                                    # have allowed TF32)
-        s, d = 300, 64
-        ang = torch.arange(s, device="cuda")[:, None] * 0.9 ** torch.arange(d // 2, device="cuda")[None]
-        cos, sin = ang.cos(), ang.sin()
-        qkv = [rand(2, s, h, d).transpose(1, 2) for h in (4, 2, 2)]
-        rot = lambda x: flash.rope_reference(x, cos.double(), sin.double())
-        for causal in (True, False):
-            check(lambda q, k, v: flash.attention_with_lse(q, k, v, causal, rope=(cos, sin)), qkv,
-                  lambda q, k, v: flash.attention_reference(rot(q), rot(k), v, causal), 2e-2)
-        qkv = [rand(1, 3, 77, 40, dtype=torch.float32) for _ in range(3)]
-        check(lambda q, k, v: flash.attention_with_lse(q, k, v, False), qkv,
-              lambda q, k, v: flash.attention_reference(q, k, v, False), 1e-4)
-        lens = [100, 1, 257, 33]
-        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
-        qkv = [rand(sum(lens), h, 64) for h in (4, 2, 2)]
-        check(lambda q, k, v: flash.attention_with_lse(q, k, v, True, cu, max(lens)), qkv,
-              lambda q, k, v: flash.attention_varlen_reference(q, k, v, cu, True), 2e-2)
-    finally:
-        flash.TRITON_OPS, torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def test_flash_launch_arguments_are_worked_out_once_per_signature():
-    """The Triton launchers work out their launches' arguments once per signature (flash._memo) and reuse them:
-    calls that differ only in what the signature must tell apart (a head dim padded to the same tile width, 24 and
-    32; causal or not; packed batches with another longest document) each get their own and stay exact against
-    float64, and a repeated shape adds nothing."""
-    gen = torch.Generator().manual_seed(32)
-    flash._ARGS.clear()
-    for d, causal in ((32, True), (24, True), (32, False), (32, True)):
-        _check_dense(1, 2, 1, 40, 40, d, causal, gen=gen)
-    assert len(flash._ARGS) == 6, len(flash._ARGS)  # a forward and a backward signature each, the last one reused
-    for lens in ([5, 30], [30, 5], [12, 23]):
-        _check_varlen(lens, 2, 2, 16, True, gen=gen)
-    assert len(flash._ARGS) == 10, len(flash._ARGS)  # 30 + 5 reuses 5 + 30 (the kernels read the documents'
-    # bounds on the GPU); 12 + 23, the same total, has another longest document
 
 
 def test_flash_says_when_triton_was_imported_before_it_without_a_gpu():
@@ -1000,129 +689,108 @@ def test_flash_says_when_triton_was_imported_before_it_without_a_gpu():
     assert len(lines) == 2 and all("triton was imported before flash.py" in line for line in lines), \
         (out.stdout, out.stderr[-2000:])
 
+
 def test_flash_rejects_bad_input():
     q = torch.randn(1, 3, 8, 16, device=DEVICE)
     k = torch.randn(1, 2, 8, 16, device=DEVICE)
-    cases = [
-        (lambda: flash.flash_attention(q, k, k), "divide"),
-        (lambda: flash.flash_attention(q, q.double(), q), "dtype"),
-        (lambda: flash.flash_attention(q[0], q[0], q[0]), "4-D"),
-        (lambda: flash.flash_attn_varlen(q[0], q[0], q[0], torch.tensor([0, 3], device=DEVICE), 3), "int32"),
-        (lambda: flash.flash_attention(*(torch.randn(1, 1, 4, 300, device=DEVICE),) * 3), "head dim"),
-    ]
-    for fn, word in cases:
+    for fn, word in ((lambda: flash.flash_attention(q, k, k), "divide"),
+                     (lambda: flash.flash_attention(q, q.double(), q), "dtype"),
+                     (lambda: flash.flash_attention(q[0], q[0], q[0]), "4-D"),
+                     (lambda: flash.flash_attn_varlen(q[0], q[0], q[0], torch.tensor([0, 3], device=DEVICE), 3),
+                      "int32"),
+                     (lambda: flash.flash_attention(*(torch.randn(1, 1, 4, 300, device=DEVICE),) * 3), "head dim")):
         _expect(ValueError, [word], fn)
+
+
+def test_flash_kernels_take_their_state_in_few_arguments():
+    """No kernel, partition or helper of flash.py takes more than 24 arguments (the Gluon partitions take their
+    state as a few aggregates); the Gluon kernels take the work counts that change from batch to batch (documents,
+    batch x heads, tiles, items) unspecialized, so a new number of rows or documents never compiles them anew,
+    while lengths, strides and the model's constants stay specialized."""
+    widths = {f.name: len(f.args.args) for f in ast.walk(ast.parse((ROOT / "flash.py").read_text()))
+              if isinstance(f, ast.FunctionDef)}
+    assert len(widths) > 50 and max(widths.values()) <= 24, sorted(widths.items(), key=lambda kv: -kv[1])[:3]
+    if flash.gluon is None:
+        raise unittest.SkipTest("this Triton has no Gluon")
+    free = lambda kernel: {p.name for p in kernel.params if p.do_not_specialize}  # noqa: E731
+    assert free(flash._gl_attn_fwd) == {"n_docs", "n_items", "m_tiles", "n_bh"}
+    assert free(flash._gl_attn_bwd) == {"n_docs", "n_items", "n_tiles"}
+
+
+def test_flash_d64_kernels_by_work_per_sm_and_direction():
+    """At head dims 33-64 the Gluon kernels take a call only where they were measured faster (flash._gluon_d64):
+    forward from 15 query tiles per SM at 1024 tokens and more, backward from 31 at 2048; from 4096 tokens both;
+    packed documents from 2048 tokens or 15 query tiles per SM (the winners of `bench.py attention --parts work`
+    on 132 SMs)."""
+    tiles = lambda b, h, s: b * h * -(-s // 128)  # noqa: E731
+    pick = lambda b, h, s: tuple(flash._gluon_d64(s, tiles(b, h, s), False, bwd, 132) for bwd in (False, True))  # noqa
+    assert pick(12, 12, 1024) == (False, False)  # GPT-2 small: the Triton kernels both ways
+    assert pick(4, 12, 2048) == (False, False) and pick(12, 12, 2048) == (True, False)
+    assert pick(16, 32, 1024) == (True, False) and pick(16, 16, 1024) == (True, False)
+    assert pick(16, 32, 2048) == (True, True) and pick(32, 32, 2048) == (True, True)
+    assert pick(4, 32, 4096) == (True, True) and pick(1, 1, 8192) == (True, True)
+    assert pick(4, 12, 512) == (False, False) and pick(32, 32, 512) == (False, False)
+    for bwd in (False, True):  # packed: from 2048 tokens in the longest document, or from 15 query tiles per SM
+        assert not flash._gluon_d64(2047, 0, True, bwd, 132) and flash._gluon_d64(2048, 0, True, bwd, 132)
+        assert flash._gluon_d64(300, 15 * 132, True, bwd, 132) and not flash._gluon_d64(300, 15 * 132 - 1, True,
+                                                                                          bwd, 132)
 
 
 def test_flash_gpu_gluon_matches_reference():
     """The Hopper (Gluon) forward and backward, forced on, against float64 attention: O, L, dQ, dK, dV; ragged
     lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims
     80 and 96 (tiles 64 wide and tails of 16 and 32), 72 and 40 (read in place, zeros past D) and 36 (rows not
-    16-byte aligned: padded copies), packed documents of 0 tokens (empty) up to several tiles (many per key tile)
-    and 302 of them (more than one chunk of the document search); outputs poisoned first. Shapes of more work items
-    than SMs run persistent, the CTAs taking items dynamically (the default); the last ones also with one CTA per
-    item (the forward: 3 x 8 heads x 17 query tiles = 408 items over 132 SMs; the backward: 3 x 4 K/V heads x 17 key
-    tiles = 204 items, and 4 x 8 x 8 = 256 at D=80)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
+    16-byte aligned: padded copies), packed documents of 0 tokens up to several tiles and 302 of them (more than
+    one chunk of the document search); outputs poisoned first. Shapes of fewer work items than SMs run one CTA per
+    item, the larger ones the persistent grid (the forward: 3 x 8 heads x 17 query tiles = 408 items over 132 SMs;
+    the backward at D=80: 4 x 8 x 8 = 256)."""
+    if not HOPPER:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(12)
-    old, flash.BACKEND = flash.BACKEND, "gluon"
-    persistent = flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT
-    try:
+    bf16 = dict(dtype=torch.bfloat16, tol=2e-2, gen=gen)
+    with _backend("gluon"):
         for causal in (True, False):
             for b, h, h_kv, s, d in ((2, 4, 4, 1, 64), (1, 2, 2, 77, 128), (2, 4, 2, 1000, 64), (1, 3, 1, 2049, 128),
-                                     (1, 2, 2, 256, 128)):
-                _check_dense(b, h, h_kv, s, s, d, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            _check_dense(2, 8, 2, 1025, 1025, 128, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
+                                     (1, 2, 2, 256, 128), (3, 8, 4, 2049, 128), (4, 8, 8, 1000, 80),
+                                     (2, 4, 4, 1000, 80), (1, 4, 2, 700, 96), (1, 2, 1, 130, 36)):
+                _check_dense(b, h, h_kv, s, s, d, causal, **bf16)
+            for b, h, h_kv, s, d in ((2, 8, 2, 1025, 128), (1, 4, 2, 333, 80), (1, 2, 2, 300, 72),
+                                     (1, 2, 2, 200, 40)):
+                _check_dense(b, h, h_kv, s, s, d, causal, layout="bshd", **bf16)
             _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float16, tol=5e-3, gen=gen)
-            _check_dense(1, 2, 2, 100, 300, 64, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)  # more keys
-            _check_dense(1, 4, 2, 333, 333, 80, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
-            _check_dense(2, 4, 4, 1000, 1000, 80, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            _check_dense(1, 4, 2, 700, 700, 96, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            _check_dense(1, 2, 2, 300, 300, 72, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
-            _check_dense(1, 2, 2, 200, 200, 40, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
-            _check_dense(1, 2, 1, 130, 130, 36, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            lens = [1, 7, 0, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3, 0, 0]  # empty ones too (train.pad_packed)
-            _check_varlen(lens, 8, 8, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-            _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-            _check_varlen(lens, 4, 4, 80, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-            _check_varlen(lens, 4, 2, 96, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+            _check_dense(1, 2, 2, 100, 300, 64, causal, **bf16)  # more keys
+            lens = [1, 7, 0, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3, 0, 0]
+            for h, h_kv, d in ((8, 8, 128), (8, 2, 64), (4, 4, 80), (4, 2, 96), (8, 8, 64)):
+                _check_varlen(lens, h, h_kv, d, causal, **bf16)
             many = torch.randint(1, 40, (300,), generator=gen).tolist() + [700, 1]  # more than 256 documents
-            _check_varlen(many, 2, 2, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-        for flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT in ((1, 1), (0, 0)):  # dynamic, then one CTA
-            for causal in (True, False):                                                 # per work item
-                _check_dense(3, 8, 4, 2049, 2049, 128, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-                _check_dense(4, 8, 8, 1000, 1000, 80, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-                _check_varlen([1, 7, 300, 2, 1500, 64, 129, 1, 900], 8, 8, 64, causal, gen=gen, tol=2e-2,
-                              dtype=torch.bfloat16)
-    finally:
-        flash.BACKEND, (flash.GLUON_FWD_PERSISTENT, flash.GLUON_BWD_PERSISTENT) = old, persistent
-
-
-def test_flash_gluon_kernels_do_not_specialize_on_work_counts():
-    """The Gluon kernels take the work counts that change from batch to batch (documents, batch x heads, tiles,
-    items) unspecialized, so a new number of rows or documents never compiles them anew; lengths, strides and the
-    model's constants stay specialized (without them the D=128 forward spills: bench.py sass)."""
-    if flash.gluon is None:
-        raise unittest.SkipTest("this Triton has no Gluon")
-    free = lambda kernel: {p.name for p in kernel.params if p.do_not_specialize}
-    assert free(flash._gl_attn_fwd) == {"n_docs", "n_items", "m_tiles", "n_bh"}
-    assert free(flash._gl_attn_bwd) == {"n_docs", "n_items", "n_tiles"}
+            _check_varlen(many, 2, 2, 128, causal, **bf16)
 
 
 def test_flash_gpu_gluon_compiles_once_across_batch_shapes():
     """Dense batches of 1, 2, 3, 16 and 17 sequences of 200 tokens, then packed batches of 1, 3, 16 and 17
-    documents (the longest 300 tokens, totals of one class mod 16), forward and backward through the Gluon kernels:
-    one binary each for dense and packed inputs (a new row or document count compiles nothing), and every result
-    against float64."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
+    documents (the longest 300 tokens, totals of one class mod 16), through the Gluon kernels: one binary each
+    for dense and packed inputs (a new row or document count compiles nothing), every result against float64."""
+    if not HOPPER:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
-    binaries = lambda: sum(len(cache[0]) for kernel in (flash._gl_attn_fwd, flash._gl_attn_bwd)
+    binaries = lambda: sum(len(cache[0]) for kernel in (flash._gl_attn_fwd, flash._gl_attn_bwd)  # noqa: E731
                            for cache in kernel.device_caches.values())
     gen = torch.Generator().manual_seed(15)
-    old, flash.BACKEND = flash.BACKEND, "gluon"
-    try:
-        counts = []
+    counts = []
+    with _backend("gluon"):
         for b in (1, 2, 3, 16, 17):  # work items below the SM count: one kind of grid
             _check_dense(b, 2, 2, 200, 200, 128, True, dtype=torch.bfloat16, tol=2e-2, gen=gen)
             counts.append(binaries())
         for lens in ([300], [1, 7, 300], [16] * 15 + [300], [1] * 16 + [300]):  # 300, 308, 540, 316 tokens
             _check_varlen(lens, 2, 2, 128, True, gen=gen, tol=2e-2, dtype=torch.bfloat16)
             counts.append(binaries())
-        assert counts[1:5] == [counts[0]] * 4 and counts[6:] == [counts[5]] * 3, counts
-    finally:
-        flash.BACKEND = old
-
-
-def test_flash_d64_kernels_by_work_per_sm_and_direction():
-    """At head dims 33-64 the Gluon kernels take a call only where they were measured faster (flash._gluon_d64):
-    forward from 15 query tiles per SM at 1024 tokens and more, backward from 31 at 2048; from 4096 tokens both;
-    packed documents from 2048 tokens or 15 query tiles per SM. The cases are the measured winners of `bench.py
-    attention --parts work` on 132 SMs."""
-    tiles = lambda b, h, s: b * h * -(-s // 128)
-    pick = lambda b, h, s: tuple(flash._gluon_d64(s, tiles(b, h, s), False, bwd, 132) for bwd in (False, True))
-    assert pick(12, 12, 1024) == (False, False)  # GPT-2 small: the Triton kernels both ways
-    assert pick(4, 12, 2048) == (False, False) and pick(12, 12, 2048) == (True, False)
-    assert pick(16, 32, 1024) == (True, False) and pick(16, 16, 1024) == (True, False)
-    assert pick(16, 32, 2048) == (True, True) and pick(32, 32, 2048) == (True, True)
-    assert pick(4, 32, 4096) == (True, True) and pick(1, 1, 8192) == (True, True)
-    assert pick(4, 12, 512) == (False, False) and pick(32, 32, 512) == (False, False)  # level: less host
-    for bwd in (False, True):  # packed: from 2048 tokens in the longest document, or from 15 query tiles per SM
-        assert not flash._gluon_d64(2047, 0, True, bwd, 132) and flash._gluon_d64(2048, 0, True, bwd, 132)
-        packed = lambda query_tiles: flash._gluon_d64(300, query_tiles, True, bwd, 132)
-        assert packed(15 * 132) and not packed(15 * 132 - 1)
-    # torch.compile traces the choice inside a model (dynamo): it must give the same answers there
-    for bwd in (False, True):
-        fn = torch.compile(lambda x: x + flash._gluon_d64(2048, 5000, False, bwd, 132), fullgraph=True,
-                           backend="eager")
-        assert fn(torch.zeros(1)).item() == 1
+    assert counts[1:5] == [counts[0]] * 4 and counts[6:] == [counts[5]] * 3, counts
 
 
 def test_flash_gpu_mixed_kernel_families_match_reference():
     """At D=64 the forward and the backward may take different kernel families (flash._gluon_d64): a Gluon forward
     with a Triton backward, and a Triton forward with a Gluon backward, against float64 attention (the two families
-    store the same natural-log L), dense, causal and not, GQA, and with the compiler."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or flash.gluon is None:
+    store the same natural-log L), dense, causal and not, GQA, and compiled."""
+    if not HOPPER:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(14)
     old = flash.GLUON_D64_TILES_PER_SM
@@ -1149,51 +817,6 @@ def test_flash_gpu_mixed_kernel_families_match_reference():
         torch._dynamo.reset()
 
 
-def test_flash_gpu_direct_launches_match_the_reference():
-    """From the second call with the same key on, flash.py runs the compiled kernels directly (flash._launch), so
-    a wrong argument list there would show only on repeated calls: three rounds of the same shapes, each with fresh
-    random inputs and poisoned outputs, against float64 (the Triton kernels dense at D=64 and packed at D=32; on
-    Hopper the Gluon ones dense at D=128 and D=80 and packed). After the first round every launch has a direct plan,
-    and each of the two later rounds runs every plan, as often as the other."""
-    if not torch.cuda.is_available():
-        raise unittest.SkipTest("needs CUDA")
-    if os.environ.get("FLASH_DIRECT_LAUNCH") == "0":
-        raise unittest.SkipTest("FLASH_DIRECT_LAUNCH=0")
-    assert flash.DIRECT_LAUNCH, "direct launches are off on a GPU: this Triton lacks the internals flash._launch uses"
-    gen = torch.Generator().manual_seed(31)
-    hopper = flash.gluon is not None and torch.cuda.get_device_capability() == (9, 0)
-    lens = [1, 7, 300, 2, 900, 64, 129]
-    runs = collections.Counter()
-
-    def counted(key, plan):
-        def run(*args):
-            runs[key] += 1
-            return plan[0](*args)
-        return (run,) + plan[1:]
-
-    flash._LAUNCHES.clear()
-    flash._ARGS.clear()
-    for rnd in range(3):
-        _check_dense(2, 4, 2, 1000, 1000, 64, True, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-        _check_varlen(lens, 4, 2, 32, True, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-        if hopper:
-            _check_dense(1, 4, 2, 2049, 2049, 128, True, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
-            _check_dense(2, 4, 4, 1000, 1000, 80, False, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            _check_varlen(lens + [2100], 8, 8, 128, True, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-        if rnd == 0:  # the Triton kernels: a forward, a dQ and a dK/dV launch per shape; the Gluon ones, a
-            # forward, a Delta pre-pass and a backward
-            plans = [(store, key) for store in flash._plan_stores() for key in store]
-            assert len(plans) >= (15 if hopper else 6), plans
-            assert all(store[key] is not None for store, key in plans), "a launch without a direct plan"
-            for store, key in plans:
-                store[key] = counted((id(store), key), store[key])
-        if rnd == 1:
-            first = dict(runs)
-    odd = [(getattr(key[1], "__name__", key[1]), first.get(key, 0), runs[key]) for key in
-           ((id(store), key) for store, key in plans) if not 0 < first.get(key, 0) == runs[key] - first[key]]
-    assert not odd, odd  # each plan ran in both later rounds, as often in each
-
-
 def test_flash_gpu_bf16_large_shapes():
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs CUDA")
@@ -1209,7 +832,134 @@ def test_flash_gpu_bf16_large_shapes():
         _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
 
 
-# --- RMSNorm: flash.rms_norm (model.RMSNorm with impl="triton") ---
+# --- AdamW: flash.AdamW (train.AdamW) and its fused kernel ---
+
+def _spec_adamw_step(params, grads, states, lr, betas, eps, wd):
+    """The AdamW algorithm written plainly, one tensor at a time: bias-corrected step size α_t, ε added after
+    sqrt(v), then decay θ ← θ − α·λ·θ."""
+    for p, g, s in zip(params, grads, states):
+        s["t"] += 1
+        s["m"] = betas[0] * s["m"] + (1 - betas[0]) * g
+        s["v"] = betas[1] * s["v"] + (1 - betas[1]) * g * g
+        alpha_t = lr * math.sqrt(1 - betas[1] ** s["t"]) / (1 - betas[0] ** s["t"])
+        p -= alpha_t * s["m"] / (torch.sqrt(s["v"]) + eps)
+        p -= lr * wd * p
+
+
+@cases("fused", [False, True])
+def test_adamw_matches_spec_algorithm(fused):
+    """The foreach step (float64) and the fused Triton step (interpreter on CPU; fp32 and bf16 parameters) against
+    the plain algorithm: two groups, a learning rate the schedule changes every step, ragged sizes around the
+    kernel's chunk size, and gradients reallocated between steps (the kernel must follow them), the last time as
+    unaligned views into one buffer."""
+    torch.manual_seed(4)
+    device = DEVICE if fused else "cpu"
+    block = flash.ADAMW_BLOCK
+    shapes = [(7, 5), (block + 3,), (1,), (2 * block,), (3, 17)] if fused else [(7, 5), (13,), (3,), (3, 4, 2), (5,)]
+    dtype = torch.float32 if fused else torch.float64
+    ours = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype)) for s in shapes]
+    ours += [torch.nn.Parameter(torch.randn(33, device=device).to(torch.bfloat16))]  # updated in fp32
+    ref = [p.detach().double().clone() for p in ours]
+    betas, eps = (0.9, 0.95), 1e-8
+    opt = flash.AdamW([{"params": ours[:3] + ours[5:], "weight_decay": 0.1}, {"params": ours[3:5],
+                       "weight_decay": 0.0}], lr=1e-2, betas=betas, eps=eps, fused=fused)
+    states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ref]
+    for step in range(4):
+        lr = 1e-2 * (0.5 + 0.1 * step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        grads = [torch.randn(p.shape, device=device, dtype=torch.float64) for p in ours]
+        for p, g in zip(ours, grads):
+            p.grad = g.to(p.dtype)  # fresh tensors every step
+        if step == 3 and fused:  # views into one buffer at odd offsets: gradient offsets not 16-aligned
+            flat, at = torch.zeros(sum(g.numel() + 1 for g in grads), device=device), 1
+            for p, g in zip(ours[:5], grads):
+                p.grad = flat[at:at + g.numel()].view(g.shape)
+                p.grad.copy_(g)
+                at += g.numel() + 1
+        opt.step()
+        grads = [g.double() for g in grads]
+        _spec_adamw_step(ref[:3] + ref[5:], grads[:3] + grads[5:], states[:3] + states[5:], lr, betas, eps, 0.1)
+        _spec_adamw_step(ref[3:5], grads[3:5], states[3:5], lr, betas, eps, 0.0)
+    tol = dict(rtol=1e-5, atol=1e-6) if fused else dict(rtol=1e-12, atol=1e-12)
+    for p, r, s in zip(ours[:5], ref, states):
+        torch.testing.assert_close(p.detach().double(), r, **tol)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"].double(), s["v"], rtol=1e-5, atol=1e-9)
+        assert opt.state[p]["step"] == s["t"] == 4
+    torch.testing.assert_close(ours[5].detach().double(), ref[5], rtol=1e-2, atol=1e-2)  # bf16: one rounding
+    assert ours[5].dtype == torch.bfloat16 and opt.state[ours[5]]["exp_avg"].dtype == torch.float32
+    if fused:
+        bad = torch.nn.Parameter(torch.randn(4, 6, device=device).t())
+        bad.grad = torch.randn(6, 4, device=device)
+        _expect(ValueError, ["contiguous"], flash.AdamW([bad], fused=True).step)
+
+
+def test_adamw_close_to_torch_adamw_and_keeps_state_per_parameter():
+    """Close to torch.optim.AdamW on a small network (torch decays before the update: they differ at second
+    order); a parameter without a gradient gets no state and stays as it is; a group added late keeps its own
+    step count t and steps like a fresh optimizer."""
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3))
+    net_ref = copy.deepcopy(net)
+    kw = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for _ in range(20):
+        x, y = torch.randn(11, 9), torch.randn(11, 3)
+        for m, o in ((net, flash.AdamW), (net_ref, torch.optim.AdamW)):
+            opt = m.__dict__.setdefault("opt", o(m.parameters(), **kw))
+            opt.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+    for p, r in zip(net.parameters(), net_ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-3, atol=5e-5)
+    a, b, frozen = (torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3))
+    opt = flash.AdamW([a, frozen], lr=1e-2, weight_decay=0.1)
+    frozen_before = frozen.detach().clone()
+    for _ in range(3):
+        a.grad = torch.randn(5, 3)
+        opt.step()
+    assert frozen not in opt.state and torch.equal(frozen, frozen_before)
+    b_ref = torch.nn.Parameter(b.detach().clone())
+    opt.add_param_group({"params": [b], "lr": 5e-3})
+    opt_ref = flash.AdamW([b_ref], lr=5e-3, weight_decay=0.1)
+    for _ in range(2):
+        g = torch.randn(5, 3)
+        a.grad, b.grad, b_ref.grad = torch.randn(5, 3), g.clone(), g.clone()
+        opt.step()
+        opt_ref.step()
+    assert opt.state[a]["step"] == 5 and opt.state[b]["step"] == 2
+    torch.testing.assert_close(b, b_ref, rtol=0, atol=0)
+
+
+def test_adamw_capturable_eager_matches_plain():
+    """AdamW(capturable=True) stepped eagerly (the kernel reads its step size and decay from a device tensor that
+    step() writes) gives the parameters and state of the plain fused step bit for bit, with the learning rate
+    changed between steps and two groups; advance() with no captured step refuses, naming the capture."""
+    torch.manual_seed(5)
+    start = [torch.randn(s, device=DEVICE) for s in ((9, 4), (flash.ADAMW_BLOCK + 5,), (3,))]
+    runs = []
+    for capturable in (False, True):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = flash.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
+                          lr=1e-2, betas=(0.9, 0.95), fused=True, capturable=capturable)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(3):
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 * (step + 1)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+            opt.step()
+        runs.append((ps, opt))
+    (plain, plain_opt), (cap, cap_opt) = runs
+    for a, b in zip(plain, cap):
+        assert torch.equal(a, b) and cap_opt.state[b]["step"] == plain_opt.state[a]["step"] == 3
+        assert torch.equal(cap_opt.state[b]["exp_avg_sq"], plain_opt.state[a]["exp_avg_sq"])
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    for opt in (flash.AdamW([p], capturable=True), cap_opt, flash.AdamW([p])):
+        _expect(RuntimeError, ["capture step() first"], opt.advance)
+
+
+# --- RMSNorm: flash.rms_norm and add_rms_norm (model.RMSNorm with impl="triton") ---
 # On CPU the interpreter takes 128 rows per program and the backward runs 2 programs, so 300 rows give a ragged last
 # block and a backward program that steps over two blocks.
 
@@ -2232,169 +1982,6 @@ def _write_dataset(data_dir, vocab_size=97, n_docs=(120, 30), seed=0, dtype=np.u
 TINY = ["--d_model=32", "--num_layers=2", "--num_heads=2", "--d_ff=64", "--context_length=24", "--batch_size=4",
         "--learning_rate=1e-2", "--min_lr=1e-3", "--warmup_iters=2", "--eval_iters=2", "--device=cpu",
         "--attn_impl=naive"]
-
-
-def _spec_adamw_step(params, grads, states, lr, betas, eps, wd):
-    """The AdamW algorithm written plainly, one tensor at a time: bias-corrected step size α_t, ε added after
-    sqrt(v), then decay θ ← θ − α·λ·θ."""
-    for p, g, s in zip(params, grads, states):
-        s["t"] += 1
-        s["m"] = betas[0] * s["m"] + (1 - betas[0]) * g
-        s["v"] = betas[1] * s["v"] + (1 - betas[1]) * g * g
-        alpha_t = lr * math.sqrt(1 - betas[1] ** s["t"]) / (1 - betas[0] ** s["t"])
-        p -= alpha_t * s["m"] / (torch.sqrt(s["v"]) + eps)
-        p -= lr * wd * p
-
-
-def test_adamw_matches_spec_algorithm_per_tensor():
-    torch.manual_seed(0)
-    shapes = [(7, 5), (13,), (3, 4, 2)]
-    ours = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
-    ref = [p.detach().clone() for p in ours]
-    betas, eps = (0.9, 0.95), 1e-8
-    opt = train.AdamW([{"params": ours[:2], "weight_decay": 0.1}, {"params": ours[2:], "weight_decay": 0.0}],
-                      lr=1e-2, betas=betas, eps=eps)
-    states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ref]
-    for step in range(6):
-        lr = 1e-2 * (0.5 + 0.1 * step)  # the schedule rewrites group["lr"] every step
-        grads = [torch.randn(s, dtype=torch.float64) for s in shapes]
-        for g in opt.param_groups:
-            g["lr"] = lr
-        for p, g in zip(ours, grads):
-            p.grad = g.clone()
-        opt.step()
-        _spec_adamw_step(ref[:2], grads[:2], states[:2], lr, betas, eps, 0.1)
-        _spec_adamw_step(ref[2:], grads[2:], states[2:], lr, betas, eps, 0.0)
-    for p, r, s in zip(ours, ref, states):
-        torch.testing.assert_close(p.detach(), r, rtol=1e-12, atol=1e-12)
-        assert opt.state[p]["step"] == s["t"] == 6
-        torch.testing.assert_close(opt.state[p]["exp_avg"], s["m"], rtol=1e-12, atol=1e-12)
-
-
-def test_adamw_close_to_torch_adamw():
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3))
-    model_ref = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3))
-    model_ref.load_state_dict(model.state_dict())
-    kw = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    opt, opt_ref = train.AdamW(model.parameters(), **kw), torch.optim.AdamW(model_ref.parameters(), **kw)
-    for _ in range(20):
-        x, y = torch.randn(11, 9), torch.randn(11, 3)
-        for m, o in ((model, opt), (model_ref, opt_ref)):
-            o.zero_grad()
-            torch.nn.functional.mse_loss(m(x), y).backward()
-            o.step()
-    for p, r in zip(model.parameters(), model_ref.parameters()):
-        torch.testing.assert_close(p, r, rtol=1e-3, atol=5e-5)  # torch decays before the update: differs at 2nd order
-
-
-def test_adamw_late_added_params_and_params_without_grad():
-    torch.manual_seed(2)
-    a, b, frozen = (torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3))
-    opt = train.AdamW([a, frozen], lr=1e-2, weight_decay=0.1)
-    frozen_before = frozen.detach().clone()
-    for _ in range(3):
-        a.grad = torch.randn(5, 3)
-        opt.step()
-    assert frozen not in opt.state and torch.equal(frozen, frozen_before)  # no grad: untouched, no state
-    b_ref = torch.nn.Parameter(b.detach().clone())
-    opt.add_param_group({"params": [b], "lr": 5e-3})
-    opt_ref = train.AdamW([b_ref], lr=5e-3, weight_decay=0.1)
-    for _ in range(2):
-        g = torch.randn(5, 3)
-        a.grad, b.grad, b_ref.grad = torch.randn(5, 3), g.clone(), g.clone()
-        opt.step()
-        opt_ref.step()
-    assert opt.state[a]["step"] == 5 and opt.state[b]["step"] == 2  # t per parameter
-    torch.testing.assert_close(b, b_ref, rtol=0, atol=0)
-
-
-def test_adamw_low_precision_params_keep_fp32_state():
-    torch.manual_seed(3)
-    p32 = torch.nn.Parameter(torch.randn(64))
-    p16 = torch.nn.Parameter(p32.detach().to(torch.bfloat16))
-    o32, o16 = train.AdamW([p32], lr=1e-2), train.AdamW([p16], lr=1e-2)
-    for _ in range(3):
-        g = torch.randn(64)
-        p32.grad, p16.grad = g.clone(), g.to(torch.bfloat16)
-        o32.step()
-        o16.step()
-    assert p16.dtype == torch.bfloat16 and o16.state[p16]["exp_avg"].dtype == torch.float32
-    torch.testing.assert_close(p16.float(), p32.detach(), rtol=2e-2, atol=2e-2)
-
-
-def test_adamw_fused_kernel_matches_spec_algorithm():
-    """The fused Triton step (interpreter on CPU) against the plain algorithm in float64: ragged sizes around the chunk
-    size, two groups, fp32 and bf16 parameters, and gradients reallocated between steps (the kernel must follow them),
-    the last time as unaligned views into one buffer."""
-    torch.manual_seed(4)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    block = flash.ADAMW_BLOCK
-    shapes = [(7, 5), (block + 3,), (1,), (2 * block,), (3, 17)]
-    ours = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
-    half = torch.nn.Parameter(torch.randn(33, device=device).to(torch.bfloat16))
-    ref = [p.detach().double().clone() for p in ours + [half]]
-    betas, eps = (0.9, 0.95), 1e-8
-    opt = train.AdamW([{"params": ours[:3] + [half], "weight_decay": 0.1}, {"params": ours[3:], "weight_decay": 0.0}],
-                      lr=1e-2, betas=betas, eps=eps, fused=True)
-    states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ref]
-    for step in range(4):
-        grads = [torch.randn(p.shape, device=device) for p in ours + [half]]
-        for p, g in zip(ours + [half], grads):
-            p.grad = g.to(p.dtype).clone()  # fresh tensors every step
-        if step == 3:  # views into one buffer at odd offsets: gradient offsets not 16-aligned
-            flat, at = torch.zeros(sum(g.numel() + 1 for g in grads), device=device), 1
-            for p, g in zip(ours, grads):
-                p.grad = flat[at:at + g.numel()].view(g.shape)
-                p.grad.copy_(g)
-                at += g.numel() + 1
-        opt.step()
-        grads = [g.double() for g in grads]
-        _spec_adamw_step(ref[:3] + ref[5:], grads[:3] + grads[5:], states[:3] + states[5:], 1e-2, betas, eps, 0.1)
-        _spec_adamw_step(ref[3:5], grads[3:5], states[3:5], 1e-2, betas, eps, 0.0)
-    for p, r, s in zip(ours, ref, states):
-        torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(opt.state[p]["exp_avg_sq"].double(), s["v"], rtol=1e-5, atol=1e-9)
-    torch.testing.assert_close(half.detach().double(), ref[5], rtol=1e-2, atol=1e-2)  # bf16: one rounding
-    assert opt.state[half]["exp_avg"].dtype == torch.float32
-    bad = torch.nn.Parameter(torch.randn(4, 6, device=device).t())
-    bad.grad = torch.randn(6, 4, device=device)
-    try:
-        train.AdamW([bad], fused=True).step()
-        raise AssertionError("a transposed parameter reached the fused kernel")
-    except ValueError as e:
-        assert "contiguous" in str(e)
-
-
-def test_adamw_capturable_eager_matches_plain():
-    """AdamW(capturable=True) stepped eagerly (the kernel reads its step size and decay from a device tensor that
-    step() writes) gives the parameters and state of the plain fused step bit for bit, with the learning rate
-    changed between steps and two groups; advance() with no captured step refuses, naming the capture."""
-    torch.manual_seed(5)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    start = [torch.randn(s, device=device) for s in ((9, 4), (flash.ADAMW_BLOCK + 5,), (3,))]
-    runs = []
-    for capturable in (False, True):
-        ps = [torch.nn.Parameter(t.clone()) for t in start]
-        opt = train.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
-                          lr=1e-2, betas=(0.9, 0.95), fused=True, capturable=capturable)
-        gen = torch.Generator().manual_seed(0)
-        for step in range(3):
-            for group in opt.param_groups:
-                group["lr"] = 1e-2 * (step + 1)
-            for p in ps:
-                p.grad = torch.randn(p.shape, generator=gen).to(device)
-            opt.step()
-        runs.append((ps, opt))
-    (plain, plain_opt), (cap, cap_opt) = runs
-    for a, b in zip(plain, cap):
-        assert torch.equal(a, b) and cap_opt.state[b]["step"] == plain_opt.state[a]["step"] == 3
-        assert torch.equal(cap_opt.state[b]["exp_avg_sq"], plain_opt.state[a]["exp_avg_sq"])
-    p = torch.nn.Parameter(torch.ones(2))
-    p.grad = torch.ones(2)
-    for opt in (train.AdamW([p], capturable=True), cap_opt, train.AdamW([p])):
-        _expect(RuntimeError, ["capture step() first"], opt.advance)
-    _expect(ValueError, ["capturable=True"], train.capture_step, lambda: None, train.AdamW([p]))
 
 
 def test_gpu_capture_step_trains_like_eager_steps():
