@@ -9,11 +9,11 @@ hf) draws --plot FILE.png. `python bench.py SUBCOMMAND -h` lists its options.
     python bench.py model --size small --dtype fp32,bf16 --compare dtype             # fp32 vs bf16 autocast
     python bench.py model --size gpt2 --vocab_size 50304 --context_length 1024 --batch_size 12 --dtype bf16 \\
         --compile model --tie_embeddings --attn sdpa,flash --peer gpt2               # vs a torch.nn GPT-2
-    python bench.py attention | varlen | rmsnorm | adamw | hf | sass | bpe --input FILE
+    python bench.py attention | varlen | hf | rmsnorm | adamw | sass | bpe --input FILE
     torchrun --nproc_per_node=2 bench.py ddp | allreduce
 
 Map: the harness (Parser, Report, Progress, time_ms: the one way to parse, print, save and time) · model · attention
-(dense and packed) · varlen · rmsnorm, adamw · ddp · hf · bpe · sass · dispatch.
+(dense and packed) · varlen and hf · rmsnorm, adamw · ddp · bpe · sass · dispatch.
 """
 import argparse
 import collections
@@ -121,7 +121,7 @@ def parser(name, description, device=True, plot=False, defaults=None):
 
 
 def parse(p, argv, defaults=None):
-    """(args, device): the options parsed, those left out of `defaults` set for the device."""
+    """(args, device): the options parsed, those of `defaults` not given set for the device."""
     args = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -133,17 +133,15 @@ def parse(p, argv, defaults=None):
     return args, device
 
 
-def listed(choices=None, cast=str, what=None):
+def listed(choices=None, cast=str):
     """An argparse type: 'a,b,c' -> [a, b, c], each item cast and checked against choices."""
     def parse_list(text):
         try:
             items = [cast(t) for t in text.split(",") if t]
         except (ValueError, AttributeError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {what or cast.__name__ + ' values'}")
-        bad = [i for i in items if choices is not None and i not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"unknown value {bad[0]!r}: expected one of {', '.join(map(str, choices))}"
-                                             if bad else "an empty list")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {cast.__doc__ or cast.__name__}")
+        if not items or (choices and set(items) - set(choices)):
+            raise argparse.ArgumentTypeError(f"unknown value in {text!r}: expected {', '.join(map(str, choices))}")
         return items
     return parse_list
 
@@ -152,8 +150,6 @@ def fmt(x, digits=2):
     """Table cell: numbers rounded, None as a dash, strings (OOM, skipped) as they are."""
     if x is None:
         return "—"
-    if isinstance(x, str):
-        return x
     if isinstance(x, float) and abs(x) >= 1000:
         return f"{x:,.0f}"
     if isinstance(x, float) and 0 < abs(x) < 0.1:
@@ -215,7 +211,7 @@ class Report:
             os.replace(self.json + ".tmp", self.json)
 
     def plot(self, panels, xlabel, ylabel, log=False):
-        """panels = {title: {series: [(x, y), ...]}}: lines, or horizontal bars where x is a label."""
+        """panels = {title: {series: [(x, y), ...]}}, a line per series (x a number, or a label)."""
         if not self.png or self.quiet:
             return
         try:
@@ -227,14 +223,11 @@ class Report:
             return
         fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 4), squeeze=False)
         for ax, (title, series) in zip(axes[0], panels.items()):
-            bars = any(isinstance(x, str) for points in series.values() for x, _ in points)
             for name, points in series.items():
-                if bars:
-                    ax.barh([f"{x} {name}".strip() for x, _ in points], [y for _, y in points], label=name)
-                else:
-                    ax.plot(*zip(*points), marker="o", label=name)
-            ax.set(title=title, xlabel=ylabel if bars else xlabel, ylabel=None if bars else ylabel,
-                   **(dict(xscale="log", yscale="log") if log and not bars else {}))
+                ax.plot(*zip(*points), marker="o", label=name)
+            ax.set(title=title, xlabel=xlabel, ylabel=ylabel, yscale="log" if log else "linear")
+            if log:
+                ax.set_xscale("log", base=2)
             ax.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(self.png, dpi=120)
@@ -275,11 +268,12 @@ def is_oom(error):
     return isinstance(error, torch.OutOfMemoryError) or any(w in str(error) for w in ("out of memory", "ALLOC_FAILED"))
 
 
-def failure(error):
-    """The status of a run that raised: 'OOM' where it did not fit, else 'error' with the traceback on stderr, so
-    one failing configuration does not end a long run."""
-    if is_oom(error):
-        return "OOM"
+def failure(error, short=False):
+    """The status of a run that raised, so one failing configuration does not end a long run: 'OOM' where it did
+    not fit; else 'error' with the traceback on stderr (short: the exception's first sentence, in one line)."""
+    if is_oom(error) or short:
+        print(f"{type(error).__name__}: {error}", file=sys.stderr)
+        return "OOM" if is_oom(error) else f"{type(error).__name__}: {str(error).split('. ')[0][:140]}"
     traceback.print_exception(error, file=sys.stderr)
     return "error"
 
@@ -310,8 +304,9 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
         t0 = time.perf_counter()
         fn()
         sleep["ms"] = max(1.0, 2e3 * (time.perf_counter() - t0) * (1 if flush_l2 else reps))
-    flush = _L2_FLUSH.setdefault(device, torch.empty(2**28, dtype=torch.int8, device=device)) \
-        if cuda and flush_l2 else None
+    if cuda and flush_l2 and device not in _L2_FLUSH:
+        _L2_FLUSH[device] = torch.empty(2**28, dtype=torch.int8, device=device)
+    flush = _L2_FLUSH[device] if cuda and flush_l2 else None
 
     def sample():
         if setup is not None:
@@ -359,27 +354,23 @@ def sustained_ms(fn, device, seconds, readings):
     """ms per call as a long run sees it: `seconds` of back-to-back calls untimed (the clock settles where the power
     limit leaves it), then `seconds` of ~0.2 s samples, the median taken; readings gets the mean (SM MHz, board W)
     that NVML gave between samples, where it answers."""
-    per_call = time_ms(fn, device, warmup=2, steps=1)[0]
-    reps, seen = max(1, round(200 / per_call)), []
+    per_call, seen = time_ms(fn, device, warmup=2, steps=1)[0], []
+    reps = max(1, round(200 / per_call))
 
     def read():
-        try:
+        with contextlib.suppress(Exception):  # no pynvml, no NVML library, or a GPU it does not report
             seen.append((float(torch.cuda.clock_rate(device)), torch.cuda.power_draw(device) / 1e3))
-        except Exception:  # no pynvml, no NVML library, or a GPU it does not report
-            pass
     samples = time_ms(fn, device, warmup=max(1, round(seconds * 1e3 / per_call)),
                       steps=max(3, round(seconds * 1e3 / (reps * per_call))), reps=reps, setup=read)
-    if seen:
-        readings.append(tuple(statistics.mean(r[i] for r in seen) for i in (0, 1)))
+    readings.extend([tuple(statistics.mean(r[i] for r in seen) for i in (0, 1))] if seen else [])
     return statistics.median(samples)
 
 
 def document_lengths(num_docs, median_len, sigma, max_len, generator, total_tokens=None, min_len=16):
     """Long-tailed document lengths like real corpora: log-normal of median median_len, rounded and clipped to
     [min_len, max_len]; num_docs of them, or (num_docs None) as many as fill total_tokens exactly, the last cut."""
-    def draw(n):
-        z = torch.randn(n, generator=generator, dtype=torch.float64)
-        return (median_len * torch.exp(sigma * z)).round().clamp(min_len, max_len).long()
+    draw = lambda n: (median_len * torch.exp(sigma * torch.randn(n, generator=generator, dtype=torch.float64))) \
+        .round().clamp(min_len, max_len).long()
     if (num_docs is None) == (total_tokens is None):
         raise ValueError("document_lengths: give num_docs or total_tokens, not both")
     if num_docs is not None:
@@ -390,17 +381,6 @@ def document_lengths(num_docs, median_len, sigma, max_len, generator, total_toke
     lengths = lengths[:int(torch.searchsorted(lengths.cumsum(0), total_tokens)) + 1].clone()
     lengths[-1] -= int(lengths.sum()) - total_tokens
     return lengths
-
-
-def train_on_batches(step, batches, warmup, device):
-    """step(batch) over the batches, one sample each, the first `warmup` untimed: the summary of the rest, their
-    seconds in all, and the allocator's peak over every batch (CUDA)."""
-    it, cuda = iter(batches), torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    times = time_ms(lambda: step(next(it)), device, warmup=warmup, steps=len(batches) - warmup)
-    return dict(summary(times), seconds=sum(times) / 1e3, peak_mib=mib(torch.cuda.max_memory_allocated(device))
-                if cuda else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,11 +419,6 @@ class PeerGPT(nn.Module):
         self.layers = nn.ModuleList(PeerBlock(d_model, num_heads) for _ in range(num_layers))
         self.norm, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok.weight
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-            elif name.endswith("bias") and "norm" not in name:
-                nn.init.zeros_(p)
 
     def forward(self, idx, targets):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -501,22 +476,22 @@ class NativeLM(nn.Module):
 
 
 class Phases:
-    """The phases of the step that time_ms times whole: CUDA events read after the step, so nothing synchronizes
-    inside it; the allocator's peak per phase; NVTX ranges and profiler labels. off: a step captured as one CUDA
-    graph has no phases."""
+    """The phases of the step time_ms times whole, each a profiler label (and an NVTX range with --nvtx): on CUDA
+    events read after the step (nothing synchronizes inside it) and the allocator's peak. off: a step captured as
+    one CUDA graph has no phases."""
 
     def __init__(self, device, nvtx=False, off=False):
         self.cuda, self.nvtx, self.off = device.type == "cuda", nvtx, off
         self.ms, self.peak, self.events = collections.defaultdict(list), {}, []
 
     def read(self):
-        """The mean ms of each phase over the steps since the last read, and the peaks."""
+        """The mean ms of each phase over the steps since the last read, and their peaks."""
         for name, start, end in self.events:
             end.synchronize()
             self.ms[name].append(start.elapsed_time(end))
-        ms, peak = {p: statistics.fmean(self.ms[p]) for p in PHASES if self.ms[p]}, self.peak
+        out = {p: statistics.fmean(self.ms[p]) for p in PHASES if self.ms[p]}, self.peak
         self.ms, self.peak, self.events = collections.defaultdict(list), {}, []
-        return ms, peak
+        return out
 
     @contextlib.contextmanager
     def __call__(self, name):
@@ -528,18 +503,21 @@ class Phases:
             torch.cuda.reset_peak_memory_stats()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        if self.nvtx:
-            torch.cuda.nvtx.range_push(name)
-        with torch.profiler.record_function(name):
+        with nvtx_range(name) if self.nvtx else contextlib.nullcontext(), torch.profiler.record_function(name):
             yield
-        if self.nvtx:
-            torch.cuda.nvtx.range_pop()
         if self.cuda:
             end.record()
             self.events.append((name, start, end))
             self.peak[name] = max(self.peak.get(name, 0.0), mib(torch.cuda.max_memory_allocated()))
         else:
             self.ms[name].append((time.perf_counter() - t0) * 1e3)
+
+
+@contextlib.contextmanager
+def nvtx_range(name):
+    torch.cuda.nvtx.range_push(name)
+    yield
+    torch.cuda.nvtx.range_pop()
 
 
 def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
@@ -563,8 +541,7 @@ def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
 def build(who, size, attn, how, args, device, world):
     """A row group's model, compiled as `how` says and, under torchrun, sharded: ours by our FSDP (bf16 gathers;
     alone on one GPU), a peer by FSDP2 per block (the native one with every block recomputed)."""
-    dims = {k: getattr(args, k) or v for k, v in SIZES[size].items()}
-    ctx = max(args.context_length)
+    dims, ctx = {k: getattr(args, k) or v for k, v in SIZES[size].items()}, max(args.context_length)
     if who == "ours":
         net = TransformerLM(args.vocab_size, ctx, **dims, attn_impl=attn, tie_embeddings=args.tie_embeddings,
                             act_ckpt_every=args.act_ckpt_every, selective_recompute=args.selective_recompute,
@@ -597,11 +574,10 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     seq = torch.randint(args.vocab_size, (cfg["batch_size"], cfg["context_length"] + 1),
                         generator=torch.Generator().manual_seed(args.seed + rank))
-    x, y = seq[:, :-1].to(device), seq[:, 1:].to(device)
     optimizer = built["make_optimizer"](args.cuda_graphs) if cfg["mode"] == "train" else None
     phases = Phases(device, args.nvtx, off=args.cuda_graphs)
-    step = functools.partial(training_step, built["par"], optimizer, x, y, cfg["mode"], cfg["dtype"], phases,
-                             cfg["compile"] == "graphs")
+    step = functools.partial(training_step, built["par"], optimizer, seq[:, :-1].to(device), seq[:, 1:].to(device),
+                             cfg["mode"], cfg["dtype"], phases, cfg["compile"] == "graphs")
     if args.cuda_graphs:  # two eager warm-up steps, the third captures the whole step, every later one replays it
         step = whole_step_graph(step, optimizer, device)
     if device.type == "cuda":
@@ -625,7 +601,7 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
             row["gpu_ms"] = statistics.median(time_ms(step, device, warmup=1, steps=10, host_ahead=True))
     except Exception as e:
         row["status"] = failure(e)
-    optimizer = x = y = step = None
+    optimizer = seq = step = None
     built["par"].module.zero_grad(set_to_none=True)
     free_memory(device)  # after the except block: the traceback no longer holds the step's tensors
     if row["status"] == "ok":
@@ -665,8 +641,7 @@ def print_rows(rep, rows, reference=None):
 def print_compare(rep, rows, axis):
     """One line per configuration with the values of `axis` side by side: their ms and peaks, the last one's first
     step, tokens/s and TFLOP/s, and with two values their ratio."""
-    values, keys = list(dict.fromkeys(r[axis] for r in rows)), [k for k in KEYS if k != axis]
-    lines = {}
+    values, keys, lines = list(dict.fromkeys(r[axis] for r in rows)), [k for k in KEYS if k != axis], {}
     for r in rows:
         lines.setdefault(tuple(r[k] for k in keys), {})[r[axis]] = r
     first, last = values[0], values[-1]
@@ -715,8 +690,8 @@ def cmd_model(argv):
     p.add_argument("--selective_recompute", action="store_true", help="the others keep only matmul and attention "
                    "outputs")
     p.add_argument("--nvtx", action="store_true", help="NVTX ranges around the phases (nsys profile)")
-    p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler over the timed steps: the top kernels "
-                   "of each phase, and a Chrome trace")
+    p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler over the timed steps: the top kernels, "
+                   "and a Chrome trace")
     p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history of the timed steps, "
                    "for pytorch.org/memory_viz")
     args, device = parse(p, argv)
@@ -725,24 +700,19 @@ def cmd_model(argv):
     combos = list(itertools.product(args.dtype, args.context_length, args.mode))
     groups = [("ours", s, c, a) for s in args.size for c in args.compile for a in args.attn]
     groups += [(args.peer, s, c, "sdpa") for s in args.size for c in args.compile] if args.peer else []
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
-    if (args.nvtx or args.profile or args.memory_snapshot) and len(groups) * len(combos) > 1:
-        p.error("--nvtx, --profile and --memory_snapshot are for a single configuration of ours: no lists, no --peer")
-    if args.cuda_graphs and (args.mode != ["train"] or args.warmup < 3 or device.type != "cuda" or args.nvtx
-                             or args.profile or args.memory_snapshot or "graphs" in args.compile):
-        p.error("--cuda_graphs captures a training step: it needs CUDA, --mode train and --warmup >= 3, without "
-                "--nvtx, --profile, --memory_snapshot or --compile graphs")
-    if args.memory_snapshot and device.type != "cuda":
-        p.error("--memory_snapshot needs CUDA: the allocator's history is a CUDA one")
-    if distributed and not set(args.compile) <= {"none", "blocks"}:
-        p.error("under torchrun --compile is none or blocks (the models are sharded after compiling)")
-    if args.nvtx:
-        try:
-            torch.cuda.nvtx.range_push("check")
-            torch.cuda.nvtx.range_pop()
-        except RuntimeError as e:
-            p.error(f"--nvtx needs a CUDA build of torch ({e})")
+    for bad, why in ((args.steps < 1 or args.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
+                     ((args.nvtx or args.profile or args.memory_snapshot) and len(groups) * len(combos) > 1,
+                      "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
+                     (args.cuda_graphs and (args.mode != ["train"] or args.warmup < 3 or device.type != "cuda" or
+                                            args.nvtx or args.profile or args.memory_snapshot or "graphs" in
+                                            args.compile), "--cuda_graphs captures a training step: it needs CUDA, "
+                      "--mode train and --warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
+                     (args.memory_snapshot and device.type != "cuda", "--memory_snapshot needs CUDA"),
+                     (args.nvtx and not torch.cuda.is_available(), "--nvtx needs CUDA (nsys profile)"),
+                     (distributed and not set(args.compile) <= {"none", "blocks"},
+                      "under torchrun --compile is none or blocks (the models are sharded after compiling)")):
+        if bad:
+            p.error(why)
     rep = Report("model", argv, device, args, rank)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + [
         torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")) if args.profile else None
@@ -781,17 +751,15 @@ def cmd_model(argv):
     if args.profile and rows[0]["status"] == "ok":  # the top kernels (CUDA) or ops (CPU) of the timed steps
         profiler.export_chrome_trace(args.profile)
         rep.say(f"torch.profiler over the timed steps (Chrome trace: {args.profile})\n\n```\n" + profiler.key_averages(
-        ).table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=12)
-            + "```\n")
+        ).table(sort_by=f"self_{device.type}_time_total", row_limit=12) + "```\n")
     if args.memory_snapshot and rows[0]["status"] == "ok":
         rep.say(f"Peak allocated per phase of the timed steps (their memory history: {args.memory_snapshot})\n")
         rep.table(["phase", "peak MiB"], list(rows[0]["phase_peak_mib"].items()))
     panels = collections.defaultdict(lambda: collections.defaultdict(list))
-    for r in rows:  # ms per step against context length, a panel per value compared
-        if r["status"] == "ok":
-            label = " ".join(str(r[k]) for k in ("model", "size", "dtype", "compile", "attn", "mode") if k != args.compare)
-            panels[f"{r[args.compare] if args.compare else ''} ms per step"][label].append((r["context_length"],
-                                                                                             r["mean_ms"]))
+    for r in (r for r in rows if r["status"] == "ok"):  # ms per step against context length, a panel per value
+        panels[f"{r[args.compare] if args.compare else ''} ms per step"][" ".join(
+            str(r[k]) for k in ("model", "size", "dtype", "compile", "attn", "mode") if k != args.compare)].append(
+            (r["context_length"], r["mean_ms"]))
     rep.plot(panels, "context length", "ms per step", log=True)
     if distributed:
         ddp.cleanup_distributed()
@@ -810,6 +778,11 @@ def cmd_model(argv):
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
 BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
 MAX_SEQ = {"naive": 16384, "naive-compiled": 16384, "flex": 65536, "sdpa-efficient": 65536}  # costly ones capped
+PACKED = {"ours": "flash_attn_varlen", "ours-triton": "the same on the Triton kernels", "flex": "FlexAttention with a "
+          "document mask", "sdpa-pad": "SDPA on the documents padded to the context length", "sdpa-dynamic": "padded "
+          "to the longest", "sdpa-mask": "the same with a padding mask", "sdpa-block-diagonal": "SDPA on the "
+          "documents back to back under a dense block-diagonal mask (O(N^2))", "sdpa-nested": "SDPA on a jagged "
+          "NestedTensor", "fa2-varlen": "PyTorch's internal FA2 varlen kernel"}
 
 
 def attention_flops(lengths, num_heads, head_dim):
@@ -845,7 +818,7 @@ def sdpa(backend=None):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_flex(dynamic):
+def flex_attention(dynamic):
     from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention, dynamic=dynamic)
 
@@ -856,18 +829,18 @@ def flex(n, device, doc_ids=None, dynamic=False):
     mask = (lambda b, h, qi, ki: qi >= ki) if doc_ids is None else \
         (lambda b, h, qi, ki: (qi >= ki) & (doc_ids[qi] == doc_ids[ki]))
     block_mask = create_block_mask(mask, None, None, n, n, device=device)
-    return lambda q, k, v: compiled_flex(dynamic)(q, k, v, block_mask=block_mask)
+    return lambda q, k, v: flex_attention(dynamic)(q, k, v, block_mask=block_mask)
 
 
 def made(fn):
-    """A make() with nothing to set up: fn itself."""
+    """A make(q, k, v) with nothing to set up: fn itself."""
     return lambda q, k, v: fn
 
 
 def dense_methods(cuda):
     """name -> make(q, k, v) -> fn(q, k, v): causal attention on (B, H, S, D), make doing the per-shape setup
-    outside the timed calls. 'ours' is flash.py's pick, 'ours-triton' / 'ours-gluon' one kernel family forced;
-    naive is model.scaled_dot_product_attention with a causal mask, eager or compiled."""
+    outside the timed calls. ours: flash.py's pick; ours-triton / ours-gluon: one kernel family forced; naive:
+    model.scaled_dot_product_attention with a causal mask, eager or compiled."""
     ours = lambda q, k, v: flash.flash_attention(q, k, v, causal=True)
     naive = lambda fn: lambda q, k, v: functools.partial(fn, mask=model_py.causal_mask(q.shape[-2], q.device))
     methods = {"ours": made(ours), "naive": naive(model_py.scaled_dot_product_attention),
@@ -876,21 +849,20 @@ def dense_methods(cuda):
         methods[f"ours-{backend}"] = made(on_backend(backend, ours))
     if cuda:
         from torch.nn.attention import SDPBackend
-        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-            methods[f"sdpa-{name}"] = made(sdpa(backend))
+        for name in ("cudnn", "flash", "efficient"):
+            methods[f"sdpa-{name}"] = made(sdpa(getattr(SDPBackend, f"{name.upper()}_ATTENTION")))
         methods["flex"] = lambda q, k, v: flex(q.shape[-2], q.device)
     return methods
 
 
-def padded(cu_seqlens, length, num_heads, fn, mask=False):
-    """fn run on packed (N, H, D) q, k, v laid out as right-padded (documents, H, length, D) and back; mask: a
-    causal and padding mask instead of SDPA's is_causal."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    doc = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
-    index = doc * length + torch.arange(int(cu_seqlens[-1]), device=lens.device) - cu_seqlens[:-1].long()[doc]
-    keep = torch.arange(length, device=lens.device) < lens[:, None]  # (documents, length): the real keys
-    attn_mask = keep[:, None, None, :] & model_py.causal_mask(length, lens.device) if mask else None
+def padded(cu, length, num_heads, fn, mask=False):
+    """fn run on packed (N, H, D) q, k, v laid out as right-padded (documents, H, length, D), and back; mask: a
+    causal and padding mask in place of SDPA's is_causal."""
+    lens = (cu[1:] - cu[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), lens)
+    index = doc * length + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1].long()[doc]
+    keep = torch.arange(length, device=cu.device) < lens[:, None]  # (documents, length): the real keys
+    attn_mask = keep[:, None, None, :] & model_py.causal_mask(length, cu.device) if mask else None
 
     def run(q, k, v):
         pad = lambda t: t.new_zeros(len(lens) * length, num_heads, t.shape[-1]).index_copy(0, index, t).view(
@@ -901,23 +873,14 @@ def padded(cu_seqlens, length, num_heads, fn, mask=False):
     return run
 
 
-PACKED = {"ours": "flash_attn_varlen", "ours-triton": "the same on the Triton kernels", "flex": "FlexAttention with a "
-          "document mask", "sdpa-pad": "SDPA on the documents padded to the context length", "sdpa-dynamic": "padded "
-          "to the longest", "sdpa-mask": "the same with a padding mask", "sdpa-block-diagonal": "SDPA on the "
-          "documents back to back under a dense block-diagonal mask (O(N^2))", "sdpa-nested": "SDPA on a jagged "
-          "NestedTensor", "fa2-varlen": "PyTorch's internal FA2 varlen kernel"}
-
-
-def packed_methods(cu_seqlens, max_seqlen, num_heads, pad_length):
-    """Attention on packed documents (PACKED says what each is): name -> fn(q, k, v) on (N, H, D), causal inside
-    each document, the masks and layouts made here, outside the timed calls."""
-    cu, device, N = cu_seqlens, cu_seqlens.device, int(cu_seqlens[-1])
-    heads = lambda t: t.transpose(0, 1)[None]  # (N, H, D) -> (1, H, N, D), a view
-    lens = (cu[1:] - cu[:-1]).tolist()
+def packed_methods(cu, max_seqlen, num_heads, pad_length):
+    """Attention on packed documents (PACKED says what each is): name -> make(q, k, v) -> fn on (N, H, D), causal
+    inside each document, the masks and layouts made here, outside the timed calls."""
+    N, lens, heads = int(cu[-1]), (cu[1:] - cu[:-1]).tolist(), lambda t: t.transpose(0, 1)[None]  # (1, H, N, D)
     jagged = lambda t: torch.nested.nested_tensor_from_jagged(t, cu.long(), min_seqlen=min(lens),
                                                               max_seqlen=max(lens)).transpose(1, 2)
     ours = lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_seqlen)
-    doc_mask, dense_mask = flex(N, device, model_py.document_ids(cu, N), dynamic=None), \
+    doc_mask, dense_mask = flex(N, cu.device, model_py.document_ids(cu, N), None), \
         model_py.block_diagonal_causal_mask(cu, N)
     methods = {"ours": ours, "flex": lambda q, k, v: doc_mask(heads(q), heads(k), heads(v))[0].transpose(0, 1),
                "sdpa-pad": padded(cu, pad_length, num_heads, sdpa()),
@@ -928,35 +891,36 @@ def packed_methods(cu_seqlens, max_seqlen, num_heads, pad_length):
                "sdpa-nested": lambda q, k, v: sdpa()(jagged(q), jagged(k), jagged(v)).transpose(1, 2).values()}
     if hopper():
         methods["ours-triton"] = on_backend("triton", ours)
-    if device.type == "cuda":  # an aten op with an autograd formula
+    if cu.is_cuda:  # an aten op with an autograd formula
         methods["fa2-varlen"] = lambda q, k, v: torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=q.shape[-1] ** -0.5)[0]
-    return methods
+    return {name: made(fn) for name, fn in methods.items()}
 
 
 def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
     """fwd, bwd and fwd+bwd ms of make(q, k, v), the host's ms per fwd+bwd and the memory held after the forward;
-    "OOM" or "n/a" (this dtype, head dim or device not taken) in place of the times. Each time is a median of
-    time_ms samples: CUDA, as many as fit in `rep` ms, each call with a cold L2 cache and the host ahead of the GPU
-    (the GPU's work alone); CPU (the Triton interpreter), 3. sustain > 0 (CUDA): sustained_ms, clock and power."""
-    cuda, readings = q.is_cuda, []
-    out = dict(fwd_ms=None, bwd_ms=None, fwd_bwd_ms=None, host_ms=None, mib_after_fwd=None)
+    "OOM" or "n/a" (this dtype, head dim or device not taken) in place of times. Each a median of time_ms samples:
+    CUDA, as many as fit in `rep` ms, every call with a cold L2 cache and the host ahead of the GPU (the GPU's work
+    alone); CPU (the Triton interpreter), 3. sustain > 0 (CUDA): sustained_ms, with the clock and power."""
+    cuda, readings, out = q.is_cuda, [], dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms", "host_ms", "mib_after_fwd"))
 
     def median_ms(fn, host=None):
-        if sustain and cuda:
-            return sustained_ms(fn, q.device, sustain, readings)
-        return statistics.median(time_ms(fn, q.device, warmup=5 if cuda else 0, steps=3, budget_ms=rep if cuda else
-                                         None, flush_l2=cuda, host_ahead=cuda, host_ms=host))
+        return sustained_ms(fn, q.device, sustain, readings) if sustain and cuda else statistics.median(time_ms(
+            fn, q.device, warmup=5 if cuda else 0, steps=3, budget_ms=rep if cuda else None, flush_l2=cuda,
+            host_ahead=cuda, host_ms=host))
     try:
         fn = make(q, k, v)
         o = fn(q, k, v)  # compiles, plans and autotunes for this shape, untimed
         out["fwd_ms"] = median_ms(lambda: fn(q, k, v))
         out["mib_after_fwd"] = mib(torch.cuda.memory_allocated(q.device)) if cuda else None
-        grad = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-        grad()
-        out["bwd_ms"], host = median_ms(grad), []
-        out["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
-        out["host_ms"] = statistics.median(host) if host else None
+        try:
+            grad = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            grad()
+            out["bwd_ms"], host = median_ms(grad), []
+            out["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
+            out["host_ms"] = statistics.median(host) if host else None
+        except (RuntimeError, NotImplementedError) as e:  # a forward-only kernel here (FlexAttention on the CPU)
+            out.update(bwd_ms="OOM" if is_oom(e) else "n/a", fwd_bwd_ms="OOM" if is_oom(e) else "n/a")
     except (RuntimeError, NotImplementedError) as e:  # torch.OutOfMemoryError included
         out.update(dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms"), "OOM" if is_oom(e) else "n/a"))
     o = fn = None
@@ -964,20 +928,16 @@ def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
     return dict(out, gpu=readings or None)
 
 
-def qkv_do(shape, dtype, device, seed):
-    """[q, k, v, do]: random, the first three requiring grad."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    return [torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(i < 3) for i in range(4)]
-
-
-def attention_rows(part, case, methods, tensors, flops, rep=50, sustain=0):
-    """A row per method of one case: its times (time_fwd_bwd on tensors = [q, k, v, do]; a status where it does not
+def attention_rows(part, case, methods, shape, dtype, flops, rep=50, sustain=0):
+    """A row per method of one case, on random q, k, v, do of this shape: its times (a status where it does not
     run) and TFLOP/s."""
-    rows = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(sum(shape))
+    q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(i < 3) for i in range(4))
+    rows, tf = [], lambda f, ms: f / ms / 1e9 if isinstance(ms, float) else ms
     for name, make in methods.items():
         times = dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms"), make) if isinstance(make, str) else \
-            time_fwd_bwd(make, *tensors, rep, sustain)
-        tf = lambda f, ms: f / ms / 1e9 if isinstance(ms, float) else ms
+            time_fwd_bwd(make, q, k, v, do, rep, sustain)
         rows.append(dict(part=part, case=case, method=name, **times, fwd_tflops=tf(flops, times["fwd_ms"]),
                          bwd_tflops=tf(BWD_FLOPS * flops, times["bwd_ms"]),
                          fwd_bwd_tflops=tf(FWD_BWD_FLOPS * flops, times["fwd_bwd_ms"])))
@@ -989,7 +949,8 @@ def print_attention(rep, rows):
     per fwd+bwd, the memory after the forward, and the GPU's clock and power where they were read."""
     ours, gpu = {}, any(r.get("gpu") for r in rows)
     for r in rows:  # the first "ours" row of each case
-        ours.setdefault(r["case"], r) if r["method"].startswith("ours") else None
+        if r["method"].startswith("ours"):
+            ours.setdefault(r["case"], r)
     body = []
     for r in rows:
         o = ours.get(r["case"])
@@ -1017,10 +978,10 @@ def cmd_attention(argv):
     args = p.parse_args(argv)
     cuda, bf16, fp32 = torch.cuda.is_available(), torch.bfloat16, torch.float32
     device, methods = torch.device("cuda" if cuda else "cpu"), dense_methods(cuda)
-    known = set(methods) | set(PACKED)
     wanted = args.methods or [m for m in methods if m not in ("ours-gluon", "naive-compiled")]
-    if set(wanted) - known:
-        p.error(f"--methods: {', '.join(sorted(set(wanted) - known))} not here; there are {', '.join(sorted(known))}")
+    if set(wanted) - set(methods) - set(PACKED):
+        p.error(f"--methods: {', '.join(sorted(set(wanted) - set(methods) - set(PACKED)))} not here; there are "
+                f"{', '.join(sorted(set(methods) | set(PACKED)))}")
     torch._dynamo.config.cache_size_limit = 64  # FlexAttention compiles once per shape
     torch._functorch.config.donated_buffer = False  # the timed backward reuses one compiled graph (retain_graph)
     parts = [part for part in ATTN_PARTS if part in args.parts]
@@ -1036,12 +997,10 @@ def cmd_attention(argv):
     else:  # the Triton interpreter: a tiny stand-in for each kind of part
         table = dict(dict.fromkeys(ATTN_PARTS, [(1, 2, 16, 16, fp32), (1, 2, 40, 16, fp32)]), varlen=[16],
                      compile=[(2, 1, 24, 8, fp32)])
-        parts = [part for part in parts if part not in ("varlen", "compile")][:1] + \
-            [part for part in parts if part in ("varlen", "compile")]
+        parts = [p for p in parts if p not in ("varlen", "compile")][:1] + [p for p in parts if p in ("varlen", "compile")]
     jobs = [(part, case) for part in parts for case in table[part]]
-    n_cases, rounds = len(jobs), max(args.repeat, 1)
-    rep = Report("attention", argv, device, args)
-    rows, progress = [], Progress(n_cases * rounds)
+    n_cases, rounds, rows, rep = len(jobs), max(args.repeat, 1), [], Report("attention", argv, device, args)
+    progress = Progress(n_cases * rounds)
     for i, (part, case) in enumerate(jobs * rounds):
         if args.time_budget and progress.elapsed > args.time_budget:
             rep.say(f"time budget reached: {n_cases * rounds - i} cases left out\n")
@@ -1053,11 +1012,9 @@ def cmd_attention(argv):
             lens = document_lengths(None, math.exp(6.0), 1.0, 4096, gen, total_tokens=16384).tolist() if cuda \
                 else [1, 5, 17, 9]
             cu = torch.tensor([0] + lens).cumsum(0).to(device=device, dtype=torch.int32)
-            chosen = {n: m for n, m in packed_methods(cu, max(lens), h, max(lens)).items() if n in wanted}
-            new = attention_rows(part, f"docs={len(lens)} max={max(lens)} tokens={sum(lens)} H={h} D={d}",
-                                 {n: made(m) for n, m in chosen.items()}, qkv_do((sum(lens), h, d), bf16 if cuda
-                                                                                  else fp32, device, sum(lens) + d),
-                                 attention_flops(lens, h, d), args.rep)
+            new = attention_rows(part, f"docs={len(lens)} max={max(lens)} tokens={sum(lens)} H={h} D={d}", {
+                n: m for n, m in packed_methods(cu, max(lens), h, max(lens)).items() if n in wanted},
+                (sum(lens), h, d), bf16 if cuda else fp32, attention_flops(lens, h, d), args.rep)
         else:
             b, h, s, d, dt = case
             names = {"work": ["ours", "ours-gluon", "ours-triton", "sdpa-cudnn"],
@@ -1069,9 +1026,8 @@ def cmd_attention(argv):
             for n in chosen:  # long sequences for the costly ones, fp32 for cuDNN and flash: no row of numbers
                 chosen[n] = "skipped" if s > MAX_SEQ.get(n, s) else "n/a" if n in ("sdpa-cudnn", "sdpa-flash") and \
                     dt == fp32 else chosen[n]
-            new = attention_rows(part, f"B={b} H={h} S={s} D={d} {str(dt)[6:]}", chosen, qkv_do(
-                (b, h, s, d), dt, device, s * 131 + d), b * attention_flops([s], h, d), args.rep,
-                args.sustain if part == "sustained" else 0)
+            new = attention_rows(part, f"B={b} H={h} S={s} D={d} {str(dt)[6:]}", chosen, (b, h, s, d), dt,
+                                 b * attention_flops([s], h, d), args.rep, args.sustain if part == "sustained" else 0)
         for row in new if rounds > 1 else ():  # a case per round: "ours vs it" compares within one
             row["case"] += f" (round {i // n_cases + 1})"
         rows += new
@@ -1209,14 +1165,18 @@ def cmd_varlen(argv, hf_model=False):
             if strategy == "pack_static":  # its few shapes compiled before the timed batches
                 for batch in {tuple(b[1]["cu_seqlens"].shape): b for b in data}.values():
                     step(batch)
-            row.update(train_on_batches(step, data, args.warmup, device), loss_first_batch=out["loss"],
+            it = iter(data)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times = time_ms(lambda: step(next(it)), device, warmup=args.warmup, steps=args.steps)
+            row.update(summary(times), seconds=sum(times) / 1e3, loss_first_batch=out["loss"],
+                       peak_mib=mib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
                        real_tokens=sum(e - s - 1 for spans in batches[args.warmup:] for s, e in spans),
                        token_slots=sum((b[0] or [b[1]["input_ids"]])[0].numel() for b in data[args.warmup:]),
                        compiles=f"{out.get('warm', 0)} + {count[0] - out.get('warm', 0)}" if compiled else None)
             row["tokens_per_s"] = row["real_tokens"] / row.pop("seconds")
-        except Exception as e:  # (one line: transformers' refusals are long)
-            row["status"] = "OOM" if is_oom(e) else f"{type(e).__name__}: {str(e).strip().split('. ')[0][:140]}"
-            print(f"{strategy} {phase}: {type(e).__name__}: {e}", file=sys.stderr)
+        except Exception as e:
+            row["status"] = failure(e, short=True)  # (transformers' refusals are paragraphs)
         net = run = optimizer = data = None
         free_memory(device)
         rows.append(row)
@@ -1239,9 +1199,8 @@ def cmd_varlen(argv, hf_model=False):
     cu_seqlens, H, D = cu_seqlens.to(device), args.num_heads, args.d_model // args.num_heads
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     attn_rows = attention_rows("varlen", f"docs={len(lens)} max={max(lens)} tokens={sum(lens)} H={H} D={D}",
-                               {n: made(m) for n, m in packed_methods(cu_seqlens, int(max_seqlen), H, ctx).items()},
-                               qkv_do((sum(lens), H, D), dict(bf16=torch.bfloat16, fp32=torch.float32)[args.dtype],
-                                      device, args.seed), attention_flops(lens, H, D))
+                               packed_methods(cu_seqlens, int(max_seqlen), H, ctx), (sum(lens), H, D),
+                               dict(bf16=torch.bfloat16, fp32=torch.float32)[args.dtype], attention_flops(lens, H, D))
     rep.say("Attention alone on the first timed batch: " + "; ".join(f"{k}: {v}" for k, v in PACKED.items()) + "\n")
     print_attention(rep, attn_rows)
     rep.save(rows=rows, attention_rows=attn_rows)
@@ -1273,7 +1232,7 @@ def cmd_rmsnorm(argv):
     for n, d in args.shapes:
         g = torch.Generator(device=device).manual_seed(n + d)
         x, dy = (torch.randn(n, d, device=device, dtype=dtype, generator=g) for _ in range(2))
-        weight = nn.Parameter((1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype))
+        weight = (1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype).requires_grad_()
         act, w = n * d * x.element_size(), d * weight.element_size()
         fwd_bytes, bwd_bytes = 2 * act + w, 3 * act + w  # forward: x read, y written; backward: x, dy read, dx written
         norm = model_py.RMSNorm(d, eps=1e-5, device=device, dtype=dtype)
@@ -1317,7 +1276,7 @@ def cmd_adamw(argv):
     p = parser("adamw", "One optimizer step over a TransformerLM's parameters, every optimizer on the same tensors "
                "and gradients: our AdamW (fused kernel, foreach path) against torch's (fused, foreach).")
     p.add_argument("--sizes", type=listed(SIZES), help="model presets (default gpt2,xl on CUDA, tiny on the CPU); "
-                   "vocab 50304 for gpt2, 512 for tiny, else 10000")
+                   "vocab 50304 for gpt2, else 10000")
     p.add_argument("--rep", type=int, default=100, help="ms of timed steps per optimizer, the median taken")
     args, device = parse(p, argv)
     sizes = args.sizes or (["gpt2", "xl"] if device.type == "cuda" else ["tiny"])
@@ -1325,8 +1284,8 @@ def cmd_adamw(argv):
 
     def params_of(size):
         torch.manual_seed(args.seed)
-        vocab = dict(gpt2=50304, tiny=512).get(size, 10000)
-        ps = [nn.Parameter(t.detach()) for t in TransformerLM(vocab, 16, **SIZES[size], device=device).parameters()]
+        ps = [nn.Parameter(t.detach()) for t in TransformerLM(50304 if size == "gpt2" else 10000, 16, **SIZES[size],
+                                                              device=device).parameters()]
         for t in ps:
             t.grad = torch.randn_like(t) * 1e-2
         return ps
@@ -1344,8 +1303,7 @@ def cmd_adamw(argv):
         for name, make in ADAMW.items():
             opt = make(ps)
             opt.step()  # makes the state, untimed
-            times[name] = statistics.median(time_ms(opt.step, device, warmup=5, steps=3, budget_ms=args.rep)
-                                            if device.type == "cuda" else time_ms(opt.step, device))
+            times[name] = statistics.median(time_ms(opt.step, device, warmup=5, steps=3, budget_ms=args.rep))
             progress(f"{size} {name}: {times[name]:.3f} ms")
         n = sum(t.numel() for t in ps)  # a step reads p, g, m, v and writes p, m, v: 28 bytes a parameter
         rows += [dict(size=size, params=n, optimizer=name, ms=ms, tb_s=28 * n / ms / 1e9,
