@@ -1193,18 +1193,7 @@ def cmd_varlen(argv, hf_model=False):
     rep.plot({"the same documents, laid out each way": {phase: [(r["strategy"], r["tokens_per_s"]) for r in rows if
                                                                 r["phase"] == phase and r["status"] == "ok"]
                                                         for phase in phases}}, "", "real tokens/s")
-    if hf_model:
-        return rows
-    _, _, cu_seqlens, max_seqlen = pack_batch(tokens, batches[args.warmup])  # attention alone: the first timed batch
-    cu_seqlens, H, D = cu_seqlens.to(device), args.num_heads, args.d_model // args.num_heads
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    attn_rows = attention_rows("varlen", f"docs={len(lens)} max={max(lens)} tokens={sum(lens)} H={H} D={D}",
-                               packed_methods(cu_seqlens, int(max_seqlen), H, ctx), (sum(lens), H, D),
-                               dict(bf16=torch.bfloat16, fp32=torch.float32)[args.dtype], attention_flops(lens, H, D))
-    rep.say("Attention alone on the first timed batch: " + "; ".join(f"{k}: {v}" for k, v in PACKED.items()) + "\n")
-    print_attention(rep, attn_rows)
-    rep.save(rows=rows, attention_rows=attn_rows)
-    return dict(rows=rows, attention_rows=attn_rows)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1212,42 +1201,51 @@ def cmd_varlen(argv, hf_model=False):
 # ---------------------------------------------------------------------------------------------------------------
 
 RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
+ADAMW = {"ours fused (the Triton kernel)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
+         "ours foreach (fused=False)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=False),
+         "torch fused=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
+         "torch foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)}
 
 
 def tokens_by_d(text):
+    """TOKENSxD items"""
     n, d = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", text).groups()
     return int(n), int(d)
+
+
+def kernel_ms(fn, device, rep):
+    """The median ms of fn: CUDA, as many calls as fit in `rep` ms, each with a cold L2 cache and the GPU kept busy
+    until the host has issued it (an eager call costs the host more than these kernels take); CPU, 3."""
+    cuda = device.type == "cuda"
+    return statistics.median(time_ms(fn, device, warmup=5 if cuda else 1, steps=3, budget_ms=rep if cuda else None,
+                                     flush_l2=cuda, host_ahead=True))
 
 
 def cmd_rmsnorm(argv):
     p = parser("rmsnorm", "RMSNorm forward and forward+backward: flash.rms_norm beside model.RMSNorm compiled by "
                "inductor, F.rms_norm, and x.clone() (a read and a write of x: the bandwidth a norm can at best reach); "
                "bf16 on CUDA, fp32 on the CPU (the Triton interpreter).")
-    p.add_argument("--shapes", type=listed(cast=tokens_by_d, what="TOKENSxD items"), default="32768x4096,12288x768")
+    p.add_argument("--shapes", type=listed(cast=tokens_by_d), default="32768x4096,12288x768")
     p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
     p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, the median taken")
     args, device = parse(p, argv)
-    cuda, dtype, rows = device.type == "cuda", torch.bfloat16 if device.type == "cuda" else torch.float32, []
-    rep = Report("rmsnorm", argv, device, args)
+    dtype, rows, rep = torch.bfloat16 if device.type == "cuda" else torch.float32, [], Report("rmsnorm", argv, device,
+                                                                                               args)
     for n, d in args.shapes:
         g = torch.Generator(device=device).manual_seed(n + d)
-        x, dy = (torch.randn(n, d, device=device, dtype=dtype, generator=g) for _ in range(2))
-        weight = (1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype).requires_grad_()
+        x, dy = (torch.randn(n, d, device=device, dtype=dtype, generator=g).requires_grad_(i == 0) for i in range(2))
+        norm = model_py.RMSNorm(d, eps=1e-5, device=device, dtype=dtype)
+        weight = norm.weight = nn.Parameter((1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype))
+        methods = {"ours": lambda x: flash.rms_norm(x, weight, 1e-5), "inductor": torch.compile(norm, dynamic=False),
+                   "F.rms_norm": lambda x: F.rms_norm(x, (d,), weight, 1e-5), "copy": lambda x: x.clone()}
         act, w = n * d * x.element_size(), d * weight.element_size()
         fwd_bytes, bwd_bytes = 2 * act + w, 3 * act + w  # forward: x read, y written; backward: x, dy read, dx written
-        norm = model_py.RMSNorm(d, eps=1e-5, device=device, dtype=dtype)
-        norm.weight = weight
-        methods = {"ours": lambda x: flash.rms_norm(x, weight, 1e-5), "copy": lambda x: x.clone(),
-                   "F.rms_norm": lambda x: F.rms_norm(x, (d,), weight, 1e-5),
-                   "inductor": torch.compile(norm, dynamic=False)}
-        median_ms = lambda fn: statistics.median(time_ms(fn, device, warmup=5 if cuda else 1, steps=3, budget_ms=
-                                                         args.rep if cuda else None, flush_l2=cuda, host_ahead=True))
-        x.requires_grad_()
         for name in args.methods:
             fn = methods[name]
             fn(x)  # compiles (inductor) or warms the kernels up
-            fwd = median_ms(lambda: fn(x))
-            both = None if name == "copy" else median_ms(lambda: torch.autograd.grad(fn(x), [x, weight], dy))
+            fwd = kernel_ms(lambda: fn(x), device, args.rep)
+            both = None if name == "copy" else kernel_ms(lambda: torch.autograd.grad(fn(x), [x, weight], dy), device,
+                                                         args.rep)
             rows.append(dict(shape=f"{n} x {d}", method=name, fwd_ms=fwd, fwd_bwd_ms=both, fwd_gb_s=fwd_bytes / fwd / 1e6,
                              fwd_bwd_gb_s=both and (fwd_bytes + bwd_bytes) / both / 1e6,
                              bwd_gb_s=both and both > fwd and bwd_bytes / (both - fwd) / 1e6 or None))
@@ -1255,65 +1253,43 @@ def cmd_rmsnorm(argv):
     copy = {r["shape"]: r["fwd_gb_s"] for r in rows if r["method"] == "copy"}
     pct = lambda r, key: r[key] and copy.get(r["shape"]) and f"{100 * r[key] / copy[r['shape']]:.0f}%"
     rep.say("GB/s: the bytes each direction must move over its time (the backward's: over fwd+bwd less fwd); % of "
-            "copy: that over the copy's GB/s at the same shape. Medians of calls with a cold L2 cache and the GPU kept "
-            "busy until the host has issued the call.\n")
+            "copy: that over the copy's GB/s at the same shape.\n")
     rep.table(["shape", "method", "fwd ms", "fwd GB/s", "fwd % of copy", "fwd+bwd ms", "fwd+bwd GB/s",
                "fwd+bwd % of copy", "bwd % of copy"],
               [[r["shape"], r["method"], r["fwd_ms"], r["fwd_gb_s"], pct(r, "fwd_gb_s"), r["fwd_bwd_ms"],
-                r["fwd_bwd_gb_s"], pct(r, "fwd_bwd_gb_s"), pct(r, "bwd_gb_s")] for r in rows],
-              digits=[0, 0, 3, 0, 0, 3, 0])
+                r["fwd_bwd_gb_s"], pct(r, "fwd_bwd_gb_s"), pct(r, "bwd_gb_s")] for r in rows], [0, 0, 3, 0, 0, 3, 0])
     rep.save(rows=rows)
     return rows
-
-
-ADAMW = {"ours fused (the Triton kernel)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
-         "ours foreach (fused=False)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=False),
-         "torch fused=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
-         "torch foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)}
 
 
 def cmd_adamw(argv):
     p = parser("adamw", "One optimizer step over a TransformerLM's parameters, every optimizer on the same tensors "
                "and gradients: our AdamW (fused kernel, foreach path) against torch's (fused, foreach).")
     p.add_argument("--sizes", type=listed(SIZES), help="model presets (default gpt2,xl on CUDA, tiny on the CPU); "
-                   "vocab 50304 for gpt2, else 10000")
-    p.add_argument("--rep", type=int, default=100, help="ms of timed steps per optimizer, the median taken")
+                   "vocab 50304 for gpt2, 512 for tiny, else 10000")
+    p.add_argument("--rep", type=int, default=100, help="CUDA: ms of timed steps per optimizer, the median taken")
     args, device = parse(p, argv)
     sizes = args.sizes or (["gpt2", "xl"] if device.type == "cuda" else ["tiny"])
     rep, rows, progress = Report("adamw", argv, device, args), [], Progress(len(sizes) * len(ADAMW))
-
-    def params_of(size):
-        torch.manual_seed(args.seed)
-        ps = [nn.Parameter(t.detach()) for t in TransformerLM(50304 if size == "gpt2" else 10000, 16, **SIZES[size],
-                                                              device=device).parameters()]
+    for size in sizes:
+        net = TransformerLM(dict(gpt2=50304, tiny=512).get(size, 10000), 16, **SIZES[size], device=device)
+        ps, times = [nn.Parameter(t.detach()) for t in net.parameters()], {}
         for t in ps:
             t.grad = torch.randn_like(t) * 1e-2
-        return ps
-    after = [params_of(sizes[0]) for _ in range(2)]  # the fused kernel against the foreach path, three steps
-    for ps, fused in zip(after, (True, False)):
-        opt = AdamW(ps, lr=1e-3, weight_decay=0.1, fused=fused)
-        for _ in range(3):
-            opt.step()
-    diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*after))
-    rep.say(f"the fused kernel against the foreach path after 3 steps: max relative difference {diff:.1e}\n")
-    if diff > 1e-5:
-        p.error("the fused kernel and the foreach path disagree")
-    for size in sizes:
-        ps, times = params_of(size), {}
         for name, make in ADAMW.items():
             opt = make(ps)
             opt.step()  # makes the state, untimed
-            times[name] = statistics.median(time_ms(opt.step, device, warmup=5, steps=3, budget_ms=args.rep))
+            times[name] = kernel_ms(opt.step, device, args.rep)
             progress(f"{size} {name}: {times[name]:.3f} ms")
         n = sum(t.numel() for t in ps)  # a step reads p, g, m, v and writes p, m, v: 28 bytes a parameter
         rows += [dict(size=size, params=n, optimizer=name, ms=ms, tb_s=28 * n / ms / 1e9,
                       vs_torch_fused=ratio(ms, times["torch fused=True"])) for name, ms in times.items()]
-        ps = opt = None
+        net = ps = opt = None
         free_memory(device)
     rep.table(["size", "parameters", "optimizer", "ms/step", "TB/s (28 bytes a parameter)", "vs torch fused"],
               [[r["size"], millions(r["params"]), r["optimizer"], r["ms"], r["tb_s"], r["vs_torch_fused"]]
                for r in rows], digits=[0, 0, 0, 3])
-    rep.save(rows=rows, max_rel_diff=diff)
+    rep.save(rows=rows)
     return rows
 
 
@@ -1351,25 +1327,22 @@ def slowest(times):
 
 
 def cmd_ddp(argv):
-    p = parser("ddp", "All-reduce bandwidth per tensor size (--allreduce_mb), then data-parallel variants of "
-               "TransformerLM in one run, built by ddp.wrap under the names train.py's ddp_impl takes: ours (naive, "
+    p = parser("ddp", "Under torchrun: all-reduce bandwidth per tensor size (--allreduce_mb), then data-parallel "
+               "variants of TransformerLM in one run, built by ddp.wrap under train.py's ddp_impl names: ours (naive, "
                "flat, overlap, bucketed, ZeRO-1, FSDP) beside torch DDP, ZeroRedundancyOptimizer and FSDP2, and none "
-               "(no communication: what scaling is measured against). Run under torchrun.", device=False)
+               "(no communication: what scaling is measured against); every variant with our AdamW.", device=False)
     p.add_argument("--allreduce_mb", type=float, nargs="*", default=[], help="MiB per all-reduced fp32 tensor")
     p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS), choices=DDP_VARIANTS)
     p.add_argument("--preset", default="gpt2-xl", choices=tuple(SIZES), help="model preset (tiny: vocab 512)")
-    p.add_argument("--vocab_size", type=int, default=50304)
     p.add_argument("--batch_size", type=int, default=8, help="per rank")
     p.add_argument("--context_length", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps (all-reduce: calls) per row")
-    p.add_argument("--optimizer", default="ours", choices=["ours", "torch"], help="for every variant: our AdamW or "
-                   "torch.optim.AdamW (fused on CUDA)")
     args = p.parse_args(argv)
     rank, _, world, device = ddp.init_distributed()
     if not dist.is_initialized():
         p.error("needs several processes: run it under torchrun --nproc_per_node=N")
-    cuda, rep, allreduce = device.type == "cuda", Report("ddp", argv, device, args, rank), []
+    cuda, rep, allreduce, results = device.type == "cuda", Report("ddp", argv, device, args, rank), [], []
     for size in args.allreduce_mb:  # a call's bytes over its median time: algbw; busbw = algbw * 2 (N - 1) / N
         x = torch.ones(int(size * 2**20) // 4, device=device)
         times = slowest(time_ms(lambda: dist.all_reduce(x), device, warmup=args.warmup, steps=args.steps,
@@ -1382,13 +1355,12 @@ def cmd_ddp(argv):
         rep.table(["MiB", "ranks", "median ms", "mean ms", "algbw GiB/s", "busbw GiB/s"],
                   [[f"{r['size_mib']:g}", r["ranks"], r["median_ms"], r["mean_ms"], r["algbw_gib_s"], r["busbw_gib_s"]]
                    for r in allreduce], digits=[0, 0, 3, 3, 1, 1])
-    vocab = 512 if args.preset == "tiny" and args.vocab_size == 50304 else args.vocab_size
-    opt_cls = AdamW if args.optimizer == "ours" else functools.partial(torch.optim.AdamW, fused=cuda)
+    vocab = 512 if args.preset == "tiny" else 50304
     g = torch.Generator(device=device).manual_seed(1234 + rank)  # each rank its own slice of the global batch
     x, y = (torch.randint(0, vocab, (args.batch_size, args.context_length), device=device, generator=g)
             for _ in range(2))
     mem = (lambda: torch.cuda.max_memory_allocated(device) / 2**30) if cuda else (lambda: float("nan"))
-    results, progress = [], Progress(len(args.variants), quiet=rank != 0)
+    progress = Progress(len(args.variants), quiet=rank != 0)
     for variant in args.variants:
         free_memory(device)
         if cuda:
@@ -1398,7 +1370,7 @@ def cmd_ddp(argv):
             torch.manual_seed(0)
             net = TransformerLM(vocab, args.context_length, **SIZES[args.preset], device=device,
                                 attn_impl="flash" if cuda else "naive")
-            wrapped, optimizer = _build_variant(variant, net, opt_cls, 1e-4)
+            wrapped, optimizer = _build_variant(variant, net, AdamW, 1e-4)
             r["peak_after_init_gib"] = mem()
 
             def step():
@@ -1416,30 +1388,28 @@ def cmd_ddp(argv):
                 r["loss"] = loss.detach()
             r["ms_per_step"] = statistics.median(slowest(time_ms(step, device, warmup=args.warmup, steps=args.steps,
                                                                  setup=dist.barrier)))
-            if comm:
-                r["comm_ms"] = statistics.median(slowest(comm[args.warmup:]))
             state = getattr(optimizer, "optim", optimizer).state.values()  # ZeroRedundancyOptimizer's local one
             r.update(peak_before_step_gib=max(before), peak_after_step_gib=max(after), loss=r["loss"].item(),
+                     comm_ms=statistics.median(slowest(comm[args.warmup:])) if comm else None,
                      optimizer_state_gib=sum(getattr(v, "_local_tensor", v).numel() * v.element_size() for s in state
                                              for v in s.values() if torch.is_tensor(v)) / 2**30)  # DTensors: shards
         except Exception as e:  # a baseline missing from this torch build must not sink the other rows
-            r["error"] = f"{type(e).__name__}: {e}"[:200]
+            r["error"] = failure(e, short=True)
         wrapped = optimizer = net = None
         errors = [None] * world
         dist.all_gather_object(errors, r.get("error"))
-        r = dict(variant=variant, error=next(e for e in errors if e)) if any(errors) else r
-        results.append(r)
-        progress(f"{variant}: {r.get('error') or round(r['ms_per_step'], 1)} ms/step")
+        results.append(dict(variant=variant, error=next(e for e in errors if e)) if any(errors) else r)
+        progress(f"{variant}: {results[-1].get('error') or round(r['ms_per_step'], 1)} ms/step")
     none = next((r["ms_per_step"] for r in results if r["variant"] == "none" and "error" not in r), None)
     if results:
         rep.say(f"Data parallel: {args.preset}, vocab {vocab}, batch {args.batch_size}/rank x {world} ranks, T "
-                f"{args.context_length}, optimizer {args.optimizer}; ms/step: the median of the slowest rank's; comm "
-                f"ms: naive and flat timed between synchronizes, ~x = step - none (the communication not hidden)\n")
+                f"{args.context_length}; ms/step: the median of the slowest rank's; comm ms: naive and flat timed "
+                f"between synchronizes, ~x = step - none (the communication not hidden)\n")
         rep.table(["variant", "ms/step", "scaling vs none", "comm ms", "peak init GiB", "peak before step GiB",
                    "peak after step GiB", "opt state GiB/rank", "loss"],
                   [[r["variant"], r["error"]] + [""] * 7 if "error" in r else [
                       r["variant"], r["ms_per_step"], none and f"{100 * none / r['ms_per_step']:.1f}%",
-                      fmt(r.get("comm_ms"), 1) if "comm_ms" in r else f"~{r['ms_per_step'] - none:.1f}" if none and
+                      fmt(r["comm_ms"], 1) if r["comm_ms"] else f"~{r['ms_per_step'] - none:.1f}" if none and
                       r["variant"] != "none" else None, r["peak_after_init_gib"], r["peak_before_step_gib"],
                       r["peak_after_step_gib"], f"{r['optimizer_state_gib']:.3g}", r["loss"]] for r in results],
                   digits=[0, 1, 0, 1, 2, 2, 2, 0, 3])
@@ -1466,10 +1436,8 @@ def cmd_bpe(argv):
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        p.error(f"--input {path}: " + ("the file is empty" if os.path.isfile(path) else "no such file"))
-    if repeats < 1 or workers < 1 or not special:
-        p.error("--repeats and --num_workers must be >= 1 and --special non-empty")
+    if not os.path.isfile(path) or os.path.getsize(path) == 0 or repeats < 1 or workers < 1 or not special:
+        p.error(f"--input {path} is missing or empty, or --repeats or --num_workers < 1, or --special empty")
     cpu, size, have_hf = torch.device("cpu"), os.path.getsize(path), importlib.util.find_spec("tokenizers") is not None
     rep, train = Report("bpe", argv, cpu, args), {"ours": [], "hf": []}
     rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, {workers} workers of {os.cpu_count()} CPUs, "
@@ -1528,10 +1496,8 @@ def cmd_bpe(argv):
                "tiktoken MB/s", "ours / tiktoken"],
               [[e["case"], e["ours_mb_s"], e["tiktoken_mb_s"], e["ours_vs_tiktoken"]] for e in encode],
               digits=[2, 1, 1, 2])
-    rss = peak_rss_mb()[0]
-    rep.say(f"peak RSS of this process (encode side, torch imported): {rss:.0f} MB")
-    rep.save(bytes=size, tokens=len(ids), vocab_size=args.vocab_size, workers=workers, repeats=repeats, train=train,
-             train_median_s=median_s, ours_vs_hf=vs_hf, encode=encode, encode_peak_rss_mb=rss)
+    rep.say(f"peak RSS of this process (encode side, torch imported): {peak_rss_mb()[0]:.0f} MB")
+    rep.save(bytes=size, tokens=len(ids), train=train, train_median_s=median_s, ours_vs_hf=vs_hf, encode=encode)
     return rep.data
 
 
