@@ -1,8 +1,6 @@
-"""Benchmarks: where the time and memory of training go, ours beside what a user would otherwise pick.
-
-One harness, a subcommand per question; each prints a header line (command, date, device, versions) and Markdown
-tables, a progress line with rate and ETA on stderr, writes every row to --json FILE and (model, attention, varlen,
-hf) draws --plot FILE.png. `python bench.py SUBCOMMAND -h` lists its options.
+"""Benchmarks: where the time and memory of training go, ours beside what a user would otherwise pick. One
+harness, a subcommand per question: a header line (command, date, device, versions) and Markdown tables on stdout,
+a progress line on stderr, every row in --json FILE, a chart in --plot FILE.png; `bench.py SUBCOMMAND -h`: options.
 
     python bench.py model --size small --dtype bf16 --compile blocks --attn flash    # one step, phase by phase
     python bench.py model --size small,medium --context_length 256,512,1024 --mode fwd,fwd_bwd,train --sweep
@@ -109,10 +107,10 @@ class Parser(argparse.ArgumentParser):
 def parser(name, description, device=True, plot=False, defaults=None):
     """A subcommand's parser with the options they share; defaults: {option: (CUDA default, CPU default)}."""
     p = Parser(prog=f"bench.py {name}", description=description)
+    p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
     if device:
         p.add_argument("--device", default="auto", help="auto: cuda where there is one, else cpu")
         p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
     if plot:
         p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
     for key, (gpu, cpu) in (defaults or {}).items():
@@ -148,13 +146,9 @@ def listed(choices=None, cast=str):
 
 def fmt(x, digits=2):
     """Table cell: numbers rounded, None as a dash, strings (OOM, skipped) as they are."""
-    if x is None:
-        return "—"
-    if isinstance(x, float) and abs(x) >= 1000:
-        return f"{x:,.0f}"
-    if isinstance(x, float) and 0 < abs(x) < 0.1:
-        return f"{x:.2g}"
-    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+    if not isinstance(x, float):
+        return "—" if x is None else str(x)
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.2g}" if 0 < abs(x) < 0.1 else f"{x:.{digits}f}"
 
 
 def markdown_table(header, rows, digits=2):
@@ -178,14 +172,13 @@ class Report:
     measured); plot() draws --plot or says in one line why not. Ranks other than 0 print and save nothing."""
 
     def __init__(self, name, argv, device, args, rank=0):
-        versions = f"torch {torch.__version__}, triton {triton.__version__}"
-        if device.type == "cuda":
-            what, versions = torch.cuda.get_device_name(device), versions + f", CUDA {torch.version.cuda}"
-        else:
-            what = f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
-        launcher = "torchrun ... " if "WORLD_SIZE" in os.environ else "python "
-        self.data = dict(command=launcher + " ".join(["bench.py", name] + list(argv)),
-                         date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=what, versions=versions)
+        what = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+            f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
+        versions = f"torch {torch.__version__}, triton {triton.__version__}" + (
+            f", CUDA {torch.version.cuda}" if device.type == "cuda" else "")
+        self.data = dict(command=("torchrun ... " if "WORLD_SIZE" in os.environ else "python ") + " ".join(
+            ["bench.py", name] + list(argv)), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=what,
+            versions=versions)
         self.json, self.png, self.quiet = getattr(args, "json", None), getattr(args, "plot", None), rank != 0
         self.say(f"`{self.data['command']}` · {self.data['date']} · {what} · {versions}\n")
 
@@ -226,8 +219,6 @@ class Report:
             for name, points in series.items():
                 ax.plot(*zip(*points), marker="o", label=name)
             ax.set(title=title, xlabel=xlabel, ylabel=ylabel, yscale="log" if log else "linear")
-            if log:
-                ax.set_xscale("log", base=2)
             ax.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(self.png, dpi=120)
@@ -289,13 +280,12 @@ _L2_FLUSH = {}  # device -> 256 MiB, more than any L2 cache, zeroed before a cal
 
 def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, flush_l2=False, host_ahead=False,
             host_ms=None):
-    """The one timer: ms per call of fn(), one sample per timed step, as a list.
-
-    `warmup` untimed calls, then `steps` samples, each the mean of `reps` calls, the device synchronized around each;
-    setup() runs untimed before each sample; budget_ms: as many samples as fit in that many ms, judged by the first.
-    CUDA: a pair of events per sample; flush_l2 gives every call a cold L2 cache; host_ahead keeps the GPU busy
-    (torch.cuda._sleep) until the host has issued the call, so the events time the GPU's work alone, and host_ms (a
-    list) gets the host's ms per call. CPU: time.perf_counter."""
+    """The one timer: ms per call of fn(), one sample per timed step, as a list. `warmup` untimed calls, then
+    `steps` samples, each the mean of `reps` calls, the device synchronized around each; setup() runs untimed before
+    each sample; budget_ms: as many samples as fit in that many ms, judged by the first. CUDA: a pair of events per
+    sample; flush_l2 gives every call a cold L2 cache; host_ahead keeps the GPU busy (torch.cuda._sleep) until the
+    host has issued the call, so the events time the GPU's work alone, and host_ms (a list) gets the host's ms per
+    call. CPU: time.perf_counter."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     host_ahead = host_ahead and cuda
@@ -476,12 +466,11 @@ class NativeLM(nn.Module):
 
 
 class Phases:
-    """The phases of the step time_ms times whole, each a profiler label (and an NVTX range with --nvtx): on CUDA
-    events read after the step (nothing synchronizes inside it) and the allocator's peak. off: a step captured as
-    one CUDA graph has no phases."""
+    """The phases of the step time_ms times whole, each a profiler label: on CUDA events read after the step (nothing
+    synchronizes inside it) and the allocator's peak. off: a step captured as one CUDA graph has no phases."""
 
-    def __init__(self, device, nvtx=False, off=False):
-        self.cuda, self.nvtx, self.off = device.type == "cuda", nvtx, off
+    def __init__(self, device, off=False):
+        self.cuda, self.off = device.type == "cuda", off
         self.ms, self.peak, self.events = collections.defaultdict(list), {}, []
 
     def read(self):
@@ -503,7 +492,7 @@ class Phases:
             torch.cuda.reset_peak_memory_stats()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        with nvtx_range(name) if self.nvtx else contextlib.nullcontext(), torch.profiler.record_function(name):
+        with torch.profiler.record_function(name):
             yield
         if self.cuda:
             end.record()
@@ -511,13 +500,6 @@ class Phases:
             self.peak[name] = max(self.peak.get(name, 0.0), mib(torch.cuda.max_memory_allocated()))
         else:
             self.ms[name].append((time.perf_counter() - t0) * 1e3)
-
-
-@contextlib.contextmanager
-def nvtx_range(name):
-    torch.cuda.nvtx.range_push(name)
-    yield
-    torch.cuda.nvtx.range_pop()
 
 
 def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
@@ -575,7 +557,7 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
     seq = torch.randint(args.vocab_size, (cfg["batch_size"], cfg["context_length"] + 1),
                         generator=torch.Generator().manual_seed(args.seed + rank))
     optimizer = built["make_optimizer"](args.cuda_graphs) if cfg["mode"] == "train" else None
-    phases = Phases(device, args.nvtx, off=args.cuda_graphs)
+    phases = Phases(device, off=args.cuda_graphs)
     step = functools.partial(training_step, built["par"], optimizer, seq[:, :-1].to(device), seq[:, 1:].to(device),
                              cfg["mode"], cfg["dtype"], phases, cfg["compile"] == "graphs")
     if args.cuda_graphs:  # two eager warm-up steps, the third captures the whole step, every later one replays it
@@ -589,7 +571,7 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
         phases.read()
         if args.memory_snapshot:  # Python frames only: symbolizing C++ frames takes minutes on a large model
             torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
-        with profiler or contextlib.nullcontext():
+        with profiler or contextlib.nullcontext(), torch.autograd.profiler.emit_nvtx(enabled=args.nvtx):
             row.update(summary(time_ms(step, device, steps=args.steps)))
         if args.memory_snapshot:
             torch.cuda.memory._dump_snapshot(args.memory_snapshot)
@@ -669,31 +651,24 @@ def cmd_model(argv):
     p.add_argument("--dtype", "--dtypes", type=listed(DTYPES), default="fp32", help="bf16: autocast")
     p.add_argument("--mode", "--modes", type=listed(MODES), default="train", help="fwd (inference), fwd_bwd, train")
     p.add_argument("--compile", "--compile_options", type=listed(COMPILES), nargs="?", const=["model"],
-                   default="none", help="model: torch.compile(model); blocks: each block compiled in place; graphs: "
-                   "mode reduce-overhead (forward and backward replayed as CUDA graphs)")
+                   default="none", help="blocks: each block compiled in place; graphs: mode reduce-overhead")
     p.add_argument("--attn", type=listed(ATTN_IMPLS), default="naive")
     p.add_argument("--tie_embeddings", action="store_true")
-    p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also time a peer with "
-                   "torch's fused AdamW: gpt2, GPT-2 from torch.nn parts (nanoGPT's); native, our architecture in "
-                   "torch.nn layers (under torchrun: FSDP2, every block recomputed)")
-    p.add_argument("--cuda_graphs", action="store_true", help="CUDA, mode train: the whole step one CUDA graph, "
-                   "ours and the peer (--warmup >= 3: two eager steps, then the capture)")
+    p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also a peer: GPT-2 in "
+                   "torch.nn parts, or our architecture in torch.nn layers (under torchrun: FSDP2)")
+    p.add_argument("--cuda_graphs", action="store_true", help="the whole step one CUDA graph (mode train, CUDA)")
     p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
     p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
     p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later rows are skipped")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--reference_tokens_per_s", type=float, help="a throughput measured elsewhere (nanoGPT's own "
-                   "bench.py): a 'vs reference' column")
+    p.add_argument("--reference_tokens_per_s", type=float, help="nanoGPT's, say: a 'vs reference' column")
     p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
     p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
-    p.add_argument("--selective_recompute", action="store_true", help="the others keep only matmul and attention "
-                   "outputs")
-    p.add_argument("--nvtx", action="store_true", help="NVTX ranges around the phases (nsys profile)")
-    p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler over the timed steps: the top kernels, "
-                   "and a Chrome trace")
-    p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history of the timed steps, "
-                   "for pytorch.org/memory_viz")
+    p.add_argument("--selective_recompute", action="store_true")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges of the timed steps' ops and phases, for nsys")
+    p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler: top kernels and a Chrome trace")
+    p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history, for memory_viz")
     args, device = parse(p, argv)
     distributed = "WORLD_SIZE" in os.environ  # under torchrun: the models sharded, every rank a batch
     rank, _, world, device = ddp.init_distributed() if distributed else (0, 0, None, device)
@@ -707,8 +682,7 @@ def cmd_model(argv):
                                             args.nvtx or args.profile or args.memory_snapshot or "graphs" in
                                             args.compile), "--cuda_graphs captures a training step: it needs CUDA, "
                       "--mode train and --warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
-                     (args.memory_snapshot and device.type != "cuda", "--memory_snapshot needs CUDA"),
-                     (args.nvtx and not torch.cuda.is_available(), "--nvtx needs CUDA (nsys profile)"),
+                     ((args.memory_snapshot or args.nvtx) and device.type != "cuda", "--memory_snapshot, --nvtx: CUDA"),
                      (distributed and not set(args.compile) <= {"none", "blocks"},
                       "under torchrun --compile is none or blocks (the models are sharded after compiling)")):
         if bad:
@@ -758,14 +732,16 @@ def cmd_model(argv):
     panels = collections.defaultdict(lambda: collections.defaultdict(list))
     for r in (r for r in rows if r["status"] == "ok"):  # ms per step against context length, a panel per value
         panels[f"{r[args.compare] if args.compare else ''} ms per step"][" ".join(
-            str(r[k]) for k in ("model", "size", "dtype", "compile", "attn", "mode") if k != args.compare)].append(
-            (r["context_length"], r["mean_ms"]))
+            str(r[k]) for k in KEYS if k != args.compare)].append((r["context_length"], r["mean_ms"]))
     rep.plot(panels, "context length", "ms per step", log=True)
     if distributed:
         ddp.cleanup_distributed()
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# attention: our FlashAttention beside PyTorch's attention, dense and on packed documents
+# ---------------------------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------------------------
 # attention: our FlashAttention beside PyTorch's attention, dense and on packed documents
 # ---------------------------------------------------------------------------------------------------------------
@@ -778,11 +754,7 @@ def cmd_model(argv):
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
 BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
 MAX_SEQ = {"naive": 16384, "naive-compiled": 16384, "flex": 65536, "sdpa-efficient": 65536}  # costly ones capped
-PACKED = {"ours": "flash_attn_varlen", "ours-triton": "the same on the Triton kernels", "flex": "FlexAttention with a "
-          "document mask", "sdpa-pad": "SDPA on the documents padded to the context length", "sdpa-dynamic": "padded "
-          "to the longest", "sdpa-mask": "the same with a padding mask", "sdpa-block-diagonal": "SDPA on the "
-          "documents back to back under a dense block-diagonal mask (O(N^2))", "sdpa-nested": "SDPA on a jagged "
-          "NestedTensor", "fa2-varlen": "PyTorch's internal FA2 varlen kernel"}
+PACKED = ("ours", "ours-triton", "flex", "sdpa-pad", "sdpa-dynamic", "sdpa-nested", "fa2-varlen")  # see packed_methods
 
 
 def attention_flops(lengths, num_heads, head_dim):
@@ -800,11 +772,6 @@ def on_backend(backend, fn):
         finally:
             flash.BACKEND = old
     return call
-
-
-def hopper():
-    """Whether flash.py's Gluon (Hopper) kernels can run here: then each kernel family forced gets rows too."""
-    return torch.cuda.is_available() and flash.gluon is not None and flash._is_sm90(torch.cuda.current_device())
 
 
 def sdpa(backend=None):
@@ -845,7 +812,7 @@ def dense_methods(cuda):
     naive = lambda fn: lambda q, k, v: functools.partial(fn, mask=model_py.causal_mask(q.shape[-2], q.device))
     methods = {"ours": made(ours), "naive": naive(model_py.scaled_dot_product_attention),
                "naive-compiled": naive(torch.compile(model_py.scaled_dot_product_attention))}
-    for backend in ("triton", "gluon") if hopper() else ():
+    for backend in ("triton", "gluon") if cuda and flash.gluon and flash._is_sm90(torch.cuda.current_device()) else ():
         methods[f"ours-{backend}"] = made(on_backend(backend, ours))
     if cuda:
         from torch.nn.attention import SDPBackend
@@ -855,41 +822,31 @@ def dense_methods(cuda):
     return methods
 
 
-def padded(cu, length, num_heads, fn, mask=False):
-    """fn run on packed (N, H, D) q, k, v laid out as right-padded (documents, H, length, D), and back; mask: a
-    causal and padding mask in place of SDPA's is_causal."""
+def padded(cu, length, num_heads):
+    """SDPA (is_causal) on packed (N, H, D) q, k, v laid out as right-padded (documents, H, length, D), and back."""
     lens = (cu[1:] - cu[:-1]).long()
     doc = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), lens)
     index = doc * length + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1].long()[doc]
-    keep = torch.arange(length, device=cu.device) < lens[:, None]  # (documents, length): the real keys
-    attn_mask = keep[:, None, None, :] & model_py.causal_mask(length, cu.device) if mask else None
-
-    def run(q, k, v):
-        pad = lambda t: t.new_zeros(len(lens) * length, num_heads, t.shape[-1]).index_copy(0, index, t).view(
-            len(lens), length, num_heads, -1).transpose(1, 2)
-        out = fn(pad(q), pad(k), pad(v)) if attn_mask is None else \
-            F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=attn_mask)
-        return out.transpose(1, 2).reshape(len(lens) * length, num_heads, -1)[index]
-    return run
+    pad = lambda t: t.new_zeros(len(lens) * length, num_heads, t.shape[-1]).index_copy(0, index, t).view(
+        len(lens), length, num_heads, -1).transpose(1, 2)
+    return lambda q, k, v: sdpa()(pad(q), pad(k), pad(v)).transpose(1, 2).reshape(len(lens) * length, num_heads,
+                                                                                   -1)[index]
 
 
 def packed_methods(cu, max_seqlen, num_heads, pad_length):
-    """Attention on packed documents (PACKED says what each is): name -> make(q, k, v) -> fn on (N, H, D), causal
-    inside each document, the masks and layouts made here, outside the timed calls."""
+    """Attention on packed documents, causal inside each: name -> make(q, k, v) -> fn on (N, H, D), the masks and
+    layouts made here, outside the timed calls. ours: flash_attn_varlen (-triton: on the Triton kernels); flex: a
+    document mask; sdpa-pad, -dynamic: SDPA on the documents padded to pad_length, or to the longest; sdpa-nested:
+    SDPA on a jagged NestedTensor; fa2-varlen: PyTorch's internal FA2 varlen kernel."""
     N, lens, heads = int(cu[-1]), (cu[1:] - cu[:-1]).tolist(), lambda t: t.transpose(0, 1)[None]  # (1, H, N, D)
     jagged = lambda t: torch.nested.nested_tensor_from_jagged(t, cu.long(), min_seqlen=min(lens),
                                                               max_seqlen=max(lens)).transpose(1, 2)
-    ours = lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_seqlen)
-    doc_mask, dense_mask = flex(N, cu.device, model_py.document_ids(cu, N), None), \
-        model_py.block_diagonal_causal_mask(cu, N)
+    ours, doc_mask = lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_seqlen), flex(
+        N, cu.device, model_py.document_ids(cu, N), None)
     methods = {"ours": ours, "flex": lambda q, k, v: doc_mask(heads(q), heads(k), heads(v))[0].transpose(0, 1),
-               "sdpa-pad": padded(cu, pad_length, num_heads, sdpa()),
-               "sdpa-dynamic": padded(cu, max_seqlen, num_heads, sdpa()),
-               "sdpa-mask": padded(cu, max_seqlen, num_heads, None, mask=True),
-               "sdpa-block-diagonal": lambda q, k, v: F.scaled_dot_product_attention(
-                   heads(q), heads(k), heads(v), attn_mask=dense_mask)[0].transpose(0, 1),
+               "sdpa-pad": padded(cu, pad_length, num_heads), "sdpa-dynamic": padded(cu, max_seqlen, num_heads),
                "sdpa-nested": lambda q, k, v: sdpa()(jagged(q), jagged(k), jagged(v)).transpose(1, 2).values()}
-    if hopper():
+    if cu.is_cuda and flash.gluon and flash._is_sm90(cu.device.index):  # where the Gluon kernels run
         methods["ours-triton"] = on_backend("triton", ours)
     if cu.is_cuda:  # an aten op with an autograd formula
         methods["fa2-varlen"] = lambda q, k, v: torch.ops.aten._flash_attention_forward(
@@ -966,11 +923,11 @@ def print_attention(rep, rows):
 def cmd_attention(argv):
     p = parser("attention", "Causal attention forward, backward and both: our FlashAttention beside SDPA's cuDNN, "
                "flash and memory-efficient backends, FlexAttention and naive PyTorch, dense and on packed documents "
-               "(on the CPU: tiny stand-ins in the Triton interpreter).", device=False, plot=True)
+               "(on the CPU: tiny stand-ins in the Triton interpreter).", device=False)
     p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="case groups, run in the "
                    f"order {', '.join(ATTN_PARTS)} (bench.py's attention section says what each holds)")
-    p.add_argument("--methods", type=listed(), help="the methods to time, dense and packed (default: all but "
-                   "ours-gluon, naive-compiled and the packed sdpa-* and fa2-varlen)")
+    p.add_argument("--methods", type=listed(), help="dense and packed (default: all but ours-gluon, naive-compiled, "
+                   "the packed sdpa-* and fa2-varlen)")
     p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, the median taken")
     p.add_argument("--sustain", type=float, default=1.0, help="the sustained part: seconds of warm-up and of timing")
     p.add_argument("--repeat", type=int, default=1, help="run the cases this many rounds (the spread of A/B runs)")
@@ -1037,81 +994,68 @@ def cmd_attention(argv):
             "cases count the work inside documents only. Times: medians of calls each with a cold L2 cache and the "
             "GPU kept busy until the host has issued the call (the GPU's work; the host's is its own column).\n")
     print_attention(rep, rows)
-    panels = collections.defaultdict(lambda: collections.defaultdict(list))
-    for r in rows:  # the sweep's fwd+bwd TFLOP/s against S, a panel per head dim and dtype
-        if r["part"] == "sweep" and isinstance(r["fwd_bwd_tflops"], float):
-            b, h, s, d, dtype = r["case"].split()[:5]
-            panels[f"causal fwd+bwd, {d}, {dtype}"][r["method"]].append((int(s[2:]), r["fwd_bwd_tflops"]))
-    rep.plot(panels, "sequence length", "TFLOP/s", log=True)
     return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# varlen: padding strategies on the same documents (our model, or Hugging Face's GPT-2 with `--model hf`)
+# varlen, hf: padding strategies on the same documents, our model's or a Hugging Face GPT-2's step
 # ---------------------------------------------------------------------------------------------------------------
 
 VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
     d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
     context_length=(1024, 256), median_len=(200.0, 40.0), batch_size=(32, 2), dtype=("bf16", "fp32"),
     attn=("flash", "naive"), num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2), compile=("dynamic", "none"),
-    phases=("eval,train", "eval,train"), strategies=("pad,dynamic_pad,pack,pack_static",) * 2,
-    backend=("inductor", "aot_eager"))
-HF_DEFAULTS = dict(VARLEN_DEFAULTS, num_layers=(12, 2), d_model=(768, 64), num_heads=(12, 4), vocab_size=(50257, 257),
-                   context_length=(1024, 32), median_len=(200.0, 20.0), batch_size=(16, 2), warmup=(3, 1),
-                   steps=(10, 1), phases=("train", "train"), strategies=(
+    phases=("eval,train",) * 2, strategies=("pad,dynamic_pad,pack,pack_static",) * 2, backend=("inductor", "aot_eager"))
+HF_DEFAULTS = dict(VARLEN_DEFAULTS, vocab_size=(50257, 257), context_length=(1024, 32), median_len=(200.0, 20.0),
+                   batch_size=(16, 2), warmup=(3, 1), steps=(10, 1), phases=("train",) * 2, strategies=(
                        "sdpa:pad,sdpa:pad:compiled,sdpa:dynamic_pad,ours:pad,ours:pack,ours:pack:compiled,"
-                       "flex_attention:pack",) * 2)  # GPT2Config's shape on the GPU
+                       "flex_attention:pack",) * 2)  # (ATTN:LAYOUT[:compiled]; GPT2Config's shape on the GPU)
 LAYOUTS = ("pad", "dynamic_pad", "pack", "pack_static")
 
 
 def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
-    """One batch of documents (token ranges) laid out as `strategy` says, as (forward args, kwargs): ours pad /
-    dynamic_pad / pack / pack_static (train.py's, pack_static padded to (batch_size + 1) * ctx tokens); Hugging Face's
-    a row per document right-padded, or all in one row by DataCollatorWithFlattening (cu_seq_lens; compiled, with
-    max_length a constant bound: it compiles once)."""
-    layout = strategy.split(":")[-2 if strategy.endswith(":compiled") else -1]
-    if hf_model:
-        docs = [tokens[s:e].tolist() for s, e in spans]
-        if layout == "pack":
-            from transformers import DataCollatorWithFlattening
-            batch = dict(DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d, "labels": d}
-                                                                                   for d in docs]))
-            batch.update(dict(max_length_q=ctx, max_length_k=ctx) if strategy.endswith(":compiled") else {})
-        else:
-            x, _ = pad_batch(tokens, spans, ctx if layout == "pad" else max(map(len, docs)), 0)
-            mask = (torch.arange(x.shape[1]) < torch.tensor([len(d) for d in docs])[:, None]).long()
-            batch = dict(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100))
-        return (), {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-    if layout.startswith("pack"):
+    """One batch of documents (token ranges) laid out as `strategy` says, as (forward args, kwargs): ours as
+    train.py lays them out (pack_static padded to (batch_size + 1) * ctx tokens); Hugging Face's a row per document,
+    or all in one row by DataCollatorWithFlattening (compiled: max_length a constant bound, so it compiles once)."""
+    layout = strategy.split(":")[1] if hf_model else strategy
+    if hf_model and layout == "pack":
+        from transformers import DataCollatorWithFlattening
+        batch = dict(DataCollatorWithFlattening(return_flash_attn_kwargs=True)([
+            {"input_ids": tokens[s:e].tolist(), "labels": tokens[s:e].tolist()} for s, e in spans]))
+        batch.update(dict(max_length_q=ctx, max_length_k=ctx) if strategy.endswith(":compiled") else {})
+    elif layout.startswith("pack"):
         x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
         if layout == "pack_static":
             (x, y, cu_seqlens), max_seqlen = pad_packed(x, y, cu_seqlens, budget + ctx, 0), ctx
-        return (x.to(device),), dict(targets=y.to(device), cu_seqlens=cu_seqlens.to(device), max_seqlen=int(max_seqlen))
-    x, y = pad_batch(tokens, spans, ctx if layout == "pad" else max(e - s for s, e in spans), 0)
-    return (x.to(device),), dict(targets=y.to(device))
+        batch = dict(input_ids=x, targets=y, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
+    else:
+        x, y = pad_batch(tokens, spans, ctx if layout == "pad" else max(e - s for s, e in spans), 0)
+        mask = (torch.arange(x.shape[1]) < torch.tensor([e - s for s, e in spans])[:, None]).long()
+        batch = dict(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100)) if hf_model else \
+            dict(input_ids=x, targets=y)
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def cmd_varlen(argv, hf_model=False):
-    p = parser("hf" if hf_model else "varlen", "Training (and inference) on the same variable-length documents laid "
-               "out by each strategy: " + ("a transformers GPT2LMHeadModel (dropout 0) on an attention "
-               "implementation (sdpa, ours: hf.register_hf_attention, flex_attention), padded, dynamically padded "
-               "or packed, [:compiled]" if hf_model else "our model, pad, dynamic_pad, pack, pack_static; then "
-               "attention alone on the first timed batch") + ".", plot=True, defaults=VARLEN_DEFAULTS)
+    p = parser("hf" if hf_model else "varlen", "Training (and inference) on the same variable-length documents, "
+               "laid out by each strategy, every row from the same weights: " + (
+                   "a transformers GPT2LMHeadModel (dropout 0) on an attention implementation (sdpa; ours, "
+                   "hf.register_hf_attention; flex_attention), a row per document or packed, compiled or not"
+                   if hf_model else "our model, padded, padded to the longest, packed, packed to a static shape"),
+               plot=True, defaults=VARLEN_DEFAULTS)
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
     args, device = parse(p, argv, HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
     strategies, phases = args.strategies.split(","), args.phases.split(",")
-    known = lambda s: s in LAYOUTS if not hf_model else s.split(":")[0] in ("sdpa", "ours", "flex_attention") and \
-        s.split(":")[1:2] in [[x] for x in LAYOUTS] and s.split(":")[2:] in ([], ["compiled"])
-    bad = [s for s in strategies if not known(s)]
-    if bad or args.dtype not in DTYPES or args.attn not in ATTN_IMPLS or set(phases) - {"eval", "train"}:
-        p.error(f"--strategies {bad} or --dtype, --attn or --phases unknown: expected one of {LAYOUTS}"
-                + (" as ATTN:LAYOUT[:compiled]" if hf_model else "") + f", {DTYPES}, {ATTN_IMPLS}, eval,train")
+    known = lambda s: s in LAYOUTS if not hf_model else s.split(":", 1)[0] in ("sdpa", "ours", "flex_attention") and \
+        s.split(":", 1)[-1].removesuffix(":compiled") in LAYOUTS[:3]
+    if not all(map(known, strategies)) or args.dtype not in DTYPES or set(phases) - {"eval", "train"}:
+        p.error(f"--strategies, --dtype or --phases: not {'ATTN:' * hf_model}{'|'.join(LAYOUTS)}"
+                f"{'[:compiled]' * hf_model}, {'|'.join(DTYPES)} or eval,train")
     rep, ctx, g = Report(p.prog[9:], argv, device, args), args.context_length, torch.Generator().manual_seed(args.seed)
-    budget = args.batch_size * ctx
     lengths = document_lengths(args.num_docs, args.median_len, args.sigma, ctx, g)  # random tokens, long-tailed lengths
     docs = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int64)
     tokens = torch.randint(args.vocab_size, (int(docs[-1]),), generator=g).numpy().astype(np.int64)
-    batches = [sample_documents(docs, budget, ctx, g) for _ in range(args.warmup + args.steps)]
+    batches = [sample_documents(docs, args.batch_size * ctx, ctx, g) for _ in range(args.warmup + args.steps)]
     if hf_model:
         from transformers import AutoModelForCausalLM, GPT2Config
         hf.register_hf_attention("ours")
@@ -1122,12 +1066,10 @@ def cmd_varlen(argv, hf_model=False):
         make = lambda attn: TransformerLM(args.vocab_size, ctx, args.d_model, args.num_layers, args.num_heads,
                                           args.d_ff, attn_impl=attn, device=device)
     init = {k: v.clone() for k, v in make("eager" if hf_model else args.attn).state_dict().items()}
-    rep.say(f"Documents: {args.num_docs}, log-normal lengths of median {args.median_len:g} and sigma {args.sigma:g} "
-            f"(mean {lengths.float().mean():.0f}, p90 {lengths.float().quantile(0.9):.0f}, max {int(lengths.max())})"
-            f"; batches of whole documents up to {budget} real tokens, the same for every strategy; every row from "
-            f"the same weights. Model: {'GPT2LMHeadModel' if hf_model else 'ours'}, d_model {args.d_model}, "
-            f"{args.num_layers} layers, {args.num_heads} heads, vocab {args.vocab_size}, {args.dtype}, compile "
-            f"{args.compile} (backend {args.backend}).\n")
+    rep.say(f"Documents: {args.num_docs}, log-normal lengths of median {args.median_len:g}, sigma {args.sigma:g} "
+            f"(mean {lengths.float().mean():.0f}, max {int(lengths.max())}), in batches up to {args.batch_size * ctx} "
+            f"real tokens. Model: d_model {args.d_model}, {args.num_layers} layers, {args.num_heads} heads, vocab "
+            f"{args.vocab_size}, {args.dtype}; compile {args.compile} (backend {args.backend}).\n")
     rows, progress = [], Progress(len(phases) * len(strategies))
     for phase, strategy in itertools.product(phases, strategies):
         row, count, out = dict(strategy=strategy, phase=phase, status="ok"), [0], {}
@@ -1141,19 +1083,21 @@ def cmd_varlen(argv, hf_model=False):
             net.load_state_dict(init)
             net.loss_type = "ForCausalLM"  # (transformers) GPT-2 names no loss type: a warning and a graph break
             compiled = strategy.endswith(":compiled") or not hf_model and args.compile != "none"
-            run = torch.compile(net, backend=backend, dynamic=None if hf_model else strategy != "pack_static"
-                                and args.compile == "dynamic") if compiled else net
+            run = torch.compile(net, backend=backend, dynamic=None if hf_model else strategy != "pack_static") \
+                if compiled else net
             optimizer = torch.optim.AdamW(net.parameters(), lr=6e-4, fused=device.type == "cuda") if hf_model \
                 else AdamW(net.parameters(), lr=1e-4)
-            data = [varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model) for spans in batches]
-            for a, kw in data if hf_model and compiled and "pack" in strategy else ():
+            data = [varlen_inputs(strategy, spans, tokens, ctx, args.batch_size * ctx, device, hf_model)
+                    for spans in batches]
+            for kw in data if hf_model and compiled and ":pack" in strategy else ():
                 for name in ("input_ids", "labels", "position_ids"):  # the row's length changes every step
                     torch._dynamo.mark_dynamic(kw[name], 1)
 
             def step(batch):
                 net.zero_grad(set_to_none=True)
                 with (torch.no_grad() if phase == "eval" else contextlib.nullcontext()), autocast(args.dtype, device):
-                    loss = run(*batch[0], **batch[1])
+                    loss = run(**batch) if hf_model else run(batch["input_ids"], **{k: v for k, v in batch.items()
+                                                                                     if k != "input_ids"})
                     loss = getattr(loss, "loss", loss)
                 if batch is data[0]:  # (a warm-up step: untimed)
                     out["loss"] = float(loss)
@@ -1163,18 +1107,18 @@ def cmd_varlen(argv, hf_model=False):
                     loss.backward()
                     optimizer.step()
             if strategy == "pack_static":  # its few shapes compiled before the timed batches
-                for batch in {tuple(b[1]["cu_seqlens"].shape): b for b in data}.values():
+                for batch in {b["cu_seqlens"].shape: b for b in data}.values():
                     step(batch)
-            it = iter(data)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            it = iter(data)
             times = time_ms(lambda: step(next(it)), device, warmup=args.warmup, steps=args.steps)
-            row.update(summary(times), seconds=sum(times) / 1e3, loss_first_batch=out["loss"],
+            row.update(summary(times), loss_first_batch=out["loss"],
                        peak_mib=mib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
                        real_tokens=sum(e - s - 1 for spans in batches[args.warmup:] for s, e in spans),
-                       token_slots=sum((b[0] or [b[1]["input_ids"]])[0].numel() for b in data[args.warmup:]),
+                       token_slots=sum(b["input_ids"].numel() for b in data[args.warmup:]),
                        compiles=f"{out.get('warm', 0)} + {count[0] - out.get('warm', 0)}" if compiled else None)
-            row["tokens_per_s"] = row["real_tokens"] / row.pop("seconds")
+            row["tokens_per_s"] = row["real_tokens"] / sum(times) * 1e3
         except Exception as e:
             row["status"] = failure(e, short=True)  # (transformers' refusals are paragraphs)
         net = run = optimizer = data = None
@@ -1188,11 +1132,9 @@ def cmd_varlen(argv, hf_model=False):
               [[r["phase"], r["strategy"], f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" if r["status"] == "ok" else
                 r["status"], r.get("tokens_per_s"), ratio(r.get("tokens_per_s"), base[r["phase"]]),
                 f"{100 * r['real_tokens'] / r['token_slots']:.0f}%" if "token_slots" in r else None, r.get("peak_mib"),
-                fmt(r.get("loss_first_batch"), 5), r.get("compiles")] for r in sorted(rows, key=lambda r: r["phase"] !=
-                                                                                       "train")], fold=[0])
-    rep.plot({"the same documents, laid out each way": {phase: [(r["strategy"], r["tokens_per_s"]) for r in rows if
-                                                                r["phase"] == phase and r["status"] == "ok"]
-                                                        for phase in phases}}, "", "real tokens/s")
+                fmt(r.get("loss_first_batch"), 5), r.get("compiles")] for r in rows], fold=[0])
+    rep.plot({"real tokens/s": {phase: [(r["strategy"], r["tokens_per_s"]) for r in rows if r["phase"] == phase and
+                                        r["status"] == "ok"] for phase in phases}}, "strategy", "real tokens/s")
     return rows
 
 
@@ -1229,8 +1171,8 @@ def cmd_rmsnorm(argv):
     p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
     p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, the median taken")
     args, device = parse(p, argv)
-    dtype, rows, rep = torch.bfloat16 if device.type == "cuda" else torch.float32, [], Report("rmsnorm", argv, device,
-                                                                                               args)
+    dtype, rows = torch.bfloat16 if device.type == "cuda" else torch.float32, []
+    rep = Report("rmsnorm", argv, device, args)
     for n, d in args.shapes:
         g = torch.Generator(device=device).manual_seed(n + d)
         x, dy = (torch.randn(n, d, device=device, dtype=dtype, generator=g).requires_grad_(i == 0) for i in range(2))
@@ -1246,8 +1188,8 @@ def cmd_rmsnorm(argv):
             fwd = kernel_ms(lambda: fn(x), device, args.rep)
             both = None if name == "copy" else kernel_ms(lambda: torch.autograd.grad(fn(x), [x, weight], dy), device,
                                                          args.rep)
-            rows.append(dict(shape=f"{n} x {d}", method=name, fwd_ms=fwd, fwd_bwd_ms=both, fwd_gb_s=fwd_bytes / fwd / 1e6,
-                             fwd_bwd_gb_s=both and (fwd_bytes + bwd_bytes) / both / 1e6,
+            rows.append(dict(shape=f"{n} x {d}", method=name, fwd_ms=fwd, fwd_bwd_ms=both,
+                             fwd_gb_s=fwd_bytes / fwd / 1e6, fwd_bwd_gb_s=both and (fwd_bytes + bwd_bytes) / both / 1e6,
                              bwd_gb_s=both and both > fwd and bwd_bytes / (both - fwd) / 1e6 or None))
         free_memory(device)
     copy = {r["shape"]: r["fwd_gb_s"] for r in rows if r["method"] == "copy"}
