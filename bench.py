@@ -180,7 +180,19 @@ class Report:
             ["bench.py", name] + list(argv)), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=what,
             versions=versions)
         self.json, self.png, self.quiet = getattr(args, "json", None), getattr(args, "plot", None), rank != 0
+        self.t0 = time.perf_counter()
         self.say(f"`{self.data['command']}` · {self.data['date']} · {what} · {versions}\n")
+
+    @property
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def progress(self, done, total, text):
+        """A line on stderr per finished item of a long loop, with its rate and an ETA (stdout stays Markdown)."""
+        rate = done / max(self.elapsed, 1e-9)
+        if not self.quiet:
+            print(f"[{done}/{total}] {text} | {self.elapsed:.0f}s, {60 * rate:.1f}/min, ETA "
+                  f"{(total - done) / rate:.0f}s", file=sys.stderr, flush=True)
 
     def say(self, text=""):
         if not self.quiet:
@@ -224,24 +236,6 @@ class Report:
         fig.savefig(self.png, dpi=120)
         plt.close(fig)
         print(f"plot written to {self.png}", file=sys.stderr)
-
-
-class Progress:
-    """A line on stderr per finished item of a long loop, with its rate and an ETA (stdout stays Markdown)."""
-
-    def __init__(self, total, quiet=False):
-        self.total, self.done, self.quiet, self.t0 = total, 0, quiet, time.perf_counter()
-
-    @property
-    def elapsed(self):
-        return time.perf_counter() - self.t0
-
-    def __call__(self, text):
-        self.done += 1
-        rate = self.done / max(self.elapsed, 1e-9)
-        if not self.quiet:
-            print(f"[{self.done}/{self.total}] {text} | {self.elapsed:.0f}s, {60 * rate:.1f}/min, ETA "
-                  f"{(self.total - self.done) / rate:.0f}s", file=sys.stderr, flush=True)
 
 
 def free_memory(device):
@@ -384,79 +378,55 @@ KEYS = dict(model="model", size="size", context_length="ctx", batch_size="batch"
 
 
 class PeerBlock(nn.Module):
-    """GPT-2's block from torch.nn parts: pre-LayerNorm, fused qkv with bias, SDPA, a GELU MLP of width 4 d."""
+    """A block as a PyTorch user writes it: GPT-2's (LayerNorm, a qkv projection with bias, a GELU MLP of width 4 d),
+    or ours (nn.RMSNorm, RoPE on adjacent pairs, SDPA on cuDNN, a fused w1/w3 SwiGLU, no biases)."""
 
-    def __init__(self, d_model, num_heads):
+    def __init__(self, d_model, num_heads, d_ff, gpt2):
         super().__init__()
-        self.num_heads = num_heads
-        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-        self.up, self.down = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x):
-        B, T, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
-        x = x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
-
-
-class PeerGPT(nn.Module):
-    """`--peer gpt2`: GPT-2 as nanoGPT builds it (learned positions, LayerNorm, GELU MLP, tied embeddings)."""
-
-    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab_size, d_model), nn.Embedding(context_length, d_model)
-        self.layers = nn.ModuleList(PeerBlock(d_model, num_heads) for _ in range(num_layers))
-        self.norm, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab_size, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.layers:
-            x = block(x)
-        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
-
-
-class NativeBlock(nn.Module):
-    """Our block as a PyTorch user writes it: nn.RMSNorm, one qkv projection, RoPE on adjacent pairs, SDPA on
-    cuDNN, a fused w1/w3 projection, F.silu."""
-
-    def __init__(self, d_model, num_heads, d_ff):
-        super().__init__()
-        self.num_heads = num_heads
-        self.ln1, self.ln2 = nn.RMSNorm(d_model, eps=1e-5), nn.RMSNorm(d_model, eps=1e-5)
-        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model, bias=False), nn.Linear(d_model, d_model, bias=False)
-        self.w13, self.w2 = nn.Linear(d_model, 2 * d_ff, bias=False), nn.Linear(d_ff, d_model, bias=False)
+        self.num_heads, self.d_ff, self.gpt2 = num_heads, 4 * d_model if gpt2 else d_ff, gpt2
+        norm = (lambda: nn.LayerNorm(d_model)) if gpt2 else (lambda: nn.RMSNorm(d_model, eps=1e-5))
+        self.ln1, self.ln2 = norm(), norm()
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model, bias=gpt2), nn.Linear(d_model, d_model, bias=gpt2)
+        self.up = nn.Linear(d_model, self.d_ff * (1 if gpt2 else 2), bias=gpt2)
+        self.down = nn.Linear(self.d_ff, d_model, bias=gpt2)
 
     def forward(self, x, cos, sin):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         B, T, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
-        rot = lambda t: torch.stack((t[..., 0::2].float() * cos - t[..., 1::2].float() * sin,
-                                     t[..., 0::2].float() * sin + t[..., 1::2].float() * cos), -1).flatten(-2)
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if x.is_cuda else [SDPBackend.MATH]):
-            a = F.scaled_dot_product_attention(rot(q).to(v.dtype), rot(k).to(v.dtype), v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, d))
-        g, u = self.w13(self.ln2(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(g) * u)
+        if not self.gpt2:
+            rot = lambda t: torch.stack((t[..., 0::2].float() * cos - t[..., 1::2].float() * sin,
+                                         t[..., 0::2].float() * sin + t[..., 1::2].float() * cos), -1).flatten(-2)
+            q, k = rot(q).to(v.dtype), rot(k).to(v.dtype)
+        with contextlib.nullcontext() if self.gpt2 or not x.is_cuda else sdpa_kernel(
+                [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, d))
+        h = self.up(self.ln2(x))
+        return x + self.down(F.gelu(h, approximate="tanh") if self.gpt2 else
+                             F.silu(h[..., :self.d_ff]) * h[..., self.d_ff:])
 
 
-class NativeLM(nn.Module):
-    """`--peer native`: TransformerLM's architecture and FLOPs in torch.nn layers, fp32 logits into
-    F.cross_entropy; act_ckpt checkpoints every block."""
+class PeerLM(nn.Module):
+    """A peer of TransformerLM from torch.nn layers, with torch's fused AdamW: gpt2, GPT-2 as nanoGPT builds it
+    (learned positions, tied embeddings); else ours, architecture and FLOPs (RoPE, untied); fp32 logits into
+    F.cross_entropy; act_ckpt: every block checkpointed."""
 
-    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, act_ckpt=True):
+    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, gpt2=False, act_ckpt=False):
         super().__init__()
         self.act_ckpt, self.emb = act_ckpt, nn.Embedding(vocab_size, d_model)
-        self.layers = nn.ModuleList(NativeBlock(d_model, num_heads, d_ff) for _ in range(num_layers))
-        self.ln, self.head = nn.RMSNorm(d_model, eps=1e-5), nn.Linear(d_model, vocab_size, bias=False)
+        self.pos = nn.Embedding(context_length, d_model) if gpt2 else None
+        self.layers = nn.ModuleList(PeerBlock(d_model, num_heads, d_ff, gpt2) for _ in range(num_layers))
+        self.ln = nn.LayerNorm(d_model) if gpt2 else nn.RMSNorm(d_model, eps=1e-5)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        if gpt2:
+            self.head.weight = self.emb.weight
         d_k = d_model // num_heads
         angles = torch.arange(context_length).float()[:, None] * 10000.0 ** (-torch.arange(0, d_k, 2).float() / d_k)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, idx, targets):
-        x = self.emb(idx)
+        x = self.emb(idx) + (self.pos(torch.arange(idx.shape[1], device=idx.device)) if self.pos is not None else 0)
         # the tables in the activations' dtype: FSDP2 casts a block's inputs, but not when it recomputes the block
         cos, sin = self.cos[:idx.shape[1]].to(x.dtype), self.sin[:idx.shape[1]].to(x.dtype)
         for block in self.layers:
@@ -530,10 +500,9 @@ def build(who, size, attn, how, args, device, world):
                             act_ckpt_layers=None if args.act_ckpt_layers < 0 else args.act_ckpt_layers, device=device)
     else:
         with torch.device(device):
-            net = NativeLM(args.vocab_size, ctx, **dims, act_ckpt=world is not None) if who == "native" else \
-                PeerGPT(args.vocab_size, ctx, dims["d_model"], dims["num_layers"], dims["num_heads"])
+            net = PeerLM(args.vocab_size, ctx, **dims, gpt2=who == "gpt2", act_ckpt=world is not None)
     params = count_params(net)
-    if how == "blocks":  # regional compilation: one compiled code for every block, so compiling does not grow with depth
+    if how == "blocks":  # regional compilation: one code for every block, so compiling does not grow with depth
         for layer in net.layers:
             layer.compile()
     elif how != "none":
@@ -692,10 +661,10 @@ def cmd_model(argv):
         torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")) if args.profile else None
     recompute = " + ".join([f"full {'all' if args.act_ckpt_layers < 0 else args.act_ckpt_layers}"] * bool(
         args.act_ckpt_every) + ["selective"] * args.selective_recompute) or "none"
-    rows, progress = [], Progress(len(groups) * len(combos), quiet=rank != 0)
+    rows = []
     for who, size, how, attn in groups:
         built, status = None, "skipped"
-        if progress.elapsed <= args.time_budget:
+        if rep.elapsed <= args.time_budget:
             torch._dynamo.reset()  # the last model's compiled code and guards go before compiling anew
             try:
                 built = build(who, size, attn, how, args, device, world if distributed else None)
@@ -705,14 +674,15 @@ def cmd_model(argv):
         for dtype, ctx, mode in combos:
             cfg = dict(model=who, size=size, context_length=ctx, batch_size=args.batch_size, dtype=dtype,
                        compile=how + " + step graph" * args.cuda_graphs, attn=attn, mode=mode, recompute=recompute
-                       if who == "ours" else "every block" if who == "native" and distributed else "none")
-            if built is None or progress.elapsed > args.time_budget:
+                       if who == "ours" else "every block" if distributed else "none")
+            if built is None or rep.elapsed > args.time_budget:
                 row = dict(cfg, params=built and built["params"], status=status if built is None else "skipped")
             else:
                 row = run_config(cfg, built, device, args, gpu_ms=device.type == "cuda" and not args.compare
                                  and not distributed, profiler=profiler)
             rows.append(row)
-            progress(f"{who} {size} {how} {attn} {dtype} ctx {ctx} {mode}: {fmt(row.get('mean_ms', row['status']))}")
+            rep.progress(len(rows), len(groups) * len(combos), f"{who} {size} {how} {attn} {dtype} ctx {ctx} {mode}: "
+                         f"{fmt(row.get('mean_ms', row['status']))}")
             rep.save(rows=rows)
         built = None
         free_memory(device)
@@ -739,9 +709,6 @@ def cmd_model(argv):
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# attention: our FlashAttention beside PyTorch's attention, dense and on packed documents
-# ---------------------------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------------------------
 # attention: our FlashAttention beside PyTorch's attention, dense and on packed documents
 # ---------------------------------------------------------------------------------------------------------------
@@ -946,20 +913,20 @@ def cmd_attention(argv):
         table = {"anchors": [(16384 // s, 2048 // d, s, d, bf16) for d in (64, 128) for s in (1024, 4096, 16384)]
                  + [(1, 32, 32768, 128, bf16), (4, 32, 2048, 80, bf16)],  # the 8B model's sequence, the 2.7B's D
                  "varlen": [64, 128],
-                 "sweep": [(1, 1, 2 ** i, d, dt) for d in (16, 32, 64, 128) for i in range(7, 17) for dt in (bf16, fp32)],
+                 "sweep": [(1, 1, 2 ** i, d, t) for d in (16, 32, 64, 128) for i in range(7, 17) for t in (bf16, fp32)],
                  "work": [(b, h, s, 64, bf16) for s in (512, 1024, 2048) for b, h in ((4, 12), (12, 12), (16, 16),
                                                                                        (16, 32), (32, 32))],
                  "sustained": [(1, 32, 16384, 64, bf16), (1, 16, 16384, 128, bf16), (1, 32, 32768, 128, bf16)],
                  "compile": [(8, 1, s, d, fp32) for d in (16, 64, 128) for s in (256, 1024, 4096, 16384)]}
     else:  # the Triton interpreter: a tiny stand-in for each kind of part
-        table = dict(dict.fromkeys(ATTN_PARTS, [(1, 2, 16, 16, fp32), (1, 2, 40, 16, fp32)]), varlen=[16],
+        table = dict(dict.fromkeys(ATTN_PARTS, [(1, 2, 40, 16, fp32)]), varlen=[16],
                      compile=[(2, 1, 24, 8, fp32)])
-        parts = [p for p in parts if p not in ("varlen", "compile")][:1] + [p for p in parts if p in ("varlen", "compile")]
+        dense = [p for p in parts if p not in ("varlen", "compile")]
+        parts = dense[:1] + [p for p in parts if p in ("varlen", "compile")]
     jobs = [(part, case) for part in parts for case in table[part]]
     n_cases, rounds, rows, rep = len(jobs), max(args.repeat, 1), [], Report("attention", argv, device, args)
-    progress = Progress(n_cases * rounds)
     for i, (part, case) in enumerate(jobs * rounds):
-        if args.time_budget and progress.elapsed > args.time_budget:
+        if args.time_budget and rep.elapsed > args.time_budget:
             rep.say(f"time budget reached: {n_cases * rounds - i} cases left out\n")
             break
         if i % n_cases == 0:
@@ -970,7 +937,7 @@ def cmd_attention(argv):
                 else [1, 5, 17, 9]
             cu = torch.tensor([0] + lens).cumsum(0).to(device=device, dtype=torch.int32)
             new = attention_rows(part, f"docs={len(lens)} max={max(lens)} tokens={sum(lens)} H={h} D={d}", {
-                n: m for n, m in packed_methods(cu, max(lens), h, max(lens)).items() if n in wanted},
+                n: m for n, m in packed_methods(cu, max(lens), h, 4096 if cuda else 24).items() if n in wanted},
                 (sum(lens), h, d), bf16 if cuda else fp32, attention_flops(lens, h, d), args.rep)
         else:
             b, h, s, d, dt = case
@@ -988,7 +955,7 @@ def cmd_attention(argv):
         for row in new if rounds > 1 else ():  # a case per round: "ours vs it" compares within one
             row["case"] += f" (round {i // n_cases + 1})"
         rows += new
-        progress(f"{part} {new[0]['case'] if new else case}")
+        rep.progress(i + 1, n_cases * rounds, f"{part} {new[0]['case'] if new else case}")
         rep.save(rows=rows)
     rep.say("Causal. FLOPs: 4·B·H·S²·D/2 forward (the causal half), x2.5 backward, x3.5 forward+backward; packed "
             "cases count the work inside documents only. Times: medians of calls each with a cold L2 cache and the "
@@ -1070,7 +1037,7 @@ def cmd_varlen(argv, hf_model=False):
             f"(mean {lengths.float().mean():.0f}, max {int(lengths.max())}), in batches up to {args.batch_size * ctx} "
             f"real tokens. Model: d_model {args.d_model}, {args.num_layers} layers, {args.num_heads} heads, vocab "
             f"{args.vocab_size}, {args.dtype}; compile {args.compile} (backend {args.backend}).\n")
-    rows, progress = [], Progress(len(phases) * len(strategies))
+    rows = []
     for phase, strategy in itertools.product(phases, strategies):
         row, count, out = dict(strategy=strategy, phase=phase, status="ok"), [0], {}
 
@@ -1124,7 +1091,8 @@ def cmd_varlen(argv, hf_model=False):
         net = run = optimizer = data = None
         free_memory(device)
         rows.append(row)
-        progress(f"{strategy} {phase}: {fmt(row.get('tokens_per_s', row['status']))} real tokens/s")
+        rep.progress(len(rows), len(phases) * len(strategies), f"{strategy} {phase}: {fmt(row.get('tokens_per_s'))} "
+                     "real tokens/s")
         rep.save(rows=rows)
     base = {r["phase"]: r.get("tokens_per_s") for r in reversed(rows)}  # the first strategy's
     rep.table(["phase", "strategy", "ms/step", "real tokens/s", f"speedup vs {strategies[0]}", "real / slots",
@@ -1212,7 +1180,7 @@ def cmd_adamw(argv):
     p.add_argument("--rep", type=int, default=100, help="CUDA: ms of timed steps per optimizer, the median taken")
     args, device = parse(p, argv)
     sizes = args.sizes or (["gpt2", "xl"] if device.type == "cuda" else ["tiny"])
-    rep, rows, progress = Report("adamw", argv, device, args), [], Progress(len(sizes) * len(ADAMW))
+    rep, rows = Report("adamw", argv, device, args), []
     for size in sizes:
         net = TransformerLM(dict(gpt2=50304, tiny=512).get(size, 10000), 16, **SIZES[size], device=device)
         ps, times = [nn.Parameter(t.detach()) for t in net.parameters()], {}
@@ -1222,7 +1190,7 @@ def cmd_adamw(argv):
             opt = make(ps)
             opt.step()  # makes the state, untimed
             times[name] = kernel_ms(opt.step, device, args.rep)
-            progress(f"{size} {name}: {times[name]:.3f} ms")
+            rep.progress(len(rows) + len(times), len(sizes) * len(ADAMW), f"{size} {name}: {times[name]:.3f} ms")
         n = sum(t.numel() for t in ps)  # a step reads p, g, m, v and writes p, m, v: 28 bytes a parameter
         rows += [dict(size=size, params=n, optimizer=name, ms=ms, tb_s=28 * n / ms / 1e9,
                       vs_torch_fused=ratio(ms, times["torch fused=True"])) for name, ms in times.items()]
@@ -1302,7 +1270,6 @@ def cmd_ddp(argv):
     x, y = (torch.randint(0, vocab, (args.batch_size, args.context_length), device=device, generator=g)
             for _ in range(2))
     mem = (lambda: torch.cuda.max_memory_allocated(device) / 2**30) if cuda else (lambda: float("nan"))
-    progress = Progress(len(args.variants), quiet=rank != 0)
     for variant in args.variants:
         free_memory(device)
         if cuda:
@@ -1341,7 +1308,7 @@ def cmd_ddp(argv):
         errors = [None] * world
         dist.all_gather_object(errors, r.get("error"))
         results.append(dict(variant=variant, error=next(e for e in errors if e)) if any(errors) else r)
-        progress(f"{variant}: {results[-1].get('error') or round(r['ms_per_step'], 1)} ms/step")
+        rep.progress(len(results), len(args.variants), f"{variant}: {results[-1].get('error') or r['ms_per_step']} ms")
     none = next((r["ms_per_step"] for r in results if r["variant"] == "none" and "error" not in r), None)
     if results:
         rep.say(f"Data parallel: {args.preset}, vocab {vocab}, batch {args.batch_size}/rank x {world} ranks, T "
@@ -1367,11 +1334,10 @@ def cmd_bpe(argv):
     import tiktoken
     from bpe import GPT2_PAT, Tokenizer, peak_rss_mb
     p = parser("bpe", "Our byte-level BPE beside the libraries: training (bpe.train_bpe vs HF tokenizers' "
-               "BpeTrainer, each in a fresh process: wall seconds, peak RSS of the process and its largest worker) "
-               "and encoding the corpus with our vocabulary (Tokenizer.encode, encode_batch, encode_file vs tiktoken "
-               "on the same ranks: MB/s, the median of --repeats, the ids checked equal).", device=False)
-    p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special "
-                   "(data/bench_corpus.py builds one)")
+               "BpeTrainer, each in a fresh process: wall seconds, peak RSS) and encoding with our vocabulary "
+               "(Tokenizer.encode, encode_batch, encode_file vs tiktoken on the same ranks: MB/s, the ids checked "
+               "equal); the median of --repeats.", device=False)
+    p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special (data/bench_corpus.py)")
     p.add_argument("--vocab_size", type=int, default=10000)
     p.add_argument("--special", default="<|endoftext|>")
     p.add_argument("--num_workers", type=int, default=os.cpu_count())
@@ -1416,8 +1382,7 @@ def cmd_bpe(argv):
             pieces, piece = pieces + [special.join(piece) + special], []
     pieces.append(special.join(piece))
 
-    def timed(fn, what, want=None):
-        """(median seconds over --repeats calls, the result), the ids checked against tiktoken's."""
+    def timed(fn, what, want=None):  # (median seconds over --repeats calls, the ids), checked against tiktoken's
         out = {}
         seconds = statistics.median(time_ms(lambda: out.__setitem__("ids", fn()), cpu, steps=repeats)) / 1e3
         if want is not None and out["ids"] != want:
@@ -1580,10 +1545,9 @@ def cmd_sass(argv):
 # ---------------------------------------------------------------------------------------------------------------
 
 COMMANDS = {  # name: (function, what it answers, in one line)
-    "model": (cmd_model, "the training step: time per phase, memory, throughput; sweeps, side-by-side comparisons, "
-                         "a peer (torch.nn GPT-2, PyTorch-native), profiler, memory snapshot, CUDA graphs"),
+    "model": (cmd_model, "the training step: time per phase, memory, throughput; sweeps, comparisons, peers"),
     "attention": (cmd_attention, "our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed"),
-    "varlen": (cmd_varlen, "pad vs dynamic_pad vs pack on the same documents: model step and attention alone"),
+    "varlen": (cmd_varlen, "pad vs dynamic_pad vs pack on the same documents, our model"),
     "rmsnorm": (cmd_rmsnorm, "our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s"),
     "adamw": (cmd_adamw, "one optimizer step: our AdamW (fused, foreach) vs torch's"),
     "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)"),
@@ -1595,22 +1559,16 @@ COMMANDS = {  # name: (function, what it answers, in one line)
 }
 
 
-def usage():
-    width = max(map(len, COMMANDS))
-    return "\n".join(["usage: python bench.py SUBCOMMAND [options]   (python bench.py SUBCOMMAND -h: its options)",
-                      "", "subcommands:"] + [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()])
-
-
 def main(argv=None):
     """Runs one subcommand; returns the exit status (-h: the subcommands, 0; none or an unknown one: 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(usage())
-        return 0
-    if not argv or argv[0] not in COMMANDS:
-        print(f"bench.py: unknown subcommand {argv[0]!r}; choose one of {', '.join(COMMANDS)} (python bench.py -h)"
-              if argv else usage(), file=sys.stderr)
-        return 2
+    usage = "\n".join(["usage: python bench.py SUBCOMMAND [options]   (python bench.py SUBCOMMAND -h: its options)",
+                       "", "subcommands:"] + [f"  {name:<9}  {text}" for name, (_, text) in COMMANDS.items()])
+    if argv[:1] in (["-h"], ["--help"]) or not argv or argv[0] not in COMMANDS:
+        print(usage if not argv or argv[0] in ("-h", "--help") else f"bench.py: unknown subcommand {argv[0]!r}; "
+              f"choose one of {', '.join(COMMANDS)} (python bench.py -h)", file=sys.stdout if argv[:1] in (
+                  ["-h"], ["--help"]) else sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     rc = COMMANDS[argv[0]][0](argv[1:])
     return rc if isinstance(rc, int) else 0
 
