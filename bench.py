@@ -152,8 +152,7 @@ def fmt(x, digits=2):
 
 
 def markdown_table(header, rows, digits=2):
-    """The one table formatter: every cell through fmt; digits: decimals of float cells, for all columns or a list
-    (2 past its end)."""
+    """The one table formatter: every cell through fmt; digits: decimals of float cells, one or one per column."""
     digits = list(digits) + [2] * len(header) if isinstance(digits, (list, tuple)) else [digits] * len(header)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(c, d).replace("|", "\\|") for c, d in zip(row, digits)) + " |" for row in rows]
@@ -248,8 +247,7 @@ def mib(nbytes):
     return nbytes / 2**20
 
 
-def is_oom(error):
-    """The allocator raises torch.OutOfMemoryError; a failed cuBLAS or cuDNN workspace a RuntimeError saying so."""
+def is_oom(error):  # the allocator's torch.OutOfMemoryError, or a RuntimeError of cuBLAS or cuDNN saying so
     return isinstance(error, torch.OutOfMemoryError) or any(w in str(error) for w in ("out of memory", "ALLOC_FAILED"))
 
 
@@ -263,8 +261,7 @@ def failure(error, short=False):
     return "error"
 
 
-def autocast(dtype, device):
-    """bf16: autocast around forward and loss (parameters, gradients, optimizer state stay fp32); fp32: nothing."""
+def autocast(dtype, device):  # bf16: around forward and loss (parameters, gradients, optimizer state stay fp32)
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if dtype == "bf16" \
         else contextlib.nullcontext()
 
@@ -378,8 +375,8 @@ KEYS = dict(model="model", size="size", context_length="ctx", batch_size="batch"
 
 
 class PeerBlock(nn.Module):
-    """A block as a PyTorch user writes it: GPT-2's (LayerNorm, a qkv projection with bias, a GELU MLP of width 4 d),
-    or ours (nn.RMSNorm, RoPE on adjacent pairs, SDPA on cuDNN, a fused w1/w3 SwiGLU, no biases)."""
+    """A block as a PyTorch user writes it: GPT-2's (LayerNorm, qkv with bias, a GELU MLP of width 4 d), or ours
+    (nn.RMSNorm, RoPE on adjacent pairs, SDPA on cuDNN, a fused w1/w3 SwiGLU, no biases)."""
 
     def __init__(self, d_model, num_heads, d_ff, gpt2):
         super().__init__()
@@ -473,8 +470,7 @@ class Phases:
 
 
 def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
-    """One step: fwd = inference forward and loss (no_grad), fwd_bwd adds backward, train the optimizer step.
-    par: the model under ddp.wrap (impl none: the model itself)."""
+    """One step: fwd = inference forward and loss (no_grad), fwd_bwd adds backward, train the optimizer step."""
     if mark_step:  # reduce-overhead: a new step, so the last replay's outputs may be overwritten
         torch.compiler.cudagraph_mark_step_begin()
     if mode != "fwd":
@@ -519,8 +515,8 @@ def build(who, size, attn, how, args, device, world):
 
 
 def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
-    """Measure one configuration on its built model: warm-up steps (the first one's time kept: the one-off costs),
-    then timed ones; its row, with "OOM" or "error" in place of numbers where it failed."""
+    """One configuration's row: warm-up steps (the first one's time kept: the one-off costs), then timed ones; "OOM"
+    or "error" in place of the numbers where it failed."""
     row = dict(cfg, params=built["params"], status="ok")
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     seq = torch.randint(args.vocab_size, (cfg["batch_size"], cfg["context_length"] + 1),
@@ -609,8 +605,8 @@ def print_compare(rep, rows, axis):
 
 
 def cmd_model(argv):
-    p = parser("model", "The training step of our TransformerLM, optionally beside a peer: time per step and per "
-               "phase, memory, throughput. Each combination of the comma lists is a row.", plot=True)
+    p = parser("model", "The training step of our TransformerLM, optionally beside a peer: time per step and phase, "
+               "memory, throughput; a row per combination of the comma lists.", plot=True)
     p.add_argument("--size", "--sizes", type=listed(SIZES), default="small", help=f"presets: {', '.join(SIZES)}")
     for key in ("d_model", "d_ff", "num_layers", "num_heads"):
         p.add_argument(f"--{key}", type=int, help="override the preset's value")
@@ -721,7 +717,7 @@ def cmd_model(argv):
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
 BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
 MAX_SEQ = {"naive": 16384, "naive-compiled": 16384, "flex": 65536, "sdpa-efficient": 65536}  # costly ones capped
-PACKED = ("ours", "ours-triton", "flex", "sdpa-pad", "sdpa-dynamic", "sdpa-nested", "fa2-varlen")  # see packed_methods
+PACKED = ("ours", "ours-triton", "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")  # see packed_methods
 
 
 def attention_flops(lengths, num_heads, head_dim):
@@ -766,8 +762,7 @@ def flex(n, device, doc_ids=None, dynamic=False):
     return lambda q, k, v: flex_attention(dynamic)(q, k, v, block_mask=block_mask)
 
 
-def made(fn):
-    """A make(q, k, v) with nothing to set up: fn itself."""
+def made(fn):  # a make(q, k, v) with nothing to set up
     return lambda q, k, v: fn
 
 
@@ -803,16 +798,13 @@ def padded(cu, length, num_heads):
 def packed_methods(cu, max_seqlen, num_heads, pad_length):
     """Attention on packed documents, causal inside each: name -> make(q, k, v) -> fn on (N, H, D), the masks and
     layouts made here, outside the timed calls. ours: flash_attn_varlen (-triton: on the Triton kernels); flex: a
-    document mask; sdpa-pad, -dynamic: SDPA on the documents padded to pad_length, or to the longest; sdpa-nested:
-    SDPA on a jagged NestedTensor; fa2-varlen: PyTorch's internal FA2 varlen kernel."""
-    N, lens, heads = int(cu[-1]), (cu[1:] - cu[:-1]).tolist(), lambda t: t.transpose(0, 1)[None]  # (1, H, N, D)
-    jagged = lambda t: torch.nested.nested_tensor_from_jagged(t, cu.long(), min_seqlen=min(lens),
-                                                              max_seqlen=max(lens)).transpose(1, 2)
+    document mask; sdpa-pad, -dynamic: SDPA on the documents padded to pad_length, or to the longest; fa2-varlen:
+    PyTorch's internal FA2 varlen kernel."""
+    N, heads = int(cu[-1]), lambda t: t.transpose(0, 1)[None]  # (N, H, D) -> (1, H, N, D)
     ours, doc_mask = lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_seqlen), flex(
         N, cu.device, model_py.document_ids(cu, N), None)
     methods = {"ours": ours, "flex": lambda q, k, v: doc_mask(heads(q), heads(k), heads(v))[0].transpose(0, 1),
-               "sdpa-pad": padded(cu, pad_length, num_heads), "sdpa-dynamic": padded(cu, max_seqlen, num_heads),
-               "sdpa-nested": lambda q, k, v: sdpa()(jagged(q), jagged(k), jagged(v)).transpose(1, 2).values()}
+               "sdpa-pad": padded(cu, pad_length, num_heads), "sdpa-dynamic": padded(cu, max_seqlen, num_heads)}
     if cu.is_cuda and flash.gluon and flash._is_sm90(cu.device.index):  # where the Gluon kernels run
         methods["ours-triton"] = on_backend("triton", ours)
     if cu.is_cuda:  # an aten op with an autograd formula
@@ -822,10 +814,9 @@ def packed_methods(cu, max_seqlen, num_heads, pad_length):
 
 
 def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
-    """fwd, bwd and fwd+bwd ms of make(q, k, v), the host's ms per fwd+bwd and the memory held after the forward;
-    "OOM" or "n/a" (this dtype, head dim or device not taken) in place of times. Each a median of time_ms samples:
-    CUDA, as many as fit in `rep` ms, every call with a cold L2 cache and the host ahead of the GPU (the GPU's work
-    alone); CPU (the Triton interpreter), 3. sustain > 0 (CUDA): sustained_ms, with the clock and power."""
+    """fwd, bwd and fwd+bwd ms of make(q, k, v), the host's ms per fwd+bwd, the memory after the forward; "OOM" or
+    "n/a" (this dtype, head dim or device not taken) in place of times. Each the median of as many calls as fit in
+    `rep` ms, each with a cold L2 cache and the host ahead of the GPU (CPU: 3 calls); sustain: sustained_ms."""
     cuda, readings, out = q.is_cuda, [], dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms", "host_ms", "mib_after_fwd"))
 
     def median_ms(fn, host=None):
@@ -853,8 +844,7 @@ def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
 
 
 def attention_rows(part, case, methods, shape, dtype, flops, rep=50, sustain=0):
-    """A row per method of one case, on random q, k, v, do of this shape: its times (a status where it does not
-    run) and TFLOP/s."""
+    """A row per method (make, or a status) of one case on random q, k, v, do of this shape: times and TFLOP/s."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(sum(shape))
     q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(i < 3) for i in range(4))
@@ -869,8 +859,7 @@ def attention_rows(part, case, methods, shape, dtype, flops, rep=50, sustain=0):
 
 
 def print_attention(rep, rows):
-    """One line per (case, method): ms and TFLOP/s, ours' speed over the method's (> 1: ours faster), the host's ms
-    per fwd+bwd, the memory after the forward, and the GPU's clock and power where they were read."""
+    """One line per (case, method): ms, TFLOP/s, ours' speed over it (> 1: ours faster), host ms, memory, clock."""
     ours, gpu = {}, any(r.get("gpu") for r in rows)
     for r in rows:  # the first "ours" row of each case
         if r["method"].startswith("ours"):
@@ -891,13 +880,10 @@ def cmd_attention(argv):
     p = parser("attention", "Causal attention forward, backward and both: our FlashAttention beside SDPA's cuDNN, "
                "flash and memory-efficient backends, FlexAttention and naive PyTorch, dense and on packed documents "
                "(on the CPU: tiny stand-ins in the Triton interpreter).", device=False)
-    p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="case groups, run in the "
-                   f"order {', '.join(ATTN_PARTS)} (bench.py's attention section says what each holds)")
-    p.add_argument("--methods", type=listed(), help="dense and packed (default: all but ours-gluon, naive-compiled, "
-                   "the packed sdpa-* and fa2-varlen)")
+    p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="see bench.py's section")
+    p.add_argument("--methods", type=listed(), help="default: all but ours-gluon, naive-compiled, packed sdpa-*, fa2")
     p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, the median taken")
     p.add_argument("--sustain", type=float, default=1.0, help="the sustained part: seconds of warm-up and of timing")
-    p.add_argument("--repeat", type=int, default=1, help="run the cases this many rounds (the spread of A/B runs)")
     p.add_argument("--time_budget", type=float, default=0, help="seconds; later cases are left out (0: no limit)")
     args = p.parse_args(argv)
     cuda, bf16, fp32 = torch.cuda.is_available(), torch.bfloat16, torch.float32
@@ -924,13 +910,11 @@ def cmd_attention(argv):
         dense = [p for p in parts if p not in ("varlen", "compile")]
         parts = dense[:1] + [p for p in parts if p in ("varlen", "compile")]
     jobs = [(part, case) for part in parts for case in table[part]]
-    n_cases, rounds, rows, rep = len(jobs), max(args.repeat, 1), [], Report("attention", argv, device, args)
-    for i, (part, case) in enumerate(jobs * rounds):
+    rows, rep, gen = [], Report("attention", argv, device, args), torch.Generator().manual_seed(1)
+    for i, (part, case) in enumerate(jobs):
         if args.time_budget and rep.elapsed > args.time_budget:
-            rep.say(f"time budget reached: {n_cases * rounds - i} cases left out\n")
+            rep.say(f"time budget reached: {len(jobs) - i} cases left out\n")
             break
-        if i % n_cases == 0:
-            gen = torch.Generator().manual_seed(1)  # every round on the same documents
         if part == "varlen":  # CUDA: log-normal lengths of median e^6 ~ 403, sigma 1, in [16, 4096], 16384 tokens
             d, h = case, 2048 // case if cuda else 2
             lens = document_lengths(None, math.exp(6.0), 1.0, 4096, gen, total_tokens=16384).tolist() if cuda \
@@ -945,17 +929,13 @@ def cmd_attention(argv):
                      "compile": ["naive", "naive-compiled"]}.get(part, wanted)
             flex_ok = dt != fp32 and d >= 64 and (part in ("anchors", "sustained") or s in (1024, 16384))
             chosen = {n: methods[n] for n in names if n in methods and (n != "flex" or flex_ok)}
-            if part == "sustained" and i // n_cases % 2:  # every other round in the opposite order
-                chosen = dict(reversed(chosen.items()))
             for n in chosen:  # long sequences for the costly ones, fp32 for cuDNN and flash: no row of numbers
                 chosen[n] = "skipped" if s > MAX_SEQ.get(n, s) else "n/a" if n in ("sdpa-cudnn", "sdpa-flash") and \
                     dt == fp32 else chosen[n]
             new = attention_rows(part, f"B={b} H={h} S={s} D={d} {str(dt)[6:]}", chosen, (b, h, s, d), dt,
                                  b * attention_flops([s], h, d), args.rep, args.sustain if part == "sustained" else 0)
-        for row in new if rounds > 1 else ():  # a case per round: "ours vs it" compares within one
-            row["case"] += f" (round {i // n_cases + 1})"
         rows += new
-        rep.progress(i + 1, n_cases * rounds, f"{part} {new[0]['case'] if new else case}")
+        rep.progress(i + 1, len(jobs), f"{part} {new[0]['case'] if new else case}")
         rep.save(rows=rows)
     rep.say("Causal. FLOPs: 4·B·H·S²·D/2 forward (the causal half), x2.5 backward, x3.5 forward+backward; packed "
             "cases count the work inside documents only. Times: medians of calls each with a cold L2 cache and the "
@@ -981,9 +961,9 @@ LAYOUTS = ("pad", "dynamic_pad", "pack", "pack_static")
 
 
 def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
-    """One batch of documents (token ranges) laid out as `strategy` says, as (forward args, kwargs): ours as
-    train.py lays them out (pack_static padded to (batch_size + 1) * ctx tokens); Hugging Face's a row per document,
-    or all in one row by DataCollatorWithFlattening (compiled: max_length a constant bound, so it compiles once)."""
+    """One batch of documents (token ranges) laid out as `strategy` says: ours as train.py does (pack_static padded
+    to budget + ctx); Hugging Face's a row per document, or one row by DataCollatorWithFlattening (compiled:
+    max_length a constant bound, so it compiles once)."""
     layout = strategy.split(":")[1] if hf_model else strategy
     if hf_model and layout == "pack":
         from transformers import DataCollatorWithFlattening
@@ -1039,18 +1019,14 @@ def cmd_varlen(argv, hf_model=False):
             f"{args.vocab_size}, {args.dtype}; compile {args.compile} (backend {args.backend}).\n")
     rows = []
     for phase, strategy in itertools.product(phases, strategies):
-        row, count, out = dict(strategy=strategy, phase=phase, status="ok"), [0], {}
-
-        def backend(gm, example_inputs, **kw):  # counts the graphs compiled (one per compile or recompile)
-            count[0] += 1
-            return torch._dynamo.lookup_backend(args.backend)(gm, example_inputs, **kw)
+        row, out = dict(strategy=strategy, phase=phase, status="ok"), {}
         try:
             torch._dynamo.reset()
             net = make(strategy.split(":")[0] if hf_model else args.attn)
             net.load_state_dict(init)
             net.loss_type = "ForCausalLM"  # (transformers) GPT-2 names no loss type: a warning and a graph break
             compiled = strategy.endswith(":compiled") or not hf_model and args.compile != "none"
-            run = torch.compile(net, backend=backend, dynamic=None if hf_model else strategy != "pack_static") \
+            run = torch.compile(net, backend=args.backend, dynamic=None if hf_model else strategy != "pack_static") \
                 if compiled else net
             optimizer = torch.optim.AdamW(net.parameters(), lr=6e-4, fused=device.type == "cuda") if hf_model \
                 else AdamW(net.parameters(), lr=1e-4)
@@ -1068,8 +1044,6 @@ def cmd_varlen(argv, hf_model=False):
                     loss = getattr(loss, "loss", loss)
                 if batch is data[0]:  # (a warm-up step: untimed)
                     out["loss"] = float(loss)
-                if args.warmup and batch is data[args.warmup - 1]:
-                    out["warm"] = count[0]
                 if phase == "train":
                     loss.backward()
                     optimizer.step()
@@ -1083,8 +1057,7 @@ def cmd_varlen(argv, hf_model=False):
             row.update(summary(times), loss_first_batch=out["loss"],
                        peak_mib=mib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
                        real_tokens=sum(e - s - 1 for spans in batches[args.warmup:] for s, e in spans),
-                       token_slots=sum(b["input_ids"].numel() for b in data[args.warmup:]),
-                       compiles=f"{out.get('warm', 0)} + {count[0] - out.get('warm', 0)}" if compiled else None)
+                       token_slots=sum(b["input_ids"].numel() for b in data[args.warmup:]))
             row["tokens_per_s"] = row["real_tokens"] / sum(times) * 1e3
         except Exception as e:
             row["status"] = failure(e, short=True)  # (transformers' refusals are paragraphs)
@@ -1096,11 +1069,11 @@ def cmd_varlen(argv, hf_model=False):
         rep.save(rows=rows)
     base = {r["phase"]: r.get("tokens_per_s") for r in reversed(rows)}  # the first strategy's
     rep.table(["phase", "strategy", "ms/step", "real tokens/s", f"speedup vs {strategies[0]}", "real / slots",
-               "peak MiB", "loss, batch 1 (same weights and targets)", "graphs compiled (warm-up + timed)"],
+               "peak MiB", "loss, batch 1 (same weights and targets)"],
               [[r["phase"], r["strategy"], f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" if r["status"] == "ok" else
                 r["status"], r.get("tokens_per_s"), ratio(r.get("tokens_per_s"), base[r["phase"]]),
                 f"{100 * r['real_tokens'] / r['token_slots']:.0f}%" if "token_slots" in r else None, r.get("peak_mib"),
-                fmt(r.get("loss_first_batch"), 5), r.get("compiles")] for r in rows], fold=[0])
+                fmt(r.get("loss_first_batch"), 5)] for r in rows], fold=[0])
     rep.plot({"real tokens/s": {phase: [(r["strategy"], r["tokens_per_s"]) for r in rows if r["phase"] == phase and
                                         r["status"] == "ok"] for phase in phases}}, "strategy", "real tokens/s")
     return rows
@@ -1124,8 +1097,8 @@ def tokens_by_d(text):
 
 
 def kernel_ms(fn, device, rep):
-    """The median ms of fn: CUDA, as many calls as fit in `rep` ms, each with a cold L2 cache and the GPU kept busy
-    until the host has issued it (an eager call costs the host more than these kernels take); CPU, 3."""
+    """The median ms of as many calls as fit in `rep` ms (CPU: 3), each with a cold L2 cache and the GPU kept busy
+    until the host has issued it (an eager call costs the host more than these kernels take)."""
     cuda = device.type == "cuda"
     return statistics.median(time_ms(fn, device, warmup=5 if cuda else 1, steps=3, budget_ms=rep if cuda else None,
                                      flush_l2=cuda, host_ahead=True))
@@ -1274,7 +1247,7 @@ def cmd_ddp(argv):
         free_memory(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        r, comm, before, after = dict(variant=variant), [], [], []  # the lists filled by every step
+        r, before, after = dict(variant=variant), [], []  # filled by every step
         try:
             torch.manual_seed(0)
             net = TransformerLM(vocab, args.context_length, **SIZES[args.preset], device=device,
@@ -1286,10 +1259,7 @@ def cmd_ddp(argv):
                 with autocast("bf16" if cuda else "fp32", device):
                     loss = wrapped(x, targets=y)
                 loss.backward()
-                if variant in ("naive", "flat"):  # their communication timed on its own, between synchronizes
-                    comm.append(time_ms(wrapped.finish, device)[0])
-                else:
-                    wrapped.finish()
+                wrapped.finish()
                 before.append(mem())
                 optimizer.step()
                 after.append(mem())
@@ -1299,7 +1269,6 @@ def cmd_ddp(argv):
                                                                  setup=dist.barrier)))
             state = getattr(optimizer, "optim", optimizer).state.values()  # ZeroRedundancyOptimizer's local one
             r.update(peak_before_step_gib=max(before), peak_after_step_gib=max(after), loss=r["loss"].item(),
-                     comm_ms=statistics.median(slowest(comm[args.warmup:])) if comm else None,
                      optimizer_state_gib=sum(getattr(v, "_local_tensor", v).numel() * v.element_size() for s in state
                                              for v in s.values() if torch.is_tensor(v)) / 2**30)  # DTensors: shards
         except Exception as e:  # a baseline missing from this torch build must not sink the other rows
@@ -1312,14 +1281,14 @@ def cmd_ddp(argv):
     none = next((r["ms_per_step"] for r in results if r["variant"] == "none" and "error" not in r), None)
     if results:
         rep.say(f"Data parallel: {args.preset}, vocab {vocab}, batch {args.batch_size}/rank x {world} ranks, T "
-                f"{args.context_length}; ms/step: the median of the slowest rank's; comm ms: naive and flat timed "
-                f"between synchronizes, ~x = step - none (the communication not hidden)\n")
+                f"{args.context_length}; ms/step: the median of the slowest rank's; comm ms: step - none, the "
+                f"communication not hidden behind compute\n")
         rep.table(["variant", "ms/step", "scaling vs none", "comm ms", "peak init GiB", "peak before step GiB",
                    "peak after step GiB", "opt state GiB/rank", "loss"],
                   [[r["variant"], r["error"]] + [""] * 7 if "error" in r else [
                       r["variant"], r["ms_per_step"], none and f"{100 * none / r['ms_per_step']:.1f}%",
-                      fmt(r["comm_ms"], 1) if r["comm_ms"] else f"~{r['ms_per_step'] - none:.1f}" if none and
-                      r["variant"] != "none" else None, r["peak_after_init_gib"], r["peak_before_step_gib"],
+                      r["ms_per_step"] - none if none and r["variant"] != "none" else None, r["peak_after_init_gib"],
+                      r["peak_before_step_gib"],
                       r["peak_after_step_gib"], f"{r['optimizer_state_gib']:.3g}", r["loss"]] for r in results],
                   digits=[0, 1, 0, 1, 2, 2, 2, 0, 3])
     rep.save(allreduce=allreduce, results=results)
@@ -1346,13 +1315,14 @@ def cmd_bpe(argv):
     path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
     if not os.path.isfile(path) or os.path.getsize(path) == 0 or repeats < 1 or workers < 1 or not special:
         p.error(f"--input {path} is missing or empty, or --repeats or --num_workers < 1, or --special empty")
-    cpu, size, have_hf = torch.device("cpu"), os.path.getsize(path), importlib.util.find_spec("tokenizers") is not None
-    rep, train = Report("bpe", argv, cpu, args), {"ours": [], "hf": []}
+    if importlib.util.find_spec("tokenizers") is None:
+        p.error("needs HF tokenizers: pip install -r requirements-hf.txt")
+    cpu, size, train = torch.device("cpu"), os.path.getsize(path), {"ours": [], "hf": []}
+    rep = Report("bpe", argv, cpu, args)
     rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, {workers} workers of {os.cpu_count()} CPUs, "
-            f"python {platform.python_version()}, tiktoken {tiktoken.__version__}"
-            + ("" if have_hf else "; HF tokenizers is not installed: its rows are left empty") + "\n")
+            f"python {platform.python_version()}, tiktoken {tiktoken.__version__}\n")
     with tempfile.TemporaryDirectory(prefix="bench_bpe_") as tok_dir:
-        for which in ("ours", "hf") * repeats if have_hf else ("ours",) * repeats:
+        for which in ("ours", "hf") * repeats:
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "_bpe_train", which, path,
                                 str(args.vocab_size), special, str(workers), tok_dir], capture_output=True, text=True,
                                stdin=subprocess.DEVNULL)
