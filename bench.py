@@ -10,8 +10,7 @@ a progress line on stderr, every row in --json FILE, a chart in --plot FILE.png;
     python bench.py attention | varlen | hf | rmsnorm | adamw | sass | bpe --input FILE
     torchrun --nproc_per_node=2 bench.py ddp | allreduce
 
-Map: the harness (Parser, Report, Progress, time_ms: the one way to parse, print, save and time) · model · attention
-(dense and packed) · varlen and hf · rmsnorm, adamw · ddp · bpe · sass · dispatch.
+Sections: harness (Parser, Report, time_ms) · model · attention · varlen, hf · rmsnorm, adamw · ddp · bpe · sass
 """
 import argparse
 import collections
@@ -19,7 +18,6 @@ import contextlib
 import datetime
 import functools
 import gc
-import importlib.util
 import itertools
 import json
 import math
@@ -32,6 +30,7 @@ import sys
 import tempfile
 import time
 import traceback
+import unittest.mock
 
 T_START = time.time()  # a row's cold start counts from the process start
 
@@ -92,9 +91,7 @@ SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4)
              **{"8B": dict(d_model=4096, d_ff=11008, num_layers=34, num_heads=32)})  # the leaderboard's model
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the harness: parsing, printing and saving, progress, timing
-# ---------------------------------------------------------------------------------------------------------------
+# ---- the harness: parsing, printing and saving, progress, timing ----------------------------------------------------
 
 class Parser(argparse.ArgumentParser):
     """argparse whose errors, bad options and bad values alike, are one line on stderr and exit status 2."""
@@ -151,14 +148,6 @@ def fmt(x, digits=2):
     return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.2g}" if 0 < abs(x) < 0.1 else f"{x:.{digits}f}"
 
 
-def markdown_table(header, rows, digits=2):
-    """The one table formatter: every cell through fmt; digits: decimals of float cells, one or one per column."""
-    digits = list(digits) + [2] * len(header) if isinstance(digits, (list, tuple)) else [digits] * len(header)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(c, d).replace("|", "\\|") for c, d in zip(row, digits)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def ratio(a, b):
     """'1.23x' for a / b when both are numbers, else a dash."""
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
@@ -179,18 +168,14 @@ class Report:
             ["bench.py", name] + list(argv)), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=what,
             versions=versions)
         self.json, self.png, self.quiet = getattr(args, "json", None), getattr(args, "plot", None), rank != 0
-        self.t0 = time.perf_counter()
+        self.t0, self.elapsed = time.perf_counter(), lambda: time.perf_counter() - self.t0
         self.say(f"`{self.data['command']}` · {self.data['date']} · {what} · {versions}\n")
-
-    @property
-    def elapsed(self):
-        return time.perf_counter() - self.t0
 
     def progress(self, done, total, text):
         """A line on stderr per finished item of a long loop, with its rate and an ETA (stdout stays Markdown)."""
-        rate = done / max(self.elapsed, 1e-9)
+        rate = done / max(self.elapsed(), 1e-9)
         if not self.quiet:
-            print(f"[{done}/{total}] {text} | {self.elapsed:.0f}s, {60 * rate:.1f}/min, ETA "
+            print(f"[{done}/{total}] {text} | {self.elapsed():.0f}s, {60 * rate:.1f}/min, ETA "
                   f"{(total - done) / rate:.0f}s", file=sys.stderr, flush=True)
 
     def say(self, text=""):
@@ -198,14 +183,15 @@ class Report:
             print(text, flush=True)
 
     def table(self, header, rows, digits=2, fold=()):
-        """A table; the columns in `fold` whose cells are equal in every row become a caption line above it."""
+        """The one table printer, Markdown, every cell through fmt (digits: decimals of float cells, one or one per
+        column); the columns in `fold` whose cells are equal in every row become a caption line above it."""
         digits = list(digits) + [2] * len(header) if isinstance(digits, (list, tuple)) else [digits] * len(header)
         same = [i for i in fold if rows and len({fmt(r[i]) for r in rows}) == 1]
         keep = [i for i in range(len(header)) if i not in same]
         if same:
             self.say(", ".join(f"{header[i]} {fmt(rows[0][i])}" for i in same) + "\n")
-        self.say(markdown_table([header[i] for i in keep], [[r[i] for i in keep] for r in rows],
-                                [digits[i] for i in keep]))
+        self.say("\n".join(["| " + " | ".join(header[i] for i in keep) + " |", "|" + "---|" * len(keep)] + [
+            "| " + " | ".join(fmt(r[i], digits[i]).replace("|", "\\|") for i in keep) + " |" for r in rows]) + "\n")
 
     def save(self, **data):
         self.data.update(data)
@@ -278,8 +264,7 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
     host has issued the call, so the events time the GPU's work alone, and host_ms (a list) gets the host's ms per
     call. CPU: time.perf_counter."""
     device = torch.device(device)
-    cuda = device.type == "cuda"
-    host_ahead = host_ahead and cuda
+    cuda, host_ahead = device.type == "cuda", host_ahead and device.type == "cuda"
     sleep = {"ms": 1.0}  # the GPU's sleep before a sample: twice the host's time for a call, doubled when short
     for _ in range(warmup):
         t0 = time.perf_counter()
@@ -326,6 +311,14 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
     return samples + [sample() for _ in range(steps - len(samples))]
 
 
+def kernel_ms(fn, device, rep, host_ms=None):
+    """A kernel's time: the median ms of as many calls as fit in `rep` ms (CPU: 3), each with a cold L2 cache and
+    the GPU kept busy until the host has issued it (an eager call may cost the host more than its kernels take)."""
+    cuda = torch.device(device).type == "cuda"
+    return statistics.median(time_ms(fn, device, warmup=5 if cuda else 1, steps=3, budget_ms=rep if cuda else None,
+                                     flush_l2=cuda, host_ahead=True, host_ms=host_ms))
+
+
 def summary(samples):
     return dict(mean_ms=statistics.fmean(samples), std_ms=statistics.stdev(samples) if len(samples) > 1 else 0.0,
                 median_ms=statistics.median(samples))
@@ -352,8 +345,6 @@ def document_lengths(num_docs, median_len, sigma, max_len, generator, total_toke
     [min_len, max_len]; num_docs of them, or (num_docs None) as many as fill total_tokens exactly, the last cut."""
     draw = lambda n: (median_len * torch.exp(sigma * torch.randn(n, generator=generator, dtype=torch.float64))) \
         .round().clamp(min_len, max_len).long()
-    if (num_docs is None) == (total_tokens is None):
-        raise ValueError("document_lengths: give num_docs or total_tokens, not both")
     if num_docs is not None:
         return draw(num_docs)
     lengths = draw(0)
@@ -364,9 +355,7 @@ def document_lengths(num_docs, median_len, sigma, max_len, generator, total_toke
     return lengths
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# model: the training step, ours beside a peer; every combination of the listed options is a row
-# ---------------------------------------------------------------------------------------------------------------
+# ---- model: the training step, ours beside a peer; every combination of the listed options is a row -----------------
 
 MODES, PHASES, DTYPES = ("fwd", "fwd_bwd", "train"), ("forward", "backward", "optimizer_step"), ("fp32", "bf16")
 COMPILES = ("none", "model", "blocks", "graphs")  # graphs: torch.compile(mode="reduce-overhead")
@@ -660,7 +649,7 @@ def cmd_model(argv):
     rows = []
     for who, size, how, attn in groups:
         built, status = None, "skipped"
-        if rep.elapsed <= args.time_budget:
+        if rep.elapsed() <= args.time_budget:
             torch._dynamo.reset()  # the last model's compiled code and guards go before compiling anew
             try:
                 built = build(who, size, attn, how, args, device, world if distributed else None)
@@ -671,7 +660,7 @@ def cmd_model(argv):
             cfg = dict(model=who, size=size, context_length=ctx, batch_size=args.batch_size, dtype=dtype,
                        compile=how + " + step graph" * args.cuda_graphs, attn=attn, mode=mode, recompute=recompute
                        if who == "ours" else "every block" if distributed else "none")
-            if built is None or rep.elapsed > args.time_budget:
+            if built is None or rep.elapsed() > args.time_budget:
                 row = dict(cfg, params=built and built["params"], status=status if built is None else "skipped")
             else:
                 row = run_config(cfg, built, device, args, gpu_ms=device.type == "cuda" and not args.compare
@@ -705,14 +694,10 @@ def cmd_model(argv):
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# attention: our FlashAttention beside PyTorch's attention, dense and on packed documents
-# ---------------------------------------------------------------------------------------------------------------
-# Parts, most important first (a time budget cuts the last): anchors, the dense causal shapes at B·S = 16384 and
-# H·D = 2048 in bf16, one sequence of the 8B model and the 2.7B model's head dim 80; varlen, packed documents of
-# log-normal lengths filling 16384 tokens; sweep, one head at S 128..65536 and D 16..128, bf16 and fp32; work, D=64
-# over B·H at S 512..2048 with each kernel family forced (where flash.py switches between them); sustained, the long
-# calls at the clock the GPU's power limit leaves; compile, naive attention eager and under torch.compile.
+# ---- attention: our FlashAttention beside PyTorch's attention, dense and on packed documents ------------------------
+# Parts, most important first (a time budget cuts the last): anchors, dense causal bf16 at B·S = 16384, H·D = 2048,
+# the 8B model's sequence and the 2.7B's D=80; varlen, packed documents; sweep, one head over S and D; work, D=64 over
+# B·H with each kernel family forced; sustained, at the GPU's power limit; compile, naive eager vs torch.compile.
 
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
 BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
@@ -727,14 +712,8 @@ def attention_flops(lengths, num_heads, head_dim):
 
 
 def on_backend(backend, fn):
-    """fn with flash.BACKEND set to `backend` around each call."""
-    def call(*args):
-        old, flash.BACKEND = flash.BACKEND, backend
-        try:
-            return fn(*args)
-        finally:
-            flash.BACKEND = old
-    return call
+    """fn with flash.BACKEND (read at call time) set to `backend` around each call."""
+    return unittest.mock.patch.object(flash, "BACKEND", backend)(fn)
 
 
 def sdpa(backend=None):
@@ -762,8 +741,7 @@ def flex(n, device, doc_ids=None, dynamic=False):
     return lambda q, k, v: flex_attention(dynamic)(q, k, v, block_mask=block_mask)
 
 
-def made(fn):  # a make(q, k, v) with nothing to set up
-    return lambda q, k, v: fn
+made = lambda fn: lambda q, k, v: fn  # a make(q, k, v) with nothing to set up
 
 
 def dense_methods(cuda):
@@ -819,10 +797,8 @@ def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
     `rep` ms, each with a cold L2 cache and the host ahead of the GPU (CPU: 3 calls); sustain: sustained_ms."""
     cuda, readings, out = q.is_cuda, [], dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms", "host_ms", "mib_after_fwd"))
 
-    def median_ms(fn, host=None):
-        return sustained_ms(fn, q.device, sustain, readings) if sustain and cuda else statistics.median(time_ms(
-            fn, q.device, warmup=5 if cuda else 0, steps=3, budget_ms=rep if cuda else None, flush_l2=cuda,
-            host_ahead=cuda, host_ms=host))
+    median_ms = lambda fn, host=None: sustained_ms(fn, q.device, sustain, readings) if sustain and cuda else \
+        kernel_ms(fn, q.device, rep, host)
     try:
         fn = make(q, k, v)
         o = fn(q, k, v)  # compiles, plans and autotunes for this shape, untimed
@@ -905,14 +881,13 @@ def cmd_attention(argv):
                  "sustained": [(1, 32, 16384, 64, bf16), (1, 16, 16384, 128, bf16), (1, 32, 32768, 128, bf16)],
                  "compile": [(8, 1, s, d, fp32) for d in (16, 64, 128) for s in (256, 1024, 4096, 16384)]}
     else:  # the Triton interpreter: a tiny stand-in for each kind of part
-        table = dict(dict.fromkeys(ATTN_PARTS, [(1, 2, 40, 16, fp32)]), varlen=[16],
-                     compile=[(2, 1, 24, 8, fp32)])
+        table = dict(dict.fromkeys(ATTN_PARTS, [(1, 2, 40, 16, fp32)]), varlen=[16], compile=[(2, 1, 24, 8, fp32)])
         dense = [p for p in parts if p not in ("varlen", "compile")]
         parts = dense[:1] + [p for p in parts if p in ("varlen", "compile")]
     jobs = [(part, case) for part in parts for case in table[part]]
     rows, rep, gen = [], Report("attention", argv, device, args), torch.Generator().manual_seed(1)
     for i, (part, case) in enumerate(jobs):
-        if args.time_budget and rep.elapsed > args.time_budget:
+        if args.time_budget and rep.elapsed() > args.time_budget:
             rep.say(f"time budget reached: {len(jobs) - i} cases left out\n")
             break
         if part == "varlen":  # CUDA: log-normal lengths of median e^6 ~ 403, sigma 1, in [16, 4096], 16384 tokens
@@ -944,9 +919,7 @@ def cmd_attention(argv):
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# varlen, hf: padding strategies on the same documents, our model's or a Hugging Face GPT-2's step
-# ---------------------------------------------------------------------------------------------------------------
+# ---- varlen, hf: padding strategies on the same documents, our model's or a Hugging Face GPT-2's step ---------------
 
 VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
     d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
@@ -984,14 +957,14 @@ def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
 
 
 def cmd_varlen(argv, hf_model=False):
-    p = parser("hf" if hf_model else "varlen", "Training (and inference) on the same variable-length documents, "
-               "laid out by each strategy, every row from the same weights: " + (
-                   "a transformers GPT2LMHeadModel (dropout 0) on an attention implementation (sdpa; ours, "
-                   "hf.register_hf_attention; flex_attention), a row per document or packed, compiled or not"
-                   if hf_model else "our model, padded, padded to the longest, packed, packed to a static shape"),
-               plot=True, defaults=VARLEN_DEFAULTS)
+    defaults = HF_DEFAULTS if hf_model else VARLEN_DEFAULTS
+    p = parser("hf" if hf_model else "varlen", "Training (and eval) on the same variable-length documents laid out "
+               "by each strategy, every row from the same weights: " + ("a transformers GPT2LMHeadModel (dropout 0) on "
+               "sdpa, ours (hf.register_hf_attention) or flex_attention, a row per document or packed, compiled or not"
+               if hf_model else "our model padded, padded to the longest, packed, packed to a static shape"),
+               plot=True, defaults=defaults)
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
-    args, device = parse(p, argv, HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
+    args, device = parse(p, argv, defaults)
     strategies, phases = args.strategies.split(","), args.phases.split(",")
     known = lambda s: s in LAYOUTS if not hf_model else s.split(":", 1)[0] in ("sdpa", "ours", "flex_attention") and \
         s.split(":", 1)[-1].removesuffix(":compiled") in LAYOUTS[:3]
@@ -1079,9 +1052,7 @@ def cmd_varlen(argv, hf_model=False):
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# rmsnorm, adamw: our kernels against PyTorch's
-# ---------------------------------------------------------------------------------------------------------------
+# ---- rmsnorm, adamw: our kernels against PyTorch's ------------------------------------------------------------------
 
 RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
 ADAMW = {"ours fused (the Triton kernel)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
@@ -1094,14 +1065,6 @@ def tokens_by_d(text):
     """TOKENSxD items"""
     n, d = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", text).groups()
     return int(n), int(d)
-
-
-def kernel_ms(fn, device, rep):
-    """The median ms of as many calls as fit in `rep` ms (CPU: 3), each with a cold L2 cache and the GPU kept busy
-    until the host has issued it (an eager call costs the host more than these kernels take)."""
-    cuda = device.type == "cuda"
-    return statistics.median(time_ms(fn, device, warmup=5 if cuda else 1, steps=3, budget_ms=rep if cuda else None,
-                                     flush_l2=cuda, host_ahead=True))
 
 
 def cmd_rmsnorm(argv):
@@ -1176,9 +1139,7 @@ def cmd_adamw(argv):
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# ddp: all-reduce bandwidth and the data-parallel variants (under torchrun; `allreduce` is the first table alone)
-# ---------------------------------------------------------------------------------------------------------------
+# ---- ddp: all-reduce bandwidth and the data-parallel variants, under torchrun (`allreduce`: the first table) ------
 
 # impl[-bucket MiB][+zero1][+bf16]: the names of ddp.wrap (train.py's ddp_impl); "none" = no wrapper, no
 # communication (the per-GPU compute baseline); torch+zero_redundancy = torch DDP with torch's ZeroRedundancyOptimizer
@@ -1210,10 +1171,9 @@ def slowest(times):
 
 
 def cmd_ddp(argv):
-    p = parser("ddp", "Under torchrun: all-reduce bandwidth per tensor size (--allreduce_mb), then data-parallel "
-               "variants of TransformerLM in one run, built by ddp.wrap under train.py's ddp_impl names: ours (naive, "
-               "flat, overlap, bucketed, ZeRO-1, FSDP) beside torch DDP, ZeroRedundancyOptimizer and FSDP2, and none "
-               "(no communication: what scaling is measured against); every variant with our AdamW.", device=False)
+    p = parser("ddp", "Under torchrun: all-reduce bandwidth per size (--allreduce_mb), then TransformerLM under "
+               "each data-parallel variant of ddp.wrap (train.py's ddp_impl names; none: no communication, the "
+               "baseline) beside torch DDP, ZeroRedundancyOptimizer and FSDP2, all with our AdamW.", device=False)
     p.add_argument("--allreduce_mb", type=float, nargs="*", default=[], help="MiB per all-reduced fp32 tensor")
     p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS), choices=DDP_VARIANTS)
     p.add_argument("--preset", default="gpt2-xl", choices=tuple(SIZES), help="model preset (tiny: vocab 512)")
@@ -1295,9 +1255,7 @@ def cmd_ddp(argv):
     ddp.cleanup_distributed()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# bpe: our tokenizer's training against HF tokenizers, its encoding against tiktoken (CPU)
-# ---------------------------------------------------------------------------------------------------------------
+# ---- bpe: our tokenizer's training against HF tokenizers, its encoding against tiktoken (CPU) -----------------------
 
 def cmd_bpe(argv):
     import tiktoken
@@ -1315,8 +1273,6 @@ def cmd_bpe(argv):
     path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
     if not os.path.isfile(path) or os.path.getsize(path) == 0 or repeats < 1 or workers < 1 or not special:
         p.error(f"--input {path} is missing or empty, or --repeats or --num_workers < 1, or --special empty")
-    if importlib.util.find_spec("tokenizers") is None:
-        p.error("needs HF tokenizers: pip install -r requirements-hf.txt")
     cpu, size, train = torch.device("cpu"), os.path.getsize(path), {"ours": [], "hf": []}
     rep = Report("bpe", argv, cpu, args)
     rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, {workers} workers of {os.cpu_count()} CPUs, "
@@ -1345,12 +1301,9 @@ def cmd_bpe(argv):
                              special_tokens=dict(tok.special_ids))
     with open(path, encoding="utf-8", newline="") as f:
         text = f.read()
-    pieces, piece = [], []  # ~1 MB pieces of whole documents for the batch APIs
-    for d in text.split(special):
-        piece.append(d)
-        if sum(map(len, piece)) > 1 << 20:
-            pieces, piece = pieces + [special.join(piece) + special], []
-    pieces.append(special.join(piece))
+    docs = text.split(special)  # ~1 MB pieces of whole documents for the batch APIs
+    k = max(1, len(docs) * 2**20 // max(len(text), 1))
+    pieces = [special.join(docs[i:i + k]) + special * (i + k < len(docs)) for i in range(0, len(docs), k)]
 
     def timed(fn, what, want=None):  # (median seconds over --repeats calls, the ids), checked against tiktoken's
         out = {}
@@ -1378,9 +1331,7 @@ def cmd_bpe(argv):
     return rep.data
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# sass: what the compiler made of flash.py's attention kernels for an H100/H200 (sm_90), on any machine
-# ---------------------------------------------------------------------------------------------------------------
+# ---- sass: what the compiler made of flash.py's attention kernels for an H100/H200 (sm_90), on any machine ----------
 
 SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "COS": "*fp32", "SIN": "*fp32",
                "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "counter": "*i32", "qk_scale": "fp32",
@@ -1510,9 +1461,7 @@ def cmd_sass(argv):
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# dispatch
-# ---------------------------------------------------------------------------------------------------------------
+# ---- dispatch -------------------------------------------------------------------------------------------------------
 
 COMMANDS = {  # name: (function, what it answers, in one line)
     "model": (cmd_model, "the training step: time per phase, memory, throughput; sweeps, comparisons, peers"),
