@@ -34,6 +34,7 @@ import time
 import traceback
 import tracemalloc
 import unittest
+import unittest.mock
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -4187,9 +4188,8 @@ def test_wrappers_need_a_process_group():
 # bench.py
 # ---------------------------------------------------------------------------------------------------------------
 
-# Every subcommand runs at tiny sizes on the CPU; the tests read the Markdown it prints and the JSON it writes and
-# hold them to what it promises: the columns, a row per configuration, ratios and rates that follow from the times,
-# statuses (OOM, error, skipped) in place of numbers, every row in the JSON.
+# Every subcommand at tiny sizes on the CPU, its Markdown and JSON held to what they promise: the columns, a row per
+# configuration, ratios and rates that follow from the times, statuses (OOM, error, skipped) in place of numbers.
 
 BENCH_TINY = ["--size", "tiny", "--vocab_size", "64", "--context_length", "16", "--batch_size", "2", "--warmup", "1",
               "--steps", "2"]
@@ -4257,27 +4257,23 @@ def _bench_compare(text, payload):
 
 
 def _bench_attention(text, payload):
-    """bench.py attention on the interpreter: ours and naive on two dense cases, ours on packed documents."""
-    ((header, table),) = _md_tables(text)
-    rows = payload["rows"]
+    """bench.py attention on the interpreter: ours and naive on a dense case, ours on packed documents."""
+    ((_, table),), rows = _md_tables(text), payload["rows"]
     dense, packed = "B=1 H=2 S=40 D=16 float32", "docs=4 max=17 tokens=32 H=2 D=16"
     assert [(r["case"], r["method"]) for r in rows] == [(dense, "ours"), (dense, "naive"), (packed, "ours")]
     for r, cells in zip(rows, table):
-        lens = [1, 5, 17, 9] if r["case"].startswith("docs") else [int(r["case"].split("S=")[1].split()[0])]
-        flops = bench.attention_flops(lens, 2, 16)
-        assert isinstance(r["fwd_bwd_ms"], float)  # ours runs in the interpreter: a time, not "n/a"
-        assert math.isclose(r["fwd_bwd_tflops"], 3.5 * flops / r["fwd_bwd_ms"] / 1e9)
+        flops = bench.attention_flops([1, 5, 17, 9] if r["case"] == packed else [40], 2, 16)
+        assert math.isclose(r["fwd_bwd_tflops"], 3.5 * flops / r["fwd_bwd_ms"] / 1e9)  # a time, not "n/a"
         assert _close(cells[4], r["fwd_bwd_ms"]) and cells[8] == "—"  # the host's ms: CUDA only
         ours = next(o for o in rows if o["case"] == r["case"])
-        assert cells[7] == ("—" if r is ours else " / ".join(f"{ours[k] / r[k]:.2f}x" for k in ("fwd_tflops",
-                                                                                                "fwd_bwd_tflops")))
+        vs = " / ".join(f"{ours[k] / r[k]:.2f}x" for k in ("fwd_tflops", "fwd_bwd_tflops"))
+        assert cells[7] == ("—" if r is ours else vs)
 
 
 def _bench_varlen(text, payload):
     """varlen and hf: the same documents in every row, so the same real tokens and first-batch loss; the speedup
     and the share of real tokens follow from the rows."""
-    ((header, table),) = _md_tables(text)
-    rows = payload["rows"]
+    ((header, table),), rows = _md_tables(text), payload["rows"]
     assert [c[header.index("strategy")] for c in table] == [r["strategy"] for r in rows] and len(rows) >= 2
     ok = [r for r in rows if r["status"] == "ok"]
     assert len({r["real_tokens"] for r in ok}) == 1 and max(r["loss_first_batch"] for r in ok) - min(
@@ -4292,8 +4288,7 @@ def _bench_varlen(text, payload):
 
 def _bench_kernels(text, payload):
     """rmsnorm and adamw: a row per (shape or size, method); bandwidths and ratios follow from the times."""
-    ((header, table),) = _md_tables(text)
-    rows = payload["rows"]
+    ((_, table),), rows = _md_tables(text), payload["rows"]
     assert len(table) == len(rows) > 1
     for r, cells in zip(rows, table):
         if "fwd_gb_s" in r:  # rmsnorm: GB/s = the bytes a direction must move over its time
@@ -4301,9 +4296,8 @@ def _bench_kernels(text, payload):
             assert math.isclose(r["fwd_gb_s"], (2 * n * d * 4 + d * 4) / r["fwd_ms"] / 1e6)
             assert (r["fwd_bwd_ms"] is None) == (r["method"] == "copy") and cells[4].endswith("%")
         else:  # adamw: 28 bytes a parameter, each optimizer against torch's fused one
-            fused = next(o for o in rows if o["optimizer"] == "torch fused=True")
-            assert cells[5] == f"{r['ms'] / fused['ms']:.2f}x"
-            assert math.isclose(r["tb_s"], 28 * r["params"] / r["ms"] / 1e9)
+            fused = next(o["ms"] for o in rows if o["optimizer"] == "torch fused=True")
+            assert cells[5] == f"{r['ms'] / fused:.2f}x" and math.isclose(r["tb_s"], 28 * r["params"] / r["ms"] / 1e9)
 
 
 def _bench_bpe(text, payload):
@@ -4354,13 +4348,10 @@ def test_bench_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path):
         if x.shape[1] == 16 and mode == "fwd":  # any other failure: an "error" row
             raise ValueError("injected by the test")
         return real(par, optimizer, x, y, mode, *rest)
-    bench.training_step = failing
-    try:
+    with unittest.mock.patch.object(bench, "training_step", failing):
         text, payload = run_bench(["model", "--sweep", "--size", "tiny", "--context_length", "16,24", "--mode",
                                    "fwd,train", "--vocab_size", "64", "--batch_size", "2", "--warmup", "0", "--steps",
                                    "1"], tmp_path)
-    finally:
-        bench.training_step = real
     assert [(r["context_length"], r["mode"], r["status"]) for r in payload["rows"]] == \
         [(16, "fwd", "error"), (16, "train", "ok"), (24, "fwd", "ok"), (24, "train", "OOM")]
     ((header, table),) = _md_tables(text)
@@ -4372,16 +4363,11 @@ def test_bench_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path):
 
 
 def test_bench_plot_without_matplotlib_says_so_in_one_line(tmp_path):
-    png, err, saved = tmp_path / "m.png", io.StringIO(), sys.modules.get("matplotlib")
-    sys.modules["matplotlib"] = None  # an import of it now fails
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            bench.Report("model", [], torch.device("cpu"), SimpleNamespace(plot=str(png))).plot({"a": {"b": [(1, 2)]}},
-                                                                                                 "x", "y")
-    finally:
-        sys.modules["matplotlib"] = saved
-        if saved is None:
-            del sys.modules["matplotlib"]
+    png, err = tmp_path / "m.png", io.StringIO()
+    with unittest.mock.patch.dict(sys.modules, matplotlib=None), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(err):  # an import of matplotlib now fails
+        bench.Report("model", [], torch.device("cpu"), SimpleNamespace(plot=str(png))).plot({"a": {"b": [(1, 2)]}},
+                                                                                             "x", "y")
     assert not png.exists() and err.getvalue() == f"matplotlib is not installed: {png} not written\n"
 
 
@@ -4398,13 +4384,6 @@ def test_bench_bad_input_is_one_line_and_status_2(argv, words):
         except SystemExit as e:
             code = e.code
     assert code == 2 and err.getvalue().count("\n") == 1 and words in err.getvalue(), err.getvalue()
-
-
-def test_bench_help_lists_every_subcommand():
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert bench.main(["-h"]) == 0
-    assert [line.split()[0] for line in out.getvalue().splitlines() if line.startswith("  ")] == list(bench.COMMANDS)
 
 
 def test_bench_time_ms_counts_calls_and_measures_milliseconds():
@@ -4448,7 +4427,7 @@ def test_bench_ddp_two_processes(tmp_path):
     assert [r[0] for r in table] == [r["variant"] for r in results] == ["none", "naive", "bucketed-1"]
     local = results[0]["ms_per_step"]
     assert all(cells[2] == f"{100 * local / r['ms_per_step']:.1f}%" for r, cells in zip(results, table))
-    assert table[1][3] == f"{results[1]['comm_ms']:.1f}" and table[2][3] == f"~{results[2]['ms_per_step'] - local:.1f}"
+    assert [c[3] for c in table] == ["—"] + [bench.fmt(r["ms_per_step"] - local, 1) for r in results[1:]]  # comm
     assert abs(results[1]["loss"] - results[2]["loss"]) < 1e-4  # the data-parallel variants train the same way
 
 
@@ -4489,8 +4468,7 @@ def test_nanogpt_peer_reads_the_checkouts_time_and_refuses_bad_paths(tmp_path):
 
 
 def test_gpu_bench_model_cuda_graphs_and_host_ahead(tmp_path):
-    """On a GPU: ours and the peer each as one captured step (no phase split, the run's peak); and time_ms with
-    host_ahead times the GPU's work alone (a call spending 3 ms on the host before one tiny kernel)."""
+    """On a GPU: ours and the peer each as one captured step; time_ms's host_ahead times the GPU's work alone."""
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs CUDA")
     text, payload = run_bench(["model"] + BENCH_TINY[:8] + ["--device", "cuda", "--dtype", "bf16", "--warmup", "3",
