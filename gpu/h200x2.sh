@@ -1,13 +1,8 @@
 #!/usr/bin/env bash
-# The two-GPU tables of BENCHMARKS.md, regenerated on two NVIDIA H200s of one host, in parts that each end within
-# 10 minutes (PART=ddp bash gpu/h200x2.sh; PART=all: every part). Run from the repository root; train2 needs
-# data/shakespeare (`python data/prepare.py shakespeare`). Output as gpu/h200.sh's (see gpu/common.sh).
-#
-# part         BENCHMARKS.md section
-# ddp          Data parallel: our DDPs, ZeRO-1 and FSDP beside torch DDP, ZeroRedundancyOptimizer and FSDP2
-# allreduce    Data parallel: NCCL all-reduce, 1 MiB to 1000 MiB
-# train2       Data parallel: train.py config/small.py on 1 GPU, 2 GPUs with our bucketed DDP, with torch DDP
-# leaderboard  Leaderboard (8B step): all 34 layers, one sequence per GPU
+# The two-GPU tables of BENCHMARKS.md, regenerated on two NVIDIA H200s of one host in parts that each end within 10
+# minutes (PART=ddp bash gpu/h200x2.sh; PART=all: every part), output as gpu/h200.sh's. The parts (Data parallel):
+# ddp, our DDPs, ZeRO-1 and FSDP beside torch's; allreduce, NCCL 1 to 1000 MiB; train2, train.py config/small.py on
+# 1 and 2 GPUs (needs data/shakespeare); and leaderboard (the 8B step): all 34 layers, one sequence per GPU.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 # NVLink multicast stays off: on shared hosts a program using it can take the GPUs out of service.
