@@ -565,11 +565,12 @@ def print_rows(rep, rows, reference=None):
     body = []
     for r in rows:
         cells, ok = [r[k] for k in KEYS] + [millions(r["params"])], r["status"] == "ok"
+        peer = peers.get(same(r), {}).get("tokens_per_s") if r["model"] == "ours" else None
         body.append(cells + ([r["status"]] * (len(header) - len(cells)) if not ok else [
             f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}", r["median_ms"]] + [r.get("gpu_ms")] * gpu + [
             r.get("first_step_ms"), r.get("cold_start_s"), " / ".join(fmt(ms) for ms in r["phase_ms"].values()) or
             "(one graph)", r["peak_mib"], r["tokens_per_s"], r["tflops"], r["mfu"] and f"{100 * r['mfu']:.1f}%"] +
-            [ratio(r["tokens_per_s"], peers.get(same(r), {}).get("tokens_per_s"))] * bool(peers) +
+            [ratio(r["tokens_per_s"], peer)] * bool(peers) +
             [ratio(r["tokens_per_s"], reference)] * bool(reference)))
     rep.table(header, body, fold=range(len(KEYS)))
 
@@ -835,11 +836,11 @@ def attention_rows(part, case, methods, shape, dtype, flops, rep=50, sustain=0):
 
 
 def print_attention(rep, rows):
-    """One line per (case, method): ms, TFLOP/s, ours' speed over it (> 1: ours faster), host ms, memory, clock."""
+    """One line per (case, method): ms, TFLOP/s, the speed of the case's first ours row (or first row) over its
+    (> 1: that one faster), host ms, memory, clock."""
     ours, gpu = {}, any(r.get("gpu") for r in rows)
-    for r in rows:  # the first "ours" row of each case
-        if r["method"].startswith("ours"):
-            ours.setdefault(r["case"], r)
+    for r in sorted(rows, key=lambda r: not r["method"].startswith("ours")):  # (a stable sort: ours rows first)
+        ours.setdefault(r["case"], r)
     body = []
     for r in rows:
         o = ours.get(r["case"])
@@ -848,7 +849,7 @@ def print_attention(rep, rows):
                      r["fwd_bwd_tflops"], vs, r.get("host_ms"), r.get("mib_after_fwd")]
                     + [" / ".join(f"{mhz:.0f} MHz {w:.0f} W" for mhz, w in r.get("gpu") or ()) or None] * gpu)
     rep.table(["case", "method", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
-               "ours vs it (fwd / fwd+bwd)", "host ms per fwd+bwd", "MiB after fwd"]
+               "ours (or the first) vs it, fwd / fwd+bwd", "host ms per fwd+bwd", "MiB after fwd"]
               + ["GPU clock and power (fwd / bwd / fwd+bwd)"] * gpu, body, digits=[2, 2, 3, 3, 3, 0, 0, 2, 3, 0, 0])
 
 
