@@ -162,7 +162,7 @@ part_suite() {
 # The GPU tests in three parts; each name is a substring test_all.py matches against the test names.
 TESTS_TRITON=(flash_reference flash_triton flash_varlen flash_delta flash_compiles flash_gpu_compiled flash_rejects)
 TESTS_MODEL=(flash_gluon_kernels_do_not flash_gpu_gluon_compiles flash_d64 flash_gpu_mixed flash_gpu_bf16 rms_norm
-             flash_attention_impl gpu_flash_model gpu_selective gpu_capture gpu_cuda_graphs gpu_bench)
+             attention_impls_match gpu_flash_model gpu_selective gpu_capture gpu_cuda_graphs gpu_bench)
 
 tests_part() {  # tests_part NAME TEST-NAME-SUBSTRINGS...
     begin_part "$1" 570
