@@ -52,7 +52,7 @@ def bpe_train_child(argv):
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
-        def documents():  # streamed in 1 MiB reads and split at the special token: no merge crosses one
+        def documents():  # streamed in blocks and split at the special token: no merge crosses one
             buf = ""
             with open(path, encoding="utf-8", newline="") as f:
                 for block in iter(lambda: f.read(1 << 20), ""):
@@ -149,15 +149,15 @@ def fmt(x, digits=2):
 
 
 def ratio(a, b):
-    """'1.23x' for a / b when both are numbers, else a dash."""
+    """a / b as '<ratio>x' (two decimals) when both are numbers, else a dash."""
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
     return f"{a / b:.2f}x" if numbers and b else "—"
 
 
 class Report:
     """A subcommand's output: a header line (command, date, device, versions), Markdown tables and notes on stdout;
-    save() writes what it is given, every row so far, to --json (atomically: a run cut short keeps what it
-    measured); plot() draws --plot or says in one line why not. Ranks other than 0 print and save nothing."""
+    save() writes what it is given, every row so far, to --json (atomically: a run cut short keeps its rows);
+    plot() draws --plot or says in one line why not. Ranks other than 0 print and save nothing."""
 
     def __init__(self, name, argv, device, args, rank=0):
         what = torch.cuda.get_device_name(device) if device.type == "cuda" else \
@@ -252,7 +252,7 @@ def autocast(dtype, device):  # bf16: around forward and loss (parameters, gradi
         else contextlib.nullcontext()
 
 
-_L2_FLUSH = {}  # device -> 256 MiB, more than any L2 cache, zeroed before a call to evict it
+_L2_FLUSH = {}  # device -> 2**28 bytes, more than any L2 cache, zeroed before a call to evict it
 
 
 def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, flush_l2=False, host_ahead=False,
