@@ -63,7 +63,6 @@ import ddp  # noqa: E402
 import flash  # noqa: E402
 import hf  # noqa: E402
 import model  # noqa: E402
-import model as model_py  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
 from bpe import (GPT2_PAT, Tokenizer, bytes_to_unicode, chunk_split_token, find_chunk_boundaries, train_bpe,
@@ -3181,62 +3180,202 @@ def test_ddp_without_a_process_group_and_bad_input():
 # bench.py
 # ---------------------------------------------------------------------------------------------------------------
 
-# --- bench.py ---
-# Every subcommand runs at tiny sizes on CPU; the tests read the Markdown it prints and the JSON it writes, and hold
-# them to what the subcommand promises: the columns, a row per configuration, ratios and rates that follow from the
-# times, statuses (OOM, error, skipped) in place of numbers, every row in the JSON. OOM is injected with
-# torch.OutOfMemoryError; NVTX emission is observed by replacing range_push / range_pop (no Nsight here).
+# Every subcommand at tiny sizes on the CPU, its Markdown and JSON held to what they promise: the columns, a row per
+# configuration, ratios and rates that follow from the times, statuses (OOM, error, skipped) in place of numbers.
 
-BENCH_TINY = ["--size", "tiny", "--vocab_size", "64", "--context_length", "16", "--batch_size", "2"]
+BENCH_TINY = ["--size", "tiny", "--vocab_size", "64", "--context_length", "16", "--batch_size", "2", "--warmup", "1",
+              "--steps", "2"]
 
 
-def run_bench(argv):
-    """bench.main(argv) with stdout captured: returns the Markdown it printed."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        bench.main(argv)
-    return out.getvalue()
+def run_bench(argv, tmp_path=None):
+    """bench.main(argv) with its output captured: (Markdown printed, JSON written when tmp_path is given)."""
+    out, path = io.StringIO(), tmp_path and tmp_path / "rows.json"
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        bench.main(list(argv) + (["--json", str(path)] if path else []))
+    return out.getvalue(), json.loads(path.read_text()) if path else None
 
 
 def _md_tables(text):
-    r"""Every Markdown table in text, as (header, rows) with the cells stripped ("\|" inside a cell unescaped)."""
-    def cells(line):
-        return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-    lines, tables, i = text.splitlines(), [], 0
-    while i < len(lines):
-        if lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
-            header, rows, i = cells(lines[i]), [], i + 2
-            while i < len(lines) and lines[i].startswith("|"):
-                rows.append(cells(lines[i]))
-                i += 1
-            assert all(len(r) == len(header) for r in rows), (header, rows)
-            tables.append((header, rows))
-        else:
-            i += 1
+    r"""Every Markdown table in text as (header, rows), the cells stripped ("\|" inside a cell unescaped)."""
+    cells = lambda line: [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+    lines, tables = text.splitlines(), []
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("|") and lines[i + 1].startswith("|---") and not lines[i - 1].startswith("|"):
+            rows = list(itertools.takewhile(lambda s: s.startswith("|"), lines[i + 2:]))
+            tables.append((cells(line), [cells(r) for r in rows]))
+            assert all(len(r) == len(tables[-1][0]) for r in tables[-1][1]), tables[-1]
     return tables
 
 
 def _num(cell):
-    """A table cell back to a number: '1,234' -> 1234.0, '2.50x' -> 2.5, '73%' -> 73.0."""
-    return float(cell.replace(",", "").rstrip("x%"))
+    """A table cell back to a number: '1,234' -> 1234.0, '2.50x' -> 2.5, '73%' -> 73.0, '1.2 ± 0.1' -> 1.2."""
+    return float(cell.split(" ± ")[0].replace(",", "").rstrip("x%"))
 
 
 def _close(cell, value, rel=0.02):
-    """The cell shows value (to the table's rounding: 2 decimals, 2 significant digits below 0.1)."""
     return math.isclose(_num(cell), value, rel_tol=rel, abs_tol=0.0051)
 
 
-@contextlib.contextmanager
-def recorded_nvtx():
-    """Replace torch.cuda.nvtx.range_push / range_pop with recorders (restored afterwards)."""
-    calls = []
-    push, pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
-    torch.cuda.nvtx.range_push = lambda name: calls.append(("push", name))
-    torch.cuda.nvtx.range_pop = lambda: calls.append(("pop", None))
-    try:
-        yield calls
-    finally:
-        torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = push, pop
+def _bench_model(text, payload):
+    """bench.py model: a row per configuration, tokens/s and TFLOP/s from the mean ms, the peer's ratio."""
+    ((header, table),) = [t for t in _md_tables(text) if "ms/step" in t[0]]
+    rows = payload["rows"]
+    assert [r["model"] for r in rows] == ["ours", "gpt2"] and all(r["status"] == "ok" for r in rows)
+    for r, cells in zip(rows, table):
+        col = dict(zip(header, cells))
+        assert col["ms/step"] == f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" and col["params"] == "0.1M"
+        assert math.isclose(r["tokens_per_s"], 2 * 16 / (r["mean_ms"] / 1e3)) and _close(col["tokens/s"],
+                                                                                         r["tokens_per_s"])
+        assert [_num(c) for c in col["fwd / bwd / opt ms"].split(" / ")] == [round(r["phase_ms"][p], 2) for p in
+                                                                           bench.PHASES]
+        assert sum(r["phase_ms"].values()) <= r["mean_ms"] + 1e-6 and r["first_step_ms"] > 0  # parts of the step
+        assert col["vs peer"] == (f"{r['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x" if r is rows[0] else "—")
+    ours = model.flops_per_token(64, 16, 64, 2, 192, causal=False)  # naive attention: every T^2 term counted
+    assert math.isclose(rows[0]["tflops"], ours * rows[0]["tokens_per_s"] / 1e12)
+    assert text.count("size tiny, ctx 16, batch 2, dtype fp32, compile none, recompute none, mode train") == 1
+
+
+def _bench_compare(text, payload):
+    """--compare dtype: one line per configuration, fp32 and bf16 side by side, the speedup their ratio."""
+    ((header, table),) = [t for t in _md_tables(text) if "fp32 ms" in t[0]]
+    by = {(r["model"], r["mode"], r["dtype"]): r for r in payload["rows"]}
+    assert len(by) == 8 and header[-1] == "bf16 vs fp32" and [c[:3] for c in table] == [
+        [m, a, mode] for m, a in (("ours", "naive"), ("native", "sdpa")) for mode in ("fwd", "train")]
+    for cells in table:
+        col = dict(zip(header, cells))
+        fp32, bf16 = (by[(col["model"], col["mode"], d)] for d in ("fp32", "bf16"))
+        assert _close(col["fp32 ms"], fp32["mean_ms"]) and _close(col["bf16 ms"], bf16["mean_ms"])
+        assert col["bf16 vs fp32"] == f"{fp32['mean_ms'] / bf16['mean_ms']:.2f}x"  # the speedup: fp32 ms / bf16 ms
+
+
+def _bench_attention(text, payload):
+    """bench.py attention on the interpreter: ours and naive on a dense case, ours on packed documents."""
+    ((_, table),), rows = _md_tables(text), payload["rows"]
+    dense, packed = "B=1 H=2 S=40 D=16 float32", "docs=4 max=17 tokens=32 H=2 D=16"
+    assert [(r["case"], r["method"]) for r in rows] == [(dense, "ours"), (dense, "naive"), (packed, "ours")]
+    for r, cells in zip(rows, table):
+        flops = bench.attention_flops([1, 5, 17, 9] if r["case"] == packed else [40], 2, 16)
+        assert math.isclose(r["fwd_bwd_tflops"], 3.5 * flops / r["fwd_bwd_ms"] / 1e9)  # a time, not "n/a"
+        assert _close(cells[4], r["fwd_bwd_ms"]) and cells[8] == "—"  # the host's ms: CUDA only
+        ours = next(o for o in rows if o["case"] == r["case"])
+        vs = " / ".join(f"{ours[k] / r[k]:.2f}x" for k in ("fwd_tflops", "fwd_bwd_tflops"))
+        assert cells[7] == ("—" if r is ours else vs)
+
+
+def _bench_varlen(text, payload):
+    """varlen and hf: the same documents in every row, so the same real tokens and first-batch loss; the speedup
+    and the share of real tokens follow from the rows."""
+    ((header, table),), rows = _md_tables(text), payload["rows"]
+    assert [c[header.index("strategy")] for c in table] == [r["strategy"] for r in rows] and len(rows) >= 2
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len({r["real_tokens"] for r in ok}) == 1 and max(r["loss_first_batch"] for r in ok) - min(
+        r["loss_first_batch"] for r in ok) < 1e-4
+    speedup = next(h for h in header if h.startswith("speedup vs"))
+    for r, cells in zip(rows, table):
+        col = dict(zip(header, cells))
+        assert col[speedup] == f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x"
+        assert col["real / slots"] == f"{100 * r['real_tokens'] / r['token_slots']:.0f}%"
+    assert any(":pack" in f":{r['strategy']}" and r["real_tokens"] >= 0.9 * r["token_slots"] for r in rows)
+
+
+def _bench_kernels(text, payload):
+    """rmsnorm and adamw: a row per (shape or size, method); bandwidths and ratios follow from the times."""
+    ((_, table),), rows = _md_tables(text), payload["rows"]
+    assert len(table) == len(rows) > 1
+    for r, cells in zip(rows, table):
+        if "fwd_gb_s" in r:  # rmsnorm: GB/s = the bytes a direction must move over its time
+            n, d = map(int, r["shape"].split(" x "))
+            assert math.isclose(r["fwd_gb_s"], (2 * n * d * 4 + d * 4) / r["fwd_ms"] / 1e6)
+            assert (r["fwd_bwd_ms"] is None) == (r["method"] == "copy") and cells[4].endswith("%")
+        else:  # adamw: 28 bytes a parameter, each optimizer against torch's fused one
+            fused = next(o["ms"] for o in rows if o["optimizer"] == "torch fused=True")
+            assert cells[5] == f"{r['ms'] / fused:.2f}x" and math.isclose(r["tb_s"], 28 * r["params"] / r["ms"] / 1e9)
+
+
+def _bench_bpe(text, payload):
+    """bpe: both trainers' runs, the encoding rows' rates and ratios, the ids checked equal (or it exits)."""
+    (h1, train), (h2, encode) = _md_tables(text)
+    assert [r[0] for r in train] == ["bpe.train_bpe", "HF tokenizers BpeTrainer (ByteLevel)"]
+    assert all(x["vocab"] == 300 for runs in payload["train"].values() for x in runs) and len(encode) == 3
+    for e, cells in zip(payload["encode"], encode):
+        assert math.isclose(e["ours_mb_s"], payload["bytes"] / e["ours_s"] / 1e6)
+        assert _close(cells[3], e["ours_vs_tiktoken"]) and e["ours_vs_tiktoken"] == e["tiktoken_s"] / e["ours_s"]
+
+
+BENCH_CASES = {  # a run of each subcommand at tiny CPU sizes, and what its tables must hold
+    "model": (["model"] + BENCH_TINY + ["--peer", "gpt2", "--plot", "PLOT"], _bench_model),
+    "compare": (["model"] + BENCH_TINY + ["--dtype", "fp32,bf16", "--mode", "fwd,train", "--compare", "dtype",
+                                          "--peer", "--steps", "1"], _bench_compare),
+    "attention": (["attention", "--parts", "anchors,varlen", "--rep", "1"], _bench_attention),
+    "varlen": (["varlen", "--num_layers", "1", "--num_docs", "60", "--context_length", "48", "--steps", "1",
+                "--phases", "train", "--strategies", "pad,dynamic_pad,pack"], _bench_varlen),
+    "hf": (["hf", "--num_layers", "1", "--num_heads", "2", "--d_model", "32", "--strategies",
+            "sdpa:pad,ours:pack:compiled"], _bench_varlen),
+    "rmsnorm": (["rmsnorm", "--shapes", "70x80,3x48", "--methods", "ours,F.rms_norm,copy"], _bench_kernels),
+    "adamw": (["adamw"], _bench_kernels),
+    "bpe": (["bpe", "--input", "CORPUS", "--vocab_size", "300", "--num_workers", "1", "--repeats", "1"], _bench_bpe)}
+
+
+@cases("name", list(BENCH_CASES))
+def test_bench_subcommand_tables_follow_the_rows(name, tmp_path):
+    argv, check = BENCH_CASES[name]
+    if name == "hf":
+        _need_hf("transformers")
+    corpus = _write_text(tmp_path / "corpus.txt", _synthetic_text(30_000, seed=6))
+    files = dict(CORPUS=str(corpus), PLOT=str(tmp_path / "p.png"))
+    text, payload = run_bench([files.get(a, a) for a in argv], tmp_path)
+    if "--plot" in argv and importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert text.startswith(f"`python bench.py {argv[0]} ") and payload["command"].startswith("python bench.py")
+    assert payload["date"] and payload["device"] and "torch" in payload["versions"]
+    check(text, payload)
+
+
+def test_bench_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path):
+    real = bench.training_step
+
+    def failing(par, optimizer, x, y, mode, *rest):
+        if x.shape[1] == 24 and mode == "train":  # pretend this configuration does not fit
+            raise torch.OutOfMemoryError("injected by the test")
+        if x.shape[1] == 16 and mode == "fwd":  # any other failure: an "error" row
+            raise ValueError("injected by the test")
+        return real(par, optimizer, x, y, mode, *rest)
+    with unittest.mock.patch.object(bench, "training_step", failing):
+        text, payload = run_bench(["model", "--sweep", "--size", "tiny", "--context_length", "16,24", "--mode",
+                                   "fwd,train", "--vocab_size", "64", "--batch_size", "2", "--warmup", "0", "--steps",
+                                   "1"], tmp_path)
+    assert [(r["context_length"], r["mode"], r["status"]) for r in payload["rows"]] == \
+        [(16, "fwd", "error"), (16, "train", "ok"), (24, "fwd", "ok"), (24, "train", "OOM")]
+    ((header, table),) = _md_tables(text)
+    assert header[:5] == ["ctx", "params", "fwd ms", "train ms", "fwd peak MiB"]
+    assert [r[0] for r in table] == ["16", "24"]  # one line per context, the modes side by side
+    assert table[0][2] == "error" and table[1][3] == table[1][5] == table[1][7] == "OOM"  # ms, peak, tokens/s
+    text, payload = run_bench(["model"] + BENCH_TINY + ["--time_budget", "0"], tmp_path)
+    assert [r["status"] for r in payload["rows"]] == ["skipped"] and "skipped" in _md_tables(text)[0][1][0]
+
+
+def test_bench_plot_without_matplotlib_says_so_in_one_line(tmp_path):
+    png, err = tmp_path / "m.png", io.StringIO()
+    with unittest.mock.patch.dict(sys.modules, matplotlib=None), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(err):  # an import of matplotlib now fails
+        bench.Report("model", [], torch.device("cpu"), SimpleNamespace(plot=str(png))).plot({"a": {"b": [(1, 2)]}},
+                                                                                             "x", "y")
+    assert not png.exists() and err.getvalue() == f"matplotlib is not installed: {png} not written\n"
+
+
+@cases("argv, words", [(["nope"], "unknown subcommand 'nope'"), (["model", "--size", "huge"], "unknown value"),
+                       (["model", "--nope"], "unrecognized arguments"), (["model", "--cuda_graphs"], "--cuda_graphs"),
+                       (["model", "--profile", "t.json", "--peer"], "single configuration"),
+                       (["rmsnorm", "--shapes", "1000x"], "TOKENSxD"), (["bpe", "--input", "/nonexistent"], "missing"),
+                       (["varlen", "--strategies", "pad,nope"], "--strategies")])
+def test_bench_bad_input_is_one_line_and_status_2(argv, words):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = bench.main(argv)
+        except SystemExit as e:
+            code = e.code
+    assert code == 2 and err.getvalue().count("\n") == 1 and words in err.getvalue(), err.getvalue()
 
 
 def test_bench_time_ms_counts_calls_and_measures_milliseconds():
@@ -3244,819 +3383,96 @@ def test_bench_time_ms_counts_calls_and_measures_milliseconds():
     samples = bench.time_ms(lambda: calls.append(1), "cpu", warmup=2, steps=3, reps=4,
                             setup=lambda: setups.append(len(calls)))
     assert len(samples) == 3 and len(calls) == 2 + 3 * 4 and setups == [2, 6, 10]  # setup before each sample
-    assert bench.time_ms(lambda: calls.append(1), "cpu", warmup=3, steps=0) == [] and len(calls) == 17
-    samples = bench.time_ms(lambda: time.sleep(0.004), "cpu", steps=2, reps=2)
-    assert all(4.0 <= ms < 400 for ms in samples), samples  # milliseconds per call, not per sample or seconds
-    samples = bench.time_ms(lambda: time.sleep(0.003), "cpu", steps=2, budget_ms=30)
-    assert 2 < len(samples) <= 10, samples  # as many as fit in the budget, never fewer than steps
+    assert all(4.0 <= ms < 400 for ms in bench.time_ms(lambda: time.sleep(0.004), "cpu", steps=2, reps=2))  # ms/call
+    assert 2 < len(bench.time_ms(lambda: time.sleep(0.003), "cpu", steps=2, budget_ms=30)) <= 10  # as many as fit
 
 
-def test_bench_sustained_ms_warms_up_then_times_back_to_back_calls():
-    calls = []
-
-    def call():
-        calls.append(time.perf_counter())
-        time.sleep(0.005)
-    readings = []
-    ms = bench.sustained_ms(call, "cpu", 0.1, readings)
-    # 2 calls estimate the time per call, ~20 warm up for 0.1 s, then samples of ~0.2 s (40 calls) for >= 3 samples
-    assert 5.0 <= ms < 50 and 2 + 15 + 3 * 30 <= len(calls) <= 2 + 25 + 3 * 45, (ms, len(calls))
-    assert readings == []  # no GPU clock or power to read on the CPU
-
-
-def test_bench_markdown_table_is_the_one_formatter():
-    table = bench.markdown_table(["a", "b", "c", "d"], [[1.23456, 12345.6, None, "OOM"], [0.001234, 2, "x|y", 1.5]],
-                                 digits=[3, 1, 2, 0])
-    assert _md_tables(table) == [(["a", "b", "c", "d"], [["1.235", "12,346", "—", "OOM"],
-                                                          ["0.0012", "2", "x|y", "2"]])]
-    assert bench.markdown_table(["x"], [[1 / 3]]) == "| x |\n|---|\n| 0.33 |\n"
-
-
-def test_bench_model_row_is_complete(tmp_path):
-    path = tmp_path / "row.json"
-    text = run_bench(["model"] + BENCH_TINY + ["--warmup", "1", "--steps", "3", "--json", str(path)])
-    assert "`python bench.py model --size tiny" in text
-    payload = json.loads(path.read_text())
-    assert payload["command"].startswith("python bench.py model") and payload["date"] and payload["device"]
-    (row,) = payload["rows"]
-    ((header, cells),) = [(h, r) for h, r in _md_tables(text)]
-    assert header == ["model", "size", "params", "ctx", "batch", "dtype", "compile", "attn", "recompute", "mode",
-                      "ms/step", "first step ms", "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s"]
-    (cells,) = cells
-    assert cells[:10] == ["ours", "tiny", "0.1M", "16", "2", "fp32", "none", "naive", "none", "train"]
-    assert row["status"] == "ok" and row["recompute"] == "none"
-    cells = cells[2:]
-    assert cells[8] == f"{row['mean_ms']:.2f} ± {row['std_ms']:.2f}" and _close(cells[9], row["first_step_ms"])
-    assert [_num(c) for c in cells[10].split(" / ")] == \
-        [round(row["phase_ms"][p], 2) for p in ("forward", "backward", "optimizer_step")]
-    assert sum(row["phase_ms"].values()) <= row["mean_ms"] + 1e-6  # the phases are parts of the timed step
-    if torch.cuda.is_available():
-        assert _close(cells[11], row["peak_mib"]) and row["peak_mib"] == max(row["phase_peak_mib"].values())
-    else:
-        assert cells[11] == "—" and row["peak_mib"] is None  # no allocator peak on CPU
-    assert math.isclose(row["tokens_per_s"], 2 * 16 / (row["mean_ms"] / 1e3)) and _close(cells[12], row["tokens_per_s"])
-    flops = model.flops_per_token(64, 16, 64, 2, 192, causal=False) * 2 * 16  # naive attention: T^2 in full
-    assert math.isclose(row["tflops"], flops / (row["mean_ms"] / 1e3) / 1e12) and _close(cells[13], row["tflops"])
-    assert row["params"] == count_params(bench.build_model(bench.SIZES["tiny"], 64, 16, "naive", "cpu"))
-
-
-def test_bench_model_peer_runs_the_native_model_beside_ours(tmp_path):
-    path = tmp_path / "rows.json"
-    text = run_bench(["model"] + BENCH_TINY + ["--attn", "sdpa", "--warmup", "1", "--steps", "2", "--peer",
-                                               "--json", str(path)])
-    ours, peer = json.loads(path.read_text())["rows"]
-    assert ours["status"] == peer["status"] == "ok" and peer["model"] == "native peer" and "model" not in ours
-    assert ours["params"] == peer["params"]  # the same architecture: same parameter count, so the same FLOPs
-    assert math.isclose(ours["tflops"] / peer["tflops"], peer["mean_ms"] / ours["mean_ms"])
-    ((header, cells),) = _md_tables(text)
-    assert [c[0] for c in cells] == ["ours", "native peer"]
-    assert f"ours vs the native peer: {peer['mean_ms'] / ours['mean_ms']:.3f}x" in text
-    _expect(SystemExit, ["drop --peer"], bench.main, ["model"] + BENCH_TINY + ["--peer", "--profile", "t.json"])
-
-
-def test_bench_model_cuda_graphs_refusals_and_gpu_rows(tmp_path):
-    """bench.py model --cuda_graphs: one-line refusals of what it cannot time; on a GPU, ours and the peer each
-    run as one captured step, rows without a phase split but with the allocator's peak."""
-    graphs = ["model"] + BENCH_TINY + ["--attn", "sdpa", "--cuda_graphs"]
-    _expect(SystemExit, ["--warmup >= 3"], bench.main, graphs + ["--warmup", "2"])
-    _expect(SystemExit, ["--mode train"], bench.main, graphs + ["--mode", "fwd"])
-    if not torch.cuda.is_available():
-        _expect(SystemExit, ["needs a CUDA device"], bench.main, graphs + ["--device", "cpu"])
-        return
-    path = tmp_path / "rows.json"
-    text = run_bench(graphs + ["--device", "cuda", "--dtype", "bf16", "--warmup", "3", "--steps", "3", "--peer",
-                               "--json", str(path)])
-    rows = json.loads(path.read_text())["rows"]
-    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["cuda_graphs"] for r in rows)
-    assert all(r["phase_ms"] == {} and r["peak_mib"] > 0 and r["tflops"] > 0 for r in rows)
-    assert text.count("none, step graph") == 2
-
-
-def test_bench_sweep_marks_oom_and_errors_and_continues(tmp_path):
-    original = bench.run_step
-
-    def failing_step(net, runner, optimizer, x, y, mode, dtype, phases):
-        if x.shape[1] == 24 and mode == "train":  # pretend this configuration does not fit
-            raise torch.OutOfMemoryError("injected by the test")
-        if x.shape[1] == 16 and mode == "fwd":  # any other failure: an "error" row, the sweep goes on
-            raise ValueError("injected by the test")
-        return original(net, runner, optimizer, x, y, mode, dtype, phases)
-
-    path, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    bench.run_step = failing_step
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # the injected error's traceback
-            text = run_bench(["model", "--sweep", "--sizes", "tiny", "--context_lengths", "16,24", "--dtypes",
-                              "fp32", "--modes", "fwd,train", "--vocab_size", "64", "--batch_size", "2", "--warmup",
-                              "0", "--steps", "1", "--json", str(path), "--plot", str(png)])
-    finally:
-        bench.run_step = original
-    rows = json.loads(path.read_text())["rows"]
-    assert [(r["context_length"], r["mode"], r["status"]) for r in rows] == \
-        [(16, "fwd", "error"), (16, "train", "ok"), (24, "fwd", "ok"), (24, "train", "OOM")]
-    ((header, table),) = _md_tables(text)
-    assert header == ["size", "params", "ctx", "dtype", "compile", "fwd ms", "fwd+bwd ms", "train ms",
-                      "peak fwd MiB", "peak train MiB", "train tokens/s", "train TFLOP/s"]
-    col = {name: i for i, name in enumerate(header)}
-    assert [r[col["ctx"]] for r in table] == ["16", "24"]  # one line per context, the modes side by side
-    by = {(r["context_length"], r["mode"]): r for r in rows}
-    assert table[0][col["fwd ms"]] == "error" and _close(table[0][col["train ms"]], by[16, "train"]["mean_ms"])
-    assert _close(table[0][col["train tokens/s"]], by[16, "train"]["tokens_per_s"])
-    assert _close(table[1][col["fwd ms"]], by[24, "fwd"]["mean_ms"])
-    assert table[1][col["train ms"]] == table[1][col["train tokens/s"]] == table[1][col["train TFLOP/s"]] == "OOM"
-    assert table[0][col["fwd+bwd ms"]] == ""  # a mode not asked for
-    if not torch.cuda.is_available():
-        assert table[0][col["peak train MiB"]] == "—"  # no allocator peak on CPU
-    if importlib.util.find_spec("matplotlib") is not None:  # the plot is optional
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    text = run_bench(["model", "--sweep", "--sizes", "tiny", "--context_lengths", "16", "--dtypes", "fp32",
-                      "--modes", "fwd", "--time_budget", "0", "--json", str(path)])
-    assert [r["status"] for r in json.loads(path.read_text())["rows"]] == ["skipped"]
-    assert _md_tables(text)[0][1][0][5] == "skipped"
-
-
-def test_bench_nvtx_ranges_are_emitted():
-    with recorded_nvtx() as calls:
-        run_bench(["model"] + BENCH_TINY + ["--warmup", "1", "--steps", "2", "--nvtx"])
-    names = [name for kind, name in calls if kind == "push"]
-    for expected in ("warmup", "step", "forward", "backward", "optimizer_step", "attention_scores", "softmax",
-                     "final_matmul"):
-        assert expected in names, expected
-    assert names.count("step") == 2 and names.count("softmax") == 3 * 2  # 3 steps x 2 layers
-    depth = 0
-    for kind, _ in calls:  # every push has its pop, in order
-        depth += 1 if kind == "push" else -1
-        assert depth >= 0
-    assert depth == 0
-    assert model_py.scaled_dot_product_attention is not bench.annotated_attention  # swapped back
-
-
-def test_bench_annotated_attention_matches_model():
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 13, 8, generator=g) for _ in range(3))
-    mask = model_py.causal_mask(13, "cpu")
-    with recorded_nvtx() as calls:
-        got = bench.annotated_attention(q, k, v, mask)
-    torch.testing.assert_close(got, model_py.scaled_dot_product_attention(q, k, v, mask))
-    assert [n for kind, n in calls if kind == "push"] == ["attention_scores", "softmax", "final_matmul"]
-
-
-def test_bench_profile_tables_and_trace(tmp_path):
-    trace, path = tmp_path / "trace.json", tmp_path / "profile.json"
-    text = run_bench(["model"] + BENCH_TINY + ["--warmup", "1", "--steps", "1", "--profile", str(trace),
-                                               "--json", str(path)])
-    assert "traceEvents" in json.loads(trace.read_text())
-    tables = json.loads(path.read_text())["profile"]
-    assert list(tables) == ["forward", "backward", "optimizer_step"]
-    printed = _md_tables(text)[1:]  # after the model row: one table per phase, in phase order
-    assert len(printed) == 3
-    for (phase, table), (header, rows) in zip(tables.items(), printed):
-        assert header == ["#", "kernel" if torch.cuda.is_available() else "op", "calls", "total ms", "% of phase"]
-        assert table["steps"] == 1
-        top = table["top"]
-        assert [r[1] for r in rows] == [t["name"][:90] for t in top] and 0 < len(top) <= 8
-        assert [t["total_ms"] for t in top] == sorted((t["total_ms"] for t in top), reverse=True)
-        for t, r in zip(top, rows):
-            assert math.isclose(t["share"], t["total_ms"] / table["total_ms"], rel_tol=1e-6)
-            assert r[4] == f"{100 * t['share']:.1f}%" and int(r[2]) == t["calls"]
-        assert sum(t["share"] for t in top) <= 1 + 1e-9
-        assert f"**{phase}**: {table['total_ms']:.2f} ms" in text
-    assert any("addmm" in t["name"] or "mm" in t["name"] for t in tables["forward"]["top"])  # matmuls show up
-
-
-def test_bench_peak_breakdown_groups_the_live_blocks_at_the_peak():
-    """bench.peak_breakdown on a made-up memory history: the peak is the highest running total of the blocks
-    allocated in it, and the blocks live then are grouped by the innermost frame outside torch (generated inductor
-    code included) and the innermost frame of our scripts."""
-    torch_f = dict(filename="/env/site-packages/torch/nn/modules/module.py", line=1, name="_call_impl")
-    gen_f = dict(filename="/tmp/torchinductor_x/ab/cab.py", line=5, name="call")
-    ours = lambda line: dict(filename="/repo/model.py", line=line, name="forward")
-    alloc = lambda addr, size, *frames: dict(action="alloc", addr=addr, size=size, frames=list(frames))
-    free = lambda addr: dict(action="free_completed", addr=addr, size=0)
-    events = [alloc(1, 100, torch_f, ours(10)), alloc(2, 300, gen_f, torch_f, ours(20)), alloc(3, 50, ours(30)),
-              free(1), alloc(4, 200, gen_f, ours(20)), free(2), alloc(5, 10, ours(40))]
-    peak, rows = bench.peak_breakdown({"device_traces": [events]})
-    assert peak == 550, peak  # blocks 2, 3 and 4 (100 + 300 + 50 = 450 before block 1 was freed)
-    assert [(b, n) for b, n, _ in rows] == [(500, 2), (50, 1)], rows
-    assert rows[0][2].startswith("cab.py:5 call") and rows[0][2].endswith("<- model.py:20 forward"), rows[0][2]
-    assert rows[1][2] == "model.py:30 forward", rows[1][2]
-    assert bench.peak_breakdown({"device_traces": []}) == (0, [])
-
-
-def test_bench_memory_snapshot_explains_cpu(tmp_path):
-    if torch.cuda.is_available():
-        raise unittest.SkipTest("the CPU explanation path; on CUDA a real snapshot is written")
-    path = tmp_path / "mem.json"
-    text = run_bench(["model"] + BENCH_TINY + ["--warmup", "0", "--steps", "1", "--memory_snapshot",
-                                               str(tmp_path / "snap.pickle"), "--json", str(path)])
-    assert "need CUDA" in text and not (tmp_path / "snap.pickle").exists()
-    payload = json.loads(path.read_text())
-    est, params_mib = payload["cpu_memory_estimate_mib"], payload["rows"][0]["params"] * 4 / 2**20
-    assert list(est) == ["forward", "backward", "optimizer_step"]
-    assert math.isclose(est["backward"], 2 * params_mib)  # fp32 parameters + their gradients
-    assert math.isclose(est["optimizer_step"] - est["backward"], 2 * params_mib)  # AdamW's m and v
-    assert est["forward"] > params_mib  # parameters + what backward keeps + logits
-    (header, rows) = _md_tables(text)[-1]
-    assert header == ["phase", "live MiB (estimate)"] and [r[0] for r in rows] == list(est)
-
-
-def test_bench_precision_side_by_side(tmp_path):
-    path = tmp_path / "precision.json"
-    text = run_bench(["precision", "--sizes", "tiny", "--modes", "fwd,train", "--vocab_size", "64",
-                      "--context_length", "16", "--batch_size", "2", "--warmup", "0", "--steps", "1", "--json",
-                      str(path)])
-    payload = json.loads(path.read_text())
-    rows = {(r["mode"], r["dtype"]): r for r in payload["rows"]}
-    assert set(rows) == {(m, d) for m in ("fwd", "train") for d in ("fp32", "bf16")}
-    assert all(r["status"] == "ok" for r in rows.values())
-    (h1, side), (h2, acc_rows), (h3, dtype_rows) = _md_tables(text)
-    assert h1 == ["size", "mode", "fp32 ms", "bf16 ms", "bf16 speedup", "fp32 peak MiB", "bf16 peak MiB"]
-    assert [r[:2] for r in side] == [["tiny", "fwd"], ["tiny", "train"]]
-    for r in side:
-        a, b = rows[r[1], "fp32"], rows[r[1], "bf16"]
-        assert _close(r[2], a["mean_ms"]) and _close(r[3], b["mean_ms"])
-        assert r[4] == f"{a['mean_ms'] / b['mean_ms']:.2f}x"  # the speedup follows from the two times
-    acc = {r["case"]: r["total"] for r in payload["accumulation"]}
-    assert [r[0] for r in acc_rows] == list(acc) and h2 == ["case", "total", "error"]
-    assert abs(acc["fp32"] - 10) < 1e-3  # fp32 is about right,
-    assert abs(acc["fp16"] - 10) > 0.02  # fp16 visibly wrong,
-    assert 0 < abs(acc["fp16 increments into fp32"] - 10) < 0.01  # fp16 increments into fp32: a small bias
-    assert acc["bf16"] < 5  # bf16's 8-bit mantissa stops growing at 4: 4 + 0.01 rounds back to 4
-    dtypes = payload["autocast_dtypes"]
-    assert dtypes["Linear output"] == "bfloat16" and dtypes["loss"] == "float32"
-    assert dtypes["parameters"] == dtypes["gradients"] == "float32"
-    assert h3 == ["tensor", "dtype"] and dict(dtype_rows) == dtypes
-
-
-def test_bench_compile_side_by_side(tmp_path):
-    path = tmp_path / "compile.json"
-    text = run_bench(["compile", "--sizes", "tiny", "--modes", "fwd", "--vocab_size", "64", "--context_length", "16",
-                      "--batch_size", "2", "--warmup", "1", "--steps", "1", "--attn_batch", "2", "--attn_d", "8",
-                      "--attn_T", "24", "--json", str(path)])
-    payload = json.loads(path.read_text())
-    eager, compiled = payload["model_rows"]
-    assert (eager["compile"], eager["status"], compiled["compile"], compiled["status"]) == \
-        ("none", "ok", "model", "ok")
-    (h1, model_rows), (h2, attn_rows) = _md_tables(text)
-    assert h1 == ["size", "mode", "eager ms", "compiled ms", "speedup", "compiled first step ms", "eager peak MiB",
-                  "compiled peak MiB"]
-    ((r,),) = [model_rows]
-    assert r[:2] == ["tiny", "fwd"] and _close(r[2], eager["mean_ms"]) and _close(r[3], compiled["mean_ms"])
-    assert r[4] == f"{eager['mean_ms'] / compiled['mean_ms']:.2f}x" and _close(r[5], compiled["first_step_ms"])
-    assert compiled["first_step_ms"] > compiled["mean_ms"]  # the first compiled step compiles
-    assert h2[:2] == ["d", "T"] and [row[:2] for row in attn_rows] == [["8", "24"]]
-    for row, rec in zip(attn_rows, payload["attention_rows"]):
-        assert rec["eager"]["status"] == rec["compiled"]["status"] == "ok"
-        values = [rec[n][f] for f in ("fwd_ms", "bwd_ms") for n in ("eager", "compiled")]
-        assert all(_close(c, x) for c, x in zip(row[2:6], values)), (row, values)  # (below 0.1 ms: 2 digits)
-
-
-def test_bench_gpt2_variant_tags_pick_the_compile_mode():
-    """bench.py gpt2 compiles each variant's step in the mode its tags ask for (':autotune': max-autotune, without
-    CUDA graphs unless ':graphs' runs on a GPU; the peer in the default mode), with inductor's coordinate-descent
-    tuning on through every step of a ':coordinate_descent' variant only, and names it in the row."""
-    import torch._inductor.config as inductor_config
-    modes, tuned, real = [], {}, torch.compile
-
-    def fake_compile(fn=None, **kw):
-        modes.append(kw.get("mode"))
-        n = len(modes)
-
-        def run(*args):
-            tuned.setdefault(n, set()).add(inductor_config.coordinate_descent_tuning)
-            return fn(*args)
-        return run
-    torch.compile = fake_compile
-    try:
-        text = run_bench(["gpt2", "--vocab_size", "64", "--context_length", "8", "--d_model", "16", "--num_layers",
-                          "1", "--num_heads", "2", "--d_ff", "32", "--batch_size", "2", "--variants",
-                          "naive:tied,naive:tied:autotune,naive:tied:coordinate_descent", "--warmup", "1", "--steps",
-                          "1", "--device", "cpu"])
-    finally:
-        torch.compile = real
-    assert modes == [None, "max-autotune-no-cudagraphs", None, None], modes
-    assert tuned == {1: {False}, 2: {False}, 3: {True}, 4: {False}}, tuned
-    assert not inductor_config.coordinate_descent_tuning
-    assert "ours: TransformerLM, tied, max-autotune + our AdamW" in text
-    assert "ours: TransformerLM, tied, coordinate-descent tuned + our AdamW" in text
-    _expect(SystemExit, ["[:autotune]"], bench.main, ["gpt2", "--variants", "naive:fast"])
-
-
-def test_bench_gpt2_rows_and_flops(tmp_path):
-    path = tmp_path / "gpt2.json"
-    V, T, d, L, B = 96, 16, 32, 1, 2
-    text = run_bench(["gpt2", "--no-compile", "--vocab_size", str(V), "--context_length", str(T), "--d_model", str(d),
-                      "--num_layers", str(L), "--num_heads", "2", "--d_ff", "64", "--batch_size", str(B),
-                      "--variants", "sdpa,naive:tied", "--warmup", "1", "--steps", "2", "--json", str(path),
-                      "--reference_tokens_per_s", "1000"])
-    rows = json.loads(path.read_text())["rows"]
-    assert [r["model"].split(":")[0] for r in rows] == ["ours", "ours", "peer"] and [r["attn"] for r in rows] == \
-        ["sdpa", "naive", "sdpa"]
-    assert all(r["status"] == "ok" for r in rows)
-    assert rows[0]["params"] - rows[1]["params"] == V * d  # tying drops one vocab x d_model matrix
-    # peer: embeddings (tied) + positions, per layer 12 d^2 weights + biases + 2 LayerNorms, final LayerNorm
-    assert rows[2]["params"] == V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d
-    # the peer's FLOPs through model.flops_per_token equal GPT-2's own count: qkv + out 8Td^2, 4d GELU MLP 16Td^2,
-    # causal scores and P V 2T^2d, lm_head 2TdV per sequence; training 3 x forward
-    assert math.isclose(bench.peer_flops_per_token(V, T, d, L), 3 * (L * (24 * T * d * d + 2 * T * T * d)
-                                                                      + 2 * T * d * V) / T)
-    per_token = [model.flops_per_token(V, T, d, L, 64, causal=True),
-                 model.flops_per_token(V, T, d, L, 64, causal=False),
-                 bench.peer_flops_per_token(V, T, d, L)]
-    ((header, table),) = _md_tables(text)
-    assert header == ["model", "attn", "params", "ms/step", "median ms", "GPU ms", "tokens/s", "TFLOP/s", "MFU",
-                      "vs peer", "vs reference", "peak MiB"]
-    assert [r[0] for r in table] == [r["model"] for r in rows]
-    cuda = torch.cuda.is_available()
-    for r, cells, flops in zip(rows, table, per_token):
-        assert math.isclose(r["tokens_per_s"], B * T / (r["mean_ms"] / 1e3))
-        assert min(r["mean_ms"], r["median_ms"]) > 0 and _close(cells[4], r["median_ms"])
-        assert _close(cells[5], r["gpu_ms"]) and r["gpu_ms"] > 0 if cuda else cells[5] == "—"  # the GPU's own time
-        assert math.isclose(r["tflops"], flops * r["tokens_per_s"] / 1e12) and _close(cells[7], r["tflops"])
-        assert cells[9] == f"{r['tokens_per_s'] / rows[2]['tokens_per_s']:.2f}x"
-        assert cells[10] == f"{r['tokens_per_s'] / 1000:.2f}x"
-        if cuda:  # MFU against the H100/H200 figure by default
-            assert cells[8] == f"{100 * flops * r['tokens_per_s'] / bench.PEAK_FLOPS:.1f}%"
-        else:
-            assert cells[8] == "—"  # no MFU without a peak on CPU
-    assert table[2][9] == "1.00x"
-
-
-def test_bench_varlen_same_documents(tmp_path):
-    path = tmp_path / "varlen.json"
-    text = run_bench(["varlen", "--num_layers", "1", "--num_docs", "120", "--context_length", "96", "--batch_size",
-                      "2", "--warmup", "1", "--steps", "1", "--device", "cpu", "--json", str(path)])
-    payload = json.loads(path.read_text())
-    rows = {(r["phase"], r["strategy"]): r for r in payload["rows"]}
-    strategies = ("pad", "dynamic_pad", "pack", "pack_static")
-    assert set(rows) == {(p, s) for p in ("eval", "train") for s in strategies}
-    assert all(r["status"] == "ok" for r in rows.values())
-    real = {r["real_tokens"] for r in rows.values()}
-    assert len(real) == 1  # the same documents, the same real (target) tokens, whatever the layout
-    losses = [rows[("eval", s)]["loss_first_batch"] for s in strategies]
-    assert max(losses) - min(losses) < 1e-4  # same weights, same targets: padding and packing agree
-    (h1, model_rows), (h2, attn_rows) = _md_tables(text)
-    assert h1 == ["phase", "strategy", "ms/batch", "real tokens/s", "speedup vs pad", "real / slots", "peak MiB",
-                  "eval loss, batch 1 (same weights: equal)"]
-    assert [tuple(r[:2]) for r in model_rows] == [(p, s) for p in ("train", "eval") for s in strategies]
-    for cells in model_rows:
-        r, pad = rows[cells[0], cells[1]], rows[cells[0], "pad"]
-        assert math.isclose(r["tokens_per_s"], r["real_tokens"] / (r["ms_per_batch"] / 1e3))
-        assert cells[4] == f"{r['tokens_per_s'] / pad['tokens_per_s']:.2f}x"
-        assert cells[5] == f"{100 * r['real_tokens'] / r['token_slots']:.0f}%"
-        assert (cells[7] == "—") == (cells[0] == "train")
-    assert rows[("train", "pack")]["token_slots"] == rows[("train", "pack")]["real_tokens"]  # packing wastes none
-    assert rows[("train", "pack_static")]["token_slots"] == 3 * 96  # static: (batch_size + 1) * context_length
-    pad, dyn = rows[("train", "pad")]["token_slots"], rows[("train", "dynamic_pad")]["token_slots"]
-    assert pad % 96 == 0 and real.pop() <= dyn <= pad  # pad: a context_length row per document; dynamic: fewer
-    assert h2 == ["method", "fwd ms", "fwd+bwd ms", "fwd useful TFLOP/s", "fwd+bwd useful TFLOP/s",
-                  "fwd+bwd speedup vs pad", "max abs diff"]
-    attn = {r["method"]: r for r in payload["attention_rows"]}
-    assert [r[0] for r in attn_rows] == list(attn)
-    for name, r in attn.items():
-        if r["status"] != "ok":  # a strategy that cannot run here (xFormers absent, NestedTensor on CPU) says why
-            assert r["max_diff"] is None and r["status"], (name, r)
-            continue
-        assert r["max_diff"] < 1e-4, (name, r["max_diff"])  # every method computes the same attention
-        if name.startswith("SDPA") or name.startswith("flash_attn_varlen"):
-            assert r["status"] == "ok" and r["fwd_bwd_ms"] is not None, (name, r["status"])
-            assert math.isclose(r["fwd_bwd_tflops"] / r["fwd_tflops"], 3.5 * r["fwd_ms"] / r["fwd_bwd_ms"])
-    assert attn["FlexAttention document mask (compiled)"]["status"] == "ok"  # forward only on CPU
-
-
-def test_bench_varlen_helpers():
-    g = torch.Generator().manual_seed(0)
-    lengths = bench.document_lengths(2000, 200.0, 0.8, 512, g)
-    assert len(lengths) == 2000 and lengths.min() >= 16 and lengths.max() <= 512 and 150 < lengths.median() < 250
-    for total in (16384, 1000, 17):  # filling a token budget exactly: only the last document may be cut short
-        lengths = bench.document_lengths(None, 403.0, 1.0, 4096, g, total_tokens=total)
-        assert int(lengths.sum()) == total and lengths.max() <= 4096 and lengths.min() >= 1
-        assert (lengths[:-1] >= 16).all()
-    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
-    index, lens = bench.padded_layout(cu, 6)
-    assert lens.tolist() == [3, 5, 2]
-    assert index.tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 12, 13]  # row k starts at k * 6
-    assert bench.attention_flops([3, 5], 2, 8) == 4 * 2 * (9 + 25) * 8 / 2  # causal: half of Q K^T and P V
-
-
-def test_bench_attention_cases_on_the_interpreter(tmp_path):
-    if torch.cuda.is_available():
-        raise unittest.SkipTest("the CPU case list; on a GPU, python bench.py attention --quick")
-    path = tmp_path / "attention.json"
-    with contextlib.redirect_stderr(io.StringIO()):
-        text = run_bench(["attention", "--rep", "1", "--json", str(path)])
-    rows = json.loads(path.read_text())["rows"]
-    ((header, table),) = _md_tables(text)
-    assert header == ["case", "method", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
-                      "ours vs it (fwd / fwd+bwd)", "host ms per fwd+bwd"]
-    assert all(r["host_ms"] is None and cells[8] == "—" for r, cells in zip(rows, table))  # measured on CUDA only
-    methods = ["ours", "naive"] if flash.INTERPRET else ["naive"]
-    cases = ["B=1 H=2 S=16 D=16 float32", "B=1 H=2 S=40 D=16 float32"]
-    assert [(r["case"], r["method"]) for r in rows[:-1]] == [(c, m) for c in cases for m in methods]
-    assert (rows[-1]["case"], rows[-1]["method"]) == ("docs=4 max=17 tokens=32 H=2 D=16", "ours varlen")
-    assert [r[:2] for r in table] == [[r["case"], r["method"]] for r in rows]  # the JSON holds every row
-    for r, cells in zip(rows, table):
-        lens = [1, 5, 17, 9] if r["method"] == "ours varlen" else [int(r["case"].split("S=")[1].split()[0])]
-        flops = bench.attention_flops(lens, 2, 16)
-        assert math.isclose(r["fwd_tflops"], flops / r["fwd_ms"] / 1e9)
-        assert math.isclose(r["fwd_bwd_tflops"], 3.5 * flops / r["fwd_bwd_ms"] / 1e9)
-        assert _close(cells[2], r["fwd_ms"]) and _close(cells[4], r["fwd_bwd_ms"])
-        ours = next(o for o in rows if o["case"] == r["case"] and o["method"].startswith("ours"))
-        want = "—" if r is ours else " / ".join(f"{ours[k] / r[k]:.2f}x" for k in ("fwd_tflops", "fwd_bwd_tflops"))
-        assert cells[7] == want
-
-
-def test_gpu_time_ms_host_ahead_times_the_gpu_alone():
-    """A call that spends 3 ms on the host before one tiny kernel: timed plainly the GPU waits for the host (>= 3
-    ms); with host_ahead the events see only the kernel, and host_ms gets the 3 ms."""
-    if not torch.cuda.is_available():
-        raise unittest.SkipTest("needs CUDA")
-    x = torch.zeros(1024, device="cuda")
-
-    def call():
-        time.sleep(3e-3)
-        x.add_(1)
-    plain = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5))
-    host = []
-    ahead = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5, host_ahead=True, host_ms=host))
-    assert plain >= 2.9 and ahead < 0.5 and len(host) == 5 and min(host) >= 2.9, (plain, ahead, host)
-
-
-def test_bench_rmsnorm_rows_table_and_cuda_check(tmp_path):
-    # the rows and table of bench.py rmsnorm at tiny shapes (on CPU: our kernels in the interpreter, F.rms_norm and
-    # the copy; inductor is left out, it would compile for 10 s): bytes as documented, GB/s = bytes / ms, % of copy
-    # = GB/s over the copy's at that shape. Without CUDA the subcommand itself is a one-line error.
-    device = torch.device(DEVICE)
-    with contextlib.redirect_stderr(io.StringIO()):
-        rows = bench.rmsnorm_rows([(70, 80), (3, 48)], torch.float32, device, ("ours", "F.rms_norm", "copy"), rep=1)
-    assert [(r["shape"], r["method"]) for r in rows] == [(s, m) for s in ("70 x 80", "3 x 48")
-                                                         for m in ("ours", "F.rms_norm", "copy")]
-    ((header, table),) = _md_tables(bench.rmsnorm_table(rows))
-    assert header == ["shape", "method", "fwd ms", "fwd GB/s", "fwd % of copy", "fwd+bwd ms", "fwd+bwd GB/s",
-                      "fwd+bwd % of copy", "bwd % of copy"]
-    for r, cells in zip(rows, table):
-        n, d = (int(v) for v in r["shape"].split(" x "))
-        assert r["fwd_bytes"] == 2 * n * d * 4 + d * 4 and r["fwd_bwd_bytes"] == 5 * n * d * 4 + 2 * d * 4
-        assert math.isclose(r["fwd_gb_s"], r["fwd_bytes"] / r["fwd_ms"] / 1e6) and _close(cells[2], r["fwd_ms"])
-        copy = next(c for c in rows if c["shape"] == r["shape"] and c["method"] == "copy")
-        assert cells[4] == f"{100 * r['fwd_gb_s'] / copy['fwd_gb_s']:.0f}%"
-        if r["method"] == "copy":
-            assert r["fwd_bwd_ms"] is None and cells[4] == "100%" and cells[5:] == ["—"] * 4
-        else:
-            assert math.isclose(r["fwd_bwd_gb_s"], r["fwd_bwd_bytes"] / r["fwd_bwd_ms"] / 1e6)
-            assert cells[7] == f"{100 * r['fwd_bwd_gb_s'] / copy['fwd_gb_s']:.0f}%"
-            bwd_bytes = r["fwd_bwd_bytes"] - r["fwd_bytes"]
-            if r["fwd_bwd_ms"] > r["fwd_ms"]:  # the backward's bytes over its share of the time
-                assert math.isclose(r["bwd_gb_s"], bwd_bytes / (r["fwd_bwd_ms"] - r["fwd_ms"]) / 1e6)
-                assert cells[8] == f"{100 * r['bwd_gb_s'] / copy['fwd_gb_s']:.0f}%"
-            else:
-                assert r["bwd_gb_s"] is None and cells[8] == "—"
-    if not torch.cuda.is_available():
-        _expect(SystemExit, ["needs CUDA"], bench.main, ["rmsnorm"])
-    else:
-        path = tmp_path / "rmsnorm.json"
-        text = run_bench(["rmsnorm", "--shapes", "1000x768", "--rep", "5", "--json", str(path)])
-        ((header, table),) = _md_tables(text)
-        assert [r[1] for r in table] == list(bench.RMSNORM_METHODS) == [r["method"] for r in
-                                                                         json.loads(path.read_text())["rows"]]
-    _expect(SystemExit, ["TOKENSxD"], bench.main, ["rmsnorm", "--shapes", "1000x"])
-
-
-def test_bench_bpe_tables_follow_the_runs(tmp_path):
-    corpus = _write_text(tmp_path / "corpus.txt", _synthetic_text(60_000, seed=6))
-    path = tmp_path / "bpe.json"
-    with contextlib.redirect_stderr(io.StringIO()):
-        text = run_bench(["bpe", "--input", str(corpus), "--vocab_size", "400", "--num_workers", "2", "--repeats",
-                          "2", "--json", str(path)])
-    payload = json.loads(path.read_text())
-    (h1, train_rows), (h2, encode_rows) = _md_tables(text)
-    assert h1 == ["train, vocab 400, 2 workers", "wall s (median of 2)", "all runs", "peak RSS main MB",
-                  "peak RSS largest worker MB"]
-    assert [r[0] for r in train_rows] == ["bpe.train_bpe", "HF tokenizers BpeTrainer (ByteLevel)"]
-    have_hf = importlib.util.find_spec("tokenizers") is not None
-    assert len(payload["train"]["ours"]) == 2 and len(payload["train"]["hf"]) == (2 if have_hf else 0)
-    for which, cells in zip(("ours", "hf"), train_rows):
-        runs = payload["train"][which]
-        assert all(x["vocab"] == 400 for x in runs)  # both trainers made the asked vocabulary
-        if runs:
-            assert math.isclose(payload["train_median_s"][which], statistics.median(x["seconds"] for x in runs))
-            assert len(cells[2].split(", ")) == 2 and 5 < _num(cells[3]) < 2000  # a process's RSS, in MB
-        else:
-            assert cells[1:] == ["—"] * 4
-    ratio = payload["ours_vs_hf"]
-    assert (f"ratio ours / HF: {ratio:.2f}x" in text) if have_hf else ("ratio ours / HF: —" in text)
-    assert h2 == [f"encode {corpus.stat().st_size / 1e6:.1f} MB, {payload['tokens']:,} tokens "
-                  f"({payload['bytes'] / payload['tokens']:.2f} bytes/token)", "ours MB/s", "tiktoken MB/s",
-                  "ours / tiktoken"]
-    assert len(encode_rows) == len(payload["encode"]) == 3
-    for e, cells in zip(payload["encode"], encode_rows):
-        assert math.isclose(e["ours_mb_s"], payload["bytes"] / e["ours_s"] / 1e6)
-        assert math.isclose(e["ours_vs_tiktoken"], e["tiktoken_s"] / e["ours_s"]) and _close(cells[3],
-                                                                                              e["ours_vs_tiktoken"])
-    vocab, merges = train_bpe(str(corpus), 400, [EOT], num_workers=1, verbose=False)  # what the children trained
-    assert payload["tokens"] == len(Tokenizer(vocab, merges, [EOT]).encode(corpus.read_text(encoding="utf-8")))
-
-
-def _bench_ranks(world_size, argv, cwd, timeout=300):
-    """bench.py run world_size times as _run_ranks runs train.py; rank 0's stdout."""
-    return _run_ranks(world_size, argv, timeout, script="bench.py", cwd=cwd)[0]
-
-
-def test_bench_allreduce_two_processes(tmp_path):
-    text = _bench_ranks(2, ["allreduce", "--sizes_mb", "0.01", "0.5", "--warmup", "1", "--iters", "3", "--json",
-                            str(tmp_path / "ar.json")], tmp_path)
-    records = json.loads((tmp_path / "ar.json").read_text())["results"]
-    ((header, table),) = _md_tables(text)
-    assert header == ["MiB", "ranks", "median ms", "mean ms", "algbw GiB/s", "busbw GiB/s"]
-    assert [r[:2] for r in table] == [["0.01", "2"], ["0.5", "2"]] and len(records) == 2
-    for rec, cells in zip(records, table):
-        nbytes = int(rec["size_mib"] * 2**20) // 4 * 4
-        assert math.isclose(rec["algbw_gib_s"], nbytes / (rec["median_ms"] / 1e3) / 2**30)
-        assert math.isclose(rec["busbw_gib_s"], rec["algbw_gib_s"] * 2 * (2 - 1) / 2)
-        assert cells[2] == f"{rec['median_ms']:.3f}" and cells[3] == f"{rec['mean_ms']:.3f}"
-        assert rec["backend"] == "gloo" and rec["world_size"] == 2
-
-
-def test_bench_ddp_variants_two_processes(tmp_path):
-    text = _bench_ranks(2, ["ddp", "--preset", "tiny", "--context_length", "32", "--batch_size", "2", "--steps",
-                            "2", "--warmup", "1", "--variants", "none", "naive", "flat", "bucketed-1", "--json",
-                            str(tmp_path / "ddp.json")], tmp_path)
-    results = json.loads((tmp_path / "ddp.json").read_text())["results"]
-    ((header, table),) = _md_tables(text)
-    assert header == ["variant", "ms/step", "scaling vs none", "comm ms", "peak init GiB", "peak before step GiB",
-                      "peak after step GiB", "opt state GiB/rank", "loss"]
-    assert [r[0] for r in table] == [r["variant"] for r in results] == ["none", "naive", "flat", "bucketed-1"]
-    assert not any("error" in r for r in results), results
-    local = results[0]["ms_per_step"]
-    for r, cells in zip(results, table):
-        assert cells[1] == f"{r['ms_per_step']:.1f}" and cells[2] == f"{100 * local / r['ms_per_step']:.1f}%"
-        if r["variant"] in ("naive", "flat"):  # communication timed on its own
-            assert cells[3] == f"{r['comm_ms']:.1f}" and r["comm_ms"] < r["ms_per_step"]
-    assert table[3][3] == f"~{results[3]['ms_per_step'] - local:.1f}" and table[0][3] == "-"
-    losses = [r["loss"] for r in results[1:]]  # the data-parallel variants train the same model the same way
-    assert max(losses) - min(losses) < 1e-4, losses
-    assert len({r["optimizer_state_gib"] for r in results}) == 1  # no sharding among these
-
-
-def test_bench_help_lists_subcommands_and_unknown_ones_are_one_line_errors():
-    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--help"], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=120)
-    assert r.returncode == 0 and r.stdout.startswith("usage: python bench.py SUBCOMMAND"), r.stdout + r.stderr
-    listed = [line.split()[0] for line in r.stdout.splitlines() if line.startswith("  ")]
-    assert listed == list(bench.COMMANDS) and "bpe" in listed and "model" in listed  # one line each
-    for argv, code in ((["-h"], 0), ([], 2)):
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            assert bench.main(argv) == code, argv
-        assert (out.getvalue() or err.getvalue()) == r.stdout, argv  # no arguments: the same list, on stderr
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        assert bench.main(["nope"]) == 2
-    assert err.getvalue().count("\n") == 1 and "unknown subcommand 'nope'" in err.getvalue()
-    assert all(name in err.getvalue() for name in bench.COMMANDS)
-
-
-def test_bench_native_peer_is_our_architecture_and_leaderboard_needs_cuda():
-    # the PyTorch-native peer of the leaderboard (and of the 2.7B comparison) computes our model's function: with
-    # our weights copied in (q/k/v and w1/w3 concatenated), its loss equals cross_entropy of TransformerLM's logits
+def test_bench_native_peer_computes_our_model():
+    # the PyTorch-native peer computes TransformerLM's function: our weights copied in (q/k/v and w1/w3 concatenated)
     m = _tiny_lm(seed=5)
-    peer = bench.NativeLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, 72, act_ckpt=False)
+    peer = bench.PeerLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, 72)
     sd = m.state_dict()
     with torch.no_grad():
-        peer.emb.weight.copy_(sd["token_embeddings.weight"])
-        peer.head.weight.copy_(sd["lm_head.weight"])
-        peer.ln.weight.copy_(sd["ln_final.weight"])
-        for i, blk in enumerate(peer.blocks):
-            p = f"layers.{i}."
-            blk.qkv.weight.copy_(torch.cat([sd[p + f"attn.{n}_proj.weight"] for n in "qkv"]))
-            blk.proj.weight.copy_(sd[p + "attn.output_proj.weight"])
-            blk.w13.weight.copy_(torch.cat([sd[p + "ffn.w1.weight"], sd[p + "ffn.w3.weight"]]))
-            blk.w2.weight.copy_(sd[p + "ffn.w2.weight"])
-            blk.ln1.weight.copy_(sd[p + "ln1.weight"])
-            blk.ln2.weight.copy_(sd[p + "ln2.weight"])
-    idx = torch.randint(0, m.vocab_size, (2, 17))
-    y = torch.randint(0, m.vocab_size, (2, 17))
+        for name, ours in (("emb", "token_embeddings"), ("head", "lm_head"), ("ln", "ln_final")):
+            getattr(peer, name).weight.copy_(sd[f"{ours}.weight"])
+        for i, blk in enumerate(peer.layers):
+            w = lambda n: sd[f"layers.{i}.{n}.weight"]
+            blk.qkv.weight.copy_(torch.cat([w(f"attn.{n}_proj") for n in "qkv"]))
+            blk.up.weight.copy_(torch.cat([w("ffn.w1"), w("ffn.w3")]))
+            for mine, ours in (("proj", "attn.output_proj"), ("down", "ffn.w2"), ("ln1", "ln1"), ("ln2", "ln2")):
+                getattr(blk, mine).weight.copy_(w(ours))
+    idx, y = torch.randint(0, m.vocab_size, (2, 17)), torch.randint(0, m.vocab_size, (2, 17))
     assert abs(peer(idx, y).item() - cross_entropy(m(idx), y).item()) < 1e-5
-    if not torch.cuda.is_available():
-        _expect(SystemExit, ["CUDA"], bench.main, ["leaderboard", "--num_layers", "1"])
-    flops = bench.leaderboard_flops(151936, 32768, 4096, 34, 11008, 2 * 32768)
-    assert abs(flops / 4.74e15 - 1) < 0.01, flops  # the 8B step's model FLOPs
+
+
+def test_bench_ddp_two_processes(tmp_path):
+    out = _run_ranks(2, ["ddp", "--preset", "tiny", "--context_length", "32", "--batch_size", "2", "--steps", "2",
+                         "--warmup", "1", "--variants", "none", "naive", "bucketed-1", "--allreduce_mb", "0.01", "0.5",
+                         "--json", str(tmp_path / "ddp.json")], script="bench.py", cwd=tmp_path)[0]
+    payload = json.loads((tmp_path / "ddp.json").read_text())
+    (h1, allreduce), (h2, table) = _md_tables(out)
+    for rec, cells in zip(payload["allreduce"], allreduce):  # busbw = algbw * 2 (N - 1) / N, bytes over the median
+        nbytes = int(rec["size_mib"] * 2**20) // 4 * 4
+        assert math.isclose(rec["algbw_gib_s"], nbytes / (rec["median_ms"] / 1e3) / 2**30)
+        assert math.isclose(rec["busbw_gib_s"], rec["algbw_gib_s"]) and cells[:2] == [f"{rec['size_mib']:g}", "2"]
+    results = payload["results"]
+    assert [r[0] for r in table] == [r["variant"] for r in results] == ["none", "naive", "bucketed-1"]
+    local = results[0]["ms_per_step"]
+    assert all(cells[2] == f"{100 * local / r['ms_per_step']:.1f}%" for r, cells in zip(results, table))
+    assert [c[3] for c in table] == ["—"] + [bench.fmt(r["ms_per_step"] - local, 1) for r in results[1:]]  # comm
+    assert abs(results[1]["loss"] - results[2]["loss"]) < 1e-4  # the data-parallel variants train the same way
 
 
 def test_bench_sass_compiles_the_kernels_for_sm90():
     # no GPU needed: the Triton kernels and the Gluon (Hopper) forward and backward (D=64, D=80 in 64 + 16 wide
     # tiles, and D=128, whose backward runs one CTA per item and TMA-stores dK and dV at S=1024) compile for sm_90
     # with this Triton, the D=64 Triton forward spills nothing, every kernel fits a block's 227 KiB of shared
-    # memory, and ptxas serializes no kernel's wgmma instructions (its notes C7514/C7515: a 16-20% loss)
+    # memory, and ptxas serializes no kernel's wgmma instructions (its notes C7514/C7515)
     out = subprocess.run([sys.executable, str(ROOT / "bench.py"), "sass", "--head_dims", "64,80,128"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     ((header, table),) = _md_tables(out.stdout)
-    assert header[:2] == ["D", "kernel"] and header[-1] == "wgmma serialized"
+    assert header[:2] == ["D", "kernel"] and header[-2:] == ["shared KiB", "wgmma serialized"]
     kernels = [r[1] for r in table]
     assert kernels[:3] == ["fwd (Triton)", "dq (Triton)", "dkdv (Triton)"], kernels
-    assert {"fwd (Gluon, sm90)", "bwd (Gluon, sm90)"} <= set(kernels) or flash.gluon is None
     gluon_80 = ["fwd (Gluon, sm90)", "bwd (Gluon, sm90)"] if flash.gluon is not None else []
     assert [r[1] for r in table if r[0] == "80"] == gluon_80  # head dim 80: tiles 64 wide and a 16-wide tail
-    assert header[-2] == "shared KiB"
     for r in table:
-        assert r[-1] == "no", r
-        assert 0 < float(r[-2]) <= 227, r
+        assert r[-1] == "no" and 0 < float(r[-2]) <= 227, r
         if r[1] == "fwd (Triton)" and r[0] == "64":  # (the Gluon forwards' spills depend on the Triton: 3.6, the
             assert r[5] == r[6] == "0", r  # GPU machine's, has none at D=64 and 80, 3.9 a few)
 
 
-def test_bench_attention_variants_time_copies_of_flash_side_by_side(tmp_path):
-    # --variants: copies of flash.py loaded as modules of their own, their settings applied and flash's untouched,
-    # compute what flash computes, and time beside ours on the dense and packed cases, each round (--repeat) a case
-    # of its own so that "ours vs it" compares within one; bad specs are one-line errors
-    copy = tmp_path / "flash_copy.py"
-    copy.write_text((ROOT / "flash.py").read_text())
-    before = flash.GLUON_FWD_PERSISTENT
-    name, module = bench.flash_variant(f"copy={copy}:GLUON_FWD_PERSISTENT=0,GLUON_BWD_DKV_TMA=False")
-    assert name == "copy" and module is not flash and module.__file__ == str(copy)
-    assert module.GLUON_FWD_PERSISTENT == 0 and not module.GLUON_BWD_DKV_TMA
-    assert flash.GLUON_FWD_PERSISTENT == before and flash.GLUON_BWD_DKV_TMA
-    assert bench.flash_variant(f"copy={copy}:GLUON_FWD_PERSISTENT=0,GLUON_BWD_DKV_TMA=False")[1] is module
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 33, 16, generator=gen, device=dev, requires_grad=True) for _ in range(3))
-    do = torch.randn(1, 2, 33, 16, generator=gen, device=dev)
-    grads = [torch.autograd.grad(f(q, k, v, causal=True), (q, k, v), do) for f in (flash.flash_attention,
-                                                                                  module.flash_attention)]
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    for spec, words in ((f"copy={ROOT / 'flash.py'}", "is taken"), ("x=/nonexistent/flash.py", "no such file"),
-                        (f"y={copy}:NO_SUCH=1", "no setting 'NO_SUCH'"), (str(copy), "is not NAME=PATH")):
-        try:
-            bench.flash_variant(spec)
-        except SystemExit as e:
-            assert words in str(e) and "\n" not in str(e), e
-        else:
-            raise AssertionError(spec)
-    if torch.cuda.is_available() or not flash.INTERPRET:
-        raise unittest.SkipTest("the side-by-side run on the CPU case list; on a GPU, bench.py attention --variants")
-    path = tmp_path / "attention.json"
-    with contextlib.redirect_stderr(io.StringIO()):
-        run_bench(["attention", "--rep", "1", "--methods", "ours", "--variants", f"copy2={copy}", "--repeat", "2",
-                   "--json", str(path)])
-    rows = [(r["case"], r["method"]) for r in json.loads(path.read_text())["rows"]]
-    cases = ["B=1 H=2 S=16 D=16 float32", "B=1 H=2 S=40 D=16 float32"]
-    want = [(f"{c} (round {i})", m) for i in (1, 2) for c in cases + ["docs=4 max=17 tokens=32 H=2 D=16"]
-            for m in (("ours", "ours@copy2") if c in cases else ("ours varlen", "ours varlen@copy2"))]
-    assert rows == want, rows
-
-
-def test_bench_bad_input_is_a_clear_error():
-    for argv, words in ((["model", "--plot", "x.png"], "--plot draws the sweep"),
-                        (["model", "--sweep", "--profile", "t.json"], "single run"),
-                        (["model", "--sweep", "--sizes", "huge"], "unknown value 'huge'"),
-                        (["bpe", "--input", "/nonexistent/corpus.txt"], "no such file")):
-        try:
-            run_bench(argv)
-        except SystemExit as e:
-            assert words in str(e), (argv, str(e))
-        else:
-            raise AssertionError(f"{argv} did not fail")
-
-
-# --- bench.py hf (transformers GPT-2 on variable-length documents; optional extra, skips without it) ---
-
-def test_bench_hf_rows_columns_and_equal_first_losses(tmp_path):
-    _need_hf("transformers")
-    path = tmp_path / "hf.json"
-    text = run_bench(["hf", "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--warmup", "1", "--steps", "1",
-                      "--json", str(path)])
-    payload = json.loads(path.read_text())
-    assert payload["command"].startswith("python bench.py hf") and payload["date"] and payload["device"]
-    rows = {r["key"]: r for r in payload["rows"]}
-    assert list(rows) == list(bench.HF_ROWS)
-    header = next(line for line in text.splitlines() if line.startswith("| strategy"))
-    for column in ("ms/step", "real tokens/s", "speedup vs sdpa padded", "peak MiB", "loss, batch 1",
-                   "graphs compiled"):
-        assert column in header, column
-    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| strategy")]
-    assert len(table) == len(bench.HF_ROWS)
-    flex = rows.pop("flex_packed")  # GPT-2 has no FlexAttention path in transformers: a row that says why
-    assert flex["status"] == "ok" or len(flex["status"]) > 10
-    for key, r in rows.items():
-        assert r["status"] == "ok" and r["ms_per_step"] > 0 and r["tokens_per_s"] > 0, (key, r["status"])
-    assert len({r["real_tokens"] for r in rows.values()}) == 1  # the same documents in every row
-    assert rows["sdpa_pad"]["speedup"] == 1.0
-    assert rows["ours_packed"]["real_tokens"] == rows["ours_packed"]["token_slots"]
-    losses = [r["loss_first_batch"] for r in rows.values()]
-    assert max(losses) - min(losses) < 1e-4, losses  # every strategy keeps the documents apart
-    for key in ("sdpa_pad_compiled", "ours_packed_compiled"):
-        assert rows[key]["compiles"][1] == 0, (key, rows[key]["compiles"])  # no recompile for a new batch
-
-
-def test_bench_hf_batch_layouts():
-    _need_hf("transformers")
-    docs = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
-    pad = bench.hf_padded(docs, 6)
-    assert pad["input_ids"].shape == (3, 6) and pad["attention_mask"].sum().item() == 9
-    assert pad["labels"][1].tolist() == [8, 9, -100, -100, -100, -100]
-    packed = bench.hf_packed(docs, flash_kwargs=True)
-    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
-    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
-    assert packed["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 2, 3, 4]]
-    assert packed["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and packed["max_length_q"] == 4
-    fixed = bench.hf_packed(docs, flash_kwargs=False, fixed_length=16, max_doc=4)
-    assert fixed["input_ids"].shape == (1, 16) and (fixed["labels"][0, 9:] == -100).all()
-    assert fixed["position_ids"][0, 9:].tolist() == [0, 1, 2, 3, 0, 1, 2]  # fillers no longer than max_doc
-    try:
-        bench.hf_packed(docs, flash_kwargs=False, fixed_length=8, max_doc=4)
-        raise AssertionError("a fixed length below the documents' was accepted")
-    except ValueError as e:
-        assert "more than fixed_length" in str(e)
-
-
-def test_bench_varlen_block_diagonal_nested_and_xformers_rows():
-    from torch.nn.attention.flex_attention import flex_attention
-    cu = torch.tensor([0, 5, 17, 18, 40], dtype=torch.int32)
-    methods = bench.attention_methods(cu, 22, 2, 48, torch.device("cpu"), flex_attention)
-    gen = torch.Generator().manual_seed(14)
-    q, k, v = (torch.randn(40, 2, 16, generator=gen) for _ in range(3))
-    want = flash.attention_varlen_reference(q, k, v, cu, causal=True)[0]
-    got = methods["SDPA, concatenated, dense block-diagonal mask (O(N^2))"](q, k, v)
-    assert _rel(got, want) < 1e-5
-    try:  # SDPA has jagged kernels for is_causal on CUDA only; elsewhere its row carries torch's error
-        assert _rel(methods["NestedTensor (jagged) through SDPA, is_causal"](q, k, v), want) < 1e-5
-    except RuntimeError as e:
-        assert DEVICE == "cpu" and "backend" in str(e)
-    xformers = methods["xFormers memory_efficient_attention, block-diagonal causal"]
-    if importlib.util.find_spec("xformers") is None:
-        try:
-            xformers(q, k, v)
-            raise AssertionError("the xFormers row ran without xFormers")
-        except ModuleNotFoundError as e:
-            assert "not installed" in str(e)
-
-
 def test_nanogpt_peer_reads_the_checkouts_time_and_refuses_bad_paths(tmp_path):
-    # gpu/nanogpt_peer.py runs bench.py of a nanoGPT checkout as it is and reads its line "time per iteration";
-    # here a stand-in checkout with nanoGPT's settings and that line, and no checkout at all
+    # gpu/nanogpt_peer.py runs bench.py of a nanoGPT checkout as it is and reads its line "time per iteration"; here a
+    # stand-in checkout with nanoGPT's settings and that line
     script = str(ROOT / "gpu" / "nanogpt_peer.py")
     (tmp_path / "bench.py").write_text("import sys\nbatch_size, block_size, compile, dtype = 12, 1024, True, "
                                        "'bfloat16'\nassert sys.argv[1:] == ['--real_data=False']\n"
-                                       "print('19/20 loss: 10.9')\nprint('time per iteration: 26.6600ms, MFU: 1%')\n")
+                                       "print('time per iteration: 26.6600ms, MFU: 1%')\n")
     out = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert lines[0].startswith("nanoGPT: batch 12 x 1024, compile True, bfloat16, random data: 26.66 ms/step"), lines
     assert lines[-1] == f"nanoGPT tokens/s {12 * 1024 / 26.66e-3:.0f}"
-    for argv in ([], [str(tmp_path / "missing")]):
-        out = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 1 and out.stderr.strip().splitlines() == [
-            "usage: python gpu/nanogpt_peer.py PATH_TO_NANOGPT (a checkout with bench.py and model.py)"], out.stderr
-    (tmp_path / "bench.py").write_text("print('no timing here')\n")
-    out = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "printed no 'time per iteration'" in out.stderr
+    out = subprocess.run([sys.executable, script, str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "usage: python gpu/nanogpt_peer.py PATH_TO_NANOGPT" in out.stderr
 
 
-def test_ncu_attention_summarizes_ncu_csv_pages_and_runs_the_workload(tmp_path):
-    # gpu/ncu_attention.py summary on pages in the layout ncu writes (raw: header, units, a row per launch; source:
-    # a '"Kernel Name"' line before each kernel's table): times in the units given, the tensor cores' share, stall
-    # samples summed by reason and ranked by instruction, shared wavefronts by opcode with their excess over ideal
-    tensor = "sm__ops_path_tensor_op_hgmma_src_bf16_dst_fp32_sparsity_off.sum.pct_of_peak_sustained_elapsed"
-    raw = tmp_path / "raw.csv"
-    raw.write_text('"ID","Kernel Name","gpu__time_duration.sum","sm__cycles_elapsed.avg.per_second","%s"\n'
-                   '"","","usecond","Ghz","%%"\n"0","_gl_attn_fwd","233.408","1.736418","35.279985"\n'
-                   '"1","_gl_attn_bwd","1,327.968","1.777560","55.526205"\n' % tensor)  # (one unit a column)
-    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "L1 Wavefronts Shared",
-            "L1 Wavefronts Shared Ideal", "stall_barrier", "stall_long_sb", "stall_mio", "stall_barrier (Not Issued)"]
-    body = [["0x10", "      STS.64 [R3+0x4000], R16", "261", "262,144", "1,048,576", "524,288", "3", "0", "158", "9"],
-            ["0x20", "      @!P0  BRA 0x7f86", "10,078", "65,536", "0", "0", "0", "10,075", "0", "0"],
-            ["0x30", "      STS.64 [R3+0x4400], R18", "63", "262,144", "1,048,576", "524,288", "0", "0", "13", "0"],
-            ["0x40", "      HGMMA.64x64x16.F32.BF16 R152, gdesc[UR44], RZ", "68", "270,336", "2,162,688",
-             "2,162,688", "15", "0", "8", "0"]]
-    table = "\n".join(",".join(f'"{c}"' for c in row) for row in [cols] + body)
-    (tmp_path / "source.csv").write_text(f'"Kernel Name","_gl_attn_fwd",\n{table}\n"Kernel Name","_gl_attn_bwd",\n'
-                                         f'{table}\n')
-    script = str(ROOT / "gpu" / "ncu_attention.py")
-    out = subprocess.run([sys.executable, script, "summary", str(raw), str(tmp_path / "source.csv"), "--top", "2"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    text = out.stdout
-    assert "0.233 ms at 1.74 GHz; tensor cores (bf16 wgmma) at 35.3% of their peak" in text
-    assert "1.328 ms at 1.78 GHz; tensor cores (bf16 wgmma) at 55.5%" in text
-    assert text.count("## _gl_attn_fwd: warp-state samples (10,272)") == 1  # 3+158+10,075+13+15+8, not Not Issued
-    assert "| long_sb | 10,075 | 98.1% |" in text and "| mio | 179 | 1.7% |" in text
-    ranked = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 0 |")]
-    assert ranked[:2] == ["| 1 | `@!P0  BRA 0x7f86` | 65,536 | 10,078 | long_sb 10075 |",
-                          "| 0 | `STS.64 [R3+0x4000], R16` | 262,144 | 261 | mio 158, barrier 3 |"], ranked
-    assert "| STS.64 | 2,097,152 | 49.2% | 1,048,576 | 1,048,576 |" in text
-    assert "| HGMMA.64x64x16.F32.BF16 | 2,162,688 | 50.8% | 2,162,688 | 0 |" in text
-    out = subprocess.run([sys.executable, script, "summary", str(tmp_path / "source.csv"), str(raw)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
-        f"{tmp_path / 'source.csv'}: not ncu's raw CSV page (its 'ID' and 'Kernel Name' columns, a row per launch)"]
-    out = subprocess.run([sys.executable, script, "run", "1", "2", "100", "64"], capture_output=True, text=True,
-                         timeout=600)  # the workload (with no profiler attached, the profiled range is a no-op)
-    if torch.cuda.is_available():
-        assert out.returncode == 0 and "profiled one forward+backward: B=1 H=2 S=100 D=64" in out.stdout, out.stderr
-    else:
-        assert out.returncode == 1 and out.stderr.strip() == "gpu/ncu_attention.py run: needs a CUDA GPU"
+def test_gpu_bench_model_cuda_graphs_and_host_ahead(tmp_path):
+    """On a GPU: ours and the peer each as one captured step; time_ms's host_ahead times the GPU's work alone."""
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs CUDA")
+    text, payload = run_bench(["model"] + BENCH_TINY[:8] + ["--device", "cuda", "--dtype", "bf16", "--warmup", "3",
+                                                            "--steps", "3", "--peer", "--cuda_graphs"], tmp_path)
+    rows = payload["rows"]
+    assert all(r["status"] == "ok" and r["phase_ms"] == {} and r["peak_mib"] > 0 for r in rows) and len(rows) == 2
+    x = torch.zeros(1024, device="cuda")
+    call = lambda: (time.sleep(3e-3), x.add_(1))
+    plain = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5))
+    host = []
+    ahead = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5, host_ahead=True, host_ms=host))
+    assert plain >= 2.9 and ahead < 0.5 and len(host) == 5 and min(host) >= 2.9, (plain, ahead, host)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,12 +1,10 @@
-"""nanoGPT's own benchmark as the peer of `bench.py gpt2`: runs bench.py of a nanoGPT checkout (karpathy/nanoGPT,
-not part of this repository) on random data, compiled, in bf16, its defaults otherwise (GPT-2 124M, batch 12 x
-1024), and prints its time per step, tokens/s and, on CUDA, the peak of torch's allocator after its run (nanoGPT
-prints no memory figure).
+"""nanoGPT's own benchmark as the peer of `bench.py model --peer gpt2`: runs bench.py of a nanoGPT checkout
+(karpathy/nanoGPT, not part of this repository) on random data, compiled, in bf16, its defaults otherwise (GPT-2
+124M, batch 12 x 1024), and prints its time per step, tokens/s and, on CUDA, the peak of torch's allocator after its
+run (nanoGPT prints no memory figure). The last line, `nanoGPT tokens/s N`, is what `PART=nanogpt bash gpu/h200.sh`
+hands to `bench.py model --reference_tokens_per_s`.
 
     python gpu/nanogpt_peer.py PATH_TO_NANOGPT
-
-The last line reads `nanoGPT tokens/s N`, which `PART=nanogpt bash gpu/h200.sh` hands to `bench.py gpt2
---reference_tokens_per_s`.
 """
 import contextlib
 import io
