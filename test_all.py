@@ -2515,31 +2515,26 @@ def test_llama_directory_samples_like_the_saved_model(tmp_path):
 # train.py
 # ---------------------------------------------------------------------------------------------------------------
 
-def _write_dataset(data_dir, vocab_size=97, n_docs=(120, 30), seed=0, dtype=np.uint16):
+def _write_dataset(data_dir, vocab_size=97, n_docs=(120, 30), seed=0):
     """A tiny dataset in data/prepare.py's format: documents of random length whose tokens follow a learnable
-    rule (next = 3*prev + 1 mod (V-1)), each ending with eot = V-1."""
-    rng = np.random.default_rng(seed)
+    rule (next = 3*prev + 1 mod (V-1)), each ending with eot = V-1. Returns its meta.json."""
+    rng, eot = np.random.default_rng(seed), vocab_size - 1
     os.makedirs(data_dir, exist_ok=True)
-    eot = vocab_size - 1
-    meta = {"dataset": os.path.basename(data_dir), "dtype": np.dtype(dtype).name, "vocab_size": vocab_size,
-            "eot_id": eot, "special_tokens": ["<|endoftext|>"], "vocab": "vocab.json", "merges": "merges.txt"}
+    meta = {"dataset": os.path.basename(data_dir), "dtype": "uint16", "vocab_size": vocab_size, "eot_id": eot,
+            "special_tokens": ["<|endoftext|>"], "vocab": "vocab.json", "merges": "merges.txt"}
     for split, n in zip(("train", "val"), n_docs):
-        docs, offsets = [], [0]
+        docs = []
         for _ in range(n):
-            length = int(rng.integers(2, 70))
-            t = [int(rng.integers(0, eot))]
+            length, t = int(rng.integers(2, 70)), [int(rng.integers(0, eot))]
             while len(t) < length - 1:
                 t.append((3 * t[-1] + 1) % eot)
-            docs.append(np.array(t + [eot], dtype=dtype))
-            offsets.append(offsets[-1] + len(docs[-1]))
-        tokens = np.concatenate(docs)
-        tokens.tofile(os.path.join(data_dir, f"{split}.bin"))
-        np.save(os.path.join(data_dir, f"{split}_docs.npy"), np.array(offsets, dtype=np.int64))
-        meta[f"{split}_tokens"], meta[f"{split}_docs"] = int(len(tokens)), n
-    with open(os.path.join(data_dir, "meta.json"), "w") as f:
-        json.dump(meta, f)
-    with open(os.path.join(data_dir, "vocab.json"), "w") as f:
-        json.dump({str(i): i for i in range(vocab_size)}, f)
+            docs.append(t + [eot])
+        np.array(sum(docs, []), dtype=np.uint16).tofile(os.path.join(data_dir, f"{split}.bin"))
+        np.save(os.path.join(data_dir, f"{split}_docs.npy"), np.cumsum([0] + [len(d) for d in docs]))
+        meta[f"{split}_tokens"], meta[f"{split}_docs"] = sum(len(d) for d in docs), n
+    for name, content in (("meta.json", meta), ("vocab.json", {str(i): i for i in range(vocab_size)})):
+        with open(os.path.join(data_dir, name), "w") as f:
+            json.dump(content, f)
     open(os.path.join(data_dir, "merges.txt"), "w").close()
     return meta
 
@@ -2547,6 +2542,13 @@ def _write_dataset(data_dir, vocab_size=97, n_docs=(120, 30), seed=0, dtype=np.u
 TINY = ["--d_model=32", "--num_layers=2", "--num_heads=2", "--d_ff=64", "--context_length=24", "--batch_size=4",
         "--learning_rate=1e-2", "--min_lr=1e-3", "--warmup_iters=2", "--eval_iters=2", "--device=cpu",
         "--attn_impl=naive"]
+
+
+def _tiny(tmp_path, *args):
+    """TINY's arguments on the dataset in tmp_path/d (written on first use), then args."""
+    if not (tmp_path / "d").exists():
+        _write_dataset(tmp_path / "d")
+    return TINY + [f"--data_dir={tmp_path / 'd'}", *args]
 
 
 def _spec_adamw_step(params, grads, states, lr, betas, eps, wd):
@@ -2713,52 +2715,48 @@ def test_adamw_capturable_eager_matches_plain():
 
 
 def test_gpu_whole_step_graph_trains_like_eager_steps():
-    """A whole training step (two micro-batches' forward and backward, the clip, AdamW) run by
-    train.whole_step_graph (two eager steps, then captured and replayed) gives the eager steps' parameters, losses and
-    gradient norms, with a learning rate that changes every step (a frozen one ends far off: the check can fail);
-    for train.AdamW and for torch's capturable AdamW, its lr a tensor."""
+    """Two micro-batches' forward and backward, the clip and AdamW, run by train.whole_step_graph (two eager steps,
+    then captured and replayed), give the eager steps' weights, losses and gradient norms with a learning rate that
+    changes every step (a frozen one ends far off: the check can fail); for train.AdamW and for torch's capturable
+    AdamW, its lr a tensor."""
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA GPU")
-    device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 97, (2, 4, 33), generator=gen).to(device) for _ in range(6)]
+    batches = [torch.randint(0, 97, (2, 4, 33), generator=gen).cuda() for _ in range(6)]
 
     def run(torch_opt, graph, frozen=False):
         torch.manual_seed(0)
-        net = model.TransformerLM(97, 32, 64, 2, 4, 192, attn_impl="sdpa", device=device)
-        opt = (torch.optim.AdamW(net.parameters(), lr=torch.tensor(1e-3, device=device), weight_decay=0.1, fused=True,
-                                 capturable=True) if torch_opt else
+        net = model.TransformerLM(97, 32, 64, 2, 4, 192, attn_impl="sdpa", device="cuda")
+        opt = (torch.optim.AdamW(net.parameters(), lr=torch.tensor(1e-3, device="cuda"), weight_decay=0.1,
+                                 fused=True, capturable=True) if torch_opt else
                train.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1, capturable=graph))
         buffer, out = batches[0].clone(), []
 
         def step():
             losses = []
             for micro in buffer:
-                loss = net(micro[:, :-1], targets=micro[:, 1:])
-                (loss / 2).backward()
-                losses.append(loss.detach())
+                losses.append(net(micro[:, :-1], targets=micro[:, 1:]))
+                (losses[-1] / 2).backward()
             norm = ddp.clip_grad_norm(list(net.parameters()), 0.5)
             opt.step()
-            return torch.stack(losses), norm
-        graph_step = train.whole_step_graph(step, opt, device)
+            return torch.stack(losses).detach(), norm
+        graph_step = train.whole_step_graph(step, opt, "cuda")
         for i, batch in enumerate(batches):
+            lr = 1e-3 if frozen else 1e-3 * (1 + i)
             for group in opt.param_groups:
-                lr = 1e-3 if frozen else 1e-3 * (1 + i)
                 group["lr"].fill_(lr) if torch.is_tensor(group["lr"]) else group.update(lr=lr)
             buffer.copy_(batch)
             losses, norm = graph_step() if graph else step()
             if not graph:
                 opt.zero_grad(set_to_none=True)
             out.append(torch.cat([losses, norm[None]]).tolist())
-        steps = [s["step"] for s in opt.state.values()]
-        assert all(int(s) == 6 for s in steps), steps
+        assert all(int(s["step"]) == 6 for s in opt.state.values())
         return torch.cat([p.detach().flatten() for p in net.parameters()]), torch.tensor(out)
     for torch_opt in (False, True):
         (eager, eager_log), (graph, graph_log) = run(torch_opt, False), run(torch_opt, True)
         torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(graph_log, eager_log, rtol=1e-5, atol=1e-6)
-    frozen, _ = run(False, False, frozen=True)
-    assert (frozen - eager).abs().max() > 100 * (graph - eager).abs().max() + 1e-4
+    assert (run(False, False, frozen=True)[0] - eager).abs().max() > 100 * (graph - eager).abs().max() + 1e-4
 
 
 def test_autocast_linear_matches_autocast_and_writes_fp32_weight_grads():
@@ -2806,9 +2804,7 @@ def test_clip_grad_norm_matches_torch_and_skips_missing_grads():
         p.grad = torch.randn(p.shape) * 3
         r.grad = p.grad.clone()
     torch.testing.assert_close(train.clip_grad_norm(ps, 1.0), torch.nn.utils.clip_grad_norm_(refs, 1.0))
-    for p, r in zip(ps[:2], refs[:2]):
-        torch.testing.assert_close(p.grad, r.grad)
-    assert ps[2].grad is None
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(ps[:2], refs[:2])) and ps[2].grad is None
     total = math.sqrt(sum(float(p.grad.square().sum()) for p in ps[:2]))
     assert abs(total - 1.0) < 1e-5  # lands at the limit (just under it in exact arithmetic)
     before = [p.grad.clone() for p in ps[:2]]
@@ -2818,19 +2814,15 @@ def test_clip_grad_norm_matches_torch_and_skips_missing_grads():
 
 
 def test_get_batch_bounds_dtypes_determinism(tmp_path):
-    n = 1000
-    np.arange(n, dtype=np.uint16).tofile(tmp_path / "x.bin")
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "x.bin")
     data = np.memmap(tmp_path / "x.bin", dtype=np.uint16, mode="r")
     x, y = train.get_batch(data, 64, 17, "cpu", torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (64, 17) and x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
-    assert torch.equal(y, x + 1) and int(x.min()) >= 0 and int(y.max()) <= n - 1
-    x2, _ = train.get_batch(data, 64, 17, "cpu", torch.Generator().manual_seed(0))
-    x3, _ = train.get_batch(data, 64, 17, "cpu", torch.Generator().manual_seed(1))
-    assert torch.equal(x, x2) and not torch.equal(x, x3)
-    starts = set()  # every start in {0, ..., n - T - 1} occurs, nothing beyond
-    g = torch.Generator().manual_seed(5)
-    for _ in range(50):
-        starts.update(train.get_batch(data[:30], 64, 17, "cpu", g)[0][:, 0].tolist())
+    assert torch.equal(y, x + 1) and int(x.min()) >= 0 and int(y.max()) <= 999
+    assert torch.equal(x, train.get_batch(data, 64, 17, "cpu", torch.Generator().manual_seed(0))[0])
+    assert not torch.equal(x, train.get_batch(data, 64, 17, "cpu", torch.Generator().manual_seed(1))[0])
+    g = torch.Generator().manual_seed(5)  # every start in {0, ..., n - T - 1} occurs, nothing beyond
+    starts = {s for _ in range(50) for s in train.get_batch(data[:30], 64, 17, "cpu", g)[0][:, 0].tolist()}
     assert starts == set(range(30 - 17))
     _expect(ValueError, ["context_length"], train.get_batch, data[:17], 1, 17, "cpu")
 
@@ -2857,13 +2849,11 @@ def test_load_dataset_validates_and_names_the_prepare_command(tmp_path):
     good = (d / "train.bin").read_bytes()
     bad = np.frombuffer(good, dtype=np.uint16).copy()
     bad[3] = 500
-    bad_docs = np.array([0, 5, 3, meta["train_tokens"]], dtype=np.int64)
-    for data, docs_index, words in ((good + b"\x00", None, ["not a multiple of 2"]),  # odd byte count for uint16
-                                    (bad.tobytes(), None, ["token id 500", "vocab_size 97"]),
-                                    (good[:-2], None, ["meta.json says"]), (good, bad_docs, ["document index"])):
+    for data, words in ((good + b"\x00", ["not a multiple of 2"]), (bad.tobytes(), ["token id 500", "vocab_size 97"]),
+                        (good[:-2], ["meta.json says"]), (good, ["document index"])):
         (d / "train.bin").write_bytes(data)
-        if docs_index is not None:
-            np.save(d / "train_docs.npy", docs_index)
+        if data == good:  # the offsets of the documents out of order
+            np.save(d / "train_docs.npy", np.array([0, 5, 3, meta["train_tokens"]], dtype=np.int64))
         _expect(ValueError, words, train.load_dataset, d, "train")
     os.remove(d / "val_docs.npy")
     _expect(FileNotFoundError, ["val_docs.npy", f"python data/prepare.py tiny --input <files> --out_dir {d}"],
@@ -2871,27 +2861,24 @@ def test_load_dataset_validates_and_names_the_prepare_command(tmp_path):
 
 
 def test_batching_strategies_cover_documents_and_never_cross_them(tmp_path):
-    meta = _write_dataset(tmp_path / "d", n_docs=(200, 10))
+    eot = _write_dataset(tmp_path / "d", n_docs=(200, 10))["eot_id"]
     tokens, docs, _ = train.load_dataset(tmp_path / "d", "train")
-    ctx, budget = 16, 100
+    ctx, budget, g, seen = 16, 100, torch.Generator().manual_seed(0), set()
     # the pieces of every document: it split into ctx-sized pieces from its start (pieces of 1 token dropped)
     partition = {(s, min(s + ctx, int(e))) for s, e in zip(docs[:-1], docs[1:]) for s in range(int(s), int(e), ctx)}
-    g = torch.Generator().manual_seed(0)
-    seen = set()
     for _ in range(40):
         spans = train.sample_documents(docs, budget, ctx, g)
         real = sum(e - s - 1 for s, e in spans)
         assert budget <= real < budget + ctx  # the budget is met, overshoot below one piece
         assert all(sp in partition and sp[1] - sp[0] >= 2 for sp in spans)
         seen.update(spans)
-        x, y = train.pad_batch(tokens, spans, ctx, meta["eot_id"])
+        x, y = train.pad_batch(tokens, spans, ctx, eot)
         assert x.shape == y.shape == (len(spans), ctx) and x.dtype == y.dtype == torch.int64
         assert int((y != -100).sum()) == real
         for i, (s, e) in enumerate(spans):
-            L = e - s
-            assert x[i, :L].tolist() == tokens[s:e].tolist() and (x[i, L:] == meta["eot_id"]).all()
-            assert y[i, :L - 1].tolist() == tokens[s + 1:e].tolist() and (y[i, L - 1:] == -100).all()
-        xd, yd = train.pad_batch(tokens, spans, max(e - s for s, e in spans), meta["eot_id"])
+            assert x[i, :e - s].tolist() == tokens[s:e].tolist() and (x[i, e - s:] == eot).all()
+            assert y[i, :e - s - 1].tolist() == tokens[s + 1:e].tolist() and (y[i, e - s - 1:] == -100).all()
+        xd, yd = train.pad_batch(tokens, spans, max(e - s for s, e in spans), eot)
         assert torch.equal(xd, x[:, :xd.shape[1]]) and torch.equal(yd, y[:, :xd.shape[1]])
         xp, yp, cu_seqlens, max_seqlen = train.pack_batch(tokens, spans)
         assert xp.shape == yp.shape == (1, real) and cu_seqlens.dtype == torch.int32
@@ -2905,63 +2892,55 @@ def test_batching_strategies_cover_documents_and_never_cross_them(tmp_path):
 
 def test_pad_pack_and_pack_static_give_the_same_loss_and_gradients(tmp_path):
     """pad_packed: the packed batch padded to a static length (the padding one document without targets) and its
-    offsets to a power of two (empty documents), a few shapes for all batches. The model gives one batch of pieces
-    the same loss and gradients padded (pad_batch), packed and packed at a static shape, with the reference attention
+    offsets to a power of two (empty documents), a few shapes for all batches. One batch of pieces padded
+    (pad_batch), packed and packed at a static shape gives the same loss and gradients, with the reference attention
     and with the Triton kernels (empty documents included)."""
-    _write_dataset(tmp_path / "d")
-    tokens, docs, meta = train.load_dataset(tmp_path / "d", "train")
-    g, ctx, budget, eot = torch.Generator().manual_seed(3), 24, 72, meta["eot_id"]
-    shapes = set()
+    eot = _write_dataset(tmp_path / "d")["eot_id"]
+    tokens, docs, _ = train.load_dataset(tmp_path / "d", "train")
+    g, ctx, budget, shapes = torch.Generator().manual_seed(3), 24, 72, set()
     for _ in range(20):
         x, y, cu, _ = train.pack_batch(tokens, train.sample_documents(docs, budget, ctx, g))
         xs, ys, cus = train.pad_packed(x, y, cu, budget + ctx, eot)
         n = x.shape[1]  # one document more: the padding (at most ctx tokens)
         assert xs.shape == ys.shape == (1, budget + ctx) and 1 <= budget + ctx - n <= ctx
         assert torch.equal(xs[:, :n], x) and torch.equal(ys[:, :n], y)
-        assert (xs[0, n:] == eot).all() and (ys[0, n:] == -100).all()
-        assert len(cus) == 1 << len(cu).bit_length() and cus.dtype == torch.int32
+        assert (xs[0, n:] == eot).all() and (ys[0, n:] == -100).all() and cus.dtype == torch.int32
         assert cus[:len(cu)].tolist() == cu.tolist() and (cus[len(cu):] == budget + ctx).all()
+        assert len(cus) == 1 << len(cu).bit_length()
         shapes.add(len(cus))
     assert len(shapes) <= 2, shapes  # a few shapes, not one per batch
     _expect(ValueError, ["does not fit"], train.pad_packed, x, y, cu, n - 1, 0)
     xs, ys, cus = train.pad_packed(x, y, cu, n, 0)  # already full: no padding document, offsets to a power of two
     assert torch.equal(xs, x) and cus[:len(cu)].tolist() == cu.tolist() and len(cus) & (len(cus) - 1) == 0
-
     torch.manual_seed(0)
-    lm = TransformerLM(97, ctx, 32, 2, 2, 64)
-    spans = train.sample_documents(docs, budget, ctx, g)
+    lm, spans = TransformerLM(97, ctx, 32, 2, 2, 64), train.sample_documents(docs, budget, ctx, g)
     x, y, cu, m = train.pack_batch(tokens, spans)
     xs, ys, cus = train.pad_packed(x, y, cu, budget + ctx, eot)
     assert len(cus) > len(cu) + 1  # empty documents at the end
-    layouts = [(x, y, cu, m), (xs, ys, cus, ctx), train.pad_batch(tokens, spans, ctx, eot) + (None, None)]
     for impl in ("naive", "flash"):
-        lm.attn_impl = impl
-        results = []
-        for xb, yb, cub, mb in layouts:
+        lm.attn_impl, results = impl, []
+        padded = train.pad_batch(tokens, spans, ctx, eot)
+        for xb, yb, cub, mb in ((x, y, cu, m), (xs, ys, cus, ctx), (*padded, None, None)):
             lm.zero_grad()
             loss = lm(xb, cu_seqlens=cub, max_seqlen=mb, targets=yb)
             loss.backward()
             results.append([loss.detach()] + [p.grad.clone() for p in lm.parameters()])
-        for result in results[1:]:
-            for got, want in zip(result, results[0]):
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        for got, want in zip(results[1] + results[2], results[0] * 2):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_checkpoint_round_trip_and_unloadable_files(tmp_path):
     torch.manual_seed(0)
-    lm = TransformerLM(50, 16, 32, 2, 2, 64)
-    opt = train.AdamW(lm.parameters(), lr=1e-3)
+    lm, lm2 = TransformerLM(50, 16, 32, 2, 2, 64), TransformerLM(50, 16, 32, 2, 2, 64)
+    opt, opt2 = train.AdamW(lm.parameters(), lr=1e-3), train.AdamW(lm2.parameters(), lr=1e-3)
     lm(torch.randint(0, 50, (2, 16))).sum().backward()
     opt.step()
-    path = tmp_path / "ckpt.pt"
-    compiled_like = torch.nn.Module()  # state-dict names as torch.compile's wrapper reports them
+    path, compiled_like = tmp_path / "ckpt.pt", torch.nn.Module()  # names as torch.compile's wrapper reports them
     compiled_like._orig_mod = lm
     train.save_checkpoint(compiled_like, opt, 7, path, model_args={"vocab_size": 50})
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # the temp file was renamed away
     ckpt = torch.load(path, weights_only=True)
     assert not any("_orig_mod" in k for k in ckpt["model"]) and ckpt["model_args"] == {"vocab_size": 50}
-    lm2 = TransformerLM(50, 16, 32, 2, 2, 64)
-    opt2 = train.AdamW(lm2.parameters(), lr=1e-3)
     assert train.load_checkpoint(path, lm2, opt2) == 7
     assert all(torch.equal(a, b) for a, b in zip(lm.state_dict().values(), lm2.state_dict().values()))
     s1, s2 = opt.state_dict(), opt2.state_dict()
@@ -2971,7 +2950,7 @@ def test_checkpoint_round_trip_and_unloadable_files(tmp_path):
     train.save_checkpoint(lm, None, 3, buf)
     buf.seek(0)
     assert train.load_checkpoint(buf, lm2, None) == 3
-    (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     torch.save({"model": {}, "iteration": 1, "extra": SimpleNamespace(a=1)}, tmp_path / "objects.pt")
     for name, exc, words in (("cut.pt", RuntimeError, ["truncated or corrupt"]), ("none.pt", FileNotFoundError,
                              ["not found"]), ("objects.pt", RuntimeError, ["Python objects", "not loaded"])):
@@ -3043,11 +3022,10 @@ def test_apply_config_files_overrides_presets_and_errors(tmp_path):
                         (["--learnign_rate=1"], ["did you mean 'learning_rate'?"]),
                         (["--ckpt_interval=5"], ["did you mean 'save_interval'?"])):  # an old name: its new one
         _expect(train.ConfigError, words, train.apply_config, argv, train.default_config())
-    for name in ("small", "medium", "large", "xl", "2.7B"):  # the shipped presets are model.PRESETS' shapes
+    for name in ("small", "medium", "large", "xl", "2.7B", "pack", "pad", "dynamic_pad"):  # the shipped files
         cfg = train.apply_config([str(ROOT / "config" / f"{name}.py")], train.default_config())
-        assert {k: cfg[k] for k in PRESETS[name]} == PRESETS[name] and cfg["out_dir"] == f"out-{name}", name
-    for name in ("pack", "pad", "dynamic_pad"):
-        assert train.apply_config([str(ROOT / "config" / f"{name}.py")], train.default_config())["batching"] == name
+        assert cfg["out_dir"] == f"out-{name}" and cfg["batching"] in (name, "concat")
+        assert {k: cfg[k] for k in PRESETS.get(name, {})} == PRESETS.get(name, {}), name  # the model's presets
     # attn_impl 'auto': the reference on CPU; on CUDA flash for packed documents, sdpa for dense batches
     assert [model.auto_attn_impl(d, p) for d in ("cpu", "cuda") for p in (False, True)] == \
         ["naive", "naive", "sdpa", "flash"]
@@ -3071,9 +3049,8 @@ def test_bad_config_and_input_are_clear_errors_one_line_with_status_2_on_the_com
                        (dict(dtype="float16"), ["no loss scaling"])):
         _expect(train.ConfigError, words, check, bad)
     check(dict(cuda_graphs=True, compile=True, batching="pack", pack_static=True))  # static shapes: fine
-    data = tmp_path / "d"
-    _write_dataset(data, n_docs=(120, 1))
-    base = TINY + [f"--data_dir={data}", f"--out_dir={tmp_path / 'o'}", "--max_iters=1"]
+    _write_dataset(tmp_path / "d", n_docs=(120, 1))
+    base = _tiny(tmp_path, f"--out_dir={tmp_path / 'o'}", "--max_iters=1")
     _expect(ValueError, ["val split", "context_length"], train.main, base + ["--context_length=500"])
     _expect(FileNotFoundError, ["ckpt.pt", "not found"], train.main, base + ["--init_from=resume"])
     _expect(train.ConfigError, ["cuda_graphs needs a CUDA device"], train.main,
@@ -3108,14 +3085,12 @@ def _losses(out_dir):
 def test_short_training_run_logs_saves_and_learns(tmp_path, batching):
     """Every batching trains, logs and saves; concat learns the data's rule; pack at static shapes (pad_packed) logs
     what pack logs, within fp32 rounding (the same pieces, the padding without targets and out of sight)."""
-    _write_dataset(tmp_path / "d")
     iters, out = 30 if batching == "concat" else 4, tmp_path / "o"
-    args = TINY + [f"--data_dir={tmp_path / 'd'}", f"--batching={batching}", f"--max_iters={iters}", "--grad_accum=2",
-                   "--log_interval=1", "--eval_interval=20"]
+    args = _tiny(tmp_path, f"--batching={batching}", f"--max_iters={iters}", "--grad_accum=2", "--log_interval=1",
+                 "--eval_interval=20")
     train.main(args + [f"--out_dir={out}"])
-    losses = [r["loss"] for r in _log(out) if "loss" in r]
-    vals = [r["val_loss"] for r in _log(out) if "val_loss" in r]
-    assert len(losses) == iters and len(vals) == 1 + (iters > 20) + 1 and all(map(math.isfinite, losses + vals))
+    losses, vals = ([r[key] for r in _log(out) if key in r] for key in ("loss", "val_loss"))
+    assert len(losses) == iters and len(vals) == 2 + (iters > 20) and all(map(math.isfinite, losses + vals))
     assert all(r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 for r in _log(out) if "loss" in r)
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["iteration"] == iters and ckpt["config"]["batching"] == batching
@@ -3132,9 +3107,8 @@ def test_short_training_run_logs_saves_and_learns(tmp_path, batching):
 
 @cases("batching", ["concat", "pack"])
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, batching):
-    _write_dataset(tmp_path / "d")
-    common = TINY + [f"--data_dir={tmp_path / 'd'}", "--log_interval=1", "--eval_interval=2", "--lr_decay_iters=6",
-                     f"--batching={batching}", "--grad_accum=2"]
+    common = _tiny(tmp_path, "--log_interval=1", "--eval_interval=2", "--lr_decay_iters=6", f"--batching={batching}",
+                   "--grad_accum=2")
     full, part = tmp_path / "full", tmp_path / "part"
     train.main(common + [f"--out_dir={full}", "--max_iters=6"])
     train.main(common + [f"--out_dir={part}", "--max_iters=3"])
@@ -3149,29 +3123,27 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, batching):
 
 
 def test_resume_restores_the_saved_config_warns_on_changes_and_refuses_inexact_ones(tmp_path):
-    data, out = tmp_path / "d", tmp_path / "o"
-    _write_dataset(data)
-    train.main(TINY + [f"--data_dir={data}", f"--out_dir={out}", "--max_iters=2", "--batch_size=3",
-                       "--eval_interval=100", "--save_interval=1"])
+    out = tmp_path / "o"
+    train.main(_tiny(tmp_path, f"--out_dir={out}", "--max_iters=2", "--batch_size=3", "--eval_interval=100",
+                     "--save_interval=1"))
     for flag, value in (("batch_size", 4), ("d_model", 16), ("grad_accum", 2), ("seed", 1), ("batching", "pack")):
         _expect(train.ConfigError, ["cannot resume exactly", f"{flag}={value!r}", "saved"], train.main,
                 [f"--out_dir={out}", "--init_from=resume", f"--{flag}={value}"])
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with contextlib.redirect_stdout(printed):  # an unchanged fixed key is fine; changes are applied and named
         train.main([f"--out_dir={out}", "--init_from=resume", "--max_iters=3", "--batch_size=3",
-                    "--learning_rate=0.02"])  # an unchanged fixed key is fine; changes are applied and named
+                    "--learning_rate=0.02"])
     text = printed.getvalue()
     assert "warning: resume changes learning_rate from 0.01 to 0.02" in text and "max_iters from 2 to 3" in text
     assert "changes batch_size" not in text
-    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ckpt["iteration"] == 3 and ckpt["config"]["batch_size"] == 3 and ckpt["config"]["save_interval"] == 1
-    assert ckpt["config"]["learning_rate"] == 0.02 and ckpt["config"]["data_dir"] == str(data)
+    c = torch.load(out / "ckpt.pt", weights_only=True)["config"]
+    assert (c["max_iters"], c["batch_size"], c["save_interval"], c["learning_rate"]) == (3, 3, 1, 0.02)
+    assert c["data_dir"] == str(tmp_path / "d")
 
 
 def test_scratch_run_refuses_an_out_dir_that_holds_a_run_unless_forced(tmp_path):
-    data, out = tmp_path / "d", tmp_path / "o"
-    _write_dataset(data)
-    base = TINY + [f"--data_dir={data}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=100"]
+    out = tmp_path / "o"
+    base = _tiny(tmp_path, f"--out_dir={out}", "--max_iters=2", "--eval_interval=100")
     train.main(base)
     before = {n: (out / n).read_bytes() for n in ("ckpt.pt", "log.jsonl")}
     _expect(train.ConfigError, ["already holds a run", "--init_from=resume", "--force=True"], train.main, base)
@@ -3185,21 +3157,17 @@ def test_scratch_run_refuses_an_out_dir_that_holds_a_run_unless_forced(tmp_path)
 
 
 def test_init_from_a_llama_directory_fine_tunes_the_exported_model(tmp_path):
-    # train, export to the Hugging Face Llama layout, fine-tune from that directory: the fine-tune starts from the
-    # exported weights (its step-0 validation loss is the first run's final one) and then trains on
+    """Train, export to the Hugging Face Llama layout, fine-tune from that directory: the fine-tune starts from the
+    exported weights (its step-0 validation loss is the first run's final one) and then trains on."""
     _need_hf("safetensors")
-    data = tmp_path / "d"
-    _write_dataset(data)
-    common = TINY + [f"--data_dir={data}", "--eval_interval=3"]
-    first = tmp_path / "first"
-    train.main(common + [f"--out_dir={first}", "--max_iters=3"])
+    common = _tiny(tmp_path, "--eval_interval=3", "--max_iters=3")
+    first, llama, tuned = (tmp_path / n for n in ("first", "llama", "tuned"))
+    train.main(common + [f"--out_dir={first}"])
     ckpt = train.read_checkpoint(first / "ckpt.pt")
     m = TransformerLM(**ckpt["model_args"])
     m.load_state_dict(ckpt["model"])
-    llama = tmp_path / "llama"
     hf.save_llama(m, str(llama))
-    tuned = tmp_path / "tuned"
-    train.main(common + [f"--out_dir={tuned}", "--max_iters=3", f"--init_from={llama}"])
+    train.main(common + [f"--out_dir={tuned}", f"--init_from={llama}"])
     final_val = [r["val_loss"] for r in _log(first) if "val_loss" in r][-1]
     tuned_vals = [r["val_loss"] for r in _log(tuned) if "val_loss" in r]
     assert abs(tuned_vals[0] - final_val) < 1e-5 and tuned_vals[-1] < tuned_vals[0], (final_val, tuned_vals)
@@ -3208,23 +3176,20 @@ def test_init_from_a_llama_directory_fine_tunes_the_exported_model(tmp_path):
 
 
 def test_gpu_cuda_graphs_train_like_the_compiled_step(tmp_path):
-    """train.py with cuda_graphs logs the same losses and gradient norms as the compiled step without graphs, up
-    to the run-to-run noise of bf16 kernels, with grad_accum 2: for concat batches (the whole step one graph from
-    the third step on, so its learning rate must follow the schedule) and for packed ones at static shapes
-    (pack_static: every micro-step replayed, the gradients of two replays must add up, not overwrite each other)
-    against packing compiled for dynamic shapes."""
+    """train.py with cuda_graphs logs the losses and gradient norms of the compiled step without graphs, up to the
+    run-to-run noise of bf16 kernels, with grad_accum 2: for concat batches (the whole step one graph from the third
+    step on, so its learning rate must follow the schedule) and for packed ones at static shapes (pack_static:
+    every micro-step replayed, the gradients of two replays must add up) against packing at dynamic shapes."""
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA GPU")
-    data = tmp_path / "d"
-    _write_dataset(data)
-    base = [a for a in TINY if a != "--device=cpu"] + [f"--data_dir={data}", "--device=cuda", "--compile=True",
-                                                        "--grad_accum=2", "--max_iters=12", "--log_interval=1",
-                                                        "--eval_interval=6", "--attn_impl=flash"]
-    for name, more in (("", []), ("pack", ["--batching=pack"])):  # packed: at static shapes with pack_static
-        train.main(base + more + [f"--out_dir={tmp_path / ('plain' + name)}"])
-        train.main(base + more + [f"--out_dir={tmp_path / ('graphs' + name)}", "--cuda_graphs=True"]
+    base = [a for a in _tiny(tmp_path) if a != "--device=cpu"] + ["--device=cuda", "--compile=True", "--grad_accum=2",
+                                                                 "--max_iters=12", "--log_interval=1",
+                                                                 "--eval_interval=6", "--attn_impl=flash"]
+    for name, more in (("concat", []), ("pack", ["--batching=pack"])):
+        train.main(base + more + [f"--out_dir={tmp_path / name}"])
+        train.main(base + more + [f"--out_dir={tmp_path / (name + '-graphs')}", "--cuda_graphs=True"]
                    + ["--pack_static=True"] * bool(more))
-        plain, graphs = _log(tmp_path / ("plain" + name)), _log(tmp_path / ("graphs" + name))
+        plain, graphs = _log(tmp_path / name), _log(tmp_path / (name + "-graphs"))
         assert [r["step"] for r in plain] == [r["step"] for r in graphs]
         for a, b in zip(plain, graphs):
             for key in ("loss", "grad_norm", "val_loss"):
@@ -3232,25 +3197,17 @@ def test_gpu_cuda_graphs_train_like_the_compiled_step(tmp_path):
                     assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-3, (name, key, a, b)
 
 
-def _wait_for(proc, text, timeout=120):
-    """Read proc's stdout until a line contains text; returns what was read."""
-    seen, deadline = [], time.time() + timeout
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if text in line:
-            return "".join(seen)
-    proc.kill()
-    raise AssertionError(f"never printed {text!r}:\n{''.join(seen)[-3000:]}")
-
-
 def _interrupted(cmd, sig, out, env=None):
     """Start cmd, send sig once step 3 is logged, and return (exit status, everything it printed, the step its
     checkpoint holds)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    head = _wait_for(proc, "step 3/")
+    seen, deadline = [], time.time() + 120
+    while not (seen and "step 3/" in seen[-1]):
+        seen.append(proc.stdout.readline())
+        if not seen[-1] or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"never printed 'step 3/':\n{''.join(seen)[-3000:]}")
+    head = "".join(seen)
     proc.send_signal(sig)
     try:
         rest = proc.communicate(timeout=120)[0]
