@@ -2238,37 +2238,26 @@ def test_param_count_and_flops_match_spec():
 
 def test_sample_next_greedy_top_k_and_top_p_follow_spec():
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.85, 0.05, 0.05, 0.05]]))
-    assert sample.sample_next(logits, temperature=0).tolist() == [1, 0]
     g = torch.Generator().manual_seed(0)
-    draws = torch.stack([sample.sample_next(logits, 1.0, top_k=1, generator=g) for _ in range(20)])
-    assert (draws == torch.tensor([1, 0])).all()
+    draws = lambda n, **kw: torch.stack([sample.sample_next(logits, generator=g, **kw) for _ in range(n)])
+    assert sample.sample_next(logits, temperature=0).tolist() == [1, 0]
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-3)):  # V(p) always holds the top id; T -> 0
+        assert (draws(20, **kw) == torch.tensor([1, 0])).all(), kw
     # top_p 0.7 on row 0: sorted 0.5, 0.25 | 0.15, 0.1 -> V(p) = {1, 3} (the smallest prefix with mass >= 0.7)
-    draws = torch.stack([sample.sample_next(logits, 1.0, top_p=0.7, generator=g) for _ in range(400)])
-    assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {0}
-    share = (draws[:, 0] == 1).float().mean().item()
-    assert abs(share - 0.5 / 0.75) < 0.08  # renormalised inside V(p)
-    tiny_p = torch.stack([sample.sample_next(logits, 1.0, top_p=1e-6, generator=g) for _ in range(20)])
-    assert (tiny_p == torch.tensor([1, 0])).all()  # V(p) always holds the top id
-    cold = torch.stack([sample.sample_next(logits, 1e-3, generator=g) for _ in range(20)])
-    assert (cold == torch.tensor([1, 0])).all()  # temperature -> 0 tends to argmax
-    a = sample.sample_next(logits.repeat(50, 1), 1.0, generator=torch.Generator().manual_seed(5))
-    b = sample.sample_next(logits.repeat(50, 1), 1.0, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(a, b)
-
-
-def _greedy_without_model_helpers(m, prompt, n):
-    """The plainest decoder: rerun the whole (cropped) sequence, take the argmax of the last position."""
-    seq = list(prompt)
-    for _ in range(n):
-        logits = m(torch.tensor([seq[-m.context_length:]]))
-        seq.append(int(logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    top_p = draws(400, top_p=0.7)
+    assert set(top_p[:, 0].tolist()) == {1, 3} and set(top_p[:, 1].tolist()) == {0}
+    assert abs((top_p[:, 0] == 1).float().mean().item() - 0.5 / 0.75) < 0.08  # renormalised inside V(p)
+    same = [sample.sample_next(logits.repeat(50, 1), 1.0, generator=torch.Generator().manual_seed(5)) for _ in (0, 1)]
+    assert torch.equal(*same)
 
 
 def test_generate_greedy_same_with_and_without_kv_cache_and_past_the_context():
     m = _tiny_lm(context_length=24)
     prompt = torch.randint(0, 61, (9,)).tolist()
-    ref = _greedy_without_model_helpers(m, prompt, 30)  # 9 + 30 > 24: the window slides past the context
+    seq = list(prompt)
+    for _ in range(30):  # the plainest decoder: the argmax of the last position of the (cropped) sequence
+        seq.append(int(m(torch.tensor([seq[-m.context_length:]]))[0, -1].argmax()))
+    ref = seq[len(prompt):]  # 9 + 30 > 24: the window slides past the context
     assert sample.generate(m, prompt, 30, temperature=0, use_cache=False) == ref
     calls = []
     hook = m.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(args[0].shape[1]), with_kwargs=True)
@@ -2286,11 +2275,9 @@ def test_generate_batched_prompts_of_different_lengths_match_each_alone():
     alone = [sample.generate(m, p, 12, temperature=0, use_cache=False) for p in prompts]
     assert sample.generate(m, prompts, 12, temperature=0) == alone
     assert sample.generate(m, prompts, 12, temperature=0, use_cache=False) == alone
-    # sampling: same seed, same ids with and without the cache
-    g = lambda: torch.Generator().manual_seed(7)
-    cached = sample.generate(m, prompts, 12, temperature=0.9, top_p=0.95, top_k=20, generator=g())
-    plain = sample.generate(m, prompts, 12, temperature=0.9, top_p=0.95, top_k=20, generator=g(), use_cache=False)
-    assert cached == plain
+    kw = dict(temperature=0.9, top_p=0.95, top_k=20)  # sampling: same seed, same ids with and without the cache
+    assert sample.generate(m, prompts, 12, generator=torch.Generator().manual_seed(7), **kw) == \
+        sample.generate(m, prompts, 12, generator=torch.Generator().manual_seed(7), use_cache=False, **kw)
 
 
 def test_generate_stops_at_eot_and_rejects_long_prompts():
@@ -2300,26 +2287,18 @@ def test_generate_stops_at_eot_and_rejects_long_prompts():
     eot = greedy[0][2]  # pretend the third generated id of row 0 is <|endoftext|>
     out = sample.generate(m, prompts, 10, temperature=0, eot_id=eot)
     assert out[0] == greedy[0][:2]  # stopped, eot left out
-    cut = greedy[1].index(eot) if eot in greedy[1] else len(greedy[1])
-    assert out[1] == greedy[1][:cut]
-    long_prompt = list(range(20))
-    try:
-        sample.generate(m, long_prompt, 3)
-        raise AssertionError("a prompt longer than the context was accepted")
-    except ValueError as e:
-        assert "context_length" in str(e) and "crop_prompt" in str(e)
-    assert sample.generate(m, long_prompt, 3, temperature=0, crop_prompt=True) == \
-        sample.generate(m, long_prompt[-16:], 3, temperature=0)
+    assert out[1] == greedy[1][:greedy[1].index(eot) if eot in greedy[1] else len(greedy[1])]
+    _expect(ValueError, ["context_length", "crop_prompt"], sample.generate, m, list(range(20)), 3)
+    assert sample.generate(m, list(range(20)), 3, temperature=0, crop_prompt=True) == \
+        sample.generate(m, list(range(4, 20)), 3, temperature=0)
 
 
 def _tiny_checkpoint(tmp_path, compiled_names=False):
     """A checkpoint dict shaped like train.py's, with a small BPE tokenizer trained on the spot."""
-    import bpe
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat. the dog sat on the log.<|endoftext|>a cat and a dog.<|endoftext|>" * 20)
     vocab, merges = bpe.train_bpe(str(corpus), 280, ["<|endoftext|>"], num_workers=1, verbose=False)
-    tok_dir = tmp_path / "tok"
-    bpe.Tokenizer(vocab, merges, ["<|endoftext|>"]).save(str(tok_dir))
+    bpe.Tokenizer(vocab, merges, ["<|endoftext|>"]).save(str(tmp_path / "tok"))
     model_args = dict(vocab_size=len(vocab), context_length=32, d_model=32, num_layers=2, num_heads=4, d_ff=64,
                       rope_theta=10000.0, tie_embeddings=False, act_ckpt_every=0)
     torch.manual_seed(0)
@@ -2327,63 +2306,38 @@ def _tiny_checkpoint(tmp_path, compiled_names=False):
     prefix = "_orig_mod." if compiled_names else ""
     ckpt = {"model": {prefix + k: v for k, v in m.state_dict().items()}, "model_args": model_args,
             "config": {"out_dir": str(tmp_path)}, "iteration": 0,
-            "tokenizer": {"vocab": str(tok_dir / "vocab.json"), "merges": str(tok_dir / "merges.txt"),
+            "tokenizer": {"vocab": str(tmp_path / "tok" / "vocab.json"), "merges": str(tmp_path / "tok" / "merges.txt"),
                           "special_tokens": ["<|endoftext|>"]}}
     return ckpt, m
 
 
-def test_load_model_strips_prefixes_and_matches_the_saved_model(tmp_path):
+def test_load_model_strips_prefixes_matches_the_saved_model_and_names_problems(tmp_path):
     ckpt, m = _tiny_checkpoint(tmp_path, compiled_names=True)
     torch.save(ckpt, tmp_path / "ckpt.pt")
     loaded, tokenizer, eot_id, _ = sample.load_model(str(tmp_path / "ckpt.pt"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), m.state_dict().values()))
     assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat" and tokenizer.encode("<|endoftext|>") == [eot_id]
     assert not loaded.training
-
-
-def test_load_model_errors_name_the_problem(tmp_path):
-    ckpt, _ = _tiny_checkpoint(tmp_path)
-    try:
-        sample.load_model(str(tmp_path / "nope.pt"))
-        raise AssertionError("missing checkpoint accepted")
-    except FileNotFoundError as e:
-        assert "train.py" in str(e)
-    torch.save(ckpt, tmp_path / "full.pt")
-    data = (tmp_path / "full.pt").read_bytes()
-    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
-    try:
-        sample.load_model(str(tmp_path / "cut.pt"))
-        raise AssertionError("truncated checkpoint accepted")
-    except RuntimeError as e:
-        assert "corrupt or truncated" in str(e)
+    data = (tmp_path / "ckpt.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[:len(data) // 2])
     bad = dict(ckpt, model_args=dict(ckpt["model_args"], vocab_size=ckpt["model_args"]["vocab_size"] + 5))
-    bad["model"] = TransformerLM(**bad["model_args"]).state_dict()
-    torch.save(bad, tmp_path / "vocab.pt")
-    try:
-        sample.load_model(str(tmp_path / "vocab.pt"))
-        raise AssertionError("vocabulary mismatch accepted")
-    except ValueError as e:
-        assert "vocabulary mismatch" in str(e)
+    torch.save(dict(bad, model=TransformerLM(**bad["model_args"]).state_dict()), tmp_path / "vocab.pt")
+    for name, exc, words in (("nope.pt", FileNotFoundError, ["train.py"]), ("cut.pt", RuntimeError,
+                             ["corrupt or truncated"]), ("vocab.pt", ValueError, ["vocabulary mismatch"])):
+        _expect(exc, words, sample.load_model, str(tmp_path / name))
 
 
 def test_sample_cli_prints_batched_samples(tmp_path):
-    ckpt, _ = _tiny_checkpoint(tmp_path)
-    torch.save(ckpt, tmp_path / "ckpt.pt")
+    torch.save(_tiny_checkpoint(tmp_path)[0], tmp_path / "ckpt.pt")
     cmd = [sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--prompt", "the cat", "--prompt",
            "a dog sat on", "--num_samples=2", "--max_new_tokens=8", "--device=cpu"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert run.returncode == 0, run.stderr
     blocks = run.stdout.split("-" * 40 + "\n")
     assert len(blocks) == 5 and blocks[0].startswith("the cat") and blocks[3].startswith("a dog sat on")
-    for argv, words in (([f"--out_dir={tmp_path / 'empty'}"], "python train.py"),
-                        ([f"--out_dir={tmp_path}", "--prompt", "the cat " * 40, "--device=cpu"], "context_length")):
-        try:
-            sample.main(argv)
-            raise AssertionError(f"sample.py accepted {argv}")
-        except SystemExit as e:
-            assert words in str(e.code), e.code
-
+    _expect(SystemExit, ["python train.py"], sample.main, [f"--out_dir={tmp_path / 'empty'}"])
+    _expect(SystemExit, ["context_length", "--crop_prompt"], sample.main,
+            [f"--out_dir={tmp_path}", "--prompt", "the cat " * 40, "--device=cpu"])
 
 # --- Llama-format checkpoints (hf.save_llama / load_llama, sample.py on a directory) ---
 # transformers and safetensors are optional extras (requirements-hf.txt): without them these tests skip (_need_hf
@@ -2752,7 +2706,7 @@ def test_gpu_whole_step_graph_trains_like_eager_steps():
             out.append(torch.cat([losses, norm[None]]).tolist())
         assert all(int(s["step"]) == 6 for s in opt.state.values())
         return torch.cat([p.detach().flatten() for p in net.parameters()]), torch.tensor(out)
-    for torch_opt in (False, True):
+    for torch_opt in (True, False):  # ours last: the frozen run below is held to it
         (eager, eager_log), (graph, graph_log) = run(torch_opt, False), run(torch_opt, True)
         torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(graph_log, eager_log, rtol=1e-5, atol=1e-6)
