@@ -5,7 +5,7 @@ Train a TransformerLM on a tokenized dataset.
     python train.py config/pack.py --max_iters=200     # config files of overrides, then --key=value on top
     python train.py --init_from=resume                 # continue out_dir/ckpt.pt exactly, with its saved config
     python train.py --force=True                       # start over in an out_dir that holds a run (old files -> *.old)
-    torchrun --standalone --nproc_per_node=4 train.py config/small.py --ddp_impl=torch --zero1=False
+    torchrun --standalone --nproc_per_node=4 train.py config/small.py   # 4 GPUs; --ddp_impl=..., --zero1=True
 
 The file: the config globals; the library, importable without side effects (apply_config, the schedule and
 clipping, data loading and batching, checkpoints, make_step: one training step, eager or as CUDA graphs); the run
