@@ -1,10 +1,7 @@
-# The "large" preset (969M parameters at V=10k) on the Shakespeare data, GPU.
+# The "large" preset on the Shakespeare data, GPU
 #   torchrun --standalone --nproc_per_node=4 train.py config/large.py
 out_dir = "out-large"
-d_model = 1280
-d_ff = 5120
-num_layers = 36
-num_heads = 20
+d_model, d_ff, num_layers, num_heads = 1280, 5120, 36, 20
 context_length = 1024
 batch_size = 8
 grad_accum = 8
@@ -13,8 +10,5 @@ warmup_iters = 30
 learning_rate = 2.5e-4
 min_lr = 2.5e-5
 eval_interval = 50
-log_interval = 10
 save_interval = 1000
-dtype = "bfloat16"
 compile = True
-attn_impl = "auto"              # model.auto_attn_impl: sdpa for these dense batches (flash measures level)

@@ -1,10 +1,7 @@
-# The "medium" preset (423M parameters at V=10k) on the Shakespeare data, GPU.
+# The "medium" preset on the Shakespeare data, GPU
 #   torchrun --standalone --nproc_per_node=4 train.py config/medium.py
 out_dir = "out-medium"
-d_model = 1024
-d_ff = 4096
-num_layers = 24
-num_heads = 16
+d_model, d_ff, num_layers, num_heads = 1024, 4096, 24, 16
 context_length = 1024
 batch_size = 8
 grad_accum = 8
@@ -13,8 +10,5 @@ warmup_iters = 30
 learning_rate = 3e-4
 min_lr = 3e-5
 eval_interval = 50
-log_interval = 10
 save_interval = 1000
-dtype = "bfloat16"
 compile = True
-attn_impl = "auto"              # model.auto_attn_impl: sdpa for these dense batches (flash measures level)

@@ -1,4 +1,4 @@
-# The padding baseline: one document piece per row, every row padded to context_length; the loss
-# ignores pads (targets -100). The same real-token budget as pack, so it costs more rows per step.
+# One document piece per row, padded to context_length (targets -100 on the padding)
+#   python train.py config/pad.py
 out_dir = "out-pad"
 batching = "pad"

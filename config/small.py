@@ -1,12 +1,7 @@
-# The "small" preset (GPT-2 small shape, 128M parameters at V=10k) on the Shakespeare data, GPU, a few hundred steps.
+# GPT-2 small's shape on the Shakespeare data, 64k tokens per step at any world size (grad_accum splits over ranks)
 #   torchrun --standalone --nproc_per_node=4 train.py config/small.py
-# 16 x 1024 tokens per micro-batch fits one H200 per rank with room to spare; grad_accum 4 = one micro-batch per
-# rank on 4 GPUs (two on 2 GPUs, four on 1), so the global batch is 64k tokens at any world size.
 out_dir = "out-small"
-d_model = 768
-d_ff = 3072
-num_layers = 12
-num_heads = 12
+d_model, d_ff, num_layers, num_heads = 768, 3072, 12, 12
 context_length = 1024
 batch_size = 16
 grad_accum = 4
@@ -16,8 +11,5 @@ learning_rate = 6e-4
 min_lr = 6e-5
 eval_interval = 50
 eval_iters = 20
-log_interval = 10
 save_interval = 1000
-dtype = "bfloat16"
 compile = True
-attn_impl = "auto"              # model.auto_attn_impl: sdpa for these dense batches (flash measures level)
