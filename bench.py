@@ -1412,9 +1412,9 @@ def sass_rows(flash, d, varlen, causal):
     m, n, stages, q_bufs = flash.GLUON_FWD_CONFIGS[main + tail]
     cx = dict(NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal, HEAD_MAJOR=not varlen, DYNAMIC=True, O_TMA=tail == 0)
     fn = flash._gl_attn_fwd
-    types = dict(SASS_TYPES, out_strides=("i32",) * 5, O="*bf16",
-                 descs=(desc(m, main), desc(n, main), desc(n, main), desc(m, tail or main), desc(n, tail or main),
-                        desc(n, tail or main), desc(m, main)))
+    types = dict(SASS_TYPES, out_strides=("i32",) * 5, dims=("i32",) * 5, q_desc=desc(m, main), k_desc=desc(n, main),
+                 v_desc=desc(n, main), qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main),
+                 vt_desc=desc(n, tail or main), o_desc=desc(m, main))
     sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
     rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
         fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
@@ -1423,10 +1423,12 @@ def sass_rows(flash, d, varlen, causal):
               DKV_TMA=flash._gluon_bwd_dkv_tma(tail, persistent, 1024, split))
     dq = desc(m, main // split, "fp32", dq_swizzle)  # (a tail's dQ tiles: the default swizzle)
     fn = flash._gl_attn_bwd
-    types = dict(SASS_TYPES, out_strides=("i32",) * 8,
-                 descs=(desc(m, main), desc(n, main), desc(n, main), desc(m, main), dq, desc(m, tail or main),
-                        desc(n, tail or main), desc(n, tail or main), desc(m, tail or main),
-                        desc(m, tail, "fp32") if tail else dq, desc(n, main), desc(n, main)))
+    types = dict(SASS_TYPES, out_strides=("i32",) * 8, dims=("i32",) * 5,
+                 tensors=("*bf16", "*bf16", "*fp32", "*fp32", "*i32", "*i32"), q_desc=desc(m, main),
+                 k_desc=desc(n, main), v_desc=desc(n, main), do_desc=desc(m, main), dq_desc=dq,
+                 qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main), vt_desc=desc(n, tail or main),
+                 dot_desc=desc(m, tail or main), dqt_desc=desc(m, tail, "fp32") if tail else dq, dk_desc=desc(n, main),
+                 dv_desc=desc(n, main))
     sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
     rows.append([d, "bwd (Gluon, sm90)", str((m, 2 * n, 10, stages))] + sass_stats(
         fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))

@@ -681,18 +681,15 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. Attention on Hopper in Gluon (sm90: TMA, mbarriers, asynchronous wgmma, warp specialization), the design of
-#    FlashAttention-3. Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item) and has three partitions:
-#    a producer warp that streams K_j and V_j through a ring of NUM_STAGES shared-memory slots with TMA, and two
-#    consumer warpgroups of BLOCK_M rows each that take turns on the tensor cores, so one's softmax runs while the
-#    other's matmuls do. Inside a consumer the loop is software pipelined: S_j = Q K_j^T is issued, then
-#    P_(j-1) V_(j-1), and the softmax of S_j runs while that second matmul is in flight; P stays in registers as
-#    the A operand of the wgmma. Backward (below the forward): the same roles turned around, a CTA per key tile,
-#    the query tiles streamed, dQ added up with TMA reduce-adds. Each kernel's state travels in a few aggregates
-#    (config, global tensors, shared tiles and barriers, schedule), so a partition takes a handful of arguments
-#    and its body reads as schedule -> mainloop -> epilogue. Used on sm90 for bf16/fp16 with D from 33 to 128 in
-#    tiles 64 or 128 wide, D from 65 to 96 as 64 plus a tail tile of 16 or 32 columns with matmuls of its own
-#    (80 = 64 + 16: the 2.7B model's head dim), TMA reading zeros past D and the stores masked (_gluon_head_tiles).
+# 3. Attention on Hopper in Gluon (TMA, mbarriers, async wgmma, warp specialization): FlashAttention-3's design.
+#    Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item); a producer warp streams K_j and V_j through
+#    a ring of shared-memory slots with TMA, and two consumer warpgroups of BLOCK_M rows take turns on the tensor
+#    cores, so one's softmax runs under the other's matmuls. Inside a consumer, S_j = Q K_j^T and P_(j-1) V_(j-1)
+#    are issued together and the softmax of S_j runs while the second is in flight. Backward: the roles turned
+#    around, a CTA per key tile, the query tiles streamed, dQ added up with TMA reduce-adds. Each kernel's state
+#    travels in a few aggregates (config, global tensors, shared memory, schedule), and a partition's body reads
+#    schedule -> mainloop -> epilogue. Head dims 33 to 128 in tiles 64 or 128 wide; 65 to 96 as 64 plus a tail of
+#    16 or 32 columns with matmuls of its own (_gluon_head_tiles); TMA reads zeros past D, the stores are masked.
 # ---------------------------------------------------------------------------------------------------------------
 
 try:
@@ -788,17 +785,34 @@ if gluon is not None:
             return _gl_warp_uniform(item)
 
         @gluon.jit
+        def first(self):
+            """A reader's first item: from the ring, or with one CTA per item its own."""
+            if self.DYNAMIC:
+                item = self.read(0)
+            else:
+                item = gl.program_id(0)
+            return item
+
+        @gluon.jit
         def claim(self):
             """The producer: the next item no CTA has taken yet."""
             return gl.num_programs(0) + gl.atomic_add(self.counter, 1, sem="relaxed")
 
     @gluon.jit
+    def _gl_tiles(desc, n: gl.constexpr):
+        """n shared-memory tiles of desc's block."""
+        return gl.allocate_shared_memory(desc.dtype, [n] + desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def _gl_bars(n: gl.constexpr):
+        """n mbarriers (the caller initializes them)."""
+        return gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+
+    @gluon.jit
     def _gl_schedule(counter, DYNAMIC: gl.constexpr):
-        """A _Schedule with its ring allocated (the caller sets up its barriers)."""
+        """A _Schedule with its ring allocated (the caller initializes its barriers)."""
         ring = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        return _Schedule(ring, ready, empty, counter, DYNAMIC)
+        return _Schedule(ring, _gl_bars(2), _gl_bars(2), counter, DYNAMIC)
 
     @gluon.jit
     def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
@@ -979,10 +993,7 @@ if gluon is not None:
         w = 0  # turns taken so far
         n_done = 0  # work items done so far (the phase of q_ready)
         n_seen = 0  # work items taken so far, empty ones included (the position in the schedule ring)
-        if sched.DYNAMIC:
-            item = sched.read(0)
-        else:
-            item = gl.program_id(0)
+        item = sched.first()
         while item < cfg.n_items:
             b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = cfg.item(item)
             if start_m < seqlen_q_b:
@@ -1153,40 +1164,33 @@ if gluon is not None:
             sched.publish(n_seen, item)  # past the last: the consumers stop
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["m_tiles", "n_bh"])
-    def _gl_attn_fwd(descs, O, LSE, cu_seqlens_q, counter, out_strides, head_dim, seqlen_q, seqlen_k, num_heads,
-                     group, m_tiles, n_bh, n_docs, n_items, qk_scale, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                     CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
+    def _gl_attn_fwd(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, O, LSE, cu_seqlens_q, counter,
+                     out_strides, dims, m_tiles, n_bh, n_docs, n_items, qk_scale, NUM_STAGES: gl.constexpr,
+                     Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
+                     O_TMA: gl.constexpr):
         """Work items of 2 x BLOCK_M query rows of one batch x head (_FwdConfig.item), n_items = m_tiles * n_bh of
         them: one CTA per item (grid n_items), or DYNAMIC, a persistent grid of G CTAs that start on items 0..G-1
-        and take the next untaken one from `counter` as they finish (_Schedule). descs: the TMA descriptors (q, k,
-        v, their tails, o); out_strides: O's (b, h, s) and L's (b, h). The tiling follows from the descriptors."""
-        q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc = descs
+        and take the next untaken one from `counter` as they finish (_Schedule). The TMA descriptors of q, k, v,
+        their tails (the main ones again without a tail) and o; out_strides: O's (b, h, s) and L's (b, h); dims:
+        (head_dim, seqlen_q, seqlen_k, num_heads, group). The tiling follows from the descriptors."""
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh = out_strides
+        head_dim, seqlen_q, seqlen_k, num_heads, group = dims
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = _gl_tiles(q_desc, 2 * Q_BUFS)
+        k_smem, v_smem = _gl_tiles(k_desc, NUM_STAGES), _gl_tiles(v_desc, NUM_STAGES)
         if TAIL > 0:  # the last TAIL columns of the head dim (else the tail descriptors and tiles are never used)
-            qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [2 * Q_BUFS] + qt_desc.block_type.shape,
-                                                qt_desc.layout)
-            kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [NUM_STAGES] + kt_desc.block_type.shape,
-                                                kt_desc.layout)
-            vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [NUM_STAGES] + vt_desc.block_type.shape,
-                                                vt_desc.layout)
+            qt_smem, kt_smem = _gl_tiles(qt_desc, 2 * Q_BUFS), _gl_tiles(kt_desc, NUM_STAGES)
+            vt_smem = _gl_tiles(vt_desc, NUM_STAGES)
         else:
             qt_smem, kt_smem, vt_smem = q_smem, k_smem, v_smem
+        o_smem = q_smem  # (unused)
         if O_TMA:  # each warpgroup's O tile on its way to the TMA store
-            o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
-        else:
-            o_smem = q_smem  # (unused)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            o_smem = _gl_tiles(o_desc, 2)
+        q_ready, q_empty = _gl_bars(2 * Q_BUFS), _gl_bars(2 * Q_BUFS)
+        k_ready, k_empty, v_ready, v_empty = _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), \
+            _gl_bars(NUM_STAGES)
+        turn = _gl_bars(2)
         sched = _gl_schedule(counter, DYNAMIC)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
@@ -1212,18 +1216,13 @@ if gluon is not None:
                             (_gl_fwd_loader, (cfg, glob, smem, sched))], [4, 1], [240, 24])
 
     # ---- the backward ----
-    # Work items of 2 x BLOCK_N keys of one K/V head, each consumer warpgroup owning BLOCK_N of them with its K and
-    # V in shared memory and dK, dV accumulating in registers; a producer warp streams the query tiles (Q_i, dO_i,
-    # and L_i, Delta_i: BLOCK_M rows) of every query head of the group through a ring. Per query tile a consumer
-    # makes five matmuls on transposed scores (keys x queries), so no register tile is transposed:
+    # Work items of 2 x BLOCK_N keys of one K/V head, BLOCK_N per consumer warpgroup, K and V in shared memory, dK
+    # and dV in registers; the producer streams every query tile (Q_i, dO_i, L_i, Delta_i) of the group's heads.
+    # Per query tile a consumer makes five matmuls on transposed scores, so no register tile is transposed:
     #   S^T = K Q_i^T,  dP^T = V dO_i^T,  P^T = exp2(S^T * scale - L_i),  dS^T = P^T * (dP^T - Delta_i),
     #   dV += P^T dO_i,  dK += dS^T Q_i,  dQ_i = dS K  (dS^T through shared memory, read transposed).
-    # dQ_i sums over every key tile, so it is added up in an fp32 buffer: a dQ warp adds each share with a TMA bulk
-    # reduce-add while the consumers go on (two buffers per warpgroup). With the dQ split (D=128) the two
-    # warpgroups make half of dQ_i's columns each (each multiplies both dS tiles by its half of both K tiles), and
-    # a consumer holds its scaled share in registers until the next tile's S^T is issued, so the store to shared
-    # memory runs under that matmul. The producer loads the next item's K and V once both consumers have made
-    # their last matmul (kv_empty). All positions (ring, dQ buffers, phases) run on across items.
+    # A dQ warp adds each dQ share into an fp32 buffer with TMA reduce-adds. With the dQ split (D=128) each
+    # warpgroup makes half of dQ_i's columns over both K tiles, and stores its share under the next tile's S^T.
 
     @_bundle(constexpr="HEAD_DIM TAIL BLOCK_M BLOCK_N NUM_STAGES DQ_COLS CAUSAL VARLEN DKV_TMA",
              tensor="cu_seqlens_q qk_scale sm_scale",
@@ -1296,15 +1295,6 @@ if gluon is not None:
         mbarrier.arrive(smem.dq_full.index(2 * buf + WG), count=1)
 
     @gluon.jit
-    def _gl_bwd_first_item(sched):
-        """A reader of the backward's work items (a consumer, the dQ warp): its CTA's first item."""
-        if sched.DYNAMIC:
-            item = sched.read(0)
-        else:
-            item = gl.program_id(0)
-        return item
-
-    @gluon.jit
     def _gl_bwd_next_item(sched, n_seen, n_items):
         """The item after n_seen of them: the next from the schedule ring, or with one CTA per item n_items, which
         ends the reader's loop after one pass (so the compiler drops the loop)."""
@@ -1347,7 +1337,7 @@ if gluon is not None:
         t = 0  # query tiles consumed so far (the ring position and the dQ buffers' count)
         n_done = 0  # items with keys done so far (the phase of kv_ready)
         n_seen = 0  # items taken so far, empty ones included (the position in the schedule ring)
-        item = _gl_bwd_first_item(sched)
+        item = sched.first()
         while item < cfg.n_items:
             b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = cfg.item(item, sched.DYNAMIC)
             if start_n < seqlen_k_b:
@@ -1558,7 +1548,7 @@ if gluon is not None:
         DQ_COLS: gl.constexpr = cfg.DQ_COLS
         t = 0  # query tiles done so far, over all items (the dQ buffers' count)
         n_seen = 0
-        item = _gl_bwd_first_item(sched)
+        item = sched.first()
         while item < cfg.n_items:
             b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = cfg.item(item, sched.DYNAMIC)
             if start_n < seqlen_k_b:
@@ -1589,16 +1579,17 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["n_tiles"])
-    def _gl_attn_bwd(descs, DK, DV, LSE, DELTA, cu_seqlens_q, counter, out_strides, seqlen_q, seqlen_k, num_kv_heads,
-                     group, n_tiles, n_docs, n_items, qk_scale, sm_scale, head_dim, NUM_STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
+    def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
+                     dv_desc, tensors, out_strides, dims, n_tiles, n_docs, n_items, qk_scale, sm_scale,
+                     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
         """Work items of 2 x BLOCK_N keys of one batch x K/V head (_BwdConfig.item), n_items of them: one CTA per
-        item (grid n_items) or, DYNAMIC, a persistent grid as the forward's. dQ (fp32, zeroed by the caller) is
-        added to. descs: the TMA descriptors (q, k, v, do, dq, their tails, dk, dv); out_strides: dK's and dV's
-        (b, h, s), L's (b, h). The tiling follows from the descriptors."""
-        q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc = \
-            descs
+        item (grid n_items) or, DYNAMIC, a persistent grid as the forward's. The TMA descriptors of q, k, v, dO, the
+        fp32 dQ buffer (zeroed by the caller, added to), their tails, dk and dv; tensors: (dK, dV, L, Delta,
+        cu_seqlens_q, counter); out_strides: dK's and dV's (b, h, s), L's (b, h); dims: (seqlen_q, seqlen_k,
+        num_kv_heads, group, head_dim)."""
+        DK, DV, LSE, DELTA, cu_seqlens_q, counter = tensors
         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh = out_strides
+        seqlen_q, seqlen_k, num_kv_heads, group, head_dim = dims
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         BLOCK_M: gl.constexpr = _gl_rows(q_desc)
@@ -1611,35 +1602,23 @@ if gluon is not None:
             _, _, _, _, seqlen_k_b, start_n, _, _ = cfg.item(gl.program_id(0), DYNAMIC)
             live = start_n < seqlen_k_b
         if live:
-            q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
-            do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
-            k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-            v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+            q_smem, do_smem = _gl_tiles(q_desc, NUM_STAGES), _gl_tiles(do_desc, NUM_STAGES)
+            k_smem, v_smem = _gl_tiles(k_desc, 2), _gl_tiles(v_desc, 2)
             # dS and dQ tiles: (two buffers) x (two warpgroups)
             ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_N, BLOCK_M],
                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype))
-            dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
+            dq_smem = _gl_tiles(dq_desc, 4)
             if TAIL > 0:  # the last TAIL columns of the head dim (else the tail descriptors and tiles are unused)
-                qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [NUM_STAGES] + qt_desc.block_type.shape,
-                                                    qt_desc.layout)
-                dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [NUM_STAGES] + dot_desc.block_type.shape,
-                                                     dot_desc.layout)
-                kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [2] + kt_desc.block_type.shape, kt_desc.layout)
-                vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [2] + vt_desc.block_type.shape, vt_desc.layout)
-                dqt_smem = gl.allocate_shared_memory(gl.float32, [4] + dqt_desc.block_type.shape, dqt_desc.layout)
+                qt_smem, dot_smem = _gl_tiles(qt_desc, NUM_STAGES), _gl_tiles(dot_desc, NUM_STAGES)
+                kt_smem, vt_smem, dqt_smem = _gl_tiles(kt_desc, 2), _gl_tiles(vt_desc, 2), _gl_tiles(dqt_desc, 4)
             else:
                 qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem = q_smem, do_smem, k_smem, v_smem, dq_smem
             lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
             delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
                                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-            dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-            ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            kv_ready, kv_empty, ds_ready = _gl_bars(2), _gl_bars(1), _gl_bars(2)
+            dq_full, dq_empty, ready, empty = _gl_bars(4), _gl_bars(4), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES)
             sched = _gl_schedule(counter, DYNAMIC)
             mbarrier.init(kv_empty.index(0), count=2)  # both consumers have made their last matmul of an item
             for i in gl.static_range(2):
@@ -1804,9 +1783,9 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     o_desc = _descriptor(o, block_m, varlen, main) if o_tma else q_desc
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     _gl_attn_fwd[(ctas if dynamic else n_items,)](
-        (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc), o, lse, cu_seqlens_q if varlen else lse,
-        counter, _strides(varlen, o) + (lb, lh), d, seqlen_q, seqlen_k, heads, heads // kv_heads, m_tiles, n_bh,
-        batch, n_items, LOG2E / math.sqrt(d), NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal,
+        q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, o, lse, cu_seqlens_q if varlen else lse, counter,
+        _strides(varlen, o) + (lb, lh), (d, seqlen_q, seqlen_k, heads, heads // kv_heads), m_tiles, n_bh, batch,
+        n_items, LOG2E / math.sqrt(d), NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal,
         HEAD_MAJOR=not (varlen and dynamic), DYNAMIC=dynamic, O_TMA=o_tma, num_warps=4, maxnreg=168)
     return o, lse
 
@@ -1855,9 +1834,10 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
                         if dkv_tma else (k_desc, v_desc))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     _gl_attn_bwd[(ctas if dynamic else n_items,)](
-        (q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc),
-        dk, dv, lse, delta, cu, counter, _strides(varlen, dk, dv) + (lb, lh), seqlen_q, seqlen_k, kv_heads,
-        heads // kv_heads, n_tiles, batch, n_items, LOG2E * scale, scale, d, NUM_STAGES=stages, CAUSAL=causal,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc,
+        (dk, dv, lse, delta, cu, counter), _strides(varlen, dk, dv) + (lb, lh),
+        (seqlen_q, seqlen_k, kv_heads, heads // kv_heads, d), n_tiles, batch, n_items, LOG2E * scale, scale,
+        NUM_STAGES=stages, CAUSAL=causal,
         DYNAMIC=dynamic, DKV_TMA=dkv_tma, num_warps=4, maxnreg=168)
     dq.copy_(dq_acc[..., :d])
     return dq, dk, dv
