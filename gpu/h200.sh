@@ -161,8 +161,8 @@ part_suite() {
 
 # The GPU tests in three parts; each name is a substring test_all.py matches against the test names.
 TESTS_TRITON=(flash_reference flash_triton flash_delta flash_compiles flash_rejects flash_kernels_take adamw)
-TESTS_MODEL=(flash_gpu_gluon_compiles flash_d64 flash_gpu_mixed flash_gpu_bf16 rms_norm
-             attention_impls_match gpu_flash_model gpu_selective gpu_capture gpu_cuda_graphs gpu_bench)
+TESTS_MODEL=(flash_gpu_gluon_compiles flash_d64 flash_gpu_mixed flash_gpu_bf16 rms_norm attention_impls_match
+             gpu_flash_model gpu_selective gpu_whole_step gpu_cuda_graphs gpu_bench triton_norm_block loss_curves)
 
 tests_part() {  # tests_part NAME TEST-NAME-SUBSTRINGS...
     begin_part "$1" 570
