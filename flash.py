@@ -1305,6 +1305,18 @@ if gluon is not None:
         return item
 
     @gluon.jit
+    def _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k, col0: gl.constexpr, layout: gl.constexpr):
+        """A consumer's dK (scaled) and dV tiles, columns col0.. of keys key_lo.., stored from registers."""
+        k_rows = key_lo + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
+        row_off = (q_start + k_rows[:, None]).to(gl.int64)  # packed: keys share the queries' offsets
+        cols = col0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
+        keep = (k_rows[:, None] < seqlen_k) & (cols[None, :] < cfg.head_dim)
+        gl.store(glob.DK + b.to(gl.int64) * glob.stride_dkb + hk * glob.stride_dkh + row_off * glob.stride_dks
+                 + cols[None, :], (dk * cfg.sm_scale).to(glob.DK.dtype.element_ty), mask=keep)
+        gl.store(glob.DV + b.to(gl.int64) * glob.stride_dvb + hk * glob.stride_dvh + row_off * glob.stride_dvs
+                 + cols[None, :], dv.to(glob.DV.dtype.element_ty), mask=keep)
+
+    @gluon.jit
     def _gl_bwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
         """One consumer warpgroup: keys [start_n + WG * BLOCK_N, + BLOCK_N) of each of the CTA's work items."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
@@ -1456,29 +1468,11 @@ if gluon is not None:
                     _gl_store_tile(glob.dv, smem.v.index(WG), b, hk, q_start + key_lo, cfg.VARLEN)
                     tma.store_wait(0)  # the stores have read the tiles before the CTA's shared memory goes
                 else:
-                    k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-                    row_off = (q_start + k_rows[:, None]).to(gl.int64)  # packed: keys share the queries' offsets
-                    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-                    keep = (k_rows[:, None] < seqlen_k_b) & (cols[None, :] < cfg.head_dim)
-                    gl.store(glob.DK + b.to(gl.int64) * glob.stride_dkb + hk * glob.stride_dkh
-                             + row_off * glob.stride_dks
-                             + cols[None, :], (dk * cfg.sm_scale).to(glob.DK.dtype.element_ty), mask=keep)
-                    gl.store(glob.DV + b.to(gl.int64) * glob.stride_dvb + hk * glob.stride_dvh
-                             + row_off * glob.stride_dvs
-                             + cols[None, :], dv.to(glob.DV.dtype.element_ty), mask=keep)
+                    _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k_b, 0, acc_layout)
                 if sched.DYNAMIC and cfg.DKV_TMA:
                     mbarrier.arrive(smem.kv_empty.index(0), count=1)
                 if TAIL > 0:
-                    k_rows = key_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, tail_layout))
-                    row_off = (q_start + k_rows[:, None]).to(gl.int64)
-                    cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, tail_layout))
-                    keep = (k_rows[:, None] < seqlen_k_b) & (cols[None, :] < cfg.head_dim)
-                    gl.store(glob.DK + b.to(gl.int64) * glob.stride_dkb + hk * glob.stride_dkh
-                             + row_off * glob.stride_dks
-                             + cols[None, :], (dk_t * cfg.sm_scale).to(glob.DK.dtype.element_ty), mask=keep)
-                    gl.store(glob.DV + b.to(gl.int64) * glob.stride_dvb + hk * glob.stride_dvh
-                             + row_off * glob.stride_dvs
-                             + cols[None, :], dv_t.to(glob.DV.dtype.element_ty), mask=keep)
+                    _gl_store_keys(glob, cfg, dk_t, dv_t, b, hk, q_start, key_lo, seqlen_k_b, HEAD_DIM, tail_layout)
                 t += cfg.group * n_iter
                 n_done += 1
             n_seen += 1
