@@ -337,8 +337,25 @@ def test_encode_iterable_exact_and_streaming():
     assert count == n_lines * len(tok.encode(line)) and peak < 1 << 16, peak
 
 
-def test_bpe_cli_train_and_encode(tmp_path):
-    # train says when the corpus runs out of pairs (and only then); a failed encode is one line and leaves no file
+def _files(root):
+    return {p: p.read_bytes() if p.is_file() else None for p in sorted(Path(root).rglob("*"))}
+
+
+def _cli_errors(script, table, cwd):
+    """Each (argv, words) of table through the real command line (all at once): one line on stderr holding every
+    word, exit status 2, and not a file in cwd written, changed or removed."""
+    before = _files(cwd)
+    runs = [(argv, words, subprocess.Popen([sys.executable, str(ROOT / script), *argv], cwd=cwd, text=True,
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            for argv, words in table]
+    for argv, words, run in runs:
+        err = run.communicate(timeout=300)[1]
+        assert run.returncode == 2 and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
+    assert _files(cwd) == before
+
+
+def test_bpe_cli_train_encode_and_bad_input(tmp_path):
+    # train says when the corpus runs out of pairs (and only then); a bad input is one line and leaves no file
     path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
     for vocab_size, runs_out in ((400, True), (260, False)):
         out = io.StringIO()
@@ -350,20 +367,19 @@ def test_bpe_cli_train_and_encode(tmp_path):
     tok = _small_tokenizer(specials=(EOT,))
     vocab_path, merges_path = tok.save(str(tmp_path / "tok"))
     good = _write_text(tmp_path / "good.txt", _synthetic_text(3000, seed=5))
-    bad = tmp_path / "latin1.txt"
-    bad.write_bytes(good.read_bytes() + "caf\xe9".encode("latin-1"))  # invalid UTF-8 near the end
-    out, files = tmp_path / "out.bin", set(tmp_path.iterdir())
-    encode = lambda path: bpe.main(["encode", "--vocab", vocab_path, "--merges", merges_path, "--input", str(path),
-                                    "--out", str(out), "--num_workers", "2"])
+    (tmp_path / "latin1.txt").write_bytes(good.read_bytes() + "caf\xe9".encode("latin-1"))  # bad UTF-8 at the end
+    encode = ["encode", "--vocab", vocab_path, "--merges", merges_path, "--out", "out.bin", "--num_workers", "2"]
+    train = ["train", "--out", "t2", "--input", str(path)]
+    _cli_errors("bpe.py", [([], ["required: cmd"]), (["train", "--vocab_size", "x"], ["invalid int value: 'x'"]),
+                           (train + ["--vocab_size", "300", "--nope"], ["unrecognized arguments: --nope"]),
+                           (train + ["--vocab_size", "100"], ["vocab_size=100"]),
+                           (train[:-1] + ["nothere.txt", "--vocab_size", "300"], ["nothere.txt does not exist"]),
+                           (encode + ["--input", "latin1.txt"], ["not valid UTF-8"]),
+                           (encode[:2] + ["nothere.json"] + encode[3:] + ["--input", "good.txt"], ["nothere.json"])],
+                tmp_path)
     with contextlib.redirect_stdout(io.StringIO()):
-        try:
-            encode(bad)
-            raise AssertionError("bad UTF-8 encoded")
-        except SystemExit as e:  # the message Python prints instead of a traceback
-            assert "not valid UTF-8" in str(e.code) and "\n" not in str(e.code), e.code
-        assert set(tmp_path.iterdir()) == files  # no out.bin, no out.bin.tmp
-        encode(good)
-    assert np.fromfile(out, dtype=np.uint16).tolist() == tok.encode(good.read_text(encoding="utf-8"))
+        bpe.main(encode[:5] + ["--out", str(tmp_path / "out.bin"), "--input", str(good)])
+    assert np.fromfile(tmp_path / "out.bin", dtype=np.uint16).tolist() == tok.encode(good.read_text(encoding="utf-8"))
 
 
 # --- data/ ---
@@ -412,17 +428,36 @@ def test_prepare_local_input_end_to_end_through_the_cli(tmp_path):
     assert not (ROOT / "data" / name).exists()  # nothing in data/NAME
 
 
+def test_prepare_splits_a_single_document_at_a_line_break(tmp_path):
+    # README's example: one file without <|endoftext|>; the lines after the last break before its last tenth are val
+    text = "".join(f"line {i} of {'the story ' * (i % 7)}\n" for i in range(40))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        prepare("one", 260, [str(_write_text(tmp_path / "one.txt", text))], num_workers=1, out_dir=str(tmp_path / "d"))
+    cut = text.rindex("\n", 0, int(0.9 * len(text))) + 1
+    _check_prepared(tmp_path / "d", {"train": [text[:cut]], "val": [text[cut:]]})
+    assert f"its last {text[cut:].count(chr(10))} lines, {(len(text) - cut) / len(text):.0%} of it, are the " \
+           f"validation split" in out.getvalue() and 0.1 <= (len(text) - cut) / len(text) < 0.15
+
+
 def test_prepare_bad_input_and_failures_clean_up(tmp_path):
-    one = _write_text(tmp_path / "one.txt", "a single document")
+    _write_text(tmp_path / "one.txt", "a single document, one line")
     docs = _write_text(tmp_path / "docs.txt", EOT.join(f"document {i} with words" for i in range(12)))
-    latin = tmp_path / "latin.txt"
-    latin.write_bytes(("caf\xe9" + EOT + "x").encode("latin-1"))
+    (tmp_path / "latin.txt").write_bytes(("caf\xe9" + EOT + "x").encode("latin-1"))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    done = tmp_path / "done"  # a finished dataset (as far as prepare.py can tell) that a bad run must not touch
+    done.mkdir()
+    (done / "meta.json").write_text("{}")
+    (done / "train.bin").write_bytes(b"\0\1")
+    _cli_errors("data/prepare.py", [(argv + ["--out_dir", out], words) for argv, words, out in [
+        (["c_odd"], ["unknown dataset 'c_odd'", "python data/prepare.py c_odd --input FILE"], "done"),
+        (["x", "--input", "one.txt"], ["at least 2, or one with line breaks"], "done"),
+        (["x", "--input", "latin.txt"], ["UTF-8"], "done"), (["x", "--input", "latin.txt"], ["UTF-8"], "new/x"),
+        (["x", "--input", "no.txt"], ["no.txt: no such file"], "done"), (["x", "--input", "empty.txt"], ["empty"], "x"),
+        (["x", "--input", "docs.txt", "--vocab_size", "100"], ["--vocab_size 100"], "done"),
+        (["x", "--vocab_size", "ten"], ["invalid int value: 'ten'"], "x"), (["x", "--nope"], ["unrecognized"], "x"),
+        (["a/b", "--input", "docs.txt"], ["plain folder name"], "x")]], tmp_path)  # new/x: made and removed
     out_root = tmp_path / "out"
-    for kwargs, words in [(dict(name="nosuchset"), "unknown dataset"), (dict(inputs=[str(one)]), "at least 2"),
-                          (dict(inputs=[str(latin)]), "UTF-8"), (dict(inputs=[str(tmp_path / "no")]), "no such file"),
-                          (dict(vocab_size=100, inputs=[str(one)]), "vocab_size")]:
-        _expect(SystemExit, [words], lambda: prepare(**{"name": "x", "out_root": str(out_root), **kwargs}))
-        assert not out_root.exists()  # a folder the call made is removed, however far it got
     _expect(SystemExit, ["internet"], download, "http://127.0.0.1:9/none.txt", str(tmp_path / "none.txt"))
     original = Tokenizer.encode_file
 
@@ -1674,7 +1709,7 @@ def test_llama_directory_samples_like_the_saved_model(tmp_path):
         sample.main(["--ckpt", str(out), "--prompt", "the dog", "--max_new_tokens", "5", "--device", "cpu"])
     assert out_text.getvalue().startswith("the dog")
     (out / "merges.txt").unlink()
-    _expect(SystemExit, ["has no merges.txt"], lambda: sample.main(["--ckpt", str(out), "--device", "cpu"]))
+    _expect(FileNotFoundError, ["has no merges.txt"], sample.load_model, str(out))
 
 
 HF_VOCAB = 53
@@ -1870,33 +1905,34 @@ def _tiny_checkpoint(tmp_path, compiled_names=False):
     return ckpt, m
 
 
-def test_load_model_strips_prefixes_matches_the_saved_model_and_names_problems(tmp_path):
+def test_load_model_strips_prefixes_and_the_cli_samples_batches_and_names_bad_input(tmp_path):
     ckpt, m = _tiny_checkpoint(tmp_path, compiled_names=True)
     torch.save(ckpt, tmp_path / "ckpt.pt")
     loaded, tokenizer, eot_id, _ = sample.load_model(str(tmp_path / "ckpt.pt"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), m.state_dict().values()))
     assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat" and tokenizer.encode("<|endoftext|>") == [eot_id]
     assert not loaded.training
+    cmd = [sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--prompt", "the cat", "--prompt",
+           "a dog sat on", "--num_samples=2", "--max_new_tokens=8", "--device=cpu"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""), timeout=120)
+    assert run.returncode == 0, run.stderr
+    blocks = run.stdout.split("-" * 40 + "\n")
+    assert len(blocks) == 5 and blocks[0].startswith("the cat") and blocks[3].startswith("a dog sat on")
     data = (tmp_path / "ckpt.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[:len(data) // 2])
     bad = dict(ckpt, model_args=dict(ckpt["model_args"], vocab_size=ckpt["model_args"]["vocab_size"] + 5))
     torch.save(dict(bad, model=TransformerLM(**bad["model_args"]).state_dict()), tmp_path / "vocab.pt")
-    for name, exc, words in (("nope.pt", FileNotFoundError, ["train.py"]), ("cut.pt", RuntimeError,
-                             ["corrupt or truncated"]), ("vocab.pt", ValueError, ["vocabulary mismatch"])):
-        _expect(exc, words, sample.load_model, str(tmp_path / name))
-
-
-def test_sample_cli_prints_batched_samples(tmp_path):
-    torch.save(_tiny_checkpoint(tmp_path)[0], tmp_path / "ckpt.pt")
-    cmd = [sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--prompt", "the cat", "--prompt",
-           "a dog sat on", "--num_samples=2", "--max_new_tokens=8", "--device=cpu"]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
-    assert run.returncode == 0, run.stderr
-    blocks = run.stdout.split("-" * 40 + "\n")
-    assert len(blocks) == 5 and blocks[0].startswith("the cat") and blocks[3].startswith("a dog sat on")
-    _expect(SystemExit, ["python train.py"], sample.main, [f"--out_dir={tmp_path / 'empty'}"])
-    _expect(SystemExit, ["context_length", "--crop_prompt"], sample.main,
-            [f"--out_dir={tmp_path}", "--prompt", "the cat " * 40, "--device=cpu"])
+    torch.save(dict(ckpt, tokenizer=dict(ckpt["tokenizer"], vocab="gone/vocab.json")), tmp_path / "notok.pt")
+    _cli_errors("sample.py", [(["--top_p", "2"], ["--top_p must be in (0, 1]"]), (["--num_samples", "0"], ["--num"]),
+                              (["--temperature", "-1"], ["--temperature"]), (["--top_k", "x"], ["invalid int value"]),
+                              (["--device", "gpu"], ["--device must be"]), (["--nope"], ["unrecognized arguments"]),
+                              (["--out_dir", "empty"], ["no checkpoint at empty/ckpt.pt", "python train.py"]),
+                              (["--ckpt", "cut.pt"], ["corrupt or truncated"]),
+                              (["--ckpt", "vocab.pt"], ["vocabulary mismatch"]),
+                              (["--ckpt", "notok.pt"], ["gone/vocab.json", "data/prepare.py NAME", "--input FILE"]),
+                              (["--out_dir", ".", "--prompt", "the cat " * 40], ["context_length", "--crop_prompt"])]
+                + [(["--out_dir", ".", "--device", "cuda"], ["CUDA is not available"])] * (not torch.cuda.is_available()),
+                tmp_path)
 
 # ---------------------------------------------------------------------------------------------------------------
 # train.py
