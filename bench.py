@@ -75,7 +75,6 @@ def bpe_train_child(argv):
 class Parser(argparse.ArgumentParser):
     """argparse whose errors, bad options and bad values alike, are one line on stderr and exit status 2; rules(args)
     -> [(bad, message)]: checks across options, made as soon as they are parsed."""
-    rules = staticmethod(lambda args: ())
 
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -83,7 +82,7 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         args = super().parse_args(args, namespace)
-        for bad, why in self.rules(args):
+        for bad, why in getattr(self, "rules", lambda a: ())(args):
             if bad:
                 self.error(why)
         return args

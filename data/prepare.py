@@ -16,7 +16,7 @@ Local files: split into documents at <|endoftext|> (a file without it is one doc
 validation (the last one when there are fewer than 10); whitespace-only documents are skipped. A single document is
 cut at a line break: the lines after the last break before its last tenth are the validation split.
 Sections: the arguments (check, cli: before numpy is imported); 1. sources, each ending as a train and a val text
-file; 2. tokenize and write the folder (prepare); the command line (main).
+file; 2. tokenize and write the folder (prepare); the command line.
 """
 import argparse
 import contextlib
@@ -70,7 +70,7 @@ def check(name, vocab_size=None, inputs=None):
     return vocab_size
 
 
-def cli(argv=None):
+def cli():
     """The command line, parsed and checked before numpy is imported -> (args, error(message): one line, status 2)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: p.exit(2, f"prepare.py: error: {message}\n")  # one line: no usage block
@@ -80,7 +80,7 @@ def cli(argv=None):
     p.add_argument("--num_workers", type=int, help="default: all cores")
     p.add_argument("--out_dir", metavar="DIR", help="write the dataset folder here (default: data/NAME)")
     p.add_argument("--get_gpt2_tokenizer", action="store_true", help="only fetch GPT-2's tokenizer files (_dev/gpt2)")
-    args = p.parse_args(argv)
+    args = p.parse_args()
     try:
         args.vocab_size = None if args.get_gpt2_tokenizer else check(args.name, args.vocab_size, args.input)
     except SystemExit as e:
@@ -89,7 +89,7 @@ def cli(argv=None):
 
 
 if __name__ == "__main__":
-    cli()  # --help and a bad argument answer before numpy is imported; main() reads them again
+    ARGS, ERROR = cli()  # --help and a bad argument answer before numpy is imported
 
 import numpy as np  # noqa: E402
 
@@ -213,8 +213,7 @@ def prepare_local_text(out_dir, inputs):
         if cut and held[:cut].strip() and held[cut:].strip():  # one document: its last lines are the validation text
             write("train", held[:cut])
             held, k = held[cut:], 1
-            print(f"input: one document (no {EOT}): its last {len(held.splitlines())} lines, "
-                  f"{len(held) / (cut + len(held)):.0%} of it, are the validation split", flush=True)
+            print(f"input: one document: its last {len(held.splitlines())} lines are the validation split", flush=True)
         if held is None or k == 0:
             raise SystemExit(f"--input: {k + (held is not None)} document(s) in {', '.join(inputs)}; a train/val "
                              f"split needs at least 2, or one with line breaks to cut (separate documents with {EOT} "
@@ -352,18 +351,13 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
     return meta
 
 
-def main(argv=None):
-    args, error = cli(argv)
+if __name__ == "__main__":
     try:
-        if args.get_gpt2_tokenizer:
+        if ARGS.get_gpt2_tokenizer:
             print("GPT-2 tokenizer files: " + ", ".join(fetch_gpt2_tokenizer()))
         else:
-            prepare(args.name, args.vocab_size, args.input, num_workers=args.num_workers, out_dir=args.out_dir)
+            prepare(ARGS.name, ARGS.vocab_size, ARGS.input, num_workers=ARGS.num_workers, out_dir=ARGS.out_dir)
     except SystemExit as e:  # a bad input or an unreachable download: one line, status 2
         if not isinstance(e.code, str):
             raise
-        error(e.code)
-
-
-if __name__ == "__main__":
-    main()
+        ERROR(e.code)
