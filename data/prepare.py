@@ -315,8 +315,6 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
     created = _first_missing(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta_path):
-        print(f"{out_dir} holds a finished dataset: rebuilding it", flush=True)
     try:
         t0 = time.time()
         if inputs:
@@ -330,6 +328,7 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
         vocab, merges = train_bpe(train_txt, vocab_size, [EOT], num_workers=num_workers)  # says if it gets fewer
         tok = Tokenizer(vocab, merges, [EOT])
         if os.path.exists(meta_path):  # the folder stops being a finished dataset the moment its files are rewritten
+            print(f"{out_dir} held a finished dataset: replacing it", flush=True)
             os.remove(meta_path)
         tok.save(out_dir)
         dtype = np.uint16 if len(tok.vocab) <= 65536 else np.uint32
