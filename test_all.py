@@ -345,8 +345,7 @@ def test_bpe_cli_train_encode_and_bad_input(tmp_path):
     # included: an empty or missing file, bad UTF-8, too small a vocab_size) is one line and leaves no file
     path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
     for vocab_size, runs_out in ((400, True), (260, False)):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
+        with contextlib.redirect_stdout(out := io.StringIO()):
             bpe.main(["train", "--input", str(path), "--vocab_size", str(vocab_size), "--out", str(tmp_path / "t")])
         got = len(json.loads((tmp_path / "t" / "vocab.json").read_text(encoding="utf-8")))
         note = f"asked {vocab_size}, got {got}: the corpus has no more pairs to merge"
@@ -418,8 +417,8 @@ def test_prepare_local_input_end_to_end_and_a_single_document(tmp_path):
 
 
 def test_prepare_bad_input_and_failures_clean_up(tmp_path):
-    docs = _write_text(tmp_path / "docs.txt", EOT.join(f"document {i} with words" for i in range(12)))
-    for name, data in dict(one=b"a single document, one line", latin=b"caf\xe9 au lait", empty=b"").items():
+    docs = EOT.join(f"document {i} with words" for i in range(12)).encode()
+    for name, data in dict(docs=docs, one=b"one document, one line", latin=b"caf\xe9 au lait", empty=b"").items():
         (tmp_path / f"{name}.txt").write_bytes(data)
     (tmp_path / "done").mkdir()  # a finished dataset (as far as prepare.py can tell) that a bad run must not touch
     (tmp_path / "done" / "meta.json").write_text("{}")
@@ -439,13 +438,13 @@ def test_prepare_bad_input_and_failures_clean_up(tmp_path):
         yield from original(self, path, *args, **kwargs)
         raise RuntimeError("injected by the test")
     with unittest.mock.patch.object(Tokenizer, "encode_file", broken_encode_file):
-        _expect(RuntimeError, ["injected"], prepare, "x", 270, [str(docs)], str(out_root))
+        _expect(RuntimeError, ["injected"], prepare, "x", 270, [str(tmp_path / "docs.txt")], str(out_root))
         assert not out_root.exists()
         # a folder that was already there stays, with what it held; the unfinished files and the old meta.json go
         (out_root / "x").mkdir(parents=True)
         (out_root / "x" / "notes.md").write_text("mine")
         (out_root / "x" / "meta.json").write_text("{}")
-        _expect(RuntimeError, ["injected"], prepare, "x", 270, [str(docs)], str(out_root))
+        _expect(RuntimeError, ["injected"], prepare, "x", 270, [str(tmp_path / "docs.txt")], str(out_root))
     left = sorted(p.name for p in (out_root / "x").iterdir())
     assert "notes.md" in left and "meta.json" not in left and not [n for n in left if n.endswith(".tmp")], left
     # a folder the call made keeps only its complete downloads (raw/) when a later step fails (here: not gzip)
