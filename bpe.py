@@ -62,7 +62,6 @@ CHUNK_BYTES = 4 << 20  # pre-tokenization / encoding work unit: bounds memory at
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. helpers: progress lines, GPT-2's byte <-> unicode map, special-token splitting, file chunking
-# ---------------------------------------------------------------------------------------------------------------
 
 class Progress:
     """Prints `label: done/total unit (rate, ETA)` at most every `every` seconds, and once at the end."""
@@ -116,48 +115,34 @@ def _overlap(a, b):
 def chunk_split_token(special_tokens):
     """The token whose occurrences are safe chunk boundaries for both training and encoding. A boundary at the
     first byte of special token s is safe when no other special can overlap s (else the longest-first split could
-    place s differently). Without a usable special token, b"\\n" between two printable ASCII
-    characters is safe: that newline is a pre-token of its own whether or not the text continues (GPT2_PAT).
-    None: no safe boundary exists (a special contains a newline), the file is one chunk."""
+    place s differently). Without a usable special token, b"\\n" between two printable ASCII characters is safe:
+    that newline is a pre-token of its own whether or not the text continues (GPT2_PAT). None: no safe boundary
+    exists (a special contains a newline), the file is one chunk."""
     for s in special_tokens:
         if all(t == s or not _overlap(s, t) for t in special_tokens):
             return s.encode("utf-8")
-    if any("\n" in s for s in special_tokens):
-        return None
-    return b"\n"
-
-
-_NEWLINE_BOUNDARY = re.compile(rb"[!-~]\n[!-~]")
+    return None if any("\n" in s for s in special_tokens) else b"\n"
 
 
 def find_chunk_boundaries(f, desired_chunks, split_token):
     """Byte offsets [0, ..., size] of about desired_chunks chunks whose boundaries fall on `split_token` (see
     chunk_split_token; b"\\n" means the safe newline rule). Fewer chunks than asked when tokens are rare."""
-    f.seek(0, os.SEEK_END)
-    size = f.tell()
+    size = f.seek(0, os.SEEK_END)
     if split_token is None or desired_chunks <= 1 or size == 0:
         return [0, size]
+    boundary = re.compile(rb"(?<=[!-~]\n)(?=[!-~])" if split_token == b"\n" else re.escape(split_token))
     bounds = [0]
-    for k in range(1, desired_chunks):
-        bounds.append(_next_boundary(f, max(k * max(size // desired_chunks, 1), bounds[-1]), size, split_token))
+    for k in range(1, desired_chunks):  # the first boundary at or after k / desired_chunks of the file, else size
+        f.seek(max(k * max(size // desired_chunks, 1), bounds[-1]))
+        tail, hit = b"", size  # tail: the end of the last read, so a token straddling two reads is still found
+        while block := f.read(1 << 16):
+            window = tail + block
+            if m := boundary.search(window):
+                hit = f.tell() - len(window) + m.start()
+                break
+            tail = window[-(len(split_token) + 2):]
+        bounds.append(hit)
     return sorted(set(bounds + [size]))
-
-
-def _next_boundary(f, pos, size, split_token):
-    """The first boundary at or after pos (size when there is none)."""
-    f.seek(pos)
-    tail = b""  # the end of the last read, so a token straddling two reads is still found
-    while block := f.read(1 << 16):
-        window = tail + block
-        if split_token == b"\n":
-            m = _NEWLINE_BOUNDARY.search(window)
-            hit = m.start() + 2 if m else -1
-        else:
-            hit = window.find(split_token)
-        if hit >= 0:
-            return f.tell() - len(window) + hit
-        tail = window[-(len(split_token) + 2):]
-    return size
 
 
 def _read_chunk(path, start, end):
@@ -180,7 +165,6 @@ def _file_chunks(path, special_tokens, num_workers, chunk_bytes=CHUNK_BYTES):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2. training: pre-tokenize the chunks in parallel, then one merge loop with incremental pair counts and a max-heap
-# ---------------------------------------------------------------------------------------------------------------
 
 def _check_training_args(input_path, vocab_size, special_tokens):
     special_tokens = check_special_tokens(special_tokens)
@@ -224,16 +208,11 @@ def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
     total, done = Counter(), 0
     progress = Progress("pre-tokenize", os.path.getsize(input_path), "B", verbose=verbose)
     workers = min(num_workers, len(jobs))
-    pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
-    try:
+    with multiprocessing.get_context().Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
         for counts, nbytes in (pool.imap_unordered if pool else map)(_pretokenize_chunk, jobs):
             total.update(counts)
             done += nbytes
             progress.update(done)
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
     progress.update(done, final=True)
     return {w.encode("utf-8"): n for w, n in total.items()}
 
@@ -345,7 +324,6 @@ def train_bpe_reference(input_path, vocab_size, special_tokens):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3. the tokenizer
-# ---------------------------------------------------------------------------------------------------------------
 
 class Tokenizer:
     """Encode/decode with a trained vocabulary: specials are matched first (longest first) and become their ids; the
@@ -353,24 +331,20 @@ class Tokenizer:
 
     def __init__(self, vocab, merges, special_tokens=None):
         self.special_tokens = check_special_tokens(special_tokens)
-        self.vocab = {}
-        for i, b in dict(vocab).items():
+        self.vocab = dict(vocab)
+        for i, b in self.vocab.items():
             if not isinstance(i, int) or i < 0 or not isinstance(b, bytes):
                 raise TypeError(f"vocab must map int ids >= 0 to bytes, got {i!r}: {b!r}")
-            self.vocab[i] = b
         self.merges = [(bytes(a), bytes(b)) for a, b in merges]
         self.special_ids = {}  # a special token takes the highest id whose bytes equal it, else the next free id
         for s in self.special_tokens:
             same = [i for i, b in self.vocab.items() if b == s.encode("utf-8")]
-            if not same:
-                same = [max(self.vocab, default=-1) + 1]
-                self.vocab[same[0]] = s.encode("utf-8")
-            self.special_ids[s] = max(same)
+            self.special_ids[s] = max(same) if same else max(self.vocab, default=-1) + 1
+            self.vocab[self.special_ids[s]] = s.encode("utf-8")
         special_id_set = set(self.special_ids.values())
         # ordinary tokens: bytes -> id (the lowest of equal bytes), the special ids left out (the split emits them)
         ordinary = [(b, i) for i, b in sorted(self.vocab.items()) if i not in special_id_set]
         self.bytes_to_id = dict(reversed(ordinary))
-        duplicated = [b for b, n in Counter(b for b, _ in ordinary).items() if n > 1]
         self.ranks = {}
         for r, (a, b) in enumerate(self.merges):
             if a + b not in self.bytes_to_id:
@@ -378,21 +352,22 @@ class Tokenizer:
             self.ranks.setdefault((a, b), r)
         self._splitter = special_splitter(self.special_tokens)
         self._max_special = max((len(s) for s in self.special_tokens), default=0)
-        self._cache = {}
-        self._tiktoken = None
-        reason = self._tiktoken_obstacle(duplicated)
-        if reason is None:
-            import tiktoken
-            self._tiktoken = tiktoken.Encoding(
-                name=f"bpe_{id(self)}", pat_str=GPT2_PAT, mergeable_ranks=self._tiktoken_ranks(),
-                special_tokens=dict(self.special_ids))
-        else:
+        self._cache, self._tiktoken = {}, None
+        reason = self._tiktoken_obstacle(ordinary)
+        if reason:
             warnings.warn(f"bpe: tiktoken fast path off ({reason}); using the pure-Python encoder", stacklevel=2)
+        else:  # ranks of the bytes and merge results only: a token no merge makes must stay out of reach
+            import tiktoken
+            reachable = [bytes([x]) for x in range(256)] + [a + b for a, b in self.merges]
+            self._tiktoken = tiktoken.Encoding(name=f"bpe_{id(self)}", pat_str=GPT2_PAT,
+                                               mergeable_ranks={b: self.bytes_to_id[b] for b in reachable},
+                                               special_tokens=dict(self.special_ids))
 
-    def _tiktoken_obstacle(self, duplicated):
+    def _tiktoken_obstacle(self, ordinary):
         """tiktoken merges the adjacent pair whose concatenation has the lowest rank; with rank = token id that is
         merges-in-order when the ids of merge results grow with merge rank (held to the reference by the tests on
         random, adversarial and GPT-2 text). Returns why the vocabulary does not fit, or None."""
+        duplicated = [b for b, n in Counter(b for b, _ in ordinary).items() if n > 1]
         if duplicated:
             return f"{len(duplicated)} tokens share their bytes with another, e.g. {duplicated[0]!r}"
         missing = [x for x in range(256) if bytes([x]) not in self.bytes_to_id]
@@ -402,12 +377,6 @@ class Tokenizer:
         if any(x >= y for x, y in zip(results, results[1:])):
             return "token ids do not grow with merge rank"
         return None
-
-    def _tiktoken_ranks(self):
-        """The bytes and merge results only: a token no merge makes (e.g. an undeclared special) is never produced
-        by merges-in-order, so tiktoken must not be able to make it either."""
-        reachable = [bytes([x]) for x in range(256)] + [a + b for a, b in self.merges]
-        return {b: self.bytes_to_id[b] for b in reachable}
 
     @classmethod
     def from_files(cls, vocab_path, merges_path, special_tokens=None):
@@ -425,8 +394,7 @@ class Tokenizer:
         raw = _read(vocab_path, "vocab", json.load)
         if not isinstance(raw, dict) or not all(isinstance(i, int) for i in raw.values()):
             raise ValueError(f"{vocab_path}: expected a JSON object of token string -> int id")
-        specials = set(special_tokens)
-        vocab = {}
+        specials, vocab = set(special_tokens), {}
         for s, i in raw.items():
             if i in vocab:
                 raise ValueError(f"{vocab_path}: id {i} appears twice")
@@ -486,9 +454,7 @@ class Tokenizer:
 
     def _segments(self, text):
         """(is_special, string) pieces of text, specials matched longest first."""
-        if self._splitter is None:
-            return [(False, text)]
-        parts = self._splitter.split(text)
+        parts = self._splitter.split(text) if self._splitter else [text]
         return [(k % 2 == 1, p) for k, p in enumerate(parts) if p]
 
     def encode_reference(self, text):
@@ -619,7 +585,6 @@ def _read(path, what, parse):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 4. the command line
-# ---------------------------------------------------------------------------------------------------------------
 
 def peak_rss_mb():
     """Peak RSS of this process and of its largest finished child, in MB. Our own from /proc/self/status (VmHWM)
@@ -633,30 +598,24 @@ def peak_rss_mb():
 
 
 def main(argv):
-    args = cli(argv)
+    args, t0 = cli(argv), time.time()
     try:
-        run_command(args)
+        if args.cmd == "train":
+            vocab, merges = train_bpe(args.input, args.vocab_size, args.special, args.num_workers)
+            paths, (rss, worker_rss) = Tokenizer(vocab, merges, args.special).save(args.out), peak_rss_mb()
+            print(f"wrote {', '.join(paths)}: {len(vocab)} tokens in {time.time() - t0:.1f}s, peak RSS {rss:.0f} MB "
+                  f"(largest worker {worker_rss:.0f} MB), longest {sorted(vocab.values(), key=len)[-3:]}")
+            return
+        tok = Tokenizer.from_files(args.vocab, args.merges, args.special)
+        dtype, n = np.uint16 if max(tok.vocab) < 65536 else np.uint32, 0
+        with atomic_open(args.out, "wb") as f:
+            for ids in tok.encode_file(args.input, args.num_workers):
+                f.write(ids.astype(dtype).tobytes())
+                n += len(ids)
+        print(f"wrote {args.out}: {n:,} tokens, {np.dtype(dtype).name}")
     except (ValueError, TypeError, OSError) as e:  # bad input: one line naming it, status 2, not a traceback
         print(f"bpe.py {args.cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def run_command(args):
-    t0 = time.time()
-    if args.cmd == "train":
-        vocab, merges = train_bpe(args.input, args.vocab_size, args.special, args.num_workers)
-        paths = Tokenizer(vocab, merges, args.special).save(args.out)
-        longest = sorted(vocab.values(), key=len)[-3:]
-        print(f"wrote {', '.join(paths)}: {len(vocab)} tokens in {time.time() - t0:.1f}s, peak RSS "
-              f"{peak_rss_mb()[0]:.0f} MB (largest worker {peak_rss_mb()[1]:.0f} MB), longest {longest}")
-        return
-    tok = Tokenizer.from_files(args.vocab, args.merges, args.special)
-    dtype, n = np.uint16 if max(tok.vocab) < 65536 else np.uint32, 0
-    with atomic_open(args.out, "wb") as f:
-        for ids in tok.encode_file(args.input, args.num_workers):
-            f.write(ids.astype(dtype).tobytes())
-            n += len(ids)
-    print(f"wrote {args.out}: {n:,} tokens, {np.dtype(dtype).name}")
 
 
 if __name__ == "__main__":
