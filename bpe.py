@@ -166,26 +166,21 @@ def _file_chunks(path, special_tokens, num_workers, chunk_bytes=CHUNK_BYTES):
 # ---------------------------------------------------------------------------------------------------------------
 # 2. training: pre-tokenize the chunks in parallel, then one merge loop with incremental pair counts and a max-heap
 
-def _check_training_args(input_path, vocab_size, special_tokens):
+def _initial_vocab(input_path, vocab_size, special_tokens):
+    """Checks the training arguments -> (special_tokens as a list, vocab: ids 0..255 are the bytes, then the special
+    tokens in order, skipped if already present)."""
     special_tokens = check_special_tokens(special_tokens)
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"training input {input_path} does not exist")
     if os.path.getsize(input_path) == 0:
         raise ValueError(f"training input {input_path} is empty")
-    n_new_specials = len({s.encode("utf-8") for s in special_tokens} - {bytes([i]) for i in range(256)})
-    if not isinstance(vocab_size, int) or vocab_size < 256 + n_new_specials:
-        raise ValueError(f"vocab_size={vocab_size} is below 256 byte tokens + {n_new_specials} special tokens")
-    return special_tokens
-
-
-def _initial_vocab(special_tokens):
-    """Ids 0..255 are the bytes, then the special tokens in order (skipped if already present)."""
     vocab = {i: bytes([i]) for i in range(256)}
     for s in special_tokens:
-        b = s.encode("utf-8")
-        if b not in vocab.values():
-            vocab[len(vocab)] = b
-    return vocab
+        if s.encode("utf-8") not in vocab.values():
+            vocab[len(vocab)] = s.encode("utf-8")
+    if not isinstance(vocab_size, int) or vocab_size < len(vocab):
+        raise ValueError(f"vocab_size={vocab_size} is below 256 byte tokens + {len(vocab) - 256} special tokens")
+    return special_tokens, vocab
 
 
 def _pretokens(text, special_tokens):
@@ -221,12 +216,9 @@ def _merge(parts, pair, joined):
     """parts with every occurrence of pair, left to right, replaced by joined."""
     out, i = [], 0
     while i < len(parts):
-        if i + 1 < len(parts) and parts[i] == pair[0] and parts[i + 1] == pair[1]:
-            out.append(joined)
-            i += 2
-        else:
-            out.append(parts[i])
-            i += 1
+        hit = parts[i] == pair[0] and i + 1 < len(parts) and parts[i + 1] == pair[1]
+        out.append(joined if hit else parts[i])
+        i += 1 + hit
     return out
 
 
@@ -241,10 +233,9 @@ def _desc_key(token):
 def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=True):
     """Byte-level BPE training (see the module docstring). Returns (vocab {id: bytes}, merges [(bytes, bytes)] in
     order); fewer than vocab_size tokens when the corpus runs out of pairs (said when verbose)."""
-    special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
-    t0 = time.time()
+    special_tokens, vocab = _initial_vocab(input_path, vocab_size, special_tokens)
+    t0, merges = time.time(), []
     word_counts = pretokenize(input_path, special_tokens, num_workers, verbose)
-    vocab, merges = _initial_vocab(special_tokens), []
     # State: every distinct pre-token as a list of ids, its count, pair counts and pair -> words index.
     # The index is lazy: a word stays listed under a pair it lost; merging re-checks the word.
     words, counts = [list(w) for w in word_counts], list(word_counts.values())
@@ -300,11 +291,11 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
 
 def train_bpe_reference(input_path, vocab_size, special_tokens):
     """The slow twin of train_bpe: one process, and every pair recounted from scratch per merge."""
-    special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
+    special_tokens, vocab = _initial_vocab(input_path, vocab_size, special_tokens)
     with open(input_path, encoding="utf-8", newline="") as f:
         text = f.read()
     word_counts = Counter(tuple(bytes([x]) for x in w.encode("utf-8")) for w in _pretokens(text, special_tokens))
-    vocab, merges = _initial_vocab(special_tokens), []
+    merges = []
     while len(vocab) < vocab_size:
         pairs = Counter()
         for w, n in word_counts.items():
@@ -545,10 +536,7 @@ class Tokenizer:
 
     def encode_batch(self, texts, num_workers=None):
         """[encode(t) for t in texts] over all cores (threads: tiktoken's core releases the GIL)."""
-        num_workers = num_workers or os.cpu_count() or 1
-        if self._tiktoken is None or num_workers == 1:
-            return [self.encode(t) for t in texts]
-        with ThreadPoolExecutor(num_workers) as pool:
+        with ThreadPoolExecutor(num_workers or os.cpu_count() or 1) as pool:
             return list(pool.map(self.encode, texts))
 
     def decode(self, ids):
