@@ -342,7 +342,6 @@ class Tokenizer:
                 raise ValueError(f"merge {r} ({a!r}, {b!r}) makes {a + b!r}, which is not in the vocabulary")
             self.ranks.setdefault((a, b), r)
         self._splitter = special_splitter(self.special_tokens)
-        self._max_special = max((len(s) for s in self.special_tokens), default=0)
         self._cache, self._tiktoken = {}, None
         reason = self._tiktoken_obstacle(ordinary)
         if reason:
@@ -485,7 +484,7 @@ class Tokenizer:
         len(buf) - (longest special - 1) can no longer become part of a special. Inside that text every pre-token
         but the last is final, and cutting at the start of one whose previous character is not whitespace leaves the
         prefix's pre-tokens unchanged (only a whitespace run's end depends on the character after it, GPT2_PAT)."""
-        k = self._max_special
+        k = max((len(s) for s in self.special_tokens), default=0)  # the longest special token
         limit, pos, cut = len(buf) - max(k - 1, 0), 0, 0
         if self._splitter is not None:
             for m in self._splitter.finditer(buf):

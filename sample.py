@@ -188,8 +188,7 @@ def _find(path, ckpt_path):
 
 
 def load_model(ckpt_path, device="cpu"):
-    """-> (model in eval mode on device, Tokenizer, eot_id, checkpoint dict). A directory is read as a Llama-format
-    checkpoint (load_llama_dir)."""
+    """-> (model in eval mode on device, Tokenizer, eot_id, checkpoint dict); a directory goes to load_llama_dir."""
     if os.path.isdir(ckpt_path):
         return load_llama_dir(ckpt_path, device)
     if not os.path.isfile(ckpt_path):
