@@ -33,9 +33,7 @@ ATTN_IMPLS = ("naive", "sdpa", "flash", "flash_ref")
 def auto_attn_impl(device_type, packed):
     """train.py's attn_impl="auto": on CUDA, flash for packed documents (sdpa would need a dense block-diagonal
     mask) and sdpa for dense batches (where the two are level, LOG.md); naive elsewhere (the CPU reference)."""
-    if device_type != "cuda":
-        return "naive"
-    return "flash" if packed else "sdpa"
+    return "naive" if device_type != "cuda" else "flash" if packed else "sdpa"
 
 
 def upcast(x):
@@ -136,10 +134,8 @@ class RMSNorm(nn.Module):
             return flash.rms_norm(x, self.weight, self.eps)
         if self.impl != "torch":
             raise ValueError(f"RMSNorm.impl={self.impl!r}: expected 'torch' or 'triton'")
-        in_dtype = x.dtype
-        x = upcast(x)
-        inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x * inv_rms * self.weight.to(x.dtype)).to(in_dtype)
+        xf = upcast(x)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 def set_norm_impl(module, impl):
@@ -396,12 +392,8 @@ def _selective_recompute_context():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     aten = torch.ops.aten
     saved = {aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.flash.attention_fwd.default}
-    if hasattr(torch.ops.flash, "triton_attention_fwd"):  # what compiled code calls for the Triton kernels on a GPU
-        saved.add(torch.ops.flash.triton_attention_fwd.default)
-    for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"):
-        if hasattr(aten, name):
-            saved.add(getattr(aten, name).default)
+    saved |= {getattr(aten, f"_scaled_dot_product_{name}").default for name in ("cudnn_attention", "flash_attention",
+              "efficient_attention", "flash_attention_for_cpu") if hasattr(aten, f"_scaled_dot_product_{name}")}
     keep = CheckpointPolicy.MUST_SAVE
     return create_selective_checkpoint_contexts(
         lambda ctx, op, *args, **kwargs: keep if op in saved else CheckpointPolicy.PREFER_RECOMPUTE)
@@ -499,17 +491,13 @@ class TransformerLM(nn.Module):
         elif position_ids is None and T > self.context_length:
             raise ValueError(f"sequence of {T} tokens exceeds context_length {self.context_length}")
 
-        x = self.token_embeddings(idx)
-        args = (position_ids, cu_seqlens, max_seqlen)
-        seg = self.act_ckpt_every  # the first n_full blocks are checkpointed in segments of seg
-        n_full = self.num_layers if self.act_ckpt_layers is None else min(self.act_ckpt_layers, self.num_layers)
-        n_full = n_full if seg else 0
-        if self.training and torch.is_grad_enabled() and (n_full or self.selective_recompute):
-            for start in range(0, n_full, max(seg, 1)):  # each segment keeps only its input
-                x = checkpoint(self._run_layers, x, start, min(start + seg, n_full), *args, use_reentrant=False)
-            x = self._run_layers(x, n_full, self.num_layers, *args, selective=self.selective_recompute)
-        else:
-            x = self._run_layers(x, 0, self.num_layers, *args, kv_cache)
+        x, args = self.token_embeddings(idx), (position_ids, cu_seqlens, max_seqlen, kv_cache)
+        seg, n_full = self.act_ckpt_every, 0  # the first n_full blocks are checkpointed in segments of seg
+        if seg and self.training and torch.is_grad_enabled():
+            n_full = min(self.num_layers if self.act_ckpt_layers is None else self.act_ckpt_layers, self.num_layers)
+        for start in range(0, n_full, max(seg, 1)):  # each segment keeps only its input
+            x = checkpoint(self._run_layers, x, start, min(start + seg, n_full), *args, use_reentrant=False)
+        x = self._run_layers(x, n_full, self.num_layers, *args, selective=self.selective_recompute)
         if kv_cache is not None:
             kv_cache.length += T
         h = self.ln_final(x)
@@ -561,9 +549,6 @@ def cross_entropy(logits, targets, ignore_index=-100):
     return _CrossEntropy.apply(logits, targets, ignore_index)
 
 
-LINEAR_CE_CHUNK_ELEMENTS = 2 ** 28  # logits per chunk of the fused head (half a GiB in bf16)
-
-
 def _add_matmul(acc, a, b):
     """acc + a @ b with acc fp32 and a, b possibly half precision: on CUDA one GEMM with a 32-bit output."""
     if acc.dtype == a.dtype:
@@ -574,12 +559,14 @@ def _add_matmul(acc, a, b):
     return acc.add_(a @ b)
 
 
-def _fused_head(x, weight, targets, ignore_index, chunk, need_grad=True):
+def fused_head(x, weight, targets, ignore_index, chunk, need_grad):
     """(mean loss, dL/dx, dL/dweight) of cross_entropy(x @ weight^T, targets) for x (N, d) and weight (V, d) of
     one dtype, chunk tokens at a time: each chunk's logits are turned into their gradient in place
     (flash.cross_entropy_rows: dO_i = (softmax(o_i) - onehot(t_i)) / count) and consumed at once by the two backward
     matmuls, dx_chunk = dO W and dW += dO^T x_chunk (fp32). need_grad=False (evaluation) skips those two (dx and dW
-    come back empty)."""
+    come back empty). Under torch.compile a custom op, so the compiler sees the chunk loop as one opaque step."""
+    if torch.compiler.is_compiling():
+        return _fused_head_op(x, weight, targets, ignore_index, chunk, need_grad)
     count = (targets != ignore_index).sum().clamp(min=1)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64, for tests)
     scale = (1.0 / count.to(acc_dtype)).reshape(1)
@@ -596,11 +583,10 @@ def _fused_head(x, weight, targets, ignore_index, chunk, need_grad=True):
     return loss_rows.sum() * scale[0], dx, dw
 
 
-# a custom op under torch.compile, so the compiler treats the chunk loop as one opaque step
 @torch.library.custom_op("model::fused_head", mutates_args=())
 def _fused_head_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk: int,
                    need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fused_head(x, weight, targets, ignore_index, chunk, need_grad)
+    return fused_head(x, weight, targets, ignore_index, chunk, need_grad)
 
 
 @_fused_head_op.register_fake
@@ -608,12 +594,6 @@ def _(x, weight, targets, ignore_index, chunk, need_grad):
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     return (x.new_empty((), dtype=acc_dtype), torch.empty_like(x) if need_grad else x.new_empty(0),
             weight.new_empty(weight.shape if need_grad else 0, dtype=acc_dtype))
-
-
-def fused_head(x, weight, targets, ignore_index, chunk, need_grad):
-    """_fused_head, through its custom op while torch.compile traces (ddp.FSDP's sharded head calls this too)."""
-    op = _fused_head_op if torch.compiler.is_compiling() else _fused_head
-    return op(x, weight, targets, ignore_index, chunk, need_grad)
 
 
 def head_dtype(x, weight):
@@ -642,8 +622,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def head_chunk(vocab_size):
-    """Tokens per chunk of the fused head: as many as make LINEAR_CE_CHUNK_ELEMENTS logits."""
-    return max(1, LINEAR_CE_CHUNK_ELEMENTS // vocab_size)
+    """Tokens per chunk of the fused head: as many as make 2^28 logits (half a GiB in bf16)."""
+    return max(1, 2 ** 28 // vocab_size)
 
 
 def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
