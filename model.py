@@ -43,8 +43,7 @@ def upcast(x):
 
 def autocast_dtype(x):
     """The dtype autocast gives matmuls on x's device, or None when autocast is off there."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,10 +59,9 @@ def weight_grad(g, x, dtype):
 
 
 class _AutocastLinear(torch.autograd.Function):
-    """Linear's x W^T under autocast with a weight of another dtype (fp32 master weights): the product autocast
-    would run (x and W cast to its dtype, the casts saved for the backward), but the weight gradient is written in
-    the weight's dtype by its GEMM (weight_grad) instead of rounded to half precision and cast back by a pass of its
-    own. The input gradient is g W, as autocast's."""
+    """Linear's x W^T under autocast with a weight of another dtype (fp32 master weights): autocast's product (x, W
+    cast to its dtype and saved), but the weight gradient written in the weight's dtype by its GEMM (weight_grad),
+    not rounded to half precision and cast back by a pass of its own. The input gradient is g W, as autocast's."""
 
     @staticmethod
     def forward(ctx, x, weight, dtype):
@@ -125,9 +123,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d_model, eps=1e-5, device=None, dtype=None, impl="torch"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.impl = eps, impl
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
-        self.impl = impl
 
     def forward(self, x):
         if self.impl == "triton":
@@ -159,11 +156,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model, d_ff=None, device=None, dtype=None):
         super().__init__()
-        if d_ff is None:
-            d_ff = 64 * round(8 * d_model / 192)
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
-        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        d_ff = 64 * round(8 * d_model / 192) if d_ff is None else d_ff
+        self.w1, self.w2, self.w3 = (Linear(a, b, device=device, dtype=dtype)
+                                     for a, b in ((d_model, d_ff), (d_ff, d_model), (d_model, d_ff)))
 
     def forward(self, x):
         return self.w2(silu(self.w1(x)) * self.w3(x))
@@ -207,8 +202,7 @@ class RotaryEmbedding(nn.Module):
 
 def softmax(x, dim):
     """Subtract the max along dim before exponentiating (softmax is shift invariant; avoids inf / inf)."""
-    x = x - x.amax(dim=dim, keepdim=True)
-    e = torch.exp(x)
+    e = torch.exp(x - x.amax(dim=dim, keepdim=True))
     return e / e.sum(dim=dim, keepdim=True)
 
 
@@ -235,14 +229,11 @@ def document_ids(cu_seqlens, n):
 
 def packed_positions(cu_seqlens, n):
     """RoPE positions that restart in every packed document: pos(t) = t - cu_seqlens[doc(t)]."""
-    doc = document_ids(cu_seqlens, n)
-    t = torch.arange(n, device=cu_seqlens.device)
-    return t - cu_seqlens[doc].long()
+    return torch.arange(n, device=cu_seqlens.device) - cu_seqlens[document_ids(cu_seqlens, n)].long()
 
 
 def block_diagonal_causal_mask(cu_seqlens, n):
-    """(n, n) boolean: row t may attend row s iff doc(t) == doc(s) and s <= t (the block-diagonal rule).
-    The dense reference for packed attention."""
+    """(n, n) boolean, the dense reference for packed attention: row t may attend row s iff doc(t) == doc(s), s <= t."""
     doc = document_ids(cu_seqlens, n)
     return (doc[:, None] == doc[None, :]) & causal_mask(n, cu_seqlens.device)
 
@@ -255,8 +246,7 @@ class KVCache:
 
     def __init__(self, num_layers, batch_size, max_len, num_heads, d_head, device=None, dtype=torch.float32):
         shape = (num_layers, batch_size, max_len, num_heads, d_head)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
         self.max_len, self.length = max_len, 0
 
     def update(self, layer_idx, k, v, position_ids):
@@ -273,13 +263,9 @@ class KVCache:
 # ---------------------------------------------------------------------------------------------------------------
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE on q and k.
-
-    q_proj, k_proj, v_proj are three modules (the reference state-dict names), each called as a module, so wrappers
-    that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection; one fused
-    qkv matmul lost in compiled training (LOG.md). Heads stay (B, T, H, d_k) in memory; flash and sdpa get
-    (B, H, T, d_k) views of them, no copy.
-    """
+    """Multi-head causal self-attention with RoPE on q and k. q_proj, k_proj, v_proj are three modules (the
+    reference names), each called as a module, so a wrapper acting per Linear (ddp.FSDP) sees every projection; one
+    fused qkv matmul lost (LOG.md). Heads stay (B, T, H, d_k) in memory; flash and sdpa get (B, H, T, d_k) views."""
 
     def __init__(self, d_model, num_heads, context_length, theta=10000.0, attn_impl="naive", rope=None,
                  layer_idx=0, device=None, dtype=None):
@@ -289,8 +275,7 @@ class CausalSelfAttention(nn.Module):
         if attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={attn_impl!r}: expected one of {ATTN_IMPLS}")
         self.num_heads, self.d_head = num_heads, d_model // num_heads
-        self.attn_impl = attn_impl
-        self.layer_idx = layer_idx  # which KVCache buffer this layer uses
+        self.attn_impl, self.layer_idx = attn_impl, layer_idx  # layer_idx: which KVCache buffer this layer uses
         self.q_proj, self.k_proj, self.v_proj, self.output_proj = (
             Linear(d_model, d_model, device=device, dtype=dtype) for _ in range(4))
         if rope is None and theta is not None:
@@ -312,43 +297,35 @@ class CausalSelfAttention(nn.Module):
             position_ids = position_ids.expand(B, T)
             k, v = (t.to(q.dtype) for t in kv_cache.update(self.layer_idx, k, v, position_ids))
             out = self._masked(q, k, v, torch.arange(k.shape[1], device=x.device) <= position_ids[:, None, :, None])
-        elif cu_seqlens is None:
-            out = self._causal(q, k, v)
-        elif self.attn_impl == "flash":
-            out = flash.flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True)[None]
+        elif self.attn_impl in ("naive", "sdpa"):
+            out = self._masked(q, k, v, None if cu_seqlens is None else block_diagonal_causal_mask(cu_seqlens, T))
         elif self.attn_impl == "flash_ref":
-            out = self._packed_flash_ref(q, k, v, cu_seqlens)
+            out = self._flash_ref(q, k, v, cu_seqlens)
+        elif cu_seqlens is not None:
+            out = flash.flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True)[None]
         else:
-            out = self._masked(q, k, v, block_diagonal_causal_mask(cu_seqlens, T))
+            heads = lambda t: t.transpose(1, 2)  # (B, T, H, D) <-> (B, H, T, D), a view
+            out = heads(flash.flash_attention(heads(q), heads(k), heads(v), causal=True))
         return self.output_proj(out.reshape(B, T, d))
 
-    def _masked(self, q, k, v, mask):
-        """q (B, T, H, D), k and v (B, S, H, D), a boolean mask broadcasting to (B, H, T, S): sdpa when selected,
-        else ours. (B, T, H, D) out, a strided view."""
-        attend = F.scaled_dot_product_attention if self.attn_impl == "sdpa" else scaled_dot_product_attention
-        return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
-
-    def _causal(self, q, k, v):
-        if self.attn_impl == "naive":
-            return self._masked(q, k, v, causal_mask(q.shape[1], q.device))
+    def _masked(self, q, k, v, mask=None):
+        """q (B, T, H, D), k and v (B, S, H, D), a boolean mask broadcasting to (B, H, T, S) (None: causal): sdpa
+        when selected, else ours. (B, T, H, D) out, a strided view."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.attn_impl == "flash":
-            out = flash.flash_attention(q, k, v, causal=True)
-        elif self.attn_impl == "flash_ref":
-            out = flash.FlashAttentionPyTorch.apply(q, k, v, True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return out.transpose(1, 2)
+        if self.attn_impl == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None).transpose(1, 2)
+        mask = causal_mask(q.shape[2], q.device) if mask is None else mask
+        return scaled_dot_product_attention(q, k, v, mask).transpose(1, 2)
 
-    def _packed_flash_ref(self, q, k, v, cu_seqlens):
-        """The tiled PyTorch twin one document at a time; reads cu_seqlens on the host (a reference path)."""
-        cu = cu_seqlens.tolist()
+    def _flash_ref(self, q, k, v, cu_seqlens):
+        """The tiled PyTorch twin, one document at a time (packed: reads cu_seqlens on the host; a reference path)."""
+        cu = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != q.shape[1] or any(a > b for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to the {q.shape[1]} packed tokens, got {cu}")
-        doc = lambda t, a, b: t[0, a:b].transpose(0, 1)  # (len, H, D) -> (H, len, D), a view
-        outs = [flash.FlashAttentionPyTorch.apply(doc(q, a, b), doc(k, a, b), doc(v, a, b), True).transpose(0, 1)
+        doc = lambda t, a, b: t[:, a:b].transpose(1, 2)  # (B, len, H, D) -> (B, H, len, D), a view
+        outs = [flash.FlashAttentionPyTorch.apply(doc(q, a, b), doc(k, a, b), doc(v, a, b), True)
                 for a, b in zip(cu, cu[1:]) if b > a]
-        return torch.cat(outs)[None]
+        return torch.cat(outs, dim=2).transpose(1, 2)
 
 
 class TransformerBlock(nn.Module):
@@ -366,8 +343,7 @@ class TransformerBlock(nn.Module):
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None, selective=False):
-        """selective=True (while training): keep only the matmul and attention outputs for the backward
-        (_selective_recompute_context)."""
+        """selective=True (while training): keep only the matmul and attention outputs for the backward."""
         if selective and self.training and torch.is_grad_enabled():
             return checkpoint(self._forward, x, position_ids, cu_seqlens, max_seqlen, kv_cache, use_reentrant=False,
                               context_fn=_selective_recompute_context)
@@ -385,10 +361,9 @@ class TransformerBlock(nn.Module):
 
 
 def _selective_recompute_context():
-    """torch.utils.checkpoint's context_fn for selective recomputation: a block keeps the outputs of its matmuls
-    and of attention and recomputes everything else in the backward (RMSNorm, RoPE, SiLU(a) * b, the dtype casts of
-    the weights under autocast): that elementwise work is cheap to redo and its outputs are as large as the
-    matmuls'."""
+    """torch.utils.checkpoint's context_fn for selective recomputation: a block keeps the outputs of its matmuls and
+    of attention and recomputes the rest in the backward (RMSNorm, RoPE, SiLU(a) * b, the weights' autocast casts):
+    elementwise work, cheap to redo, whose outputs are as large as the matmuls'."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     aten = torch.ops.aten
     saved = {aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.flash.attention_fwd.default}
@@ -400,15 +375,12 @@ def _selective_recompute_context():
 
 
 class TransformerLM(nn.Module):
-    """token_embeddings -> num_layers pre-norm blocks -> ln_final -> lm_head; returns logits.
-
-    rope_theta=None disables RoPE. tie_embeddings shares one (vocab_size, d_model) matrix between the embedding
-    and lm_head, initialised like a Linear (std sqrt(2 / (V + d))) since std 1 would blow up the logits.
-    Recomputation while training (activations rebuilt in the backward instead of stored):
+    """token_embeddings -> num_layers pre-norm blocks -> ln_final -> lm_head. rope_theta=None disables RoPE.
+    tie_embeddings shares one (vocab_size, d_model) matrix between the embedding and lm_head, initialised like a
+    Linear (std sqrt(2 / (V + d))) since std 1 would blow up the logits. Recomputation while training:
     act_ckpt_every=k > 0 checkpoints segments of k consecutive blocks (only the segment's input is kept), over the
     first act_ckpt_layers blocks (None: all of them); selective_recompute=True makes every other block keep only
-    its matmul and attention outputs (_selective_recompute_context).
-    """
+    its matmul and attention outputs (_selective_recompute_context)."""
 
     def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta=10000.0,
                  attn_impl="naive", tie_embeddings=False, act_ckpt_every=0, act_ckpt_layers=None,
@@ -417,8 +389,7 @@ class TransformerLM(nn.Module):
         if act_ckpt_every < 0:
             raise ValueError(f"act_ckpt_every={act_ckpt_every} must be >= 0 (0 = no activation checkpointing)")
         if act_ckpt_layers is not None and not 0 <= act_ckpt_layers <= num_layers:
-            raise ValueError(f"act_ckpt_layers={act_ckpt_layers} must lie in [0, num_layers={num_layers}] (None: "
-                             f"every block)")
+            raise ValueError(f"act_ckpt_layers={act_ckpt_layers} must lie in [0, num_layers={num_layers}] (None: all)")
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.vocab_size, self.context_length = vocab_size, context_length
@@ -453,22 +424,17 @@ class TransformerLM(nn.Module):
 
     def make_kv_cache(self, batch_size, max_len=None, device=None, dtype=torch.float32):
         """An empty KVCache for this model (max_len defaults to context_length, the RoPE table size)."""
-        max_len = self.context_length if max_len is None else max_len
-        device = self.lm_head.weight.device if device is None else device
-        return KVCache(self.num_layers, batch_size, max_len, self.num_heads, self.d_model // self.num_heads,
-                       device=device, dtype=dtype)
+        return KVCache(self.num_layers, batch_size, self.context_length if max_len is None else max_len,
+                       self.num_heads, self.d_model // self.num_heads, dtype=dtype,
+                       device=self.lm_head.weight.device if device is None else device)
 
     def forward(self, idx, cu_seqlens=None, max_seqlen=None, position_ids=None, kv_cache=None, targets=None):
-        """idx (B, T) int64 -> logits (B, T, vocab_size); with targets (B, T): the mean cross-entropy instead,
-        computed by the fused head (linear_cross_entropy, targets == -100 ignored), so the (tokens x vocab_size)
-        logits are never materialized whole. Training passes targets; sampling and tests ask for logits.
-
-        Packed mode: idx (1, N) holds documents back to back, cu_seqlens (int32, num_docs + 1) their
-        boundaries and max_seqlen (Python int) the longest; attention stays inside each document and RoPE
-        positions restart at 0 in each (unless position_ids are given).
-        position_ids (B, T) or (T,): explicit RoPE positions (default 0..T-1).
-        kv_cache (KVCache): decoding; position_ids are then required and also name the cache slot of every token.
-        """
+        """idx (B, T) int64 -> logits (B, T, vocab_size); with targets (B, T): the mean cross-entropy instead, by
+        the fused head (linear_cross_entropy, targets == -100 ignored), so the logits never exist whole.
+        Packed mode: idx (1, N) holds documents back to back, cu_seqlens (int32, num_docs + 1) their boundaries and
+        max_seqlen (Python int) the longest; attention stays inside each document and RoPE positions restart at 0
+        in each. position_ids (B, T) or (T,): explicit RoPE positions (default 0..T-1).
+        kv_cache (KVCache): decoding; position_ids are then required and also name the cache slot of every token."""
         B, T = idx.shape
         if cu_seqlens is not None:
             if B != 1:
@@ -479,8 +445,7 @@ class TransformerLM(nn.Module):
                 raise ValueError("packed mode needs max_seqlen as a Python int (the longest document)")
             max_seqlen = int(max_seqlen)  # a NumPy integer becomes the plain int the kernel grid wants
             if max_seqlen > self.context_length:
-                raise ValueError(f"a packed document of {max_seqlen} tokens exceeds context_length "
-                                 f"{self.context_length}")
+                raise ValueError(f"max_seqlen={max_seqlen} exceeds context_length {self.context_length}")
             if position_ids is None:
                 position_ids = packed_positions(cu_seqlens, T)
         elif kv_cache is not None:
