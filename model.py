@@ -287,12 +287,9 @@ class CausalSelfAttention(nn.Module):
         cu_seqlens/max_seqlen mark the documents (attention stays inside each). kv_cache: decoding, see KVCache."""
         B, T, d = x.shape
         q, k, v = (proj(x).view(B, T, self.num_heads, self.d_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if self.rope is not None:
-            if position_ids is None:
-                position_ids = torch.arange(T, device=x.device)
-            # the tables gain a heads axis: (..., T, 1, d_k/2) against q, k (B, T, H, d_k/2)
-            cos, sin = self.rope.cos[position_ids].unsqueeze(-2), self.rope.sin[position_ids].unsqueeze(-2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope is not None:  # positions (..., T, 1) broadcast over the heads of q, k (B, T, H, d_k)
+            position_ids = torch.arange(T, device=x.device) if position_ids is None else position_ids
+            q, k = self.rope(q, position_ids[..., None]), self.rope(k, position_ids[..., None])
         if kv_cache is not None:  # queries and keys differ in length: the masked path for every attn_impl
             position_ids = position_ids.expand(B, T)
             k, v = (t.to(q.dtype) for t in kv_cache.update(self.layer_idx, k, v, position_ids))
@@ -390,20 +387,16 @@ class TransformerLM(nn.Module):
             raise ValueError(f"act_ckpt_every={act_ckpt_every} must be >= 0 (0 = no activation checkpointing)")
         if act_ckpt_layers is not None and not 0 <= act_ckpt_layers <= num_layers:
             raise ValueError(f"act_ckpt_layers={act_ckpt_layers} must lie in [0, num_layers={num_layers}] (None: all)")
-        if d_model % num_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.vocab_size, self.context_length = vocab_size, context_length
         self.d_model, self.num_layers, self.num_heads = d_model, num_layers, num_heads
         self.act_ckpt_every, self.act_ckpt_layers = act_ckpt_every, act_ckpt_layers  # read at call time
         self.selective_recompute = selective_recompute
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
-        # one RoPE table for all layers; a non-persistent buffer, so not in the state dict
-        rope = None if rope_theta is None else RotaryEmbedding(rope_theta, d_model // num_heads, context_length,
-                                                               device=device)
-        self.layers = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff, context_length, rope_theta, attn_impl=attn_impl, rope=rope,
-                             layer_idx=i, device=device, dtype=dtype)
-            for i in range(num_layers))
+        self.layers = nn.ModuleList()
+        for i in range(num_layers):  # the first layer builds the RoPE table (not in the state dict), the rest share it
+            self.layers.append(TransformerBlock(d_model, num_heads, d_ff, context_length, rope_theta, attn_impl,
+                                                rope=self.layers[0].attn.rope if i else None, layer_idx=i,
+                                                device=device, dtype=dtype))
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
         if tie_embeddings:
@@ -597,11 +590,10 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
     if x.shape[:-1] != targets.shape:
         raise ValueError(f"linear_cross_entropy: x {tuple(x.shape)} needs targets of shape {tuple(x.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
-    x2, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-    if chunk is None:
-        chunk = head_chunk(weight.shape[0])
+    chunk = head_chunk(weight.shape[0]) if chunk is None else chunk
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation: no dx, dW
-    return _LinearCrossEntropy.apply(x2, weight, t.contiguous(), ignore_index, chunk, need_grad)
+    x2, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1).contiguous()
+    return _LinearCrossEntropy.apply(x2, weight, t, ignore_index, chunk, need_grad)
 
 
 # ---------------------------------------------------------------------------------------------------------------
