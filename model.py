@@ -23,7 +23,7 @@ import numbers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import flash
 
@@ -48,7 +48,6 @@ def autocast_dtype(x):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. basic modules
-# ---------------------------------------------------------------------------------------------------------------
 
 def weight_grad(g, x, dtype):
     """g^T x (g (N, out), x (N, in), one dtype) returned in dtype (the weight's: fp32 master weights): on CUDA one
@@ -176,9 +175,8 @@ def apply_rope(x, cos, sin):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE: pair j of the head vector at position i turns by angle i * theta^(-2j / d_k), i.e.
-    x'[2j] = x[2j] cos - x[2j+1] sin, x'[2j+1] = x[2j] sin + x[2j+1] cos. Precomputed cos/sin tables
-    (context_length, d_k/2) as non-persistent buffers.
+    """RoPE: pair j of the head vector at position i turns by angle i * theta^(-2j / d_k): x'[2j] = x[2j] cos -
+    x[2j+1] sin, x'[2j+1] = x[2j] sin + x[2j+1] cos; cos/sin tables (context_length, d_k/2), non-persistent buffers.
     forward(x (..., T, d_k), position_ids (..., T) broadcasting over x's leading dims; default 0..T-1)."""
 
     def __init__(self, theta, d_k, context_length, device=None):
@@ -198,7 +196,6 @@ class RotaryEmbedding(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2. attention: softmax, the reference attention, packed documents, the KV cache
-# ---------------------------------------------------------------------------------------------------------------
 
 def softmax(x, dim):
     """Subtract the max along dim before exponentiating (softmax is shift invariant; avoids inf / inf)."""
@@ -260,7 +257,6 @@ class KVCache:
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3. the model: attention layer, block, language model
-# ---------------------------------------------------------------------------------------------------------------
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on q and k. q_proj, k_proj, v_proj are three modules (the
@@ -361,7 +357,6 @@ def _selective_recompute_context():
     """torch.utils.checkpoint's context_fn for selective recomputation: a block keeps the outputs of its matmuls and
     of attention and recomputes the rest in the backward (RMSNorm, RoPE, SiLU(a) * b, the weights' autocast casts):
     elementwise work, cheap to redo, whose outputs are as large as the matmuls'."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     aten = torch.ops.aten
     saved = {aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.flash.attention_fwd.default}
     saved |= {getattr(aten, f"_scaled_dot_product_{name}").default for name in ("cudnn_attention", "flash_attention",
@@ -469,7 +464,6 @@ class TransformerLM(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 4. loss: cross_entropy and the fused head
-# ---------------------------------------------------------------------------------------------------------------
 
 class _CrossEntropy(torch.autograd.Function):
     """Forward: loss_i = logsumexp(o_i) - o_i[target_i] in fp32; backward written out: d loss / d o = (softmax(o) -
@@ -574,8 +568,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        dx, dw = ctx.saved_tensors
-        x_dtype, w_dtype = ctx.dtypes
+        (dx, dw), (x_dtype, w_dtype) = ctx.saved_tensors, ctx.dtypes
         return (dx * grad).to(x_dtype), (dw * grad).to(w_dtype), None, None, None, None
 
 
@@ -598,7 +591,6 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. parameter and FLOP accounting, size presets
-# ---------------------------------------------------------------------------------------------------------------
 
 def count_params(model):
     """Number of parameters, shared (tied) tensors counted once."""
