@@ -1608,7 +1608,7 @@ def test_llama_export_and_load_agree_with_hf_llama(tmp_path):
             assert (ours - theirs(idx).logits).abs().max() <= 1e-5
             for layer in theirs.model.layers:  # without the q/k row reordering the RoPE pairs differ
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-                    proj.weight.copy_(hf.half_to_interleaved_rows(proj.weight, 4))
+                    proj.weight.copy_(hf.llama_rope_rows(proj.weight, 4, to_llama=False))
             assert (theirs(idx).logits - ours).abs().max() > 1e-3
         back = hf.load_llama(str(out))
         assert list(back.state_dict()) == list(m.state_dict()) and hf.rope_theta_of(back) == theta
