@@ -1152,28 +1152,21 @@ def test_flash_gpu_rms_norm_at_model_widths():
 def _tiny_lm(attn_impl="naive", dtype=torch.float32, seed=0, **kw):
     torch.manual_seed(seed)
     args = dict(vocab_size=61, context_length=40, d_model=32, num_layers=2, num_heads=4, d_ff=72)
-    args.update(kw)
-    return TransformerLM(**args, attn_impl=attn_impl, dtype=dtype)
+    return TransformerLM(**{**args, **kw}, attn_impl=attn_impl, dtype=dtype)
 
 
-def test_linear_and_embedding_init_forward_and_weight_read_at_call_time():
+def test_modules_and_attention_match_their_formulas():
     torch.manual_seed(0)
-    lin = Linear(300, 200)
-    std = math.sqrt(2 / 500)
-    assert lin.weight.shape == (200, 300) and list(lin.state_dict()) == ["weight"]  # no bias
+    lin, std = Linear(300, 200), math.sqrt(2 / 500)  # no bias; truncated normal cut at 3 std
+    assert lin.weight.shape == (200, 300) and list(lin.state_dict()) == ["weight"]
     assert lin.weight.abs().max() <= 3 * std + 1e-7 and abs(lin.weight.std().item() - std) < 0.1 * std
     x = torch.randn(2, 3, 300)
     assert torch.allclose(lin(x), torch.einsum("...i,oi->...o", x, lin.weight), atol=1e-5)
     lin.weight.data = torch.zeros_like(lin.weight)  # a swapped/cast weight must take effect
     assert lin(x).abs().max() == 0
-    emb = Embedding(1000, 64)
+    emb, ids = Embedding(1000, 64), torch.randint(0, 1000, (4, 7))
     assert emb.weight.abs().max() <= 3 and abs(emb.weight.std().item() - 1) < 0.1
-    ids = torch.randint(0, 1000, (4, 7))
     assert torch.equal(emb(ids), emb.weight[ids])
-
-
-def test_norm_ffn_rope_and_attention_match_their_formulas():
-    torch.manual_seed(0)
     norm, x = RMSNorm(37), torch.randn(3, 5, 37, dtype=torch.float64)  # RMSNorm in fp32 at least, input's dtype out
     norm.weight.data = torch.randn(37)
     rms = lambda x: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
@@ -1211,16 +1204,12 @@ def test_norm_ffn_rope_and_attention_match_their_formulas():
 
 def test_cross_entropy_matches_log_softmax_and_ignores_targets():
     torch.manual_seed(0)
-    logits = torch.randn(3, 5, 17, dtype=torch.float64) * 50
-    targets = torch.randint(0, 17, (3, 5))
-    ref = -torch.log_softmax(logits, -1).gather(-1, targets[..., None]).mean()
-    assert torch.allclose(cross_entropy(logits, targets), ref)
-    assert torch.allclose(cross_entropy(logits.view(15, 17), targets.view(15)), ref)
+    logits, targets = torch.randn(3, 5, 17, dtype=torch.float64) * 50, torch.randint(0, 17, (3, 5))
     targets[0, :3] = -100
     keep = targets != -100
     ref = -torch.log_softmax(logits, -1)[keep].gather(-1, targets[keep][:, None]).mean()
     assert torch.allclose(cross_entropy(logits, targets), ref)
-    assert cross_entropy(logits, torch.full_like(targets, -100)).item() == 0  # all padding: 0, not NaN
+    assert torch.allclose(cross_entropy(logits.view(15, 17), targets.view(15)), ref)
     assert torch.isfinite(cross_entropy(torch.tensor([[1e4, 0.0, -1e4]]).bfloat16(), torch.tensor([2]))).all()
     # the written-out backward against autograd through F.cross_entropy, with ignored targets, and numerically
     x, y = logits.detach().requires_grad_(), logits.detach().requires_grad_()
@@ -1230,34 +1219,36 @@ def test_cross_entropy_matches_log_softmax_and_ignores_targets():
     small = (torch.randn(4, 6, dtype=torch.float64) * 3).requires_grad_()
     assert torch.autograd.gradcheck(lambda o: cross_entropy(o, torch.tensor([1, -100, 5, 0])), (small,))
     x = logits.detach().requires_grad_()
-    cross_entropy(x, torch.full_like(targets, -100)).backward()
-    assert x.grad.abs().max() == 0  # all padding: zero gradient, not NaN
+    none = cross_entropy(x, torch.full_like(targets, -100))
+    none.backward()
+    assert none.item() == 0 and x.grad.abs().max() == 0  # all padding: 0 and a zero gradient, not NaN
     half = torch.randn(2, 7, dtype=torch.bfloat16, requires_grad=True)
     cross_entropy(half, torch.tensor([3, 6])).backward()
     assert half.grad.dtype == torch.bfloat16
     _expect(ValueError, ["targets"], cross_entropy, logits, targets[:, :4])
 
 
-def test_cross_entropy_rows_kernel_matches_its_twin():
+@cases("vocab, dtype", [(7, torch.float32), (64, torch.float32), (333, torch.float32), (150, torch.bfloat16)])
+def test_cross_entropy_rows_kernel_matches_its_twin(vocab, dtype):
     # the fused head's per-row kernel (interpreter on CPU): loss and in-place gradient, ragged vocabularies (one
     # column block, several, a ragged last block), ignored rows, large logits, fp32 and bf16
     gen = torch.Generator().manual_seed(21)
-    for vocab, dtype in ((7, torch.float32), (64, torch.float32), (333, torch.float32), (150, torch.bfloat16)):
-        x = (torch.randn(6, vocab, generator=gen) * 20).to(DEVICE, dtype)
-        t = torch.randint(0, vocab, (6,), generator=gen).to(DEVICE)
-        t[2] = -100
-        scale = torch.tensor([0.37], device=DEVICE)
-        loss, grad = torch.empty(6, device=DEVICE), x.clone()
-        flash.cross_entropy_rows(grad, t, -100, scale, loss, kernel=True)
-        ref_loss, ref_grad = flash.cross_entropy_rows_reference(x, t, -100, scale)
-        assert loss[2] == 0 and grad[2].abs().max() == 0
-        assert _rel(loss, ref_loss) < 1e-6 and _rel(grad, ref_grad) < (1e-5 if dtype == torch.float32 else 1e-2)
-        assert _rel(loss, F.cross_entropy(x.double(), t, ignore_index=-100, reduction="none")) < 1e-6
+    x = (torch.randn(6, vocab, generator=gen) * 20).to(DEVICE, dtype)
+    t = torch.randint(0, vocab, (6,), generator=gen).to(DEVICE)
+    t[2] = -100
+    scale, loss, grad = torch.tensor([0.37], device=DEVICE), torch.empty(6, device=DEVICE), x.clone()
+    flash.cross_entropy_rows(grad, t, -100, scale, loss, kernel=True)
+    ref_loss, ref_grad = flash.cross_entropy_rows_reference(x, t, -100, scale)
+    assert loss[2] == 0 and grad[2].abs().max() == 0
+    assert _rel(loss, ref_loss) < 1e-6 and _rel(grad, ref_grad) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert _rel(loss, F.cross_entropy(x.double(), t, ignore_index=-100, reduction="none")) < 1e-6
 
 
-def test_linear_cross_entropy_equals_the_unfused_head():
+def test_linear_cross_entropy_and_model_targets_equal_the_unfused_head():
     # fp64: the chunked head with its backward done in the forward equals cross_entropy(x @ W^T) to rounding;
-    # chunks that do not divide the tokens, ignored targets, a scaled loss, all targets ignored (0, zero grads)
+    # chunks that do not divide the tokens, ignored targets, a scaled loss, all targets ignored (0, zero grads).
+    # Then model(idx, targets=y) against cross_entropy(model(idx), y), value and every gradient, fp32: tied and
+    # untied heads, ignored targets, packed documents
     gen = torch.Generator().manual_seed(22)
     x = torch.randn(2, 19, 24, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(57, 24, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -1273,35 +1264,23 @@ def test_linear_cross_entropy_equals_the_unfused_head():
     gx, gw = torch.autograd.grad(none, (x, w))
     assert none.item() == 0 and gx.abs().max() == 0 and gw.abs().max() == 0
     _expect(ValueError, ["targets"], model.linear_cross_entropy, x, w, t[:, :5])
-
-
-def test_model_with_targets_returns_the_loss_of_its_logits():
-    # model(idx, targets=y) (the fused head) == cross_entropy(model(idx), y), value and every gradient, fp32:
-    # tied and untied heads, ignored targets, packed documents
-    idx, y = torch.randint(0, 61, (2, 13)), torch.randint(0, 61, (2, 13))
+    idx, y = torch.randint(0, 61, (2, 13), generator=gen), torch.randint(0, 61, (2, 13), generator=gen)
     y[1, :6] = -100
-    cu = torch.tensor([0, 4, 13], dtype=torch.int32)
     for tie in (False, True):
         m = _tiny_lm(tie_embeddings=tie, seed=3)
-        for i, t, kw in ((idx, y, {}), (idx[:1], y[:1], dict(cu_seqlens=cu, max_seqlen=9))):
+        for i, t, kw in ((idx, y, {}), (idx[:1], y[:1], dict(cu_seqlens=torch.tensor([0, 4, 13]).int(), max_seqlen=9))):
             fused, plain = m(i, targets=t, **kw), cross_entropy(m(i, **kw), t)
-            assert abs(fused.item() - plain.item()) < 1e-6
             grads = [torch.autograd.grad(loss, list(m.parameters())) for loss in (fused, plain)]
-            assert all(_rel(a, b) < 1e-5 for a, b in zip(*grads))
+            assert abs(fused.item() - plain.item()) < 1e-6 and all(_rel(a, b) < 1e-5 for a, b in zip(*grads)), tie
 
 
 def test_state_dict_has_reference_names_and_reference_weights_load_strictly():
-    m = _tiny_lm()
-    names = ["token_embeddings.weight"]
-    for i in range(2):
-        names += [f"layers.{i}.ln1.weight"] + [f"layers.{i}.attn.{p}.weight" for p in
-                                              ("q_proj", "k_proj", "v_proj", "output_proj")]
-        names += [f"layers.{i}.ln2.weight"] + [f"layers.{i}.ffn.{w}.weight" for w in ("w1", "w2", "w3")]
-    names += ["ln_final.weight", "lm_head.weight"]
-    assert list(m.state_dict()) == names
+    m, layer = _tiny_lm(), "ln1 attn.q_proj attn.k_proj attn.v_proj attn.output_proj ln2 ffn.w1 ffn.w2 ffn.w3".split()
+    names = [f"layers.{i}.{n}.weight" for i in range(2) for n in layer]
+    assert list(m.state_dict()) == ["token_embeddings.weight"] + names + ["ln_final.weight", "lm_head.weight"]
     block = TransformerBlock(32, 4, 72, 40, 10000.0)  # standalone, as the reference tests build them
-    assert list(block.state_dict()) == [n[len("layers.0."):] for n in names if n.startswith("layers.0.")]
-    assert list(CausalSelfAttention(32, 4, 40).state_dict()) == [n[len("layers.0.attn."):] for n in names[2:6]]
+    assert list(block.state_dict()) == [f"{n}.weight" for n in layer]
+    assert list(CausalSelfAttention(32, 4, 40).state_dict()) == [f"{n[5:]}.weight" for n in layer[1:5]]
     shapes = {n: t.shape for n, t in m.state_dict().items()}
     assert shapes["layers.0.ffn.w1.weight"] == (72, 32) and shapes["layers.0.ffn.w2.weight"] == (32, 72)
     torch.manual_seed(1)
@@ -1326,6 +1305,7 @@ def _functional_reference_lm(sd, idx, num_layers, num_heads, theta=10000.0, rope
         return torch.view_as_real(torch.view_as_complex(t.unflatten(-1, (D // 2, 2)).contiguous()) * rot).flatten(-2)
 
     turn = turn if rope else (lambda t: t)
+
     for i in range(num_layers):
         p = lambda n: sd[f"layers.{i}.{n}.weight"]
         h = F.rms_norm(x, (d,), p("ln1"), eps=1e-5)
@@ -1356,14 +1336,11 @@ def _check_impls_agree(m, idx, impls, atol):
     results = {}
     for impl in ("naive",) + impls:
         m.attn_impl = impl
-        m.zero_grad()
         logits = m(idx)
-        cross_entropy(logits, torch.roll(idx, -1, 1)).backward()
-        results[impl] = (logits.detach(), [p.grad.clone() for p in m.parameters()])
+        results[impl] = [logits.detach(), *torch.autograd.grad(cross_entropy(logits, torch.roll(idx, -1, 1)),
+                                                               list(m.parameters()))]
     for impl in impls:
-        for got, want in zip([results[impl][0]] + results[impl][1], [results["naive"][0]] + results["naive"][1]):
-            assert torch.allclose(got, want, atol=atol), impl
-
+        assert all(torch.allclose(got, want, atol=atol) for got, want in zip(results[impl], results["naive"])), impl
 
 def _packed_matches_separate(impl, doc_lens, atol, device="cpu", **model_args):
     """Packed documents (logits and gradients of the summed loss) against each document run alone."""
@@ -1474,11 +1451,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
     elementwise work (RMSNorm's rsqrt) but no matmul, full checkpointing reruns the matmuls of its blocks too."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
+    class Count(TorchDispatchMode):  # counts the ops run under it by name
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
@@ -1494,6 +1467,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
             m = _tiny_lm(attn_impl=impl, num_layers=L, num_heads=2, **kw)
             loss = cross_entropy(m(batch), torch.roll(batch, -1, 1))
             with Count() as count:
+                count.ops = collections.Counter()
                 loss.backward()
             results.append((loss.detach(), [p.grad for p in m.parameters()], count.ops))
         want_loss, want_grads, plain = results[0]
@@ -1546,14 +1520,11 @@ def test_bad_inputs_are_clear_errors():
 
 def test_param_count_and_flops_match_spec():
     V = 10_000
-    expected = {"small": 128.6e6, "medium": 423.2e6, "large": 969.4e6, "xl": 3.407e9, "gpt2-xl": 1.998e9,
-                "10B": 12.83e9}
-    for name, want in expected.items():
-        p = PRESETS[name]
-        d, L, d_ff = p["d_model"], p["num_layers"], p["d_ff"]
-        # embeddings + lm_head, per layer 4d^2 + 3 d d_ff + 2d, the final norm
-        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d
-        assert abs(psi - want) / want < 1e-3 and d % p["num_heads"] == 0, name
+    for name, want in {"small": 128.6e6, "medium": 423.2e6, "large": 969.4e6, "xl": 3.407e9, "gpt2-xl": 1.998e9,
+                       "10B": 12.83e9}.items():
+        d, L, d_ff, H = (PRESETS[name][k] for k in ("d_model", "num_layers", "d_ff", "num_heads"))
+        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d  # embeddings, lm_head, per layer, final norm
+        assert abs(psi - want) / want < 1e-3 and d % H == 0, name
     m = TransformerLM(V, 16, 64, 3, 4, 96)
     assert count_params(m) == 2 * V * 64 + 3 * (4 * 64 * 64 + 3 * 64 * 96 + 2 * 64) + 64
     # GPT-2 XL shape check values: one 1,024-token forward = 4.51 TFLOP counting all T^2 terms
