@@ -1550,13 +1550,12 @@ def _need_hf(*modules):
         hf_logging.set_verbosity_error()
 
 
-def _llama_lm(tie, seed=0, theta=500.0):
-    torch.manual_seed(seed)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
+def _llama_lm(tie, theta=500.0):
+    torch.manual_seed(0)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
     m = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta, tie_embeddings=tie).eval()
     with torch.no_grad():  # RMSNorm gains away from 1, so a swapped or dropped gain would show
-        for p in m.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
+        for p in [p for p in m.parameters() if p.dim() == 1]:
+            p.add_(0.3 * torch.randn_like(p))
     return m
 
 
@@ -1602,31 +1601,28 @@ def test_llama_checkpoint_errors_name_the_problem(tmp_path):
     _need_hf("safetensors")
     m, out = _llama_lm(False), tmp_path / "x"
     hf.save_llama(m, str(out))
-    cases = [(lambda: hf.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
-             (lambda: hf.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
-             (lambda: hf.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
-             (lambda: hf.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
-             (lambda: hf.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None), str(tmp_path / "n")),
-              ValueError, "RoPE")]
-    cfg = json.loads((out / "config.json").read_text())
-    for name, change, words in (("gqa", dict(num_key_value_heads=2), "num_key_value_heads=2"),
-                                ("act", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-                                ("scaled", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
-                                 "rope_type='llama3'"),
-                                ("layers", dict(num_hidden_layers=3), "missing ['model.layers.2")):
-        shutil.copytree(out, tmp_path / name)
-        (tmp_path / name / "config.json").write_text(json.dumps(dict(cfg, **change)))
-        cases.append((lambda d=tmp_path / name: hf.load_llama(str(d)), ValueError, words))
-    shutil.copytree(out, tmp_path / "cut")
-    data = (out / "model.safetensors").read_bytes()
-    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
-    cases.append((lambda: hf.load_llama(str(tmp_path / "cut")), RuntimeError, "truncated or corrupt"))
-    for fn, exc, words in cases:
-        _expect(exc, [words], fn)
     model_args, state = hf.llama_init(str(out), vocab_size=97, context_length=32)
     fresh = TransformerLM(**model_args)
     fresh.load_state_dict(state)  # what train.py's init_from=<directory> does
     assert torch.equal(fresh.layers[1].attn.q_proj.weight, m.layers[1].attn.q_proj.weight)
+    for fn, exc, words in [(lambda: hf.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
+                           (lambda: hf.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
+                           (lambda: hf.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
+                           (lambda: hf.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
+                           (lambda: hf.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None),
+                                                  str(tmp_path / "n")), ValueError, "RoPE")]:
+        _expect(exc, [words], fn)
+    cfg = json.loads((out / "config.json").read_text())  # then edits of config.json, each an error naming it
+    for change, words in ((dict(num_key_value_heads=2), "num_key_value_heads=2"),
+                          (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+                          (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}), "rope_type='llama3'"),
+                          (dict(num_hidden_layers=3), "missing ['model.layers.2")):
+        (out / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        _expect(ValueError, [words], hf.load_llama, str(out))
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    _expect(RuntimeError, ["truncated or corrupt"], hf.load_llama, str(out))
 
 
 def test_llama_directory_samples_like_the_saved_model(tmp_path):
@@ -1704,21 +1700,16 @@ def _padded_batch(gen, rows=((0, 14), (18, 21), (4, 19), (0, 21))):
     return dict(input_ids=ids, attention_mask=mask, labels=labels), mask.bool()
 
 
-@cases("kind", ["gpt2", "llama"])
-def test_hf_attention_padded_batches_match_eager(kind):
-    eager, ours = _hf_pair(kind)
-    batch, real = _padded_batch(torch.Generator().manual_seed(11))
-    _assert_hf_close(ours, eager, batch, real=real)
-
-
 @cases("kind, kwargs", [("gpt2", False), ("llama", True)])
-def test_hf_attention_padding_free_matches_eager_and_each_document_alone(kind, kwargs):
-    # DataCollatorWithFlattening's packed row: by position_ids alone, or by its flash-attention kwargs
-    _need_hf("transformers")
-    from transformers import DataCollatorWithFlattening
-    gen = torch.Generator().manual_seed(12)
-    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
+def test_hf_attention_padded_and_packed_batches_match_eager(kind, kwargs):
+    # a padded batch; then DataCollatorWithFlattening's packed row, by position_ids alone (gpt2) or by its
+    # flash-attention kwargs (llama), against eager and against each document alone
     eager, ours = _hf_pair(kind)
+    from transformers import DataCollatorWithFlattening
+    gen = torch.Generator().manual_seed(11)
+    batch, real = _padded_batch(gen)
+    _assert_hf_close(ours, eager, batch, real=real)
+    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
     assert batch["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in batch) is kwargs
     # eager attention sees the same packing through position_ids (no mask, no cache)
