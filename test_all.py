@@ -1589,12 +1589,11 @@ def test_llama_export_and_load_agree_with_hf_llama(tmp_path):
                       max_position_embeddings=40, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True)
     theirs = LlamaForCausalLM(cfg).eval()
     theirs.save_pretrained(str(tmp_path / "hf"))
-    ours = hf.load_llama(str(tmp_path / "hf"))
-    assert ours.ln_final.eps == 1e-6 and ours.context_length == 40
-    assert ours.token_embeddings.weight is ours.lm_head.weight
+    lm = hf.load_llama(str(tmp_path / "hf"))
+    assert (lm.ln_final.eps, lm.context_length) == (1e-6, 40) and lm.lm_head.weight is lm.token_embeddings.weight
     idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert (ours(idx) - theirs(idx).logits).abs().max() <= 1e-5
+        assert (lm(idx) - theirs(idx).logits).abs().max() <= 1e-5
 
 
 def test_llama_checkpoint_errors_name_the_problem(tmp_path):
@@ -1744,12 +1743,11 @@ def test_hf_attention_errors_name_the_problem():
     eager, ours = _hf_pair("gpt2")
     ids, holes = torch.randint(HF_VOCAB, (2, 9)), torch.ones(2, 9, dtype=torch.long)
     holes[1, 4] = 0
-    q = torch.randn(1, 2, 3, 16)
     _, dropping = _hf_pair("gpt2", attn_pdrop=0.1)
     for fn, words in [(lambda: ours(input_ids=ids, attention_mask=holes), "pad between real tokens"),
                       (lambda: ours(input_ids=ids, attention_mask=torch.ones(2, 1, 9, 9, dtype=torch.bool)), "2-D"),
-                      (lambda: hf.hf_attention(ours.transformer.h[0].attn, q, torch.randn(1, 2, 5, 16),
-                                               torch.randn(1, 2, 5, 16), None), "KV cache"),
+                      (lambda: hf.hf_attention(ours.transformer.h[0].attn, torch.randn(1, 2, 3, 16),
+                                               torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), None), "KV cache"),
                       (lambda: hf.register_hf_attention("my_flash"), "'flash'"),
                       (lambda: dropping.train()(input_ids=ids), "dropout")]:
         _expect(ValueError, [words], fn)
