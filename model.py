@@ -189,9 +189,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x, position_ids=None):
-        if position_ids is None:
-            position_ids = torch.arange(x.shape[-2], device=x.device)
-        return apply_rope(x, self.cos[position_ids], self.sin[position_ids])
+        pos = torch.arange(x.shape[-2], device=x.device) if position_ids is None else position_ids
+        return apply_rope(x, self.cos[pos], self.sin[pos])
 
 
 # ---------------------------------------------------------------------------------------------------------------
