@@ -97,8 +97,7 @@ class Linear(nn.Module):
         return x @ self.weight.T
 
     def cross_entropy(self, x, targets, ignore_index=-100):
-        """cross_entropy(self(x), targets) without the logits ever existing in full: linear_cross_entropy. A
-        method of the layer, so a wrapper that owns the weight (ddp.FSDP) can supply it."""
+        """cross_entropy(self(x), targets) by linear_cross_entropy (a method, so ddp.FSDP's wrapper can supply W)."""
         return linear_cross_entropy(x, self.weight, targets, ignore_index)
 
 
@@ -235,10 +234,10 @@ def block_diagonal_causal_mask(cu_seqlens, n):
 
 
 class KVCache:
-    """Keys and values of earlier tokens for decoding (sample.py), one buffer per layer. Slot s of batch row b holds
-    that row's token at position s, so rows of different lengths (right-padded prompts) share one cache: a query at
-    position p attends slots 0..p of its own row. `length` counts the slots any row may have written (a Python int,
-    no host sync); TransformerLM.forward advances it by the tokens it was fed."""
+    """Keys and values of earlier tokens for decoding (sample.py), one buffer per layer. Slot s of row b holds that
+    row's token at position s, so rows of different lengths (right-padded prompts) share one cache: a query at
+    position p attends slots 0..p of its row. `length`, a Python int that TransformerLM.forward advances, counts the
+    slots any row may have written."""
 
     def __init__(self, num_layers, batch_size, max_len, num_heads, d_head, device=None, dtype=torch.float32):
         shape = (num_layers, batch_size, max_len, num_heads, d_head)
@@ -322,8 +321,7 @@ class CausalSelfAttention(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: z = x + MHSA(RMSNorm1(x)); y = z + FFN(RMSNorm2(z)). With both norms on impl="triton", each
-    norm runs with its residual add as flash.add_rms_norm (z = x + MHSA(..) and RMSNorm2(z) in one kernel; in the
-    backward, the gradient of the residual path joins each norm's in one kernel too)."""
+    norm runs with its residual add as flash.add_rms_norm: z and RMSNorm2(z) in one kernel, each way."""
 
     def __init__(self, d_model, num_heads, d_ff, context_length, theta=10000.0, attn_impl="naive", rope=None,
                  layer_idx=0, device=None, dtype=None):
@@ -598,8 +596,7 @@ def count_params(model):
 
 def flops_per_token(vocab_size, context_length, d_model, num_layers, d_ff, causal=True):
     """Training FLOPs per token = 3 x forward (backward = 2 x forward; a matmul (m x n)(n x p) is 2mnp). Forward per
-    sequence of T tokens: L (8 T d^2 + 4 T^2 d + 6 T d d_ff) + 2 T d V; causal halves the T^2 terms (tile-skipping
-    kernels do half)."""
+    sequence of T tokens: L (8 T d^2 + 4 T^2 d + 6 T d d_ff) + 2 T d V; causal halves the T^2 terms, as kernels do."""
     T, d = context_length, d_model
     attn_t2 = (2 if causal else 4) * T * T * d
     forward = num_layers * (8 * T * d * d + attn_t2 + 6 * T * d * d_ff) + 2 * T * d * vocab_size
