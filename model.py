@@ -321,7 +321,7 @@ class CausalSelfAttention(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: z = x + MHSA(RMSNorm1(x)); y = z + FFN(RMSNorm2(z)). With both norms on impl="triton", each
-    norm runs with its residual add as flash.add_rms_norm: z and RMSNorm2(z) in one kernel, each way."""
+    norm runs with its residual add as flash.add_rms_norm: one kernel for z and RMSNorm2(z), one for their gradients."""
 
     def __init__(self, d_model, num_heads, d_ff, context_length, theta=10000.0, attn_impl="naive", rope=None,
                  layer_idx=0, device=None, dtype=None):
@@ -355,9 +355,10 @@ def _selective_recompute_context():
     of attention and recomputes the rest in the backward (RMSNorm, RoPE, SiLU(a) * b, the weights' autocast casts):
     elementwise work, cheap to redo, whose outputs are as large as the matmuls'."""
     aten = torch.ops.aten
+    sdpa = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
     saved = {aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.flash.attention_fwd.default}
-    saved |= {getattr(aten, f"_scaled_dot_product_{name}").default for name in ("cudnn_attention", "flash_attention",
-              "efficient_attention", "flash_attention_for_cpu") if hasattr(aten, f"_scaled_dot_product_{name}")}
+    saved |= {getattr(aten, name).default for name in sdpa if hasattr(aten, name)}
     keep = CheckpointPolicy.MUST_SAVE
     return create_selective_checkpoint_contexts(
         lambda ctx, op, *args, **kwargs: keep if op in saved else CheckpointPolicy.PREFER_RECOMPUTE)
