@@ -45,7 +45,7 @@ def _safetensors():
 
 def llama_rope_rows(w, num_heads, to_llama=True):
     """Rows of a q/k projection (num_heads * d_k, d_model) from our RoPE pairing to Llama's: inside each head, rows
-    2j and 2j+1 (one rotated pair) move to rows j and j + d_k/2; to_llama=False moves them back. A new tensor."""
+    2j and 2j+1 (one rotated pair) move to rows j and j + d_k/2; to_llama=False moves them back."""
     d_k = w.shape[0] // num_heads
     pairs = (num_heads, d_k // 2, 2, -1) if to_llama else (num_heads, 2, d_k // 2, -1)
     return w.reshape(pairs).transpose(1, 2).reshape(w.shape)
@@ -249,10 +249,11 @@ def llama_init(path, vocab_size=None, context_length=None):
 # 2. Hugging Face attention: hf_attention runs flash.py's kernels inside a transformers model. What a call attends to:
 #    - cu_seq_lens_q / max_length_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True)): the packed
 #      documents they name, by flash_attn_varlen with no host read (the path to compile);
-#    - a 2-D padding mask: each row as three varlen segments, pads / real tokens / pads, cut on the device (a fixed
-#      shape); a pad between real tokens is an error;
+#    - a 2-D padding mask: each row (one document) as three varlen segments, pads / real tokens / pads, cut on the
+#      device (a fixed shape); a pad between real tokens is an error;
 #    - position_ids alone: a document starts where a position does not follow the previous one; read on the host
-#      once per forward (no restart: the dense kernel); compiled, every token is a boundary (most segments empty);
+#      once per forward (no restart: the dense kernel); compiled, every token is a boundary (a fixed shape, but
+#      programs launch for each of the many empty segments);
 #    - none of these: dense flash_attention.
 #    Another `scaling` than 1/sqrt(d) is folded into q. Dropout, sliding windows, softcapping, attention sinks, 4-D
 #    masks and fewer queries than keys (KV-cache decoding: generate with sdpa) are clear errors.
