@@ -10,7 +10,8 @@ a progress line on stderr, every row in --json FILE, a chart in --plot FILE.png;
     python bench.py attention | varlen | hf | rmsnorm | adamw | sass | bpe --input FILE
     torchrun --nproc_per_node=2 bench.py ddp | allreduce
 
-Sections: harness (Parser, Report, time_ms) · model · attention · varlen, hf · rmsnorm, adamw · ddp · bpe · sass
+Sections: command line (options, read before torch is imported) · harness (Report, time_ms) · model · attention ·
+varlen, hf · rmsnorm, adamw · ddp · bpe · sass
 """
 import argparse
 import collections
@@ -68,8 +69,222 @@ def bpe_train_child(argv):
     return 0
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["_bpe_train"]:  # before torch is imported: see bpe_train_child
-    sys.exit(bpe_train_child(sys.argv[2:]))
+# ---- the command line: each subcommand's options, read before torch is imported (-h and a mistake answer at once)
+# and again by the subcommand, which also checks model.py's names then, and what needs the device -------------------
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors, bad options and bad values alike, are one line on stderr and exit status 2; rules(args)
+    -> [(bad, message)]: checks across options, made as soon as they are parsed."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        args = super().parse_args(args, namespace)
+        for bad, why in getattr(self, "rules", lambda a: ())(args):
+            if bad:
+                self.error(why)
+        return args
+
+
+def parser(name, description, device=True, plot=False, defaults=None):
+    """A subcommand's parser with the options they share; defaults: {option: (CUDA default, CPU default)}."""
+    p = Parser(prog=f"bench.py {name}", description=description)
+    p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
+    if device:
+        p.add_argument("--device", default="auto", help="auto: cuda where there is one, else cpu")
+        p.add_argument("--seed", type=int, default=0)
+    if plot:
+        p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
+    for key, (gpu, cpu) in (defaults or {}).items():
+        p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
+    return p
+
+
+def listed(choices=None, cast=str):
+    """An argparse type: 'a,b,c' -> [a, b, c], each item cast and checked against choices."""
+    def parse_list(text):
+        try:
+            items = [cast(t) for t in text.split(",") if t]
+        except (ValueError, AttributeError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {cast.__doc__ or cast.__name__}")
+        if not items or (choices and set(items) - set(choices)):
+            raise argparse.ArgumentTypeError(f"unknown value in {text!r}: expected {', '.join(map(str, choices))}")
+        return items
+    return parse_list
+
+
+def tokens_by_d(text):
+    """TOKENSxD items"""
+    n, d = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", text).groups()
+    return int(n), int(d)
+
+
+MODEL_NAMES = {}  # size: model.py's PRESETS and ours, attn: ATTN_IMPLS; known once torch is imported (before: any name)
+MODES, PHASES, DTYPES = ("fwd", "fwd_bwd", "train"), ("forward", "backward", "optimizer_step"), ("fp32", "bf16")
+COMPILES = ("none", "model", "blocks", "graphs")  # graphs: torch.compile(mode="reduce-overhead")
+KEYS = dict(model="model", size="size", context_length="ctx", batch_size="batch", dtype="dtype", compile="compile",
+            attn="attn", recompute="recompute", mode="mode")  # a row's configuration, and its column names
+ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
+VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
+    d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
+    context_length=(1024, 256), median_len=(200.0, 40.0), batch_size=(32, 2), dtype=("bf16", "fp32"),
+    attn=("flash", "naive"), num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2), compile=("dynamic", "none"),
+    phases=("eval,train",) * 2, strategies=("pad,dynamic_pad,pack,pack_static",) * 2, backend=("inductor", "aot_eager"))
+HF_DEFAULTS = dict(VARLEN_DEFAULTS, vocab_size=(50257, 257), context_length=(1024, 32), median_len=(200.0, 20.0),
+                   batch_size=(16, 2), warmup=(3, 1), steps=(10, 1), phases=("train",) * 2, strategies=(
+                       "sdpa:pad,sdpa:pad:compiled,sdpa:dynamic_pad,ours:pad,ours:pack,ours:pack:compiled,"
+                       "flex_attention:pack",) * 2)  # (ATTN:LAYOUT[:compiled]; GPT2Config's shape on the GPU)
+LAYOUTS = ("pad", "dynamic_pad", "pack", "pack_static")
+RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
+# impl[-bucket MiB][+zero1][+bf16]: the names of ddp.wrap (train.py's ddp_impl); "none" = no wrapper, no
+# communication (the per-GPU compute baseline); torch+zero_redundancy = torch DDP with torch's ZeroRedundancyOptimizer
+DDP_VARIANTS = ("none", "naive", "flat", "overlap", "bucketed-1", "bucketed-10", "bucketed-25", "bucketed-100",
+                "bucketed-1000", "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy",
+                "torch_fsdp+bf16")
+
+
+def options(name):
+    """The parser of subcommand `name`, with its options and the rules across them."""
+    hf_model, name = name == "hf", {"allreduce": "ddp"}.get(name, name)
+    if name == "model":
+        p = parser("model", "The training step of our TransformerLM, optionally beside a peer: time per step and "
+                   "phase, memory, throughput; a row per combination of the comma lists.", plot=True)
+        p.add_argument("--size", "--sizes", type=listed(MODEL_NAMES.get("size")), default="small",
+                       help="presets: model.PRESETS, tiny, gpt2, 8B")
+        for key in ("d_model", "d_ff", "num_layers", "num_heads"):
+            p.add_argument(f"--{key}", type=int, help="override the preset's value")
+        p.add_argument("--vocab_size", type=int, default=10000)
+        p.add_argument("--context_length", "--context_lengths", type=listed(cast=int), default="512")
+        p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
+        p.add_argument("--dtype", "--dtypes", type=listed(DTYPES), default="fp32", help="bf16: autocast")
+        p.add_argument("--mode", "--modes", type=listed(MODES), default="train", help="fwd (inference), fwd_bwd, train")
+        p.add_argument("--compile", "--compile_options", type=listed(COMPILES), nargs="?", const=["model"],
+                       default="none", help="blocks: each block compiled in place; graphs: mode reduce-overhead")
+        p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")), default="naive")
+        p.add_argument("--tie_embeddings", action="store_true")
+        p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also a peer: GPT-2 in "
+                       "torch.nn parts, or our architecture in torch.nn layers (under torchrun: FSDP2)")
+        p.add_argument("--cuda_graphs", action="store_true", help="the whole step one CUDA graph (mode train, CUDA)")
+        p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
+        p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
+        p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later rows are skipped")
+        p.add_argument("--warmup", type=int, default=5)
+        p.add_argument("--steps", type=int, default=10)
+        p.add_argument("--reference_tokens_per_s", type=float, help="nanoGPT's, say: a 'vs reference' column")
+        p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
+        p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
+        p.add_argument("--selective_recompute", action="store_true")
+        p.add_argument("--nvtx", action="store_true", help="NVTX ranges of the timed steps' ops and phases, for nsys")
+        p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler: top kernels and a Chrome trace")
+        p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history, for memory_viz")
+        rows = lambda a: (len(a.attn) + bool(a.peer)) * math.prod(map(len, (a.size, a.compile, a.dtype,
+                                                                          a.context_length, a.mode)))
+        p.rules = lambda a: [(a.steps < 1 or a.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
+                             ((a.nvtx or a.profile or a.memory_snapshot) and rows(a) > 1,
+                              "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
+                             ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
+                              "under torchrun --compile is none or blocks (the models are sharded after compiling)")]
+    elif name == "attention":
+        p = parser("attention", "Causal attention forward, backward and both: our FlashAttention beside SDPA's "
+                   "cuDNN, flash and memory-efficient backends, FlexAttention and naive PyTorch, dense and on packed "
+                   "documents (on the CPU: tiny stand-ins in the Triton interpreter).", device=False)
+        p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="see the section")
+        p.add_argument("--methods", type=listed(), help="default: all but ours-gluon, naive-compiled, packed sdpa-*, "
+                       "fa2")
+        p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, their median")
+        p.add_argument("--sustain", type=float, default=1.0, help="the sustained part: seconds of warm-up, of timing")
+        p.add_argument("--time_budget", type=float, default=0, help="seconds; later cases are left out (0: no limit)")
+    elif name in ("varlen", "hf"):
+        p = parser("hf" if hf_model else "varlen", "Training (and eval) on the same variable-length documents laid "
+                   "out by each strategy, every row from the same weights: " + ("a transformers GPT2LMHeadModel "
+                   "(dropout 0) on sdpa, ours (hf.register_hf_attention) or flex_attention, a row per document or "
+                   "packed, compiled or not" if hf_model else "our model padded, padded to the longest, packed, packed "
+                   "to a static shape"), plot=True, defaults=HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
+        p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
+        known = lambda s: s in LAYOUTS if not hf_model else s.split(":", 1)[0] in ("sdpa", "ours", "flex_attention") \
+            and s.split(":", 1)[-1].removesuffix(":compiled") in LAYOUTS[:3]
+        p.rules = lambda a: [(not all(map(known, (a.strategies or "pad").split(","))) or a.dtype not in (None, *DTYPES)
+                              or set((a.phases or "eval").split(",")) - {"eval", "train"},
+                              f"--strategies, --dtype or --phases: not {'ATTN:' * hf_model}{'|'.join(LAYOUTS)}"
+                              f"{'[:compiled]' * hf_model}, {'|'.join(DTYPES)} or eval,train")]
+    elif name == "rmsnorm":
+        p = parser("rmsnorm", "RMSNorm forward and forward+backward: flash.rms_norm beside model.RMSNorm compiled by "
+                   "inductor, F.rms_norm, and x.clone() (a read and a write of x: the bandwidth a norm can at best "
+                   "reach); bf16 on CUDA, fp32 on the CPU (the Triton interpreter).")
+        p.add_argument("--shapes", type=listed(cast=tokens_by_d), default="32768x4096,12288x768")
+        p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
+        p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, their median")
+    elif name == "adamw":
+        p = parser("adamw", "One optimizer step over a TransformerLM's parameters, every optimizer on the same tensors "
+                   "and gradients: our AdamW (fused kernel, foreach path) against torch's (fused, foreach).")
+        p.add_argument("--sizes", type=listed(MODEL_NAMES.get("size")), help="model presets (default gpt2,xl on CUDA, "
+                       "tiny on the CPU); vocab 50304 for gpt2, 512 for tiny, else 10000")
+        p.add_argument("--rep", type=int, default=100, help="CUDA: ms of timed steps per optimizer, the median taken")
+    elif name == "ddp":
+        p = parser("ddp", "Under torchrun: all-reduce bandwidth per size (--allreduce_mb), then TransformerLM under "
+                   "each data-parallel variant of ddp.wrap (train.py's ddp_impl names; none: no communication, the "
+                   "baseline) beside torch DDP, ZeroRedundancyOptimizer and FSDP2, all with our AdamW.", device=False)
+        p.add_argument("--allreduce_mb", type=float, nargs="*", default=[], help="MiB per all-reduced fp32 tensor")
+        p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS), choices=DDP_VARIANTS)
+        p.add_argument("--preset", default="gpt2-xl", choices=MODEL_NAMES.get("size"), help="tiny: vocab 512")
+        p.add_argument("--batch_size", type=int, default=8, help="per rank")
+        p.add_argument("--context_length", type=int, default=1024)
+        p.add_argument("--warmup", type=int, default=3)
+        p.add_argument("--steps", type=int, default=10, help="timed steps (all-reduce: calls) per row")
+    elif name == "bpe":
+        p = parser("bpe", "Our byte-level BPE beside the libraries: training (bpe.train_bpe vs HF tokenizers' "
+                   "BpeTrainer, each in a fresh process: wall seconds, peak RSS) and encoding with our vocabulary "
+                   "(Tokenizer.encode, encode_batch, encode_file vs tiktoken on the same ranks: MB/s, the ids checked "
+                   "equal); the median of --repeats.", device=False)
+        p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special (bench_corpus.py)")
+        p.add_argument("--vocab_size", type=int, default=10000)
+        p.add_argument("--special", default="<|endoftext|>")
+        p.add_argument("--num_workers", type=int, default=os.cpu_count())
+        p.add_argument("--repeats", type=int, default=3)
+        p.rules = lambda a: [(not os.path.isfile(a.input) or os.path.getsize(a.input) == 0 or a.repeats < 1 or
+                              a.num_workers < 1 or not a.special, f"--input {a.input} is missing or empty, or "
+                              f"--repeats or --num_workers < 1, or --special empty")]
+    elif name == "sass":
+        p = parser("sass", "The attention kernels compiled for sm_90 without a GPU (cmd_sass tells how and why): "
+                   "registers, spills, SASS size, shared memory, wgmma serialization.", device=False)
+        p.add_argument("--head_dims", default="128,64")
+        p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
+        p.add_argument("--full", action="store_true", help="non-causal instead of causal")
+    return p
+
+
+COMMANDS = {  # name: what it answers, in one line (its options: options(name); its run: RUN[name], at the end)
+    "model": "the training step: time per phase, memory, throughput; sweeps, comparisons, peers",
+    "attention": "our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed",
+    "varlen": "pad vs dynamic_pad vs pack on the same documents, our model",
+    "rmsnorm": "our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s",
+    "adamw": "one optimizer step: our AdamW (fused, foreach) vs torch's",
+    "ddp": "our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)",
+    "allreduce": "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)",
+    "hf": "varlen on a Hugging Face GPT-2: SDPA, ours, FlexAttention",
+    "bpe": "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken",
+    "sass": "registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)",
+}
+
+
+def command(argv):
+    """The subcommand argv names; -h lists them (exit status 0), none or an unknown one is one line (status 2)."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print("\n".join(["usage: python bench.py SUBCOMMAND [options]   (python bench.py SUBCOMMAND -h: its options)",
+                         "", "subcommands:"] + [f"  {name:<9}  {text}" for name, text in COMMANDS.items()]))
+        raise SystemExit(0)
+    if not argv or argv[0] not in COMMANDS:
+        Parser(prog="bench.py").error(f"unknown subcommand {argv[0]!r}; choose one of {', '.join(COMMANDS)} (python "
+                                      f"bench.py -h)" if argv else f"a subcommand, please: {', '.join(COMMANDS)}")
+    return argv[0]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_bpe_train"]:  # before torch is imported: see bpe_train_child
+        sys.exit(bpe_train_child(sys.argv[2:]))
+    options(command(sys.argv[1:])).parse_args(sys.argv[2:])  # -h and mistakes: answered before torch loads
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -89,31 +304,10 @@ import triton  # noqa: E402
 SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4),  # tiny: CPU runs and tests
              gpt2=dict(d_model=768, d_ff=2048, num_layers=12, num_heads=12),  # GPT-2 small's parameters in SwiGLU
              **{"8B": dict(d_model=4096, d_ff=11008, num_layers=34, num_heads=32)})  # the leaderboard's model
+MODEL_NAMES.update(size=tuple(SIZES), attn=ATTN_IMPLS)
 
 
-# ---- the harness: parsing, printing and saving, progress, timing ----------------------------------------------------
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose errors, bad options and bad values alike, are one line on stderr and exit status 2."""
-
-    def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def parser(name, description, device=True, plot=False, defaults=None):
-    """A subcommand's parser with the options they share; defaults: {option: (CUDA default, CPU default)}."""
-    p = Parser(prog=f"bench.py {name}", description=description)
-    p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
-    if device:
-        p.add_argument("--device", default="auto", help="auto: cuda where there is one, else cpu")
-        p.add_argument("--seed", type=int, default=0)
-    if plot:
-        p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
-    for key, (gpu, cpu) in (defaults or {}).items():
-        p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
-    return p
-
+# ---- the harness: the device, printing and saving, progress, timing ------------------------------------------------
 
 def parse(p, argv, defaults=None):
     """(args, device): the options parsed, those of `defaults` not given set for the device."""
@@ -126,19 +320,6 @@ def parse(p, argv, defaults=None):
     torch.manual_seed(args.seed)
     torch._dynamo.config.cache_size_limit = 64  # one function compiled at many shapes: past 8 it would run eagerly
     return args, device
-
-
-def listed(choices=None, cast=str):
-    """An argparse type: 'a,b,c' -> [a, b, c], each item cast and checked against choices."""
-    def parse_list(text):
-        try:
-            items = [cast(t) for t in text.split(",") if t]
-        except (ValueError, AttributeError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {cast.__doc__ or cast.__name__}")
-        if not items or (choices and set(items) - set(choices)):
-            raise argparse.ArgumentTypeError(f"unknown value in {text!r}: expected {', '.join(map(str, choices))}")
-        return items
-    return parse_list
 
 
 def fmt(x, digits=2):
@@ -356,11 +537,6 @@ def document_lengths(num_docs, median_len, sigma, max_len, generator, total_toke
 
 
 # ---- model: the training step, ours beside a peer; every combination of the listed options is a row -----------------
-
-MODES, PHASES, DTYPES = ("fwd", "fwd_bwd", "train"), ("forward", "backward", "optimizer_step"), ("fp32", "bf16")
-COMPILES = ("none", "model", "blocks", "graphs")  # graphs: torch.compile(mode="reduce-overhead")
-KEYS = dict(model="model", size="size", context_length="ctx", batch_size="batch", dtype="dtype", compile="compile",
-            attn="attn", recompute="recompute", mode="mode")  # a row's configuration, and its column names
 
 
 class PeerBlock(nn.Module):
@@ -595,51 +771,19 @@ def print_compare(rep, rows, axis):
 
 
 def cmd_model(argv):
-    p = parser("model", "The training step of our TransformerLM, optionally beside a peer: time per step and phase, "
-               "memory, throughput; a row per combination of the comma lists.", plot=True)
-    p.add_argument("--size", "--sizes", type=listed(SIZES), default="small", help=f"presets: {', '.join(SIZES)}")
-    for key in ("d_model", "d_ff", "num_layers", "num_heads"):
-        p.add_argument(f"--{key}", type=int, help="override the preset's value")
-    p.add_argument("--vocab_size", type=int, default=10000)
-    p.add_argument("--context_length", "--context_lengths", type=listed(cast=int), default="512")
-    p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
-    p.add_argument("--dtype", "--dtypes", type=listed(DTYPES), default="fp32", help="bf16: autocast")
-    p.add_argument("--mode", "--modes", type=listed(MODES), default="train", help="fwd (inference), fwd_bwd, train")
-    p.add_argument("--compile", "--compile_options", type=listed(COMPILES), nargs="?", const=["model"],
-                   default="none", help="blocks: each block compiled in place; graphs: mode reduce-overhead")
-    p.add_argument("--attn", type=listed(ATTN_IMPLS), default="naive")
-    p.add_argument("--tie_embeddings", action="store_true")
-    p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also a peer: GPT-2 in "
-                   "torch.nn parts, or our architecture in torch.nn layers (under torchrun: FSDP2)")
-    p.add_argument("--cuda_graphs", action="store_true", help="the whole step one CUDA graph (mode train, CUDA)")
-    p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
-    p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
-    p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later rows are skipped")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--reference_tokens_per_s", type=float, help="nanoGPT's, say: a 'vs reference' column")
-    p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
-    p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
-    p.add_argument("--selective_recompute", action="store_true")
-    p.add_argument("--nvtx", action="store_true", help="NVTX ranges of the timed steps' ops and phases, for nsys")
-    p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler: top kernels and a Chrome trace")
-    p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history, for memory_viz")
+    p = options("model")
     args, device = parse(p, argv)
     distributed = "WORLD_SIZE" in os.environ  # under torchrun: the models sharded, every rank a batch
     rank, _, world, device = ddp.init_distributed() if distributed else (0, 0, None, device)
     combos = list(itertools.product(args.dtype, args.context_length, args.mode))
     groups = [("ours", s, c, a) for s in args.size for c in args.compile for a in args.attn]
     groups += [(args.peer, s, c, "sdpa") for s in args.size for c in args.compile] if args.peer else []
-    for bad, why in ((args.steps < 1 or args.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
-                     ((args.nvtx or args.profile or args.memory_snapshot) and len(groups) * len(combos) > 1,
-                      "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
-                     (args.cuda_graphs and (args.mode != ["train"] or args.warmup < 3 or device.type != "cuda" or
+    for bad, why in ((args.cuda_graphs and (args.mode != ["train"] or args.warmup < 3 or device.type != "cuda" or
                                             args.nvtx or args.profile or args.memory_snapshot or "graphs" in
                                             args.compile), "--cuda_graphs captures a training step: it needs CUDA, "
                       "--mode train and --warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
-                     ((args.memory_snapshot or args.nvtx) and device.type != "cuda", "--memory_snapshot, --nvtx: CUDA"),
-                     (distributed and not set(args.compile) <= {"none", "blocks"},
-                      "under torchrun --compile is none or blocks (the models are sharded after compiling)")):
+                     ((args.memory_snapshot or args.nvtx) and device.type != "cuda", "--memory_snapshot, --nvtx need "
+                      "CUDA")):
         if bad:
             p.error(why)
     rep = Report("model", argv, device, args, rank)
@@ -700,7 +844,6 @@ def cmd_model(argv):
 # the 8B model's sequence and the 2.7B's D=80; varlen, packed documents; sweep, one head over S and D; work, D=64 over
 # B·H with each kernel family forced; sustained, at the GPU's power limit; compile, naive eager vs torch.compile.
 
-ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
 BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
 MAX_SEQ = {"naive": 16384, "naive-compiled": 16384, "flex": 65536, "sdpa-efficient": 65536}  # costly ones capped
 PACKED = ("ours", "ours-triton", "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")  # see packed_methods
@@ -854,14 +997,7 @@ def print_attention(rep, rows):
 
 
 def cmd_attention(argv):
-    p = parser("attention", "Causal attention forward, backward and both: our FlashAttention beside SDPA's cuDNN, "
-               "flash and memory-efficient backends, FlexAttention and naive PyTorch, dense and on packed documents "
-               "(on the CPU: tiny stand-ins in the Triton interpreter).", device=False)
-    p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="see bench.py's section")
-    p.add_argument("--methods", type=listed(), help="default: all but ours-gluon, naive-compiled, packed sdpa-*, fa2")
-    p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, the median taken")
-    p.add_argument("--sustain", type=float, default=1.0, help="the sustained part: seconds of warm-up and of timing")
-    p.add_argument("--time_budget", type=float, default=0, help="seconds; later cases are left out (0: no limit)")
+    p = options("attention")
     args = p.parse_args(argv)
     cuda, bf16, fp32 = torch.cuda.is_available(), torch.bfloat16, torch.float32
     device, methods = torch.device("cuda" if cuda else "cpu"), dense_methods(cuda)
@@ -922,17 +1058,6 @@ def cmd_attention(argv):
 
 # ---- varlen, hf: padding strategies on the same documents, our model's or a Hugging Face GPT-2's step ---------------
 
-VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
-    d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
-    context_length=(1024, 256), median_len=(200.0, 40.0), batch_size=(32, 2), dtype=("bf16", "fp32"),
-    attn=("flash", "naive"), num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2), compile=("dynamic", "none"),
-    phases=("eval,train",) * 2, strategies=("pad,dynamic_pad,pack,pack_static",) * 2, backend=("inductor", "aot_eager"))
-HF_DEFAULTS = dict(VARLEN_DEFAULTS, vocab_size=(50257, 257), context_length=(1024, 32), median_len=(200.0, 20.0),
-                   batch_size=(16, 2), warmup=(3, 1), steps=(10, 1), phases=("train",) * 2, strategies=(
-                       "sdpa:pad,sdpa:pad:compiled,sdpa:dynamic_pad,ours:pad,ours:pack,ours:pack:compiled,"
-                       "flex_attention:pack",) * 2)  # (ATTN:LAYOUT[:compiled]; GPT2Config's shape on the GPU)
-LAYOUTS = ("pad", "dynamic_pad", "pack", "pack_static")
-
 
 def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
     """One batch of documents (token ranges) laid out as `strategy` says: ours as train.py does (pack_static padded
@@ -958,20 +1083,9 @@ def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
 
 
 def cmd_varlen(argv, hf_model=False):
-    defaults = HF_DEFAULTS if hf_model else VARLEN_DEFAULTS
-    p = parser("hf" if hf_model else "varlen", "Training (and eval) on the same variable-length documents laid out "
-               "by each strategy, every row from the same weights: " + ("a transformers GPT2LMHeadModel (dropout 0) on "
-               "sdpa, ours (hf.register_hf_attention) or flex_attention, a row per document or packed, compiled or not"
-               if hf_model else "our model padded, padded to the longest, packed, packed to a static shape"),
-               plot=True, defaults=defaults)
-    p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
-    args, device = parse(p, argv, defaults)
+    p = options("hf" if hf_model else "varlen")
+    args, device = parse(p, argv, HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
     strategies, phases = args.strategies.split(","), args.phases.split(",")
-    known = lambda s: s in LAYOUTS if not hf_model else s.split(":", 1)[0] in ("sdpa", "ours", "flex_attention") and \
-        s.split(":", 1)[-1].removesuffix(":compiled") in LAYOUTS[:3]
-    if not all(map(known, strategies)) or args.dtype not in DTYPES or set(phases) - {"eval", "train"}:
-        p.error(f"--strategies, --dtype or --phases: not {'ATTN:' * hf_model}{'|'.join(LAYOUTS)}"
-                f"{'[:compiled]' * hf_model}, {'|'.join(DTYPES)} or eval,train")
     rep, ctx, g = Report(p.prog[9:], argv, device, args), args.context_length, torch.Generator().manual_seed(args.seed)
     lengths = document_lengths(args.num_docs, args.median_len, args.sigma, ctx, g)  # random tokens, long-tailed lengths
     docs = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int64)
@@ -1055,27 +1169,14 @@ def cmd_varlen(argv, hf_model=False):
 
 # ---- rmsnorm, adamw: our kernels against PyTorch's ------------------------------------------------------------------
 
-RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
 ADAMW = {"ours fused (the Triton kernel)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
          "ours foreach (fused=False)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=False),
          "torch fused=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
          "torch foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)}
 
 
-def tokens_by_d(text):
-    """TOKENSxD items"""
-    n, d = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", text).groups()
-    return int(n), int(d)
-
-
 def cmd_rmsnorm(argv):
-    p = parser("rmsnorm", "RMSNorm forward and forward+backward: flash.rms_norm beside model.RMSNorm compiled by "
-               "inductor, F.rms_norm, and x.clone() (a read and a write of x: the bandwidth a norm can at best reach); "
-               "bf16 on CUDA, fp32 on the CPU (the Triton interpreter).")
-    p.add_argument("--shapes", type=listed(cast=tokens_by_d), default="32768x4096,12288x768")
-    p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
-    p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, the median taken")
-    args, device = parse(p, argv)
+    args, device = parse(options("rmsnorm"), argv)
     dtype, rows = torch.bfloat16 if device.type == "cuda" else torch.float32, []
     rep = Report("rmsnorm", argv, device, args)
     for n, d in args.shapes:
@@ -1110,12 +1211,7 @@ def cmd_rmsnorm(argv):
 
 
 def cmd_adamw(argv):
-    p = parser("adamw", "One optimizer step over a TransformerLM's parameters, every optimizer on the same tensors "
-               "and gradients: our AdamW (fused kernel, foreach path) against torch's (fused, foreach).")
-    p.add_argument("--sizes", type=listed(SIZES), help="model presets (default gpt2,xl on CUDA, tiny on the CPU); "
-                   "vocab 50304 for gpt2, 512 for tiny, else 10000")
-    p.add_argument("--rep", type=int, default=100, help="CUDA: ms of timed steps per optimizer, the median taken")
-    args, device = parse(p, argv)
+    args, device = parse(options("adamw"), argv)
     sizes = args.sizes or (["gpt2", "xl"] if device.type == "cuda" else ["tiny"])
     rep, rows = Report("adamw", argv, device, args), []
     for size in sizes:
@@ -1142,12 +1238,6 @@ def cmd_adamw(argv):
 
 # ---- ddp: all-reduce bandwidth and the data-parallel variants, under torchrun (`allreduce`: the first table) ------
 
-# impl[-bucket MiB][+zero1][+bf16]: the names of ddp.wrap (train.py's ddp_impl); "none" = no wrapper, no
-# communication (the per-GPU compute baseline); torch+zero_redundancy = torch DDP with torch's ZeroRedundancyOptimizer
-DDP_VARIANTS = ("none", "naive", "flat", "overlap", "bucketed-1", "bucketed-10", "bucketed-25", "bucketed-100",
-                "bucketed-1000", "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy",
-                "torch_fsdp+bf16")
-
 
 def _build_variant(variant, net, opt_cls, lr):
     """(ddp.Parallel, optimizer) for one variant name (see DDP_VARIANTS); net is already on its device."""
@@ -1172,16 +1262,7 @@ def slowest(times):
 
 
 def cmd_ddp(argv):
-    p = parser("ddp", "Under torchrun: all-reduce bandwidth per size (--allreduce_mb), then TransformerLM under "
-               "each data-parallel variant of ddp.wrap (train.py's ddp_impl names; none: no communication, the "
-               "baseline) beside torch DDP, ZeroRedundancyOptimizer and FSDP2, all with our AdamW.", device=False)
-    p.add_argument("--allreduce_mb", type=float, nargs="*", default=[], help="MiB per all-reduced fp32 tensor")
-    p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS), choices=DDP_VARIANTS)
-    p.add_argument("--preset", default="gpt2-xl", choices=tuple(SIZES), help="model preset (tiny: vocab 512)")
-    p.add_argument("--batch_size", type=int, default=8, help="per rank")
-    p.add_argument("--context_length", type=int, default=1024)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10, help="timed steps (all-reduce: calls) per row")
+    p = options("ddp")
     args = p.parse_args(argv)
     rank, _, world, device = ddp.init_distributed()
     if not dist.is_initialized():
@@ -1261,19 +1342,9 @@ def cmd_ddp(argv):
 def cmd_bpe(argv):
     import tiktoken
     from bpe import GPT2_PAT, Tokenizer, peak_rss_mb
-    p = parser("bpe", "Our byte-level BPE beside the libraries: training (bpe.train_bpe vs HF tokenizers' "
-               "BpeTrainer, each in a fresh process: wall seconds, peak RSS) and encoding with our vocabulary "
-               "(Tokenizer.encode, encode_batch, encode_file vs tiktoken on the same ranks: MB/s, the ids checked "
-               "equal); the median of --repeats.", device=False)
-    p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special (data/bench_corpus.py)")
-    p.add_argument("--vocab_size", type=int, default=10000)
-    p.add_argument("--special", default="<|endoftext|>")
-    p.add_argument("--num_workers", type=int, default=os.cpu_count())
-    p.add_argument("--repeats", type=int, default=3)
+    p = options("bpe")
     args = p.parse_args(argv)
     path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
-    if not os.path.isfile(path) or os.path.getsize(path) == 0 or repeats < 1 or workers < 1 or not special:
-        p.error(f"--input {path} is missing or empty, or --repeats or --num_workers < 1, or --special empty")
     cpu, size, train = torch.device("cpu"), os.path.getsize(path), {"ours": [], "hf": []}
     rep = Report("bpe", argv, cpu, args)
     rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, {workers} workers of {os.cpu_count()} CPUs, "
@@ -1442,11 +1513,7 @@ def cmd_sass(argv):
     Triton the GPU machine has, installed aside:
         pip install --no-deps --target /tmp/triton36 triton==3.6.0
         PYTHONPATH=/tmp/triton36 python bench.py sass"""
-    p = parser("sass", cmd_sass.__doc__.split("\n")[0], device=False)
-    p.add_argument("--head_dims", default="128,64")
-    p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
-    p.add_argument("--full", action="store_true", help="non-causal instead of causal")
-    args = p.parse_args(argv)
+    args = options("sass").parse_args(argv)
     if flash.INTERPRET:  # the kernels were defined for the interpreter: compile them in a process that does not
         env = dict(os.environ, TRITON_INTERPRET="0")
         return subprocess.run([sys.executable, os.path.abspath(__file__), "sass"] + argv, env=env).returncode
@@ -1463,32 +1530,15 @@ def cmd_sass(argv):
 
 # ---- dispatch -------------------------------------------------------------------------------------------------------
 
-COMMANDS = {  # name: (function, what it answers, in one line)
-    "model": (cmd_model, "the training step: time per phase, memory, throughput; sweeps, comparisons, peers"),
-    "attention": (cmd_attention, "our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed"),
-    "varlen": (cmd_varlen, "pad vs dynamic_pad vs pack on the same documents, our model"),
-    "rmsnorm": (cmd_rmsnorm, "our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s"),
-    "adamw": (cmd_adamw, "one optimizer step: our AdamW (fused, foreach) vs torch's"),
-    "ddp": (cmd_ddp, "our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)"),
-    "allreduce": (lambda argv: cmd_ddp(["--variants", "--allreduce_mb", "1", "10", "100", "1000"] + argv),
-                  "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)"),
-    "hf": (functools.partial(cmd_varlen, hf_model=True), "varlen on a Hugging Face GPT-2: SDPA, ours, FlexAttention"),
-    "bpe": (cmd_bpe, "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken"),
-    "sass": (cmd_sass, "registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)"),
-}
+RUN = dict(model=cmd_model, attention=cmd_attention, varlen=cmd_varlen, rmsnorm=cmd_rmsnorm, adamw=cmd_adamw,
+           ddp=cmd_ddp, hf=functools.partial(cmd_varlen, hf_model=True), bpe=cmd_bpe, sass=cmd_sass,
+           allreduce=lambda argv: cmd_ddp(["--variants", "--allreduce_mb", "1", "10", "100", "1000"] + argv))
 
 
 def main(argv=None):
-    """Runs one subcommand; returns the exit status (-h: the subcommands, 0; none or an unknown one: 2)."""
+    """Runs one subcommand; returns its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    usage = "\n".join(["usage: python bench.py SUBCOMMAND [options]   (python bench.py SUBCOMMAND -h: its options)",
-                       "", "subcommands:"] + [f"  {name:<9}  {text}" for name, (_, text) in COMMANDS.items()])
-    if argv[:1] in (["-h"], ["--help"]) or not argv or argv[0] not in COMMANDS:
-        print(usage if not argv or argv[0] in ("-h", "--help") else f"bench.py: unknown subcommand {argv[0]!r}; "
-              f"choose one of {', '.join(COMMANDS)} (python bench.py -h)", file=sys.stdout if argv[:1] in (
-                  ["-h"], ["--help"]) else sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    rc = COMMANDS[argv[0]][0](argv[1:])
+    rc = RUN[command(argv)](argv[1:])
     return rc if isinstance(rc, int) else 0
 
 

@@ -7,7 +7,7 @@
   1. helpers     progress lines, GPT-2's byte <-> unicode map, special tokens, chunks cut at safe boundaries
   2. training    train_bpe (parallel pre-tokenization, incremental merge loop) and train_bpe_reference
   3. Tokenizer   GPT-2 files in and out; encode through tiktoken's core, encode_reference in pure Python
-  4. the command line
+  4. the command line (its arguments, cli, come first: parsed before numpy is imported)
 
 Training: ids 0-255 are the bytes, then the special tokens; each merge joins the most frequent adjacent pair of
 tokens (ties: the lexicographically greatest pair of byte strings) inside pre-tokens, never across a special token.
@@ -27,8 +27,32 @@ import warnings
 from collections import Counter, defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-import regex
+
+def cli(argv):
+    parser = argparse.ArgumentParser("bpe.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    train = sub.add_parser("train", help="train a tokenizer and save vocab.json + merges.txt")
+    train.add_argument("--vocab_size", type=int, required=True)
+    train.add_argument("--out", required=True, help="output folder")
+    encode = sub.add_parser("encode", help="encode a text file into a header-less token array")
+    encode.add_argument("--vocab", required=True)
+    encode.add_argument("--merges", required=True)
+    encode.add_argument("--out", required=True, help=".bin file: uint16 if the vocabulary fits, else uint32")
+    for p in (train, encode):
+        p.add_argument("--input", required=True)
+        p.add_argument("--special", nargs="*", default=["<|endoftext|>"], help="special tokens")
+        p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
+    for p in (parser, train, encode):  # a mistake is one line (no usage block), argparse's status 2
+        p.error = lambda message, p=p: p.exit(2, f"{p.prog}: error: {message}\n")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])  # --help and a bad argument answer before numpy is imported; main() reads them again
+
+import numpy as np  # noqa: E402
+import regex  # noqa: E402
 
 # GPT-2's pre-tokenizer: contractions | letters | numbers | other symbols | trailing whitespace | whitespace
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -609,24 +633,12 @@ def peak_rss_mb():
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    train = sub.add_parser("train", help="train a tokenizer and save vocab.json + merges.txt")
-    train.add_argument("--vocab_size", type=int, required=True)
-    train.add_argument("--out", required=True, help="output folder")
-    encode = sub.add_parser("encode", help="encode a text file into a header-less token array")
-    encode.add_argument("--vocab", required=True)
-    encode.add_argument("--merges", required=True)
-    encode.add_argument("--out", required=True, help=".bin file: uint16 if the vocabulary fits, else uint32")
-    for p in (train, encode):
-        p.add_argument("--input", required=True)
-        p.add_argument("--special", nargs="*", default=["<|endoftext|>"], help="special tokens")
-        p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
-    args = parser.parse_args(argv)
+    args = cli(argv)
     try:
         run_command(args)
-    except (ValueError, TypeError, OSError) as e:  # bad input: one line naming it, not a traceback
-        raise SystemExit(f"bpe.py {args.cmd}: {e}") from None
+    except (ValueError, TypeError, OSError) as e:  # bad input: one line naming it, status 2, not a traceback
+        print(f"bpe.py {args.cmd}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run_command(args):

@@ -6,8 +6,9 @@
     python sample.py --prompt "KING:" --prompt "First Citizen:" --temperature 0   # batched prompts, greedy
     python sample.py --ckpt out/llama                  # a Llama-format directory (hf.save_llama)
 
-The file: decoding (sample_next, generate: a KV cache, so each new token runs the model on one position; prompts of
-different lengths decode together), loading a checkpoint and its tokenizer (load_model), the command line (main).
+The file: its arguments (cli, read before torch is imported), decoding (sample_next, generate: a KV cache, so each new
+token runs the model on one position; prompts of different lengths decode together), loading a checkpoint and its
+tokenizer (load_model), the command line (main).
 """
 import argparse
 import contextlib
@@ -16,11 +17,49 @@ import os
 import re
 import sys
 
-import torch
+def cli(argv=None):
+    """The command line, read and checked before torch is imported (--help and a mistake answer at once) ->
+    (args, error): error(message) prints one line, `sample.py: error: ...`, and exits with status 2."""
+    p = argparse.ArgumentParser(description="Generate text from a train.py checkpoint.")
+    p.error = lambda message: p.exit(2, f"sample.py: error: {message}\n")  # one line: no usage block
+    p.add_argument("--out_dir", default="out", help="where train.py wrote ckpt.pt")
+    p.add_argument("--ckpt", default=None, help="checkpoint path (default OUT_DIR/ckpt.pt), or a Llama-format "
+                   "directory (config.json + model.safetensors + our vocab.json / merges.txt)")
+    p.add_argument("--prompt", action="append", default=None, help="prompt text; repeat for a batch of prompts; "
+                   "default: read stdin if piped, else start from <|endoftext|>")
+    p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_p", type=float, default=0.9, help="1 = off")
+    p.add_argument("--top_k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--crop_prompt", action="store_true", help="keep the last context_length tokens of a long prompt")
+    p.add_argument("--no_kv_cache", action="store_true", help="rerun the whole window every step (slow; a check)")
+    args = p.parse_args(argv)
+    args.ckpt = args.ckpt or os.path.join(args.out_dir, "ckpt.pt")
+    for bad, msg in ((args.num_samples < 1, "--num_samples must be >= 1"),
+                     (args.max_new_tokens < 0, "--max_new_tokens must be >= 0"),
+                     (args.temperature < 0, "--temperature must be >= 0 (0 = greedy)"),
+                     (not 0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
+                     (args.top_k < 0, "--top_k must be >= 0 (0 = off)"),
+                     (not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device), "--device must be auto, cpu, cuda or "
+                      f"cuda:N, not {args.device!r}"),
+                     (not os.path.exists(args.ckpt), f"no checkpoint at {args.ckpt}: train a model first with "
+                      f"`python train.py` (or point --out_dir / --ckpt at one)")):
+        if bad:
+            p.error(msg)
+    return args, p.error
 
-from bpe import Tokenizer
-from hf import load_llama
-from model import TransformerLM, softmax
+
+if __name__ == "__main__":
+    cli()  # --help and a bad argument answer before torch is imported; main() reads them again
+
+import torch  # noqa: E402
+
+from bpe import Tokenizer  # noqa: E402
+from hf import load_llama  # noqa: E402
+from model import TransformerLM, softmax  # noqa: E402
 
 EOT = "<|endoftext|>"
 
@@ -145,8 +184,9 @@ def _find(path, ckpt_path):
     for cand in (path, os.path.join(os.path.dirname(ckpt_path), os.path.basename(path)), os.path.join(here, path)):
         if os.path.isfile(cand):
             return cand
-    raise FileNotFoundError(f"the checkpoint's tokenizer file {path!r} is missing: recreate it with "
-                            f"`python data/prepare.py NAME` (the dataset the model was trained on)")
+    raise FileNotFoundError(f"the checkpoint's tokenizer file {path!r} is missing: recreate it with `python "
+                            f"data/prepare.py NAME` (the dataset the model was trained on; add --input FILE ... for "
+                            f"your own text)")
 
 
 def load_model(ckpt_path, device="cpu"):
@@ -182,36 +222,14 @@ def load_model(ckpt_path, device="cpu"):
 # the command line
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Generate text from a train.py checkpoint.")
-    p.add_argument("--out_dir", default="out", help="where train.py wrote ckpt.pt")
-    p.add_argument("--ckpt", default=None, help="checkpoint path (default OUT_DIR/ckpt.pt), or a Llama-format "
-                   "directory (config.json + model.safetensors + our vocab.json / merges.txt)")
-    p.add_argument("--prompt", action="append", default=None, help="prompt text; repeat for a batch of prompts; "
-                   "default: read stdin if piped, else start from <|endoftext|>")
-    p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--max_new_tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top_p", type=float, default=0.9, help="1 = off")
-    p.add_argument("--top_k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    p.add_argument("--crop_prompt", action="store_true", help="keep the last context_length tokens of a long prompt")
-    p.add_argument("--no_kv_cache", action="store_true", help="rerun the whole window every step (slow; a check)")
-    args = p.parse_args(argv)
+    args, error = cli(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    for bad, msg in ((args.num_samples < 1, "--num_samples must be >= 1"),
-                     (args.max_new_tokens < 0, "--max_new_tokens must be >= 0"),
-                     (args.temperature < 0, "--temperature must be >= 0 (0 = greedy)"),
-                     (not 0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
-                     (args.top_k < 0, "--top_k must be >= 0 (0 = off)"),
-                     (torch.device(device).type == "cuda" and not torch.cuda.is_available(),
-                      f"--device {device}: CUDA is not available on this machine")):
-        if bad:
-            p.error(msg)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        error(f"--device {device}: CUDA is not available on this machine")
     try:
-        model, tokenizer, eot_id, _ = load_model(args.ckpt or os.path.join(args.out_dir, "ckpt.pt"), device)
+        model, tokenizer, eot_id, _ = load_model(args.ckpt, device)
     except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
-        sys.exit(f"sample.py: {e}")
+        error(e)
 
     prompts = args.prompt or [sys.stdin.read() if not sys.stdin.isatty() else ""]
     texts = [text for text in prompts for _ in range(args.num_samples)]
@@ -225,7 +243,7 @@ def main(argv=None):
                             eot_id=eot_id, top_k=args.top_k, generator=generator, use_cache=not args.no_kv_cache,
                             crop_prompt=args.crop_prompt)
     except ValueError as e:
-        sys.exit(f"sample.py: {e}")
+        error(e)
     for text, ids in zip(texts, outs):
         print(text + tokenizer.decode(ids))
         print("-" * 40, flush=True)

@@ -14,6 +14,13 @@ import sys
 import sysconfig
 import tokenize
 
+if __name__ == "__main__":  # parsed before numpy is imported: --help and a bad argument answer at once
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = lambda message: parser.exit(2, f"bench_corpus.py: error: {message}\n")  # one line
+    parser.add_argument("--out", default="_dev/bench_corpus.txt")
+    parser.add_argument("--mb", type=float, default=50.0, help="stop after this many MB")
+    args = parser.parse_args()
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prepare import DATA_DIR, EOT, atomic_open, fetch_shakespeare, shakespeare_works  # noqa: E402
 
@@ -64,8 +71,4 @@ def build(out, mb):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="_dev/bench_corpus.txt")
-    parser.add_argument("--mb", type=float, default=50.0, help="stop after this many MB")
-    args = parser.parse_args()
     build(args.out, args.mb)

