@@ -1,8 +1,8 @@
-# Helpers of gpu/h200.sh and gpu/h200x2.sh (sourced, not run). A runner defines part_NAME functions, each running
-# its steps (run_md / run_log) within LIMITS[NAME] seconds (570 unless set); run_parts runs the parts PART names
-# (PART=all: all) and after each rewrites $OUT/BENCH.md (every part's Markdown) and $OUT/results.tar.gz (per part
-# NAME.md, the steps' JSON, PNG and logs, steps.txt), so a cut run keeps what finished. Large artifacts (a trace, a
-# memory snapshot) are gzipped beside them as $OUT/NAME-*.gz. $OUT/parts goes at the end (KEEP_PARTS=1 keeps it).
+# Helpers of gpu/h200.sh and gpu/h200x2.sh (sourced). A runner defines part_NAME functions running their steps
+# (run_md / run_log) within LIMITS[NAME] seconds (570 unless set); run_parts runs the parts PART names (all: every
+# part), after each rewriting $OUT/BENCH.md (every part's Markdown) and $OUT/results.tar.gz (per part NAME.md, the
+# steps' JSON, PNG and logs, steps.txt): a cut run keeps what finished. Large artifacts (a trace, a memory snapshot)
+# are gzipped beside them as $OUT/NAME-*.gz; $OUT/parts goes at the end (a device call returns few files; KEEP_PARTS=1).
 
 PY=${PYTHON:-python3}
 TORCHRUN=${TORCHRUN:-torchrun}
