@@ -1,7 +1,7 @@
 """All tests, one section per script in the order of the files.
 
     python test_all.py            # built-in runner (no pytest needed); prints "N passed, N failed, N skipped"
-    python test_all.py bpe flash  # only tests whose name contains one of the words
+    python test_all.py bpe flash  # only tests whose name contains one of the words (cases: 'test_x[gluon]')
     python -m pytest test_all.py  # also works
 
 Sections follow the files: bpe.py and data/, flash.py, model.py and sample.py, train.py, ddp.py, bench.py. On a
@@ -737,19 +737,19 @@ def test_flash_d64_kernels_by_work_per_sm_and_direction():
                                                                                           bwd, 132)
 
 
-def test_flash_gpu_gluon_matches_reference():
-    """The Hopper (Gluon) forward and backward, forced on, against float64 attention: O, L, dQ, dK, dV; ragged
-    lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims
-    80 and 96 (tiles 64 wide and tails of 16 and 32), 72 and 40 (read in place, zeros past D) and 36 (rows not
-    16-byte aligned: padded copies), packed documents of 0 tokens up to several tiles and 302 of them (more than
-    one chunk of the document search); outputs poisoned first. Shapes of fewer work items than SMs run one CTA per
-    item, the larger ones the persistent grid (the forward: 3 x 8 heads x 17 query tiles = 408 items over 132 SMs;
-    the backward at D=80: 4 x 8 x 8 = 256)."""
-    if not HOPPER:
-        raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
+@cases("backend", ["triton", "gluon"])
+def test_flash_gpu_kernels_match_reference(backend):
+    """Each kernel family forced on a GPU against float64 attention: O, L, dQ, dK, dV; ragged lengths, causal and
+    not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims 80 and 96 (Gluon: 64
+    wide and tails of 16 and 32), 72 and 40 (read in place, zeros past D), 36 (rows not 16-byte aligned: padded
+    copies), packed documents of 0 tokens up to several tiles and 302 of them (more than one chunk of the document
+    search); the Triton kernels also at D=256 and in fp32. Fewer work items than SMs run one CTA per item, more the
+    persistent grid (3 x 8 heads x 17 query tiles = 408 forward items over 132 SMs; 256 backward ones at D=80)."""
+    if not (HOPPER if backend == "gluon" else torch.cuda.is_available()):
+        raise unittest.SkipTest("needs a CUDA GPU (Gluon: an sm90 one and Triton's Gluon)")
     gen = torch.Generator().manual_seed(12)
     bf16 = dict(dtype=torch.bfloat16, tol=2e-2, gen=gen)
-    with _backend("gluon"):
+    with _backend(backend):
         for causal in (True, False):
             for b, h, h_kv, s, d in ((2, 4, 4, 1, 64), (1, 2, 2, 77, 128), (2, 4, 2, 1000, 64), (1, 3, 1, 2049, 128),
                                      (1, 2, 2, 256, 128), (3, 8, 4, 2049, 128), (4, 8, 8, 1000, 80),
@@ -760,6 +760,9 @@ def test_flash_gpu_gluon_matches_reference():
                 _check_dense(b, h, h_kv, s, s, d, causal, layout="bshd", **bf16)
             _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float16, tol=5e-3, gen=gen)
             _check_dense(1, 2, 2, 100, 300, 64, causal, **bf16)  # more keys
+            if backend == "triton":
+                _check_dense(1, 2, 2, 777, 777, 256, causal, **bf16)
+                _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float32, tol=2e-3, gen=gen)
             lens = [1, 7, 0, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3, 0, 0]
             for h, h_kv, d in ((8, 8, 128), (8, 2, 64), (4, 4, 80), (4, 2, 96), (8, 8, 64)):
                 _check_varlen(lens, h, h_kv, d, causal, **bf16)
@@ -816,21 +819,6 @@ def test_flash_gpu_mixed_kernel_families_match_reference():
     finally:
         flash.GLUON_D64_TILES_PER_SM = old
         torch._dynamo.reset()
-
-
-def test_flash_gpu_bf16_large_shapes():
-    if not torch.cuda.is_available():
-        raise unittest.SkipTest("needs CUDA")
-    gen = torch.Generator().manual_seed(7)
-    for causal in (True, False):
-        for b, h, s, d in ((2, 4, 1000, 64), (1, 4, 2049, 128), (1, 2, 777, 256), (2, 3, 333, 32)):
-            _check_dense(b, h, h, s, s, d, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-        _check_dense(2, 8, 2, 1025, 1025, 128, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
-        _check_dense(1, 2, 2, 500, 500, 64, causal, dtype=torch.float16, tol=5e-3, gen=gen)
-        _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float32, tol=2e-3, gen=gen)
-        lens = [1, 7, 300, 2, 1500, 64, 129, 1, 900]
-        _check_varlen(lens, 8, 8, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-        _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
 
 
 # --- AdamW: flash.AdamW (train.AdamW) and its fused kernel ---
@@ -3270,14 +3258,13 @@ def test_runner_names_and_runs_cases():
 
 
 def main(argv):
-    tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
-    if argv:
-        tests = [(n, f) for n, f in tests if any(w in n for w in argv)]
-        if not tests:  # a typo must not pass as "0 passed"
+    runs = [(f"{n}[{'-'.join(map(str, kw.values()))}]" if hasattr(f, "cases") else n, f, kw)
+            for n, f in globals().items() if n.startswith("test_") and callable(f) for kw in getattr(f, "cases", [{}])]
+    if argv:  # a word picks the tests (or the cases: test_x[gluon]) whose names contain it
+        runs = [r for r in runs if any(w in r[0] for w in argv)]
+        if not runs:  # a typo must not pass as "0 passed"
             print(f"no test name contains any of: {' '.join(argv)}", file=sys.stderr)
             return 2
-    runs = [(f"{n}[{'-'.join(map(str, kw.values()))}]" if hasattr(f, "cases") else n, f, kw)
-            for n, f in tests for kw in getattr(f, "cases", [{}])]
     passed, failed, skipped = 0, [], 0
     t_all = time.time()
     for name, fn, kwargs in runs:
