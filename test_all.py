@@ -4,7 +4,7 @@
     python test_all.py bpe flash  # only tests whose name contains one of the words (cases: 'test_x[gluon]')
     python -m pytest test_all.py  # also works
 
-Sections follow the files: bpe.py and data/, flash.py, model.py and sample.py, train.py, ddp.py, bench.py. On a
+Sections follow the files: bpe.py and data/, flash.py, model.py, hf.py, sample.py, train.py, ddp.py, bench.py. On a
 machine without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set below before anything
 imports triton); on a GPU the same tests run natively and the GPU-only tests (names containing "gpu") run too.
 Multi-process tests use gloo on CPU (NCCL when there is a GPU per rank) and skip with a reason when they can't run.
@@ -50,7 +50,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-os.environ.setdefault("FLASH_AUTOTUNE", "0")  # GPU runs: one config per shape class, no tuning (tests many classes)
 if not torch.cuda.is_available():  # before anything imports triton (flash.py would also set it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
