@@ -116,8 +116,7 @@ class _DataParallel(nn.Module):
     def __init__(self, module):
         super().__init__()
         self.rank, self.world_size = _rank_and_world()
-        self.module = module
-        self.require_sync = True  # False inside no_sync(): hooks stay quiet, gradients accumulate locally
+        self.module, self.require_sync = module, True  # require_sync False inside no_sync(): hooks stay quiet
         _broadcast_from_rank0(module)
         self.params = [p for p in module.parameters() if p.requires_grad]
 
@@ -189,12 +188,25 @@ class _Bucket:
         self.views = [c.view_as(p) for c, p in zip(chunks, params)]
         self.ready, self.work = [False] * len(params), None
 
+    def grad_into_view(self, j):  # a fresh gradient is copied in; one kept by zero_grad() is the view already
+        p, view = self.params[j], self.views[j]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view
+
+    def launch(self):  # flag j: 1 where parameter j had a gradient on this rank
+        self.flags.fill_(1.0)
+        for j in [j for j, ready in enumerate(self.ready) if not ready]:
+            self.flags[j] = 0.0
+        self.work = dist.all_reduce(self.buffer, op=_avg_op(), async_op=True)
+
 
 class DDPBucketed(_DataParallel):
-    """Overlap per bucket: parameters in buckets of at most bucket_size_mb MiB in reverse registration order (about
-    backward's order), p.grad a view into its bucket's buffer, a bucket's async all-reduce started when its last
-    gradient is ready. Buckets launch in index order, the rest in finish, so every rank issues the same collectives
-    even where a parameter is unused on some ranks (its gradient counts as zeros; unused everywhere, grad None)."""
+    """Overlap per bucket: buckets of at most bucket_size_mb MiB in reverse registration order (about backward's),
+    each one's async all-reduce started in bucket order once its gradients are ready, the rest in finish, so every
+    rank issues the same collectives even where a parameter is unused on some (its gradient counts as zeros)."""
 
     def __init__(self, module, bucket_size_mb):
         super().__init__(module)
@@ -215,15 +227,6 @@ class DDPBucketed(_DataParallel):
             for j, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, j=j: hook(b, j))
 
-    @staticmethod
-    def _grad_into_view(bucket, j):  # a fresh gradient is copied in; one kept by zero_grad() is the view already
-        p, view = bucket.params[j], bucket.views[j]
-        if p.grad is None:
-            view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-        p.grad = view
-
     def _hook(self, b, j):
         if not self.require_sync:
             return
@@ -231,18 +234,11 @@ class DDPBucketed(_DataParallel):
         if bucket.ready[j]:
             raise RuntimeError("a gradient became ready twice before finish_gradient_synchronization(): run all "
                                "but the last backward of an accumulation inside no_sync()")
-        self._grad_into_view(bucket, j)
+        bucket.grad_into_view(j)
         bucket.ready[j] = True
         while self.next_bucket < len(self.buckets) and all(self.buckets[self.next_bucket].ready):
-            self._launch(self.buckets[self.next_bucket])
+            self.buckets[self.next_bucket].launch()
             self.next_bucket += 1
-
-    @staticmethod
-    def _launch(bucket):
-        bucket.flags.fill_(1.0)
-        for j in [j for j, ready in enumerate(bucket.ready) if not ready]:
-            bucket.flags[j] = 0.0
-        bucket.work = dist.all_reduce(bucket.buffer, op=_avg_op(), async_op=True)
 
     def finish_gradient_synchronization(self):
         if not self.require_sync:
@@ -251,8 +247,8 @@ class DDPBucketed(_DataParallel):
             for j, p in enumerate(bucket.params):
                 if not bucket.ready[j]:
                     bucket.ready[j] = p.grad is not None  # accumulated under no_sync(), unused in this backward
-                    self._grad_into_view(bucket, j)
-            self._launch(bucket)
+                    bucket.grad_into_view(j)
+            bucket.launch()
         for bucket in self.buckets:
             bucket.work.wait()
             _finish_average(bucket.buffer)
@@ -327,8 +323,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self):
-        """The consolidated state in torch.optim's format (parameters numbered across the groups) on every rank,
-        tensors on CPU. Call on all ranks: each owner broadcasts its parameters' state."""
+        """The consolidated state in torch.optim's format on every rank, tensors on CPU (collective: owners send)."""
         full = super().state_dict()  # the groups, parameters numbered as torch.optim does; the state comes next
         params = [p for group in self.param_groups for p in group["params"]]
         index = {p: i for i, p in enumerate(params)}
@@ -340,11 +335,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for r, entries in enumerate(owned):  # then each owner broadcasts its tensors
             for i, entry in sorted(entries.items()):
                 full["state"][i] = entry
-                for k, v in entry.items():
-                    if torch.is_tensor(v):
-                        t = local[params[i]][k].to(device) if r == self.rank else torch.empty_like(v, device=device)
-                        dist.broadcast(t, src=r)
-                        entry[k] = t.to("cpu", copy=True)  # a snapshot, never the live state tensor
+                for k, v in [(k, v) for k, v in entry.items() if torch.is_tensor(v)]:
+                    t = local[params[i]][k].to(device) if r == self.rank else torch.empty_like(v, device=device)
+                    dist.broadcast(t, src=r)
+                    entry[k] = t.to("cpu", copy=True)  # a snapshot, never the live state tensor
         return full
 
     def load_state_dict(self, state_dict):
@@ -370,9 +364,8 @@ _ShardedLayer = collections.namedtuple("_ShardedLayer", "shard rows padded_shape
 
 
 class _FSDPLinear(torch.autograd.Function):
-    """y = x W^T with W all-gathered for this call only (and again in backward); saves x, never the full W. Each
-    product is the very call model.Linear makes, so a sharded step does the arithmetic of a single-process one:
-    mm(x2, W^T), then grad_x2 = mm(g2, W) and model.weight_grad (mm(g2^T, x2) in the master weights' dtype)."""
+    """y = x W^T with W all-gathered for this call only (again in backward); saves x, never W. The products are
+    model.Linear's (mm(x2, W^T), mm(g2, W), model.weight_grad), so a sharded step computes what one process does."""
 
     @staticmethod
     def forward(ctx, x, shard, fsdp, i):
@@ -448,13 +441,12 @@ class _FSDPEmbedding(torch.autograd.Function):
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallel (ZeRO-3) for any model built from model.py's Linear and Embedding: their weights
-    are sharded over ranks (tied weights once) and all-gathered (in compute_dtype) for each use; the rest is
-    replicated, its gradients averaged in finish. module.parameters() then holds fp32 shards and replicated
-    parameters, for a plain optimizer built after wrapping. The first forward records the layer order; then the
-    next layer's gather is queued before each layer's compute (at most two gathered weights alive), and backward
-    mirrors it, reduce-scattering weight gradients asynchronously into fp32 shard gradients (at most two in
-    flight). Gradient accumulation: several backward passes add up the shard gradients (there is no no_sync())."""
+    """ZeRO-3 for any model built from model.py's Linear and Embedding: their weights become fp32 shards (tied ones
+    once), all-gathered in compute_dtype for each use; the rest is replicated, its gradients averaged in finish.
+    Build a plain optimizer over module.parameters() after wrapping. The first forward records the layer order;
+    then the next layer's gather is queued before each layer's compute (two gathered weights alive at most), and
+    backward mirrors it, reduce-scattering weight gradients asynchronously into fp32 shard gradients (two in flight
+    at most). Backward passes add up the shard gradients: accumulation needs no no_sync()."""
 
     def __init__(self, module, compute_dtype=None):
         super().__init__()
@@ -495,7 +487,6 @@ class FSDP(nn.Module):
             self._prefetch_for_backward(self._bwd_pos)
         return out
 
-    # -- gathers ---------------------------------------------------------------------------------------------------
     def _gather(self, i):
         """Start the async all-gather of layer i's full weight (in compute_dtype) unless it is already underway."""
         if i not in self._gathered:
@@ -533,7 +524,6 @@ class FSDP(nn.Module):
         if not self.layers[self._order[pos]].is_embedding:  # an Embedding's backward needs no weight
             self._gather(self._order[pos])
 
-    # -- gradients -------------------------------------------------------------------------------------------------
     def _reduce_scatter(self, i, grad_w):
         """Reduce-scatter layer i's full weight gradient, in fp32 and zero-padded, into this rank's shard gradient."""
         layer = self.layers[i]
@@ -545,8 +535,7 @@ class FSDP(nn.Module):
         self._pending.append((work, shard_grad, layer.shard))
         self._settle(keep=2)
 
-    def _settle(self, keep=0):
-        """Wait for all but the last `keep` reduce-scatters and add their results to the shard gradients."""
+    def _settle(self, keep=0):  # wait for all but the last `keep` reduce-scatters, add them to the shard gradients
         while len(self._pending) > keep:
             work, shard_grad, shard = self._pending.pop(0)
             work.wait()
@@ -622,8 +611,7 @@ def _shard(t, p):
 
 def gather_full_params(model):
     """The unwrapped model's state dict (on CPU) from a model under FSDP (or its .module) or torch_fsdp (collective)."""
-    module = model.module if isinstance(model, FSDP) else model
-    state = module.state_dict(keep_vars=True)
+    state = (model.module if isinstance(model, FSDP) else model).state_dict(keep_vars=True)
     unique = {id(t): t for t in state.values()}  # a tied weight is gathered once
     full = {k: _full(t, t).detach().to("cpu", copy=True) for k, t in unique.items()}
     return {name: full[id(t)] for name, t in state.items()}
@@ -631,8 +619,7 @@ def gather_full_params(model):
 
 def load_full_params(model, state_dict):
     """Load a full state dict into a model under FSDP or torch_fsdp: each rank keeps its own part of each tensor."""
-    module = model.module if isinstance(model, FSDP) else model
-    own = module.state_dict(keep_vars=True)
+    own = (model.module if isinstance(model, FSDP) else model).state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
     if missing or unexpected:
         raise ValueError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
@@ -645,8 +632,7 @@ def load_full_params(model, state_dict):
 
 
 def gather_full_optimizer_state(model, optimizer):
-    """An optimizer's state dict over a model under FSDP or torch_fsdp, sharded tensors made full (on CPU): the
-    unwrapped model's optimizer's, for any world size and wrapper (collective)."""
+    """An optimizer's state dict over a model under FSDP or torch_fsdp: sharded tensors full, on CPU (collective)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved = optimizer.state_dict()
     state = {i: {k: _full(v, params[i]).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
@@ -696,9 +682,10 @@ class Parallel:
       torch       torch.nn.parallel.DistributedDataParallel
       torch_fsdp  FSDP2 (fully_shard per block of model.layers and around the model), compute_dtype params
     compile=True applies torch.compile(**compile_kwargs) inside our DDP wrappers and torch's DDP (hooks stay eager),
-    around the FSDP variants. .module is the unwrapped model, .model what is called. State dicts have the unwrapped
-    model's and a torch.optim optimizer's format under every impl, so a checkpoint of one impl and world size loads
-    into any other."""
+    around the FSDP variants. .module is the unwrapped model, .model what is called. state_dict() and
+    optimizer_state_dict() give (and their load_ methods take, on every rank) the unwrapped model's and a torch.optim
+    optimizer's full state under every impl, so a checkpoint of one impl and world size loads into any other; they
+    are collective under the FSDP variants, optimizer_state_dict() under ZeRO-1 too."""
 
     def __init__(self, model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, compile_kwargs=None):
         if impl not in IMPLS:
@@ -757,20 +744,15 @@ class Parallel:
         return clip_grad_norm(self.parameters(), max_norm)
 
     def state_dict(self):
-        """The full model state dict, keyed like the unwrapped model's (collective under the FSDP variants)."""
         return gather_full_params(self.module) if self.sharded else self.module.state_dict()
 
     def load_state_dict(self, state_dict):
-        """Load a full model state dict (state_dict()'s under any impl, or a single-process model's) on every rank."""
         return load_full_params(self.module, state_dict) if self.sharded else self.module.load_state_dict(state_dict)
 
     def optimizer_state_dict(self, optimizer):
-        """The optimizer's full state in torch.optim's format and the unwrapped model's shapes (collective under
-        ZeRO-1 and the FSDP variants)."""
         return gather_full_optimizer_state(self.module, optimizer) if self.sharded else optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer, state_dict):
-        """Load optimizer_state_dict()'s format (from any impl and world size) on every rank."""
         return (load_full_optimizer_state(self.module, optimizer, state_dict) if self.sharded
                 else optimizer.load_state_dict(state_dict))
 
