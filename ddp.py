@@ -278,8 +278,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer = None        # the inner optimizer: group k holds this rank's parameters of group k
         self.owner, self.owned_numel = {}, [0] * self.world_size  # parameter -> owning rank; elements per rank
         self.flat_buffers = []       # (buffer, segment length) per group and dtype, all-gathered after step
-        # the inner class's defaults (betas, eps, ...), so that groups and state_dict() look like an unsharded one's
-        params = list(params)
+        params = list(params)  # defaults from the inner class (betas, eps, ...): our groups look unsharded
         first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
         probe = torch.zeros(1, dtype=first.dtype, device=first.device, requires_grad=True)
         super().__init__(params, optimizer_cls([probe], **kwargs).defaults)  # calls add_param_group per group
@@ -358,8 +357,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 # ---- FSDP / ZeRO-3 --------------------------------------------------------------------------------------------
 
-# A Linear or Embedding weight under FSDP: `rows` rows zero-padded to `padded_shape` (N * shard rows, cols), of
-# which rank r keeps block r as the fp32 nn.Parameter `shard` (flat sharding by row blocks, 2-D for weight decay)
+# A weight under FSDP: `rows` rows padded to `padded_shape`, rank r keeping row block r as `shard` (2-D for decay)
 _ShardedLayer = collections.namedtuple("_ShardedLayer", "shard rows padded_shape is_embedding")
 
 
@@ -473,7 +471,8 @@ class FSDP(nn.Module):
         self.replicated = [p for p in module.parameters() if not hasattr(p, "_fsdp_full_shape")]
         self._gathered = {}         # layer index -> (full weight buffer, all-gather work) in flight or done
         self._pending = []          # (reduce-scatter work, shard gradient, shard) not yet accumulated
-        self._order, self._order_recorded = [], False  # layer indices in forward order; positions: forward()
+        self._order, self._order_recorded = [], False  # layer indices in forward order, recorded once
+        self._fwd_pos, self._bwd_pos, self._in_backward = 0, -1, False
 
     def forward(self, *inputs, **kwargs):
         self._drop_gathered()  # gathered before an optimizer step they would be stale
@@ -565,17 +564,11 @@ def clip_grad_norm(parameters, max_l2_norm, sharded=()):
     if not grads and not sharded:
         return torch.zeros(())
     device = (grads or sharded)[0].device
-
-    def sum_of_squares(gs):  # a 0-dim fp32 tensor on `device`
-        if not gs:
-            return torch.zeros((), device=device)
-        return torch.stack([n.to(device) for n in torch._foreach_norm(gs)]).float().square().sum()
-
-    total = sum_of_squares(grads)
+    squares, shard_squares = (torch.stack([n.to(device) for n in torch._foreach_norm(gs)]).float().square().sum()
+                              if gs else torch.zeros((), device=device) for gs in (grads, shard_grads))  # fp32
     if sharded:  # every rank takes part, also one whose shards got no gradient
-        dist.all_reduce(shard_total := sum_of_squares(shard_grads))
-        total = total + shard_total
-    norm = total.sqrt()
+        dist.all_reduce(shard_squares)
+    norm = (squares + shard_squares).sqrt()
     scale = (max_l2_norm / (norm + 1e-6)).clamp(max=1.0)
     for key in dict.fromkeys((g.device, g.dtype) for g in grads + shard_grads):  # one multiply per device and dtype
         torch._foreach_mul_([g for g in grads + shard_grads if (g.device, g.dtype) == key], scale.to(*key))
