@@ -2747,6 +2747,7 @@ def _check_fsdp(rank, world_size):
             assert all(s.grad is None or (s.grad.dtype == torch.float32 and s.grad.shape == s.shape)
                        for s in sharded.shards), what
             _assert_close(ddp.gather_full_params(sharded), want[step][0], f"{what} step {step}", atol=atol)  # fp32
+
     # clipping, on the fp32 run: the global norm over shards and replicated parameters equals one process's
     x, y = data[0]
     ref.zero_grad(set_to_none=True)
@@ -2776,7 +2777,7 @@ def _wrapped(impl, make_opt, seed, make=_tiny_transformer, zero1=False, **wrap_k
 def _check_wrap_exact(rank, world_size):
     """ddp.wrap under every impl (our DDP wrappers, ZeRO-1 over two, FSDP, torch's DDP and FSDP2), SGD and our AdamW,
     fp32, deterministic, warnings as errors: after every step the full state dict equals one process's bit for bit,
-    the full optimizer state dict too, and each setup resumed from another impl's state takes the next step alike."""
+    the full optimizer state dict too, and each setup resumed from another impl's state steps on bit for bit."""
     warnings.simplefilter("error")  # no deprecated call or silent fallback anywhere on these paths
     torch.use_deterministic_algorithms(True)
     steps, data = 3, _batches(4, seq=8)
