@@ -37,9 +37,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# process group
-# ---------------------------------------------------------------------------------------------------------------
+# ---- process group --------------------------------------------------------------------------------------------
 
 def init_distributed():
     """(rank, local_rank, world_size, device) from torchrun's environment: NCCL with a GPU per process on CUDA, gloo
@@ -94,14 +92,11 @@ def _all_reduce_flat(grads):  # one all-reduce per dtype, over a flattened copy
 
 
 def _broadcast_from_rank0(module):
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=0)
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t.data, src=0)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# DDP, four ways
-# ---------------------------------------------------------------------------------------------------------------
+# ---- DDP, four ways -------------------------------------------------------------------------------------------
 
 def weak_hook(method):
     """A gradient hook holding its wrapper weakly: tensor hooks live in C++, out of reach of the cycle collector,
@@ -109,8 +104,7 @@ def weak_hook(method):
     ref = weakref.WeakMethod(method)
 
     def hook(*args):
-        bound = ref()
-        if bound is not None:
+        if (bound := ref()) is not None:
             bound(*args)
     return hook
 
@@ -122,8 +116,7 @@ class _DataParallel(nn.Module):
     def __init__(self, module):
         super().__init__()
         self.rank, self.world_size = _rank_and_world()
-        self.module = module
-        self.require_sync = True  # False inside no_sync(): hooks stay quiet, gradients accumulate locally
+        self.module, self.require_sync = module, True  # require_sync False inside no_sync(): hooks stay quiet
         _broadcast_from_rank0(module)
         self.params = [p for p in module.parameters() if p.requires_grad]
 
@@ -186,52 +179,53 @@ class DDPIndividualParameters(_DataParallel):
 
 
 class _Bucket:
-    """Parameters sharing one flat gradient buffer (p.grad becomes a view into it), plus a "had a gradient" flag
-    slot per parameter, all-reduced with the gradients."""
+    """Parameters sharing one flat gradient buffer (p.grad a view into it) and a "had a gradient" flag per parameter."""
 
     def __init__(self, params):
         self.params, sizes = params, [p.numel() for p in params]
         self.buffer = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
         *chunks, self.flags = self.buffer.split(sizes + [len(params)])
         self.views = [c.view_as(p) for c, p in zip(chunks, params)]
-        self.ready, self.num_ready, self.work = [False] * len(params), 0, None
+        self.ready, self.work = [False] * len(params), None
 
-
-class DDPBucketed(_DataParallel):
-    """Overlap per bucket: parameters in buckets of at most bucket_size_mb MiB in reverse registration order (about
-    backward's order), p.grad a view into its bucket's buffer, a bucket's async all-reduce started when its last
-    gradient is ready. Buckets launch in index order, the rest in finish, so every rank issues the same collectives
-    even where a parameter is unused on some ranks (its gradient counts as zeros; unused everywhere, grad None)."""
-
-    def __init__(self, module, bucket_size_mb):
-        super().__init__(module)
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb={bucket_size_mb} must be > 0")
-        self.buckets, current, size = [], [], 0
-        for p in reversed(self.params):
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > bucket_size_mb * 2**20 or (p.dtype, p.device) !=
-                            (current[0].dtype, current[0].device)):
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            self.buckets.append(_Bucket(current))
-        self.next_bucket = 0  # the first bucket not launched yet in this step
-        hook = weak_hook(self._hook)
-        for b, bucket in enumerate(self.buckets):
-            for j, p in enumerate(bucket.params):
-                p.register_post_accumulate_grad_hook(lambda p, b=b, j=j: hook(b, j))
-
-    @staticmethod
-    def _grad_into_view(bucket, j):  # a fresh gradient is copied in; one kept by zero_grad() is the view already
-        p, view = bucket.params[j], bucket.views[j]
+    def grad_into_view(self, j):  # a fresh gradient is copied in; one kept by zero_grad() is the view already
+        p, view = self.params[j], self.views[j]
         if p.grad is None:
             view.zero_()
         elif p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
         p.grad = view
+
+    def launch(self):  # flag j: 1 where parameter j had a gradient on this rank
+        self.flags.fill_(1.0)
+        for j in [j for j, ready in enumerate(self.ready) if not ready]:
+            self.flags[j] = 0.0
+        self.work = dist.all_reduce(self.buffer, op=_avg_op(), async_op=True)
+
+
+class DDPBucketed(_DataParallel):
+    """Overlap per bucket: buckets of at most bucket_size_mb MiB in reverse registration order (about backward's),
+    each one's async all-reduce started in bucket order once its gradients are ready, the rest in finish, so every
+    rank issues the same collectives even where a parameter is unused on some (its gradient counts as zeros)."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module)
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb={bucket_size_mb} must be > 0")
+        groups, size = [[]], 0
+        for p in reversed(self.params):
+            nbytes = p.numel() * p.element_size()
+            if groups[-1] and (size + nbytes > bucket_size_mb * 2**20 or p.dtype != groups[-1][0].dtype
+                               or p.device != groups[-1][0].device):
+                groups, size = groups + [[]], 0
+            groups[-1].append(p)
+            size += nbytes
+        self.buckets = [_Bucket(g) for g in groups if g]
+        self.next_bucket = 0  # the first bucket not launched yet in this step
+        hook = weak_hook(self._hook)
+        for b, bucket in enumerate(self.buckets):
+            for j, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(lambda p, b=b, j=j: hook(b, j))
 
     def _hook(self, b, j):
         if not self.require_sync:
@@ -240,23 +234,11 @@ class DDPBucketed(_DataParallel):
         if bucket.ready[j]:
             raise RuntimeError("a gradient became ready twice before finish_gradient_synchronization(): run all "
                                "but the last backward of an accumulation inside no_sync()")
-        self._grad_into_view(bucket, j)
+        bucket.grad_into_view(j)
         bucket.ready[j] = True
-        bucket.num_ready += 1
-        while self.next_bucket < len(self.buckets):
-            nxt = self.buckets[self.next_bucket]
-            if nxt.num_ready < len(nxt.params):
-                break
-            self._launch(nxt)
+        while self.next_bucket < len(self.buckets) and all(self.buckets[self.next_bucket].ready):
+            self.buckets[self.next_bucket].launch()
             self.next_bucket += 1
-
-    @staticmethod
-    def _launch(bucket):
-        bucket.flags.fill_(1.0)
-        for j, ready in enumerate(bucket.ready):
-            if not ready:
-                bucket.flags[j] = 0.0
-        bucket.work = dist.all_reduce(bucket.buffer, op=_avg_op(), async_op=True)
 
     def finish_gradient_synchronization(self):
         if not self.require_sync:
@@ -264,19 +246,16 @@ class DDPBucketed(_DataParallel):
         for bucket in self.buckets[self.next_bucket:]:  # incomplete on this rank: missing gradients are zeros
             for j, p in enumerate(bucket.params):
                 if not bucket.ready[j]:
-                    if p.grad is not None:  # accumulated under no_sync(), unused in this last backward
-                        bucket.ready[j] = True
-                        bucket.num_ready += 1
-                    self._grad_into_view(bucket, j)
-            self._launch(bucket)
+                    bucket.ready[j] = p.grad is not None  # accumulated under no_sync(), unused in this backward
+                    bucket.grad_into_view(j)
+            bucket.launch()
         for bucket in self.buckets:
             bucket.work.wait()
             _finish_average(bucket.buffer)
-            if bucket.num_ready < len(bucket.params):  # unused parameters: one host read tells which were used
-                used = bucket.flags.tolist()
-                for j, p in enumerate(bucket.params):
-                    p.grad = bucket.views[j] if bucket.ready[j] or used[j] > 0 else None
-            bucket.ready, bucket.num_ready, bucket.work = [False] * len(bucket.params), 0, None
+            if not all(bucket.ready):  # unused parameters: one host read tells which were used on any rank
+                for p, view, used in zip(bucket.params, bucket.views, bucket.flags.tolist()):
+                    p.grad = view if used > 0 else None
+            bucket.ready, bucket.work = [False] * len(bucket.params), None
         self.next_bucket = 0
 
 
@@ -285,9 +264,7 @@ def DDP(module, bucket_size_mb=None):
     return DDPIndividualParameters(module) if bucket_size_mb is None else DDPBucketed(module, bucket_size_mb)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# ZeRO-1: optimizer-state sharding
-# ---------------------------------------------------------------------------------------------------------------
+# ---- ZeRO-1: optimizer-state sharding -------------------------------------------------------------------------
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Each rank owns about 1/N of the parameter elements (largest first, to the rank with the fewest so far) and
@@ -298,13 +275,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_cls, **kwargs):
         self.rank, self.world_size = _rank_and_world()
         self.optimizer_cls, self.inner_kwargs = optimizer_cls, kwargs
-        self.optimizer = None        # the inner optimizer over this rank's parameters (None while it owns none)
-        self.inner_index = []        # per wrapper group: index of its inner group, None if this rank owns none
-        self.owner = {}              # parameter -> owning rank
-        self.owned_numel = [0] * self.world_size
+        self.optimizer = None        # the inner optimizer: group k holds this rank's parameters of group k
+        self.owner, self.owned_numel = {}, [0] * self.world_size  # parameter -> owning rank; elements per rank
         self.flat_buffers = []       # (buffer, segment length) per group and dtype, all-gathered after step
-        # the inner class's defaults (betas, eps, ...), so that groups and state_dict() look like an unsharded one's
-        params = list(params)
+        params = list(params)  # defaults from the inner class (betas, eps, ...): our groups look unsharded
         first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
         probe = torch.zeros(1, dtype=first.dtype, device=first.device, requires_grad=True)
         super().__init__(params, optimizer_cls([probe], **kwargs).defaults)  # calls add_param_group per group
@@ -313,21 +287,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in sorted(group["params"], key=lambda p: -p.numel()):  # stable: equal sizes keep their order
-            r = min(range(self.world_size), key=lambda r: (self.owned_numel[r], r))
+            r = self.owned_numel.index(min(self.owned_numel))
             self.owner[p] = r
             self.owned_numel[r] += p.numel()
         self._flatten(group["params"])
-        owned = [p for p in group["params"] if self.owner[p] == self.rank]
-        if not owned:
-            self.inner_index.append(None)
-        elif self.optimizer is None:
-            self.optimizer = self.optimizer_cls([{**group, "params": owned}], **self.inner_kwargs)
-            self.inner_index.append(0)
+        owned = {**group, "params": [p for p in group["params"] if self.owner[p] == self.rank]}  # maybe none
+        if self.optimizer is None:
+            self.optimizer = self.optimizer_cls([owned], **self.inner_kwargs)
         else:
-            self.optimizer.add_param_group({**group, "params": owned})
-            self.inner_index.append(len(self.optimizer.param_groups) - 1)
+            self.optimizer.add_param_group(owned)
 
-    @torch.no_grad()
     def _flatten(self, params):
         for key in dict.fromkeys((p.dtype, p.device) for p in params):
             segments = [[p for p in params if (p.dtype, p.device) == key and self.owner[p] == r]
@@ -343,41 +312,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group, k in zip(self.param_groups, self.inner_index):  # the schedule writes ours; the inner follow
-            if k is not None:
-                self.optimizer.param_groups[k].update({key: v for key, v in group.items() if key != "params"})
-        if self.optimizer is not None:
-            self.optimizer.step(**kwargs)
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        for group, inner in zip(self.param_groups, self.optimizer.param_groups):  # the schedule writes ours
+            inner.update({k: v for k, v in group.items() if k != "params"})
+        self.optimizer.step(**kwargs)
         for buffer, seg_len in self.flat_buffers:
             _all_gather(buffer, buffer[self.rank * seg_len:(self.rank + 1) * seg_len])
         return loss
 
     def state_dict(self):
-        """The consolidated state in torch.optim's format (parameters numbered across the groups) on every rank,
-        tensors on CPU. Call on all ranks: each owner broadcasts its parameters' state."""
+        """The consolidated state in torch.optim's format on every rank, tensors on CPU (collective: owners send)."""
+        full = super().state_dict()  # the groups, parameters numbered as torch.optim does; the state comes next
         params = [p for group in self.param_groups for p in group["params"]]
         index = {p: i for i, p in enumerate(params)}
-        local = self.optimizer.state if self.optimizer is not None else {}
+        local = self.optimizer.state
         device = self.flat_buffers[0][0].device if dist.get_backend() == "nccl" else torch.device("cpu")
         owned = [None] * self.world_size  # every rank's state, its tensors as shape-only "meta" tensors
         dist.all_gather_object(owned, {index[p]: {k: v.to("meta") if torch.is_tensor(v) else v for k, v in s.items()}
                                        for p, s in local.items()})
-        state = {}
         for r, entries in enumerate(owned):  # then each owner broadcasts its tensors
             for i, entry in sorted(entries.items()):
-                state[i] = entry
-                for k, v in entry.items():
-                    if torch.is_tensor(v):
-                        t = local[params[i]][k].to(device) if r == self.rank else torch.empty_like(v, device=device)
-                        dist.broadcast(t, src=r)
-                        entry[k] = t.to("cpu", copy=True)  # a snapshot, never the live state tensor
-        count = iter(range(len(params)))
-        return {"state": state, "param_groups": [{**g, "params": [next(count) for _ in g["params"]]}
-                                                 for g in self.param_groups]}
+                full["state"][i] = entry
+                for k, v in [(k, v) for k, v in entry.items() if torch.is_tensor(v)]:
+                    t = local[params[i]][k].to(device) if r == self.rank else torch.empty_like(v, device=device)
+                    dist.broadcast(t, src=r)
+                    entry[k] = t.to("cpu", copy=True)  # a snapshot, never the live state tensor
+        return full
 
     def load_state_dict(self, state_dict):
         """Load a consolidated state (state_dict()'s or a checkpoint's); each rank keeps its own parameters'."""
@@ -386,35 +347,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("state dict and optimizer disagree on the parameter groups or their sizes")
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        if self.optimizer is None:
-            return
         params = [p for group in self.param_groups for p in group["params"]]
         position = {p: j for j, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-        inner_groups = [{**self.optimizer.param_groups[k], **group,  # the inner group's extra keys stay
-                         "params": [position[p] for p in self.optimizer.param_groups[k]["params"]]}
-                        for group, k in zip(self.param_groups, self.inner_index) if k is not None]
+        inner_groups = [{**inner, **group, "params": [position[p] for p in inner["params"]]}  # inner's extra keys stay
+                        for group, inner in zip(self.param_groups, self.optimizer.param_groups)]
         self.optimizer.load_state_dict({"param_groups": inner_groups, "state": {
             position[params[int(i)]]: s for i, s in state_dict["state"].items() if params[int(i)] in position}})
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# FSDP / ZeRO-3
-# ---------------------------------------------------------------------------------------------------------------
+# ---- FSDP / ZeRO-3 --------------------------------------------------------------------------------------------
 
-# A Linear or Embedding weight under FSDP: `rows` rows zero-padded to `padded_shape` (N * shard rows, cols), of
-# which rank r keeps block r as the fp32 nn.Parameter `shard` (flat sharding by row blocks, 2-D for weight decay)
+# A weight under FSDP: `rows` rows padded to `padded_shape`, rank r keeping row block r as `shard` (2-D for decay)
 _ShardedLayer = collections.namedtuple("_ShardedLayer", "shard rows padded_shape is_embedding")
 
 
 class _FSDPLinear(torch.autograd.Function):
-    """y = x W^T with W all-gathered for this call only (and again in backward); saves x, never the full W. Each
-    product is the very call model.Linear makes, so a sharded step does the arithmetic of a single-process one:
-    mm(x2, W^T), then grad_x2 = mm(g2, W) and model.weight_grad (mm(g2^T, x2) in the master weights' dtype)."""
+    """y = x W^T with W all-gathered for this call only (again in backward); saves x, never W. The products are
+    model.Linear's (mm(x2, W^T), mm(g2, W), model.weight_grad), so a sharded step computes what one process does."""
 
     @staticmethod
     def forward(ctx, x, shard, fsdp, i):
-        w = fsdp._before_forward(i)
-        dtype = fsdp._matmul_dtype(x, w)
+        import model
+        w = fsdp._before_forward(i)  # in compute_dtype, else fp32 promoted with x; autocast's dtype when it is on
+        dtype = model.autocast_dtype(x) or (w.dtype if fsdp.compute_dtype else torch.promote_types(x.dtype, w.dtype))
         x2 = x.to(dtype).reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             y = x2.mm(w.to(dtype).t())
@@ -428,9 +383,8 @@ class _FSDPLinear(torch.autograd.Function):
         (x2,), fsdp, i = ctx.saved_tensors, ctx.fsdp, ctx.i
         fsdp._before_backward(i)
         g2 = grad_y.to(x2.dtype).reshape(-1, grad_y.shape[-1])
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = g2.mm(fsdp._full_weight(i).to(x2.dtype)).to(ctx.x_dtype).view(ctx.x_shape)
+        grad_x = (g2.mm(fsdp._full_weight(i).to(x2.dtype)).to(ctx.x_dtype).view(ctx.x_shape)
+                  if ctx.needs_input_grad[0] else None)
         if ctx.needs_input_grad[1]:
             fsdp._reduce_scatter(i, model.weight_grad(g2, x2, fsdp.layers[i].shard.dtype))
         return grad_x, None, None, None
@@ -485,13 +439,12 @@ class _FSDPEmbedding(torch.autograd.Function):
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallel (ZeRO-3) for any model built from model.py's Linear and Embedding: their weights
-    are sharded over ranks (tied weights once) and all-gathered (in compute_dtype) for each use; the rest is
-    replicated, its gradients averaged in finish. module.parameters() then holds fp32 shards and replicated
-    parameters, for a plain optimizer built after wrapping. The first forward records the layer order; then the
-    next layer's gather is queued before each layer's compute (at most two gathered weights alive), and backward
-    mirrors it, reduce-scattering weight gradients asynchronously into fp32 shard gradients (at most two in
-    flight). Gradient accumulation: several backward passes add up the shard gradients (there is no no_sync())."""
+    """ZeRO-3 for any model built from model.py's Linear and Embedding: their weights become fp32 shards (tied ones
+    once), all-gathered in compute_dtype for each use; the rest is replicated, its gradients averaged in finish.
+    Build a plain optimizer over module.parameters() after wrapping. The first forward records the layer order;
+    then the next layer's gather is queued before each layer's compute (two gathered weights alive at most), and
+    backward mirrors it, reduce-scattering weight gradients asynchronously into fp32 shard gradients (two in flight
+    at most). Backward passes add up the shard gradients: accumulation needs no no_sync()."""
 
     def __init__(self, module, compute_dtype=None):
         super().__init__()
@@ -502,8 +455,10 @@ class FSDP(nn.Module):
         self.layers, shards = [], {}  # shards: original weight -> its shard (a tied weight is sharded once)
         for m in [m for m in module.modules() if isinstance(m, (model.Linear, model.Embedding))]:
             w, i, is_embedding = m.weight, len(self.layers), isinstance(m, model.Embedding)
-            if w not in shards:
-                shards[w] = self._make_shard(w)
+            if w not in shards:  # this rank's rows of w, fp32 master weights (fp64 stays fp64 for tests)
+                own = _own_rows(model.upcast(w.detach()), (-(-w.shape[0] // self.world_size), w.shape[1]))
+                shards[w] = nn.Parameter(own, requires_grad=w.requires_grad)
+                shards[w]._fsdp_full_shape = tuple(w.shape)  # marks a shard for gather_full_params / load_full_params
             m.weight = shard = shards[w]
             self.layers.append(_ShardedLayer(shard, w.shape[0], (self.world_size * shard.shape[0], w.shape[1]),
                                              is_embedding))
@@ -516,16 +471,8 @@ class FSDP(nn.Module):
         self.replicated = [p for p in module.parameters() if not hasattr(p, "_fsdp_full_shape")]
         self._gathered = {}         # layer index -> (full weight buffer, all-gather work) in flight or done
         self._pending = []          # (reduce-scatter work, shard gradient, shard) not yet accumulated
-        self._order, self._order_recorded = [], False
+        self._order, self._order_recorded = [], False  # layer indices in forward order, recorded once
         self._fwd_pos, self._bwd_pos, self._in_backward = 0, -1, False
-
-    def _make_shard(self, w):
-        rows, cols = w.shape
-        dtype = torch.promote_types(w.dtype, torch.float32)  # fp32 master weights (fp64 stays fp64 for tests)
-        shard = nn.Parameter(_own_rows(w.detach().to(dtype), (-(-rows // self.world_size), cols)),
-                             requires_grad=w.requires_grad)
-        shard._fsdp_full_shape = (rows, cols)  # marks a shard for gather_full_params / load_full_params
-        return shard
 
     def forward(self, *inputs, **kwargs):
         self._drop_gathered()  # gathered before an optimizer step they would be stale
@@ -539,12 +486,10 @@ class FSDP(nn.Module):
             self._prefetch_for_backward(self._bwd_pos)
         return out
 
-    # -- gathers ---------------------------------------------------------------------------------------------------
     def _gather(self, i):
         """Start the async all-gather of layer i's full weight (in compute_dtype) unless it is already underway."""
         if i not in self._gathered:
-            shard = self.layers[i].shard.detach()
-            shard = shard.to(self.compute_dtype) if self.compute_dtype is not None else shard
+            shard = self.layers[i].shard.detach().to(self.compute_dtype or self.layers[i].shard.dtype)
             full = shard.new_empty(self.layers[i].padded_shape)
             self._gathered[i] = (full, _all_gather(full, shard, async_op=True))
 
@@ -561,8 +506,7 @@ class FSDP(nn.Module):
 
     def _before_forward(self, i):
         if not self._in_backward:
-            pos = self._fwd_pos
-            self._fwd_pos += 1
+            pos, self._fwd_pos = self._fwd_pos, self._fwd_pos + 1
             if not self._order_recorded:
                 self._order.append(i)
             elif pos + 1 < len(self._order) and self._order[pos] == i:
@@ -571,8 +515,7 @@ class FSDP(nn.Module):
 
     def _before_backward(self, i):
         self._in_backward = True
-        pos = self._bwd_pos
-        self._bwd_pos -= 1
+        pos, self._bwd_pos = self._bwd_pos, self._bwd_pos - 1
         if 0 < pos < len(self._order) and self._order[pos] == i:
             self._prefetch_for_backward(pos - 1)
 
@@ -580,12 +523,6 @@ class FSDP(nn.Module):
         if not self.layers[self._order[pos]].is_embedding:  # an Embedding's backward needs no weight
             self._gather(self._order[pos])
 
-    def _matmul_dtype(self, x, w):
-        if torch.is_autocast_enabled(x.device.type):
-            return torch.get_autocast_dtype(x.device.type)
-        return w.dtype if self.compute_dtype is not None else torch.promote_types(x.dtype, w.dtype)
-
-    # -- gradients -------------------------------------------------------------------------------------------------
     def _reduce_scatter(self, i, grad_w):
         """Reduce-scatter layer i's full weight gradient, in fp32 and zero-padded, into this rank's shard gradient."""
         layer = self.layers[i]
@@ -595,22 +532,18 @@ class FSDP(nn.Module):
         shard_grad = torch.empty_like(layer.shard)
         work = _reduce_scatter(shard_grad, grad_w, op=_avg_op(), async_op=True)
         self._pending.append((work, shard_grad, layer.shard))
-        while len(self._pending) > 2:
-            self._accumulate(*self._pending.pop(0))
+        self._settle(keep=2)
 
-    @staticmethod
-    def _accumulate(work, shard_grad, shard):
-        work.wait()
-        _finish_average(shard_grad)
-        if shard.grad is None:
-            shard.grad = shard_grad
-        else:
-            shard.grad += shard_grad
+    def _settle(self, keep=0):  # wait for all but the last `keep` reduce-scatters, add them to the shard gradients
+        while len(self._pending) > keep:
+            work, shard_grad, shard = self._pending.pop(0)
+            work.wait()
+            _finish_average(shard_grad)
+            shard.grad = shard_grad if shard.grad is None else shard.grad.add_(shard_grad)
 
     def finish_gradient_synchronization(self):
         """Wait for the reduce-scatters (fp32 shard gradients), average the replicated gradients, free gathers."""
-        while self._pending:
-            self._accumulate(*self._pending.pop(0))
+        self._settle()
         _all_reduce_flat([p.grad for p in self.replicated if p.grad is not None])
         self._drop_gathered()
         self._in_backward = False
@@ -631,24 +564,14 @@ def clip_grad_norm(parameters, max_l2_norm, sharded=()):
     if not grads and not sharded:
         return torch.zeros(())
     device = (grads or sharded)[0].device
-
-    def sum_of_squares(gs):  # a 0-dim fp32 tensor on `device`
-        if not gs:
-            return torch.zeros((), device=device)
-        return torch.stack([n.to(device) for n in torch._foreach_norm(gs)]).float().square().sum()
-
-    total = sum_of_squares(grads)
+    squares, shard_squares = (torch.stack([n.to(device) for n in torch._foreach_norm(gs)]).float().square().sum()
+                              if gs else torch.zeros((), device=device) for gs in (grads, shard_grads))  # fp32
     if sharded:  # every rank takes part, also one whose shards got no gradient
-        shard_total = sum_of_squares(shard_grads)
-        dist.all_reduce(shard_total)
-        total = total + shard_total
-    norm = total.sqrt()
+        dist.all_reduce(shard_squares)
+    norm = (squares + shard_squares).sqrt()
     scale = (max_l2_norm / (norm + 1e-6)).clamp(max=1.0)
-    by_key = {}
-    for g in grads + shard_grads:
-        by_key.setdefault((g.device, g.dtype), []).append(g)
-    for (device, dtype), gs in by_key.items():
-        torch._foreach_mul_(gs, scale.to(device, dtype))
+    for key in dict.fromkeys((g.device, g.dtype) for g in grads + shard_grads):  # one multiply per device and dtype
+        torch._foreach_mul_([g for g in grads + shard_grads if (g.device, g.dtype) == key], scale.to(*key))
     return norm
 
 
@@ -681,18 +604,15 @@ def _shard(t, p):
 
 def gather_full_params(model):
     """The unwrapped model's state dict (on CPU) from a model under FSDP (or its .module) or torch_fsdp (collective)."""
-    module = model.module if isinstance(model, FSDP) else model
-    full = {}  # by tensor: a tied weight is gathered once
-    for name, t in module.state_dict(keep_vars=True).items():
-        if id(t) not in full:
-            full[id(t)] = _full(t, t).detach().to("cpu", copy=True)
-    return {name: full[id(t)] for name, t in module.state_dict(keep_vars=True).items()}
+    state = (model.module if isinstance(model, FSDP) else model).state_dict(keep_vars=True)
+    unique = {id(t): t for t in state.values()}  # a tied weight is gathered once
+    full = {k: _full(t, t).detach().to("cpu", copy=True) for k, t in unique.items()}
+    return {name: full[id(t)] for name, t in state.items()}
 
 
 def load_full_params(model, state_dict):
     """Load a full state dict into a model under FSDP or torch_fsdp: each rank keeps its own part of each tensor."""
-    module = model.module if isinstance(model, FSDP) else model
-    own = module.state_dict(keep_vars=True)
+    own = (model.module if isinstance(model, FSDP) else model).state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
     if missing or unexpected:
         raise ValueError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
@@ -705,8 +625,7 @@ def load_full_params(model, state_dict):
 
 
 def gather_full_optimizer_state(model, optimizer):
-    """An optimizer's state dict over a model under FSDP or torch_fsdp, sharded tensors made full (on CPU): the
-    unwrapped model's optimizer's, for any world size and wrapper (collective)."""
+    """An optimizer's state dict over a model under FSDP or torch_fsdp: sharded tensors full, on CPU (collective)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved = optimizer.state_dict()
     state = {i: {k: _full(v, params[i]).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
@@ -724,12 +643,9 @@ def load_full_optimizer_state(model, optimizer, state_dict):
     optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# one factory for every data-parallel setup (train.py and bench.py build through it)
-# ---------------------------------------------------------------------------------------------------------------
+# ---- one factory for every data-parallel setup (train.py and bench.py build through it) -----------------------
 
 IMPLS = ("none", "naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")
-_SHARDED_IMPLS = ("fsdp", "torch_fsdp")
 
 
 def _torch_ddp(module):
@@ -759,20 +675,21 @@ class Parallel:
       torch       torch.nn.parallel.DistributedDataParallel
       torch_fsdp  FSDP2 (fully_shard per block of model.layers and around the model), compute_dtype params
     compile=True applies torch.compile(**compile_kwargs) inside our DDP wrappers and torch's DDP (hooks stay eager),
-    around the FSDP variants. .module is the unwrapped model, .model what is called. State dicts have the unwrapped
-    model's and a torch.optim optimizer's format under every impl, so a checkpoint of one impl and world size loads
-    into any other."""
+    around the FSDP variants. .module is the unwrapped model, .model what is called. state_dict() and
+    optimizer_state_dict() give (and their load_ methods take, on every rank) the unwrapped model's and a torch.optim
+    optimizer's full state under every impl, so a checkpoint of one impl and world size loads into any other; they
+    are collective under the FSDP variants, optimizer_state_dict() under ZeRO-1 too."""
 
     def __init__(self, model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, compile_kwargs=None):
         if impl not in IMPLS:
             raise ValueError(f"unknown data-parallel impl {impl!r}; expected one of {IMPLS}")
-        self.impl, self.module = impl, model
+        self.impl, self.module, self.sharded = impl, model, impl in ("fsdp", "torch_fsdp")
         self.rank, self.world_size = (0, 1) if impl == "none" else _rank_and_world()
         build = {"none": lambda m: m, "naive": DDPNaive, "flat": DDPFlat, "overlap": DDPIndividualParameters,
                  "bucketed": lambda m: DDPBucketed(m, bucket_size_mb), "torch": _torch_ddp,
                  "fsdp": lambda m: FSDP(m, compute_dtype), "torch_fsdp": lambda m: _torch_fsdp(m, compute_dtype)}
         compiled = (lambda m: torch.compile(m, **(compile_kwargs or {}))) if compile else (lambda m: m)
-        self.model = compiled(build[impl](model)) if impl in _SHARDED_IMPLS else build[impl](compiled(model))
+        self.model = compiled(build[impl](model)) if self.sharded else build[impl](compiled(model))
         self._ours = getattr(self.model, "_orig_mod", self.model)  # our wrapper (DDP* or FSDP), also if compiled
 
     def __call__(self, *inputs, **kwargs):
@@ -796,17 +713,15 @@ class Parallel:
         """optimizer_cls(param_groups(named_parameters) or all parameters, **kwargs); zero1=True shards its state
         (ShardedOptimizer; plain under impl none; the FSDP variants shard it already and refuse)."""
         groups = param_groups(self.named_parameters()) if param_groups is not None else self.parameters()
-        if zero1 and self.impl in _SHARDED_IMPLS:
+        if zero1 and self.sharded:
             raise ValueError(f"zero1 shards optimizer state on top of replicated DDP; impl {self.impl!r} shards "
                              f"it already")
-        if zero1 and self.impl != "none":
-            return ShardedOptimizer(groups, optimizer_cls, **kwargs)
-        return optimizer_cls(groups, **kwargs)
+        return (ShardedOptimizer(groups, optimizer_cls, **kwargs) if zero1 and self.impl != "none"
+                else optimizer_cls(groups, **kwargs))
 
     def no_sync(self):
         """Backward passes inside accumulate gradients locally (a null context where gradients are sharded)."""
-        sharded_or_none = self.impl in _SHARDED_IMPLS or self.impl == "none"
-        return contextlib.nullcontext() if sharded_or_none else self.model.no_sync()
+        return contextlib.nullcontext() if self.sharded or self.impl == "none" else self.model.no_sync()
 
     def finish(self):
         """Finish the gradient synchronization of the last backward (torch's impls finish inside backward)."""
@@ -822,29 +737,17 @@ class Parallel:
         return clip_grad_norm(self.parameters(), max_norm)
 
     def state_dict(self):
-        """The full model state dict, keyed like the unwrapped model's (collective under the FSDP variants)."""
-        return gather_full_params(self.module) if self.impl in _SHARDED_IMPLS else self.module.state_dict()
+        return gather_full_params(self.module) if self.sharded else self.module.state_dict()
 
     def load_state_dict(self, state_dict):
-        """Load a full model state dict (state_dict()'s under any impl, or a single-process model's) on every rank."""
-        if self.impl in _SHARDED_IMPLS:
-            load_full_params(self.module, state_dict)
-        else:
-            self.module.load_state_dict(state_dict)
+        return load_full_params(self.module, state_dict) if self.sharded else self.module.load_state_dict(state_dict)
 
     def optimizer_state_dict(self, optimizer):
-        """The optimizer's full state in torch.optim's format and the unwrapped model's shapes (collective under
-        ZeRO-1 and the FSDP variants)."""
-        if self.impl in _SHARDED_IMPLS:
-            return gather_full_optimizer_state(self.module, optimizer)
-        return optimizer.state_dict()
+        return gather_full_optimizer_state(self.module, optimizer) if self.sharded else optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer, state_dict):
-        """Load optimizer_state_dict()'s format (from any impl and world size) on every rank."""
-        if self.impl in _SHARDED_IMPLS:
-            load_full_optimizer_state(self.module, optimizer, state_dict)
-        else:
-            optimizer.load_state_dict(state_dict)
+        return (load_full_optimizer_state(self.module, optimizer, state_dict) if self.sharded
+                else optimizer.load_state_dict(state_dict))
 
 
 wrap = Parallel  # the factory: wrap(model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, ...)

@@ -2521,12 +2521,11 @@ DDP_DEVICE = torch.device("cpu")  # set per worker process by _ddp_entry
 def _ddp_entry(rank, world_size, port, checks):
     global DDP_DEVICE
     torch.set_num_threads(1)
-    backend = "gloo"
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        backend, DDP_DEVICE = "nccl", torch.device("cuda", rank)
+        DDP_DEVICE = torch.device("cuda", rank)
         torch.cuda.set_device(DDP_DEVICE)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=90))  # a hang becomes an error, not a stuck CI
+    dist.init_process_group("nccl" if DDP_DEVICE.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90))  # hangs fail
     try:
         for check in checks:
             check(rank, world_size)
@@ -2561,11 +2560,9 @@ class _ToyLM(nn.Module):
         self.norm1, self.norm2, self.norm_f = (model.RMSNorm(d_model) for _ in range(3))
         self.norm2.weight.requires_grad_(False)
         self.ffn = model.SwiGLU(d_model, d_ff)
-        self.proj = model.Linear(d_model, d_model)
-        self.head = model.Linear(d_model, vocab_size)
+        self.proj, self.head = model.Linear(d_model, d_model), model.Linear(d_model, vocab_size)
         self.head.weight = self.emb.weight
-        self.unused = model.Linear(d_model, 5)
-        self.extra = model.Linear(d_model, vocab_size)
+        self.unused, self.extra = model.Linear(d_model, 5), model.Linear(d_model, vocab_size)
 
     def forward(self, ids, use_extra=False):
         x = self.emb(ids)
@@ -2574,21 +2571,18 @@ class _ToyLM(nn.Module):
         return self.head(self.norm_f(x)) + (self.extra(x) if use_extra else 0)
 
 
-def _make_model(seed):
+def _make_model(seed, make=_ToyLM, **kw):
     torch.manual_seed(seed)
-    return _ToyLM().to(DDP_DEVICE)
+    return make(**kw).to(DDP_DEVICE)
 
 
-def _tiny_transformer(seed):
-    torch.manual_seed(seed)
-    return model.TransformerLM(vocab_size=29, context_length=8, d_model=12, num_layers=2, num_heads=2,
-                               d_ff=19).to(DDP_DEVICE)
+_tiny_transformer = functools.partial(_make_model, make=model.TransformerLM, vocab_size=29, context_length=8,
+                                      d_model=12, num_layers=2, num_heads=2, d_ff=19)
 
 
 def _batches(steps, batch_size=4, seq=7, vocab_size=29, seed=123):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, vocab_size, (batch_size, seq), generator=g).to(DDP_DEVICE),
-             torch.randint(0, vocab_size, (batch_size, seq), generator=g).to(DDP_DEVICE)) for _ in range(steps)]
+    return [(x, y) for x, y in torch.randint(0, vocab_size, (steps, 2, batch_size, seq), generator=g).to(DDP_DEVICE)]
 
 
 _OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
@@ -2612,14 +2606,12 @@ def _loss(m, x, y, use_extra=None, autocast=False, fused=False):
 
 
 def _reference(make, data, make_opt, world_size=2, accum=1, uses_extra=None, **how):
-    """One process doing the ranks' arithmetic: the loss is the mean of the losses of every rank's micro-batches.
-    Returns the model, its optimizer and [(model state, optimizer state)] after every step. For 2 ranks this is
-    bitwise what the wrappers compute: the backward of half r starts from 1/2 where rank r's starts from 1, and
-    halving is exact, so every intermediate is exactly half of rank r's and autograd adds g0/2 + g1/2 where the
-    wrappers compute (g0 + g1) / 2: the same number. (A full-batch mean would sum all rows in one matmul.)"""
-    ref = make()
+    """One process doing the ranks' arithmetic, the loss the mean of every rank's micro-batch losses: the model, its
+    optimizer and [(model state, optimizer state)] after every step. Bitwise the wrappers' for 2 ranks: half r's
+    backward starts from 1/2 where rank r's starts from 1, so autograd adds g0/2 + g1/2 where the wrappers compute
+    (g0 + g1) / 2, the same number, halving being exact (a full-batch mean would sum all rows in one matmul)."""
+    ref, snaps = make(), []
     opt = make_opt(ref.parameters())
-    snaps = []
     for x, y in data:
         opt.zero_grad(set_to_none=True)
         losses = [_loss(ref, xm, ym, _USES_EXTRA[uses_extra](r, k), **how) for r in range(world_size)
@@ -2630,9 +2622,10 @@ def _reference(make, data, make_opt, world_size=2, accum=1, uses_extra=None, **h
     return ref, opt, snaps
 
 
-def _rank_step(w, finish, opt, x, y, rank, world_size, accum=1, uses_extra=None, set_to_none=True, **how):
-    """One optimizer step of rank `rank` on its share of (x, y): `accum` micro-batches, each followed by finish(),
-    all but the last under no_sync(), where nothing may be all-reduced (and finish() must do nothing)."""
+def _rank_step(w, opt, x, y, rank, world_size, accum=1, uses_extra=None, set_to_none=True, **how):
+    """One optimizer step of rank `rank` on its share of (x, y): `accum` micro-batches, each followed by w's finish,
+    all but the last under no_sync(), where nothing may be all-reduced (and finish must do nothing)."""
+    finish = getattr(w, "finish", None) or getattr(w, "finish_gradient_synchronization", lambda: None)
     opt.zero_grad(set_to_none=set_to_none)
     for k, (xm, ym) in enumerate(_pieces(x, y, rank, world_size, accum)):
         quiet = k < accum - 1
@@ -2644,29 +2637,25 @@ def _rank_step(w, finish, opt, x, y, rank, world_size, accum=1, uses_extra=None,
 
 
 def _assert_close(got, want, what, atol=1e-6, rtol=1e-5):
-    """Each tensor of state dict `got` within atol + rtol * |want| of `want`'s (atol = rtol = 0: bit for bit)."""
+    """Each tensor of state dict `got` of `want`'s dtype and within atol + rtol * |want| (0, 0: bit for bit)."""
     assert got.keys() == want.keys(), (what, sorted(got), sorted(want))
     for k in want:
-        g, e = got[k].to(want[k].device), want[k]
-        err = (g.double() - e.double()).abs().max().item()
-        assert torch.allclose(g, e, atol=atol, rtol=rtol), f"{what}: {k} differs by {err:.3g}"
+        torch.testing.assert_close(got[k].to(want[k].device), want[k], atol=atol, rtol=rtol,
+                                   msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
 def _assert_optimizer_state_close(got, want, what, atol=0, rtol=0):
     assert got["param_groups"] == want["param_groups"], what
     assert sorted(got["state"]) == sorted(want["state"]), what
-    for i, s in want["state"].items():
-        for k, v in s.items():
-            g = got["state"][i][k]
-            same = torch.allclose(g.cpu(), v.cpu(), atol=atol, rtol=rtol) if torch.is_tensor(v) else g == v
-            assert same, (what, i, k)
+    for i, k in [(i, k) for i, s in want["state"].items() for k in s]:
+        g, v = got["state"][i][k], want["state"][i][k]
+        assert torch.allclose(g.cpu(), v.cpu(), atol=atol, rtol=rtol) if torch.is_tensor(v) else g == v, (what, i, k)
 
 
 # -- DDP and ZeRO-1 (4 ranks) -------------------------------------------------------------------------------------
 
-_DDP = {"naive": ddp.DDPNaive, "flat": ddp.DDPFlat, "overlap": ddp.DDP,
-        "bucketed": lambda m: ddp.DDPBucketed(m, 0.0005),  # ~500 B: several buckets
-        "bucketed-one": lambda m: ddp.DDP(m, bucket_size_mb=1)}
+_DDP = dict(naive=ddp.DDPNaive, flat=ddp.DDPFlat, overlap=ddp.DDP, bucketed=lambda m: ddp.DDPBucketed(m, 0.0005),
+            bucketed_one=lambda m: ddp.DDP(m, bucket_size_mb=1))  # bucketed: ~500 B, several buckets
 
 
 def _check_ddp(rank, world_size, names, accum=1, uses_extra=None):
@@ -2678,8 +2667,7 @@ def _check_ddp(rank, world_size, names, accum=1, uses_extra=None):
         w = _DDP[name](_make_model(rank))
         opt = make_opt(w.parameters())
         for step, (x, y) in enumerate(data):
-            _rank_step(w, w.finish_gradient_synchronization, opt, x, y, rank, world_size, accum, uses_extra,
-                       set_to_none=step % 2 == 0)
+            _rank_step(w, opt, x, y, rank, world_size, accum, uses_extra, set_to_none=step % 2 == 0)
             what = f"{name}, {accum} micro-batch(es), extra layer used by {uses_extra}, step {step}"
             _assert_close(w.module.state_dict(), want[step][0], what)
             assert w.module.unused.weight.grad is None, what
@@ -2693,14 +2681,13 @@ def _check_zero1(rank, world_size):
     data, kw = _batches(4, batch_size=world_size), dict(lr=1e-2, weight_decay=0.1)
 
     def run(wrap, make_opt, rank, world_size):
-        net = _make_model(0)
+        net, snaps = _make_model(0), []
         w = wrap(net)
         opt = make_opt([p for n, p in net.named_parameters() if n != "proj.weight"])
-        snaps = []
         for step, (x, y) in enumerate(data):
             if step == 2:
                 opt.add_param_group({"params": [net.proj.weight], "lr": 5e-3})
-            _rank_step(w, getattr(w, "finish_gradient_synchronization", lambda: None), opt, x, y, rank, world_size)
+            _rank_step(w, opt, x, y, rank, world_size)
             snaps.append({k: v.detach().clone() for k, v in net.state_dict().items()})
         return net, opt, snaps
 
@@ -2711,7 +2698,7 @@ def _check_zero1(rank, world_size):
         for step in range(len(data)):
             _assert_close(got[step], want[step], f"{what} step {step}")
         counts = [None] * world_size
-        dist.all_gather_object(counts, sum(p.numel() for p in (opt.optimizer.state if opt.optimizer else [])))
+        dist.all_gather_object(counts, sum(p.numel() for p in opt.optimizer.state))
         total = sum(p.numel() for p in net.parameters() if p.grad is not None)
         assert sum(counts) == total and max(counts) <= total / world_size + 12 * 29, counts
         full = opt.state_dict()
@@ -2756,13 +2743,10 @@ def _check_fsdp(rank, world_size):
             assert sharded(data[0][0]).dtype == (compute_dtype or torch.float32), what
         opt = make_opt(sharded.parameters())
         for step, (x, y) in enumerate(data):
-            _rank_step(sharded, sharded.finish_gradient_synchronization, opt, x, y, rank, world_size,
-                       autocast=autocast)
+            _rank_step(sharded, opt, x, y, rank, world_size, autocast=autocast)
             assert all(s.grad is None or (s.grad.dtype == torch.float32 and s.grad.shape == s.shape)
                        for s in sharded.shards), what
-            got = ddp.gather_full_params(sharded)
-            assert all(v.dtype == torch.float32 for v in got.values()), what
-            _assert_close(got, want[step][0], f"{what} step {step}", atol=atol)
+            _assert_close(ddp.gather_full_params(sharded), want[step][0], f"{what} step {step}", atol=atol)  # fp32
 
     # clipping, on the fp32 run: the global norm over shards and replicated parameters equals one process's
     x, y = data[0]
@@ -2774,9 +2758,7 @@ def _check_fsdp(rank, world_size):
     ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
     norm = sharded.clip_grad_norm(0.5 * ref_norm.item())
     assert torch.allclose(norm, ref_norm, rtol=1e-5), (norm, ref_norm)
-    shard_sq = sum(s.grad.norm() ** 2 for s in sharded.shards if s.grad is not None)
-    dist.all_reduce(shard_sq)
-    total = (shard_sq + sum(p.grad.norm() ** 2 for p in sharded.replicated if p.grad is not None)).sqrt()
+    total = ddp.clip_grad_norm(sharded.replicated, float("inf"), sharded=sharded.shards)  # measured, not clipped
     assert abs(total.item() - 0.5 * ref_norm.item()) < 1e-4 * ref_norm.item(), (total, ref_norm)
     ddp.load_full_params(sharded, ref.state_dict())
     _assert_close(ddp.gather_full_params(sharded), ref.state_dict(), "FSDP load_full_params")
@@ -2793,10 +2775,9 @@ def _wrapped(impl, make_opt, seed, make=_tiny_transformer, zero1=False, **wrap_k
 
 
 def _check_wrap_exact(rank, world_size):
-    """ddp.wrap under every impl (our four DDP wrappers, ZeRO-1 over two of them, FSDP, torch DDP, FSDP2), fp32,
-    SGD and our AdamW, deterministic algorithms, warnings as errors: after every step the full state dict equals
-    one process doing the same arithmetic bit for bit; the full optimizer state dict too; and each setup resumed
-    from another impl's full state dicts takes the next step bit for bit."""
+    """ddp.wrap under every impl (our DDP wrappers, ZeRO-1 over two, FSDP, torch's DDP and FSDP2), SGD and our AdamW,
+    fp32, deterministic, warnings as errors: after every step the full state dict equals one process's bit for bit,
+    the full optimizer state dict too, and each setup resumed from another impl's state steps on bit for bit."""
     warnings.simplefilter("error")  # no deprecated call or silent fallback anywhere on these paths
     torch.use_deterministic_algorithms(True)
     steps, data = 3, _batches(4, seq=8)
@@ -2807,7 +2788,7 @@ def _check_wrap_exact(rank, world_size):
             what = f"{impl} {kw} {opt_name}"
             w, opt = _wrapped(impl, make_opt, rank, **kw)  # rank r starts from seed r: wrap fixes that
             for step in range(steps):
-                _rank_step(w, w.finish, opt, *data[step], rank, world_size)
+                _rank_step(w, opt, *data[step], rank, world_size)
                 _assert_close(w.state_dict(), want[step][0], f"{what} step {step}", atol=0, rtol=0)
             full.append((w.state_dict(), w.optimizer_state_dict(opt)))
             _assert_optimizer_state_close(full[-1][1], want[steps - 1][1], f"{what} optimizer_state_dict")
@@ -2815,48 +2796,37 @@ def _check_wrap_exact(rank, world_size):
             w, opt = _wrapped(impl, make_opt, rank, **kw)
             w.load_state_dict(full[k - 1][0])
             w.load_optimizer_state_dict(opt, full[k - 1][1])
-            _rank_step(w, w.finish, opt, *data[steps], rank, world_size)
+            _rank_step(w, opt, *data[steps], rank, world_size)
             what = f"{impl} {kw} {opt_name} resumed from {_EXACT_SETUPS[k - 1][0]}"
             _assert_close(w.state_dict(), want[steps][0], what, atol=0, rtol=0)
 
 
 def _check_wrap_bf16(rank, world_size):
-    """The same comparison under bf16 autocast: within 1e-4 after every step (bit for bit on CPU). FSDP with
-    compute_dtype=bf16 also reads the embedding in bf16, so its reference does too (and sums the embedding
-    gradient rows in bf16 where FSDP sums them in fp32: hence a tolerance)."""
-    def _bf16_lookup_lm(seed):  # autocast alone reads the embedding in fp32
-        net = _tiny_transformer(seed)
-        emb = net.token_embeddings
-        emb.forward = lambda ids: emb.weight.to(torch.bfloat16)[ids]
-        return net
-
+    """The same under bf16 autocast, within 1e-4 (bit for bit on CPU). FSDP with compute_dtype=bf16 also reads the
+    embedding in bf16, so its reference does too (summing its gradient rows in bf16, FSDP in fp32: a tolerance)."""
     data, make_opt = _batches(3, seq=8), _OPTIMIZERS["sgd"]
     *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt, autocast=True)
-    *_, want_bf16_lookup = _reference(lambda: _bf16_lookup_lm(0), data, make_opt, autocast=True)
+    bf16_lookup = _tiny_transformer(0)  # autocast alone reads the embedding in fp32: this one reads it in bf16
+    bf16_lookup.token_embeddings.forward = lambda ids: bf16_lookup.token_embeddings.weight.to(torch.bfloat16)[ids]
+    *_, want_bf16_lookup = _reference(lambda: bf16_lookup, data, make_opt, autocast=True)
     for impl, kw in [("bucketed", {}), ("naive", dict(zero1=True)), ("fsdp", {}),
                      ("fsdp", dict(compute_dtype=torch.bfloat16)), ("torch", {})]:
         ref = want_bf16_lookup if kw.get("compute_dtype") else want
         w, opt = _wrapped(impl, make_opt, rank, **kw)
         for step, (x, y) in enumerate(data):
-            _rank_step(w, w.finish, opt, x, y, rank, world_size, autocast=True)
+            _rank_step(w, opt, x, y, rank, world_size, autocast=True)
             _assert_close(w.state_dict(), ref[step][0], f"{impl} {kw} bf16 step {step}", atol=1e-4, rtol=0)
 
 
 def _check_fsdp_fused_checkpointed(rank, world_size):
-    """The leaderboard's step on a tiny model: FSDP, every block recomputed in backward, the fused LM head
-    (model(x, targets=y)), our AdamW; and one process doing the same; both against the plain model (full logits
-    into cross_entropy) within 1e-5 after every step (the fused head sums in another order)."""
-    def checkpointed(seed):
-        net = _tiny_transformer(seed)
-        net.act_ckpt_every = 1
-        return net
-
+    """The leaderboard's step on a tiny model: FSDP, every block recomputed, the fused LM head, our AdamW; and one
+    process doing the same; both within 1e-5 of the plain model (full logits into cross_entropy) after every step."""
     data, make_opt = _batches(3, seq=8), _OPTIMIZERS["adamw"]
     *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt)
-    *_, one = _reference(lambda: checkpointed(0), data, make_opt, fused=True)
-    w, opt = _wrapped("fsdp", make_opt, rank, make=checkpointed)
+    *_, one = _reference(lambda: _tiny_transformer(0, act_ckpt_every=1), data, make_opt, fused=True)
+    w, opt = _wrapped("fsdp", make_opt, rank, make=functools.partial(_tiny_transformer, act_ckpt_every=1))
     for step, (x, y) in enumerate(data):
-        _rank_step(w, w.finish, opt, x, y, rank, world_size, fused=True)
+        _rank_step(w, opt, x, y, rank, world_size, fused=True)
         _assert_close(w.state_dict(), want[step][0], f"FSDP fused + checkpointed, step {step}", atol=1e-5, rtol=0)
         _assert_close(one[step][0], want[step][0], f"fused + checkpointed, step {step}", atol=1e-5, rtol=0)
 
@@ -2869,25 +2839,21 @@ def test_fsdp_and_every_ddp_wrap_impl_match_one_process():
 def test_ddp_without_a_process_group_and_bad_input():
     """Without torchrun, init_distributed gives one process, wrap(impl="none") the plain model and optimizer; every
     wrapper asks for a process group in one line; unknown impls and bench.py ddp variants are named."""
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
-    try:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    with unittest.mock.patch.dict(os.environ, env, clear=True):
         rank, local_rank, world_size, device = ddp.init_distributed()
         assert (rank, local_rank, world_size) == (0, 0, 1) and not dist.is_initialized()
         assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
         ddp.cleanup_distributed()  # nothing to clean: must not raise
-    finally:
-        os.environ.update(saved)
     net = _tiny_transformer(0)
     w = ddp.wrap(net, "none")
     assert w.model is net and w.world_size == 1 and isinstance(w.no_sync(), contextlib.nullcontext)
-    opt = w.make_optimizer(train.AdamW, zero1=True, lr=1e-3)  # ZeRO-1 over one process: the plain optimizer
-    assert type(opt) is train.AdamW
+    assert type(w.make_optimizer(train.AdamW, zero1=True, lr=1e-3)) is train.AdamW  # ZeRO-1 of one process: plain
     x = torch.randint(0, 29, (2, 8))
     model.cross_entropy(w(x), x).backward()
     w.finish()
-    grads = [p.grad.clone() for p in net.parameters()]
-    norm = w.clip_grad_norm(0.1)
-    assert torch.allclose(norm, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    want_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()]))
+    assert torch.allclose(w.clip_grad_norm(0.1), want_norm)
     assert abs(train.clip_grad_norm(net.parameters(), float("inf")).item() - 0.1) < 1e-5
     assert w.state_dict().keys() == net.state_dict().keys()
     _expect(ValueError, ["unknown data-parallel impl", "'nccl'"], ddp.wrap, net, "nccl")
