@@ -4,9 +4,7 @@ a progress line on stderr, every row in --json FILE, a chart in --plot FILE.png;
 
     python bench.py model --size small --dtype bf16 --compile blocks --attn flash    # one step, phase by phase
     python bench.py model --size small,medium --context_length 256,512,1024 --mode fwd,fwd_bwd,train --sweep
-    python bench.py model --size small --dtype fp32,bf16 --compare dtype             # fp32 vs bf16 autocast
-    python bench.py model --size gpt2 --vocab_size 50304 --context_length 1024 --batch_size 12 --dtype bf16 \\
-        --compile model --tie_embeddings --attn sdpa,flash --peer gpt2               # vs a torch.nn GPT-2
+    python bench.py model --size gpt2 --vocab_size 50304 --dtype bf16 --attn sdpa,flash --peer gpt2  # vs torch.nn
     python bench.py attention | varlen | hf | rmsnorm | adamw | sass | bpe --input FILE
     torchrun --nproc_per_node=2 bench.py ddp | allreduce
 
@@ -36,11 +34,10 @@ import unittest.mock
 T_START = time.time()  # a row's cold start counts from the process start
 
 
-def bpe_train_child(argv):
+def bpe_train_child(which, path, vocab_size, special, workers, out_dir):
     """`bench.py _bpe_train WHICH PATH VOCAB_SIZE SPECIAL WORKERS OUT_DIR`: one training of `bench.py bpe` in a
     process without torch, so its peak RSS is the trainer's own; WHICH: ours (bpe.train_bpe, saved to OUT_DIR) or
     hf (HF tokenizers' byte-level BpeTrainer, as many threads). Prints seconds, RSS and vocab size as JSON."""
-    which, path, vocab_size, special, workers, out_dir = argv
     from bpe import Tokenizer, peak_rss_mb, train_bpe
     t0 = time.perf_counter()
     if which == "ours":
@@ -65,8 +62,7 @@ def bpe_train_child(argv):
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         n = tok.get_vocab_size()
     seconds, (rss, worker_rss) = time.perf_counter() - t0, peak_rss_mb()
-    print(json.dumps({"seconds": seconds, "rss_mb": rss, "worker_rss_mb": worker_rss, "vocab": n}))
-    return 0
+    print(json.dumps(dict(seconds=seconds, rss_mb=rss, worker_rss_mb=worker_rss, vocab=n)))
 
 
 # ---- the command line: each subcommand's options, read before torch is imported (-h and a mistake answer at once)
@@ -88,9 +84,10 @@ class Parser(argparse.ArgumentParser):
         return args
 
 
-def parser(name, description, device=True, plot=False, defaults=None):
-    """A subcommand's parser with the options they share; defaults: {option: (CUDA default, CPU default)}."""
-    p = Parser(prog=f"bench.py {name}", description=description)
+def parser(name, description, device=True, plot=False, defaults=None, **plain):
+    """A subcommand's parser with the options they share, COMMANDS[name] heading its description; defaults:
+    {option: (CUDA default, CPU default)}; plain: {option: its default}, typed as the default."""
+    p = Parser(prog=f"bench.py {name}", description=f"{COMMANDS[name]}. {description}")
     p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
     if device:
         p.add_argument("--device", default="auto", help="auto: cuda where there is one, else cpu")
@@ -99,6 +96,9 @@ def parser(name, description, device=True, plot=False, defaults=None):
         p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
     for key, (gpu, cpu) in (defaults or {}).items():
         p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
+    for key, value in plain.items():
+        p.add_argument(f"--{key}", type=type(value), default=value)
+    p.by_device = defaults or {}
     return p
 
 
@@ -127,9 +127,12 @@ COMPILES = ("none", "model", "blocks", "graphs")  # graphs: torch.compile(mode="
 KEYS = dict(model="model", size="size", context_length="ctx", batch_size="batch", dtype="dtype", compile="compile",
             attn="attn", recompute="recompute", mode="mode")  # a row's configuration, and its column names
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
+PACKED = ("ours", "ours-triton", "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")  # see packed_methods
+ATTN_METHODS = ("ours", "ours-triton", "ours-gluon", "naive", "naive-compiled", "sdpa-cudnn", "sdpa-flash",
+                "sdpa-efficient", "flex") + PACKED[3:]  # see dense_methods; those a device lacks are left out
 VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
     d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
-    context_length=(1024, 256), median_len=(200.0, 40.0), batch_size=(32, 2), dtype=("bf16", "fp32"),
+    context_length=(1024, 256), median_len=(200.0, 40.0), sigma=(0.8, 0.8), batch_size=(32, 2), dtype=("bf16", "fp32"),
     attn=("flash", "naive"), num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2), compile=("dynamic", "none"),
     phases=("eval,train",) * 2, strategies=("pad,dynamic_pad,pack,pack_static",) * 2, backend=("inductor", "aot_eager"))
 HF_DEFAULTS = dict(VARLEN_DEFAULTS, vocab_size=(50257, 257), context_length=(1024, 32), median_len=(200.0, 20.0),
@@ -143,25 +146,36 @@ RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
 DDP_VARIANTS = ("none", "naive", "flat", "overlap", "bucketed-1", "bucketed-10", "bucketed-25", "bucketed-100",
                 "bucketed-1000", "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy",
                 "torch_fsdp+bf16")
+COMMANDS = {  # name: what it answers, in one line (its options: options(name); its run: RUN[name], at the end)
+    "model": "The training step: time per phase, memory, throughput; sweeps, comparisons, peers",
+    "attention": "Our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed",
+    "varlen": "pad vs dynamic_pad vs pack on the same documents, our model",
+    "rmsnorm": "Our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s",
+    "adamw": "One optimizer step: our AdamW (fused, foreach) vs torch's",
+    "ddp": "Our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)",
+    "allreduce": "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)",
+    "hf": "varlen on a Hugging Face GPT-2: SDPA, ours, FlexAttention",
+    "bpe": "Our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken",
+    "sass": "Registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)",
+}
 
 
 def options(name):
     """The parser of subcommand `name`, with its options and the rules across them."""
-    hf_model, name = name == "hf", {"allreduce": "ddp"}.get(name, name)
+    hf_model, name = name == "hf", {"allreduce": "ddp", "hf": "varlen"}.get(name, name)
     if name == "model":
-        p = parser("model", "The training step of our TransformerLM, optionally beside a peer: time per step and "
-                   "phase, memory, throughput; a row per combination of the comma lists.", plot=True)
-        p.add_argument("--size", "--sizes", type=listed(MODEL_NAMES.get("size")), default="small",
+        p = parser("model", "A row per combination of the comma lists; --peer: beside a torch.nn peer.", plot=True,
+                   vocab_size=10000, warmup=5, steps=10)
+        p.add_argument("--size", type=listed(MODEL_NAMES.get("size")), default="small",
                        help="presets: model.PRESETS, tiny, gpt2, 8B")
         for key in ("d_model", "d_ff", "num_layers", "num_heads"):
             p.add_argument(f"--{key}", type=int, help="override the preset's value")
-        p.add_argument("--vocab_size", type=int, default=10000)
-        p.add_argument("--context_length", "--context_lengths", type=listed(cast=int), default="512")
+        p.add_argument("--context_length", type=listed(cast=int), default="512")
         p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
-        p.add_argument("--dtype", "--dtypes", type=listed(DTYPES), default="fp32", help="bf16: autocast")
-        p.add_argument("--mode", "--modes", type=listed(MODES), default="train", help="fwd (inference), fwd_bwd, train")
-        p.add_argument("--compile", "--compile_options", type=listed(COMPILES), nargs="?", const=["model"],
-                       default="none", help="blocks: each block compiled in place; graphs: mode reduce-overhead")
+        p.add_argument("--dtype", type=listed(DTYPES), default="fp32", help="bf16: autocast")
+        p.add_argument("--mode", type=listed(MODES), default="train", help="fwd (inference), fwd_bwd, train")
+        p.add_argument("--compile", type=listed(COMPILES), nargs="?", const=["model"], default="none",
+                       help="blocks: each block compiled in place; graphs: mode reduce-overhead")
         p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")), default="naive")
         p.add_argument("--tie_embeddings", action="store_true")
         p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also a peer: GPT-2 in "
@@ -170,8 +184,6 @@ def options(name):
         p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
         p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
         p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later rows are skipped")
-        p.add_argument("--warmup", type=int, default=5)
-        p.add_argument("--steps", type=int, default=10)
         p.add_argument("--reference_tokens_per_s", type=float, help="nanoGPT's, say: a 'vs reference' column")
         p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
         p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
@@ -184,25 +196,23 @@ def options(name):
         p.rules = lambda a: [(a.steps < 1 or a.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
                              ((a.nvtx or a.profile or a.memory_snapshot) and rows(a) > 1,
                               "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
+                             (a.cuda_graphs and (a.mode != ["train"] or a.warmup < 3 or a.nvtx or a.profile or
+                                                 a.memory_snapshot or "graphs" in a.compile), "--cuda_graphs captures "
+                              "a training step: it needs --mode train and --warmup >= 3, without --nvtx, --profile, "
+                              "--memory_snapshot, --compile graphs"),
                              ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
                               "under torchrun --compile is none or blocks (the models are sharded after compiling)")]
     elif name == "attention":
-        p = parser("attention", "Causal attention forward, backward and both: our FlashAttention beside SDPA's "
-                   "cuDNN, flash and memory-efficient backends, FlexAttention and naive PyTorch, dense and on packed "
-                   "documents (on the CPU: tiny stand-ins in the Triton interpreter).", device=False)
+        p = parser("attention", "Causal, forward, backward and both (on the CPU: tiny stand-ins in the Triton "
+                   "interpreter).", device=False, rep=50, sustain=1.0, time_budget=0.0)
         p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="see the section")
-        p.add_argument("--methods", type=listed(), help="default: all but ours-gluon, naive-compiled, packed sdpa-*, "
-                       "fa2")
-        p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, their median")
-        p.add_argument("--sustain", type=float, default=1.0, help="the sustained part: seconds of warm-up, of timing")
-        p.add_argument("--time_budget", type=float, default=0, help="seconds; later cases are left out (0: no limit)")
-    elif name in ("varlen", "hf"):
-        p = parser("hf" if hf_model else "varlen", "Training (and eval) on the same variable-length documents laid "
-                   "out by each strategy, every row from the same weights: " + ("a transformers GPT2LMHeadModel "
-                   "(dropout 0) on sdpa, ours (hf.register_hf_attention) or flex_attention, a row per document or "
-                   "packed, compiled or not" if hf_model else "our model padded, padded to the longest, packed, packed "
-                   "to a static shape"), plot=True, defaults=HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
-        p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
+        p.add_argument("--methods", type=listed(ATTN_METHODS), help="default: all but ours-gluon, naive-compiled, "
+                       "packed sdpa-*, fa2")
+    elif name == "varlen":
+        p = parser("hf" if hf_model else "varlen", "Training (and eval), every row from the same weights: " + (
+            "a transformers GPT2LMHeadModel (dropout 0) on sdpa, ours (hf.register_hf_attention) or flex_attention, a "
+            "row per document or packed, compiled or not" if hf_model else "our model padded, padded to the longest, "
+            "packed, packed to a static shape") + ".", plot=True, defaults=HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
         known = lambda s: s in LAYOUTS if not hf_model else s.split(":", 1)[0] in ("sdpa", "ours", "flex_attention") \
             and s.split(":", 1)[-1].removesuffix(":compiled") in LAYOUTS[:3]
         p.rules = lambda a: [(not all(map(known, (a.strategies or "pad").split(","))) or a.dtype not in (None, *DTYPES)
@@ -210,63 +220,36 @@ def options(name):
                               f"--strategies, --dtype or --phases: not {'ATTN:' * hf_model}{'|'.join(LAYOUTS)}"
                               f"{'[:compiled]' * hf_model}, {'|'.join(DTYPES)} or eval,train")]
     elif name == "rmsnorm":
-        p = parser("rmsnorm", "RMSNorm forward and forward+backward: flash.rms_norm beside model.RMSNorm compiled by "
-                   "inductor, F.rms_norm, and x.clone() (a read and a write of x: the bandwidth a norm can at best "
-                   "reach); bf16 on CUDA, fp32 on the CPU (the Triton interpreter).")
+        p = parser("rmsnorm", "Forward and forward+backward; copy: x.clone(), the bandwidth a norm can at best reach; "
+                   "bf16 on CUDA, fp32 on the CPU (the Triton interpreter).", rep=50)
         p.add_argument("--shapes", type=listed(cast=tokens_by_d), default="32768x4096,12288x768")
         p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
-        p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, their median")
     elif name == "adamw":
-        p = parser("adamw", "One optimizer step over a TransformerLM's parameters, every optimizer on the same tensors "
-                   "and gradients: our AdamW (fused kernel, foreach path) against torch's (fused, foreach).")
+        p = parser("adamw", "Every optimizer on the same tensors and gradients of a TransformerLM.", rep=100)
         p.add_argument("--sizes", type=listed(MODEL_NAMES.get("size")), help="model presets (default gpt2,xl on CUDA, "
                        "tiny on the CPU); vocab 50304 for gpt2, 512 for tiny, else 10000")
-        p.add_argument("--rep", type=int, default=100, help="CUDA: ms of timed steps per optimizer, the median taken")
     elif name == "ddp":
-        p = parser("ddp", "Under torchrun: all-reduce bandwidth per size (--allreduce_mb), then TransformerLM under "
-                   "each data-parallel variant of ddp.wrap (train.py's ddp_impl names; none: no communication, the "
-                   "baseline) beside torch DDP, ZeroRedundancyOptimizer and FSDP2, all with our AdamW.", device=False)
+        p = parser("ddp", "All-reduce bandwidth per size (--allreduce_mb), then TransformerLM under each variant of "
+                   "ddp.wrap (none: no communication, the baseline) beside torch DDP, ZeroRedundancyOptimizer and "
+                   "FSDP2, all with our AdamW.", device=False, context_length=1024, warmup=3, steps=10)
         p.add_argument("--allreduce_mb", type=float, nargs="*", default=[], help="MiB per all-reduced fp32 tensor")
         p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS), choices=DDP_VARIANTS)
         p.add_argument("--preset", default="gpt2-xl", choices=MODEL_NAMES.get("size"), help="tiny: vocab 512")
         p.add_argument("--batch_size", type=int, default=8, help="per rank")
-        p.add_argument("--context_length", type=int, default=1024)
-        p.add_argument("--warmup", type=int, default=3)
-        p.add_argument("--steps", type=int, default=10, help="timed steps (all-reduce: calls) per row")
     elif name == "bpe":
-        p = parser("bpe", "Our byte-level BPE beside the libraries: training (bpe.train_bpe vs HF tokenizers' "
-                   "BpeTrainer, each in a fresh process: wall seconds, peak RSS) and encoding with our vocabulary "
-                   "(Tokenizer.encode, encode_batch, encode_file vs tiktoken on the same ranks: MB/s, the ids checked "
-                   "equal); the median of --repeats.", device=False)
+        p = parser("bpe", "Training: each in a fresh process, wall seconds and peak RSS; encoding with our vocabulary "
+                   "on the same ranks: MB/s, the ids checked equal; the median of --repeats.", device=False,
+                   vocab_size=10000, special="<|endoftext|>", num_workers=os.cpu_count(), repeats=3)
         p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special (bench_corpus.py)")
-        p.add_argument("--vocab_size", type=int, default=10000)
-        p.add_argument("--special", default="<|endoftext|>")
-        p.add_argument("--num_workers", type=int, default=os.cpu_count())
-        p.add_argument("--repeats", type=int, default=3)
         p.rules = lambda a: [(not os.path.isfile(a.input) or os.path.getsize(a.input) == 0 or a.repeats < 1 or
                               a.num_workers < 1 or not a.special, f"--input {a.input} is missing or empty, or "
                               f"--repeats or --num_workers < 1, or --special empty")]
     elif name == "sass":
-        p = parser("sass", "The attention kernels compiled for sm_90 without a GPU (cmd_sass tells how and why): "
-                   "registers, spills, SASS size, shared memory, wgmma serialization.", device=False)
+        p = parser("sass", "Compiled for sm_90 without a GPU (cmd_sass tells how and why).", device=False)
         p.add_argument("--head_dims", default="128,64")
         p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
         p.add_argument("--full", action="store_true", help="non-causal instead of causal")
     return p
-
-
-COMMANDS = {  # name: what it answers, in one line (its options: options(name); its run: RUN[name], at the end)
-    "model": "the training step: time per phase, memory, throughput; sweeps, comparisons, peers",
-    "attention": "our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed",
-    "varlen": "pad vs dynamic_pad vs pack on the same documents, our model",
-    "rmsnorm": "our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s",
-    "adamw": "one optimizer step: our AdamW (fused, foreach) vs torch's",
-    "ddp": "our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)",
-    "allreduce": "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)",
-    "hf": "varlen on a Hugging Face GPT-2: SDPA, ours, FlexAttention",
-    "bpe": "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken",
-    "sass": "registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)",
-}
 
 
 def command(argv):
@@ -283,7 +266,7 @@ def command(argv):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_bpe_train"]:  # before torch is imported: see bpe_train_child
-        sys.exit(bpe_train_child(sys.argv[2:]))
+        sys.exit(bpe_train_child(*sys.argv[2:]))
     options(command(sys.argv[1:])).parse_args(sys.argv[2:])  # -h and mistakes: answered before torch loads
 
 import numpy as np  # noqa: E402
@@ -309,13 +292,13 @@ MODEL_NAMES.update(size=tuple(SIZES), attn=ATTN_IMPLS)
 
 # ---- the harness: the device, printing and saving, progress, timing ------------------------------------------------
 
-def parse(p, argv, defaults=None):
-    """(args, device): the options parsed, those of `defaults` not given set for the device."""
+def parse(p, argv):
+    """(args, device): the options parsed, those of p.by_device not given set for the device."""
     args = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available on this machine")
-    for key, both in (defaults or {}).items():
+    for key, both in p.by_device.items():
         setattr(args, key, both[device.type != "cuda"] if getattr(args, key) is None else getattr(args, key))
     torch.manual_seed(args.seed)
     torch._dynamo.config.cache_size_limit = 64  # one function compiled at many shapes: past 8 it would run eagerly
@@ -352,12 +335,14 @@ class Report:
         self.t0, self.elapsed = time.perf_counter(), lambda: time.perf_counter() - self.t0
         self.say(f"`{self.data['command']}` · {self.data['date']} · {what} · {versions}\n")
 
-    def progress(self, done, total, text):
-        """A line on stderr per finished item of a long loop, with its rate and an ETA (stdout stays Markdown)."""
+    def progress(self, done, total, text, **data):
+        """A line on stderr per finished item of a long loop, with its rate and an ETA (stdout stays Markdown); data:
+        saved too."""
         rate = done / max(self.elapsed(), 1e-9)
         if not self.quiet:
             print(f"[{done}/{total}] {text} | {self.elapsed():.0f}s, {60 * rate:.1f}/min, ETA "
                   f"{(total - done) / rate:.0f}s", file=sys.stderr, flush=True)
+        self.save(**data)
 
     def say(self, text=""):
         if not self.quiet:
@@ -390,9 +375,8 @@ class Report:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            print(f"matplotlib is not installed: {self.png} not written", file=sys.stderr)
-            return
-        fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 4), squeeze=False)
+            return print(f"matplotlib is not installed: {self.png} not written", file=sys.stderr)
+        fig, axes = plt.subplots(1, len(panels) or 1, figsize=(5 * (len(panels) or 1), 4), squeeze=False)
         for ax, (title, series) in zip(axes[0], panels.items()):
             for name, points in series.items():
                 ax.plot(*zip(*points), marker="o", label=name)
@@ -441,53 +425,48 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
     """The one timer: ms per call of fn(), one sample per timed step, as a list. `warmup` untimed calls, then
     `steps` samples, each the mean of `reps` calls, the device synchronized around each; setup() runs untimed before
     each sample; budget_ms: as many samples as fit in that many ms, judged by the first. CUDA: a pair of events per
-    sample; flush_l2 gives every call a cold L2 cache; host_ahead keeps the GPU busy (torch.cuda._sleep) until the
-    host has issued the call, so the events time the GPU's work alone, and host_ms (a list) gets the host's ms per
-    call. CPU: time.perf_counter."""
+    sample; flush_l2 gives every sample a cold L2 cache; host_ahead keeps the GPU busy (torch.cuda._sleep) until the
+    host has issued the sample's calls, so the events time the GPU's work alone, and host_ms (a list) gets the host's
+    ms per call. CPU: time.perf_counter."""
     device = torch.device(device)
-    cuda, host_ahead = device.type == "cuda", host_ahead and device.type == "cuda"
-    sleep = {"ms": 1.0}  # the GPU's sleep before a sample: twice the host's time for a call, doubled when short
+    cuda = device.type == "cuda"
+    host_ahead, sleep_ms = host_ahead and cuda, 1.0  # the GPU's sleep: twice the host's time for a sample, or more
     for _ in range(warmup):
         t0 = time.perf_counter()
         fn()
-        sleep["ms"] = max(1.0, 2e3 * (time.perf_counter() - t0) * (1 if flush_l2 else reps))
+        sleep_ms = max(1.0, 2e3 * (time.perf_counter() - t0) * reps)
     if cuda and flush_l2 and device not in _L2_FLUSH:
         _L2_FLUSH[device] = torch.empty(2**28, dtype=torch.int8, device=device)
-    flush = _L2_FLUSH[device] if cuda and flush_l2 else None
 
     def sample():
+        nonlocal sleep_ms
         if setup is not None:
             setup()
-        if not cuda:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            return (time.perf_counter() - t0) * 1e3 / reps
-        torch.cuda.synchronize(device)
-        spans, calls = [], 1 if flush is not None else reps
-        for _ in range(reps // calls):  # with a flush, every call gets its own events
-            if flush is not None:
-                flush.zero_()
+        if cuda:
+            torch.cuda.synchronize(device)
+            if flush_l2:
+                _L2_FLUSH[device].zero_()
             if host_ahead:
-                torch.cuda._sleep(int(sleep["ms"] * 2e6))  # ~2e6 cycles per ms at the H100/H200 clock
+                torch.cuda._sleep(int(sleep_ms * 2e6))  # ~2e6 cycles per ms at the H100/H200 clock
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            host = (time.perf_counter() - t0) * 1e3 / calls
-            end.record()
-            spans.append((start, end))
-            if host_ahead and host_ms is not None:
-                host_ms.append(host)
-            if host_ahead and host * calls > 0.8 * sleep["ms"]:
-                sleep["ms"] *= 2
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host = (time.perf_counter() - t0) * 1e3 / reps
+        if not cuda:
+            return host
+        end.record()
+        if host_ahead and host_ms is not None:
+            host_ms.append(host)
+        if host_ahead and host * reps > 0.8 * sleep_ms:
+            sleep_ms *= 2
         torch.cuda.synchronize(device)
-        return sum(s.elapsed_time(e) for s, e in spans) / reps
+        return start.elapsed_time(end) / reps
 
     samples = [sample() for _ in range(min(steps, 1) if budget_ms else steps)]
     if budget_ms and samples:
-        cost = samples[0] + (sleep["ms"] if host_ahead else 0)  # the GPU's sleeps are spent too
+        cost = samples[0] + (sleep_ms if host_ahead else 0)  # the GPU's sleeps are spent too
         steps = max(steps, min(int(budget_ms / max(cost, 1e-3)), 10_000))
     return samples + [sample() for _ in range(steps - len(samples))]
 
@@ -526,13 +505,12 @@ def document_lengths(num_docs, median_len, sigma, max_len, generator, total_toke
     [min_len, max_len]; num_docs of them, or (num_docs None) as many as fill total_tokens exactly, the last cut."""
     draw = lambda n: (median_len * torch.exp(sigma * torch.randn(n, generator=generator, dtype=torch.float64))) \
         .round().clamp(min_len, max_len).long()
-    if num_docs is not None:
-        return draw(num_docs)
-    lengths = draw(0)
-    while int(lengths.sum()) < total_tokens:
+    lengths = draw(num_docs or 0)
+    while num_docs is None and int(lengths.sum()) < total_tokens:
         lengths = torch.cat([lengths, draw(max(1, int(total_tokens / median_len)))])
-    lengths = lengths[:int(torch.searchsorted(lengths.cumsum(0), total_tokens)) + 1].clone()
-    lengths[-1] -= int(lengths.sum()) - total_tokens
+    if num_docs is None:
+        lengths = lengths[:int(torch.searchsorted(lengths.cumsum(0), total_tokens)) + 1].clone()
+        lengths[-1] -= int(lengths.sum()) - total_tokens
     return lengths
 
 
@@ -546,8 +524,7 @@ class PeerBlock(nn.Module):
     def __init__(self, d_model, num_heads, d_ff, gpt2):
         super().__init__()
         self.num_heads, self.d_ff, self.gpt2 = num_heads, 4 * d_model if gpt2 else d_ff, gpt2
-        norm = (lambda: nn.LayerNorm(d_model)) if gpt2 else (lambda: nn.RMSNorm(d_model, eps=1e-5))
-        self.ln1, self.ln2 = norm(), norm()
+        self.ln1, self.ln2 = ((nn.LayerNorm(d_model) if gpt2 else nn.RMSNorm(d_model, eps=1e-5)) for _ in range(2))
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model, bias=gpt2), nn.Linear(d_model, d_model, bias=gpt2)
         self.up = nn.Linear(d_model, self.d_ff * (1 if gpt2 else 2), bias=gpt2)
         self.down = nn.Linear(self.d_ff, d_model, bias=gpt2)
@@ -682,17 +659,17 @@ def build(who, size, attn, how, args, device, world):
 def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
     """One configuration's row: warm-up steps (the first one's time kept: the one-off costs), then timed ones; "OOM"
     or "error" in place of the numbers where it failed."""
-    row = dict(cfg, params=built["params"], status="ok")
+    row, cuda = dict(cfg, params=built["params"], status="ok"), device.type == "cuda"
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     seq = torch.randint(args.vocab_size, (cfg["batch_size"], cfg["context_length"] + 1),
-                        generator=torch.Generator().manual_seed(args.seed + rank))
+                        generator=torch.Generator().manual_seed(args.seed + rank)).to(device)
     optimizer = built["make_optimizer"](args.cuda_graphs) if cfg["mode"] == "train" else None
     phases = Phases(device, off=args.cuda_graphs)
-    step = functools.partial(training_step, built["par"], optimizer, seq[:, :-1].to(device), seq[:, 1:].to(device),
-                             cfg["mode"], cfg["dtype"], phases, cfg["compile"] == "graphs")
+    step = functools.partial(training_step, built["par"], optimizer, seq[:, :-1], seq[:, 1:], cfg["mode"],
+                             cfg["dtype"], phases, cfg["compile"] == "graphs")
     if args.cuda_graphs:  # two eager warm-up steps, the third captures the whole step, every later one replays it
         step = whole_step_graph(step, optimizer, device)
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         if args.warmup:
@@ -720,8 +697,7 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
         row["tokens_per_s"] = cfg["batch_size"] * cfg["context_length"] * world / (row["mean_ms"] / 1e3)
         row["tflops"] = built["flops"](cfg["context_length"]) / (3 if cfg["mode"] == "fwd" else 1) \
             * row["tokens_per_s"] / 1e12
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) \
-            if device.type == "cuda" else None
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) if cuda else 0
         row["mfu"] = row["tflops"] * 1e12 / (peak * world) if peak else None
     return row
 
@@ -746,8 +722,7 @@ def print_rows(rep, rows, reference=None):
             f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}", r["median_ms"]] + [r.get("gpu_ms")] * gpu + [
             r.get("first_step_ms"), r.get("cold_start_s"), " / ".join(fmt(ms) for ms in r["phase_ms"].values()) or
             "(one graph)", r["peak_mib"], r["tokens_per_s"], r["tflops"], r["mfu"] and f"{100 * r['mfu']:.1f}%"] +
-            [ratio(r["tokens_per_s"], peer)] * bool(peers) +
-            [ratio(r["tokens_per_s"], reference)] * bool(reference)))
+            [ratio(r["tokens_per_s"], peer)] * bool(peers) + [ratio(r["tokens_per_s"], reference)] * bool(reference)))
     rep.table(header, body, fold=range(len(KEYS)))
 
 
@@ -775,23 +750,16 @@ def cmd_model(argv):
     args, device = parse(p, argv)
     distributed = "WORLD_SIZE" in os.environ  # under torchrun: the models sharded, every rank a batch
     rank, _, world, device = ddp.init_distributed() if distributed else (0, 0, None, device)
+    if (args.cuda_graphs or args.memory_snapshot or args.nvtx) and device.type != "cuda":
+        p.error("--cuda_graphs, --memory_snapshot and --nvtx need CUDA")
     combos = list(itertools.product(args.dtype, args.context_length, args.mode))
     groups = [("ours", s, c, a) for s in args.size for c in args.compile for a in args.attn]
     groups += [(args.peer, s, c, "sdpa") for s in args.size for c in args.compile] if args.peer else []
-    for bad, why in ((args.cuda_graphs and (args.mode != ["train"] or args.warmup < 3 or device.type != "cuda" or
-                                            args.nvtx or args.profile or args.memory_snapshot or "graphs" in
-                                            args.compile), "--cuda_graphs captures a training step: it needs CUDA, "
-                      "--mode train and --warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
-                     ((args.memory_snapshot or args.nvtx) and device.type != "cuda", "--memory_snapshot, --nvtx need "
-                      "CUDA")):
-        if bad:
-            p.error(why)
-    rep = Report("model", argv, device, args, rank)
+    rep, rows = Report("model", argv, device, args, rank), []
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + [
         torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")) if args.profile else None
     recompute = " + ".join([f"full {'all' if args.act_ckpt_layers < 0 else args.act_ckpt_layers}"] * bool(
         args.act_ckpt_every) + ["selective"] * args.selective_recompute) or "none"
-    rows = []
     for who, size, how, attn in groups:
         built, status = None, "skipped"
         if rep.elapsed() <= args.time_budget:
@@ -805,23 +773,17 @@ def cmd_model(argv):
             cfg = dict(model=who, size=size, context_length=ctx, batch_size=args.batch_size, dtype=dtype,
                        compile=how + " + step graph" * args.cuda_graphs, attn=attn, mode=mode, recompute=recompute
                        if who == "ours" else "every block" if distributed else "none")
-            if built is None or rep.elapsed() > args.time_budget:
-                row = dict(cfg, params=built and built["params"], status=status if built is None else "skipped")
-            else:
-                row = run_config(cfg, built, device, args, gpu_ms=device.type == "cuda" and not args.compare
-                                 and not distributed, profiler=profiler)
+            row = dict(cfg, params=built and built["params"], status=status if built is None else "skipped") if \
+                built is None or rep.elapsed() > args.time_budget else run_config(
+                    cfg, built, device, args, device.type == "cuda" and not args.compare and not distributed, profiler)
             rows.append(row)
             rep.progress(len(rows), len(groups) * len(combos), f"{who} {size} {how} {attn} {dtype} ctx {ctx} {mode}: "
-                         f"{fmt(row.get('mean_ms', row['status']))}")
-            rep.save(rows=rows)
+                         f"{fmt(row.get('mean_ms', row['status']))}", rows=rows)
         built = None
         free_memory(device)
     rep.say(f"vocab {args.vocab_size}, {args.warmup} warm-up and {args.steps} timed steps; fwd: inference forward and "
             f"loss under no_grad; TFLOP/s by model.flops_per_token (the causal half; naive attention in full)\n")
-    if args.compare:
-        print_compare(rep, rows, args.compare)
-    else:
-        print_rows(rep, rows, args.reference_tokens_per_s)
+    print_compare(rep, rows, args.compare) if args.compare else print_rows(rep, rows, args.reference_tokens_per_s)
     if args.profile and rows[0]["status"] == "ok":  # the top kernels (CUDA) or ops (CPU) of the timed steps
         profiler.export_chrome_trace(args.profile)
         rep.say(f"torch.profiler over the timed steps (Chrome trace: {args.profile})\n\n```\n" + profiler.key_averages(
@@ -846,7 +808,6 @@ def cmd_model(argv):
 
 BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
 MAX_SEQ = {"naive": 16384, "naive-compiled": 16384, "flex": 65536, "sdpa-efficient": 65536}  # costly ones capped
-PACKED = ("ours", "ours-triton", "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")  # see packed_methods
 
 
 def attention_flops(lengths, num_heads, head_dim):
