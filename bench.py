@@ -821,16 +821,6 @@ def on_backend(backend, fn):
     return unittest.mock.patch.object(flash, "BACKEND", backend)(fn)
 
 
-def sdpa(backend=None):
-    """F.scaled_dot_product_attention, causal, on one SDPA backend (None: SDPA's own choice)."""
-    from torch.nn.attention import sdpa_kernel
-
-    def run(q, k, v):
-        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return run
-
-
 @functools.lru_cache(maxsize=None)
 def flex_attention(dynamic):
     from torch.nn.attention.flex_attention import flex_attention
@@ -847,6 +837,7 @@ def flex(n, device, doc_ids=None, dynamic=False):
 
 
 made = lambda fn: lambda q, k, v: fn  # a make(q, k, v) with nothing to set up
+sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # on SDPA's own choice of backend
 
 
 def dense_methods(cuda):
@@ -860,9 +851,9 @@ def dense_methods(cuda):
     for backend in ("triton", "gluon") if cuda and flash.gluon and flash._is_sm90(torch.cuda.current_device()) else ():
         methods[f"ours-{backend}"] = made(on_backend(backend, ours))
     if cuda:
-        from torch.nn.attention import SDPBackend
-        for name in ("cudnn", "flash", "efficient"):
-            methods[f"sdpa-{name}"] = made(sdpa(getattr(SDPBackend, f"{name.upper()}_ATTENTION")))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for name in ("cudnn", "flash", "efficient"):  # (a context manager made by contextmanager decorates too)
+            methods[f"sdpa-{name}"] = made(sdpa_kernel(getattr(SDPBackend, f"{name.upper()}_ATTENTION"))(sdpa))
         methods["flex"] = lambda q, k, v: flex(q.shape[-2], q.device)
     return methods
 
@@ -874,8 +865,8 @@ def padded(cu, length, num_heads):
     index = doc * length + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1].long()[doc]
     pad = lambda t: t.new_zeros(len(lens) * length, num_heads, t.shape[-1]).index_copy(0, index, t).view(
         len(lens), length, num_heads, -1).transpose(1, 2)
-    return lambda q, k, v: sdpa()(pad(q), pad(k), pad(v)).transpose(1, 2).reshape(len(lens) * length, num_heads,
-                                                                                   -1)[index]
+    return lambda q, k, v: sdpa(pad(q), pad(k), pad(v)).transpose(1, 2).reshape(len(lens) * length, num_heads,
+                                                                                 -1)[index]
 
 
 def packed_methods(cu, max_seqlen, num_heads, pad_length):
@@ -958,14 +949,10 @@ def print_attention(rep, rows):
 
 
 def cmd_attention(argv):
-    p = options("attention")
-    args = p.parse_args(argv)
+    args = options("attention").parse_args(argv)
     cuda, bf16, fp32 = torch.cuda.is_available(), torch.bfloat16, torch.float32
     device, methods = torch.device("cuda" if cuda else "cpu"), dense_methods(cuda)
     wanted = args.methods or [m for m in methods if m not in ("ours-gluon", "naive-compiled")]
-    if set(wanted) - set(methods) - set(PACKED):
-        p.error(f"--methods: {', '.join(sorted(set(wanted) - set(methods) - set(PACKED)))} not here; there are "
-                f"{', '.join(sorted(set(methods) | set(PACKED)))}")
     torch._dynamo.config.cache_size_limit = 64  # FlexAttention compiles once per shape
     torch._functorch.config.donated_buffer = False  # the timed backward reuses one compiled graph (retain_graph)
     parts = [part for part in ATTN_PARTS if part in args.parts]
@@ -1008,8 +995,7 @@ def cmd_attention(argv):
             new = attention_rows(part, f"B={b} H={h} S={s} D={d} {str(dt)[6:]}", chosen, (b, h, s, d), dt,
                                  b * attention_flops([s], h, d), args.rep, args.sustain if part == "sustained" else 0)
         rows += new
-        rep.progress(i + 1, len(jobs), f"{part} {new[0]['case'] if new else case}")
-        rep.save(rows=rows)
+        rep.progress(i + 1, len(jobs), f"{part} {new[0]['case'] if new else case}", rows=rows)
     rep.say("Causal. FLOPs: 4·B·H·S²·D/2 forward (the causal half), x2.5 backward, x3.5 forward+backward; packed "
             "cases count the work inside documents only. Times: medians of calls each with a cold L2 cache and the "
             "GPU kept busy until the host has issued the call (the GPU's work; the host's is its own column).\n")
@@ -1044,10 +1030,10 @@ def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
 
 
 def cmd_varlen(argv, hf_model=False):
-    p = options("hf" if hf_model else "varlen")
-    args, device = parse(p, argv, HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
+    name = "hf" if hf_model else "varlen"
+    args, device = parse(options(name), argv)
     strategies, phases = args.strategies.split(","), args.phases.split(",")
-    rep, ctx, g = Report(p.prog[9:], argv, device, args), args.context_length, torch.Generator().manual_seed(args.seed)
+    rep, ctx, g = Report(name, argv, device, args), args.context_length, torch.Generator().manual_seed(args.seed)
     lengths = document_lengths(args.num_docs, args.median_len, args.sigma, ctx, g)  # random tokens, long-tailed lengths
     docs = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int64)
     tokens = torch.randint(args.vocab_size, (int(docs[-1]),), generator=g).numpy().astype(np.int64)
@@ -1114,8 +1100,7 @@ def cmd_varlen(argv, hf_model=False):
         free_memory(device)
         rows.append(row)
         rep.progress(len(rows), len(phases) * len(strategies), f"{strategy} {phase}: {fmt(row.get('tokens_per_s'))} "
-                     "real tokens/s")
-        rep.save(rows=rows)
+                     "real tokens/s", rows=rows)
     base = {r["phase"]: r.get("tokens_per_s") for r in reversed(rows)}  # the first strategy's
     rep.table(["phase", "strategy", "ms/step", "real tokens/s", f"speedup vs {strategies[0]}", "real / slots",
                "peak MiB", "loss, batch 1 (same weights and targets)"],
