@@ -65,12 +65,12 @@ def bpe_train_child(which, path, vocab_size, special, workers, out_dir):
     print(json.dumps(dict(seconds=seconds, rss_mb=rss, worker_rss_mb=worker_rss, vocab=n)))
 
 
-# ---- the command line: each subcommand's options, read before torch is imported (-h and a mistake answer at once)
-# and again by the subcommand, which also checks model.py's names then, and what needs the device -------------------
+# ---- the command line: a subparser per subcommand, read before torch is imported (-h and a mistake answer at once)
+# and again by main(), which then also checks model.py's names; what needs the device, the subcommand checks --------
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors, bad options and bad values alike, are one line on stderr and exit status 2; rules(args)
-    -> [(bad, message)]: checks across options, made as soon as they are parsed."""
+    """argparse whose errors, bad options and bad values alike, are one line on stderr and exit status 2; then the
+    subcommand's rules(args) -> [(bad, message)], checks across options, made as soon as they are parsed."""
 
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -78,28 +78,15 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         args = super().parse_args(args, namespace)
-        for bad, why in getattr(self, "rules", lambda a: ())(args):
+        for bad, why in args.rules(args):
             if bad:
-                self.error(why)
+                fail(args, why)
         return args
 
 
-def parser(name, description, device=True, plot=False, defaults=None, **plain):
-    """A subcommand's parser with the options they share, COMMANDS[name] heading its description; defaults:
-    {option: (CUDA default, CPU default)}; plain: {option: its default}, typed as the default."""
-    p = Parser(prog=f"bench.py {name}", description=f"{COMMANDS[name]}. {description}")
-    p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
-    if device:
-        p.add_argument("--device", default="auto", help="auto: cuda where there is one, else cpu")
-        p.add_argument("--seed", type=int, default=0)
-    if plot:
-        p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
-    for key, (gpu, cpu) in (defaults or {}).items():
-        p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
-    for key, value in plain.items():
-        p.add_argument(f"--{key}", type=type(value), default=value)
-    p.by_device = defaults or {}
-    return p
+def fail(args, message):
+    """A mistake found after parsing: one line, exit status 2, as a mistake the parser finds."""
+    Parser(prog=f"bench.py {args.command}").error(message)
 
 
 def listed(choices=None, cast=str):
@@ -108,7 +95,7 @@ def listed(choices=None, cast=str):
         try:
             items = [cast(t) for t in text.split(",") if t]
         except (ValueError, AttributeError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {cast.__doc__ or cast.__name__}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {'int' if cast is int else 'TOKENSxD'}")
         if not items or (choices and set(items) - set(choices)):
             raise argparse.ArgumentTypeError(f"unknown value in {text!r}: expected {', '.join(map(str, choices))}")
         return items
@@ -116,7 +103,6 @@ def listed(choices=None, cast=str):
 
 
 def tokens_by_d(text):
-    """TOKENSxD items"""
     n, d = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", text).groups()
     return int(n), int(d)
 
@@ -146,128 +132,136 @@ RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
 DDP_VARIANTS = ("none", "naive", "flat", "overlap", "bucketed-1", "bucketed-10", "bucketed-25", "bucketed-100",
                 "bucketed-1000", "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy",
                 "torch_fsdp+bf16")
-COMMANDS = {  # name: what it answers, in one line (its options: options(name); its run: RUN[name], at the end)
-    "model": "The training step: time per phase, memory, throughput; sweeps, comparisons, peers",
-    "attention": "Our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed",
-    "varlen": "pad vs dynamic_pad vs pack on the same documents, our model",
-    "rmsnorm": "Our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s",
-    "adamw": "One optimizer step: our AdamW (fused, foreach) vs torch's",
-    "ddp": "Our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)",
-    "allreduce": "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)",
-    "hf": "varlen on a Hugging Face GPT-2: SDPA, ours, FlexAttention",
-    "bpe": "Our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken",
-    "sass": "Registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)",
-}
 
 
-def options(name):
-    """The parser of subcommand `name`, with its options and the rules across them."""
-    hf_model, name = name == "hf", {"allreduce": "ddp", "hf": "varlen"}.get(name, name)
-    if name == "model":
-        p = parser("model", "A row per combination of the comma lists; --peer: beside a torch.nn peer.", plot=True,
-                   vocab_size=10000, warmup=5, steps=10)
-        p.add_argument("--size", type=listed(MODEL_NAMES.get("size")), default="small",
-                       help="presets: model.PRESETS, tiny, gpt2, 8B")
-        for key in ("d_model", "d_ff", "num_layers", "num_heads"):
-            p.add_argument(f"--{key}", type=int, help="override the preset's value")
-        p.add_argument("--context_length", type=listed(cast=int), default="512")
-        p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
-        p.add_argument("--dtype", type=listed(DTYPES), default="fp32", help="bf16: autocast")
-        p.add_argument("--mode", type=listed(MODES), default="train", help="fwd (inference), fwd_bwd, train")
-        p.add_argument("--compile", type=listed(COMPILES), nargs="?", const=["model"], default="none",
-                       help="blocks: each block compiled in place; graphs: mode reduce-overhead")
-        p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")), default="naive")
-        p.add_argument("--tie_embeddings", action="store_true")
-        p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also a peer: GPT-2 in "
-                       "torch.nn parts, or our architecture in torch.nn layers (under torchrun: FSDP2)")
-        p.add_argument("--cuda_graphs", action="store_true", help="the whole step one CUDA graph (mode train, CUDA)")
-        p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
-        p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
-        p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later rows are skipped")
-        p.add_argument("--reference_tokens_per_s", type=float, help="nanoGPT's, say: a 'vs reference' column")
-        p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
-        p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
-        p.add_argument("--selective_recompute", action="store_true")
-        p.add_argument("--nvtx", action="store_true", help="NVTX ranges of the timed steps' ops and phases, for nsys")
-        p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler: top kernels and a Chrome trace")
-        p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history, for memory_viz")
-        rows = lambda a: (len(a.attn) + bool(a.peer)) * math.prod(map(len, (a.size, a.compile, a.dtype,
-                                                                          a.context_length, a.mode)))
-        p.rules = lambda a: [(a.steps < 1 or a.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
-                             ((a.nvtx or a.profile or a.memory_snapshot) and rows(a) > 1,
-                              "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
-                             (a.cuda_graphs and (a.mode != ["train"] or a.warmup < 3 or a.nvtx or a.profile or
-                                                 a.memory_snapshot or "graphs" in a.compile), "--cuda_graphs captures "
-                              "a training step: it needs --mode train and --warmup >= 3, without --nvtx, --profile, "
-                              "--memory_snapshot, --compile graphs"),
-                             ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
-                              "under torchrun --compile is none or blocks (the models are sharded after compiling)")]
-    elif name == "attention":
-        p = parser("attention", "Causal, forward, backward and both (on the CPU: tiny stand-ins in the Triton "
-                   "interpreter).", device=False, rep=50, sustain=1.0, time_budget=0.0)
-        p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="see the section")
-        p.add_argument("--methods", type=listed(ATTN_METHODS), help="default: all but ours-gluon, naive-compiled, "
-                       "packed sdpa-*, fa2")
-    elif name == "varlen":
-        p = parser("hf" if hf_model else "varlen", "Training (and eval), every row from the same weights: " + (
-            "a transformers GPT2LMHeadModel (dropout 0) on sdpa, ours (hf.register_hf_attention) or flex_attention, a "
-            "row per document or packed, compiled or not" if hf_model else "our model padded, padded to the longest, "
-            "packed, packed to a static shape") + ".", plot=True, defaults=HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
-        known = lambda s: s in LAYOUTS if not hf_model else s.split(":", 1)[0] in ("sdpa", "ours", "flex_attention") \
-            and s.split(":", 1)[-1].removesuffix(":compiled") in LAYOUTS[:3]
-        p.rules = lambda a: [(not all(map(known, (a.strategies or "pad").split(","))) or a.dtype not in (None, *DTYPES)
-                              or set((a.phases or "eval").split(",")) - {"eval", "train"},
-                              f"--strategies, --dtype or --phases: not {'ATTN:' * hf_model}{'|'.join(LAYOUTS)}"
-                              f"{'[:compiled]' * hf_model}, {'|'.join(DTYPES)} or eval,train")]
-    elif name == "rmsnorm":
-        p = parser("rmsnorm", "Forward and forward+backward; copy: x.clone(), the bandwidth a norm can at best reach; "
-                   "bf16 on CUDA, fp32 on the CPU (the Triton interpreter).", rep=50)
-        p.add_argument("--shapes", type=listed(cast=tokens_by_d), default="32768x4096,12288x768")
-        p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
-    elif name == "adamw":
-        p = parser("adamw", "Every optimizer on the same tensors and gradients of a TransformerLM.", rep=100)
-        p.add_argument("--sizes", type=listed(MODEL_NAMES.get("size")), help="model presets (default gpt2,xl on CUDA, "
-                       "tiny on the CPU); vocab 50304 for gpt2, 512 for tiny, else 10000")
-    elif name == "ddp":
-        p = parser("ddp", "All-reduce bandwidth per size (--allreduce_mb), then TransformerLM under each variant of "
-                   "ddp.wrap (none: no communication, the baseline) beside torch DDP, ZeroRedundancyOptimizer and "
-                   "FSDP2, all with our AdamW.", device=False, context_length=1024, warmup=3, steps=10)
+def cli():
+    """The parser of the whole command line: bench.py SUBCOMMAND [options]."""
+    top = Parser(prog="bench.py", description="Benchmarks: a subcommand per question (bench.py SUBCOMMAND -h: its "
+                 "options). Markdown on stdout, progress on stderr, every row in --json FILE.")
+    sub = top.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND", parser_class=Parser)
+
+    def parser(name, summary, description, device=True, plot=False, defaults=None, rules=lambda a: (), **plain):
+        """A subcommand's parser with the options they share; defaults: {option: (CUDA default, CPU default)};
+        plain: {option: its default}, typed as the default."""
+        p = sub.add_parser(name, help=summary, description=f"{summary}. {description}")
+        p.set_defaults(by_device=defaults or {}, rules=rules)
+        p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
+        if device:
+            p.add_argument("--device", default="auto", help="auto: cuda where there is one, else cpu")
+            p.add_argument("--seed", type=int, default=0)
+        if plot:
+            p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
+        for key, (gpu, cpu) in (defaults or {}).items():
+            p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
+        for key, value in plain.items():
+            p.add_argument(f"--{key}", type=type(value), default=value)
+        return p
+
+    rows = lambda a: (len(a.attn) + bool(a.peer)) * math.prod(map(len, (a.size, a.compile, a.dtype, a.context_length,
+                                                                         a.mode)))
+    p = parser("model", "The training step: time per phase, memory, throughput; sweeps, comparisons, peers",
+               "A row per combination of the comma lists.", plot=True, vocab_size=10000, warmup=5, steps=10,
+               rules=lambda a: [
+                   (a.steps < 1 or a.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
+                   ((a.nvtx or a.profile or a.memory_snapshot) and rows(a) > 1,
+                    "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
+                   (a.cuda_graphs and (a.mode != ["train"] or a.warmup < 3 or a.nvtx or a.profile or a.memory_snapshot
+                                       or "graphs" in a.compile), "--cuda_graphs captures a training step: it needs "
+                    "--mode train and --warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
+                   ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
+                    "under torchrun --compile is none or blocks (the models are sharded after compiling)")])
+    p.add_argument("--size", type=listed(MODEL_NAMES.get("size")), default="small",
+                   help="presets: model.PRESETS, tiny, gpt2, 8B")
+    for key in ("d_model", "d_ff", "num_layers", "num_heads"):
+        p.add_argument(f"--{key}", type=int, help="override the preset's value")
+    p.add_argument("--context_length", type=listed(cast=int), default="512")
+    p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
+    p.add_argument("--dtype", type=listed(DTYPES), default="fp32", help="bf16: autocast")
+    p.add_argument("--mode", type=listed(MODES), default="train", help="fwd (inference), fwd_bwd, train")
+    p.add_argument("--compile", type=listed(COMPILES), default="none",
+                   help="blocks: each block compiled in place; graphs: mode reduce-overhead")
+    p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")), default="naive")
+    p.add_argument("--tie_embeddings", action="store_true")
+    p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also a peer: GPT-2 in "
+                   "torch.nn parts, or our architecture in torch.nn layers (under torchrun: FSDP2)")
+    p.add_argument("--cuda_graphs", action="store_true", help="the whole step one CUDA graph (mode train, CUDA)")
+    p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
+    p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
+    p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later rows are skipped")
+    p.add_argument("--reference_tokens_per_s", type=float, help="nanoGPT's, say: a 'vs reference' column")
+    p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
+    p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
+    p.add_argument("--selective_recompute", action="store_true")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges of the timed steps' ops and phases, for nsys")
+    p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler: top kernels and a Chrome trace")
+    p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history, for memory_viz")
+
+    p = parser("attention", "Our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed", "Causal, "
+               "forward, backward and both (on the CPU: tiny stand-ins in the Triton interpreter).", device=False,
+               rep=50, sustain=1.0, time_budget=0.0)
+    p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="see the section")
+    p.add_argument("--methods", type=listed(ATTN_METHODS), help="default: all but ours-gluon, naive-compiled, "
+                   "packed sdpa-*, fa2")
+
+    for name, defaults in (("varlen", VARLEN_DEFAULTS), ("hf", HF_DEFAULTS)):
+        hf_model = name == "hf"
+        known = lambda s, hf_model=hf_model: s in LAYOUTS if not hf_model else s.split(":", 1)[0] in (
+            "sdpa", "ours", "flex_attention") and s.split(":", 1)[-1].removesuffix(":compiled") in LAYOUTS[:3]
+        parser(name, "varlen on a Hugging Face GPT-2: SDPA, ours, FlexAttention" if hf_model else "pad vs dynamic_pad "
+               "vs pack on the same documents, our model", "Training (and eval), every row from the same weights: " + (
+                   "a transformers GPT2LMHeadModel (dropout 0) on sdpa, ours (hf.register_hf_attention) or "
+                   "flex_attention, a row per document or packed, compiled or not." if hf_model else "our model padded, "
+                   "padded to the longest, packed, packed to a static shape."), plot=True, defaults=defaults,
+               rules=lambda a, known=known, hf_model=hf_model: [
+                   (not all(map(known, (a.strategies or "pad").split(","))) or a.dtype not in (None, *DTYPES) or
+                    set((a.phases or "eval").split(",")) - {"eval", "train"}, f"--strategies, --dtype or --phases: "
+                    f"not {'ATTN:' * hf_model}{'|'.join(LAYOUTS)}{'[:compiled]' * hf_model}, {'|'.join(DTYPES)} or "
+                    "eval,train")])
+
+    p = parser("rmsnorm", "Our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s", "Forward and "
+               "forward+backward; copy: x.clone(), the bandwidth a norm can at best reach; bf16 on CUDA, fp32 on the "
+               "CPU (the Triton interpreter).", rep=50)
+    p.add_argument("--shapes", type=listed(cast=tokens_by_d), default="32768x4096,12288x768")
+    p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
+
+    p = parser("adamw", "One optimizer step: our AdamW (fused, foreach) vs torch's", "Every optimizer on the same "
+               "tensors and gradients of a TransformerLM.", rep=100)
+    p.add_argument("--sizes", type=listed(MODEL_NAMES.get("size")), help="model presets (default gpt2,xl on CUDA, "
+                   "tiny on the CPU); vocab 50304 for gpt2, 512 for tiny, else 10000")
+
+    for name in ("ddp", "allreduce"):
+        p = parser(name, "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)" if name == "allreduce" else
+                   "Our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)", "All-reduce "
+                   "bandwidth per size (--allreduce_mb), then TransformerLM under each variant of ddp.wrap (none: no "
+                   "communication, the baseline) beside torch DDP, ZeroRedundancyOptimizer and FSDP2, all with our "
+                   "AdamW.", device=False, context_length=1024, warmup=3, steps=10)
         p.add_argument("--allreduce_mb", type=float, nargs="*", default=[], help="MiB per all-reduced fp32 tensor")
         p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS), choices=DDP_VARIANTS)
         p.add_argument("--preset", default="gpt2-xl", choices=MODEL_NAMES.get("size"), help="tiny: vocab 512")
         p.add_argument("--batch_size", type=int, default=8, help="per rank")
-    elif name == "bpe":
-        p = parser("bpe", "Training: each in a fresh process, wall seconds and peak RSS; encoding with our vocabulary "
-                   "on the same ranks: MB/s, the ids checked equal; the median of --repeats.", device=False,
-                   vocab_size=10000, special="<|endoftext|>", num_workers=os.cpu_count(), repeats=3)
-        p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special (bench_corpus.py)")
-        p.rules = lambda a: [(not os.path.isfile(a.input) or os.path.getsize(a.input) == 0 or a.repeats < 1 or
-                              a.num_workers < 1 or not a.special, f"--input {a.input} is missing or empty, or "
-                              f"--repeats or --num_workers < 1, or --special empty")]
-    elif name == "sass":
-        p = parser("sass", "Compiled for sm_90 without a GPU (cmd_sass tells how and why).", device=False)
-        p.add_argument("--head_dims", default="128,64")
-        p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
-        p.add_argument("--full", action="store_true", help="non-causal instead of causal")
-    return p
+    p.set_defaults(variants=[], allreduce_mb=[1.0, 10.0, 100.0, 1000.0])
 
+    p = parser("bpe", "Our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken", "Training: each in a fresh "
+               "process, wall seconds and peak RSS; encoding with our vocabulary on the same ranks: MB/s, the ids "
+               "checked equal; the median of --repeats.", device=False, vocab_size=10000, special="<|endoftext|>",
+               num_workers=os.cpu_count(), repeats=3, rules=lambda a: [
+                   (not os.path.isfile(a.input) or os.path.getsize(a.input) == 0 or a.repeats < 1 or a.num_workers < 1
+                    or not a.special, f"--input {a.input} is missing or empty, or --repeats or --num_workers < 1, or "
+                    "--special empty")])
+    p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special (bench_corpus.py)")
 
-def command(argv):
-    """The subcommand argv names; -h lists them (exit status 0), none or an unknown one is one line (status 2)."""
-    if argv[:1] in (["-h"], ["--help"]):
-        print("\n".join(["usage: python bench.py SUBCOMMAND [options]   (python bench.py SUBCOMMAND -h: its options)",
-                         "", "subcommands:"] + [f"  {name:<9}  {text}" for name, text in COMMANDS.items()]))
-        raise SystemExit(0)
-    if not argv or argv[0] not in COMMANDS:
-        Parser(prog="bench.py").error(f"unknown subcommand {argv[0]!r}; choose one of {', '.join(COMMANDS)} (python "
-                                      f"bench.py -h)" if argv else f"a subcommand, please: {', '.join(COMMANDS)}")
-    return argv[0]
+    p = parser("sass", "Registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)",
+               "Compiled for sm_90 without a GPU (cmd_sass tells how and why).", device=False)
+    p.add_argument("--head_dims", default="128,64")
+    p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
+    p.add_argument("--full", action="store_true", help="non-causal instead of causal")
+    return top
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_bpe_train"]:  # before torch is imported: see bpe_train_child
         sys.exit(bpe_train_child(*sys.argv[2:]))
-    options(command(sys.argv[1:])).parse_args(sys.argv[2:])  # -h and mistakes: answered before torch loads
+    cli().parse_args(sys.argv[1:])  # -h and mistakes: answered before torch loads
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -292,17 +286,16 @@ MODEL_NAMES.update(size=tuple(SIZES), attn=ATTN_IMPLS)
 
 # ---- the harness: the device, printing and saving, progress, timing ------------------------------------------------
 
-def parse(p, argv):
-    """(args, device): the options parsed, those of p.by_device not given set for the device."""
-    args = p.parse_args(argv)
+def on_device(args):
+    """The device --device names, the options of args.by_device not given set for it, the seed set."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available on this machine")
-    for key, both in p.by_device.items():
+        fail(args, "--device cuda: CUDA is not available on this machine")
+    for key, both in args.by_device.items():
         setattr(args, key, both[device.type != "cuda"] if getattr(args, key) is None else getattr(args, key))
     torch.manual_seed(args.seed)
     torch._dynamo.config.cache_size_limit = 64  # one function compiled at many shapes: past 8 it would run eagerly
-    return args, device
+    return device
 
 
 def fmt(x, digits=2):
@@ -323,13 +316,13 @@ class Report:
     save() writes what it is given, every row so far, to --json (atomically: a run cut short keeps its rows);
     plot() draws --plot or says in one line why not. Ranks other than 0 print and save nothing."""
 
-    def __init__(self, name, argv, device, args, rank=0):
+    def __init__(self, args, device, rank=0):
         what = torch.cuda.get_device_name(device) if device.type == "cuda" else \
             f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
         versions = f"torch {torch.__version__}, triton {triton.__version__}" + (
             f", CUDA {torch.version.cuda}" if device.type == "cuda" else "")
         self.data = dict(command=("torchrun ... " if "WORLD_SIZE" in os.environ else "python ") + " ".join(
-            ["bench.py", name] + list(argv)), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=what,
+            ["bench.py", args.command] + args.argv), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=what,
             versions=versions)
         self.json, self.png, self.quiet = getattr(args, "json", None), getattr(args, "plot", None), rank != 0
         self.t0, self.elapsed = time.perf_counter(), lambda: time.perf_counter() - self.t0
@@ -745,17 +738,16 @@ def print_compare(rep, rows, axis):
     rep.table(header, body, fold=range(len(keys)))
 
 
-def cmd_model(argv):
-    p = options("model")
-    args, device = parse(p, argv)
+def cmd_model(args):
+    device = on_device(args)
     distributed = "WORLD_SIZE" in os.environ  # under torchrun: the models sharded, every rank a batch
     rank, _, world, device = ddp.init_distributed() if distributed else (0, 0, None, device)
     if (args.cuda_graphs or args.memory_snapshot or args.nvtx) and device.type != "cuda":
-        p.error("--cuda_graphs, --memory_snapshot and --nvtx need CUDA")
+        fail(args, "--cuda_graphs, --memory_snapshot and --nvtx need CUDA")
     combos = list(itertools.product(args.dtype, args.context_length, args.mode))
     groups = [("ours", s, c, a) for s in args.size for c in args.compile for a in args.attn]
     groups += [(args.peer, s, c, "sdpa") for s in args.size for c in args.compile] if args.peer else []
-    rep, rows = Report("model", argv, device, args, rank), []
+    rep, rows = Report(args, device, rank), []
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + [
         torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")) if args.profile else None
     recompute = " + ".join([f"full {'all' if args.act_ckpt_layers < 0 else args.act_ckpt_layers}"] * bool(
@@ -948,8 +940,7 @@ def print_attention(rep, rows):
               + ["GPU clock and power (fwd / bwd / fwd+bwd)"] * gpu, body, digits=[2, 2, 3, 3, 3, 0, 0, 2, 3, 0, 0])
 
 
-def cmd_attention(argv):
-    args = options("attention").parse_args(argv)
+def cmd_attention(args):
     cuda, bf16, fp32 = torch.cuda.is_available(), torch.bfloat16, torch.float32
     device, methods = torch.device("cuda" if cuda else "cpu"), dense_methods(cuda)
     wanted = args.methods or [m for m in methods if m not in ("ours-gluon", "naive-compiled")]
@@ -970,7 +961,7 @@ def cmd_attention(argv):
         dense = [p for p in parts if p not in ("varlen", "compile")]
         parts = dense[:1] + [p for p in parts if p in ("varlen", "compile")]
     jobs = [(part, case) for part in parts for case in table[part]]
-    rows, rep, gen = [], Report("attention", argv, device, args), torch.Generator().manual_seed(1)
+    rows, rep, gen = [], Report(args, device), torch.Generator().manual_seed(1)
     for i, (part, case) in enumerate(jobs):
         if args.time_budget and rep.elapsed() > args.time_budget:
             rep.say(f"time budget reached: {len(jobs) - i} cases left out\n")
@@ -1029,11 +1020,10 @@ def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def cmd_varlen(argv, hf_model=False):
-    name = "hf" if hf_model else "varlen"
-    args, device = parse(options(name), argv)
+def cmd_varlen(args):
+    device, hf_model = on_device(args), args.command == "hf"
     strategies, phases = args.strategies.split(","), args.phases.split(",")
-    rep, ctx, g = Report(name, argv, device, args), args.context_length, torch.Generator().manual_seed(args.seed)
+    rep, ctx, g = Report(args, device), args.context_length, torch.Generator().manual_seed(args.seed)
     lengths = document_lengths(args.num_docs, args.median_len, args.sigma, ctx, g)  # random tokens, long-tailed lengths
     docs = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int64)
     tokens = torch.randint(args.vocab_size, (int(docs[-1]),), generator=g).numpy().astype(np.int64)
@@ -1121,10 +1111,9 @@ ADAMW = {"ours fused (the Triton kernel)": lambda ps: AdamW(ps, lr=1e-4, weight_
          "torch foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)}
 
 
-def cmd_rmsnorm(argv):
-    args, device = parse(options("rmsnorm"), argv)
-    dtype, rows = torch.bfloat16 if device.type == "cuda" else torch.float32, []
-    rep = Report("rmsnorm", argv, device, args)
+def cmd_rmsnorm(args):
+    device = on_device(args)
+    dtype, rep, rows = torch.bfloat16 if device.type == "cuda" else torch.float32, Report(args, device), []
     for n, d in args.shapes:
         g = torch.Generator(device=device).manual_seed(n + d)
         x, dy = (torch.randn(n, d, device=device, dtype=dtype, generator=g).requires_grad_(i == 0) for i in range(2))
@@ -1156,10 +1145,10 @@ def cmd_rmsnorm(argv):
     return rows
 
 
-def cmd_adamw(argv):
-    args, device = parse(options("adamw"), argv)
+def cmd_adamw(args):
+    device = on_device(args)
     sizes = args.sizes or (["gpt2", "xl"] if device.type == "cuda" else ["tiny"])
-    rep, rows = Report("adamw", argv, device, args), []
+    rep, rows = Report(args, device), []
     for size in sizes:
         net = TransformerLM(dict(gpt2=50304, tiny=512).get(size, 10000), 16, **SIZES[size], device=device)
         ps, times = [nn.Parameter(t.detach()) for t in net.parameters()], {}
@@ -1207,13 +1196,11 @@ def slowest(times):
     return [max(ts[i] for ts in per_rank) for i in range(len(times))]
 
 
-def cmd_ddp(argv):
-    p = options("ddp")
-    args = p.parse_args(argv)
+def cmd_ddp(args):
     rank, _, world, device = ddp.init_distributed()
     if not dist.is_initialized():
-        p.error("needs several processes: run it under torchrun --nproc_per_node=N")
-    cuda, rep, allreduce, results = device.type == "cuda", Report("ddp", argv, device, args, rank), [], []
+        fail(args, "needs several processes: run it under torchrun --nproc_per_node=N")
+    cuda, rep, allreduce, results = device.type == "cuda", Report(args, device, rank), [], []
     for size in args.allreduce_mb:  # a call's bytes over its median time: algbw; busbw = algbw * 2 (N - 1) / N
         x = torch.ones(int(size * 2**20) // 4, device=device)
         times = slowest(time_ms(lambda: dist.all_reduce(x), device, warmup=args.warmup, steps=args.steps,
@@ -1285,14 +1272,12 @@ def cmd_ddp(argv):
 
 # ---- bpe: our tokenizer's training against HF tokenizers, its encoding against tiktoken (CPU) -----------------------
 
-def cmd_bpe(argv):
+def cmd_bpe(args):
     import tiktoken
     from bpe import GPT2_PAT, Tokenizer, peak_rss_mb
-    p = options("bpe")
-    args = p.parse_args(argv)
     path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
     cpu, size, train = torch.device("cpu"), os.path.getsize(path), {"ours": [], "hf": []}
-    rep = Report("bpe", argv, cpu, args)
+    rep = Report(args, cpu)
     rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, {workers} workers of {os.cpu_count()} CPUs, "
             f"python {platform.python_version()}, tiktoken {tiktoken.__version__}\n")
     with tempfile.TemporaryDirectory(prefix="bench_bpe_") as tok_dir:
@@ -1301,7 +1286,7 @@ def cmd_bpe(argv):
                                 str(args.vocab_size), special, str(workers), tok_dir], capture_output=True, text=True,
                                stdin=subprocess.DEVNULL)
             if r.returncode != 0:
-                p.error(f"the {which} training run failed: {r.stderr.strip().splitlines()[-1:]}")
+                fail(args, f"the {which} training run failed: {r.stderr.strip().splitlines()[-1:]}")
             train[which].append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(f"train {which}: {train[which][-1]}", file=sys.stderr, flush=True)
         tok = Tokenizer.from_files(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"), [special])
@@ -1327,7 +1312,7 @@ def cmd_bpe(argv):
         out = {}
         seconds = statistics.median(time_ms(lambda: out.__setitem__("ids", fn()), cpu, steps=repeats)) / 1e3
         if want is not None and out["ids"] != want:
-            p.error(f"{what} gives other ids than tiktoken on {path}")
+            fail(args, f"{what} gives other ids than tiktoken on {path}")
         return seconds, out["ids"]
     t_peer, ids = timed(lambda: peer.encode(text, allowed_special="all"), "tiktoken")
     t_batch, batch_ids = timed(lambda: peer.encode_batch(pieces, num_threads=workers, allowed_special="all"), "")
@@ -1452,18 +1437,17 @@ def sass_rows(flash, d, varlen, causal):
     return rows
 
 
-def cmd_sass(argv):
+def cmd_sass(args):
     """Compile the attention kernels for sm_90 without a GPU and print registers, spills, SASS size, shared memory
     (a Hopper block has at most 227 KiB) and whether ptxas serialized the tensor-core (wgmma) instructions (its
     notes C7514/C7515, a slower kernel). Run it after changing a kernel's loop structure or a config, with the
     Triton the GPU machine has, installed aside:
         pip install --no-deps --target /tmp/triton36 triton==3.6.0
         PYTHONPATH=/tmp/triton36 python bench.py sass"""
-    args = options("sass").parse_args(argv)
     if flash.INTERPRET:  # the kernels were defined for the interpreter: compile them in a process that does not
         env = dict(os.environ, TRITON_INTERPRET="0")
-        return subprocess.run([sys.executable, os.path.abspath(__file__), "sass"] + argv, env=env).returncode
-    rep = Report("sass", argv, torch.device("cpu"), args)
+        return subprocess.run([sys.executable, os.path.abspath(__file__), "sass"] + args.argv, env=env).returncode
+    rep = Report(args, torch.device("cpu"))
     rep.say(f"Triton {triton.__version__}, sm_90, bf16, {'non-causal' if args.full else 'causal'}, "
             f"{'packed' if args.varlen else 'dense'}; integer arguments marked divisible by 16 as at the dense "
             f"shapes, except do_not_specialize ones\n")
@@ -1476,15 +1460,16 @@ def cmd_sass(argv):
 
 # ---- dispatch -------------------------------------------------------------------------------------------------------
 
-RUN = dict(model=cmd_model, attention=cmd_attention, varlen=cmd_varlen, rmsnorm=cmd_rmsnorm, adamw=cmd_adamw,
-           ddp=cmd_ddp, hf=functools.partial(cmd_varlen, hf_model=True), bpe=cmd_bpe, sass=cmd_sass,
-           allreduce=lambda argv: cmd_ddp(["--variants", "--allreduce_mb", "1", "10", "100", "1000"] + argv))
+RUN = dict(model=cmd_model, attention=cmd_attention, varlen=cmd_varlen, hf=cmd_varlen, rmsnorm=cmd_rmsnorm,
+           adamw=cmd_adamw, ddp=cmd_ddp, allreduce=cmd_ddp, bpe=cmd_bpe, sass=cmd_sass)
 
 
 def main(argv=None):
     """Runs one subcommand; returns its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    rc = RUN[command(argv)](argv[1:])
+    args = cli().parse_args(argv)
+    args.argv = argv[1:]  # (the header's command line)
+    rc = RUN[args.command](args)
     return rc if isinstance(rc, int) else 0
 
 

@@ -3166,14 +3166,14 @@ def test_bench_plot_without_matplotlib_says_so_in_one_line(tmp_path):
     png, err = tmp_path / "m.png", io.StringIO()
     with unittest.mock.patch.dict(sys.modules, matplotlib=None), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(err):  # an import of matplotlib now fails
-        bench.Report("model", [], torch.device("cpu"), SimpleNamespace(plot=str(png))).plot({"a": {"b": [(1, 2)]}},
-                                                                                             "x", "y")
+        bench.Report(SimpleNamespace(command="model", argv=[], plot=str(png)), torch.device("cpu")).plot(
+            {"a": {"b": [(1, 2)]}}, "x", "y")
     assert not png.exists() and err.getvalue() == f"matplotlib is not installed: {png} not written\n"
 
 
 def test_bench_bad_input_is_one_line_and_status_2(tmp_path):
     # all but model.py's names (checked once torch is there) and what needs the device, before torch is imported
-    _cli_errors("bench.py", [([], ["a subcommand, please"]), (["nope"], ["unknown subcommand 'nope'"]),
+    _cli_errors("bench.py", [([], ["required: SUBCOMMAND"]), (["nope"], ["invalid choice: 'nope'"]),
                              (["model", "--size", "huge"], ["unknown value"]), (["model", "--nope"], ["unrecognized"]),
                              (["model", "--cuda_graphs", "--warmup", "1"], ["--cuda_graphs"]),
                              (["model", "--steps", "0"], ["--steps"]), (["allreduce", "--nope"], ["unrecognized"]),
