@@ -94,17 +94,12 @@ def listed(choices=None, cast=str):
     def parse_list(text):
         try:
             items = [cast(t) for t in text.split(",") if t]
-        except (ValueError, AttributeError):
+        except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {'int' if cast is int else 'TOKENSxD'}")
         if not items or (choices and set(items) - set(choices)):
             raise argparse.ArgumentTypeError(f"unknown value in {text!r}: expected {', '.join(map(str, choices))}")
         return items
     return parse_list
-
-
-def tokens_by_d(text):
-    n, d = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", text).groups()
-    return int(n), int(d)
 
 
 MODEL_NAMES = {}  # size: model.py's PRESETS and ours, attn: ATTN_IMPLS; known once torch is imported (before: any name)
@@ -113,9 +108,8 @@ COMPILES = ("none", "model", "blocks", "graphs")  # graphs: torch.compile(mode="
 KEYS = dict(model="model", size="size", context_length="ctx", batch_size="batch", dtype="dtype", compile="compile",
             attn="attn", recompute="recompute", mode="mode")  # a row's configuration, and its column names
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
-PACKED = ("ours", "ours-triton", "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")  # see packed_methods
 ATTN_METHODS = ("ours", "ours-triton", "ours-gluon", "naive", "naive-compiled", "sdpa-cudnn", "sdpa-flash",
-                "sdpa-efficient", "flex") + PACKED[3:]  # see dense_methods; those a device lacks are left out
+                "sdpa-efficient", "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")  # those a device lacks: left out
 VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
     d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
     context_length=(1024, 256), median_len=(200.0, 40.0), sigma=(0.8, 0.8), batch_size=(32, 2), dtype=("bf16", "fp32"),
@@ -124,8 +118,10 @@ VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the G
 HF_DEFAULTS = dict(VARLEN_DEFAULTS, vocab_size=(50257, 257), context_length=(1024, 32), median_len=(200.0, 20.0),
                    batch_size=(16, 2), warmup=(3, 1), steps=(10, 1), phases=("train",) * 2, strategies=(
                        "sdpa:pad,sdpa:pad:compiled,sdpa:dynamic_pad,ours:pad,ours:pack,ours:pack:compiled,"
-                       "flex_attention:pack",) * 2)  # (ATTN:LAYOUT[:compiled]; GPT2Config's shape on the GPU)
+                       "flex_attention:pack",) * 2)  # GPT2Config's shape on the GPU
 LAYOUTS = ("pad", "dynamic_pad", "pack", "pack_static")
+STRATEGIES = dict(varlen=LAYOUTS, hf=tuple(f"{attn}:{layout}{c}" for attn in ("sdpa", "ours", "flex_attention")
+                                           for layout in LAYOUTS[:3] for c in ("", ":compiled")))
 RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
 # impl[-bucket MiB][+zero1][+bf16]: the names of ddp.wrap (train.py's ddp_impl); "none" = no wrapper, no
 # communication (the per-GPU compute baseline); torch+zero_redundancy = torch DDP with torch's ZeroRedundancyOptimizer
@@ -140,10 +136,9 @@ def cli():
                  "options). Markdown on stdout, progress on stderr, every row in --json FILE.")
     sub = top.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND", parser_class=Parser)
 
-    def parser(name, summary, description, device=True, plot=False, defaults=None, rules=lambda a: (), **plain):
-        """A subcommand's parser with the options they share; defaults: {option: (CUDA default, CPU default)};
-        plain: {option: its default}, typed as the default."""
-        p = sub.add_parser(name, help=summary, description=f"{summary}. {description}")
+    def parser(name, summary, details, device=True, plot=False, defaults=None, rules=lambda a: (), **plain):
+        """A subcommand's parser and the options they share; defaults: {option: (CUDA default, CPU default)}."""
+        p = sub.add_parser(name, help=summary, description=f"{summary}. {details}")
         p.set_defaults(by_device=defaults or {}, rules=rules)
         p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
         if device:
@@ -153,7 +148,7 @@ def cli():
             p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
         for key, (gpu, cpu) in (defaults or {}).items():
             p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
-        for key, value in plain.items():
+        for key, value in plain.items():  # typed as their default
             p.add_argument(f"--{key}", type=type(value), default=value)
         return p
 
@@ -172,8 +167,7 @@ def cli():
                     "under torchrun --compile is none or blocks (the models are sharded after compiling)")])
     p.add_argument("--size", type=listed(MODEL_NAMES.get("size")), default="small",
                    help="presets: model.PRESETS, tiny, gpt2, 8B")
-    for key in ("d_model", "d_ff", "num_layers", "num_heads"):
-        p.add_argument(f"--{key}", type=int, help="override the preset's value")
+    p.add_argument("--num_layers", type=int, help="the preset's, or this many")
     p.add_argument("--context_length", type=listed(cast=int), default="512")
     p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
     p.add_argument("--dtype", type=listed(DTYPES), default="fp32", help="bf16: autocast")
@@ -203,31 +197,24 @@ def cli():
     p.add_argument("--methods", type=listed(ATTN_METHODS), help="default: all but ours-gluon, naive-compiled, "
                    "packed sdpa-*, fa2")
 
-    for name, defaults in (("varlen", VARLEN_DEFAULTS), ("hf", HF_DEFAULTS)):
-        hf_model = name == "hf"
-        known = lambda s, hf_model=hf_model: s in LAYOUTS if not hf_model else s.split(":", 1)[0] in (
-            "sdpa", "ours", "flex_attention") and s.split(":", 1)[-1].removesuffix(":compiled") in LAYOUTS[:3]
-        parser(name, "varlen on a Hugging Face GPT-2: SDPA, ours, FlexAttention" if hf_model else "pad vs dynamic_pad "
-               "vs pack on the same documents, our model", "Training (and eval), every row from the same weights: " + (
-                   "a transformers GPT2LMHeadModel (dropout 0) on sdpa, ours (hf.register_hf_attention) or "
-                   "flex_attention, a row per document or packed, compiled or not." if hf_model else "our model padded, "
-                   "padded to the longest, packed, packed to a static shape."), plot=True, defaults=defaults,
-               rules=lambda a, known=known, hf_model=hf_model: [
-                   (not all(map(known, (a.strategies or "pad").split(","))) or a.dtype not in (None, *DTYPES) or
-                    set((a.phases or "eval").split(",")) - {"eval", "train"}, f"--strategies, --dtype or --phases: "
-                    f"not {'ATTN:' * hf_model}{'|'.join(LAYOUTS)}{'[:compiled]' * hf_model}, {'|'.join(DTYPES)} or "
-                    "eval,train")])
+    for name, summary in (("varlen", "pad vs dynamic_pad vs pack on the same documents, our model"),
+                          ("hf", "varlen on a Hugging Face GPT-2 (dropout 0): sdpa, ours (hf.register_hf_attention), "
+                           "flex_attention, a row per document or packed, compiled or not")):
+        parser(name, summary, "Training (and eval), every row from the same weights.", plot=True, defaults=dict(
+            varlen=VARLEN_DEFAULTS, hf=HF_DEFAULTS)[name], rules=lambda a: [(
+                a.strategies and not set(a.strategies.split(",")) <= set(STRATEGIES[a.command])
+                or a.dtype not in (None, *DTYPES) or a.phases and not set(a.phases.split(",")) <= {"eval", "train"},
+                f"--strategies, --dtype or --phases: not {','.join(STRATEGIES[a.command])}; {'|'.join(DTYPES)}; "
+                "eval,train")])
 
     p = parser("rmsnorm", "Our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s", "Forward and "
                "forward+backward; copy: x.clone(), the bandwidth a norm can at best reach; bf16 on CUDA, fp32 on the "
                "CPU (the Triton interpreter).", rep=50)
-    p.add_argument("--shapes", type=listed(cast=tokens_by_d), default="32768x4096,12288x768")
+    p.add_argument("--shapes", type=listed(cast=lambda t: tuple(map(int, t.split("x", 1)))),
+                   default="32768x4096,12288x768", help="TOKENSxD,...")
     p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
-
-    p = parser("adamw", "One optimizer step: our AdamW (fused, foreach) vs torch's", "Every optimizer on the same "
-               "tensors and gradients of a TransformerLM.", rep=100)
-    p.add_argument("--sizes", type=listed(MODEL_NAMES.get("size")), help="model presets (default gpt2,xl on CUDA, "
-                   "tiny on the CPU); vocab 50304 for gpt2, 512 for tiny, else 10000")
+    parser("adamw", "One optimizer step: our AdamW (fused, foreach) vs torch's", "Every optimizer on the same tensors "
+           "and gradients of a TransformerLM: gpt2 and xl on CUDA, tiny on the CPU.", rep=100)
 
     for name in ("ddp", "allreduce"):
         p = parser(name, "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)" if name == "allreduce" else
@@ -317,16 +304,15 @@ class Report:
     plot() draws --plot or says in one line why not. Ranks other than 0 print and save nothing."""
 
     def __init__(self, args, device, rank=0):
-        what = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-            f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
-        versions = f"torch {torch.__version__}, triton {triton.__version__}" + (
-            f", CUDA {torch.version.cuda}" if device.type == "cuda" else "")
+        cuda = device.type == "cuda"
         self.data = dict(command=("torchrun ... " if "WORLD_SIZE" in os.environ else "python ") + " ".join(
-            ["bench.py", args.command] + args.argv), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=what,
-            versions=versions)
+            ["bench.py", args.command] + args.argv), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            device=torch.cuda.get_device_name(device) if cuda else f"CPU {platform.machine()}, "
+            f"{torch.get_num_threads()} threads", versions=f"torch {torch.__version__}, triton {triton.__version__}"
+            + f", CUDA {torch.version.cuda}" * cuda)
         self.json, self.png, self.quiet = getattr(args, "json", None), getattr(args, "plot", None), rank != 0
         self.t0, self.elapsed = time.perf_counter(), lambda: time.perf_counter() - self.t0
-        self.say(f"`{self.data['command']}` · {self.data['date']} · {what} · {versions}\n")
+        self.say(" · ".join([f"`{self.data['command']}`", *list(self.data.values())[1:]]) + "\n")
 
     def progress(self, done, total, text, **data):
         """A line on stderr per finished item of a long loop, with its rate and an ETA (stdout stays Markdown); data:
@@ -385,10 +371,6 @@ def free_memory(device):
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
-
-
-def mib(nbytes):
-    return nbytes / 2**20
 
 
 def is_oom(error):  # the allocator's torch.OutOfMemoryError, or a RuntimeError of cuBLAS or cuDNN saying so
@@ -599,7 +581,7 @@ class Phases:
         if self.cuda:
             end.record()
             self.events.append((name, start, end))
-            self.peak[name] = max(self.peak.get(name, 0.0), mib(torch.cuda.max_memory_allocated()))
+            self.peak[name] = max(self.peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
         else:
             self.ms[name].append((time.perf_counter() - t0) * 1e3)
 
@@ -624,7 +606,7 @@ def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
 def build(who, size, attn, how, args, device, world):
     """A row group's model, compiled as `how` says and, under torchrun, sharded: ours by our FSDP (bf16 gathers;
     alone on one GPU), a peer by FSDP2 per block (the native one with every block recomputed)."""
-    dims, ctx = {k: getattr(args, k) or v for k, v in SIZES[size].items()}, max(args.context_length)
+    dims, ctx = dict(SIZES[size], num_layers=args.num_layers or SIZES[size]["num_layers"]), max(args.context_length)
     if who == "ours":
         net = TransformerLM(args.vocab_size, ctx, **dims, attn_impl=attn, tie_embeddings=args.tie_embeddings,
                             act_ckpt_every=args.act_ckpt_every, selective_recompute=args.selective_recompute,
@@ -677,7 +659,7 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
             torch.cuda.memory._dump_snapshot(args.memory_snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
         row["phase_ms"], row["phase_peak_mib"] = phases.read()
-        row["peak_mib"] = mib(torch.cuda.max_memory_allocated(device)) if args.cuda_graphs else \
+        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if args.cuda_graphs else \
             max(row["phase_peak_mib"].values(), default=None)  # a captured step has no phases: the run's peak
         if gpu_ms:  # the GPU's own time per step, the host's launch cost left out
             row["gpu_ms"] = statistics.median(time_ms(step, device, warmup=1, steps=10, host_ahead=True))
@@ -891,7 +873,7 @@ def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
         fn = make(q, k, v)
         o = fn(q, k, v)  # compiles, plans and autotunes for this shape, untimed
         out["fwd_ms"] = median_ms(lambda: fn(q, k, v))
-        out["mib_after_fwd"] = mib(torch.cuda.memory_allocated(q.device)) if cuda else None
+        out["mib_after_fwd"] = torch.cuda.memory_allocated(q.device) / 2**20 if cuda else None
         try:
             grad = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
             grad()
@@ -1080,7 +1062,7 @@ def cmd_varlen(args):
             it = iter(data)
             times = time_ms(lambda: step(next(it)), device, warmup=args.warmup, steps=args.steps)
             row.update(summary(times), loss_first_batch=out["loss"],
-                       peak_mib=mib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+                       peak_mib=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
                        real_tokens=sum(e - s - 1 for spans in batches[args.warmup:] for s, e in spans),
                        token_slots=sum(b["input_ids"].numel() for b in data[args.warmup:]))
             row["tokens_per_s"] = row["real_tokens"] / sum(times) * 1e3
@@ -1147,7 +1129,7 @@ def cmd_rmsnorm(args):
 
 def cmd_adamw(args):
     device = on_device(args)
-    sizes = args.sizes or (["gpt2", "xl"] if device.type == "cuda" else ["tiny"])
+    sizes = ["gpt2", "xl"] if device.type == "cuda" else ["tiny"]
     rep, rows = Report(args, device), []
     for size in sizes:
         net = TransformerLM(dict(gpt2=50304, tiny=512).get(size, 10000), 16, **SIZES[size], device=device)
