@@ -4,12 +4,11 @@ a progress line on stderr, every row in --json FILE, a chart in --plot FILE.png;
 
     python bench.py model --size small --dtype bf16 --compile blocks --attn flash    # one step, phase by phase
     python bench.py model --size small,medium --context_length 256,512,1024 --mode fwd,fwd_bwd,train --sweep
-    python bench.py model --size gpt2 --vocab_size 50304 --dtype bf16 --attn sdpa,flash --peer gpt2  # vs torch.nn
     python bench.py attention | varlen | hf | rmsnorm | adamw | sass | bpe --input FILE
     torchrun --nproc_per_node=2 bench.py ddp | allreduce
 
-Sections: command line (options, read before torch is imported) · harness (Report, time_ms) · model · attention ·
-varlen, hf · rmsnorm, adamw · ddp · bpe · sass
+Sections: command line (read before torch is imported) · harness (Report, time_ms) · model · attention · varlen, hf ·
+rmsnorm, adamw · ddp · bpe · sass
 """
 import argparse
 import collections
@@ -57,9 +56,8 @@ def bpe_train_child(which, path, vocab_size, special, workers, out_dir):
                     *done, buf = (buf + block).split(special)
                     yield from done
             yield buf
-        tok.train_from_iterator(documents(), trainers.BpeTrainer(
-            vocab_size=int(vocab_size), special_tokens=[special], show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.train_from_iterator(documents(), trainers.BpeTrainer(vocab_size=int(vocab_size), special_tokens=[special],
+                                show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         n = tok.get_vocab_size()
     seconds, (rss, worker_rss) = time.perf_counter() - t0, peak_rss_mb()
     print(json.dumps(dict(seconds=seconds, rss_mb=rss, worker_rss_mb=worker_rss, vocab=n)))
@@ -69,8 +67,8 @@ def bpe_train_child(which, path, vocab_size, special, workers, out_dir):
 # and again by main(), which then also checks model.py's names; what needs the device, the subcommand checks --------
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors, bad options and bad values alike, are one line on stderr and exit status 2; then the
-    subcommand's rules(args) -> [(bad, message)], checks across options, made as soon as they are parsed."""
+    """argparse whose mistakes are one line on stderr, exit status 2; the subcommand's rules(args) -> [(bad, why)]
+    (checks across options) made as soon as they are parsed."""
 
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -84,8 +82,7 @@ class Parser(argparse.ArgumentParser):
         return args
 
 
-def fail(args, message):
-    """A mistake found after parsing: one line, exit status 2, as a mistake the parser finds."""
+def fail(args, message):  # a mistake found after parsing: as one the parser finds
     Parser(prog=f"bench.py {args.command}").error(message)
 
 
@@ -125,19 +122,16 @@ STRATEGIES = dict(varlen=LAYOUTS, hf=tuple(f"{attn}:{layout}{c}" for attn in ("s
 RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
 # impl[-bucket MiB][+zero1][+bf16]: the names of ddp.wrap (train.py's ddp_impl); "none" = no wrapper, no
 # communication (the per-GPU compute baseline); torch+zero_redundancy = torch DDP with torch's ZeroRedundancyOptimizer
-DDP_VARIANTS = ("none", "naive", "flat", "overlap", "bucketed-1", "bucketed-10", "bucketed-25", "bucketed-100",
-                "bucketed-1000", "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy",
-                "torch_fsdp+bf16")
+DDP_VARIANTS = ("none", "naive", "flat", "overlap", *(f"bucketed-{mb}" for mb in (1, 10, 25, 100, 1000)),
+                "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy", "torch_fsdp+bf16")
 
 
 def cli():
-    """The parser of the whole command line: bench.py SUBCOMMAND [options]."""
     top = Parser(prog="bench.py", description="Benchmarks: a subcommand per question (bench.py SUBCOMMAND -h: its "
                  "options). Markdown on stdout, progress on stderr, every row in --json FILE.")
     sub = top.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND", parser_class=Parser)
 
     def parser(name, summary, details, device=True, plot=False, defaults=None, rules=lambda a: (), **plain):
-        """A subcommand's parser and the options they share; defaults: {option: (CUDA default, CPU default)}."""
         p = sub.add_parser(name, help=summary, description=f"{summary}. {details}")
         p.set_defaults(by_device=defaults or {}, rules=rules)
         p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
@@ -146,7 +140,7 @@ def cli():
             p.add_argument("--seed", type=int, default=0)
         if plot:
             p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
-        for key, (gpu, cpu) in (defaults or {}).items():
+        for key, (gpu, cpu) in (defaults or {}).items():  # set by on_device
             p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
         for key, value in plain.items():  # typed as their default
             p.add_argument(f"--{key}", type=type(value), default=value)
@@ -218,10 +212,9 @@ def cli():
 
     for name in ("ddp", "allreduce"):
         p = parser(name, "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)" if name == "allreduce" else
-                   "Our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)", "All-reduce "
-                   "bandwidth per size (--allreduce_mb), then TransformerLM under each variant of ddp.wrap (none: no "
-                   "communication, the baseline) beside torch DDP, ZeroRedundancyOptimizer and FSDP2, all with our "
-                   "AdamW.", device=False, context_length=1024, warmup=3, steps=10)
+                   "Our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)", "Then a "
+                   "TransformerLM step, our AdamW, under each variant (none: no communication, the baseline).",
+                   device=False, context_length=1024, warmup=3, steps=10)
         p.add_argument("--allreduce_mb", type=float, nargs="*", default=[], help="MiB per all-reduced fp32 tensor")
         p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS), choices=DDP_VARIANTS)
         p.add_argument("--preset", default="gpt2-xl", choices=MODEL_NAMES.get("size"), help="tiny: vocab 512")
@@ -299,9 +292,8 @@ def ratio(a, b):
 
 
 class Report:
-    """A subcommand's output: a header line (command, date, device, versions), Markdown tables and notes on stdout;
-    save() writes what it is given, every row so far, to --json (atomically: a run cut short keeps its rows);
-    plot() draws --plot or says in one line why not. Ranks other than 0 print and save nothing."""
+    """A subcommand's output: a header line, Markdown tables and notes on stdout; save(): what it is given, every row
+    so far, to --json (atomically: a run cut short keeps its rows); plot(): --plot. Ranks but 0 print and save nothing."""
 
     def __init__(self, args, device, rank=0):
         cuda = device.type == "cuda"
@@ -315,8 +307,7 @@ class Report:
         self.say(" · ".join([f"`{self.data['command']}`", *list(self.data.values())[1:]]) + "\n")
 
     def progress(self, done, total, text, **data):
-        """A line on stderr per finished item of a long loop, with its rate and an ETA (stdout stays Markdown); data:
-        saved too."""
+        """A line on stderr per finished item of a long loop, with its rate and an ETA; then save(**data)."""
         rate = done / max(self.elapsed(), 1e-9)
         if not self.quiet:
             print(f"[{done}/{total}] {text} | {self.elapsed():.0f}s, {60 * rate:.1f}/min, ETA "
@@ -328,8 +319,8 @@ class Report:
             print(text, flush=True)
 
     def table(self, header, rows, digits=2, fold=()):
-        """The one table printer, Markdown, every cell through fmt (digits: decimals of float cells, one or one per
-        column); the columns in `fold` whose cells are equal in every row become a caption line above it."""
+        """The one table printer: every cell through fmt (digits: float decimals, for all or per column); a column
+        of `fold` whose cells are all equal becomes a caption line above it."""
         digits = list(digits) + [2] * len(header) if isinstance(digits, (list, tuple)) else [digits] * len(header)
         same = [i for i in fold if rows and len({fmt(r[i]) for r in rows}) == 1]
         keep = [i for i in range(len(header)) if i not in same]
@@ -378,8 +369,8 @@ def is_oom(error):  # the allocator's torch.OutOfMemoryError, or a RuntimeError 
 
 
 def failure(error, short=False):
-    """The status of a run that raised, so one failing configuration does not end a long run: 'OOM' where it did
-    not fit; else 'error' with the traceback on stderr (short: the exception's first sentence, in one line)."""
+    """A failed row's status, so one failure does not end a long run: 'OOM'; else 'error', the traceback on stderr
+    (short: the exception's first sentence)."""
     if is_oom(error) or short:
         print(f"{type(error).__name__}: {error}", file=sys.stderr)
         return "OOM" if is_oom(error) else f"{type(error).__name__}: {str(error).split('. ')[0][:140]}"
@@ -388,8 +379,7 @@ def failure(error, short=False):
 
 
 def autocast(dtype, device):  # bf16: around forward and loss (parameters, gradients, optimizer state stay fp32)
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if dtype == "bf16" \
-        else contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
 _L2_FLUSH = {}  # device -> 2**28 bytes, more than any L2 cache, zeroed before a call to evict it
@@ -404,8 +394,7 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
     host has issued the sample's calls, so the events time the GPU's work alone, and host_ms (a list) gets the host's
     ms per call. CPU: time.perf_counter."""
     device = torch.device(device)
-    cuda = device.type == "cuda"
-    host_ahead, sleep_ms = host_ahead and cuda, 1.0  # the GPU's sleep: twice the host's time for a sample, or more
+    cuda, sleep_ms = device.type == "cuda", 1.0  # host_ahead's sleep: twice the host's time for a sample, or more
     for _ in range(warmup):
         t0 = time.perf_counter()
         fn()
@@ -441,14 +430,13 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
 
     samples = [sample() for _ in range(min(steps, 1) if budget_ms else steps)]
     if budget_ms and samples:
-        cost = samples[0] + (sleep_ms if host_ahead else 0)  # the GPU's sleeps are spent too
+        cost = samples[0] + sleep_ms * host_ahead  # the GPU's sleeps are spent too
         steps = max(steps, min(int(budget_ms / max(cost, 1e-3)), 10_000))
     return samples + [sample() for _ in range(steps - len(samples))]
 
 
 def kernel_ms(fn, device, rep, host_ms=None):
-    """A kernel's time: the median ms of as many calls as fit in `rep` ms (CPU: 3), each with a cold L2 cache and
-    the GPU kept busy until the host has issued it (an eager call may cost the host more than its kernels take)."""
+    """The median ms of as many calls as fit in `rep` ms (CPU: 3), each from a cold L2, the GPU's work alone."""
     cuda = torch.device(device).type == "cuda"
     return statistics.median(time_ms(fn, device, warmup=5 if cuda else 1, steps=3, budget_ms=rep if cuda else None,
                                      flush_l2=cuda, host_ahead=True, host_ms=host_ms))
@@ -460,9 +448,8 @@ def summary(samples):
 
 
 def sustained_ms(fn, device, seconds, readings):
-    """ms per call as a long run sees it: `seconds` of back-to-back calls untimed (the clock settles where the power
-    limit leaves it), then `seconds` of ~0.2 s samples, the median taken; readings gets the mean (SM MHz, board W)
-    that NVML gave between samples, where it answers."""
+    """ms per call as a long run sees it: `seconds` of calls untimed (the clock settles under the power limit), then
+    `seconds` of ~0.2 s samples, their median; readings gets NVML's mean (SM MHz, board W) between samples."""
     per_call, seen = time_ms(fn, device, warmup=2, steps=1)[0], []
     reps = max(1, round(200 / per_call))
 
@@ -522,8 +509,7 @@ class PeerBlock(nn.Module):
 
 class PeerLM(nn.Module):
     """A peer of TransformerLM from torch.nn layers, with torch's fused AdamW: gpt2, GPT-2 as nanoGPT builds it
-    (learned positions, tied embeddings); else ours, architecture and FLOPs (RoPE, untied); fp32 logits into
-    F.cross_entropy; act_ckpt: every block checkpointed."""
+    (learned positions, tied embeddings); else ours (RoPE, untied); fp32 logits; act_ckpt: every block recomputed."""
 
     def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, gpt2=False, act_ckpt=False):
         super().__init__()
@@ -592,7 +578,7 @@ def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
         torch.compiler.cudagraph_mark_step_begin()
     if mode != "fwd":
         par.module.zero_grad(set_to_none=True)
-    with phases("forward"), (torch.no_grad() if mode == "fwd" else contextlib.nullcontext()), autocast(dtype, x.device):
+    with phases("forward"), torch.set_grad_enabled(mode != "fwd"), autocast(dtype, x.device):
         loss = par(x, targets=y)  # ours: the fused head, the logits never whole
     if mode != "fwd":
         with phases("backward"):
@@ -604,8 +590,7 @@ def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
 
 
 def build(who, size, attn, how, args, device, world):
-    """A row group's model, compiled as `how` says and, under torchrun, sharded: ours by our FSDP (bf16 gathers;
-    alone on one GPU), a peer by FSDP2 per block (the native one with every block recomputed)."""
+    """A row group's model, compiled as `how` says; under torchrun sharded: ours by our FSDP, a peer by FSDP2."""
     dims, ctx = dict(SIZES[size], num_layers=args.num_layers or SIZES[size]["num_layers"]), max(args.context_length)
     if who == "ours":
         net = TransformerLM(args.vocab_size, ctx, **dims, attn_impl=attn, tie_embeddings=args.tie_embeddings,
@@ -626,22 +611,20 @@ def build(who, size, attn, how, args, device, world):
     # training FLOPs per token; the GPT-2 peer's MLP, two d x 4d matrices, costs what our SwiGLU costs at d_ff = 8d/3
     d_ff = 8 / 3 * dims["d_model"] if who == "gpt2" else dims["d_ff"]
     return dict(par=par, params=params, flops=lambda ctx: flops_per_token(
-        args.vocab_size, ctx, dims["d_model"], dims["num_layers"], d_ff, causal=attn != "naive"),
-        make_optimizer=lambda capturable: par.make_optimizer(opt, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                                             capturable=capturable))
+        args.vocab_size, ctx, dims["d_model"], dims["num_layers"], d_ff, causal=attn != "naive"), make_optimizer=lambda
+        capturable: par.make_optimizer(opt, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, capturable=capturable))
 
 
 def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
-    """One configuration's row: warm-up steps (the first one's time kept: the one-off costs), then timed ones; "OOM"
-    or "error" in place of the numbers where it failed."""
+    """One configuration's row: warm-up steps (the first one's time kept), then timed ones; or "OOM" or "error"."""
     row, cuda = dict(cfg, params=built["params"], status="ok"), device.type == "cuda"
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     seq = torch.randint(args.vocab_size, (cfg["batch_size"], cfg["context_length"] + 1),
-                        generator=torch.Generator().manual_seed(args.seed + rank)).to(device)
+                        generator=torch.Generator().manual_seed(args.seed + rank))
     optimizer = built["make_optimizer"](args.cuda_graphs) if cfg["mode"] == "train" else None
     phases = Phases(device, off=args.cuda_graphs)
-    step = functools.partial(training_step, built["par"], optimizer, seq[:, :-1], seq[:, 1:], cfg["mode"],
-                             cfg["dtype"], phases, cfg["compile"] == "graphs")
+    step = functools.partial(training_step, built["par"], optimizer, seq[:, :-1].to(device), seq[:, 1:].to(device),
+                             cfg["mode"], cfg["dtype"], phases, cfg["compile"] == "graphs")
     if args.cuda_graphs:  # two eager warm-up steps, the third captures the whole step, every later one replays it
         step = whole_step_graph(step, optimizer, device)
     if cuda:
@@ -702,8 +685,7 @@ def print_rows(rep, rows, reference=None):
 
 
 def print_compare(rep, rows, axis):
-    """One line per configuration with the values of `axis` side by side: their ms and peaks, the last one's first
-    step, tokens/s and TFLOP/s, and with two values their ratio."""
+    """One line per configuration, the values of `axis` side by side: their ms and peaks, the last one's rates."""
     values, keys, lines = list(dict.fromkeys(r[axis] for r in rows)), [k for k in KEYS if k != axis], {}
     for r in rows:
         lines.setdefault(tuple(r[k] for k in keys), {})[r[axis]] = r
@@ -721,8 +703,7 @@ def print_compare(rep, rows, axis):
 
 
 def cmd_model(args):
-    device = on_device(args)
-    distributed = "WORLD_SIZE" in os.environ  # under torchrun: the models sharded, every rank a batch
+    device, distributed = on_device(args), "WORLD_SIZE" in os.environ  # torchrun: the models sharded, a batch a rank
     rank, _, world, device = ddp.init_distributed() if distributed else (0, 0, None, device)
     if (args.cuda_graphs or args.memory_snapshot or args.nvtx) and device.type != "cuda":
         fail(args, "--cuda_graphs, --memory_snapshot and --nvtx need CUDA")
@@ -730,8 +711,7 @@ def cmd_model(args):
     groups = [("ours", s, c, a) for s in args.size for c in args.compile for a in args.attn]
     groups += [(args.peer, s, c, "sdpa") for s in args.size for c in args.compile] if args.peer else []
     rep, rows = Report(args, device, rank), []
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + [
-        torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")) if args.profile else None
+    profiler = torch.profiler.profile() if args.profile else None  # (the CPU's activity, and the GPU's if any)
     recompute = " + ".join([f"full {'all' if args.act_ckpt_layers < 0 else args.act_ckpt_layers}"] * bool(
         args.act_ckpt_every) + ["selective"] * args.selective_recompute) or "none"
     for who, size, how, attn in groups:
@@ -739,7 +719,7 @@ def cmd_model(args):
         if rep.elapsed() <= args.time_budget:
             torch._dynamo.reset()  # the last model's compiled code and guards go before compiling anew
             try:
-                built = build(who, size, attn, how, args, device, world if distributed else None)
+                built = build(who, size, attn, how, args, device, world)
             except Exception as e:  # the weights alone do not fit: every row of the group says so
                 status = failure(e)
             free_memory(device)
@@ -776,23 +756,17 @@ def cmd_model(args):
 
 
 # ---- attention: our FlashAttention beside PyTorch's attention, dense and on packed documents ------------------------
-# Parts, most important first (a time budget cuts the last): anchors, dense causal bf16 at B·S = 16384, H·D = 2048,
-# the 8B model's sequence and the 2.7B's D=80; varlen, packed documents; sweep, one head over S and D; work, D=64 over
-# B·H with each kernel family forced; sustained, at the GPU's power limit; compile, naive eager vs torch.compile.
+# Parts, most important first (a time budget cuts the last): anchors, dense causal bf16 at B·S = 16384, H·D = 2048, the
+# 8B model's S and the 2.7B's D; varlen, packed documents; sweep, one head over S and D; work, D=64 over B·H, each kernel
+# family forced; sustained, at the GPU's power limit; compile, naive eager vs torch.compile.
 
 BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
 MAX_SEQ = {"naive": 16384, "naive-compiled": 16384, "flex": 65536, "sdpa-efficient": 65536}  # costly ones capped
 
 
 def attention_flops(lengths, num_heads, head_dim):
-    """Useful forward FLOPs of causal attention over sequences (or packed documents) of these lengths: Q K^T and
-    P V are 2 L^2 D each per head, and a causal kernel does half."""
+    """Useful forward FLOPs of causal attention over these lengths: Q K^T and P V 2 L^2 D each per head, half."""
     return sum(4 * num_heads * float(n) ** 2 * head_dim / 2 for n in lengths)
-
-
-def on_backend(backend, fn):
-    """fn with flash.BACKEND (read at call time) set to `backend` around each call."""
-    return unittest.mock.patch.object(flash, "BACKEND", backend)(fn)
 
 
 @functools.lru_cache(maxsize=None)
@@ -812,6 +786,7 @@ def flex(n, device, doc_ids=None, dynamic=False):
 
 made = lambda fn: lambda q, k, v: fn  # a make(q, k, v) with nothing to set up
 sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # on SDPA's own choice of backend
+on_backend = lambda backend, fn: unittest.mock.patch.object(flash, "BACKEND", backend)(fn)  # flash.BACKEND per call
 
 
 def dense_methods(cuda):
@@ -862,11 +837,9 @@ def packed_methods(cu, max_seqlen, num_heads, pad_length):
 
 
 def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
-    """fwd, bwd and fwd+bwd ms of make(q, k, v), the host's ms per fwd+bwd, the memory after the forward; "OOM" or
-    "n/a" (this dtype, head dim or device not taken) in place of times. Each the median of as many calls as fit in
-    `rep` ms, each with a cold L2 cache and the host ahead of the GPU (CPU: 3 calls); sustain: sustained_ms."""
+    """fwd, bwd and fwd+bwd ms of make(q, k, v) (kernel_ms; sustain: sustained_ms), the host's ms per fwd+bwd, the
+    memory after the forward; "OOM" or "n/a" (this dtype, head dim or device not taken) in place of times."""
     cuda, readings, out = q.is_cuda, [], dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms", "host_ms", "mib_after_fwd"))
-
     median_ms = lambda fn, host=None: sustained_ms(fn, q.device, sustain, readings) if sustain and cuda else \
         kernel_ms(fn, q.device, rep, host)
     try:
@@ -874,16 +847,13 @@ def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
         o = fn(q, k, v)  # compiles, plans and autotunes for this shape, untimed
         out["fwd_ms"] = median_ms(lambda: fn(q, k, v))
         out["mib_after_fwd"] = torch.cuda.memory_allocated(q.device) / 2**20 if cuda else None
-        try:
-            grad = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-            grad()
-            out["bwd_ms"], host = median_ms(grad), []
-            out["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
-            out["host_ms"] = statistics.median(host) if host else None
-        except (RuntimeError, NotImplementedError) as e:  # a forward-only kernel here (FlexAttention on the CPU)
-            out.update(bwd_ms="OOM" if is_oom(e) else "n/a", fwd_bwd_ms="OOM" if is_oom(e) else "n/a")
-    except (RuntimeError, NotImplementedError) as e:  # torch.OutOfMemoryError included
-        out.update(dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms"), "OOM" if is_oom(e) else "n/a"))
+        grad = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        grad()
+        out["bwd_ms"], host = median_ms(grad), []
+        out["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
+        out["host_ms"] = statistics.median(host) if host else None
+    except (RuntimeError, NotImplementedError) as e:  # OOM included; or a forward-only kernel (FlexAttention on CPUs)
+        out.update({k: "OOM" if is_oom(e) else "n/a" for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms") if out[k] is None})
     o = fn = None
     free_memory(q.device)
     return dict(out, gpu=readings or None)
@@ -905,8 +875,7 @@ def attention_rows(part, case, methods, shape, dtype, flops, rep=50, sustain=0):
 
 
 def print_attention(rep, rows):
-    """One line per (case, method): ms, TFLOP/s, the speed of the case's first ours row (or first row) over its
-    (> 1: that one faster), host ms, memory, clock."""
+    """One line per (case, method): ms, TFLOP/s, the case's first ours row (or first row) over it, host ms, clock."""
     ours, gpu = {}, any(r.get("gpu") for r in rows)
     for r in sorted(rows, key=lambda r: not r["method"].startswith("ours")):  # (a stable sort: ours rows first)
         ours.setdefault(r["case"], r)
@@ -961,10 +930,9 @@ def cmd_attention(args):
             names = {"work": ["ours", "ours-gluon", "ours-triton", "sdpa-cudnn"],
                      "compile": ["naive", "naive-compiled"]}.get(part, wanted)
             flex_ok = dt != fp32 and d >= 64 and (part in ("anchors", "sustained") or s in (1024, 16384))
-            chosen = {n: methods[n] for n in names if n in methods and (n != "flex" or flex_ok)}
-            for n in chosen:  # long sequences for the costly ones, fp32 for cuDNN and flash: no row of numbers
-                chosen[n] = "skipped" if s > MAX_SEQ.get(n, s) else "n/a" if n in ("sdpa-cudnn", "sdpa-flash") and \
-                    dt == fp32 else chosen[n]
+            # no row of numbers for the costly ones at long sequences, nor for cuDNN and flash in fp32
+            chosen = {n: "skipped" if s > MAX_SEQ.get(n, s) else "n/a" if n in ("sdpa-cudnn", "sdpa-flash") and
+                      dt == fp32 else methods[n] for n in names if n in methods and (n != "flex" or flex_ok)}
             new = attention_rows(part, f"B={b} H={h} S={s} D={d} {str(dt)[6:]}", chosen, (b, h, s, d), dt,
                                  b * attention_flops([s], h, d), args.rep, args.sustain if part == "sustained" else 0)
         rows += new
@@ -993,12 +961,12 @@ def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
         x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
         if layout == "pack_static":
             (x, y, cu_seqlens), max_seqlen = pad_packed(x, y, cu_seqlens, budget + ctx, 0), ctx
-        batch = dict(input_ids=x, targets=y, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
+        batch = dict(idx=x, targets=y, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
     else:
         x, y = pad_batch(tokens, spans, ctx if layout == "pad" else max(e - s for s, e in spans), 0)
         mask = (torch.arange(x.shape[1]) < torch.tensor([e - s for s, e in spans])[:, None]).long()
         batch = dict(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100)) if hf_model else \
-            dict(input_ids=x, targets=y)
+            dict(idx=x, targets=y)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -1045,10 +1013,9 @@ def cmd_varlen(args):
 
             def step(batch):
                 net.zero_grad(set_to_none=True)
-                with (torch.no_grad() if phase == "eval" else contextlib.nullcontext()), autocast(args.dtype, device):
-                    loss = run(**batch) if hf_model else run(batch["input_ids"], **{k: v for k, v in batch.items()
-                                                                                     if k != "input_ids"})
-                    loss = getattr(loss, "loss", loss)
+                with torch.set_grad_enabled(phase == "train"), autocast(args.dtype, device):
+                    loss = run(**batch)
+                    loss = getattr(loss, "loss", loss)  # (transformers: an output holding it)
                 if batch is data[0]:  # (a warm-up step: untimed)
                     out["loss"] = float(loss)
                 if phase == "train":
@@ -1064,7 +1031,7 @@ def cmd_varlen(args):
             row.update(summary(times), loss_first_batch=out["loss"],
                        peak_mib=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
                        real_tokens=sum(e - s - 1 for spans in batches[args.warmup:] for s, e in spans),
-                       token_slots=sum(b["input_ids"].numel() for b in data[args.warmup:]))
+                       token_slots=sum(b["idx" if "idx" in b else "input_ids"].numel() for b in data[args.warmup:]))
             row["tokens_per_s"] = row["real_tokens"] / sum(times) * 1e3
         except Exception as e:
             row["status"] = failure(e, short=True)  # (transformers' refusals are paragraphs)
@@ -1245,9 +1212,8 @@ def cmd_ddp(args):
                   [[r["variant"], r["error"]] + [""] * 7 if "error" in r else [
                       r["variant"], r["ms_per_step"], none and f"{100 * none / r['ms_per_step']:.1f}%",
                       r["ms_per_step"] - none if none and r["variant"] != "none" else None, r["peak_after_init_gib"],
-                      r["peak_before_step_gib"],
-                      r["peak_after_step_gib"], f"{r['optimizer_state_gib']:.3g}", r["loss"]] for r in results],
-                  digits=[0, 1, 0, 1, 2, 2, 2, 0, 3])
+                      r["peak_before_step_gib"], r["peak_after_step_gib"], f"{r['optimizer_state_gib']:.3g}",
+                      r["loss"]] for r in results], digits=[0, 1, 0, 1, 2, 2, 2, 0, 3])
     rep.save(allreduce=allreduce, results=results)
     ddp.cleanup_distributed()
 
@@ -1264,9 +1230,8 @@ def cmd_bpe(args):
             f"python {platform.python_version()}, tiktoken {tiktoken.__version__}\n")
     with tempfile.TemporaryDirectory(prefix="bench_bpe_") as tok_dir:
         for which in ("ours", "hf") * repeats:
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "_bpe_train", which, path,
-                                str(args.vocab_size), special, str(workers), tok_dir], capture_output=True, text=True,
-                               stdin=subprocess.DEVNULL)
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "_bpe_train", which, path, str(args.vocab_size),
+                                special, str(workers), tok_dir], capture_output=True, text=True, stdin=subprocess.DEVNULL)
             if r.returncode != 0:
                 fail(args, f"the {which} training run failed: {r.stderr.strip().splitlines()[-1:]}")
             train[which].append(json.loads(r.stdout.strip().splitlines()[-1]))
@@ -1275,9 +1240,8 @@ def cmd_bpe(args):
     median_s = {w: statistics.median(x["seconds"] for x in runs) if runs else None for w, runs in train.items()}
     rep.table([f"train, vocab {args.vocab_size}, {workers} workers", f"wall s (median of {repeats})", "all runs",
                "peak RSS main MB", "peak RSS largest worker MB"],
-              [[label, median_s[w], ", ".join(fmt(x["seconds"], 1) for x in train[w]) or None,
-                max((x["rss_mb"] for x in train[w]), default=None),
-                max((x["worker_rss_mb"] for x in train[w]), default=None)]
+              [[label, median_s[w], ", ".join(fmt(x["seconds"], 1) for x in train[w]) or None] + [
+                  max((x[k] for x in train[w]), default=None) for k in ("rss_mb", "worker_rss_mb")]
                for w, label in (("ours", "bpe.train_bpe"), ("hf", "HF tokenizers BpeTrainer (ByteLevel)"))],
               digits=[2, 1, 2, 0, 0])
     vs_hf = median_s["ours"] / median_s["hf"] if median_s["hf"] else None
@@ -1309,8 +1273,7 @@ def cmd_bpe(args):
                    ours_vs_tiktoken=t / o) for c, o, t in cases]
     rep.table([f"encode {size / 1e6:.1f} MB, {len(ids):,} tokens ({size / len(ids):.2f} bytes/token)", "ours MB/s",
                "tiktoken MB/s", "ours / tiktoken"],
-              [[e["case"], e["ours_mb_s"], e["tiktoken_mb_s"], e["ours_vs_tiktoken"]] for e in encode],
-              digits=[2, 1, 1, 2])
+              [[e["case"], e["ours_mb_s"], e["tiktoken_mb_s"], e["ours_vs_tiktoken"]] for e in encode], [2, 1, 1, 2])
     rep.say(f"peak RSS of this process (encode side, torch imported): {peak_rss_mb()[0]:.0f} MB")
     rep.save(bytes=size, tokens=len(ids), train=train, train_median_s=median_s, ours_vs_hf=vs_hf, encode=encode)
     return rep.data
