@@ -1,11 +1,7 @@
 """Benchmarks: where the time and memory of training go, ours beside what a user would otherwise pick. One
-harness, a subcommand per question: a header line (command, date, device, versions) and Markdown tables on stdout,
-a progress line on stderr, every row in --json FILE, a chart in --plot FILE.png; `bench.py SUBCOMMAND -h`: options.
-
-    python bench.py model --size small --dtype bf16 --compile blocks --attn flash    # one step, phase by phase
-    python bench.py model --size small,medium --context_length 256,512,1024 --mode fwd,fwd_bwd,train --sweep
-    python bench.py attention | varlen | hf | rmsnorm | adamw | sass | bpe --input FILE
-    torchrun --nproc_per_node=2 bench.py ddp | allreduce
+harness, a subcommand per question (`python bench.py -h`; under torchrun: ddp, allreduce): a header line (command,
+date, device, versions) and Markdown tables on stdout, a progress line on stderr, every row in --json FILE, a chart in
+--plot FILE.png. BENCHMARKS.md lists the commands behind its tables.
 
 Sections: command line (read before torch is imported) · harness (Report, time_ms) · model · attention · varlen, hf ·
 rmsnorm, adamw · ddp · bpe · sass
@@ -100,8 +96,7 @@ def listed(choices=None, cast=str):
 
 
 MODEL_NAMES = {}  # size: model.py's PRESETS and ours, attn: ATTN_IMPLS; known once torch is imported (before: any name)
-MODES, PHASES, DTYPES = ("fwd", "fwd_bwd", "train"), ("forward", "backward", "optimizer_step"), ("fp32", "bf16")
-COMPILES = ("none", "model", "blocks", "graphs")  # graphs: torch.compile(mode="reduce-overhead")
+PHASES, DTYPES = ("forward", "backward", "optimizer_step"), ("fp32", "bf16")
 KEYS = dict(model="model", size="size", context_length="ctx", batch_size="batch", dtype="dtype", compile="compile",
             attn="attn", recompute="recompute", mode="mode")  # a row's configuration, and its column names
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
@@ -135,24 +130,20 @@ def cli():
         p = sub.add_parser(name, help=summary, description=f"{summary}. {details}")
         p.set_defaults(by_device=defaults or {}, rules=rules)
         p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
-        if device:
-            p.add_argument("--device", default="auto", help="auto: cuda where there is one, else cpu")
-            p.add_argument("--seed", type=int, default=0)
         if plot:
             p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
         for key, (gpu, cpu) in (defaults or {}).items():  # set by on_device
             p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
-        for key, value in plain.items():  # typed as their default
+        for key, value in ((dict(device="auto", seed=0) if device else {}) | plain).items():  # typed as the default
             p.add_argument(f"--{key}", type=type(value), default=value)
         return p
 
-    rows = lambda a: (len(a.attn) + bool(a.peer)) * math.prod(map(len, (a.size, a.compile, a.dtype, a.context_length,
-                                                                         a.mode)))
     p = parser("model", "The training step: time per phase, memory, throughput; sweeps, comparisons, peers",
                "A row per combination of the comma lists.", plot=True, vocab_size=10000, warmup=5, steps=10,
                rules=lambda a: [
                    (a.steps < 1 or a.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
-                   ((a.nvtx or a.profile or a.memory_snapshot) and rows(a) > 1,
+                   ((a.nvtx or a.profile or a.memory_snapshot) and (a.peer or math.prod(map(len, (
+                       a.attn, a.size, a.compile, a.dtype, a.context_length, a.mode))) > 1),
                     "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
                    (a.cuda_graphs and (a.mode != ["train"] or a.warmup < 3 or a.nvtx or a.profile or a.memory_snapshot
                                        or "graphs" in a.compile), "--cuda_graphs captures a training step: it needs "
@@ -165,9 +156,9 @@ def cli():
     p.add_argument("--context_length", type=listed(cast=int), default="512")
     p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
     p.add_argument("--dtype", type=listed(DTYPES), default="fp32", help="bf16: autocast")
-    p.add_argument("--mode", type=listed(MODES), default="train", help="fwd (inference), fwd_bwd, train")
-    p.add_argument("--compile", type=listed(COMPILES), default="none",
-                   help="blocks: each block compiled in place; graphs: mode reduce-overhead")
+    p.add_argument("--mode", type=listed(("fwd", "fwd_bwd", "train")), default="train", help="fwd: inference")
+    p.add_argument("--compile", type=listed(("none", "model", "blocks", "graphs")), default="none",
+                   help="blocks: each block compiled in place; graphs: torch.compile(mode='reduce-overhead')")
     p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")), default="naive")
     p.add_argument("--tie_embeddings", action="store_true")
     p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also a peer: GPT-2 in "
@@ -201,9 +192,8 @@ def cli():
                 f"--strategies, --dtype or --phases: not {','.join(STRATEGIES[a.command])}; {'|'.join(DTYPES)}; "
                 "eval,train")])
 
-    p = parser("rmsnorm", "Our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s", "Forward and "
-               "forward+backward; copy: x.clone(), the bandwidth a norm can at best reach; bf16 on CUDA, fp32 on the "
-               "CPU (the Triton interpreter).", rep=50)
+    p = parser("rmsnorm", "Our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s", "copy: x.clone(), the "
+               "bandwidth a norm can at best reach. bf16 on CUDA, fp32 on the CPU.", rep=50)
     p.add_argument("--shapes", type=listed(cast=lambda t: tuple(map(int, t.split("x", 1)))),
                    default="32768x4096,12288x768", help="TOKENSxD,...")
     p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
@@ -221,10 +211,9 @@ def cli():
         p.add_argument("--batch_size", type=int, default=8, help="per rank")
     p.set_defaults(variants=[], allreduce_mb=[1.0, 10.0, 100.0, 1000.0])
 
-    p = parser("bpe", "Our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken", "Training: each in a fresh "
-               "process, wall seconds and peak RSS; encoding with our vocabulary on the same ranks: MB/s, the ids "
-               "checked equal; the median of --repeats.", device=False, vocab_size=10000, special="<|endoftext|>",
-               num_workers=os.cpu_count(), repeats=3, rules=lambda a: [
+    p = parser("bpe", "Our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken", "Each training in a fresh "
+               "process; the encodings' ids checked equal; medians of --repeats.", device=False, vocab_size=10000,
+               special="<|endoftext|>", num_workers=os.cpu_count(), repeats=3, rules=lambda a: [
                    (not os.path.isfile(a.input) or os.path.getsize(a.input) == 0 or a.repeats < 1 or a.num_workers < 1
                     or not a.special, f"--input {a.input} is missing or empty, or --repeats or --num_workers < 1, or "
                     "--special empty")])
