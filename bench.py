@@ -150,8 +150,7 @@ def cli():
                     "--mode train and --warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
                    ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
                     "under torchrun --compile is none or blocks (the models are sharded after compiling)")])
-    p.add_argument("--size", type=listed(MODEL_NAMES.get("size")), default="small",
-                   help="presets: model.PRESETS, tiny, gpt2, 8B")
+    p.add_argument("--size", type=listed(MODEL_NAMES.get("size")), default="small", help="PRESETS, tiny, gpt2, 8B")
     p.add_argument("--num_layers", type=int, help="the preset's, or this many")
     p.add_argument("--context_length", type=listed(cast=int), default="512")
     p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
@@ -161,8 +160,7 @@ def cli():
                    help="blocks: each block compiled in place; graphs: torch.compile(mode='reduce-overhead')")
     p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")), default="naive")
     p.add_argument("--tie_embeddings", action="store_true")
-    p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also a peer: GPT-2 in "
-                   "torch.nn parts, or our architecture in torch.nn layers (under torchrun: FSDP2)")
+    p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="GPT-2 or ours in torch.nn")
     p.add_argument("--cuda_graphs", action="store_true", help="the whole step one CUDA graph (mode train, CUDA)")
     p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
     p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
@@ -282,7 +280,7 @@ def ratio(a, b):
 
 class Report:
     """A subcommand's output: a header line, Markdown tables and notes on stdout; save(): what it is given, every row
-    so far, to --json (atomically: a run cut short keeps its rows); plot(): --plot. Ranks but 0 print and save nothing."""
+    so far, to --json (atomically: a run cut short keeps its rows); plot(): --plot. Only rank 0 prints and saves."""
 
     def __init__(self, args, device, rank=0):
         cuda = device.type == "cuda"
@@ -745,9 +743,9 @@ def cmd_model(args):
 
 
 # ---- attention: our FlashAttention beside PyTorch's attention, dense and on packed documents ------------------------
-# Parts, most important first (a time budget cuts the last): anchors, dense causal bf16 at B·S = 16384, H·D = 2048, the
-# 8B model's S and the 2.7B's D; varlen, packed documents; sweep, one head over S and D; work, D=64 over B·H, each kernel
-# family forced; sustained, at the GPU's power limit; compile, naive eager vs torch.compile.
+# Parts, most important first (a time budget cuts the last): anchors, dense causal bf16 at B·S = 16384, H·D = 2048,
+# the 8B model's S and the 2.7B's D; varlen, packed documents; sweep, one head over S and D; work, D=64 over B·H, each
+# kernel family forced; sustained, at the GPU's power limit; compile, naive eager vs torch.compile.
 
 BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
 MAX_SEQ = {"naive": 16384, "naive-compiled": 16384, "flex": 65536, "sdpa-efficient": 65536}  # costly ones capped
@@ -1219,8 +1217,9 @@ def cmd_bpe(args):
             f"python {platform.python_version()}, tiktoken {tiktoken.__version__}\n")
     with tempfile.TemporaryDirectory(prefix="bench_bpe_") as tok_dir:
         for which in ("ours", "hf") * repeats:
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "_bpe_train", which, path, str(args.vocab_size),
-                                special, str(workers), tok_dir], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "_bpe_train", which, path,
+                                str(args.vocab_size), special, str(workers), tok_dir], capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL)
             if r.returncode != 0:
                 fail(args, f"the {which} training run failed: {r.stderr.strip().splitlines()[-1:]}")
             train[which].append(json.loads(r.stdout.strip().splitlines()[-1]))
