@@ -1209,7 +1209,7 @@ def cmd_ddp(args):
 
 def cmd_bpe(args):
     import tiktoken
-    from bpe import GPT2_PAT, Tokenizer, peak_rss_mb
+    from bpe import Tokenizer, peak_rss_mb
     path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
     cpu, size, train = torch.device("cpu"), os.path.getsize(path), {"ours": [], "hf": []}
     rep = Report(args, cpu)
@@ -1234,8 +1234,7 @@ def cmd_bpe(args):
               digits=[2, 1, 2, 0, 0])
     vs_hf = median_s["ours"] / median_s["hf"] if median_s["hf"] else None
     rep.say(f"ratio ours / HF: {fmt(vs_hf)}x\n")
-    peer = tiktoken.Encoding("peer", pat_str=GPT2_PAT, mergeable_ranks=tok._tiktoken_ranks(),
-                             special_tokens=dict(tok.special_ids))
+    peer = tok._tiktoken  # tiktoken's own Encoding of our ranks
     with open(path, encoding="utf-8", newline="") as f:
         text = f.read()
     docs = text.split(special)  # ~1 MB pieces of whole documents for the batch APIs

@@ -62,7 +62,6 @@ CHUNK_BYTES = 4 << 20  # pre-tokenization / encoding work unit: bounds memory at
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. helpers: progress lines, GPT-2's byte <-> unicode map, special-token splitting, file chunking
-# ---------------------------------------------------------------------------------------------------------------
 
 class Progress:
     """Prints `label: done/total unit (rate, ETA)` at most every `every` seconds, and once at the end."""
@@ -116,48 +115,34 @@ def _overlap(a, b):
 def chunk_split_token(special_tokens):
     """The token whose occurrences are safe chunk boundaries for both training and encoding. A boundary at the
     first byte of special token s is safe when no other special can overlap s (else the longest-first split could
-    place s differently). Without a usable special token, b"\\n" between two printable ASCII
-    characters is safe: that newline is a pre-token of its own whether or not the text continues (GPT2_PAT).
-    None: no safe boundary exists (a special contains a newline), the file is one chunk."""
+    place s differently). Without a usable special token, b"\\n" between two printable ASCII characters is safe:
+    that newline is a pre-token of its own whether or not the text continues (GPT2_PAT). None: no safe boundary
+    exists (a special contains a newline), the file is one chunk."""
     for s in special_tokens:
         if all(t == s or not _overlap(s, t) for t in special_tokens):
             return s.encode("utf-8")
-    if any("\n" in s for s in special_tokens):
-        return None
-    return b"\n"
-
-
-_NEWLINE_BOUNDARY = re.compile(rb"[!-~]\n[!-~]")
+    return None if any("\n" in s for s in special_tokens) else b"\n"
 
 
 def find_chunk_boundaries(f, desired_chunks, split_token):
     """Byte offsets [0, ..., size] of about desired_chunks chunks whose boundaries fall on `split_token` (see
     chunk_split_token; b"\\n" means the safe newline rule). Fewer chunks than asked when tokens are rare."""
-    f.seek(0, os.SEEK_END)
-    size = f.tell()
+    size = f.seek(0, os.SEEK_END)
     if split_token is None or desired_chunks <= 1 or size == 0:
         return [0, size]
+    boundary = re.compile(rb"(?<=[!-~]\n)(?=[!-~])" if split_token == b"\n" else re.escape(split_token))
     bounds = [0]
-    for k in range(1, desired_chunks):
-        bounds.append(_next_boundary(f, max(k * max(size // desired_chunks, 1), bounds[-1]), size, split_token))
+    for k in range(1, desired_chunks):  # the first boundary at or after k / desired_chunks of the file, else size
+        f.seek(max(k * max(size // desired_chunks, 1), bounds[-1]))
+        tail, hit = b"", size  # tail: the end of the last read, so a token straddling two reads is still found
+        while block := f.read(1 << 16):
+            window = tail + block
+            if m := boundary.search(window):
+                hit = f.tell() - len(window) + m.start()
+                break
+            tail = window[-(len(split_token) + 2):]
+        bounds.append(hit)
     return sorted(set(bounds + [size]))
-
-
-def _next_boundary(f, pos, size, split_token):
-    """The first boundary at or after pos (size when there is none)."""
-    f.seek(pos)
-    tail = b""  # the end of the last read, so a token straddling two reads is still found
-    while block := f.read(1 << 16):
-        window = tail + block
-        if split_token == b"\n":
-            m = _NEWLINE_BOUNDARY.search(window)
-            hit = m.start() + 2 if m else -1
-        else:
-            hit = window.find(split_token)
-        if hit >= 0:
-            return f.tell() - len(window) + hit
-        tail = window[-(len(split_token) + 2):]
-    return size
 
 
 def _read_chunk(path, start, end):
@@ -180,28 +165,22 @@ def _file_chunks(path, special_tokens, num_workers, chunk_bytes=CHUNK_BYTES):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2. training: pre-tokenize the chunks in parallel, then one merge loop with incremental pair counts and a max-heap
-# ---------------------------------------------------------------------------------------------------------------
 
-def _check_training_args(input_path, vocab_size, special_tokens):
+def _initial_vocab(input_path, vocab_size, special_tokens):
+    """Checks the training arguments -> (special_tokens as a list, vocab: ids 0..255 are the bytes, then the special
+    tokens in order, skipped if already present)."""
     special_tokens = check_special_tokens(special_tokens)
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"training input {input_path} does not exist")
     if os.path.getsize(input_path) == 0:
         raise ValueError(f"training input {input_path} is empty")
-    n_new_specials = len({s.encode("utf-8") for s in special_tokens} - {bytes([i]) for i in range(256)})
-    if not isinstance(vocab_size, int) or vocab_size < 256 + n_new_specials:
-        raise ValueError(f"vocab_size={vocab_size} is below 256 byte tokens + {n_new_specials} special tokens")
-    return special_tokens
-
-
-def _initial_vocab(special_tokens):
-    """Ids 0..255 are the bytes, then the special tokens in order (skipped if already present)."""
     vocab = {i: bytes([i]) for i in range(256)}
     for s in special_tokens:
-        b = s.encode("utf-8")
-        if b not in vocab.values():
-            vocab[len(vocab)] = b
-    return vocab
+        if s.encode("utf-8") not in vocab.values():
+            vocab[len(vocab)] = s.encode("utf-8")
+    if not isinstance(vocab_size, int) or vocab_size < len(vocab):
+        raise ValueError(f"vocab_size={vocab_size} is below 256 byte tokens + {len(vocab) - 256} special tokens")
+    return special_tokens, vocab
 
 
 def _pretokens(text, special_tokens):
@@ -224,16 +203,11 @@ def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
     total, done = Counter(), 0
     progress = Progress("pre-tokenize", os.path.getsize(input_path), "B", verbose=verbose)
     workers = min(num_workers, len(jobs))
-    pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
-    try:
+    with multiprocessing.get_context().Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
         for counts, nbytes in (pool.imap_unordered if pool else map)(_pretokenize_chunk, jobs):
             total.update(counts)
             done += nbytes
             progress.update(done)
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
     progress.update(done, final=True)
     return {w.encode("utf-8"): n for w, n in total.items()}
 
@@ -242,12 +216,9 @@ def _merge(parts, pair, joined):
     """parts with every occurrence of pair, left to right, replaced by joined."""
     out, i = [], 0
     while i < len(parts):
-        if i + 1 < len(parts) and parts[i] == pair[0] and parts[i + 1] == pair[1]:
-            out.append(joined)
-            i += 2
-        else:
-            out.append(parts[i])
-            i += 1
+        hit = parts[i] == pair[0] and i + 1 < len(parts) and parts[i + 1] == pair[1]
+        out.append(joined if hit else parts[i])
+        i += 1 + hit
     return out
 
 
@@ -262,10 +233,9 @@ def _desc_key(token):
 def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=True):
     """Byte-level BPE training (see the module docstring). Returns (vocab {id: bytes}, merges [(bytes, bytes)] in
     order); fewer than vocab_size tokens when the corpus runs out of pairs (said when verbose)."""
-    special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
-    t0 = time.time()
+    special_tokens, vocab = _initial_vocab(input_path, vocab_size, special_tokens)
+    t0, merges = time.time(), []
     word_counts = pretokenize(input_path, special_tokens, num_workers, verbose)
-    vocab, merges = _initial_vocab(special_tokens), []
     # State: every distinct pre-token as a list of ids, its count, pair counts and pair -> words index.
     # The index is lazy: a word stays listed under a pair it lost; merging re-checks the word.
     words, counts = [list(w) for w in word_counts], list(word_counts.values())
@@ -321,11 +291,11 @@ def train_bpe(input_path, vocab_size, special_tokens, num_workers=None, verbose=
 
 def train_bpe_reference(input_path, vocab_size, special_tokens):
     """The slow twin of train_bpe: one process, and every pair recounted from scratch per merge."""
-    special_tokens = _check_training_args(input_path, vocab_size, special_tokens)
+    special_tokens, vocab = _initial_vocab(input_path, vocab_size, special_tokens)
     with open(input_path, encoding="utf-8", newline="") as f:
         text = f.read()
     word_counts = Counter(tuple(bytes([x]) for x in w.encode("utf-8")) for w in _pretokens(text, special_tokens))
-    vocab, merges = _initial_vocab(special_tokens), []
+    merges = []
     while len(vocab) < vocab_size:
         pairs = Counter()
         for w, n in word_counts.items():
@@ -345,7 +315,6 @@ def train_bpe_reference(input_path, vocab_size, special_tokens):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3. the tokenizer
-# ---------------------------------------------------------------------------------------------------------------
 
 class Tokenizer:
     """Encode/decode with a trained vocabulary: specials are matched first (longest first) and become their ids; the
@@ -353,46 +322,42 @@ class Tokenizer:
 
     def __init__(self, vocab, merges, special_tokens=None):
         self.special_tokens = check_special_tokens(special_tokens)
-        self.vocab = {}
-        for i, b in dict(vocab).items():
+        self.vocab = dict(vocab)
+        for i, b in self.vocab.items():
             if not isinstance(i, int) or i < 0 or not isinstance(b, bytes):
                 raise TypeError(f"vocab must map int ids >= 0 to bytes, got {i!r}: {b!r}")
-            self.vocab[i] = b
         self.merges = [(bytes(a), bytes(b)) for a, b in merges]
         self.special_ids = {}  # a special token takes the highest id whose bytes equal it, else the next free id
         for s in self.special_tokens:
             same = [i for i, b in self.vocab.items() if b == s.encode("utf-8")]
-            if not same:
-                same = [max(self.vocab, default=-1) + 1]
-                self.vocab[same[0]] = s.encode("utf-8")
-            self.special_ids[s] = max(same)
+            self.special_ids[s] = max(same) if same else max(self.vocab, default=-1) + 1
+            self.vocab[self.special_ids[s]] = s.encode("utf-8")
         special_id_set = set(self.special_ids.values())
         # ordinary tokens: bytes -> id (the lowest of equal bytes), the special ids left out (the split emits them)
         ordinary = [(b, i) for i, b in sorted(self.vocab.items()) if i not in special_id_set]
         self.bytes_to_id = dict(reversed(ordinary))
-        duplicated = [b for b, n in Counter(b for b, _ in ordinary).items() if n > 1]
         self.ranks = {}
         for r, (a, b) in enumerate(self.merges):
             if a + b not in self.bytes_to_id:
                 raise ValueError(f"merge {r} ({a!r}, {b!r}) makes {a + b!r}, which is not in the vocabulary")
             self.ranks.setdefault((a, b), r)
         self._splitter = special_splitter(self.special_tokens)
-        self._max_special = max((len(s) for s in self.special_tokens), default=0)
-        self._cache = {}
-        self._tiktoken = None
-        reason = self._tiktoken_obstacle(duplicated)
-        if reason is None:
-            import tiktoken
-            self._tiktoken = tiktoken.Encoding(
-                name=f"bpe_{id(self)}", pat_str=GPT2_PAT, mergeable_ranks=self._tiktoken_ranks(),
-                special_tokens=dict(self.special_ids))
-        else:
+        self._cache, self._tiktoken = {}, None
+        reason = self._tiktoken_obstacle(ordinary)
+        if reason:
             warnings.warn(f"bpe: tiktoken fast path off ({reason}); using the pure-Python encoder", stacklevel=2)
+        else:  # ranks of the bytes and merge results only: a token no merge makes must stay out of reach
+            import tiktoken
+            reachable = [bytes([x]) for x in range(256)] + [a + b for a, b in self.merges]
+            self._tiktoken = tiktoken.Encoding(name=f"bpe_{id(self)}", pat_str=GPT2_PAT,
+                                               mergeable_ranks={b: self.bytes_to_id[b] for b in reachable},
+                                               special_tokens=dict(self.special_ids))
 
-    def _tiktoken_obstacle(self, duplicated):
+    def _tiktoken_obstacle(self, ordinary):
         """tiktoken merges the adjacent pair whose concatenation has the lowest rank; with rank = token id that is
         merges-in-order when the ids of merge results grow with merge rank (held to the reference by the tests on
         random, adversarial and GPT-2 text). Returns why the vocabulary does not fit, or None."""
+        duplicated = [b for b, n in Counter(b for b, _ in ordinary).items() if n > 1]
         if duplicated:
             return f"{len(duplicated)} tokens share their bytes with another, e.g. {duplicated[0]!r}"
         missing = [x for x in range(256) if bytes([x]) not in self.bytes_to_id]
@@ -402,12 +367,6 @@ class Tokenizer:
         if any(x >= y for x, y in zip(results, results[1:])):
             return "token ids do not grow with merge rank"
         return None
-
-    def _tiktoken_ranks(self):
-        """The bytes and merge results only: a token no merge makes (e.g. an undeclared special) is never produced
-        by merges-in-order, so tiktoken must not be able to make it either."""
-        reachable = [bytes([x]) for x in range(256)] + [a + b for a, b in self.merges]
-        return {b: self.bytes_to_id[b] for b in reachable}
 
     @classmethod
     def from_files(cls, vocab_path, merges_path, special_tokens=None):
@@ -425,8 +384,7 @@ class Tokenizer:
         raw = _read(vocab_path, "vocab", json.load)
         if not isinstance(raw, dict) or not all(isinstance(i, int) for i in raw.values()):
             raise ValueError(f"{vocab_path}: expected a JSON object of token string -> int id")
-        specials = set(special_tokens)
-        vocab = {}
+        specials, vocab = set(special_tokens), {}
         for s, i in raw.items():
             if i in vocab:
                 raise ValueError(f"{vocab_path}: id {i} appears twice")
@@ -486,9 +444,7 @@ class Tokenizer:
 
     def _segments(self, text):
         """(is_special, string) pieces of text, specials matched longest first."""
-        if self._splitter is None:
-            return [(False, text)]
-        parts = self._splitter.split(text)
+        parts = self._splitter.split(text) if self._splitter else [text]
         return [(k % 2 == 1, p) for k, p in enumerate(parts) if p]
 
     def encode_reference(self, text):
@@ -528,7 +484,7 @@ class Tokenizer:
         len(buf) - (longest special - 1) can no longer become part of a special. Inside that text every pre-token
         but the last is final, and cutting at the start of one whose previous character is not whitespace leaves the
         prefix's pre-tokens unchanged (only a whitespace run's end depends on the character after it, GPT2_PAT)."""
-        k = self._max_special
+        k = max((len(s) for s in self.special_tokens), default=0)  # the longest special token
         limit, pos, cut = len(buf) - max(k - 1, 0), 0, 0
         if self._splitter is not None:
             for m in self._splitter.finditer(buf):
@@ -579,10 +535,7 @@ class Tokenizer:
 
     def encode_batch(self, texts, num_workers=None):
         """[encode(t) for t in texts] over all cores (threads: tiktoken's core releases the GIL)."""
-        num_workers = num_workers or os.cpu_count() or 1
-        if self._tiktoken is None or num_workers == 1:
-            return [self.encode(t) for t in texts]
-        with ThreadPoolExecutor(num_workers) as pool:
+        with ThreadPoolExecutor(num_workers or os.cpu_count() or 1) as pool:
             return list(pool.map(self.encode, texts))
 
     def decode(self, ids):
@@ -619,7 +572,6 @@ def _read(path, what, parse):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 4. the command line
-# ---------------------------------------------------------------------------------------------------------------
 
 def peak_rss_mb():
     """Peak RSS of this process and of its largest finished child, in MB. Our own from /proc/self/status (VmHWM)
@@ -633,30 +585,24 @@ def peak_rss_mb():
 
 
 def main(argv):
-    args = cli(argv)
+    args, t0 = cli(argv), time.time()
     try:
-        run_command(args)
+        if args.cmd == "train":
+            vocab, merges = train_bpe(args.input, args.vocab_size, args.special, args.num_workers)
+            paths, (rss, worker_rss) = Tokenizer(vocab, merges, args.special).save(args.out), peak_rss_mb()
+            print(f"wrote {', '.join(paths)}: {len(vocab)} tokens in {time.time() - t0:.1f}s, peak RSS {rss:.0f} MB "
+                  f"(largest worker {worker_rss:.0f} MB), longest {sorted(vocab.values(), key=len)[-3:]}")
+            return
+        tok = Tokenizer.from_files(args.vocab, args.merges, args.special)
+        dtype, n = np.uint16 if max(tok.vocab) < 65536 else np.uint32, 0
+        with atomic_open(args.out, "wb") as f:
+            for ids in tok.encode_file(args.input, args.num_workers):
+                f.write(ids.astype(dtype).tobytes())
+                n += len(ids)
+        print(f"wrote {args.out}: {n:,} tokens, {np.dtype(dtype).name}")
     except (ValueError, TypeError, OSError) as e:  # bad input: one line naming it, status 2, not a traceback
         print(f"bpe.py {args.cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def run_command(args):
-    t0 = time.time()
-    if args.cmd == "train":
-        vocab, merges = train_bpe(args.input, args.vocab_size, args.special, args.num_workers)
-        paths = Tokenizer(vocab, merges, args.special).save(args.out)
-        longest = sorted(vocab.values(), key=len)[-3:]
-        print(f"wrote {', '.join(paths)}: {len(vocab)} tokens in {time.time() - t0:.1f}s, peak RSS "
-              f"{peak_rss_mb()[0]:.0f} MB (largest worker {peak_rss_mb()[1]:.0f} MB), longest {longest}")
-        return
-    tok = Tokenizer.from_files(args.vocab, args.merges, args.special)
-    dtype, n = np.uint16 if max(tok.vocab) < 65536 else np.uint32, 0
-    with atomic_open(args.out, "wb") as f:
-        for ids in tok.encode_file(args.input, args.num_workers):
-            f.write(ids.astype(dtype).tobytes())
-            n += len(ids)
-    print(f"wrote {args.out}: {n:,} tokens, {np.dtype(dtype).name}")
 
 
 if __name__ == "__main__":

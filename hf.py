@@ -28,12 +28,10 @@ from model import RMSNorm, RotaryEmbedding, TransformerLM
 
 LLAMA_WEIGHTS = "model.safetensors"
 LLAMA_INDEX = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {tensor name: file}}
-_LLAMA_LAYER_NAMES = (  # (ours, Llama's) inside layer i; SwiGLU's w1 is gate_proj (under SiLU), w3 up, w2 down
-    ("ln1.weight", "input_layernorm.weight"), ("attn.q_proj.weight", "self_attn.q_proj.weight"),
-    ("attn.k_proj.weight", "self_attn.k_proj.weight"), ("attn.v_proj.weight", "self_attn.v_proj.weight"),
-    ("attn.output_proj.weight", "self_attn.o_proj.weight"), ("ln2.weight", "post_attention_layernorm.weight"),
-    ("ffn.w1.weight", "mlp.gate_proj.weight"), ("ffn.w3.weight", "mlp.up_proj.weight"),
-    ("ffn.w2.weight", "mlp.down_proj.weight"))
+_LLAMA_LAYER_NAMES = (  # (ours, Llama's) .weight inside layer i; SwiGLU's w1 is gate_proj (under SiLU), w3 up, w2 down
+    ("ln1", "input_layernorm"), ("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
+    ("attn.v_proj", "self_attn.v_proj"), ("attn.output_proj", "self_attn.o_proj"), ("ln2", "post_attention_layernorm"),
+    ("ffn.w1", "mlp.gate_proj"), ("ffn.w3", "mlp.up_proj"), ("ffn.w2", "mlp.down_proj"))
 _LLAMA_ROPE_ROWS = ("attn.q_proj.weight", "attn.k_proj.weight")
 
 
@@ -45,17 +43,12 @@ def _safetensors():
         raise ImportError("Llama-format checkpoints need safetensors: pip install -r requirements-hf.txt") from e
 
 
-def interleaved_to_half_rows(w, num_heads):
+def llama_rope_rows(w, num_heads, to_llama=True):
     """Rows of a q/k projection (num_heads * d_k, d_model) from our RoPE pairing to Llama's: inside each head, rows
-    2j and 2j+1 (one rotated pair) move to rows j and j + d_k/2."""
+    2j and 2j+1 (one rotated pair) move to rows j and j + d_k/2; to_llama=False moves them back."""
     d_k = w.shape[0] // num_heads
-    return w.reshape(num_heads, d_k // 2, 2, -1).transpose(1, 2).reshape(w.shape)
-
-
-def half_to_interleaved_rows(w, num_heads):
-    """The inverse of interleaved_to_half_rows: rows j and j + d_k/2 of each head move to rows 2j and 2j+1."""
-    d_k = w.shape[0] // num_heads
-    return w.reshape(num_heads, 2, d_k // 2, -1).transpose(1, 2).reshape(w.shape)
+    pairs = (num_heads, d_k // 2, 2, -1) if to_llama else (num_heads, 2, d_k // 2, -1)
+    return w.reshape(pairs).transpose(1, 2).reshape(w.shape)
 
 
 def _llama_names(num_layers, tied):
@@ -63,7 +56,7 @@ def _llama_names(num_layers, tied):
     names = {"token_embeddings.weight": "model.embed_tokens.weight", "ln_final.weight": "model.norm.weight"}
     if not tied:
         names["lm_head.weight"] = "lm_head.weight"
-    names.update({f"layers.{i}.{mine}": f"model.layers.{i}.{theirs}"
+    names.update({f"layers.{i}.{mine}.weight": f"model.layers.{i}.{theirs}.weight"
                   for i in range(num_layers) for mine, theirs in _LLAMA_LAYER_NAMES})
     return names
 
@@ -78,8 +71,7 @@ def rope_theta_of(model):
     if d_k < 4:
         return 10000.0  # one pair per head, which turns at frequency 1 whatever theta is
     if rope.cos.shape[0] >= 2:
-        angle = math.atan2(float(rope.sin[1, 1].double()), float(rope.cos[1, 1].double()))
-        estimate = angle ** (-d_k / 2)
+        estimate = math.atan2(float(rope.sin[1, 1]), float(rope.cos[1, 1])) ** (-d_k / 2)
         for digits in range(1, 10):
             candidate = float(f"{estimate:.{digits}g}")
             rebuilt = RotaryEmbedding(candidate, d_k, rope.cos.shape[0])
@@ -93,20 +85,17 @@ def llama_config(model, rope_theta=None):
     """LlamaForCausalLM's config.json for a TransformerLM: no GQA, no biases, SiLU, positions = context_length."""
     theta = rope_theta_of(model) if rope_theta is None else float(rope_theta)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": model.vocab_size, "hidden_size": model.d_model,
-        "intermediate_size": model.layers[0].ffn.w1.out_features, "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_heads,
-        "head_dim": model.d_model // model.num_heads, "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": model.vocab_size,
+        "hidden_size": model.d_model, "intermediate_size": model.layers[0].ffn.w1.out_features,
+        "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.num_heads, "head_dim": model.d_model // model.num_heads, "hidden_act": "silu",
         "max_position_embeddings": model.context_length, "rms_norm_eps": model.ln_final.eps,
         "tie_word_embeddings": model.token_embeddings.weight is model.lm_head.weight,
         # both spellings: older transformers read rope_theta, newer ones rope_parameters
         "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
-        "initializer_range": 0.02, "use_cache": True,
-        "dtype": str(model.lm_head.weight.dtype).replace("torch.", ""),
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-    }
+        "initializer_range": 0.02, "use_cache": True, "dtype": str(model.lm_head.weight.dtype).replace("torch.", ""),
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 def llama_state_dict(model):
@@ -115,9 +104,7 @@ def llama_state_dict(model):
     tied = model.token_embeddings.weight is model.lm_head.weight
     for mine, theirs in _llama_names(model.num_layers, tied).items():
         w = ours[mine].detach().cpu()
-        if mine.endswith(_LLAMA_ROPE_ROWS):
-            w = interleaved_to_half_rows(w, model.num_heads).contiguous()
-        out[theirs] = w
+        out[theirs] = llama_rope_rows(w, model.num_heads) if mine.endswith(_LLAMA_ROPE_ROWS) else w
     return out
 
 
@@ -135,9 +122,7 @@ def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False)
         model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
     if not isinstance(model, TransformerLM):
         raise TypeError(f"save_llama needs a TransformerLM, got {type(model).__name__}")
-    st = _safetensors()
-    config = llama_config(model, rope_theta)
-    tensors = llama_state_dict(model)
+    st, config, tensors = _safetensors(), llama_config(model, rope_theta), llama_state_dict(model)
     os.makedirs(out_dir, exist_ok=True)
     names = ["config.json", LLAMA_WEIGHTS] + (["vocab.json", "merges.txt", "special_tokens_map.json"]
                                               if tokenizer is not None else [])
@@ -209,7 +194,6 @@ def read_llama(path):
     model_args = dict(vocab_size=cfg["vocab_size"], context_length=cfg.get("max_position_embeddings", 2048),
                       d_model=d_model, num_layers=layers, num_heads=heads, d_ff=cfg["intermediate_size"],
                       rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), tie_embeddings=tied)
-
     tensors = _llama_tensors(path)
     if tied:
         tensors.pop("lm_head.weight", None)  # some writers store the shared matrix twice
@@ -223,7 +207,7 @@ def read_llama(path):
     state = {mine: tensors[theirs] for theirs, mine in rename.items()}
     for name in state:
         if name.endswith(_LLAMA_ROPE_ROWS):
-            state[name] = half_to_interleaved_rows(state[name], heads).contiguous()
+            state[name] = llama_rope_rows(state[name], heads, to_llama=False)
     if tied:
         state["lm_head.weight"] = state["token_embeddings.weight"]
     return model_args, state, float(cfg.get("rms_norm_eps", 1e-5))
@@ -265,11 +249,11 @@ def llama_init(path, vocab_size=None, context_length=None):
 # 2. Hugging Face attention: hf_attention runs flash.py's kernels inside a transformers model. What a call attends to:
 #    - cu_seq_lens_q / max_length_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True)): the packed
 #      documents they name, by flash_attn_varlen with no host read (the path to compile);
-#    - a 2-D padding mask: each row cut into pads / real tokens / pads, three varlen segments whose boundaries come
-#      from the mask on the device (a fixed shape); a pad between real tokens is an error; a row is one document;
-#    - position_ids alone: a document starts where a position does not follow the previous one. Eagerly they are
-#      read on the host once per forward (no restart: the dense kernel); under torch.compile every token's document
-#      start is one boundary (a fixed shape, most segments empty: correct, but programs launch for each);
+#    - a 2-D padding mask: each row (one document) as three varlen segments, pads / real tokens / pads, cut on the
+#      device (a fixed shape); a pad between real tokens is an error;
+#    - position_ids alone: a document starts where a position does not follow the previous one; read on the host
+#      once per forward (no restart: the dense kernel); compiled, every token is a boundary (a fixed shape, but
+#      programs launch for each of the many empty segments);
 #    - none of these: dense flash_attention.
 #    Another `scaling` than 1/sqrt(d) is folded into q. Dropout, sliding windows, softcapping, attention sinks, 4-D
 #    masks and fewer queries than keys (KV-cache decoding: generate with sdpa) are clear errors.
@@ -282,40 +266,27 @@ def _hf_fail(what):
     raise ValueError(f"hf_attention: {what}")
 
 
-def _hf_starts(position_ids, batch, seqlen):
-    """(batch, seqlen) booleans: True at a row's first token and where a position does not follow the previous one."""
+def _hf_boundaries(position_ids, batch, seqlen):
+    """The documents position_ids mark in a (batch, seqlen) batch, with no host read: boundary t (int32) is the first
+    token of token t's document, then comes the end; nondecreasing, so the segments between equal ones are empty."""
     pos = position_ids.expand(batch, seqlen)
     starts = torch.ones(batch, seqlen, dtype=torch.bool, device=pos.device)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    return starts
+    first = torch.cummax(torch.where(starts.flatten(), torch.arange(batch * seqlen, device=pos.device), 0), 0).values
+    return torch.cat([first, first.new_full((1,), batch * seqlen)]).to(torch.int32)
 
 
 def _hf_documents_eager(position_ids, batch, seqlen):
-    """(cu_seqlens int32, max_seqlen) of the documents position_ids mark in a (batch, seqlen) batch, or None when
-    every row is a single document; read on the host once per position_ids tensor."""
+    """(cu_seqlens, max_seqlen) of those documents, each boundary once, or None when every row is one document;
+    read on the host once per position_ids tensor."""
     cached = _HF_DOCS.get("entry")
     if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
         return cached[2]
-    starts, docs = _hf_starts(position_ids, batch, seqlen), None
-    if bool(starts[:, 1:].any()):
-        cu = torch.cat([starts.flatten().nonzero().flatten(), starts.new_full((1,), batch * seqlen, dtype=torch.long)])
-        docs = cu.to(torch.int32), int((cu[1:] - cu[:-1]).max())
+    cu, docs = torch.unique_consecutive(_hf_boundaries(position_ids, batch, seqlen)), None
+    if len(cu) > batch + 1:
+        docs = cu, int((cu[1:] - cu[:-1]).max())
     _HF_DOCS["entry"] = (weakref.ref(position_ids), position_ids._version, docs)
     return docs
-
-
-def _hf_documents_traced(position_ids, batch, seqlen, bound):
-    """The same documents without a host read (for torch.compile): boundary t is the first token of token t's
-    document, plus the end; nondecreasing, so the segments between equal boundaries are empty."""
-    starts = _hf_starts(position_ids, batch, seqlen).flatten()
-    first = torch.cummax(torch.where(starts, torch.arange(batch * seqlen, device=starts.device), 0), dim=0).values
-    cu = torch.cat([first, first.new_full((1,), batch * seqlen)]).to(torch.int32)
-    max_seqlen = seqlen
-    if bound is not None and bound < seqlen:  # documents longer than the model's positions cannot be valid
-        torch._assert_async((cu[1:] - cu[:-1]).max() <= bound,
-                            "hf_attention: a document is longer than max_position_embeddings")
-        max_seqlen = bound
-    return cu, max_seqlen
 
 
 def _hf_runs(mask):
@@ -399,9 +370,13 @@ def hf_attention(module, query, key, value, attention_mask, scaling=None, dropou
         return packed(_hf_segments(attention_mask), S)
     position_ids = kwargs.get("position_ids")
     if position_ids is not None:
-        if torch.compiler.is_compiling():
-            bound = getattr(getattr(module, "config", None), "max_position_embeddings", None)
-            return packed(*_hf_documents_traced(position_ids, B, S, bound))
+        if torch.compiler.is_compiling():  # every token's boundary: a fixed shape
+            cu = _hf_boundaries(position_ids, B, S)
+            bound = getattr(getattr(module, "config", None), "max_position_embeddings", None) or S
+            if bound < S:  # a document longer than the model's positions cannot be valid
+                torch._assert_async((cu[1:] - cu[:-1]).max() <= bound, "hf_attention: a document is longer than "
+                                    "max_position_embeddings")
+            return packed(cu, min(bound, S))
         docs = _hf_documents_eager(position_ids, B, S)
         if docs is not None:
             return packed(*docs)

@@ -23,7 +23,7 @@ import numbers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import flash
 
@@ -33,9 +33,7 @@ ATTN_IMPLS = ("naive", "sdpa", "flash", "flash_ref")
 def auto_attn_impl(device_type, packed):
     """train.py's attn_impl="auto": on CUDA, flash for packed documents (sdpa would need a dense block-diagonal
     mask) and sdpa for dense batches (where the two are level, LOG.md); naive elsewhere (the CPU reference)."""
-    if device_type != "cuda":
-        return "naive"
-    return "flash" if packed else "sdpa"
+    return "naive" if device_type != "cuda" else "flash" if packed else "sdpa"
 
 
 def upcast(x):
@@ -45,13 +43,11 @@ def upcast(x):
 
 def autocast_dtype(x):
     """The dtype autocast gives matmuls on x's device, or None when autocast is off there."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. basic modules
-# ---------------------------------------------------------------------------------------------------------------
 
 def weight_grad(g, x, dtype):
     """g^T x (g (N, out), x (N, in), one dtype) returned in dtype (the weight's: fp32 master weights): on CUDA one
@@ -62,10 +58,9 @@ def weight_grad(g, x, dtype):
 
 
 class _AutocastLinear(torch.autograd.Function):
-    """Linear's x W^T under autocast with a weight of another dtype (fp32 master weights): the product autocast
-    would run (x and W cast to its dtype, the casts saved for the backward), but the weight gradient is written in
-    the weight's dtype by its GEMM (weight_grad) instead of rounded to half precision and cast back by a pass of its
-    own. The input gradient is g W, as autocast's."""
+    """Linear's x W^T under autocast with a weight of another dtype (fp32 master weights): autocast's product (x, W
+    cast to its dtype and saved), but the weight gradient written in the weight's dtype by its GEMM (weight_grad),
+    not rounded to half precision and cast back by a pass of its own. The input gradient is g W, as autocast's."""
 
     @staticmethod
     def forward(ctx, x, weight, dtype):
@@ -102,8 +97,7 @@ class Linear(nn.Module):
         return x @ self.weight.T
 
     def cross_entropy(self, x, targets, ignore_index=-100):
-        """cross_entropy(self(x), targets) without the logits ever existing in full: linear_cross_entropy. A
-        method of the layer, so a wrapper that owns the weight (ddp.FSDP) can supply it."""
+        """cross_entropy(self(x), targets) by linear_cross_entropy (a method, so ddp.FSDP's wrapper can supply W)."""
         return linear_cross_entropy(x, self.weight, targets, ignore_index)
 
 
@@ -127,19 +121,16 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d_model, eps=1e-5, device=None, dtype=None, impl="torch"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.impl = eps, impl
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
-        self.impl = impl
 
     def forward(self, x):
         if self.impl == "triton":
             return flash.rms_norm(x, self.weight, self.eps)
         if self.impl != "torch":
             raise ValueError(f"RMSNorm.impl={self.impl!r}: expected 'torch' or 'triton'")
-        in_dtype = x.dtype
-        x = upcast(x)
-        inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x * inv_rms * self.weight.to(x.dtype)).to(in_dtype)
+        xf = upcast(x)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 def set_norm_impl(module, impl):
@@ -163,11 +154,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model, d_ff=None, device=None, dtype=None):
         super().__init__()
-        if d_ff is None:
-            d_ff = 64 * round(8 * d_model / 192)
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
-        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        d_ff = 64 * round(8 * d_model / 192) if d_ff is None else d_ff
+        self.w1, self.w2, self.w3 = (Linear(a, b, device=device, dtype=dtype)
+                                     for a, b in ((d_model, d_ff), (d_ff, d_model), (d_model, d_ff)))
 
     def forward(self, x):
         return self.w2(silu(self.w1(x)) * self.w3(x))
@@ -185,9 +174,8 @@ def apply_rope(x, cos, sin):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE: pair j of the head vector at position i turns by angle i * theta^(-2j / d_k), i.e.
-    x'[2j] = x[2j] cos - x[2j+1] sin, x'[2j+1] = x[2j] sin + x[2j+1] cos. Precomputed cos/sin tables
-    (context_length, d_k/2) as non-persistent buffers.
+    """RoPE: pair j of the head vector at position i turns by angle i * theta^(-2j / d_k): x'[2j] = x[2j] cos -
+    x[2j+1] sin, x'[2j+1] = x[2j] sin + x[2j+1] cos; cos/sin tables (context_length, d_k/2), non-persistent buffers.
     forward(x (..., T, d_k), position_ids (..., T) broadcasting over x's leading dims; default 0..T-1)."""
 
     def __init__(self, theta, d_k, context_length, device=None):
@@ -200,19 +188,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x, position_ids=None):
-        if position_ids is None:
-            position_ids = torch.arange(x.shape[-2], device=x.device)
-        return apply_rope(x, self.cos[position_ids], self.sin[position_ids])
+        pos = torch.arange(x.shape[-2], device=x.device) if position_ids is None else position_ids
+        return apply_rope(x, self.cos[pos], self.sin[pos])
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2. attention: softmax, the reference attention, packed documents, the KV cache
-# ---------------------------------------------------------------------------------------------------------------
 
 def softmax(x, dim):
     """Subtract the max along dim before exponentiating (softmax is shift invariant; avoids inf / inf)."""
-    x = x - x.amax(dim=dim, keepdim=True)
-    e = torch.exp(x)
+    e = torch.exp(x - x.amax(dim=dim, keepdim=True))
     return e / e.sum(dim=dim, keepdim=True)
 
 
@@ -239,28 +224,24 @@ def document_ids(cu_seqlens, n):
 
 def packed_positions(cu_seqlens, n):
     """RoPE positions that restart in every packed document: pos(t) = t - cu_seqlens[doc(t)]."""
-    doc = document_ids(cu_seqlens, n)
-    t = torch.arange(n, device=cu_seqlens.device)
-    return t - cu_seqlens[doc].long()
+    return torch.arange(n, device=cu_seqlens.device) - cu_seqlens[document_ids(cu_seqlens, n)].long()
 
 
 def block_diagonal_causal_mask(cu_seqlens, n):
-    """(n, n) boolean: row t may attend row s iff doc(t) == doc(s) and s <= t (the block-diagonal rule).
-    The dense reference for packed attention."""
+    """(n, n) boolean, the dense reference for packed attention: row t may attend row s iff doc(t) == doc(s), s <= t."""
     doc = document_ids(cu_seqlens, n)
     return (doc[:, None] == doc[None, :]) & causal_mask(n, cu_seqlens.device)
 
 
 class KVCache:
-    """Keys and values of earlier tokens for decoding (sample.py), one buffer per layer. Slot s of batch row b holds
-    that row's token at position s, so rows of different lengths (right-padded prompts) share one cache: a query at
-    position p attends slots 0..p of its own row. `length` counts the slots any row may have written (a Python int,
-    no host sync); TransformerLM.forward advances it by the tokens it was fed."""
+    """Keys and values of earlier tokens for decoding (sample.py), one buffer per layer. Slot s of row b holds that
+    row's token at position s, so rows of different lengths (right-padded prompts) share one cache: a query at
+    position p attends slots 0..p of its row. `length`, a Python int that TransformerLM.forward advances, counts the
+    slots any row may have written."""
 
     def __init__(self, num_layers, batch_size, max_len, num_heads, d_head, device=None, dtype=torch.float32):
         shape = (num_layers, batch_size, max_len, num_heads, d_head)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
         self.max_len, self.length = max_len, 0
 
     def update(self, layer_idx, k, v, position_ids):
@@ -274,16 +255,11 @@ class KVCache:
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3. the model: attention layer, block, language model
-# ---------------------------------------------------------------------------------------------------------------
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE on q and k.
-
-    q_proj, k_proj, v_proj are three modules (the reference state-dict names), each called as a module, so wrappers
-    that act per Linear (ddp.FSDP gathers a sharded weight when its module runs) see every projection; one fused
-    qkv matmul lost in compiled training (LOG.md). Heads stay (B, T, H, d_k) in memory; flash and sdpa get
-    (B, H, T, d_k) views of them, no copy.
-    """
+    """Multi-head causal self-attention with RoPE on q and k. q_proj, k_proj, v_proj are three modules (the
+    reference names), each called as a module, so a wrapper acting per Linear (ddp.FSDP) sees every projection; one
+    fused qkv matmul lost (LOG.md). Heads stay (B, T, H, d_k) in memory; flash and sdpa get (B, H, T, d_k) views."""
 
     def __init__(self, d_model, num_heads, context_length, theta=10000.0, attn_impl="naive", rope=None,
                  layer_idx=0, device=None, dtype=None):
@@ -293,8 +269,7 @@ class CausalSelfAttention(nn.Module):
         if attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={attn_impl!r}: expected one of {ATTN_IMPLS}")
         self.num_heads, self.d_head = num_heads, d_model // num_heads
-        self.attn_impl = attn_impl
-        self.layer_idx = layer_idx  # which KVCache buffer this layer uses
+        self.attn_impl, self.layer_idx = attn_impl, layer_idx  # layer_idx: which KVCache buffer this layer uses
         self.q_proj, self.k_proj, self.v_proj, self.output_proj = (
             Linear(d_model, d_model, device=device, dtype=dtype) for _ in range(4))
         if rope is None and theta is not None:
@@ -306,59 +281,47 @@ class CausalSelfAttention(nn.Module):
         cu_seqlens/max_seqlen mark the documents (attention stays inside each). kv_cache: decoding, see KVCache."""
         B, T, d = x.shape
         q, k, v = (proj(x).view(B, T, self.num_heads, self.d_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if self.rope is not None:
-            if position_ids is None:
-                position_ids = torch.arange(T, device=x.device)
-            # the tables gain a heads axis: (..., T, 1, d_k/2) against q, k (B, T, H, d_k/2)
-            cos, sin = self.rope.cos[position_ids].unsqueeze(-2), self.rope.sin[position_ids].unsqueeze(-2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope is not None:  # positions (..., T, 1) broadcast over the heads of q, k (B, T, H, d_k)
+            position_ids = torch.arange(T, device=x.device) if position_ids is None else position_ids
+            q, k = self.rope(q, position_ids[..., None]), self.rope(k, position_ids[..., None])
         if kv_cache is not None:  # queries and keys differ in length: the masked path for every attn_impl
             position_ids = position_ids.expand(B, T)
             k, v = (t.to(q.dtype) for t in kv_cache.update(self.layer_idx, k, v, position_ids))
             out = self._masked(q, k, v, torch.arange(k.shape[1], device=x.device) <= position_ids[:, None, :, None])
-        elif cu_seqlens is None:
-            out = self._causal(q, k, v)
-        elif self.attn_impl == "flash":
-            out = flash.flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True)[None]
+        elif self.attn_impl in ("naive", "sdpa"):
+            out = self._masked(q, k, v, None if cu_seqlens is None else block_diagonal_causal_mask(cu_seqlens, T))
         elif self.attn_impl == "flash_ref":
-            out = self._packed_flash_ref(q, k, v, cu_seqlens)
+            out = self._flash_ref(q, k, v, cu_seqlens)
+        elif cu_seqlens is not None:
+            out = flash.flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True)[None]
         else:
-            out = self._masked(q, k, v, block_diagonal_causal_mask(cu_seqlens, T))
+            heads = lambda t: t.transpose(1, 2)  # (B, T, H, D) <-> (B, H, T, D), a view
+            out = heads(flash.flash_attention(heads(q), heads(k), heads(v), causal=True))
         return self.output_proj(out.reshape(B, T, d))
 
-    def _masked(self, q, k, v, mask):
-        """q (B, T, H, D), k and v (B, S, H, D), a boolean mask broadcasting to (B, H, T, S): sdpa when selected,
-        else ours. (B, T, H, D) out, a strided view."""
-        attend = F.scaled_dot_product_attention if self.attn_impl == "sdpa" else scaled_dot_product_attention
-        return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
-
-    def _causal(self, q, k, v):
-        if self.attn_impl == "naive":
-            return self._masked(q, k, v, causal_mask(q.shape[1], q.device))
+    def _masked(self, q, k, v, mask=None):
+        """q (B, T, H, D), k and v (B, S, H, D), a boolean mask broadcasting to (B, H, T, S) (None: causal): sdpa
+        when selected, else ours. (B, T, H, D) out, a strided view."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.attn_impl == "flash":
-            out = flash.flash_attention(q, k, v, causal=True)
-        elif self.attn_impl == "flash_ref":
-            out = flash.FlashAttentionPyTorch.apply(q, k, v, True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return out.transpose(1, 2)
+        if self.attn_impl == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None).transpose(1, 2)
+        mask = causal_mask(q.shape[2], q.device) if mask is None else mask
+        return scaled_dot_product_attention(q, k, v, mask).transpose(1, 2)
 
-    def _packed_flash_ref(self, q, k, v, cu_seqlens):
-        """The tiled PyTorch twin one document at a time; reads cu_seqlens on the host (a reference path)."""
-        cu = cu_seqlens.tolist()
+    def _flash_ref(self, q, k, v, cu_seqlens):
+        """The tiled PyTorch twin, one document at a time (packed: reads cu_seqlens on the host; a reference path)."""
+        cu = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != q.shape[1] or any(a > b for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to the {q.shape[1]} packed tokens, got {cu}")
-        doc = lambda t, a, b: t[0, a:b].transpose(0, 1)  # (len, H, D) -> (H, len, D), a view
-        outs = [flash.FlashAttentionPyTorch.apply(doc(q, a, b), doc(k, a, b), doc(v, a, b), True).transpose(0, 1)
+        doc = lambda t, a, b: t[:, a:b].transpose(1, 2)  # (B, len, H, D) -> (B, H, len, D), a view
+        outs = [flash.FlashAttentionPyTorch.apply(doc(q, a, b), doc(k, a, b), doc(v, a, b), True)
                 for a, b in zip(cu, cu[1:]) if b > a]
-        return torch.cat(outs)[None]
+        return torch.cat(outs, dim=2).transpose(1, 2)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: z = x + MHSA(RMSNorm1(x)); y = z + FFN(RMSNorm2(z)). With both norms on impl="triton", each
-    norm runs with its residual add as flash.add_rms_norm (z = x + MHSA(..) and RMSNorm2(z) in one kernel; in the
-    backward, the gradient of the residual path joins each norm's in one kernel too)."""
+    norm runs with its residual add as flash.add_rms_norm: one kernel for z and RMSNorm2(z), one for their gradients."""
 
     def __init__(self, d_model, num_heads, d_ff, context_length, theta=10000.0, attn_impl="naive", rope=None,
                  layer_idx=0, device=None, dtype=None):
@@ -370,8 +333,7 @@ class TransformerBlock(nn.Module):
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None, selective=False):
-        """selective=True (while training): keep only the matmul and attention outputs for the backward
-        (_selective_recompute_context)."""
+        """selective=True (while training): keep only the matmul and attention outputs for the backward."""
         if selective and self.training and torch.is_grad_enabled():
             return checkpoint(self._forward, x, position_ids, cu_seqlens, max_seqlen, kv_cache, use_reentrant=False,
                               context_fn=_selective_recompute_context)
@@ -389,34 +351,26 @@ class TransformerBlock(nn.Module):
 
 
 def _selective_recompute_context():
-    """torch.utils.checkpoint's context_fn for selective recomputation: a block keeps the outputs of its matmuls
-    and of attention and recomputes everything else in the backward (RMSNorm, RoPE, SiLU(a) * b, the dtype casts of
-    the weights under autocast): that elementwise work is cheap to redo and its outputs are as large as the
-    matmuls'."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    """torch.utils.checkpoint's context_fn for selective recomputation: a block keeps the outputs of its matmuls and
+    of attention and recomputes the rest in the backward (RMSNorm, RoPE, SiLU(a) * b, the weights' autocast casts):
+    elementwise work, cheap to redo, whose outputs are as large as the matmuls'."""
     aten = torch.ops.aten
+    sdpa = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
     saved = {aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.flash.attention_fwd.default}
-    if hasattr(torch.ops.flash, "triton_attention_fwd"):  # what compiled code calls for the Triton kernels on a GPU
-        saved.add(torch.ops.flash.triton_attention_fwd.default)
-    for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"):
-        if hasattr(aten, name):
-            saved.add(getattr(aten, name).default)
+    saved |= {getattr(aten, name).default for name in sdpa if hasattr(aten, name)}
     keep = CheckpointPolicy.MUST_SAVE
     return create_selective_checkpoint_contexts(
         lambda ctx, op, *args, **kwargs: keep if op in saved else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 class TransformerLM(nn.Module):
-    """token_embeddings -> num_layers pre-norm blocks -> ln_final -> lm_head; returns logits.
-
-    rope_theta=None disables RoPE. tie_embeddings shares one (vocab_size, d_model) matrix between the embedding
-    and lm_head, initialised like a Linear (std sqrt(2 / (V + d))) since std 1 would blow up the logits.
-    Recomputation while training (activations rebuilt in the backward instead of stored):
+    """token_embeddings -> num_layers pre-norm blocks -> ln_final -> lm_head. rope_theta=None disables RoPE.
+    tie_embeddings shares one (vocab_size, d_model) matrix between the embedding and lm_head, initialised like a
+    Linear (std sqrt(2 / (V + d))) since std 1 would blow up the logits. Recomputation while training:
     act_ckpt_every=k > 0 checkpoints segments of k consecutive blocks (only the segment's input is kept), over the
     first act_ckpt_layers blocks (None: all of them); selective_recompute=True makes every other block keep only
-    its matmul and attention outputs (_selective_recompute_context).
-    """
+    its matmul and attention outputs (_selective_recompute_context)."""
 
     def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta=10000.0,
                  attn_impl="naive", tie_embeddings=False, act_ckpt_every=0, act_ckpt_layers=None,
@@ -425,22 +379,17 @@ class TransformerLM(nn.Module):
         if act_ckpt_every < 0:
             raise ValueError(f"act_ckpt_every={act_ckpt_every} must be >= 0 (0 = no activation checkpointing)")
         if act_ckpt_layers is not None and not 0 <= act_ckpt_layers <= num_layers:
-            raise ValueError(f"act_ckpt_layers={act_ckpt_layers} must lie in [0, num_layers={num_layers}] (None: "
-                             f"every block)")
-        if d_model % num_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+            raise ValueError(f"act_ckpt_layers={act_ckpt_layers} must lie in [0, num_layers={num_layers}] (None: all)")
         self.vocab_size, self.context_length = vocab_size, context_length
         self.d_model, self.num_layers, self.num_heads = d_model, num_layers, num_heads
         self.act_ckpt_every, self.act_ckpt_layers = act_ckpt_every, act_ckpt_layers  # read at call time
         self.selective_recompute = selective_recompute
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
-        # one RoPE table for all layers; a non-persistent buffer, so not in the state dict
-        rope = None if rope_theta is None else RotaryEmbedding(rope_theta, d_model // num_heads, context_length,
-                                                               device=device)
-        self.layers = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff, context_length, rope_theta, attn_impl=attn_impl, rope=rope,
-                             layer_idx=i, device=device, dtype=dtype)
-            for i in range(num_layers))
+        self.layers = nn.ModuleList()
+        for i in range(num_layers):  # the first layer builds the RoPE table (not in the state dict), the rest share it
+            self.layers.append(TransformerBlock(d_model, num_heads, d_ff, context_length, rope_theta, attn_impl,
+                                                rope=self.layers[0].attn.rope if i else None, layer_idx=i,
+                                                device=device, dtype=dtype))
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
         if tie_embeddings:
@@ -461,22 +410,17 @@ class TransformerLM(nn.Module):
 
     def make_kv_cache(self, batch_size, max_len=None, device=None, dtype=torch.float32):
         """An empty KVCache for this model (max_len defaults to context_length, the RoPE table size)."""
-        max_len = self.context_length if max_len is None else max_len
-        device = self.lm_head.weight.device if device is None else device
-        return KVCache(self.num_layers, batch_size, max_len, self.num_heads, self.d_model // self.num_heads,
-                       device=device, dtype=dtype)
+        return KVCache(self.num_layers, batch_size, self.context_length if max_len is None else max_len,
+                       self.num_heads, self.d_model // self.num_heads, dtype=dtype,
+                       device=self.lm_head.weight.device if device is None else device)
 
     def forward(self, idx, cu_seqlens=None, max_seqlen=None, position_ids=None, kv_cache=None, targets=None):
-        """idx (B, T) int64 -> logits (B, T, vocab_size); with targets (B, T): the mean cross-entropy instead,
-        computed by the fused head (linear_cross_entropy, targets == -100 ignored), so the (tokens x vocab_size)
-        logits are never materialized whole. Training passes targets; sampling and tests ask for logits.
-
-        Packed mode: idx (1, N) holds documents back to back, cu_seqlens (int32, num_docs + 1) their
-        boundaries and max_seqlen (Python int) the longest; attention stays inside each document and RoPE
-        positions restart at 0 in each (unless position_ids are given).
-        position_ids (B, T) or (T,): explicit RoPE positions (default 0..T-1).
-        kv_cache (KVCache): decoding; position_ids are then required and also name the cache slot of every token.
-        """
+        """idx (B, T) int64 -> logits (B, T, vocab_size); with targets (B, T): the mean cross-entropy instead, by
+        the fused head (linear_cross_entropy, targets == -100 ignored), so the logits never exist whole.
+        Packed mode: idx (1, N) holds documents back to back, cu_seqlens (int32, num_docs + 1) their boundaries and
+        max_seqlen (Python int) the longest; attention stays inside each document and RoPE positions restart at 0
+        in each. position_ids (B, T) or (T,): explicit RoPE positions (default 0..T-1).
+        kv_cache (KVCache): decoding; position_ids are then required and also name the cache slot of every token."""
         B, T = idx.shape
         if cu_seqlens is not None:
             if B != 1:
@@ -487,8 +431,7 @@ class TransformerLM(nn.Module):
                 raise ValueError("packed mode needs max_seqlen as a Python int (the longest document)")
             max_seqlen = int(max_seqlen)  # a NumPy integer becomes the plain int the kernel grid wants
             if max_seqlen > self.context_length:
-                raise ValueError(f"a packed document of {max_seqlen} tokens exceeds context_length "
-                                 f"{self.context_length}")
+                raise ValueError(f"max_seqlen={max_seqlen} exceeds context_length {self.context_length}")
             if position_ids is None:
                 position_ids = packed_positions(cu_seqlens, T)
         elif kv_cache is not None:
@@ -499,17 +442,13 @@ class TransformerLM(nn.Module):
         elif position_ids is None and T > self.context_length:
             raise ValueError(f"sequence of {T} tokens exceeds context_length {self.context_length}")
 
-        x = self.token_embeddings(idx)
-        args = (position_ids, cu_seqlens, max_seqlen)
-        seg = self.act_ckpt_every  # the first n_full blocks are checkpointed in segments of seg
-        n_full = self.num_layers if self.act_ckpt_layers is None else min(self.act_ckpt_layers, self.num_layers)
-        n_full = n_full if seg else 0
-        if self.training and torch.is_grad_enabled() and (n_full or self.selective_recompute):
-            for start in range(0, n_full, max(seg, 1)):  # each segment keeps only its input
-                x = checkpoint(self._run_layers, x, start, min(start + seg, n_full), *args, use_reentrant=False)
-            x = self._run_layers(x, n_full, self.num_layers, *args, selective=self.selective_recompute)
-        else:
-            x = self._run_layers(x, 0, self.num_layers, *args, kv_cache)
+        x, args = self.token_embeddings(idx), (position_ids, cu_seqlens, max_seqlen, kv_cache)
+        seg, n_full = self.act_ckpt_every, 0  # the first n_full blocks are checkpointed in segments of seg
+        if seg and self.training and torch.is_grad_enabled():
+            n_full = min(self.num_layers if self.act_ckpt_layers is None else self.act_ckpt_layers, self.num_layers)
+        for start in range(0, n_full, max(seg, 1)):  # each segment keeps only its input
+            x = checkpoint(self._run_layers, x, start, min(start + seg, n_full), *args, use_reentrant=False)
+        x = self._run_layers(x, n_full, self.num_layers, *args, selective=self.selective_recompute)
         if kv_cache is not None:
             kv_cache.length += T
         h = self.ln_final(x)
@@ -523,7 +462,6 @@ class TransformerLM(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 4. loss: cross_entropy and the fused head
-# ---------------------------------------------------------------------------------------------------------------
 
 class _CrossEntropy(torch.autograd.Function):
     """Forward: loss_i = logsumexp(o_i) - o_i[target_i] in fp32; backward written out: d loss / d o = (softmax(o) -
@@ -561,9 +499,6 @@ def cross_entropy(logits, targets, ignore_index=-100):
     return _CrossEntropy.apply(logits, targets, ignore_index)
 
 
-LINEAR_CE_CHUNK_ELEMENTS = 2 ** 28  # logits per chunk of the fused head (half a GiB in bf16)
-
-
 def _add_matmul(acc, a, b):
     """acc + a @ b with acc fp32 and a, b possibly half precision: on CUDA one GEMM with a 32-bit output."""
     if acc.dtype == a.dtype:
@@ -574,12 +509,14 @@ def _add_matmul(acc, a, b):
     return acc.add_(a @ b)
 
 
-def _fused_head(x, weight, targets, ignore_index, chunk, need_grad=True):
+def fused_head(x, weight, targets, ignore_index, chunk, need_grad):
     """(mean loss, dL/dx, dL/dweight) of cross_entropy(x @ weight^T, targets) for x (N, d) and weight (V, d) of
     one dtype, chunk tokens at a time: each chunk's logits are turned into their gradient in place
     (flash.cross_entropy_rows: dO_i = (softmax(o_i) - onehot(t_i)) / count) and consumed at once by the two backward
     matmuls, dx_chunk = dO W and dW += dO^T x_chunk (fp32). need_grad=False (evaluation) skips those two (dx and dW
-    come back empty)."""
+    come back empty). Under torch.compile a custom op, so the compiler sees the chunk loop as one opaque step."""
+    if torch.compiler.is_compiling():
+        return _fused_head_op(x, weight, targets, ignore_index, chunk, need_grad)
     count = (targets != ignore_index).sum().clamp(min=1)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64, for tests)
     scale = (1.0 / count.to(acc_dtype)).reshape(1)
@@ -596,11 +533,10 @@ def _fused_head(x, weight, targets, ignore_index, chunk, need_grad=True):
     return loss_rows.sum() * scale[0], dx, dw
 
 
-# a custom op under torch.compile, so the compiler treats the chunk loop as one opaque step
 @torch.library.custom_op("model::fused_head", mutates_args=())
 def _fused_head_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk: int,
                    need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fused_head(x, weight, targets, ignore_index, chunk, need_grad)
+    return fused_head(x, weight, targets, ignore_index, chunk, need_grad)
 
 
 @_fused_head_op.register_fake
@@ -608,12 +544,6 @@ def _(x, weight, targets, ignore_index, chunk, need_grad):
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     return (x.new_empty((), dtype=acc_dtype), torch.empty_like(x) if need_grad else x.new_empty(0),
             weight.new_empty(weight.shape if need_grad else 0, dtype=acc_dtype))
-
-
-def fused_head(x, weight, targets, ignore_index, chunk, need_grad):
-    """_fused_head, through its custom op while torch.compile traces (ddp.FSDP's sharded head calls this too)."""
-    op = _fused_head_op if torch.compiler.is_compiling() else _fused_head
-    return op(x, weight, targets, ignore_index, chunk, need_grad)
 
 
 def head_dtype(x, weight):
@@ -636,14 +566,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        dx, dw = ctx.saved_tensors
-        x_dtype, w_dtype = ctx.dtypes
+        (dx, dw), (x_dtype, w_dtype) = ctx.saved_tensors, ctx.dtypes
         return (dx * grad).to(x_dtype), (dw * grad).to(w_dtype), None, None, None, None
 
 
 def head_chunk(vocab_size):
-    """Tokens per chunk of the fused head: as many as make LINEAR_CE_CHUNK_ELEMENTS logits."""
-    return max(1, LINEAR_CE_CHUNK_ELEMENTS // vocab_size)
+    """Tokens per chunk of the fused head: as many as make 2^28 logits (half a GiB in bf16)."""
+    return max(1, 2 ** 28 // vocab_size)
 
 
 def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
@@ -652,16 +581,14 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
     if x.shape[:-1] != targets.shape:
         raise ValueError(f"linear_cross_entropy: x {tuple(x.shape)} needs targets of shape {tuple(x.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
-    x2, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-    if chunk is None:
-        chunk = head_chunk(weight.shape[0])
+    chunk = head_chunk(weight.shape[0]) if chunk is None else chunk
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # evaluation: no dx, dW
-    return _LinearCrossEntropy.apply(x2, weight, t.contiguous(), ignore_index, chunk, need_grad)
+    x2, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1).contiguous()
+    return _LinearCrossEntropy.apply(x2, weight, t, ignore_index, chunk, need_grad)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. parameter and FLOP accounting, size presets
-# ---------------------------------------------------------------------------------------------------------------
 
 def count_params(model):
     """Number of parameters, shared (tied) tensors counted once."""
@@ -670,8 +597,7 @@ def count_params(model):
 
 def flops_per_token(vocab_size, context_length, d_model, num_layers, d_ff, causal=True):
     """Training FLOPs per token = 3 x forward (backward = 2 x forward; a matmul (m x n)(n x p) is 2mnp). Forward per
-    sequence of T tokens: L (8 T d^2 + 4 T^2 d + 6 T d d_ff) + 2 T d V; causal halves the T^2 terms (tile-skipping
-    kernels do half)."""
+    sequence of T tokens: L (8 T d^2 + 4 T^2 d + 6 T d d_ff) + 2 T d V; causal halves the T^2 terms, as kernels do."""
     T, d = context_length, d_model
     attn_t2 = (2 if causal else 4) * T * T * d
     forward = num_layers * (8 * T * d * d + attn_t2 + 6 * T * d * d_ff) + 2 * T * d * vocab_size

@@ -11,7 +11,6 @@ token runs the model on one position; prompts of different lengths decode togeth
 tokenizer (load_model), the command line (main).
 """
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -131,11 +130,10 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, eot_
                 last = torch.tensor([len(w) - 1 for w in windows], device=device)
                 logits = logits[torch.arange(B, device=device), last]
             for b, t in enumerate(sample_next(logits, temperature, top_p, top_k, generator).tolist()):
+                done[b] = done[b] or t == eot_id
                 if not done[b]:
-                    done[b] = t == eot_id
-                    if not done[b]:
-                        seqs[b].append(t)
-                        new[b].append(t)
+                    seqs[b].append(t)
+                    new[b].append(t)
             if all(done):
                 break
     finally:
@@ -190,8 +188,7 @@ def _find(path, ckpt_path):
 
 
 def load_model(ckpt_path, device="cpu"):
-    """-> (model in eval mode on device, Tokenizer, eot_id, checkpoint dict). A directory is read as a Llama-format
-    checkpoint (load_llama_dir)."""
+    """-> (model in eval mode on device, Tokenizer, eot_id, checkpoint dict); a directory goes to load_llama_dir."""
     if os.path.isdir(ckpt_path):
         return load_llama_dir(ckpt_path, device)
     if not os.path.isfile(ckpt_path):
@@ -234,11 +231,10 @@ def main(argv=None):
     prompts = args.prompt or [sys.stdin.read() if not sys.stdin.isatty() else ""]
     texts = [text for text in prompts for _ in range(args.num_samples)]
     batch = [tokenizer.encode(text) if text else [eot_id] for text in texts]
-    torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     use_bf16 = torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported()
     try:  # a prompt longer than the context is refused by generate, naming --crop_prompt
-        with torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
             outs = generate(model, batch, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             eot_id=eot_id, top_k=args.top_k, generator=generator, use_cache=not args.no_kv_cache,
                             crop_prompt=args.crop_prompt)

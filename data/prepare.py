@@ -99,7 +99,6 @@ from bpe import Progress, Tokenizer, atomic_open, train_bpe  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. sources
-# ---------------------------------------------------------------------------------------------------------------
 
 def strip_gutenberg(text):
     """Drops a Project Gutenberg header (through the '*** START OF ...' line) and footer (from '*** END OF ...' or
@@ -249,18 +248,15 @@ def prepare_download_text(name, out_dir):
     paths = []
     for url in DOWNLOADS[name]:
         path = download(url, os.path.join(raw_dir, url.rsplit("/", 1)[1]))
-        if path.endswith(".gz"):  # streamed out, never whole in memory
-            if not os.path.exists(path[:-3]):
-                with gzip.open(path, "rb") as src, atomic_open(path[:-3], "wb") as dst:
-                    shutil.copyfileobj(src, dst, READ_BLOCK)
-            path = path[:-3]
-        paths.append(path)
+        if path.endswith(".gz") and not os.path.exists(path[:-3]):  # streamed out, never whole in memory
+            with gzip.open(path, "rb") as src, atomic_open(path[:-3], "wb") as dst:
+                shutil.copyfileobj(src, dst, READ_BLOCK)
+        paths.append(path.removesuffix(".gz"))
     return paths
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2. tokenize and write the folder
-# ---------------------------------------------------------------------------------------------------------------
 
 def encode_split(tok, text_path, bin_path, dtype):
     """Streams text_path through the tokenizer into bin_path; returns the document offsets. A final document
@@ -278,14 +274,6 @@ def encode_split(tok, text_path, bin_path, dtype):
             n += 1
             ends.append(np.array([n]))
     return np.concatenate(ends).astype(np.int64)
-
-
-def _first_missing(path):
-    """The outermost folder of `path` that does not exist yet (None if `path` exists): what makedirs creates."""
-    path, missing = os.path.abspath(path), None
-    while not os.path.exists(path):
-        path, missing = os.path.dirname(path), path
-    return missing
 
 
 def _clean_failed(out_dir, created):
@@ -312,11 +300,12 @@ def prepare(name, vocab_size=None, inputs=None, out_root=DATA_DIR, num_workers=N
     """Builds out_dir, by default out_root/NAME/ (see the module docstring); returns the meta dict."""
     vocab_size = check(name, vocab_size, inputs)
     out_dir = out_dir or os.path.join(out_root, name)
-    created = _first_missing(out_dir)
+    parent, created = os.path.abspath(out_dir), None  # created: the outermost folder makedirs makes, if any
+    while not os.path.exists(parent):
+        parent, created = os.path.dirname(parent), parent
     os.makedirs(out_dir, exist_ok=True)
-    meta_path = os.path.join(out_dir, "meta.json")
+    meta_path, t0 = os.path.join(out_dir, "meta.json"), time.time()
     try:
-        t0 = time.time()
         if inputs:
             train_txt, val_txt = prepare_local_text(out_dir, inputs)
         elif name == "shakespeare":

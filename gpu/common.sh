@@ -1,28 +1,28 @@
-# Helpers of gpu/h200.sh and gpu/h200x2.sh (sourced, not run). A runner defines part_NAME functions, each calling
-# begin_part NAME LIMIT_S and then its steps (run_md / run_log); run_parts runs the parts PART names (PART=all: all)
-# and after each rewrites $OUT/BENCH.md (every part's Markdown) and $OUT/results.tar.gz (per part NAME.md, the steps'
-# JSON, PNG and logs, steps.txt), so a cut run keeps what finished. Large artifacts (a trace, a memory snapshot) are
-# gzipped beside them as $OUT/NAME-*.gz. $OUT/parts goes at the end (a device call returns few files; KEEP_PARTS=1).
+# Helpers of gpu/h200.sh and gpu/h200x2.sh (sourced). A runner defines part_NAME functions running their steps
+# (run_md / run_log) within LIMITS[NAME] seconds (570 unless set); run_parts runs the parts PART names (all: every
+# part), after each rewriting $OUT/BENCH.md (every part's Markdown) and $OUT/results.tar.gz (per part NAME.md, the
+# steps' JSON, PNG and logs, steps.txt): a cut run keeps what finished. Large artifacts (a trace, a memory snapshot)
+# are gzipped beside them as $OUT/NAME-*.gz; $OUT/parts goes at the end (a device call returns few files; KEEP_PARTS=1).
 
 PY=${PYTHON:-python3}
 TORCHRUN=${TORCHRUN:-torchrun}
 OUT=${OUT:-bench_out}
 PARTS="$OUT/parts"
+declare -A LIMITS=()
 export PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # sweeps free and re-grow memory: no fragmentation OOMs
 [ -f bench.py ] || { echo "run this from the repository root (bench.py not found)" >&2; exit 1; }
 mkdir -p "$PARTS"
 
 VERSIONS=$("$PY" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")')
-if COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null); then
-    git diff --quiet HEAD || COMMIT="$COMMIT, with uncommitted changes"
-fi
+COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null) &&
+    { git diff --quiet HEAD || COMMIT+=", with uncommitted changes"; }
 COMMIT=${COMMIT:-${GIT_COMMIT:-"unknown (no git checkout: pass GIT_COMMIT=<commit>)"}}
 GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | sed 's/^ *\([0-9]*\) /\1 x /' |
        paste -sd, -)
 
-# begin_part NAME LIMIT_S: a part whose steps all end within LIMIT_S seconds (PART_LIMIT_S overrides it); a rerun
-# into the same $OUT replaces its files.
+# begin_part NAME LIMIT_S (run_parts calls it): a part whose steps all end within LIMIT_S seconds (PART_LIMIT_S
+# overrides it); a rerun into the same $OUT replaces its files.
 begin_part() {
     PART_NAME=$1 PART_PNG="" P="$PARTS/$1"
     local limit=${PART_LIMIT_S:-$2}
@@ -60,11 +60,7 @@ _run() {
     done
     echo "-- $step (at most $max s): ${args[*]}" | tee -a "$P.log"
     t0=$(date +%s)
-    if [ "$how" = md ]; then
-        timeout -k 10 "$max" "${args[@]}" >>"$P.md" 2>>"$P.log"
-    else
-        timeout -k 10 "$max" "${args[@]}" >>"$P.log" 2>&1
-    fi
+    timeout -k 10 "$max" "${args[@]}" >>"$P.$how" 2>>"$P.log"
     rc=$?
     echo "$PART_NAME/$step: exit $rc after $(($(date +%s) - t0)) s" | tee -a "$PARTS/steps.txt"
     if ((rc != 0)); then
@@ -85,6 +81,7 @@ run_parts() {
                                                        exit 2; }
     done
     for name in ${want//,/ }; do
+        begin_part "$name" "${LIMITS[$name]:-570}"
         "part_$name"
         for f in "$P"-*; do  # large artifacts gzipped outside the tarball
             [ -f "$f" ] && gzip -c "$f" >"$OUT/$(basename "$f").gz" && rm -f "$f"
@@ -147,7 +144,6 @@ for name, gpus in runs:
     r["scaling"] = r["tokens_per_s"] / r["gpus"] / (rows[0]["tokens_per_s"] / rows[0]["gpus"])
     print(f"| {name} | {gpus} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | {100 * r['mfu']:.1f}% | "
           f"{r['scaling']:.1%} | {fmt(r['final_val_loss'])} | {fmt(r['last_train_loss'])} |")
-with open(prefix + ".json", "w") as f:
-    json.dump(dict(command=command, rows=rows), f, indent=1)
+json.dump(dict(command=command, rows=rows), open(prefix + ".json", "w"), indent=1)
 PYEOF
 }

@@ -20,41 +20,25 @@ ALL_PARTS=(attention attention_sustained attention_work train nanogpt xl xl_grap
            train_pack train_graphs varlen hf leaderboard sweep sweep_compiled suite tests_triton tests_gluon
            tests_model)
 source gpu/common.sh
+LIMITS+=([attention_sustained]=300 [attention_work]=400 [xl_memory]=400 [adamw]=120 [train_graphs]=400)
 
 GPT2=(model --size gpt2 --vocab_size 50304 --context_length 1024 --batch_size 12 --dtype bf16 --tie_embeddings
       --warmup 10 --steps 20)
 XL=(model --size xl --context_length 2048 --batch_size 4 --compile blocks --dtype bf16 --warmup 2 --steps 5)
 SWEEP=(model --sweep --context_length 256,512,1024 --dtype bf16,fp32 --mode fwd,fwd_bwd,train --warmup 1 --steps 2)
 
-part_attention() {
-    begin_part attention 570
-    run_md attention 560 "$PY" bench.py attention --rep 25 --methods ours,ours-triton,sdpa-cudnn,flex \
-        --time_budget 400 --json @JSON@
-}
-
-part_attention_sustained() {
-    begin_part attention_sustained 300
-    local round
-    for round in 1 2; do  # two rounds: a difference that does not hold in both is noise
-        run_md "attention_sustained_$round" 140 "$PY" bench.py attention --parts sustained \
-            --methods ours,sdpa-cudnn,flex --sustain 1 --json @JSON@
-    done
-}
-
-part_attention_work() {
-    begin_part attention_work 400
-    run_md attention_work 390 "$PY" bench.py attention --parts work --rep 25 --json @JSON@
-}
-
+part_attention() { run_md attention 560 "$PY" bench.py attention --rep 25 --methods ours,ours-triton,sdpa-cudnn,flex \
+    --time_budget 400 --json @JSON@; }
+part_attention_sustained() {  # two rounds: a difference that does not hold in both is noise
+    local round; for round in 1 2; do run_md "attention_sustained_$round" 140 "$PY" bench.py attention \
+        --parts sustained --methods ours,sdpa-cudnn,flex --sustain 1 --json @JSON@; done; }
+part_attention_work() { run_md attention_work 390 "$PY" bench.py attention --parts work --rep 25 --json @JSON@; }
 part_train() {
-    begin_part train 570
     run_md gpt2 250 "$PY" bench.py "${GPT2[@]}" --attn sdpa,flash --compile model --peer gpt2 --json @JSON@
     run_md gpt2_graphs 150 "$PY" bench.py "${GPT2[@]}" --attn flash --compile graphs --json @JSON@
     run_md gpt2_step_graph 150 "$PY" bench.py "${GPT2[@]}" --attn flash --compile model --cuda_graphs --json @JSON@
 }
-
 part_nanogpt() {
-    begin_part nanogpt 570
     # nanoGPT's own bench.py, then ours with its tokens/s as the reference, twice over: ratio and peaks in one call
     if [ ! -f "${NANOGPT_DIR:-}/bench.py" ]; then
         printf '\n**nanogpt: not run, NANOGPT_DIR names no nanoGPT checkout.**\n' | tee -a "$P.md"
@@ -70,83 +54,41 @@ part_nanogpt() {
             --reference_tokens_per_s "$ref" --json @JSON@
     done
 }
-
 part_xl() {
-    begin_part xl 570
     run_md xl_flash_peer 300 "$PY" bench.py "${XL[@]}" --attn flash --peer native --json @JSON@
     run_md xl_sdpa 180 "$PY" bench.py "${XL[@]}" --attn sdpa --json @JSON@
 }
-
 part_xl_graphs() {
-    begin_part xl_graphs 570
     run_md xl_graph_peer 330 "$PY" bench.py "${XL[@]}" --warmup 3 --attn flash --peer native --cuda_graphs \
         --json @JSON@
     run_md xl_eager_peer 240 "$PY" bench.py "${XL[@]}" --attn flash --peer native --json @JSON@
 }
-
 part_xl_memory() {
-    begin_part xl_memory 400
     run_md xl_selective 180 "$PY" bench.py "${XL[@]}" --attn flash --selective_recompute --json @JSON@
     run_md xl_selective_full8 180 "$PY" bench.py "${XL[@]}" --attn flash --selective_recompute --act_ckpt_every 1 \
         --act_ckpt_layers 8 --json @JSON@
 }
-
-part_adamw() {
-    begin_part adamw 120
-    run_md adamw 110 "$PY" bench.py adamw --json @JSON@
-}
-
-part_train_small() {
-    begin_part train_small 570
-    train_runs "1gpu 1" "flash 1 --attn_impl=flash" "graphs 1 --cuda_graphs=True"
-}
-
-part_train_graphs() {
-    begin_part train_graphs 400
-    TRAIN_CONFIG= train_runs "compiled 1 --device=cuda --compile=True" \
-        "graphs 1 --device=cuda --compile=True --cuda_graphs=True"
-}
-
-part_train_pack() {
-    begin_part train_pack 570
-    train_runs "pack 1 --batching=pack" "pack_static 1 --batching=pack --pack_static=True" \
-        "pack_graphs 1 --batching=pack --pack_static=True --cuda_graphs=True"
-}
-
+part_adamw() { run_md adamw 110 "$PY" bench.py adamw --json @JSON@; }
+part_train_small() { train_runs "1gpu 1" "flash 1 --attn_impl=flash" "graphs 1 --cuda_graphs=True"; }
+part_train_graphs() { TRAIN_CONFIG= train_runs "compiled 1 --device=cuda --compile=True" \
+    "graphs 1 --device=cuda --compile=True --cuda_graphs=True"; }
+part_train_pack() { train_runs "pack 1 --batching=pack" "pack_static 1 --batching=pack --pack_static=True" \
+    "pack_graphs 1 --batching=pack --pack_static=True --cuda_graphs=True"; }
 part_varlen() {
-    begin_part varlen 570
     run_md varlen 430 "$PY" bench.py varlen --json @JSON@ --plot @PNG@
     run_md varlen_attention 120 "$PY" bench.py attention --parts varlen --methods \
         ours,flex,sdpa-pad,sdpa-dynamic,fa2-varlen --rep 25 --json @JSON@
 }
-
-part_hf() {
-    begin_part hf 570
-    run_md hf 560 "$PY" bench.py hf --json @JSON@ --plot @PNG@
-}
-
-part_leaderboard() {
-    begin_part leaderboard 570
-    # 4 layers fit one GPU without recomputation (the 34-layer run on two GPUs needs it: gpu/h200x2.sh)
-    run_md leaderboard 560 "$TORCHRUN" --standalone --nproc_per_node=1 bench.py model --size 8B --num_layers 4 \
-        --vocab_size 151936 --context_length 32768 --batch_size 1 --dtype bf16 --attn flash --compile blocks \
-        --peer native --warmup 2 --steps 5 --json @JSON@
-}
-
-part_sweep() {
-    begin_part sweep 570
-    run_md sweep 560 "$PY" bench.py "${SWEEP[@]}" --size small,medium,large,gpt2-xl,xl,10B --compile none \
-        --time_budget @BUDGET@ --json @JSON@ --plot @PNG@
-}
-
-part_sweep_compiled() {
-    begin_part sweep_compiled 570
-    run_md sweep_compiled 560 "$PY" bench.py "${SWEEP[@]}" --size small,medium,large,gpt2-xl,xl --compile blocks \
-        --time_budget @BUDGET@ --json @JSON@ --plot @PNG@
-}
-
+part_hf() { run_md hf 560 "$PY" bench.py hf --json @JSON@ --plot @PNG@; }
+# 4 layers fit one GPU without recomputation (the 34-layer run on two GPUs needs it: gpu/h200x2.sh)
+part_leaderboard() { run_md leaderboard 560 "$TORCHRUN" --standalone --nproc_per_node=1 bench.py model --size 8B \
+    --num_layers 4 --vocab_size 151936 --context_length 32768 --batch_size 1 --dtype bf16 --attn flash \
+    --compile blocks --peer native --warmup 2 --steps 5 --json @JSON@; }
+part_sweep() { run_md sweep 560 "$PY" bench.py "${SWEEP[@]}" --size small,medium,large,gpt2-xl,xl,10B --compile none \
+    --time_budget @BUDGET@ --json @JSON@ --plot @PNG@; }
+part_sweep_compiled() { run_md sweep_compiled 560 "$PY" bench.py "${SWEEP[@]}" --size small,medium,large,gpt2-xl,xl \
+    --compile blocks --time_budget @BUDGET@ --json @JSON@ --plot @PNG@; }
 part_suite() {
-    begin_part suite 570
     run_md precision 90 "$PY" bench.py model --size small,medium --context_length 512 --dtype fp32,bf16 \
         --mode fwd,fwd_bwd,train --compare dtype --warmup 2 --steps 3 --json @JSON@ --plot @PNG@
     run_md compile 150 "$PY" bench.py model --size small --context_length 512 --mode fwd,train --compile none,model \
@@ -159,18 +101,16 @@ part_suite() {
     run_md rmsnorm 60 "$PY" bench.py rmsnorm --json @JSON@
 }
 
-# The GPU tests in three parts; each name is a substring test_all.py matches against the test names.
-TESTS_TRITON=(flash_reference flash_triton flash_delta flash_compiles flash_rejects flash_kernels_take adamw)
-TESTS_MODEL=(flash_gpu_gluon_compiles flash_d64 flash_gpu_mixed flash_gpu_bf16 rms_norm attention_impls_match
-             gpu_flash_model gpu_selective gpu_whole_step gpu_cuda_graphs gpu_bench triton_norm_block loss_curves)
-
-tests_part() {  # tests_part NAME TEST-NAME-SUBSTRINGS...
-    begin_part "$1" 570
-    run_log "$1" 560 "$PY" test_all.py "${@:2}"
+# The GPU tests in three parts: tests_part WORDS... runs the tests whose names hold a word (test_all.py's rule)
+tests_part() {
+    run_log "$PART_NAME" 560 "$PY" test_all.py "$@"
     { echo '```'; grep -E '^(ok|FAIL|SKIP) |^failed: |passed, [0-9]+ failed|s in all$' "$P.log"; echo '```'; } >>"$P.md"
 }
-part_tests_triton() { tests_part tests_triton "${TESTS_TRITON[@]}"; }
-part_tests_gluon() { tests_part tests_gluon flash_gpu_gluon_matches_reference; }
-part_tests_model() { tests_part tests_model "${TESTS_MODEL[@]}"; }
+part_tests_triton() { tests_part flash_reference flash_triton flash_delta flash_compiles flash_rejects \
+    flash_kernels_take adamw; }
+part_tests_gluon() { tests_part 'flash_gpu_kernels_match_reference[gluon]'; }
+part_tests_model() { tests_part 'flash_gpu_kernels_match_reference[triton]' flash_gpu_gluon_compiles flash_d64 \
+    flash_gpu_mixed rms_norm attention_impls_match gpu_flash_model gpu_selective gpu_whole_step gpu_cuda_graphs \
+    gpu_bench triton_norm_block loss_curves; }
 
 run_parts

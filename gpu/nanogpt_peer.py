@@ -1,11 +1,8 @@
-"""nanoGPT's own benchmark as the peer of `bench.py model --peer gpt2`: runs bench.py of a nanoGPT checkout
-(karpathy/nanoGPT, not part of this repository) on random data, compiled, in bf16, its defaults otherwise (GPT-2
-124M, batch 12 x 1024), and prints its time per step, tokens/s and, on CUDA, the peak of torch's allocator after its
-run (nanoGPT prints no memory figure). The last line, `nanoGPT tokens/s N`, is what `PART=nanogpt bash gpu/h200.sh`
-hands to `bench.py model --reference_tokens_per_s`.
-
-    python gpu/nanogpt_peer.py PATH_TO_NANOGPT
-"""
+"""nanoGPT's own benchmark as the peer of `bench.py model --peer gpt2`: `python gpu/nanogpt_peer.py PATH_TO_NANOGPT`
+runs bench.py of a karpathy/nanoGPT checkout on random data with its defaults (GPT-2 124M, batch 12 x 1024, compiled,
+bf16) and prints its time per step, tokens/s and, on CUDA, the peak of torch's allocator after its run (nanoGPT
+prints no memory figure). `PART=nanogpt bash gpu/h200.sh` hands the last line, `nanoGPT tokens/s N`, to `bench.py
+model --reference_tokens_per_s`."""
 import contextlib
 import io
 import os
@@ -23,8 +20,7 @@ def main():
     os.chdir(root)  # its bench.py reads configurator.py and imports model from its own folder
     sys.path.insert(0, root)
     sys.argv = ["bench.py", "--real_data=False"]
-    cuda = torch.cuda.is_available()
-    if cuda:
+    if cuda := torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
@@ -33,11 +29,10 @@ def main():
     if found is None:
         raise SystemExit("gpu/nanogpt_peer.py: nanoGPT's bench.py printed no 'time per iteration'")
     ms = float(found.group(1))
-    tokens = config["batch_size"] * config["block_size"]
     peak = f"{torch.cuda.max_memory_allocated() / 2**20:,.0f} MiB" if cuda else "no CUDA"
     print(f"nanoGPT: batch {config['batch_size']} x {config['block_size']}, compile {config['compile']}, "
           f"{config['dtype']}, random data: {ms:.2f} ms/step, peak {peak}")
-    print(f"nanoGPT tokens/s {tokens / ms * 1e3:.0f}")
+    print(f"nanoGPT tokens/s {config['batch_size'] * config['block_size'] / ms * 1e3:.0f}")
 
 
 if __name__ == "__main__":
