@@ -1,17 +1,10 @@
 """Benchmarks: where the time and memory of training go, ours beside what a user would otherwise pick. One
-harness, a subcommand per question: a header line (command, date, device, versions) and Markdown tables on stdout,
-a progress line on stderr, every row in --json FILE, a chart in --plot FILE.png; `bench.py SUBCOMMAND -h`: options.
+harness, a subcommand per question (`python bench.py -h`; under torchrun: ddp, allreduce): a header line (command,
+date, device, versions) and Markdown tables on stdout, a progress line on stderr, every row in --json FILE, a chart in
+--plot FILE.png. BENCHMARKS.md lists the commands behind its tables.
 
-    python bench.py model --size small --dtype bf16 --compile blocks --attn flash    # one step, phase by phase
-    python bench.py model --size small,medium --context_length 256,512,1024 --mode fwd,fwd_bwd,train --sweep
-    python bench.py model --size small --dtype fp32,bf16 --compare dtype             # fp32 vs bf16 autocast
-    python bench.py model --size gpt2 --vocab_size 50304 --context_length 1024 --batch_size 12 --dtype bf16 \\
-        --compile model --tie_embeddings --attn sdpa,flash --peer gpt2               # vs a torch.nn GPT-2
-    python bench.py attention | varlen | hf | rmsnorm | adamw | sass | bpe --input FILE
-    torchrun --nproc_per_node=2 bench.py ddp | allreduce
-
-Sections: command line (options, read before torch is imported) · harness (Report, time_ms) · model · attention ·
-varlen, hf · rmsnorm, adamw · ddp · bpe · sass
+Sections: command line (read before torch is imported) · harness (Report, time_ms) · model · attention · varlen, hf ·
+rmsnorm, adamw · ddp · bpe · sass
 """
 import argparse
 import collections
@@ -36,11 +29,10 @@ import unittest.mock
 T_START = time.time()  # a row's cold start counts from the process start
 
 
-def bpe_train_child(argv):
+def bpe_train_child(which, path, vocab_size, special, workers, out_dir):
     """`bench.py _bpe_train WHICH PATH VOCAB_SIZE SPECIAL WORKERS OUT_DIR`: one training of `bench.py bpe` in a
     process without torch, so its peak RSS is the trainer's own; WHICH: ours (bpe.train_bpe, saved to OUT_DIR) or
     hf (HF tokenizers' byte-level BpeTrainer, as many threads). Prints seconds, RSS and vocab size as JSON."""
-    which, path, vocab_size, special, workers, out_dir = argv
     from bpe import Tokenizer, peak_rss_mb, train_bpe
     t0 = time.perf_counter()
     if which == "ours":
@@ -60,21 +52,19 @@ def bpe_train_child(argv):
                     *done, buf = (buf + block).split(special)
                     yield from done
             yield buf
-        tok.train_from_iterator(documents(), trainers.BpeTrainer(
-            vocab_size=int(vocab_size), special_tokens=[special], show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.train_from_iterator(documents(), trainers.BpeTrainer(vocab_size=int(vocab_size), special_tokens=[special],
+                                show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         n = tok.get_vocab_size()
     seconds, (rss, worker_rss) = time.perf_counter() - t0, peak_rss_mb()
-    print(json.dumps({"seconds": seconds, "rss_mb": rss, "worker_rss_mb": worker_rss, "vocab": n}))
-    return 0
+    print(json.dumps(dict(seconds=seconds, rss_mb=rss, worker_rss_mb=worker_rss, vocab=n)))
 
 
-# ---- the command line: each subcommand's options, read before torch is imported (-h and a mistake answer at once)
-# and again by the subcommand, which also checks model.py's names then, and what needs the device -------------------
+# ---- the command line: a subparser per subcommand, read before torch is imported (-h and a mistake answer at once)
+# and again by main(), which then also checks model.py's names; what needs the device, the subcommand checks --------
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors, bad options and bad values alike, are one line on stderr and exit status 2; rules(args)
-    -> [(bad, message)]: checks across options, made as soon as they are parsed."""
+    """argparse whose mistakes are one line on stderr, exit status 2; the subcommand's rules(args) -> [(bad, why)]
+    (checks across options) made as soon as they are parsed."""
 
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -82,24 +72,14 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         args = super().parse_args(args, namespace)
-        for bad, why in getattr(self, "rules", lambda a: ())(args):
+        for bad, why in args.rules(args):
             if bad:
-                self.error(why)
+                fail(args, why)
         return args
 
 
-def parser(name, description, device=True, plot=False, defaults=None):
-    """A subcommand's parser with the options they share; defaults: {option: (CUDA default, CPU default)}."""
-    p = Parser(prog=f"bench.py {name}", description=description)
-    p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
-    if device:
-        p.add_argument("--device", default="auto", help="auto: cuda where there is one, else cpu")
-        p.add_argument("--seed", type=int, default=0)
-    if plot:
-        p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
-    for key, (gpu, cpu) in (defaults or {}).items():
-        p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
-    return p
+def fail(args, message):  # a mistake found after parsing: as one the parser finds
+    Parser(prog=f"bench.py {args.command}").error(message)
 
 
 def listed(choices=None, cast=str):
@@ -107,184 +87,148 @@ def listed(choices=None, cast=str):
     def parse_list(text):
         try:
             items = [cast(t) for t in text.split(",") if t]
-        except (ValueError, AttributeError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {cast.__doc__ or cast.__name__}")
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {'int' if cast is int else 'TOKENSxD'}")
         if not items or (choices and set(items) - set(choices)):
             raise argparse.ArgumentTypeError(f"unknown value in {text!r}: expected {', '.join(map(str, choices))}")
         return items
     return parse_list
 
 
-def tokens_by_d(text):
-    """TOKENSxD items"""
-    n, d = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", text).groups()
-    return int(n), int(d)
-
-
 MODEL_NAMES = {}  # size: model.py's PRESETS and ours, attn: ATTN_IMPLS; known once torch is imported (before: any name)
-MODES, PHASES, DTYPES = ("fwd", "fwd_bwd", "train"), ("forward", "backward", "optimizer_step"), ("fp32", "bf16")
-COMPILES = ("none", "model", "blocks", "graphs")  # graphs: torch.compile(mode="reduce-overhead")
+PHASES, DTYPES = ("forward", "backward", "optimizer_step"), ("fp32", "bf16")
 KEYS = dict(model="model", size="size", context_length="ctx", batch_size="batch", dtype="dtype", compile="compile",
             attn="attn", recompute="recompute", mode="mode")  # a row's configuration, and its column names
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
+ATTN_METHODS = ("ours", "ours-triton", "ours-gluon", "naive", "naive-compiled", "sdpa-cudnn", "sdpa-flash",
+                "sdpa-efficient", "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")  # those a device lacks: left out
 VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
     d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
-    context_length=(1024, 256), median_len=(200.0, 40.0), batch_size=(32, 2), dtype=("bf16", "fp32"),
+    context_length=(1024, 256), median_len=(200.0, 40.0), sigma=(0.8, 0.8), batch_size=(32, 2), dtype=("bf16", "fp32"),
     attn=("flash", "naive"), num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2), compile=("dynamic", "none"),
     phases=("eval,train",) * 2, strategies=("pad,dynamic_pad,pack,pack_static",) * 2, backend=("inductor", "aot_eager"))
 HF_DEFAULTS = dict(VARLEN_DEFAULTS, vocab_size=(50257, 257), context_length=(1024, 32), median_len=(200.0, 20.0),
                    batch_size=(16, 2), warmup=(3, 1), steps=(10, 1), phases=("train",) * 2, strategies=(
                        "sdpa:pad,sdpa:pad:compiled,sdpa:dynamic_pad,ours:pad,ours:pack,ours:pack:compiled,"
-                       "flex_attention:pack",) * 2)  # (ATTN:LAYOUT[:compiled]; GPT2Config's shape on the GPU)
+                       "flex_attention:pack",) * 2)  # GPT2Config's shape on the GPU
 LAYOUTS = ("pad", "dynamic_pad", "pack", "pack_static")
+STRATEGIES = dict(varlen=LAYOUTS, hf=tuple(f"{attn}:{layout}{c}" for attn in ("sdpa", "ours", "flex_attention")
+                                           for layout in LAYOUTS[:3] for c in ("", ":compiled")))
 RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
 # impl[-bucket MiB][+zero1][+bf16]: the names of ddp.wrap (train.py's ddp_impl); "none" = no wrapper, no
 # communication (the per-GPU compute baseline); torch+zero_redundancy = torch DDP with torch's ZeroRedundancyOptimizer
-DDP_VARIANTS = ("none", "naive", "flat", "overlap", "bucketed-1", "bucketed-10", "bucketed-25", "bucketed-100",
-                "bucketed-1000", "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy",
-                "torch_fsdp+bf16")
+DDP_VARIANTS = ("none", "naive", "flat", "overlap", *(f"bucketed-{mb}" for mb in (1, 10, 25, 100, 1000)),
+                "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy", "torch_fsdp+bf16")
 
 
-def options(name):
-    """The parser of subcommand `name`, with its options and the rules across them."""
-    hf_model, name = name == "hf", {"allreduce": "ddp"}.get(name, name)
-    if name == "model":
-        p = parser("model", "The training step of our TransformerLM, optionally beside a peer: time per step and "
-                   "phase, memory, throughput; a row per combination of the comma lists.", plot=True)
-        p.add_argument("--size", "--sizes", type=listed(MODEL_NAMES.get("size")), default="small",
-                       help="presets: model.PRESETS, tiny, gpt2, 8B")
-        for key in ("d_model", "d_ff", "num_layers", "num_heads"):
-            p.add_argument(f"--{key}", type=int, help="override the preset's value")
-        p.add_argument("--vocab_size", type=int, default=10000)
-        p.add_argument("--context_length", "--context_lengths", type=listed(cast=int), default="512")
-        p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
-        p.add_argument("--dtype", "--dtypes", type=listed(DTYPES), default="fp32", help="bf16: autocast")
-        p.add_argument("--mode", "--modes", type=listed(MODES), default="train", help="fwd (inference), fwd_bwd, train")
-        p.add_argument("--compile", "--compile_options", type=listed(COMPILES), nargs="?", const=["model"],
-                       default="none", help="blocks: each block compiled in place; graphs: mode reduce-overhead")
-        p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")), default="naive")
-        p.add_argument("--tie_embeddings", action="store_true")
-        p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="also a peer: GPT-2 in "
-                       "torch.nn parts, or our architecture in torch.nn layers (under torchrun: FSDP2)")
-        p.add_argument("--cuda_graphs", action="store_true", help="the whole step one CUDA graph (mode train, CUDA)")
-        p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
-        p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
-        p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later rows are skipped")
-        p.add_argument("--warmup", type=int, default=5)
-        p.add_argument("--steps", type=int, default=10)
-        p.add_argument("--reference_tokens_per_s", type=float, help="nanoGPT's, say: a 'vs reference' column")
-        p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
-        p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
-        p.add_argument("--selective_recompute", action="store_true")
-        p.add_argument("--nvtx", action="store_true", help="NVTX ranges of the timed steps' ops and phases, for nsys")
-        p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler: top kernels and a Chrome trace")
-        p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history, for memory_viz")
-        rows = lambda a: (len(a.attn) + bool(a.peer)) * math.prod(map(len, (a.size, a.compile, a.dtype,
-                                                                          a.context_length, a.mode)))
-        p.rules = lambda a: [(a.steps < 1 or a.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
-                             ((a.nvtx or a.profile or a.memory_snapshot) and rows(a) > 1,
-                              "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
-                             ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
-                              "under torchrun --compile is none or blocks (the models are sharded after compiling)")]
-    elif name == "attention":
-        p = parser("attention", "Causal attention forward, backward and both: our FlashAttention beside SDPA's "
-                   "cuDNN, flash and memory-efficient backends, FlexAttention and naive PyTorch, dense and on packed "
-                   "documents (on the CPU: tiny stand-ins in the Triton interpreter).", device=False)
-        p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="see the section")
-        p.add_argument("--methods", type=listed(), help="default: all but ours-gluon, naive-compiled, packed sdpa-*, "
-                       "fa2")
-        p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, their median")
-        p.add_argument("--sustain", type=float, default=1.0, help="the sustained part: seconds of warm-up, of timing")
-        p.add_argument("--time_budget", type=float, default=0, help="seconds; later cases are left out (0: no limit)")
-    elif name in ("varlen", "hf"):
-        p = parser("hf" if hf_model else "varlen", "Training (and eval) on the same variable-length documents laid "
-                   "out by each strategy, every row from the same weights: " + ("a transformers GPT2LMHeadModel "
-                   "(dropout 0) on sdpa, ours (hf.register_hf_attention) or flex_attention, a row per document or "
-                   "packed, compiled or not" if hf_model else "our model padded, padded to the longest, packed, packed "
-                   "to a static shape"), plot=True, defaults=HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
-        p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of document lengths")
-        known = lambda s: s in LAYOUTS if not hf_model else s.split(":", 1)[0] in ("sdpa", "ours", "flex_attention") \
-            and s.split(":", 1)[-1].removesuffix(":compiled") in LAYOUTS[:3]
-        p.rules = lambda a: [(not all(map(known, (a.strategies or "pad").split(","))) or a.dtype not in (None, *DTYPES)
-                              or set((a.phases or "eval").split(",")) - {"eval", "train"},
-                              f"--strategies, --dtype or --phases: not {'ATTN:' * hf_model}{'|'.join(LAYOUTS)}"
-                              f"{'[:compiled]' * hf_model}, {'|'.join(DTYPES)} or eval,train")]
-    elif name == "rmsnorm":
-        p = parser("rmsnorm", "RMSNorm forward and forward+backward: flash.rms_norm beside model.RMSNorm compiled by "
-                   "inductor, F.rms_norm, and x.clone() (a read and a write of x: the bandwidth a norm can at best "
-                   "reach); bf16 on CUDA, fp32 on the CPU (the Triton interpreter).")
-        p.add_argument("--shapes", type=listed(cast=tokens_by_d), default="32768x4096,12288x768")
-        p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
-        p.add_argument("--rep", type=int, default=50, help="CUDA: ms of timed samples per measurement, their median")
-    elif name == "adamw":
-        p = parser("adamw", "One optimizer step over a TransformerLM's parameters, every optimizer on the same tensors "
-                   "and gradients: our AdamW (fused kernel, foreach path) against torch's (fused, foreach).")
-        p.add_argument("--sizes", type=listed(MODEL_NAMES.get("size")), help="model presets (default gpt2,xl on CUDA, "
-                       "tiny on the CPU); vocab 50304 for gpt2, 512 for tiny, else 10000")
-        p.add_argument("--rep", type=int, default=100, help="CUDA: ms of timed steps per optimizer, the median taken")
-    elif name == "ddp":
-        p = parser("ddp", "Under torchrun: all-reduce bandwidth per size (--allreduce_mb), then TransformerLM under "
-                   "each data-parallel variant of ddp.wrap (train.py's ddp_impl names; none: no communication, the "
-                   "baseline) beside torch DDP, ZeroRedundancyOptimizer and FSDP2, all with our AdamW.", device=False)
+def cli():
+    top = Parser(prog="bench.py", description="Benchmarks: a subcommand per question (bench.py SUBCOMMAND -h: its "
+                 "options). Markdown on stdout, progress on stderr, every row in --json FILE.")
+    sub = top.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND", parser_class=Parser)
+
+    def parser(name, summary, details, device=True, plot=False, defaults=None, rules=lambda a: (), **plain):
+        p = sub.add_parser(name, help=summary, description=f"{summary}. {details}")
+        p.set_defaults(by_device=defaults or {}, rules=rules)
+        p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
+        if plot:
+            p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
+        for key, (gpu, cpu) in (defaults or {}).items():  # set by on_device
+            p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
+        for key, value in ((dict(device="auto", seed=0) if device else {}) | plain).items():  # typed as the default
+            p.add_argument(f"--{key}", type=type(value), default=value)
+        return p
+
+    p = parser("model", "The training step: time per phase, memory, throughput; sweeps, comparisons, peers",
+               "A row per combination of the comma lists.", plot=True, vocab_size=10000, warmup=5, steps=10,
+               rules=lambda a: [
+                   (a.steps < 1 or a.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
+                   ((a.nvtx or a.profile or a.memory_snapshot) and (a.peer or math.prod(map(len, (
+                       a.attn, a.size, a.compile, a.dtype, a.context_length, a.mode))) > 1),
+                    "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
+                   (a.cuda_graphs and (a.mode != ["train"] or a.warmup < 3 or a.nvtx or a.profile or a.memory_snapshot
+                                       or "graphs" in a.compile), "--cuda_graphs captures a training step: it needs "
+                    "--mode train and --warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
+                   ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
+                    "under torchrun --compile is none or blocks (the models are sharded after compiling)")])
+    p.add_argument("--size", type=listed(MODEL_NAMES.get("size")), default="small", help="PRESETS, tiny, gpt2, 8B")
+    p.add_argument("--num_layers", type=int, help="the preset's, or this many")
+    p.add_argument("--context_length", type=listed(cast=int), default="512")
+    p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
+    p.add_argument("--dtype", type=listed(DTYPES), default="fp32", help="bf16: autocast")
+    p.add_argument("--mode", type=listed(("fwd", "fwd_bwd", "train")), default="train", help="fwd: inference")
+    p.add_argument("--compile", type=listed(("none", "model", "blocks", "graphs")), default="none",
+                   help="blocks: each block compiled in place; graphs: torch.compile(mode='reduce-overhead')")
+    p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")), default="naive")
+    p.add_argument("--tie_embeddings", action="store_true")
+    p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="GPT-2 or ours in torch.nn")
+    p.add_argument("--cuda_graphs", action="store_true", help="the whole step one CUDA graph (mode train, CUDA)")
+    p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
+    p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
+    p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later rows are skipped")
+    p.add_argument("--reference_tokens_per_s", type=float, help="nanoGPT's, say: a 'vs reference' column")
+    p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
+    p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
+    p.add_argument("--selective_recompute", action="store_true")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges of the timed steps' ops and phases, for nsys")
+    p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler: top kernels and a Chrome trace")
+    p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history, for memory_viz")
+
+    p = parser("attention", "Our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed", "Causal, "
+               "forward, backward and both (on the CPU: tiny stand-ins in the Triton interpreter).", device=False,
+               rep=50, sustain=1.0, time_budget=0.0)
+    p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="see the section")
+    p.add_argument("--methods", type=listed(ATTN_METHODS), help="default: all but ours-gluon, naive-compiled, "
+                   "packed sdpa-*, fa2")
+
+    for name, summary in (("varlen", "pad vs dynamic_pad vs pack on the same documents, our model"),
+                          ("hf", "varlen on a Hugging Face GPT-2 (dropout 0): sdpa, ours (hf.register_hf_attention), "
+                           "flex_attention, a row per document or packed, compiled or not")):
+        parser(name, summary, "Training (and eval), every row from the same weights.", plot=True, defaults=dict(
+            varlen=VARLEN_DEFAULTS, hf=HF_DEFAULTS)[name], rules=lambda a: [(
+                a.strategies and not set(a.strategies.split(",")) <= set(STRATEGIES[a.command])
+                or a.dtype not in (None, *DTYPES) or a.phases and not set(a.phases.split(",")) <= {"eval", "train"},
+                f"--strategies, --dtype or --phases: not {','.join(STRATEGIES[a.command])}; {'|'.join(DTYPES)}; "
+                "eval,train")])
+
+    p = parser("rmsnorm", "Our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s", "copy: x.clone(), the "
+               "bandwidth a norm can at best reach. bf16 on CUDA, fp32 on the CPU.", rep=50)
+    p.add_argument("--shapes", type=listed(cast=lambda t: tuple(map(int, t.split("x", 1)))),
+                   default="32768x4096,12288x768", help="TOKENSxD,...")
+    p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
+    parser("adamw", "One optimizer step: our AdamW (fused, foreach) vs torch's", "Every optimizer on the same tensors "
+           "and gradients of a TransformerLM: gpt2 and xl on CUDA, tiny on the CPU.", rep=100)
+
+    for name in ("ddp", "allreduce"):
+        p = parser(name, "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)" if name == "allreduce" else
+                   "Our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)", "Then a "
+                   "TransformerLM step, our AdamW, under each variant (none: no communication, the baseline).",
+                   device=False, context_length=1024, warmup=3, steps=10)
         p.add_argument("--allreduce_mb", type=float, nargs="*", default=[], help="MiB per all-reduced fp32 tensor")
         p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS), choices=DDP_VARIANTS)
         p.add_argument("--preset", default="gpt2-xl", choices=MODEL_NAMES.get("size"), help="tiny: vocab 512")
         p.add_argument("--batch_size", type=int, default=8, help="per rank")
-        p.add_argument("--context_length", type=int, default=1024)
-        p.add_argument("--warmup", type=int, default=3)
-        p.add_argument("--steps", type=int, default=10, help="timed steps (all-reduce: calls) per row")
-    elif name == "bpe":
-        p = parser("bpe", "Our byte-level BPE beside the libraries: training (bpe.train_bpe vs HF tokenizers' "
-                   "BpeTrainer, each in a fresh process: wall seconds, peak RSS) and encoding with our vocabulary "
-                   "(Tokenizer.encode, encode_batch, encode_file vs tiktoken on the same ranks: MB/s, the ids checked "
-                   "equal); the median of --repeats.", device=False)
-        p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special (bench_corpus.py)")
-        p.add_argument("--vocab_size", type=int, default=10000)
-        p.add_argument("--special", default="<|endoftext|>")
-        p.add_argument("--num_workers", type=int, default=os.cpu_count())
-        p.add_argument("--repeats", type=int, default=3)
-        p.rules = lambda a: [(not os.path.isfile(a.input) or os.path.getsize(a.input) == 0 or a.repeats < 1 or
-                              a.num_workers < 1 or not a.special, f"--input {a.input} is missing or empty, or "
-                              f"--repeats or --num_workers < 1, or --special empty")]
-    elif name == "sass":
-        p = parser("sass", "The attention kernels compiled for sm_90 without a GPU (cmd_sass tells how and why): "
-                   "registers, spills, SASS size, shared memory, wgmma serialization.", device=False)
-        p.add_argument("--head_dims", default="128,64")
-        p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
-        p.add_argument("--full", action="store_true", help="non-causal instead of causal")
-    return p
+    p.set_defaults(variants=[], allreduce_mb=[1.0, 10.0, 100.0, 1000.0])
 
+    p = parser("bpe", "Our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken", "Each training in a fresh "
+               "process; the encodings' ids checked equal; medians of --repeats.", device=False, vocab_size=10000,
+               special="<|endoftext|>", num_workers=os.cpu_count(), repeats=3, rules=lambda a: [
+                   (not os.path.isfile(a.input) or os.path.getsize(a.input) == 0 or a.repeats < 1 or a.num_workers < 1
+                    or not a.special, f"--input {a.input} is missing or empty, or --repeats or --num_workers < 1, or "
+                    "--special empty")])
+    p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special (bench_corpus.py)")
 
-COMMANDS = {  # name: what it answers, in one line (its options: options(name); its run: RUN[name], at the end)
-    "model": "the training step: time per phase, memory, throughput; sweeps, comparisons, peers",
-    "attention": "our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed",
-    "varlen": "pad vs dynamic_pad vs pack on the same documents, our model",
-    "rmsnorm": "our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s",
-    "adamw": "one optimizer step: our AdamW (fused, foreach) vs torch's",
-    "ddp": "our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)",
-    "allreduce": "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)",
-    "hf": "varlen on a Hugging Face GPT-2: SDPA, ours, FlexAttention",
-    "bpe": "our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken",
-    "sass": "registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)",
-}
-
-
-def command(argv):
-    """The subcommand argv names; -h lists them (exit status 0), none or an unknown one is one line (status 2)."""
-    if argv[:1] in (["-h"], ["--help"]):
-        print("\n".join(["usage: python bench.py SUBCOMMAND [options]   (python bench.py SUBCOMMAND -h: its options)",
-                         "", "subcommands:"] + [f"  {name:<9}  {text}" for name, text in COMMANDS.items()]))
-        raise SystemExit(0)
-    if not argv or argv[0] not in COMMANDS:
-        Parser(prog="bench.py").error(f"unknown subcommand {argv[0]!r}; choose one of {', '.join(COMMANDS)} (python "
-                                      f"bench.py -h)" if argv else f"a subcommand, please: {', '.join(COMMANDS)}")
-    return argv[0]
+    p = parser("sass", "Registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)",
+               "Compiled for sm_90 without a GPU (cmd_sass tells how and why).", device=False)
+    p.add_argument("--head_dims", default="128,64")
+    p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
+    p.add_argument("--full", action="store_true", help="non-causal instead of causal")
+    return top
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_bpe_train"]:  # before torch is imported: see bpe_train_child
-        sys.exit(bpe_train_child(sys.argv[2:]))
-    options(command(sys.argv[1:])).parse_args(sys.argv[2:])  # -h and mistakes: answered before torch loads
+        sys.exit(bpe_train_child(*sys.argv[2:]))
+    cli().parse_args(sys.argv[1:])  # -h and mistakes: answered before torch loads
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -309,17 +253,16 @@ MODEL_NAMES.update(size=tuple(SIZES), attn=ATTN_IMPLS)
 
 # ---- the harness: the device, printing and saving, progress, timing ------------------------------------------------
 
-def parse(p, argv, defaults=None):
-    """(args, device): the options parsed, those of `defaults` not given set for the device."""
-    args = p.parse_args(argv)
+def on_device(args):
+    """The device --device names, the options of args.by_device not given set for it, the seed set."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available on this machine")
-    for key, both in (defaults or {}).items():
+        fail(args, "--device cuda: CUDA is not available on this machine")
+    for key, both in args.by_device.items():
         setattr(args, key, both[device.type != "cuda"] if getattr(args, key) is None else getattr(args, key))
     torch.manual_seed(args.seed)
     torch._dynamo.config.cache_size_limit = 64  # one function compiled at many shapes: past 8 it would run eagerly
-    return args, device
+    return device
 
 
 def fmt(x, digits=2):
@@ -336,36 +279,35 @@ def ratio(a, b):
 
 
 class Report:
-    """A subcommand's output: a header line (command, date, device, versions), Markdown tables and notes on stdout;
-    save() writes what it is given, every row so far, to --json (atomically: a run cut short keeps its rows);
-    plot() draws --plot or says in one line why not. Ranks other than 0 print and save nothing."""
+    """A subcommand's output: a header line, Markdown tables and notes on stdout; save(): what it is given, every row
+    so far, to --json (atomically: a run cut short keeps its rows); plot(): --plot. Only rank 0 prints and saves."""
 
-    def __init__(self, name, argv, device, args, rank=0):
-        what = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-            f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
-        versions = f"torch {torch.__version__}, triton {triton.__version__}" + (
-            f", CUDA {torch.version.cuda}" if device.type == "cuda" else "")
+    def __init__(self, args, device, rank=0):
+        cuda = device.type == "cuda"
         self.data = dict(command=("torchrun ... " if "WORLD_SIZE" in os.environ else "python ") + " ".join(
-            ["bench.py", name] + list(argv)), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), device=what,
-            versions=versions)
+            ["bench.py", args.command] + args.argv), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            device=torch.cuda.get_device_name(device) if cuda else f"CPU {platform.machine()}, "
+            f"{torch.get_num_threads()} threads", versions=f"torch {torch.__version__}, triton {triton.__version__}"
+            + f", CUDA {torch.version.cuda}" * cuda)
         self.json, self.png, self.quiet = getattr(args, "json", None), getattr(args, "plot", None), rank != 0
         self.t0, self.elapsed = time.perf_counter(), lambda: time.perf_counter() - self.t0
-        self.say(f"`{self.data['command']}` · {self.data['date']} · {what} · {versions}\n")
+        self.say(" · ".join([f"`{self.data['command']}`", *list(self.data.values())[1:]]) + "\n")
 
-    def progress(self, done, total, text):
-        """A line on stderr per finished item of a long loop, with its rate and an ETA (stdout stays Markdown)."""
+    def progress(self, done, total, text, **data):
+        """A line on stderr per finished item of a long loop, with its rate and an ETA; then save(**data)."""
         rate = done / max(self.elapsed(), 1e-9)
         if not self.quiet:
             print(f"[{done}/{total}] {text} | {self.elapsed():.0f}s, {60 * rate:.1f}/min, ETA "
                   f"{(total - done) / rate:.0f}s", file=sys.stderr, flush=True)
+        self.save(**data)
 
     def say(self, text=""):
         if not self.quiet:
             print(text, flush=True)
 
     def table(self, header, rows, digits=2, fold=()):
-        """The one table printer, Markdown, every cell through fmt (digits: decimals of float cells, one or one per
-        column); the columns in `fold` whose cells are equal in every row become a caption line above it."""
+        """The one table printer: every cell through fmt (digits: float decimals, for all or per column); a column
+        of `fold` whose cells are all equal becomes a caption line above it."""
         digits = list(digits) + [2] * len(header) if isinstance(digits, (list, tuple)) else [digits] * len(header)
         same = [i for i in fold if rows and len({fmt(r[i]) for r in rows}) == 1]
         keep = [i for i in range(len(header)) if i not in same]
@@ -390,9 +332,8 @@ class Report:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            print(f"matplotlib is not installed: {self.png} not written", file=sys.stderr)
-            return
-        fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 4), squeeze=False)
+            return print(f"matplotlib is not installed: {self.png} not written", file=sys.stderr)
+        fig, axes = plt.subplots(1, len(panels) or 1, figsize=(5 * (len(panels) or 1), 4), squeeze=False)
         for ax, (title, series) in zip(axes[0], panels.items()):
             for name, points in series.items():
                 ax.plot(*zip(*points), marker="o", label=name)
@@ -410,17 +351,13 @@ def free_memory(device):
         torch.cuda.empty_cache()
 
 
-def mib(nbytes):
-    return nbytes / 2**20
-
-
 def is_oom(error):  # the allocator's torch.OutOfMemoryError, or a RuntimeError of cuBLAS or cuDNN saying so
     return isinstance(error, torch.OutOfMemoryError) or any(w in str(error) for w in ("out of memory", "ALLOC_FAILED"))
 
 
 def failure(error, short=False):
-    """The status of a run that raised, so one failing configuration does not end a long run: 'OOM' where it did
-    not fit; else 'error' with the traceback on stderr (short: the exception's first sentence, in one line)."""
+    """A failed row's status, so one failure does not end a long run: 'OOM'; else 'error', the traceback on stderr
+    (short: the exception's first sentence)."""
     if is_oom(error) or short:
         print(f"{type(error).__name__}: {error}", file=sys.stderr)
         return "OOM" if is_oom(error) else f"{type(error).__name__}: {str(error).split('. ')[0][:140]}"
@@ -429,8 +366,7 @@ def failure(error, short=False):
 
 
 def autocast(dtype, device):  # bf16: around forward and loss (parameters, gradients, optimizer state stay fp32)
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if dtype == "bf16" \
-        else contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
 _L2_FLUSH = {}  # device -> 2**28 bytes, more than any L2 cache, zeroed before a call to evict it
@@ -441,60 +377,53 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
     """The one timer: ms per call of fn(), one sample per timed step, as a list. `warmup` untimed calls, then
     `steps` samples, each the mean of `reps` calls, the device synchronized around each; setup() runs untimed before
     each sample; budget_ms: as many samples as fit in that many ms, judged by the first. CUDA: a pair of events per
-    sample; flush_l2 gives every call a cold L2 cache; host_ahead keeps the GPU busy (torch.cuda._sleep) until the
-    host has issued the call, so the events time the GPU's work alone, and host_ms (a list) gets the host's ms per
-    call. CPU: time.perf_counter."""
+    sample; flush_l2 gives every sample a cold L2 cache; host_ahead keeps the GPU busy (torch.cuda._sleep) until the
+    host has issued the sample's calls, so the events time the GPU's work alone, and host_ms (a list) gets the host's
+    ms per call. CPU: time.perf_counter."""
     device = torch.device(device)
-    cuda, host_ahead = device.type == "cuda", host_ahead and device.type == "cuda"
-    sleep = {"ms": 1.0}  # the GPU's sleep before a sample: twice the host's time for a call, doubled when short
+    cuda, sleep_ms = device.type == "cuda", 1.0  # host_ahead's sleep: twice the host's time for a sample, or more
     for _ in range(warmup):
         t0 = time.perf_counter()
         fn()
-        sleep["ms"] = max(1.0, 2e3 * (time.perf_counter() - t0) * (1 if flush_l2 else reps))
+        sleep_ms = max(1.0, 2e3 * (time.perf_counter() - t0) * reps)
     if cuda and flush_l2 and device not in _L2_FLUSH:
         _L2_FLUSH[device] = torch.empty(2**28, dtype=torch.int8, device=device)
-    flush = _L2_FLUSH[device] if cuda and flush_l2 else None
 
     def sample():
+        nonlocal sleep_ms
         if setup is not None:
             setup()
-        if not cuda:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            return (time.perf_counter() - t0) * 1e3 / reps
-        torch.cuda.synchronize(device)
-        spans, calls = [], 1 if flush is not None else reps
-        for _ in range(reps // calls):  # with a flush, every call gets its own events
-            if flush is not None:
-                flush.zero_()
+        if cuda:
+            torch.cuda.synchronize(device)
+            if flush_l2:
+                _L2_FLUSH[device].zero_()
             if host_ahead:
-                torch.cuda._sleep(int(sleep["ms"] * 2e6))  # ~2e6 cycles per ms at the H100/H200 clock
+                torch.cuda._sleep(int(sleep_ms * 2e6))  # ~2e6 cycles per ms at the H100/H200 clock
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            host = (time.perf_counter() - t0) * 1e3 / calls
-            end.record()
-            spans.append((start, end))
-            if host_ahead and host_ms is not None:
-                host_ms.append(host)
-            if host_ahead and host * calls > 0.8 * sleep["ms"]:
-                sleep["ms"] *= 2
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host = (time.perf_counter() - t0) * 1e3 / reps
+        if not cuda:
+            return host
+        end.record()
+        if host_ahead and host_ms is not None:
+            host_ms.append(host)
+        if host_ahead and host * reps > 0.8 * sleep_ms:
+            sleep_ms *= 2
         torch.cuda.synchronize(device)
-        return sum(s.elapsed_time(e) for s, e in spans) / reps
+        return start.elapsed_time(end) / reps
 
     samples = [sample() for _ in range(min(steps, 1) if budget_ms else steps)]
     if budget_ms and samples:
-        cost = samples[0] + (sleep["ms"] if host_ahead else 0)  # the GPU's sleeps are spent too
+        cost = samples[0] + sleep_ms * host_ahead  # the GPU's sleeps are spent too
         steps = max(steps, min(int(budget_ms / max(cost, 1e-3)), 10_000))
     return samples + [sample() for _ in range(steps - len(samples))]
 
 
 def kernel_ms(fn, device, rep, host_ms=None):
-    """A kernel's time: the median ms of as many calls as fit in `rep` ms (CPU: 3), each with a cold L2 cache and
-    the GPU kept busy until the host has issued it (an eager call may cost the host more than its kernels take)."""
+    """The median ms of as many calls as fit in `rep` ms (CPU: 3), each from a cold L2, the GPU's work alone."""
     cuda = torch.device(device).type == "cuda"
     return statistics.median(time_ms(fn, device, warmup=5 if cuda else 1, steps=3, budget_ms=rep if cuda else None,
                                      flush_l2=cuda, host_ahead=True, host_ms=host_ms))
@@ -506,9 +435,8 @@ def summary(samples):
 
 
 def sustained_ms(fn, device, seconds, readings):
-    """ms per call as a long run sees it: `seconds` of back-to-back calls untimed (the clock settles where the power
-    limit leaves it), then `seconds` of ~0.2 s samples, the median taken; readings gets the mean (SM MHz, board W)
-    that NVML gave between samples, where it answers."""
+    """ms per call as a long run sees it: `seconds` of calls untimed (the clock settles under the power limit), then
+    `seconds` of ~0.2 s samples, their median; readings gets NVML's mean (SM MHz, board W) between samples."""
     per_call, seen = time_ms(fn, device, warmup=2, steps=1)[0], []
     reps = max(1, round(200 / per_call))
 
@@ -526,13 +454,12 @@ def document_lengths(num_docs, median_len, sigma, max_len, generator, total_toke
     [min_len, max_len]; num_docs of them, or (num_docs None) as many as fill total_tokens exactly, the last cut."""
     draw = lambda n: (median_len * torch.exp(sigma * torch.randn(n, generator=generator, dtype=torch.float64))) \
         .round().clamp(min_len, max_len).long()
-    if num_docs is not None:
-        return draw(num_docs)
-    lengths = draw(0)
-    while int(lengths.sum()) < total_tokens:
+    lengths = draw(num_docs or 0)
+    while num_docs is None and int(lengths.sum()) < total_tokens:
         lengths = torch.cat([lengths, draw(max(1, int(total_tokens / median_len)))])
-    lengths = lengths[:int(torch.searchsorted(lengths.cumsum(0), total_tokens)) + 1].clone()
-    lengths[-1] -= int(lengths.sum()) - total_tokens
+    if num_docs is None:
+        lengths = lengths[:int(torch.searchsorted(lengths.cumsum(0), total_tokens)) + 1].clone()
+        lengths[-1] -= int(lengths.sum()) - total_tokens
     return lengths
 
 
@@ -546,8 +473,7 @@ class PeerBlock(nn.Module):
     def __init__(self, d_model, num_heads, d_ff, gpt2):
         super().__init__()
         self.num_heads, self.d_ff, self.gpt2 = num_heads, 4 * d_model if gpt2 else d_ff, gpt2
-        norm = (lambda: nn.LayerNorm(d_model)) if gpt2 else (lambda: nn.RMSNorm(d_model, eps=1e-5))
-        self.ln1, self.ln2 = norm(), norm()
+        self.ln1, self.ln2 = ((nn.LayerNorm(d_model) if gpt2 else nn.RMSNorm(d_model, eps=1e-5)) for _ in range(2))
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model, bias=gpt2), nn.Linear(d_model, d_model, bias=gpt2)
         self.up = nn.Linear(d_model, self.d_ff * (1 if gpt2 else 2), bias=gpt2)
         self.down = nn.Linear(self.d_ff, d_model, bias=gpt2)
@@ -570,8 +496,7 @@ class PeerBlock(nn.Module):
 
 class PeerLM(nn.Module):
     """A peer of TransformerLM from torch.nn layers, with torch's fused AdamW: gpt2, GPT-2 as nanoGPT builds it
-    (learned positions, tied embeddings); else ours, architecture and FLOPs (RoPE, untied); fp32 logits into
-    F.cross_entropy; act_ckpt: every block checkpointed."""
+    (learned positions, tied embeddings); else ours (RoPE, untied); fp32 logits; act_ckpt: every block recomputed."""
 
     def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, gpt2=False, act_ckpt=False):
         super().__init__()
@@ -629,7 +554,7 @@ class Phases:
         if self.cuda:
             end.record()
             self.events.append((name, start, end))
-            self.peak[name] = max(self.peak.get(name, 0.0), mib(torch.cuda.max_memory_allocated()))
+            self.peak[name] = max(self.peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
         else:
             self.ms[name].append((time.perf_counter() - t0) * 1e3)
 
@@ -640,7 +565,7 @@ def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
         torch.compiler.cudagraph_mark_step_begin()
     if mode != "fwd":
         par.module.zero_grad(set_to_none=True)
-    with phases("forward"), (torch.no_grad() if mode == "fwd" else contextlib.nullcontext()), autocast(dtype, x.device):
+    with phases("forward"), torch.set_grad_enabled(mode != "fwd"), autocast(dtype, x.device):
         loss = par(x, targets=y)  # ours: the fused head, the logits never whole
     if mode != "fwd":
         with phases("backward"):
@@ -652,9 +577,8 @@ def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
 
 
 def build(who, size, attn, how, args, device, world):
-    """A row group's model, compiled as `how` says and, under torchrun, sharded: ours by our FSDP (bf16 gathers;
-    alone on one GPU), a peer by FSDP2 per block (the native one with every block recomputed)."""
-    dims, ctx = {k: getattr(args, k) or v for k, v in SIZES[size].items()}, max(args.context_length)
+    """A row group's model, compiled as `how` says; under torchrun sharded: ours by our FSDP, a peer by FSDP2."""
+    dims, ctx = dict(SIZES[size], num_layers=args.num_layers or SIZES[size]["num_layers"]), max(args.context_length)
     if who == "ours":
         net = TransformerLM(args.vocab_size, ctx, **dims, attn_impl=attn, tie_embeddings=args.tie_embeddings,
                             act_ckpt_every=args.act_ckpt_every, selective_recompute=args.selective_recompute,
@@ -674,15 +598,13 @@ def build(who, size, attn, how, args, device, world):
     # training FLOPs per token; the GPT-2 peer's MLP, two d x 4d matrices, costs what our SwiGLU costs at d_ff = 8d/3
     d_ff = 8 / 3 * dims["d_model"] if who == "gpt2" else dims["d_ff"]
     return dict(par=par, params=params, flops=lambda ctx: flops_per_token(
-        args.vocab_size, ctx, dims["d_model"], dims["num_layers"], d_ff, causal=attn != "naive"),
-        make_optimizer=lambda capturable: par.make_optimizer(opt, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                                             capturable=capturable))
+        args.vocab_size, ctx, dims["d_model"], dims["num_layers"], d_ff, causal=attn != "naive"), make_optimizer=lambda
+        capturable: par.make_optimizer(opt, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, capturable=capturable))
 
 
 def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
-    """One configuration's row: warm-up steps (the first one's time kept: the one-off costs), then timed ones; "OOM"
-    or "error" in place of the numbers where it failed."""
-    row = dict(cfg, params=built["params"], status="ok")
+    """One configuration's row: warm-up steps (the first one's time kept), then timed ones; or "OOM" or "error"."""
+    row, cuda = dict(cfg, params=built["params"], status="ok"), device.type == "cuda"
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     seq = torch.randint(args.vocab_size, (cfg["batch_size"], cfg["context_length"] + 1),
                         generator=torch.Generator().manual_seed(args.seed + rank))
@@ -692,7 +614,7 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
                              cfg["mode"], cfg["dtype"], phases, cfg["compile"] == "graphs")
     if args.cuda_graphs:  # two eager warm-up steps, the third captures the whole step, every later one replays it
         step = whole_step_graph(step, optimizer, device)
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         if args.warmup:
@@ -707,7 +629,7 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
             torch.cuda.memory._dump_snapshot(args.memory_snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
         row["phase_ms"], row["phase_peak_mib"] = phases.read()
-        row["peak_mib"] = mib(torch.cuda.max_memory_allocated(device)) if args.cuda_graphs else \
+        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if args.cuda_graphs else \
             max(row["phase_peak_mib"].values(), default=None)  # a captured step has no phases: the run's peak
         if gpu_ms:  # the GPU's own time per step, the host's launch cost left out
             row["gpu_ms"] = statistics.median(time_ms(step, device, warmup=1, steps=10, host_ahead=True))
@@ -720,8 +642,7 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
         row["tokens_per_s"] = cfg["batch_size"] * cfg["context_length"] * world / (row["mean_ms"] / 1e3)
         row["tflops"] = built["flops"](cfg["context_length"]) / (3 if cfg["mode"] == "fwd" else 1) \
             * row["tokens_per_s"] / 1e12
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) \
-            if device.type == "cuda" else None
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) if cuda else 0
         row["mfu"] = row["tflops"] * 1e12 / (peak * world) if peak else None
     return row
 
@@ -746,14 +667,12 @@ def print_rows(rep, rows, reference=None):
             f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}", r["median_ms"]] + [r.get("gpu_ms")] * gpu + [
             r.get("first_step_ms"), r.get("cold_start_s"), " / ".join(fmt(ms) for ms in r["phase_ms"].values()) or
             "(one graph)", r["peak_mib"], r["tokens_per_s"], r["tflops"], r["mfu"] and f"{100 * r['mfu']:.1f}%"] +
-            [ratio(r["tokens_per_s"], peer)] * bool(peers) +
-            [ratio(r["tokens_per_s"], reference)] * bool(reference)))
+            [ratio(r["tokens_per_s"], peer)] * bool(peers) + [ratio(r["tokens_per_s"], reference)] * bool(reference)))
     rep.table(header, body, fold=range(len(KEYS)))
 
 
 def print_compare(rep, rows, axis):
-    """One line per configuration with the values of `axis` side by side: their ms and peaks, the last one's first
-    step, tokens/s and TFLOP/s, and with two values their ratio."""
+    """One line per configuration, the values of `axis` side by side: their ms and peaks, the last one's rates."""
     values, keys, lines = list(dict.fromkeys(r[axis] for r in rows)), [k for k in KEYS if k != axis], {}
     for r in rows:
         lines.setdefault(tuple(r[k] for k in keys), {})[r[axis]] = r
@@ -770,34 +689,24 @@ def print_compare(rep, rows, axis):
     rep.table(header, body, fold=range(len(keys)))
 
 
-def cmd_model(argv):
-    p = options("model")
-    args, device = parse(p, argv)
-    distributed = "WORLD_SIZE" in os.environ  # under torchrun: the models sharded, every rank a batch
+def cmd_model(args):
+    device, distributed = on_device(args), "WORLD_SIZE" in os.environ  # torchrun: the models sharded, a batch a rank
     rank, _, world, device = ddp.init_distributed() if distributed else (0, 0, None, device)
+    if (args.cuda_graphs or args.memory_snapshot or args.nvtx) and device.type != "cuda":
+        fail(args, "--cuda_graphs, --memory_snapshot and --nvtx need CUDA")
     combos = list(itertools.product(args.dtype, args.context_length, args.mode))
     groups = [("ours", s, c, a) for s in args.size for c in args.compile for a in args.attn]
     groups += [(args.peer, s, c, "sdpa") for s in args.size for c in args.compile] if args.peer else []
-    for bad, why in ((args.cuda_graphs and (args.mode != ["train"] or args.warmup < 3 or device.type != "cuda" or
-                                            args.nvtx or args.profile or args.memory_snapshot or "graphs" in
-                                            args.compile), "--cuda_graphs captures a training step: it needs CUDA, "
-                      "--mode train and --warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
-                     ((args.memory_snapshot or args.nvtx) and device.type != "cuda", "--memory_snapshot, --nvtx need "
-                      "CUDA")):
-        if bad:
-            p.error(why)
-    rep = Report("model", argv, device, args, rank)
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + [
-        torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")) if args.profile else None
+    rep, rows = Report(args, device, rank), []
+    profiler = torch.profiler.profile() if args.profile else None  # (the CPU's activity, and the GPU's if any)
     recompute = " + ".join([f"full {'all' if args.act_ckpt_layers < 0 else args.act_ckpt_layers}"] * bool(
         args.act_ckpt_every) + ["selective"] * args.selective_recompute) or "none"
-    rows = []
     for who, size, how, attn in groups:
         built, status = None, "skipped"
         if rep.elapsed() <= args.time_budget:
             torch._dynamo.reset()  # the last model's compiled code and guards go before compiling anew
             try:
-                built = build(who, size, attn, how, args, device, world if distributed else None)
+                built = build(who, size, attn, how, args, device, world)
             except Exception as e:  # the weights alone do not fit: every row of the group says so
                 status = failure(e)
             free_memory(device)
@@ -805,23 +714,17 @@ def cmd_model(argv):
             cfg = dict(model=who, size=size, context_length=ctx, batch_size=args.batch_size, dtype=dtype,
                        compile=how + " + step graph" * args.cuda_graphs, attn=attn, mode=mode, recompute=recompute
                        if who == "ours" else "every block" if distributed else "none")
-            if built is None or rep.elapsed() > args.time_budget:
-                row = dict(cfg, params=built and built["params"], status=status if built is None else "skipped")
-            else:
-                row = run_config(cfg, built, device, args, gpu_ms=device.type == "cuda" and not args.compare
-                                 and not distributed, profiler=profiler)
+            row = dict(cfg, params=built and built["params"], status=status if built is None else "skipped") if \
+                built is None or rep.elapsed() > args.time_budget else run_config(
+                    cfg, built, device, args, device.type == "cuda" and not args.compare and not distributed, profiler)
             rows.append(row)
             rep.progress(len(rows), len(groups) * len(combos), f"{who} {size} {how} {attn} {dtype} ctx {ctx} {mode}: "
-                         f"{fmt(row.get('mean_ms', row['status']))}")
-            rep.save(rows=rows)
+                         f"{fmt(row.get('mean_ms', row['status']))}", rows=rows)
         built = None
         free_memory(device)
     rep.say(f"vocab {args.vocab_size}, {args.warmup} warm-up and {args.steps} timed steps; fwd: inference forward and "
             f"loss under no_grad; TFLOP/s by model.flops_per_token (the causal half; naive attention in full)\n")
-    if args.compare:
-        print_compare(rep, rows, args.compare)
-    else:
-        print_rows(rep, rows, args.reference_tokens_per_s)
+    print_compare(rep, rows, args.compare) if args.compare else print_rows(rep, rows, args.reference_tokens_per_s)
     if args.profile and rows[0]["status"] == "ok":  # the top kernels (CUDA) or ops (CPU) of the timed steps
         profiler.export_chrome_trace(args.profile)
         rep.say(f"torch.profiler over the timed steps (Chrome trace: {args.profile})\n\n```\n" + profiler.key_averages(
@@ -841,33 +744,16 @@ def cmd_model(argv):
 
 # ---- attention: our FlashAttention beside PyTorch's attention, dense and on packed documents ------------------------
 # Parts, most important first (a time budget cuts the last): anchors, dense causal bf16 at B·S = 16384, H·D = 2048,
-# the 8B model's sequence and the 2.7B's D=80; varlen, packed documents; sweep, one head over S and D; work, D=64 over
-# B·H with each kernel family forced; sustained, at the GPU's power limit; compile, naive eager vs torch.compile.
+# the 8B model's S and the 2.7B's D; varlen, packed documents; sweep, one head over S and D; work, D=64 over B·H, each
+# kernel family forced; sustained, at the GPU's power limit; compile, naive eager vs torch.compile.
 
 BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
 MAX_SEQ = {"naive": 16384, "naive-compiled": 16384, "flex": 65536, "sdpa-efficient": 65536}  # costly ones capped
-PACKED = ("ours", "ours-triton", "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")  # see packed_methods
 
 
 def attention_flops(lengths, num_heads, head_dim):
-    """Useful forward FLOPs of causal attention over sequences (or packed documents) of these lengths: Q K^T and
-    P V are 2 L^2 D each per head, and a causal kernel does half."""
+    """Useful forward FLOPs of causal attention over these lengths: Q K^T and P V 2 L^2 D each per head, half."""
     return sum(4 * num_heads * float(n) ** 2 * head_dim / 2 for n in lengths)
-
-
-def on_backend(backend, fn):
-    """fn with flash.BACKEND (read at call time) set to `backend` around each call."""
-    return unittest.mock.patch.object(flash, "BACKEND", backend)(fn)
-
-
-def sdpa(backend=None):
-    """F.scaled_dot_product_attention, causal, on one SDPA backend (None: SDPA's own choice)."""
-    from torch.nn.attention import sdpa_kernel
-
-    def run(q, k, v):
-        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return run
 
 
 @functools.lru_cache(maxsize=None)
@@ -886,6 +772,8 @@ def flex(n, device, doc_ids=None, dynamic=False):
 
 
 made = lambda fn: lambda q, k, v: fn  # a make(q, k, v) with nothing to set up
+sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # on SDPA's own choice of backend
+on_backend = lambda backend, fn: unittest.mock.patch.object(flash, "BACKEND", backend)(fn)  # flash.BACKEND per call
 
 
 def dense_methods(cuda):
@@ -899,9 +787,9 @@ def dense_methods(cuda):
     for backend in ("triton", "gluon") if cuda and flash.gluon and flash._is_sm90(torch.cuda.current_device()) else ():
         methods[f"ours-{backend}"] = made(on_backend(backend, ours))
     if cuda:
-        from torch.nn.attention import SDPBackend
-        for name in ("cudnn", "flash", "efficient"):
-            methods[f"sdpa-{name}"] = made(sdpa(getattr(SDPBackend, f"{name.upper()}_ATTENTION")))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for name in ("cudnn", "flash", "efficient"):  # (a context manager made by contextmanager decorates too)
+            methods[f"sdpa-{name}"] = made(sdpa_kernel(getattr(SDPBackend, f"{name.upper()}_ATTENTION"))(sdpa))
         methods["flex"] = lambda q, k, v: flex(q.shape[-2], q.device)
     return methods
 
@@ -913,8 +801,8 @@ def padded(cu, length, num_heads):
     index = doc * length + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1].long()[doc]
     pad = lambda t: t.new_zeros(len(lens) * length, num_heads, t.shape[-1]).index_copy(0, index, t).view(
         len(lens), length, num_heads, -1).transpose(1, 2)
-    return lambda q, k, v: sdpa()(pad(q), pad(k), pad(v)).transpose(1, 2).reshape(len(lens) * length, num_heads,
-                                                                                   -1)[index]
+    return lambda q, k, v: sdpa(pad(q), pad(k), pad(v)).transpose(1, 2).reshape(len(lens) * length, num_heads,
+                                                                                 -1)[index]
 
 
 def packed_methods(cu, max_seqlen, num_heads, pad_length):
@@ -936,28 +824,23 @@ def packed_methods(cu, max_seqlen, num_heads, pad_length):
 
 
 def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
-    """fwd, bwd and fwd+bwd ms of make(q, k, v), the host's ms per fwd+bwd, the memory after the forward; "OOM" or
-    "n/a" (this dtype, head dim or device not taken) in place of times. Each the median of as many calls as fit in
-    `rep` ms, each with a cold L2 cache and the host ahead of the GPU (CPU: 3 calls); sustain: sustained_ms."""
+    """fwd, bwd and fwd+bwd ms of make(q, k, v) (kernel_ms; sustain: sustained_ms), the host's ms per fwd+bwd, the
+    memory after the forward; "OOM" or "n/a" (this dtype, head dim or device not taken) in place of times."""
     cuda, readings, out = q.is_cuda, [], dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms", "host_ms", "mib_after_fwd"))
-
     median_ms = lambda fn, host=None: sustained_ms(fn, q.device, sustain, readings) if sustain and cuda else \
         kernel_ms(fn, q.device, rep, host)
     try:
         fn = make(q, k, v)
         o = fn(q, k, v)  # compiles, plans and autotunes for this shape, untimed
         out["fwd_ms"] = median_ms(lambda: fn(q, k, v))
-        out["mib_after_fwd"] = mib(torch.cuda.memory_allocated(q.device)) if cuda else None
-        try:
-            grad = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-            grad()
-            out["bwd_ms"], host = median_ms(grad), []
-            out["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
-            out["host_ms"] = statistics.median(host) if host else None
-        except (RuntimeError, NotImplementedError) as e:  # a forward-only kernel here (FlexAttention on the CPU)
-            out.update(bwd_ms="OOM" if is_oom(e) else "n/a", fwd_bwd_ms="OOM" if is_oom(e) else "n/a")
-    except (RuntimeError, NotImplementedError) as e:  # torch.OutOfMemoryError included
-        out.update(dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms"), "OOM" if is_oom(e) else "n/a"))
+        out["mib_after_fwd"] = torch.cuda.memory_allocated(q.device) / 2**20 if cuda else None
+        grad = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        grad()
+        out["bwd_ms"], host = median_ms(grad), []
+        out["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
+        out["host_ms"] = statistics.median(host) if host else None
+    except (RuntimeError, NotImplementedError) as e:  # OOM included; or a forward-only kernel (FlexAttention on CPUs)
+        out.update({k: "OOM" if is_oom(e) else "n/a" for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms") if out[k] is None})
     o = fn = None
     free_memory(q.device)
     return dict(out, gpu=readings or None)
@@ -979,8 +862,7 @@ def attention_rows(part, case, methods, shape, dtype, flops, rep=50, sustain=0):
 
 
 def print_attention(rep, rows):
-    """One line per (case, method): ms, TFLOP/s, the speed of the case's first ours row (or first row) over its
-    (> 1: that one faster), host ms, memory, clock."""
+    """One line per (case, method): ms, TFLOP/s, the case's first ours row (or first row) over it, host ms, clock."""
     ours, gpu = {}, any(r.get("gpu") for r in rows)
     for r in sorted(rows, key=lambda r: not r["method"].startswith("ours")):  # (a stable sort: ours rows first)
         ours.setdefault(r["case"], r)
@@ -996,15 +878,10 @@ def print_attention(rep, rows):
               + ["GPU clock and power (fwd / bwd / fwd+bwd)"] * gpu, body, digits=[2, 2, 3, 3, 3, 0, 0, 2, 3, 0, 0])
 
 
-def cmd_attention(argv):
-    p = options("attention")
-    args = p.parse_args(argv)
+def cmd_attention(args):
     cuda, bf16, fp32 = torch.cuda.is_available(), torch.bfloat16, torch.float32
     device, methods = torch.device("cuda" if cuda else "cpu"), dense_methods(cuda)
     wanted = args.methods or [m for m in methods if m not in ("ours-gluon", "naive-compiled")]
-    if set(wanted) - set(methods) - set(PACKED):
-        p.error(f"--methods: {', '.join(sorted(set(wanted) - set(methods) - set(PACKED)))} not here; there are "
-                f"{', '.join(sorted(set(methods) | set(PACKED)))}")
     torch._dynamo.config.cache_size_limit = 64  # FlexAttention compiles once per shape
     torch._functorch.config.donated_buffer = False  # the timed backward reuses one compiled graph (retain_graph)
     parts = [part for part in ATTN_PARTS if part in args.parts]
@@ -1022,7 +899,7 @@ def cmd_attention(argv):
         dense = [p for p in parts if p not in ("varlen", "compile")]
         parts = dense[:1] + [p for p in parts if p in ("varlen", "compile")]
     jobs = [(part, case) for part in parts for case in table[part]]
-    rows, rep, gen = [], Report("attention", argv, device, args), torch.Generator().manual_seed(1)
+    rows, rep, gen = [], Report(args, device), torch.Generator().manual_seed(1)
     for i, (part, case) in enumerate(jobs):
         if args.time_budget and rep.elapsed() > args.time_budget:
             rep.say(f"time budget reached: {len(jobs) - i} cases left out\n")
@@ -1040,15 +917,13 @@ def cmd_attention(argv):
             names = {"work": ["ours", "ours-gluon", "ours-triton", "sdpa-cudnn"],
                      "compile": ["naive", "naive-compiled"]}.get(part, wanted)
             flex_ok = dt != fp32 and d >= 64 and (part in ("anchors", "sustained") or s in (1024, 16384))
-            chosen = {n: methods[n] for n in names if n in methods and (n != "flex" or flex_ok)}
-            for n in chosen:  # long sequences for the costly ones, fp32 for cuDNN and flash: no row of numbers
-                chosen[n] = "skipped" if s > MAX_SEQ.get(n, s) else "n/a" if n in ("sdpa-cudnn", "sdpa-flash") and \
-                    dt == fp32 else chosen[n]
+            # no row of numbers for the costly ones at long sequences, nor for cuDNN and flash in fp32
+            chosen = {n: "skipped" if s > MAX_SEQ.get(n, s) else "n/a" if n in ("sdpa-cudnn", "sdpa-flash") and
+                      dt == fp32 else methods[n] for n in names if n in methods and (n != "flex" or flex_ok)}
             new = attention_rows(part, f"B={b} H={h} S={s} D={d} {str(dt)[6:]}", chosen, (b, h, s, d), dt,
                                  b * attention_flops([s], h, d), args.rep, args.sustain if part == "sustained" else 0)
         rows += new
-        rep.progress(i + 1, len(jobs), f"{part} {new[0]['case'] if new else case}")
-        rep.save(rows=rows)
+        rep.progress(i + 1, len(jobs), f"{part} {new[0]['case'] if new else case}", rows=rows)
     rep.say("Causal. FLOPs: 4·B·H·S²·D/2 forward (the causal half), x2.5 backward, x3.5 forward+backward; packed "
             "cases count the work inside documents only. Times: medians of calls each with a cold L2 cache and the "
             "GPU kept busy until the host has issued the call (the GPU's work; the host's is its own column).\n")
@@ -1073,20 +948,19 @@ def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
         x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
         if layout == "pack_static":
             (x, y, cu_seqlens), max_seqlen = pad_packed(x, y, cu_seqlens, budget + ctx, 0), ctx
-        batch = dict(input_ids=x, targets=y, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
+        batch = dict(idx=x, targets=y, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
     else:
         x, y = pad_batch(tokens, spans, ctx if layout == "pad" else max(e - s for s, e in spans), 0)
         mask = (torch.arange(x.shape[1]) < torch.tensor([e - s for s, e in spans])[:, None]).long()
         batch = dict(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100)) if hf_model else \
-            dict(input_ids=x, targets=y)
+            dict(idx=x, targets=y)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def cmd_varlen(argv, hf_model=False):
-    p = options("hf" if hf_model else "varlen")
-    args, device = parse(p, argv, HF_DEFAULTS if hf_model else VARLEN_DEFAULTS)
+def cmd_varlen(args):
+    device, hf_model = on_device(args), args.command == "hf"
     strategies, phases = args.strategies.split(","), args.phases.split(",")
-    rep, ctx, g = Report(p.prog[9:], argv, device, args), args.context_length, torch.Generator().manual_seed(args.seed)
+    rep, ctx, g = Report(args, device), args.context_length, torch.Generator().manual_seed(args.seed)
     lengths = document_lengths(args.num_docs, args.median_len, args.sigma, ctx, g)  # random tokens, long-tailed lengths
     docs = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int64)
     tokens = torch.randint(args.vocab_size, (int(docs[-1]),), generator=g).numpy().astype(np.int64)
@@ -1126,10 +1000,9 @@ def cmd_varlen(argv, hf_model=False):
 
             def step(batch):
                 net.zero_grad(set_to_none=True)
-                with (torch.no_grad() if phase == "eval" else contextlib.nullcontext()), autocast(args.dtype, device):
-                    loss = run(**batch) if hf_model else run(batch["input_ids"], **{k: v for k, v in batch.items()
-                                                                                     if k != "input_ids"})
-                    loss = getattr(loss, "loss", loss)
+                with torch.set_grad_enabled(phase == "train"), autocast(args.dtype, device):
+                    loss = run(**batch)
+                    loss = getattr(loss, "loss", loss)  # (transformers: an output holding it)
                 if batch is data[0]:  # (a warm-up step: untimed)
                     out["loss"] = float(loss)
                 if phase == "train":
@@ -1143,9 +1016,9 @@ def cmd_varlen(argv, hf_model=False):
             it = iter(data)
             times = time_ms(lambda: step(next(it)), device, warmup=args.warmup, steps=args.steps)
             row.update(summary(times), loss_first_batch=out["loss"],
-                       peak_mib=mib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+                       peak_mib=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
                        real_tokens=sum(e - s - 1 for spans in batches[args.warmup:] for s, e in spans),
-                       token_slots=sum(b["input_ids"].numel() for b in data[args.warmup:]))
+                       token_slots=sum(b["idx" if "idx" in b else "input_ids"].numel() for b in data[args.warmup:]))
             row["tokens_per_s"] = row["real_tokens"] / sum(times) * 1e3
         except Exception as e:
             row["status"] = failure(e, short=True)  # (transformers' refusals are paragraphs)
@@ -1153,8 +1026,7 @@ def cmd_varlen(argv, hf_model=False):
         free_memory(device)
         rows.append(row)
         rep.progress(len(rows), len(phases) * len(strategies), f"{strategy} {phase}: {fmt(row.get('tokens_per_s'))} "
-                     "real tokens/s")
-        rep.save(rows=rows)
+                     "real tokens/s", rows=rows)
     base = {r["phase"]: r.get("tokens_per_s") for r in reversed(rows)}  # the first strategy's
     rep.table(["phase", "strategy", "ms/step", "real tokens/s", f"speedup vs {strategies[0]}", "real / slots",
                "peak MiB", "loss, batch 1 (same weights and targets)"],
@@ -1175,10 +1047,9 @@ ADAMW = {"ours fused (the Triton kernel)": lambda ps: AdamW(ps, lr=1e-4, weight_
          "torch foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)}
 
 
-def cmd_rmsnorm(argv):
-    args, device = parse(options("rmsnorm"), argv)
-    dtype, rows = torch.bfloat16 if device.type == "cuda" else torch.float32, []
-    rep = Report("rmsnorm", argv, device, args)
+def cmd_rmsnorm(args):
+    device = on_device(args)
+    dtype, rep, rows = torch.bfloat16 if device.type == "cuda" else torch.float32, Report(args, device), []
     for n, d in args.shapes:
         g = torch.Generator(device=device).manual_seed(n + d)
         x, dy = (torch.randn(n, d, device=device, dtype=dtype, generator=g).requires_grad_(i == 0) for i in range(2))
@@ -1210,10 +1081,10 @@ def cmd_rmsnorm(argv):
     return rows
 
 
-def cmd_adamw(argv):
-    args, device = parse(options("adamw"), argv)
-    sizes = args.sizes or (["gpt2", "xl"] if device.type == "cuda" else ["tiny"])
-    rep, rows = Report("adamw", argv, device, args), []
+def cmd_adamw(args):
+    device = on_device(args)
+    sizes = ["gpt2", "xl"] if device.type == "cuda" else ["tiny"]
+    rep, rows = Report(args, device), []
     for size in sizes:
         net = TransformerLM(dict(gpt2=50304, tiny=512).get(size, 10000), 16, **SIZES[size], device=device)
         ps, times = [nn.Parameter(t.detach()) for t in net.parameters()], {}
@@ -1261,13 +1132,11 @@ def slowest(times):
     return [max(ts[i] for ts in per_rank) for i in range(len(times))]
 
 
-def cmd_ddp(argv):
-    p = options("ddp")
-    args = p.parse_args(argv)
+def cmd_ddp(args):
     rank, _, world, device = ddp.init_distributed()
     if not dist.is_initialized():
-        p.error("needs several processes: run it under torchrun --nproc_per_node=N")
-    cuda, rep, allreduce, results = device.type == "cuda", Report("ddp", argv, device, args, rank), [], []
+        fail(args, "needs several processes: run it under torchrun --nproc_per_node=N")
+    cuda, rep, allreduce, results = device.type == "cuda", Report(args, device, rank), [], []
     for size in args.allreduce_mb:  # a call's bytes over its median time: algbw; busbw = algbw * 2 (N - 1) / N
         x = torch.ones(int(size * 2**20) // 4, device=device)
         times = slowest(time_ms(lambda: dist.all_reduce(x), device, warmup=args.warmup, steps=args.steps,
@@ -1330,23 +1199,20 @@ def cmd_ddp(argv):
                   [[r["variant"], r["error"]] + [""] * 7 if "error" in r else [
                       r["variant"], r["ms_per_step"], none and f"{100 * none / r['ms_per_step']:.1f}%",
                       r["ms_per_step"] - none if none and r["variant"] != "none" else None, r["peak_after_init_gib"],
-                      r["peak_before_step_gib"],
-                      r["peak_after_step_gib"], f"{r['optimizer_state_gib']:.3g}", r["loss"]] for r in results],
-                  digits=[0, 1, 0, 1, 2, 2, 2, 0, 3])
+                      r["peak_before_step_gib"], r["peak_after_step_gib"], f"{r['optimizer_state_gib']:.3g}",
+                      r["loss"]] for r in results], digits=[0, 1, 0, 1, 2, 2, 2, 0, 3])
     rep.save(allreduce=allreduce, results=results)
     ddp.cleanup_distributed()
 
 
 # ---- bpe: our tokenizer's training against HF tokenizers, its encoding against tiktoken (CPU) -----------------------
 
-def cmd_bpe(argv):
+def cmd_bpe(args):
     import tiktoken
     from bpe import Tokenizer, peak_rss_mb
-    p = options("bpe")
-    args = p.parse_args(argv)
     path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
     cpu, size, train = torch.device("cpu"), os.path.getsize(path), {"ours": [], "hf": []}
-    rep = Report("bpe", argv, cpu, args)
+    rep = Report(args, cpu)
     rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, {workers} workers of {os.cpu_count()} CPUs, "
             f"python {platform.python_version()}, tiktoken {tiktoken.__version__}\n")
     with tempfile.TemporaryDirectory(prefix="bench_bpe_") as tok_dir:
@@ -1355,16 +1221,15 @@ def cmd_bpe(argv):
                                 str(args.vocab_size), special, str(workers), tok_dir], capture_output=True, text=True,
                                stdin=subprocess.DEVNULL)
             if r.returncode != 0:
-                p.error(f"the {which} training run failed: {r.stderr.strip().splitlines()[-1:]}")
+                fail(args, f"the {which} training run failed: {r.stderr.strip().splitlines()[-1:]}")
             train[which].append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(f"train {which}: {train[which][-1]}", file=sys.stderr, flush=True)
         tok = Tokenizer.from_files(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"), [special])
     median_s = {w: statistics.median(x["seconds"] for x in runs) if runs else None for w, runs in train.items()}
     rep.table([f"train, vocab {args.vocab_size}, {workers} workers", f"wall s (median of {repeats})", "all runs",
                "peak RSS main MB", "peak RSS largest worker MB"],
-              [[label, median_s[w], ", ".join(fmt(x["seconds"], 1) for x in train[w]) or None,
-                max((x["rss_mb"] for x in train[w]), default=None),
-                max((x["worker_rss_mb"] for x in train[w]), default=None)]
+              [[label, median_s[w], ", ".join(fmt(x["seconds"], 1) for x in train[w]) or None] + [
+                  max((x[k] for x in train[w]), default=None) for k in ("rss_mb", "worker_rss_mb")]
                for w, label in (("ours", "bpe.train_bpe"), ("hf", "HF tokenizers BpeTrainer (ByteLevel)"))],
               digits=[2, 1, 2, 0, 0])
     vs_hf = median_s["ours"] / median_s["hf"] if median_s["hf"] else None
@@ -1380,7 +1245,7 @@ def cmd_bpe(argv):
         out = {}
         seconds = statistics.median(time_ms(lambda: out.__setitem__("ids", fn()), cpu, steps=repeats)) / 1e3
         if want is not None and out["ids"] != want:
-            p.error(f"{what} gives other ids than tiktoken on {path}")
+            fail(args, f"{what} gives other ids than tiktoken on {path}")
         return seconds, out["ids"]
     t_peer, ids = timed(lambda: peer.encode(text, allowed_special="all"), "tiktoken")
     t_batch, batch_ids = timed(lambda: peer.encode_batch(pieces, num_threads=workers, allowed_special="all"), "")
@@ -1395,8 +1260,7 @@ def cmd_bpe(argv):
                    ours_vs_tiktoken=t / o) for c, o, t in cases]
     rep.table([f"encode {size / 1e6:.1f} MB, {len(ids):,} tokens ({size / len(ids):.2f} bytes/token)", "ours MB/s",
                "tiktoken MB/s", "ours / tiktoken"],
-              [[e["case"], e["ours_mb_s"], e["tiktoken_mb_s"], e["ours_vs_tiktoken"]] for e in encode],
-              digits=[2, 1, 1, 2])
+              [[e["case"], e["ours_mb_s"], e["tiktoken_mb_s"], e["ours_vs_tiktoken"]] for e in encode], [2, 1, 1, 2])
     rep.say(f"peak RSS of this process (encode side, torch imported): {peak_rss_mb()[0]:.0f} MB")
     rep.save(bytes=size, tokens=len(ids), train=train, train_median_s=median_s, ours_vs_hf=vs_hf, encode=encode)
     return rep.data
@@ -1505,18 +1369,17 @@ def sass_rows(flash, d, varlen, causal):
     return rows
 
 
-def cmd_sass(argv):
+def cmd_sass(args):
     """Compile the attention kernels for sm_90 without a GPU and print registers, spills, SASS size, shared memory
     (a Hopper block has at most 227 KiB) and whether ptxas serialized the tensor-core (wgmma) instructions (its
     notes C7514/C7515, a slower kernel). Run it after changing a kernel's loop structure or a config, with the
     Triton the GPU machine has, installed aside:
         pip install --no-deps --target /tmp/triton36 triton==3.6.0
         PYTHONPATH=/tmp/triton36 python bench.py sass"""
-    args = options("sass").parse_args(argv)
     if flash.INTERPRET:  # the kernels were defined for the interpreter: compile them in a process that does not
         env = dict(os.environ, TRITON_INTERPRET="0")
-        return subprocess.run([sys.executable, os.path.abspath(__file__), "sass"] + argv, env=env).returncode
-    rep = Report("sass", argv, torch.device("cpu"), args)
+        return subprocess.run([sys.executable, os.path.abspath(__file__), "sass"] + args.argv, env=env).returncode
+    rep = Report(args, torch.device("cpu"))
     rep.say(f"Triton {triton.__version__}, sm_90, bf16, {'non-causal' if args.full else 'causal'}, "
             f"{'packed' if args.varlen else 'dense'}; integer arguments marked divisible by 16 as at the dense "
             f"shapes, except do_not_specialize ones\n")
@@ -1529,15 +1392,16 @@ def cmd_sass(argv):
 
 # ---- dispatch -------------------------------------------------------------------------------------------------------
 
-RUN = dict(model=cmd_model, attention=cmd_attention, varlen=cmd_varlen, rmsnorm=cmd_rmsnorm, adamw=cmd_adamw,
-           ddp=cmd_ddp, hf=functools.partial(cmd_varlen, hf_model=True), bpe=cmd_bpe, sass=cmd_sass,
-           allreduce=lambda argv: cmd_ddp(["--variants", "--allreduce_mb", "1", "10", "100", "1000"] + argv))
+RUN = dict(model=cmd_model, attention=cmd_attention, varlen=cmd_varlen, hf=cmd_varlen, rmsnorm=cmd_rmsnorm,
+           adamw=cmd_adamw, ddp=cmd_ddp, allreduce=cmd_ddp, bpe=cmd_bpe, sass=cmd_sass)
 
 
 def main(argv=None):
     """Runs one subcommand; returns its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    rc = RUN[command(argv)](argv[1:])
+    args = cli().parse_args(argv)
+    args.argv = argv[1:]  # (the header's command line)
+    rc = RUN[args.command](args)
     return rc if isinstance(rc, int) else 0
 
 

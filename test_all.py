@@ -2875,28 +2875,23 @@ def test_ddp_without_a_process_group_and_bad_input():
 # Every subcommand at tiny sizes on the CPU, its Markdown and JSON held to what they promise: the columns, a row per
 # configuration, ratios and rates that follow from the times, statuses (OOM, error, skipped) in place of numbers.
 
-BENCH_TINY = ["--size", "tiny", "--vocab_size", "64", "--context_length", "16", "--batch_size", "2", "--warmup", "1",
-              "--steps", "2"]
+BENCH_TINY = "--size tiny --vocab_size 64 --context_length 16 --batch_size 2 --warmup 1 --steps 2".split()
 
 
-def run_bench(argv, tmp_path=None):
-    """bench.main(argv) with its output captured: (Markdown printed, JSON written when tmp_path is given)."""
-    out, path = io.StringIO(), tmp_path and tmp_path / "rows.json"
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        bench.main(list(argv) + (["--json", str(path)] if path else []))
-    return out.getvalue(), json.loads(path.read_text()) if path else None
+def run_bench(argv, tmp_path):
+    """bench.main(argv) with its output captured: (Markdown printed, JSON written, stderr)."""
+    out, err, path = io.StringIO(), io.StringIO(), tmp_path / "rows.json"
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        bench.main(list(argv) + ["--json", str(path)])
+    return out.getvalue(), json.loads(path.read_text()), err.getvalue()
 
 
 def _md_tables(text):
     r"""Every Markdown table in text as (header, rows), the cells stripped ("\|" inside a cell unescaped)."""
     cells = lambda line: [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-    lines, tables = text.splitlines(), []
-    for i, line in enumerate(lines[:-1]):
-        if line.startswith("|") and lines[i + 1].startswith("|---") and not lines[i - 1].startswith("|"):
-            rows = list(itertools.takewhile(lambda s: s.startswith("|"), lines[i + 2:]))
-            tables.append((cells(line), [cells(r) for r in rows]))
-            assert all(len(r) == len(tables[-1][0]) for r in tables[-1][1]), tables[-1]
-    return tables
+    blocks = [m.splitlines() for m in re.findall(r"(?:^\|.*\n?)+", text, re.M)]  # runs of lines starting with |
+    assert all(b[1:2] and b[1].startswith("|---") and {len(cells(r)) for r in b} == {len(cells(b[0]))} for b in blocks)
+    return [(cells(b[0]), [cells(r) for r in b[2:]]) for b in blocks]
 
 
 def _num(cell):
@@ -2910,8 +2905,7 @@ def _close(cell, value, rel=0.02):
 
 def _bench_model(text, payload):
     """bench.py model: a row per configuration, tokens/s and TFLOP/s from the mean ms, the peer's ratio."""
-    ((header, table),) = [t for t in _md_tables(text) if "ms/step" in t[0]]
-    rows = payload["rows"]
+    ((header, table),), rows = [t for t in _md_tables(text) if "ms/step" in t[0]], payload["rows"]
     assert [r["model"] for r in rows] == ["ours", "gpt2"] and all(r["status"] == "ok" for r in rows)
     for r, cells in zip(rows, table):
         col = dict(zip(header, cells))
@@ -2925,19 +2919,6 @@ def _bench_model(text, payload):
     ours = model.flops_per_token(64, 16, 64, 2, 192, causal=False)  # naive attention: every T^2 term counted
     assert math.isclose(rows[0]["tflops"], ours * rows[0]["tokens_per_s"] / 1e12)
     assert text.count("size tiny, ctx 16, batch 2, dtype fp32, compile none, recompute none, mode train") == 1
-
-
-def _bench_compare(text, payload):
-    """--compare dtype: one line per configuration, fp32 and bf16 side by side, the speedup their ratio."""
-    ((header, table),) = [t for t in _md_tables(text) if "fp32 ms" in t[0]]
-    by = {(r["model"], r["mode"], r["dtype"]): r for r in payload["rows"]}
-    assert len(by) == 8 and header[-1] == "bf16 vs fp32" and [c[:3] for c in table] == [
-        [m, a, mode] for m, a in (("ours", "naive"), ("native", "sdpa")) for mode in ("fwd", "train")]
-    for cells in table:
-        col = dict(zip(header, cells))
-        fp32, bf16 = (by[(col["model"], col["mode"], d)] for d in ("fp32", "bf16"))
-        assert _close(col["fp32 ms"], fp32["mean_ms"]) and _close(col["bf16 ms"], bf16["mean_ms"])
-        assert col["bf16 vs fp32"] == f"{fp32['mean_ms'] / bf16['mean_ms']:.2f}x"  # the speedup: fp32 ms / bf16 ms
 
 
 def _bench_attention(text, payload):
@@ -2960,8 +2941,7 @@ def _bench_varlen(text, payload):
     ((header, table),), rows = _md_tables(text), payload["rows"]
     assert [c[header.index("strategy")] for c in table] == [r["strategy"] for r in rows] and len(rows) >= 2
     ok = [r for r in rows if r["status"] == "ok"]
-    assert len({r["real_tokens"] for r in ok}) == 1 and max(r["loss_first_batch"] for r in ok) - min(
-        r["loss_first_batch"] for r in ok) < 1e-4
+    assert len({r["real_tokens"] for r in ok}) == 1 and np.ptp([r["loss_first_batch"] for r in ok]) < 1e-4
     speedup = next(h for h in header if h.startswith("speedup vs"))
     for r, cells in zip(rows, table):
         col = dict(zip(header, cells))
@@ -2996,8 +2976,6 @@ def _bench_bpe(text, payload):
 
 BENCH_CASES = {  # a run of each subcommand at tiny CPU sizes, and what its tables must hold
     "model": (["model"] + BENCH_TINY + ["--peer", "gpt2", "--plot", "PLOT"], _bench_model),
-    "compare": (["model"] + BENCH_TINY + ["--dtype", "fp32,bf16", "--mode", "fwd,train", "--compare", "dtype",
-                                          "--peer", "--steps", "1"], _bench_compare),
     "attention": (["attention", "--parts", "anchors,varlen", "--rep", "1"], _bench_attention),
     "varlen": (["varlen", "--num_layers", "1", "--num_docs", "60", "--context_length", "48", "--steps", "1",
                 "--phases", "train", "--strategies", "pad,dynamic_pad,pack"], _bench_varlen),
@@ -3013,9 +2991,9 @@ def test_bench_subcommand_tables_follow_the_rows(name, tmp_path):
     argv, check = BENCH_CASES[name]
     if name == "hf":
         _need_hf("transformers")
-    corpus = _write_text(tmp_path / "corpus.txt", _synthetic_text(30_000, seed=6))
-    files = dict(CORPUS=str(corpus), PLOT=str(tmp_path / "p.png"))
-    text, payload = run_bench([files.get(a, a) for a in argv], tmp_path)
+    files = dict(CORPUS=str(_write_text(tmp_path / "corpus.txt", _synthetic_text(30_000, seed=6))),
+                 PLOT=str(tmp_path / "p.png"))
+    text, payload, _ = run_bench([files.get(a, a) for a in argv], tmp_path)
     if "--plot" in argv and importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert text.startswith(f"`python bench.py {argv[0]} ") and payload["command"].startswith("python bench.py")
@@ -3023,45 +3001,41 @@ def test_bench_subcommand_tables_follow_the_rows(name, tmp_path):
     check(text, payload)
 
 
-def test_bench_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path):
+def test_bench_model_compare_keeps_going_past_oom_and_errors(tmp_path):
+    # --sweep (--compare mode): a line per context, the modes side by side, their ratio; an injected OOM or error is
+    # a status in place of the numbers, and the sweep goes on
     real = bench.training_step
 
     def failing(par, optimizer, x, y, mode, *rest):
-        if x.shape[1] == 24 and mode == "train":  # pretend this configuration does not fit
-            raise torch.OutOfMemoryError("injected by the test")
-        if x.shape[1] == 16 and mode == "fwd":  # any other failure: an "error" row
-            raise ValueError("injected by the test")
+        if x.shape[1] == 24:
+            raise (torch.OutOfMemoryError if mode == "train" else ValueError)("injected by the test")
         return real(par, optimizer, x, y, mode, *rest)
     with unittest.mock.patch.object(bench, "training_step", failing):
-        text, payload = run_bench(["model", "--sweep", "--size", "tiny", "--context_length", "16,24", "--mode",
-                                   "fwd,train", "--vocab_size", "64", "--batch_size", "2", "--warmup", "0", "--steps",
-                                   "1"], tmp_path)
+        text, payload, _ = run_bench(["model", "--sweep", "--size", "tiny", "--context_length", "16,24", "--mode",
+                                      "fwd,train", "--vocab_size", "64", "--batch_size", "2", "--warmup", "0",
+                                      "--steps", "2"], tmp_path)
+    (fwd, train, *_), ((header, table),) = payload["rows"], _md_tables(text)
     assert [(r["context_length"], r["mode"], r["status"]) for r in payload["rows"]] == \
-        [(16, "fwd", "error"), (16, "train", "ok"), (24, "fwd", "ok"), (24, "train", "OOM")]
-    ((header, table),) = _md_tables(text)
-    assert header[:5] == ["ctx", "params", "fwd ms", "train ms", "fwd peak MiB"]
-    assert [r[0] for r in table] == ["16", "24"]  # one line per context, the modes side by side
-    assert table[0][2] == "error" and table[1][3] == table[1][5] == table[1][7] == "OOM"  # ms, peak, tokens/s
-    text, payload = run_bench(["model"] + BENCH_TINY + ["--time_budget", "0"], tmp_path)
+        [(16, "fwd", "ok"), (16, "train", "ok"), (24, "fwd", "error"), (24, "train", "OOM")]
+    assert header[:5] == ["ctx", "params", "fwd ms", "train ms", "fwd peak MiB"] and header[-1] == "train vs fwd"
+    assert [r[0] for r in table] == ["16", "24"] and _close(table[0][2], fwd["mean_ms"])
+    assert table[0][-1] == f"{fwd['mean_ms'] / train['mean_ms']:.2f}x" and table[1][-1] == "—"
+    assert table[1][2] == "error" and table[1][3] == table[1][5] == table[1][7] == "OOM"  # ms, peak, tokens/s
+    png = tmp_path / "p.png"  # past the time budget every row is skipped; without matplotlib, no plot
+    with unittest.mock.patch.dict(sys.modules, matplotlib=None):  # an import of matplotlib now fails
+        text, payload, err = run_bench(["model"] + BENCH_TINY + ["--time_budget", "0", "--plot", str(png)], tmp_path)
     assert [r["status"] for r in payload["rows"]] == ["skipped"] and "skipped" in _md_tables(text)[0][1][0]
-
-
-def test_bench_plot_without_matplotlib_says_so_in_one_line(tmp_path):
-    png, err = tmp_path / "m.png", io.StringIO()
-    with unittest.mock.patch.dict(sys.modules, matplotlib=None), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(err):  # an import of matplotlib now fails
-        bench.Report("model", [], torch.device("cpu"), SimpleNamespace(plot=str(png))).plot({"a": {"b": [(1, 2)]}},
-                                                                                             "x", "y")
-    assert not png.exists() and err.getvalue() == f"matplotlib is not installed: {png} not written\n"
+    assert not png.exists() and err.endswith(f"matplotlib is not installed: {png} not written\n")
 
 
 def test_bench_bad_input_is_one_line_and_status_2(tmp_path):
     # all but model.py's names (checked once torch is there) and what needs the device, before torch is imported
-    _cli_errors("bench.py", [([], ["a subcommand, please"]), (["nope"], ["unknown subcommand 'nope'"]),
+    _cli_errors("bench.py", [([], ["required: SUBCOMMAND"]), (["nope"], ["invalid choice: 'nope'"]),
                              (["model", "--size", "huge"], ["unknown value"]), (["model", "--nope"], ["unrecognized"]),
                              (["model", "--cuda_graphs", "--warmup", "1"], ["--cuda_graphs"]),
                              (["model", "--steps", "0"], ["--steps"]), (["allreduce", "--nope"], ["unrecognized"]),
                              (["model", "--profile", "t.json", "--peer"], ["single configuration"]),
+                             (["model", "--context_length", "8,x"], ["comma list of int"]),
                              (["rmsnorm", "--shapes", "1000x"], ["TOKENSxD"]), (["bpe", "--input", "no"], ["missing"]),
                              (["varlen", "--strategies", "pad,nope"], ["--strategies"]),
                              (["hf", "--strategies", "sdpa:nope"], ["--strategies"])], tmp_path)
@@ -3079,17 +3053,13 @@ def test_bench_time_ms_counts_calls_and_measures_milliseconds():
 def test_bench_native_peer_computes_our_model():
     # the PyTorch-native peer computes TransformerLM's function: our weights copied in (q/k/v and w1/w3 concatenated)
     m = _tiny_lm(seed=5)
-    peer = bench.PeerLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, 72)
-    sd = m.state_dict()
-    with torch.no_grad():
-        for name, ours in (("emb", "token_embeddings"), ("head", "lm_head"), ("ln", "ln_final")):
-            getattr(peer, name).weight.copy_(sd[f"{ours}.weight"])
-        for i, blk in enumerate(peer.layers):
-            w = lambda n: sd[f"layers.{i}.{n}.weight"]
-            blk.qkv.weight.copy_(torch.cat([w(f"attn.{n}_proj") for n in "qkv"]))
-            blk.up.weight.copy_(torch.cat([w("ffn.w1"), w("ffn.w3")]))
-            for mine, ours in (("proj", "attn.output_proj"), ("down", "ffn.w2"), ("ln1", "ln1"), ("ln2", "ln2")):
-                getattr(blk, mine).weight.copy_(w(ours))
+    peer, sd = bench.PeerLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, 72), m.state_dict()
+    cat = lambda i, *names: torch.cat([sd[f"layers.{i}.{n}.weight"] for n in names])
+    names = dict(qkv=("attn.q_proj", "attn.k_proj", "attn.v_proj"), up=("ffn.w1", "ffn.w3"), proj=("attn.output_proj",),
+                 down=("ffn.w2",), ln1=("ln1",), ln2=("ln2",))
+    peer.load_state_dict({f"layers.{i}.{k}.weight": cat(i, *n) for i in range(m.num_layers) for k, n in names.items()}
+                         | {"emb.weight": sd["token_embeddings.weight"], "head.weight": sd["lm_head.weight"],
+                            "ln.weight": sd["ln_final.weight"]})
     idx, y = torch.randint(0, m.vocab_size, (2, 17)), torch.randint(0, m.vocab_size, (2, 17))
     assert abs(peer(idx, y).item() - cross_entropy(m(idx), y).item()) < 1e-5
 
@@ -3104,26 +3074,23 @@ def test_bench_ddp_two_processes(tmp_path):
         nbytes = int(rec["size_mib"] * 2**20) // 4 * 4
         assert math.isclose(rec["algbw_gib_s"], nbytes / (rec["median_ms"] / 1e3) / 2**30)
         assert math.isclose(rec["busbw_gib_s"], rec["algbw_gib_s"]) and cells[:2] == [f"{rec['size_mib']:g}", "2"]
-    results = payload["results"]
+    results, local = payload["results"], payload["results"][0]["ms_per_step"]
     assert [r[0] for r in table] == [r["variant"] for r in results] == ["none", "naive", "bucketed-1"]
-    local = results[0]["ms_per_step"]
     assert all(cells[2] == f"{100 * local / r['ms_per_step']:.1f}%" for r, cells in zip(results, table))
     assert [c[3] for c in table] == ["—"] + [bench.fmt(r["ms_per_step"] - local, 1) for r in results[1:]]  # comm
     assert abs(results[1]["loss"] - results[2]["loss"]) < 1e-4  # the data-parallel variants train the same way
 
 
 def test_bench_sass_compiles_the_kernels_for_sm90():
-    # no GPU needed: the Triton kernels and the Gluon (Hopper) forward and backward (D=64, D=80 in 64 + 16 wide
-    # tiles, and D=128, whose backward runs one CTA per item and TMA-stores dK and dV at S=1024) compile for sm_90
-    # with this Triton, the D=64 Triton forward spills nothing, every kernel fits a block's 227 KiB of shared
-    # memory, and ptxas serializes no kernel's wgmma instructions (its notes C7514/C7515)
+    # no GPU needed: the Triton kernels and the Gluon (Hopper) forward and backward (D=64, D=80 in 64 + 16 wide tiles,
+    # D=128, whose backward runs one CTA per item and TMA-stores dK and dV at S=1024) compile for sm_90 with this
+    # Triton; the D=64 Triton forward spills nothing, every kernel fits 227 KiB of shared memory, no wgmma serialized
     out = subprocess.run([sys.executable, str(ROOT / "bench.py"), "sass", "--head_dims", "64,80,128"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     ((header, table),) = _md_tables(out.stdout)
     assert header[:2] == ["D", "kernel"] and header[-2:] == ["shared KiB", "wgmma serialized"]
-    kernels = [r[1] for r in table]
-    assert kernels[:3] == ["fwd (Triton)", "dq (Triton)", "dkdv (Triton)"], kernels
+    assert [r[1] for r in table][:3] == ["fwd (Triton)", "dq (Triton)", "dkdv (Triton)"], table
     gluon_80 = ["fwd (Gluon, sm90)", "bwd (Gluon, sm90)"] if flash.gluon is not None else []
     assert [r[1] for r in table if r[0] == "80"] == gluon_80  # head dim 80: tiles 64 wide and a 16-wide tail
     for r in table:
@@ -3133,33 +3100,30 @@ def test_bench_sass_compiles_the_kernels_for_sm90():
 
 
 def test_nanogpt_peer_reads_the_checkouts_time_and_refuses_bad_paths(tmp_path):
-    # gpu/nanogpt_peer.py runs bench.py of a nanoGPT checkout as it is and reads its line "time per iteration"; here a
-    # stand-in checkout with nanoGPT's settings and that line
+    # gpu/nanogpt_peer.py runs bench.py of a nanoGPT checkout and reads its "time per iteration"; here a stand-in
     script = str(ROOT / "gpu" / "nanogpt_peer.py")
     (tmp_path / "bench.py").write_text("import sys\nbatch_size, block_size, compile, dtype = 12, 1024, True, "
                                        "'bfloat16'\nassert sys.argv[1:] == ['--real_data=False']\n"
                                        "print('time per iteration: 26.6600ms, MFU: 1%')\n")
-    out = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
+    run = lambda path: subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True, timeout=120)
+    lines = (out := run(tmp_path)).stdout.splitlines()
+    assert out.returncode == 0 and lines[-1] == f"nanoGPT tokens/s {12 * 1024 / 26.66e-3:.0f}", out.stderr[-2000:]
     assert lines[0].startswith("nanoGPT: batch 12 x 1024, compile True, bfloat16, random data: 26.66 ms/step"), lines
-    assert lines[-1] == f"nanoGPT tokens/s {12 * 1024 / 26.66e-3:.0f}"
-    out = subprocess.run([sys.executable, script, str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "usage: python gpu/nanogpt_peer.py PATH_TO_NANOGPT" in out.stderr
+    assert (out := run(tmp_path / "nope")).returncode == 1
+    assert "usage: python gpu/nanogpt_peer.py PATH_TO_NANOGPT" in out.stderr
 
 
 def test_gpu_bench_model_cuda_graphs_and_host_ahead(tmp_path):
     """On a GPU: ours and the peer each as one captured step; time_ms's host_ahead times the GPU's work alone."""
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs CUDA")
-    text, payload = run_bench(["model"] + BENCH_TINY[:8] + ["--device", "cuda", "--dtype", "bf16", "--warmup", "3",
-                                                            "--steps", "3", "--peer", "--cuda_graphs"], tmp_path)
+    argv = ["model"] + BENCH_TINY[:8] + ["--device", "cuda", "--dtype", "bf16", "--warmup", "3", "--steps", "3"]
+    text, payload, _ = run_bench(argv + ["--peer", "--cuda_graphs"], tmp_path)
     rows = payload["rows"]
     assert all(r["status"] == "ok" and r["phase_ms"] == {} and r["peak_mib"] > 0 for r in rows) and len(rows) == 2
     x = torch.zeros(1024, device="cuda")
     call = lambda: (time.sleep(3e-3), x.add_(1))
-    plain = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5))
-    host = []
+    plain, host = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5)), []
     ahead = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5, host_ahead=True, host_ms=host))
     assert plain >= 2.9 and ahead < 0.5 and len(host) == 5 and min(host) >= 2.9, (plain, ahead, host)
 
