@@ -2,38 +2,24 @@
 Train a TransformerLM on a tokenized dataset.
 
     python train.py                                    # CPU default: Shakespeare, vocab 2048, a few minutes on 2 cores
-    python train.py config/pack.py --max_iters=200     # config files of overrides, then --key=value on top
+    python train.py config/pack.py --max_iters 200     # config files of overrides, then --key=value / --key value
     python train.py --init_from=resume                 # continue out_dir/ckpt.pt exactly, with its saved config
-    python train.py --force=True                       # start over in an out_dir that holds a run (old files -> *.old)
+    python train.py --force=True                       # start over in an out_dir that holds a run (kept in old/N)
     torchrun --standalone --nproc_per_node=4 train.py config/small.py   # 4 GPUs; --ddp_impl=..., --zero1=True
+    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py
+                                                       # node 0 of 2; the same with --node_rank=1 on the other host
 
-The file: the config globals; the library, importable without side effects (apply_config, the schedule and
-clipping, data loading and batching, checkpoints, make_step: one training step, eager or as CUDA graphs); the run
-(setup, then train: the loop; main / cli for the command line). Ctrl-C (SIGINT) or SIGTERM end a run after the step
-in progress, with a checkpoint and the command that continues it.
+The file: the config globals and the command line (judged before torch is imported); the library, importable
+without side effects (the schedule and clipping, data loading and batching, checkpoints, make_step: one training
+step, eager or as CUDA graphs); the run (setup, then train: the loop). Ctrl-C (SIGINT) or SIGTERM end a run after the
+step in progress, with a checkpoint and the command that continues it.
 """
 import ast
 import builtins
-import contextlib
 import difflib
-import json
-import math
 import os
-import pickle
-import signal
-import subprocess
 import sys
-import threading
-import time
 from types import SimpleNamespace
-
-import numpy as np
-import torch
-
-import ddp
-from flash import AdamW  # noqa: F401  (train.AdamW: the optimizer lives beside its kernel)
-from hf import llama_init
-from model import TransformerLM, auto_attn_impl, count_params, flops_per_token
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,7 +28,7 @@ _ROOT = os.path.dirname(os.path.abspath(__file__))
 # I/O
 out_dir = "out"                 # checkpoint (ckpt.pt), log.jsonl and loss.png
 init_from = "scratch"           # 'scratch', 'resume' (out_dir/ckpt.pt with its saved config) or a Llama directory
-force = False                   # scratch into an out_dir holding a run: move its ckpt.pt / log.jsonl to *.old
+force = False                   # scratch into an out_dir holding a run: move that run to out_dir/old/N first
 log_interval = 10               # optimizer steps between log lines
 eval_interval = 100             # steps between validation-loss evaluations (and at the last step)
 eval_iters = 10                 # fixed validation batches per evaluation
@@ -55,7 +41,7 @@ batching = "concat"             # 'concat' | 'pad' | 'dynamic_pad' | 'pack' (mak
 pack_static = False             # 'pack' padded to a few static shapes (pad_packed): compiles without dynamic shapes
 batch_size = 16                 # sequences per micro-batch; document batching: batch_size*context_length real tokens
 context_length = 128            # tokens per sequence
-grad_accum = 1                  # micro-batches per optimizer step, split across ranks
+grad_accum = 0                  # micro-batches per optimizer step, split across ranks (0: one per rank)
 # model (config/*.py hold the preset shapes)
 d_model = 256                   # residual width
 num_layers = 4                  # transformer blocks
@@ -83,7 +69,7 @@ device = "auto"                 # 'auto' (cuda if available), 'cpu', 'cuda', 'cu
 dtype = "auto"                  # 'auto' (bfloat16 on CUDA, float32 on CPU) | 'float32' | 'bfloat16' (autocast)
 compile = False                 # torch.compile the model
 cuda_graphs = False             # CUDA graphs (with compile, static shapes and one process: make_step)
-ddp_impl = "bucketed"           # under torchrun: one of ddp.IMPLS
+ddp_impl = "bucketed"           # under torchrun: one of DDP_IMPLS
 zero1 = False                   # shard AdamW state across ranks (ddp.ShardedOptimizer; not with fsdp)
 bucket_size_mb = 25.0           # bucket size of ddp_impl='bucketed'
 peak_flops = 0.0                # per-GPU peak FLOP/s for MFU (0 = PEAK_FLOPS of the GPU, else no MFU)
@@ -91,15 +77,25 @@ peak_flops = 0.0                # per-GPU peak FLOP/s for MFU (0 = PEAK_FLOPS of
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 
 BATCHING = ("concat", "pad", "dynamic_pad", "pack")
+DDP_IMPLS = ("naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")  # ddp.IMPLS but 'none'
 # keys a resumed run must keep: changing any of them would draw other batches or build another model
 RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length", "grad_accum", "seed", "d_model",
                 "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings")
 RENAMED = {"ckpt_interval": "save_interval"}  # old config keys -> their names now
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
+# nanoGPT's keys that ours differ from: the error for one names our key, or says why there is none
+NANOGPT = dict(block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
+               gradient_accumulation_steps="grad_accum", always_save_checkpoint="save_interval",
+               vocab_size="the dataset sets the vocabulary: `python data/prepare.py NAME --vocab_size N`",
+               dropout="this model has no dropout", bias="this model has no biases",
+               decay_lr="the cosine schedule is always on (min_lr=learning_rate keeps the rate constant)",
+               eval_only="no eval-only mode here (sample.py generates from a checkpoint)",
+               backend="the backend follows the device: NCCL on CUDA, gloo on CPU",
+               **dict.fromkeys(("wandb_log", "wandb_project", "wandb_run_name"), "no wandb: see out_dir/log.jsonl"))
 
 
 class ConfigError(ValueError):
-    """A bad config key or value, or a run the config would damage: cli() prints it as one line, status 2."""
+    """A bad config key or value, dataset or checkpoint, or a run the config would damage: cli() prints it as one
+    line, status 2."""
 
 
 def _require(ok, message, error=ValueError):
@@ -112,15 +108,15 @@ def default_config():
 
 
 def apply_config(argv, config, given=None):
-    """Apply config files (paths) and --key=value overrides, in order, to the dict `config` (nanoGPT's
-    configurator). A file runs with the current values in scope; a --key=value is parsed by ast.literal_eval
-    (strings verbatim). An unknown key (with the closest known one as a suggestion) or a value of another type than
+    """Apply config files (paths) and --key=value or --key value overrides, in order, to the dict `config`
+    (nanoGPT's configurator). A file runs with the current values in scope; a value is parsed by ast.literal_eval
+    (strings verbatim). An unknown key (with our name for it, or the closest one) or a value of another type than
     the default (int is fine for float) raises ConfigError. The keys set are added to the set `given`, if any."""
     def checked(key, value, source):
         if key not in config:
-            close = [RENAMED[key]] if key in RENAMED else difflib.get_close_matches(key, list(config), n=1)
-            raise ConfigError(f"unknown config key {key!r} (from {source})"
-                              + (f"; did you mean {close[0]!r}?" if close else ""))
+            hint = {**RENAMED, **NANOGPT}.get(key) or next(iter(difflib.get_close_matches(key, config, n=1)), "")
+            raise ConfigError(f"unknown config key {key!r} (from {source})" + (
+                f"; did you mean {hint!r}?" if hint in config else f"; {hint}" if hint else ""))
         if isinstance(config[key], float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         _require(type(value) is type(config[key]), f"config key {key!r} expects {type(config[key]).__name__}, "
@@ -129,15 +125,18 @@ def apply_config(argv, config, given=None):
             given.add(key)
         return value
 
-    for arg in argv:
+    args = iter(argv)
+    for arg in args:
         if arg.startswith("--"):
-            _require("=" in arg, f"override {arg!r} must look like --key=value", ConfigError)
-            key, text = arg[2:].split("=", 1)
+            key, eq, text = arg[2:].partition("=")
+            text = text if eq else next(args, None)
+            _require(text is not None, f"{arg} needs a value: {arg}=VALUE or {arg} VALUE", ConfigError)
             try:
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text
-            config[key] = checked(key, text if isinstance(config.get(key), str) else value, arg)
+            config[key] = checked(key, text if isinstance(config.get(key), str) else value,
+                                  arg if eq else f"{arg} {text}")
             continue
         _require(os.path.isfile(arg), f"config file {arg!r} not found", ConfigError)
         scope = dict(config, __file__=os.path.abspath(arg))  # so a config file can build on a sibling
@@ -150,6 +149,94 @@ def apply_config(argv, config, given=None):
                 config[key] = checked(key, value, arg)
     return config
 
+
+def check_config(c, world_size):
+    """Values apply_config cannot judge alone; raises ConfigError naming the key."""
+    def need(ok, message):
+        _require(ok, message, ConfigError)
+    need(c.init_from in ("scratch", "resume") or os.path.isfile(os.path.join(c.init_from, "config.json")),
+         f"init_from must be 'scratch', 'resume' or a Llama-format checkpoint directory (config.json + "
+         f"model.safetensors, as hf.save_llama writes), got {c.init_from!r}")
+    need(c.batching in BATCHING, f"batching must be one of {BATCHING}, got {c.batching!r}")
+    need(c.ddp_impl in DDP_IMPLS, f"ddp_impl must be one of {DDP_IMPLS}, got {c.ddp_impl!r}")
+    need(not (c.zero1 and c.ddp_impl in ("fsdp", "torch_fsdp")), f"zero1 shards optimizer state on top of "
+         f"replicated DDP; ddp_impl={c.ddp_impl!r} shards it already")
+    need(c.grad_accum >= 0 and c.grad_accum % world_size == 0, f"grad_accum={c.grad_accum} must be a multiple of "
+         f"the world size {world_size} (micro-batches are split across ranks), or 0 for one per rank")
+    for key in ("batch_size", "context_length", "max_iters", "eval_iters", "log_interval", "eval_interval",
+                "save_interval"):
+        need(getattr(c, key) >= 1, f"{key} must be >= 1, got {getattr(c, key)}")
+    need(c.d_model % c.num_heads == 0, f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}")
+    need(c.act_ckpt_every >= 0 and -1 <= c.act_ckpt_layers <= c.num_layers, f"act_ckpt_every must be >= 0 and "
+         f"act_ckpt_layers in [-1, num_layers={c.num_layers}], got {c.act_ckpt_every} and {c.act_ckpt_layers}")
+    need(not c.pack_static or c.batching == "pack", f"pack_static applies to batching='pack', got "
+         f"batching={c.batching!r}")
+    need(not c.cuda_graphs or (c.compile and static_shapes(c) and world_size == 1), f"cuda_graphs needs "
+         f"compile=True, static shapes (batching='concat', or 'pack' with pack_static=True) and one process, got "
+         f"compile={c.compile}, batching={c.batching!r}, pack_static={c.pack_static}, world size {world_size}")
+    need(c.dtype in ("auto", "float32", "bfloat16"), f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss "
+         f"scaling for float16), got {c.dtype!r}")
+
+
+def static_shapes(c):
+    """Whether every micro-batch has one of a few fixed shapes (compiled without dynamic shapes)."""
+    return c.batching == "concat" or (c.batching == "pack" and c.pack_static)
+
+
+def parse(argv):
+    """(config, the keys the command line set), checked as far as it can be before the data and checkpoint are
+    read (a resumed run's saved config is checked when it is read); None after printing --help."""
+    if "-h" in argv or "--help" in argv:
+        keys = "\n".join(f"  --{k}={v!r}" for k, v in default_config().items())
+        print(f"{__doc__}\nconfig keys and defaults:\n{keys}")
+        return None
+    given = set()
+    config = apply_config(argv, default_config(), given)
+    if config["init_from"] != "resume":  # torchrun's world size: init_distributed takes the same
+        check_config(SimpleNamespace(**config), int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+    return config, given
+
+
+def cli(argv, run=None):
+    """The command line: parse(argv), then run(config, given) -> exit status (without run: None once parsed). A
+    ConfigError is one line on stderr and status 2 (argparse's convention), Ctrl-C before the training loop one
+    line and status 130; printed by the first process of each node only."""
+    quiet = os.environ.get("LOCAL_RANK", "0") != "0"
+    try:
+        parsed = parse(argv)
+        return 0 if parsed is None else run(*parsed) if run else None
+    except ConfigError as e:
+        if not quiet:
+            print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if not quiet:
+            print("train.py: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__" and (status := cli(sys.argv[1:])) is not None:
+    sys.exit(status)  # --help or a bad command line: answered before the heavy imports below
+
+import contextlib
+import hashlib
+import json
+import math
+import pickle
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import torch
+
+import ddp
+from flash import AdamW  # noqa: F401  (train.AdamW: the optimizer lives beside its kernel)
+from hf import llama_init
+from model import TransformerLM, auto_attn_impl, count_params, flops_per_token
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
 
 # -----------------------------------------------------------------------------------------------------------------
 # schedule and clipping
@@ -177,10 +264,10 @@ def load_dataset(data_dir, split):
     """Open data_dir/{split}.bin as a read-only memmap, with its document offsets and meta.json (data/prepare.py's
     format), after checking everything train.py relies on. Returns (tokens, docs, meta)."""
     _require(split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}")
-    name = os.path.basename(os.path.normpath(data_dir))
-    make = f"run `python data/prepare.py {name}` to create it"
-    if os.path.abspath(data_dir) != os.path.join(_ROOT, "data", name):  # prepare.py writes data/<name> by default
-        make = f"run `python data/prepare.py {name} --input <files> --out_dir {data_dir}` to create it"
+    name = os.path.basename(os.path.normpath(data_dir))  # prepare.py's command for it: a download, or local text
+    make = (f"run `python data/prepare.py {name}" + " --input <files>" * (name not in ("shakespeare", "tinystories",
+            "owt")) + f" --out_dir {data_dir}" * (os.path.abspath(data_dir) != os.path.join(_ROOT, "data", name))
+            + "` to create it")
     meta_path, bin_path, docs_path = (os.path.join(data_dir, f) for f in ("meta.json", f"{split}.bin",
                                                                             f"{split}_docs.npy"))
     for path in (meta_path, bin_path, docs_path):
@@ -333,26 +420,56 @@ def _clean_state_dict(state_dict):
     return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}  # torch.compile's wrapper's names
 
 
+def checksum(ckpt):
+    """sha256 of a checkpoint's contents (nested dicts, lists and tuples of tensors, numbers and strings) but its
+    "checksum" entry: every tensor's dtype, shape and bytes, every other value's repr."""
+    h = hashlib.sha256()
+
+    def add(x):
+        if torch.is_tensor(x):
+            t = x.detach().cpu().contiguous().reshape(-1)
+            h.update(f"{t.dtype}{tuple(x.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy())
+        elif isinstance(x, (dict, list, tuple)):
+            h.update(type(x).__name__.encode())
+            for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])) if isinstance(x, dict) else enumerate(x):
+                if k != "checksum" or x is not ckpt:
+                    h.update(repr(k).encode())
+                    add(v)
+        else:
+            h.update(repr(x).encode())
+    add(ckpt)
+    return h.hexdigest()
+
+
 def save_checkpoint(model, optimizer, iteration, out, **extra):
-    """torch.save {"model", "optimizer", "iteration", **extra} to a path (atomically: a temp file, then
-    os.replace) or a file object. model: a module (wrappers and torch.compile unwrapped) or a ready state dict;
-    optimizer: an optimizer, a ready state dict or None."""
+    """torch.save {"model", "optimizer", "iteration", **extra, "checksum"} to a path (atomically: a temp file,
+    read back and verified, then os.replace) or a file object. model: a module (wrappers and torch.compile
+    unwrapped) or a ready state dict; optimizer: an optimizer, a ready state dict or None."""
     state_dict = model if isinstance(model, dict) else _unwrap(model).state_dict()
     ckpt = {"model": _clean_state_dict(state_dict),
             "optimizer": optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer,
             "iteration": int(iteration), **extra}
+    ckpt["checksum"] = checksum(ckpt)
     if not isinstance(out, (str, os.PathLike)):
         return torch.save(ckpt, out)
-    torch.save(ckpt, os.fspath(out) + ".tmp")
-    os.replace(os.fspath(out) + ".tmp", out)
+    tmp = os.fspath(out) + ".tmp"
+    torch.save(ckpt, tmp)
+    try:
+        read_checkpoint(tmp, mmap=True)  # what reached the file, or the old checkpoint stays
+    except RuntimeError:
+        os.remove(tmp)
+        raise
+    os.replace(tmp, out)
 
 
-def read_checkpoint(src):
-    """torch.load(weights_only=True) onto the CPU, with a clear error for missing, truncated or corrupt files."""
+def read_checkpoint(src, mmap=False):
+    """torch.load(weights_only=True) onto the CPU (mmap: tensors mapped from the file, not read), with a clear
+    error for missing, truncated or corrupt files and for contents that do not match their checksum."""
     _require(not isinstance(src, (str, os.PathLike)) or os.path.isfile(src),
              f"checkpoint {src} not found (train with `python train.py` first)", FileNotFoundError)
     try:
-        ckpt = torch.load(src, map_location="cpu", weights_only=True)
+        ckpt = torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:  # torch's message would suggest the unsafe full unpickler: we never use it
         raise RuntimeError(f"checkpoint {src} holds Python objects other than tensors, numbers, strings and "
                            f"containers: not a train.py checkpoint, and it is not loaded") from None
@@ -362,6 +479,8 @@ def read_checkpoint(src):
         raise RuntimeError(f"checkpoint {src} is truncated or corrupt and cannot be loaded ({detail})") from None
     _require(isinstance(ckpt, dict) and "model" in ckpt and "iteration" in ckpt,
              f"checkpoint {src} is not a train.py checkpoint (no 'model' / 'iteration')", RuntimeError)
+    _require("checksum" not in ckpt or ckpt["checksum"] == checksum(ckpt), f"checkpoint {src} is damaged: its "
+             f"contents do not match the checksum saved with them (a disk or copy error)", RuntimeError)
     return ckpt
 
 
@@ -472,40 +591,6 @@ def capture_step(step, optimizer):
 # -----------------------------------------------------------------------------------------------------------------
 # the run: set-up
 
-def check_config(c, world_size):
-    """Values apply_config cannot judge alone; raises ConfigError naming the key."""
-    def need(ok, message):
-        _require(ok, message, ConfigError)
-    impls = tuple(i for i in ddp.IMPLS if i != "none")
-    need(c.init_from in ("scratch", "resume") or os.path.isfile(os.path.join(c.init_from, "config.json")),
-         f"init_from must be 'scratch', 'resume' or a Llama-format checkpoint directory (config.json + "
-         f"model.safetensors, as hf.save_llama writes), got {c.init_from!r}")
-    need(c.batching in BATCHING, f"batching must be one of {BATCHING}, got {c.batching!r}")
-    need(c.ddp_impl in impls, f"ddp_impl must be one of {impls}, got {c.ddp_impl!r}")
-    need(not (c.zero1 and c.ddp_impl in ("fsdp", "torch_fsdp")), f"zero1 shards optimizer state on top of "
-         f"replicated DDP; ddp_impl={c.ddp_impl!r} shards it already")
-    need(c.grad_accum >= 1 and c.grad_accum % world_size == 0, f"grad_accum={c.grad_accum} must be a positive "
-         f"multiple of the world size {world_size} (micro-batches are split across ranks)")
-    for key in ("batch_size", "context_length", "max_iters", "eval_iters", "log_interval", "eval_interval",
-                "save_interval"):
-        need(getattr(c, key) >= 1, f"{key} must be >= 1, got {getattr(c, key)}")
-    need(c.d_model % c.num_heads == 0, f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}")
-    need(c.act_ckpt_every >= 0 and -1 <= c.act_ckpt_layers <= c.num_layers, f"act_ckpt_every must be >= 0 and "
-         f"act_ckpt_layers in [-1, num_layers={c.num_layers}], got {c.act_ckpt_every} and {c.act_ckpt_layers}")
-    need(not c.pack_static or c.batching == "pack", f"pack_static applies to batching='pack', got "
-         f"batching={c.batching!r}")
-    need(not c.cuda_graphs or (c.compile and static_shapes(c) and world_size == 1), f"cuda_graphs needs "
-         f"compile=True, static shapes (batching='concat', or 'pack' with pack_static=True) and one process, got "
-         f"compile={c.compile}, batching={c.batching!r}, pack_static={c.pack_static}, world size {world_size}")
-    need(c.dtype in ("auto", "float32", "bfloat16"), f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss "
-         f"scaling for float16), got {c.dtype!r}")
-
-
-def static_shapes(c):
-    """Whether every micro-batch has one of a few fixed shapes (compiled without dynamic shapes)."""
-    return c.batching == "concat" or (c.batching == "pack" and c.pack_static)
-
-
 def resume_config(config, given, saved, log):
     """The config of a resumed run: the checkpoint's saved config, with the keys given on this command line on top.
     A change is applied with a warning naming it; a change of a RESUME_FIXED key is refused."""
@@ -526,17 +611,20 @@ def resume_config(config, given, saved, log):
 
 
 def claim_out_dir(c, master, log):
-    """A scratch run must not destroy a run in out_dir: refuse, or with force=True move its files to *.old."""
-    os.makedirs(c.out_dir, exist_ok=True)
+    """A scratch run must not destroy a run in out_dir: refuse, or with force=True move its files to the next free
+    out_dir/old/N (every earlier run is kept)."""
     old = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(c.out_dir, n))]
-    if c.init_from == "resume" or not old:
-        return
-    _require(c.force, f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to continue "
-             f"it, or --force=True to start over (its files are then moved to *.old)", ConfigError)
-    if master:
-        for name in old + [n for n in ("loss.png",) if os.path.exists(os.path.join(c.out_dir, n))]:
-            os.replace(os.path.join(c.out_dir, name), os.path.join(c.out_dir, name + ".old"))
-        log(f"force: moved {', '.join(old)} in {c.out_dir} to *.old")
+    if c.init_from != "resume" and old:
+        _require(c.force, f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to continue "
+                 f"it, or --force=True to start over (that run is then moved to {c.out_dir}/old/N)", ConfigError)
+        if master:
+            done = os.listdir(os.path.join(c.out_dir, "old")) if os.path.isdir(os.path.join(c.out_dir, "old")) else []
+            keep = os.path.join(c.out_dir, "old", str(1 + max((int(n) for n in done if n.isdigit()), default=0)))
+            os.makedirs(keep)
+            for name in old + ["loss.png"] * os.path.exists(os.path.join(c.out_dir, "loss.png")):
+                os.replace(os.path.join(c.out_dir, name), os.path.join(keep, name))
+            log(f"force: moved the run that was in {c.out_dir} to {keep}")
+    os.makedirs(c.out_dir, exist_ok=True)
 
 
 def prepare_data(c, rank, world_size):
@@ -561,28 +649,38 @@ def decay_groups(weight_decay):
     return groups
 
 
+def _user_input(load, *args):
+    """load(*args), its errors about a missing or damaged dataset or checkpoint as ConfigError (one line, cli)."""
+    try:
+        return load(*args)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(e) from None
+
+
 def setup(config, given, rank, world_size, dev, log):
     """Everything the loop needs, as a namespace: the config c, the data, the wrapped model w and its optimizer,
     the fixed validation batches, the iteration to start at."""
     c, ckpt = SimpleNamespace(**config), None
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
     if c.init_from == "resume":  # the saved config, with this command line's changes (or refusals)
-        ckpt = read_checkpoint(ckpt_path)
+        ckpt = _user_input(read_checkpoint, ckpt_path)
         c = SimpleNamespace(**resume_config(config, given, ckpt.get("config", {}), log))
     check_config(c, world_size)
+    c.grad_accum = c.grad_accum or world_size  # saved resolved: a resume on another world size keeps the batch
     _require(not c.cuda_graphs or dev.type == "cuda", f"cuda_graphs needs a CUDA device, got {dev}", ConfigError)
-    claim_out_dir(c, rank == 0, log)
     ptdtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
                "float32": torch.float32, "bfloat16": torch.bfloat16}[c.dtype]
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     data_dir = prepare_data(c, rank, world_size)
-    (train_tokens, train_docs, meta), (val_tokens, val_docs, _) = (load_dataset(data_dir, s) for s in ("train", "val"))
+    (train_tokens, train_docs, meta), (val_tokens, val_docs, _) = (_user_input(load_dataset, data_dir, s)
+                                                                    for s in ("train", "val"))
     vocab_size = meta["vocab_size"]
     for name, toks in (("train", train_tokens), ("val", val_tokens)):
         _require(c.batching != "concat" or len(toks) > c.context_length, f"{name} split has {len(toks)} tokens, "
-                 f"fewer than context_length + 1 = {c.context_length + 1}: lower context_length or prepare more data")
+                 f"fewer than context_length + 1 = {c.context_length + 1}: lower context_length or prepare more data",
+                 ConfigError)
 
     # the model: from scratch, with the checkpoint's model_args, or a Llama directory's weights
     model_args = dict(vocab_size=vocab_size, context_length=c.context_length, d_model=c.d_model,
@@ -595,10 +693,11 @@ def setup(config, given, rank, world_size, dev, log):
         model_args = {k: v for k, v in ckpt["model_args"].items() if k not in recompute}
         _require(model_args["vocab_size"] == vocab_size, f"checkpoint {ckpt_path} has vocab_size "
                  f"{model_args['vocab_size']} but dataset {data_dir} has {vocab_size}: resume on the data it was "
-                 f"trained on")
+                 f"trained on", ConfigError)
     llama_state = None
     if c.init_from not in ("scratch", "resume"):
-        model_args, llama_state = llama_init(c.init_from, vocab_size=vocab_size, context_length=c.context_length)
+        model_args, llama_state = _user_input(llama_init, c.init_from, vocab_size, c.context_length)
+    claim_out_dir(c, rank == 0, log)  # every input judged: from here on the run writes
     attn = c.attn_impl if c.attn_impl != "auto" else auto_attn_impl(dev.type, packed=c.batching == "pack")
     torch.manual_seed(c.seed)
     model = TransformerLM(**model_args, **recompute, attn_impl=attn, device=dev)
@@ -678,17 +777,24 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
+def _pyplot():  # matplotlib's pyplot, drawing to files; None when matplotlib is not installed
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        return None
+
+
 def log_record(log_path, record):
     """Append a record to log.jsonl and redraw loss.png beside it (when matplotlib is installed)."""
     with open(log_path, "a") as f:
         f.write(json.dumps(record) + "\n")
     if "val_loss" not in record:
         return
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return
     with open(log_path) as f:
         records = [json.loads(line) for line in f]
@@ -766,8 +872,13 @@ def train(config, given, rank, world_size, dev):
     peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
                             if dev.type == "cuda" else 0.0)
     stops, stopped, saved_at = StopSignals(world_size), None, r.start_iter if c.init_from == "resume" else None
+    if master and _pyplot() is None:
+        log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
+    # on CPU the same seed gives the same bits: else the embedding's backward adds rows in threads' order
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu", warn_only=True)
     t_start = time.time()
-    t_last, it_last, tokens_since = t_start, r.start_iter, 0
+    t_last, it_last, tokens_since, eta_from = t_start, r.start_iter, 0, None
     w.train()
     try:
         for it in range(r.start_iter, c.max_iters):
@@ -799,13 +910,15 @@ def train(config, given, rank, world_size, dev):
                 train_loss, dt = loss_total / c.grad_accum / (step - it_last), (now - t_last) / (step - it_last)
                 tok_s = tokens / (now - t_last)
                 mfu = r.flops_tok * tok_s / (peak * world_size) if peak else None
+                t0, step0 = eta_from or (t_last, it_last)  # the mean since this run's first log line (after warm-up)
+                eta, eta_from = (now - t0) / (step - step0) * (c.max_iters - step), eta_from or (now, step)
                 log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, grad norm {float(grad_norm):.3f}"
                     f", {tok_s:,.0f} tok/s, " + (f"MFU {100 * mfu:.1f}%, " if mfu is not None else "")
-                    + f"{1000 * dt:.1f} ms/step, ETA {dt * (c.max_iters - step) / 60:.1f} min")
+                    + f"{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min")
                 if master:
                     log_record(r.log_path, {"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
                                             "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1000 * dt,
-                                            "time_s": now - t_start})
+                                            "eta_s": eta, "time_s": now - t_start})
                 t_last, it_last, tokens_since = now, step, 0
                 loss_sum.zero_()
             if step == c.max_iters:
@@ -818,46 +931,44 @@ def train(config, given, rank, world_size, dev):
             log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
     finally:
         stops.restore()
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     if stopped is None:
         return 0
-    launcher = f"torchrun --standalone --nproc_per_node={world_size} train.py" if world_size > 1 else "python train.py"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    launcher = ("python train.py" if world_size == 1 else f"torchrun --standalone --nproc_per_node={world_size} train.py"
+                if local == world_size else f"torchrun --nnodes={world_size // local} --nproc_per_node={local} "
+                "--node_rank=N --rdzv_backend=c10d --rdzv_endpoint=HOST0:PORT train.py")
     log(f"stopped by {signal.Signals(stopped[0]).name} after step {stopped[1]}: checkpoint in {r.ckpt_path}; "
         f"continue with `{launcher} --out_dir={c.out_dir} --init_from=resume`")
     return 128 + stopped[0]
 
 
-def main(argv):
-    """Run train.py with command-line arguments; returns the exit status."""
-    if "-h" in argv or "--help" in argv:
-        keys = "\n".join(f"  --{k}={v!r}" for k, v in default_config().items())
-        print(f"{__doc__}\nconfig keys and defaults:\n{keys}")
-        return 0
-    given = set()
-    config = apply_config(argv, default_config(), given)
+def run(config, given):
+    """The run of a parsed command line on this process (each rank under torchrun); returns the exit status."""
     rank, _, world_size, dev = ddp.init_distributed()
-    if config["device"] != "auto" and world_size == 1:
-        dev = torch.device(config["device"])
     try:
-        return train(config, given, rank, world_size, dev)
-    finally:
-        ddp.cleanup_distributed()
+        if config["device"] != "auto" and world_size == 1:
+            try:
+                dev = torch.device(config["device"])
+            except RuntimeError:
+                raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {config['device']!r}") from None
+            n = torch.cuda.device_count()
+            _require(dev.type != "cuda" or (dev.index or 0) < n, f"device={config['device']!r}: " + (
+                f"this machine has {n} CUDA devices" if n else "CUDA is not available on this machine"), ConfigError)
+        status = train(config, given, rank, world_size, dev)
+    except BaseException:  # no barrier: the other ranks may never reach it (a dataset missing on one node only)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        raise
+    ddp.cleanup_distributed()
+    return status
 
 
-def cli(argv):
-    """main() for the command line: a ConfigError is one line on stderr and status 2 (argparse's convention), a
-    Ctrl-C before the training loop one line and status 130; printed by rank 0 only."""
-    quiet = os.environ.get("RANK", "0") != "0"
-    try:
-        return main(argv)
-    except ConfigError as e:
-        if not quiet:
-            print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if not quiet:
-            print("train.py: interrupted before training started; nothing was saved", file=sys.stderr)
-        return 130
+def main(argv):
+    """Run train.py with command-line arguments, as cli() does but raising ConfigError; returns the exit status."""
+    parsed = parse(argv)
+    return 0 if parsed is None else run(*parsed)
 
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(cli(sys.argv[1:], run))
