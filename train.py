@@ -421,21 +421,19 @@ def _clean_state_dict(state_dict):
 
 
 def checksum(ckpt):
-    """sha256 of a checkpoint's contents (nested dicts, lists and tuples of tensors, numbers and strings) but its
-    "checksum" entry: every tensor's dtype, shape and bytes, every other value's repr."""
+    """sha256 of a checkpoint's contents but its "checksum" entry: each tensor's dtype, shape and bytes, each other
+    value's repr, containers entry by entry (dict keys sorted)."""
     h = hashlib.sha256()
 
     def add(x):
-        if torch.is_tensor(x):
-            t = x.detach().cpu().contiguous().reshape(-1)
-            h.update(f"{t.dtype}{tuple(x.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy())
-        elif isinstance(x, (dict, list, tuple)):
-            h.update(type(x).__name__.encode())
+        if isinstance(x, (dict, list, tuple)):
             for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])) if isinstance(x, dict) else enumerate(x):
-                if k != "checksum" or x is not ckpt:
-                    h.update(repr(k).encode())
+                if x is not ckpt or k != "checksum":
+                    h.update(f"{type(x).__name__} {k!r}".encode())
                     add(v)
+        elif torch.is_tensor(x):
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         else:
             h.update(repr(x).encode())
     add(ckpt)
@@ -537,31 +535,23 @@ def make_step(w, optimizer, micro_step, max_norm, graphs=None):
 
 def whole_step_graph(step, optimizer, device, eager_steps=2):
     """step() (a whole training step ending in optimizer.step()) as one CUDA graph, each call one step: the first
-    eager_steps calls run eagerly on a side stream (they compile, autotune and make the optimizer state), the
-    next captures it (capture_step), every later call replays. optimizer: capturable. Returns the function."""
+    eager_steps calls run eagerly on a side stream, as torch.cuda.graph wants (they compile, autotune and make the
+    optimizer state), the next captures it (capture_step), every later call replays. optimizer: capturable."""
     side, calls, replay = torch.cuda.Stream(device), [0], []
 
     def run():
         calls[0] += 1
-        if calls[0] <= eager_steps:
-            out = warmup_step(step, side)
+        if calls[0] <= eager_steps:  # after the work queued before, before the work queued after
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                out = step()
+            torch.cuda.current_stream(device).wait_stream(side)
             optimizer.zero_grad(set_to_none=True)
             return out
         if not replay:
             replay.append(capture_step(step, optimizer))
         return replay[0]()
     return run
-
-
-def warmup_step(step, stream):
-    """step() on the side stream `stream`, ordered after the work queued before it and before the work after it
-    (torch.cuda.graph wants warm-up off the default stream). Returns step()'s result."""
-    current = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        out = step()
-    current.wait_stream(stream)
-    return out
 
 
 def capture_step(step, optimizer):
@@ -883,13 +873,13 @@ def train(config, given, rank, world_size, dev):
     try:
         for it in range(r.start_iter, c.max_iters):
             stop = stops.requested()
+            if it % c.eval_interval == 0 and not (it == r.start_iter and c.init_from == "resume"):
+                t_last += evaluate(it)  # evaluation time is not training time (and a resumed run skips this one)
             if stop:  # `it` steps are complete: keep them
                 if saved_at != it:
                     save(it)
                 stopped = (stop, it)
                 break
-            if it % c.eval_interval == 0 and not (it == r.start_iter and c.init_from == "resume"):
-                t_last += evaluate(it)  # evaluation time is not training time
 
             lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
             for group in optimizer.param_groups:
