@@ -6,12 +6,11 @@ Train a TransformerLM on a tokenized dataset.
     python train.py --init_from=resume                 # continue out_dir/ckpt.pt exactly, with its saved config
     python train.py --force=True                       # start over in an out_dir that holds a run (kept in old/N)
     torchrun --standalone --nproc_per_node=4 train.py config/small.py   # 4 GPUs; --ddp_impl=..., --zero1=True
-    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py
-                                                       # node 0 of 2; the same with --node_rank=1 on the other host
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py  # on each host
 
-The file: the config globals and the command line (judged before torch is imported); the library, importable
-without side effects (the schedule and clipping, data loading and batching, checkpoints, make_step: one training
-step, eager or as CUDA graphs); the run (setup, then train: the loop). Ctrl-C (SIGINT) or SIGTERM end a run after the
+The file: the config globals and the command line (main, cli: judged before torch is imported); the library,
+importable without side effects (schedule, clipping, data and batches, checkpoints, make_step: one training step,
+eager or as CUDA graphs); the run (setup, then train: the loop). SIGINT (Ctrl-C) or SIGTERM end a run after the
 step in progress, with a checkpoint and the command that continues it.
 """
 import ast
@@ -86,16 +85,14 @@ RENAMED = {"ckpt_interval": "save_interval"}  # old config keys -> their names n
 NANOGPT = dict(block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
                gradient_accumulation_steps="grad_accum", always_save_checkpoint="save_interval",
                vocab_size="the dataset sets the vocabulary: `python data/prepare.py NAME --vocab_size N`",
-               dropout="this model has no dropout", bias="this model has no biases",
+               dropout="this model has no dropout", bias="this model has no biases", eval_only="no eval-only mode",
                decay_lr="the cosine schedule is always on (min_lr=learning_rate keeps the rate constant)",
-               eval_only="no eval-only mode here (sample.py generates from a checkpoint)",
-               backend="the backend follows the device: NCCL on CUDA, gloo on CPU",
-               **dict.fromkeys(("wandb_log", "wandb_project", "wandb_run_name"), "no wandb: see out_dir/log.jsonl"))
+               backend="NCCL on CUDA, gloo on CPU", **dict.fromkeys(("wandb_log", "wandb_project", "wandb_run_name"),
+                                                                     "no wandb: see out_dir/log.jsonl"))
 
 
 class ConfigError(ValueError):
-    """A bad config key or value, dataset or checkpoint, or a run the config would damage: cli() prints it as one
-    line, status 2."""
+    """A bad config key or value, dataset, checkpoint or device, or a run in the way: cli() prints one line."""
 
 
 def _require(ok, message, error=ValueError):
@@ -108,10 +105,10 @@ def default_config():
 
 
 def apply_config(argv, config, given=None):
-    """Apply config files (paths) and --key=value or --key value overrides, in order, to the dict `config`
-    (nanoGPT's configurator). A file runs with the current values in scope; a value is parsed by ast.literal_eval
-    (strings verbatim). An unknown key (with our name for it, or the closest one) or a value of another type than
-    the default (int is fine for float) raises ConfigError. The keys set are added to the set `given`, if any."""
+    """Apply config files and --key=value or --key value overrides, in order, to the dict `config` (nanoGPT's
+    configurator): a file runs with the current values in scope, a value is parsed by ast.literal_eval (strings
+    verbatim). An unknown key (named ours, or the closest one) or a value of another type than the default (int is
+    fine for float) raises ConfigError. The keys set are added to the set `given`, if any."""
     def checked(key, value, source):
         if key not in config:
             hint = {**RENAMED, **NANOGPT}.get(key) or next(iter(difflib.get_close_matches(key, config, n=1)), "")
@@ -171,55 +168,58 @@ def check_config(c, world_size):
          f"act_ckpt_layers in [-1, num_layers={c.num_layers}], got {c.act_ckpt_every} and {c.act_ckpt_layers}")
     need(not c.pack_static or c.batching == "pack", f"pack_static applies to batching='pack', got "
          f"batching={c.batching!r}")
-    need(not c.cuda_graphs or (c.compile and static_shapes(c) and world_size == 1), f"cuda_graphs needs "
-         f"compile=True, static shapes (batching='concat', or 'pack' with pack_static=True) and one process, got "
-         f"compile={c.compile}, batching={c.batching!r}, pack_static={c.pack_static}, world size {world_size}")
+    need(not c.cuda_graphs or (c.compile and (c.batching == "concat" or c.pack_static) and world_size == 1),
+         f"cuda_graphs needs compile=True, static shapes (concat, or pack with pack_static=True) and one process, "
+         f"got compile={c.compile}, batching={c.batching!r}, pack_static={c.pack_static}, world size {world_size}")
     need(c.dtype in ("auto", "float32", "bfloat16"), f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss "
          f"scaling for float16), got {c.dtype!r}")
 
 
-def static_shapes(c):
-    """Whether every micro-batch has one of a few fixed shapes (compiled without dynamic shapes)."""
-    return c.batching == "concat" or (c.batching == "pack" and c.pack_static)
-
-
-def parse(argv):
-    """(config, the keys the command line set), checked as far as it can be before the data and checkpoint are
-    read (a resumed run's saved config is checked when it is read); None after printing --help."""
+def main(argv, check_only=False):
+    """Run train.py with command-line arguments; returns the exit status, raising ConfigError. check_only (before
+    torch is imported): judge them as far as they can be without data and checkpoint, and return None."""
     if "-h" in argv or "--help" in argv:
         keys = "\n".join(f"  --{k}={v!r}" for k, v in default_config().items())
         print(f"{__doc__}\nconfig keys and defaults:\n{keys}")
-        return None
+        return 0
     given = set()
     config = apply_config(argv, default_config(), given)
     if config["init_from"] != "resume":  # torchrun's world size: init_distributed takes the same
         check_config(SimpleNamespace(**config), int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
-    return config, given
-
-
-def cli(argv, run=None):
-    """The command line: parse(argv), then run(config, given) -> exit status (without run: None once parsed). A
-    ConfigError is one line on stderr and status 2 (argparse's convention), Ctrl-C before the training loop one
-    line and status 130; printed by the first process of each node only."""
-    quiet = os.environ.get("LOCAL_RANK", "0") != "0"
+    if check_only:
+        return None
+    rank, _, world_size, dev = ddp.init_distributed()
     try:
-        parsed = parse(argv)
-        return 0 if parsed is None else run(*parsed) if run else None
-    except ConfigError as e:
-        if not quiet:
-            print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if not quiet:
-            print("train.py: interrupted before training started; nothing was saved", file=sys.stderr)
-        return 130
+        if config["device"] != "auto" and world_size == 1:
+            dev, n = _user_input(torch.device, config["device"]), torch.cuda.device_count()
+            _require(dev.type != "cuda" or (dev.index or 0) < n, f"device={config['device']!r}: " + (
+                f"this machine has {n} CUDA devices" if n else "CUDA is not available on this machine"), ConfigError)
+        status = train(config, given, rank, world_size, dev)
+    except BaseException:  # no barrier: the other ranks may never reach it (a dataset missing on one node only)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        raise
+    ddp.cleanup_distributed()
+    return status
 
 
-if __name__ == "__main__" and (status := cli(sys.argv[1:])) is not None:
+def cli(argv, check_only=False):
+    """main() for the command line: a ConfigError is one line on stderr and status 2 (argparse's convention), a
+    Ctrl-C before the training loop one line and status 130; printed by the first process of each node only."""
+    try:
+        return main(argv, check_only)
+    except (ConfigError, KeyboardInterrupt) as e:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"train.py: error: {e}" if isinstance(e, ConfigError) else
+                  "train.py: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 130
+
+
+if __name__ == "__main__" and (status := cli(sys.argv[1:], check_only=True)) is not None:
     sys.exit(status)  # --help or a bad command line: answered before the heavy imports below
 
 import contextlib
-import hashlib
+import importlib.util
 import json
 import math
 import pickle
@@ -227,6 +227,7 @@ import signal
 import subprocess
 import threading
 import time
+import zipfile
 
 import numpy as np
 import torch
@@ -252,8 +253,7 @@ def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iter
 
 
 def clip_grad_norm(parameters, max_l2_norm):
-    """Scale all gradients so their global L2 norm is at most max_l2_norm; returns the norm before clipping
-    (ddp.clip_grad_norm, the one implementation)."""
+    """Scale all gradients to a global L2 norm of at most max_l2_norm; returns the norm before (ddp.clip_grad_norm)."""
     return ddp.clip_grad_norm(list(parameters), max_l2_norm)
 
 
@@ -286,8 +286,8 @@ def load_dataset(data_dir, split):
              f"{meta[f'{split}_tokens']}; {make}")
     _require(n > 0, f"{bin_path} is empty; {make}")
     tokens = np.memmap(bin_path, dtype=np_dtype, mode="r", shape=(n,))
-    top = int(tokens.max())
-    _require(top < meta["vocab_size"], f"{bin_path} contains token id {top} >= vocab_size {meta['vocab_size']}")
+    _require((top := int(tokens.max())) < meta["vocab_size"], f"{bin_path} contains token id {top} >= vocab_size "
+             f"{meta['vocab_size']}; {make}")
     docs = np.load(docs_path)
     _require(docs.ndim == 1 and docs.dtype == np.int64 and len(docs) == meta[f"{split}_docs"] + 1 and docs[0] == 0
              and docs[-1] == n and np.all(np.diff(docs) > 0), f"{docs_path} is not a valid document index for {n} "
@@ -297,10 +297,8 @@ def load_dataset(data_dir, split):
     return tokens, docs, meta
 
 
-def _to_device(t, device):
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)  # pinned: the copy runs asynchronously to the GPU
-    return t.to(device)
+def _to_device(t, device):  # to a GPU from pinned memory: the copy runs asynchronously
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 def get_batch(dataset, batch_size, context_length, device, generator=None):
@@ -315,10 +313,9 @@ def get_batch(dataset, batch_size, context_length, device, generator=None):
 
 
 def sample_documents(docs, token_budget, context_length, generator):
-    """Random document pieces until they hold at least token_budget targets; returns their (start, end) token
-    ranges. Documents are cut into context_length-sized pieces, drawn uniformly (each token equally likely, as
-    with concat windows); a piece of L tokens has L - 1 targets, so one-token pieces are skipped. The batch
-    overshoots the budget by less than one piece."""
+    """Random document pieces until they hold at least token_budget targets (overshooting by less than one piece):
+    their (start, end) token ranges. Documents are cut into context_length-sized pieces, drawn uniformly (each token
+    equally likely, as with concat windows); a piece of L tokens has L - 1 targets, so one-token pieces are skipped."""
     docs = np.asarray(docs, dtype=np.int64)
     _require(context_length >= 2, f"context_length must be >= 2, got {context_length}")
     lengths = np.diff(docs)
@@ -367,9 +364,9 @@ def pack_batch(tokens, spans):
 
 
 def pad_packed(x, y, cu_seqlens, length, pad_id):
-    """A packed batch at a static shape: x and y right-padded to `length` tokens (pad_id in x, -100 in y), the
-    padding a document of its own so no real token attends to it, and cu_seqlens extended to the next power of two
-    of offsets by repeating its last one (empty documents). The loss and gradients are the unpadded batch's."""
+    """A packed batch at a static shape, with the unpadded batch's loss and gradients: x and y right-padded to
+    `length` (pad_id, -100), the padding a document of its own, cu_seqlens repeating its last offset (empty
+    documents) up to a power of two of entries."""
     n = x.shape[1]
     _require(n <= length, f"a packed batch of {n} tokens does not fit a static length of {length}")
     if n < length:
@@ -381,9 +378,8 @@ def pad_packed(x, y, cu_seqlens, length, pad_id):
 
 
 def make_batch(tokens, docs, c, generator, device, pad_id):
-    """One micro-batch of config c's batching: (x, y, cu_seqlens or None, max_seqlen or None, real targets).
-    concat: windows of the token stream; pad: one document piece per row, padded to context_length; dynamic_pad:
-    padded to the longest piece; pack: the pieces in one row with cu_seqlens (pack_static: padded by pad_packed)."""
+    """One micro-batch of c.batching, (x, y, cu_seqlens or None, max_seqlen or None, real targets): concat, windows of
+    the stream; pad / dynamic_pad, a document piece per row padded to context_length / the longest; pack, one row."""
     if c.batching == "concat":
         x, y = get_batch(tokens, c.batch_size, c.context_length, device, generator)
         return x, y, None, None, c.batch_size * c.context_length
@@ -401,9 +397,8 @@ def make_batch(tokens, docs, c, generator, device, pad_id):
 
 
 def batch_generator(seed, iteration, micro):
-    """The data RNG of one micro-batch, a pure function of (seed, iteration, global micro-batch index): a resumed
-    run draws the batches the uninterrupted one would, and N ranks those of 1 process with N-fold accumulation.
-    Validation uses negative iterations."""
+    """The data RNG of one micro-batch, a pure function of (seed, iteration (validation: negative), global micro-batch
+    index): a resumed run draws the uninterrupted one's batches, N ranks those of 1 process accumulating N-fold."""
     return torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_000_003 + micro) & (2 ** 63 - 1))
 
 
@@ -420,54 +415,36 @@ def _clean_state_dict(state_dict):
     return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}  # torch.compile's wrapper's names
 
 
-def checksum(ckpt):
-    """sha256 of a checkpoint's contents but its "checksum" entry: each tensor's dtype, shape and bytes, each other
-    value's repr, containers entry by entry (dict keys sorted)."""
-    h = hashlib.sha256()
-
-    def add(x):
-        if isinstance(x, (dict, list, tuple)):
-            for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])) if isinstance(x, dict) else enumerate(x):
-                if x is not ckpt or k != "checksum":
-                    h.update(f"{type(x).__name__} {k!r}".encode())
-                    add(v)
-        elif torch.is_tensor(x):
-            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
-            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        else:
-            h.update(repr(x).encode())
-    add(ckpt)
-    return h.hexdigest()
+def _crc_failure(path):  # torch.save writes a zip whose records carry CRC-32s of their bytes; torch.load skips them
+    with zipfile.ZipFile(path) as z:
+        return z.testzip()  # the first record whose bytes do not match, or None
 
 
 def save_checkpoint(model, optimizer, iteration, out, **extra):
-    """torch.save {"model", "optimizer", "iteration", **extra, "checksum"} to a path (atomically: a temp file,
-    read back and verified, then os.replace) or a file object. model: a module (wrappers and torch.compile
-    unwrapped) or a ready state dict; optimizer: an optimizer, a ready state dict or None."""
+    """torch.save {"model", "optimizer", "iteration", **extra} to a path (a temp file, read back, then os.replace) or
+    a file object. model: a module (wrappers unwrapped) or a state dict; optimizer: one, its state dict or None."""
     state_dict = model if isinstance(model, dict) else _unwrap(model).state_dict()
     ckpt = {"model": _clean_state_dict(state_dict),
             "optimizer": optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer,
             "iteration": int(iteration), **extra}
-    ckpt["checksum"] = checksum(ckpt)
     if not isinstance(out, (str, os.PathLike)):
         return torch.save(ckpt, out)
     tmp = os.fspath(out) + ".tmp"
     torch.save(ckpt, tmp)
-    try:
-        read_checkpoint(tmp, mmap=True)  # what reached the file, or the old checkpoint stays
-    except RuntimeError:
+    if _crc_failure(tmp):  # what reached the file does not read back as written: the old checkpoint stays
         os.remove(tmp)
-        raise
+        raise RuntimeError(f"checkpoint {tmp} was damaged on its way to the disk; {out} is left as it was")
     os.replace(tmp, out)
 
 
-def read_checkpoint(src, mmap=False):
-    """torch.load(weights_only=True) onto the CPU (mmap: tensors mapped from the file, not read), with a clear
-    error for missing, truncated or corrupt files and for contents that do not match their checksum."""
-    _require(not isinstance(src, (str, os.PathLike)) or os.path.isfile(src),
-             f"checkpoint {src} not found (train with `python train.py` first)", FileNotFoundError)
+def read_checkpoint(src):
+    """torch.load(weights_only=True) onto the CPU, with a clear error for missing, truncated or corrupt files, and
+    for a file whose bytes do not match the CRC-32s saved with them."""
+    path = isinstance(src, (str, os.PathLike))
+    _require(not path or os.path.isfile(src), f"checkpoint {src} not found (train with `python train.py` first)",
+             FileNotFoundError)
     try:
-        ckpt = torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
+        ckpt = torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # torch's message would suggest the unsafe full unpickler: we never use it
         raise RuntimeError(f"checkpoint {src} holds Python objects other than tensors, numbers, strings and "
                            f"containers: not a train.py checkpoint, and it is not loaded") from None
@@ -477,8 +454,9 @@ def read_checkpoint(src, mmap=False):
         raise RuntimeError(f"checkpoint {src} is truncated or corrupt and cannot be loaded ({detail})") from None
     _require(isinstance(ckpt, dict) and "model" in ckpt and "iteration" in ckpt,
              f"checkpoint {src} is not a train.py checkpoint (no 'model' / 'iteration')", RuntimeError)
-    _require("checksum" not in ckpt or ckpt["checksum"] == checksum(ckpt), f"checkpoint {src} is damaged: its "
-             f"contents do not match the checksum saved with them (a disk or copy error)", RuntimeError)
+    bad = path and zipfile.is_zipfile(src) and _crc_failure(src)
+    _require(not bad, f"checkpoint {src} is damaged: its part {bad} does not match the CRC-32 saved with it (a disk "
+             f"or copy error)", RuntimeError)
     return ckpt
 
 
@@ -496,10 +474,10 @@ def load_checkpoint(src, model, optimizer):
 # the training step, eager or as CUDA graphs
 
 def make_step(w, optimizer, micro_step, max_norm, graphs=None):
-    """One optimizer step as step(batches) -> gradient norm: micro_step(j, batch) per micro-batch (forward and
-    backward), the gradient sync, the clip, optimizer.step(), the gradients cleared. graphs=None: eager; 'micro':
-    for a model compiled with mode='reduce-overhead' (a CUDA graph per micro-step); 'whole': the whole step one
-    CUDA graph (whole_step_graph; optimizer capturable) reading the micro-batches from buffers each call fills."""
+    """One optimizer step as step(batches) -> gradient norm: micro_step(j, batch) per micro-batch (forward, backward),
+    the gradient sync, the clip, optimizer.step(), the gradients cleared. graphs: None (eager), 'micro' (a model
+    compiled with mode='reduce-overhead': a CUDA graph per micro-step) or 'whole' (the whole step one CUDA graph,
+    whole_step_graph, the optimizer capturable, reading the micro-batches from buffers each call fills)."""
     if graphs == "micro":  # a gradient left None would be a replay's output, overwritten by the next micro-step
         for p in w.parameters():
             p.grad = torch.zeros_like(p)
@@ -534,9 +512,9 @@ def make_step(w, optimizer, micro_step, max_norm, graphs=None):
 
 
 def whole_step_graph(step, optimizer, device, eager_steps=2):
-    """step() (a whole training step ending in optimizer.step()) as one CUDA graph, each call one step: the first
-    eager_steps calls run eagerly on a side stream, as torch.cuda.graph wants (they compile, autotune and make the
-    optimizer state), the next captures it (capture_step), every later call replays. optimizer: capturable."""
+    """step() (a training step ending in optimizer.step(), optimizer capturable) as one CUDA graph: the first
+    eager_steps calls run on a side stream (they compile, autotune, make the optimizer state), the next captures it
+    (capture_step), every later call replays."""
     side, calls, replay = torch.cuda.Stream(device), [0], []
 
     def run():
@@ -555,15 +533,13 @@ def whole_step_graph(step, optimizer, device, eager_steps=2):
 
 
 def capture_step(step, optimizer):
-    """Capture step() (a training step's GPU work, reading its batch from tensors that stay in place) as a CUDA
-    graph; returns replay(): optimizer.advance() (the step count and size, on the host), the graph replayed,
-    step()'s outputs (the same tensors each time). optimizer: capturable=True and stepped once already (AdamW, or
-    torch.optim with a tensor lr). Gradients are set to None first: each replay's first backward writes them."""
+    """Capture step() (a training step's GPU work, its batch in tensors that stay in place) as a CUDA graph; returns
+    replay(): optimizer.advance() (step count and size, on the host), the graph replayed, step()'s outputs (the same
+    tensors each time). optimizer: capturable, stepped once (AdamW, or torch.optim with a tensor lr)."""
     _require(getattr(optimizer, "capturable", False) or all(g.get("capturable", False) for g in
-             optimizer.param_groups), "capture_step needs an optimizer made with capturable=True (train.AdamW or "
-             "torch.optim)")
+             optimizer.param_groups), "capture_step needs an optimizer made with capturable=True")
     advance = getattr(optimizer, "advance", lambda: None)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)  # each replay's first backward writes the gradients
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
     graph = torch.cuda.CUDAGraph()
@@ -601,8 +577,7 @@ def resume_config(config, given, saved, log):
 
 
 def claim_out_dir(c, master, log):
-    """A scratch run must not destroy a run in out_dir: refuse, or with force=True move its files to the next free
-    out_dir/old/N (every earlier run is kept)."""
+    """A scratch run must not destroy a run in out_dir: refuse, or with force=True move it to a new out_dir/old/N."""
     old = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(c.out_dir, n))]
     if c.init_from != "resume" and old:
         _require(c.force, f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to continue "
@@ -649,7 +624,7 @@ def _user_input(load, *args):
 
 def setup(config, given, rank, world_size, dev, log):
     """Everything the loop needs, as a namespace: the config c, the data, the wrapped model w and its optimizer,
-    the fixed validation batches, the iteration to start at."""
+    the fixed validation batches, the iteration to start at. Every input is judged before anything is written."""
     c, ckpt = SimpleNamespace(**config), None
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
     if c.init_from == "resume":  # the saved config, with this command line's changes (or refusals)
@@ -703,7 +678,8 @@ def setup(config, given, rank, world_size, dev, log):
     # CUDA graphs: the whole step for concat batches, else one per micro-step (torch.compile's reduce-overhead);
     # document batches change shape every step: compiled for dynamic shapes at once rather than on the second
     graphs = None if not c.cuda_graphs else "whole" if c.batching == "concat" else "micro"
-    compile_kwargs = dict(dynamic=not static_shapes(c), **({"mode": "reduce-overhead"} if graphs == "micro" else {}))
+    static = c.batching == "concat" or c.pack_static  # (pack_static needs batching='pack': check_config)
+    compile_kwargs = dict(dynamic=not static, **({"mode": "reduce-overhead"} if graphs == "micro" else {}))
     w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb, compute_dtype=None if ptdtype == torch.float32
                  else ptdtype, compile=c.compile, compile_kwargs=compile_kwargs)
     optimizer = w.make_optimizer(AdamW, decay_groups(c.weight_decay), zero1=c.zero1, lr=c.learning_rate,
@@ -718,8 +694,7 @@ def setup(config, given, rank, world_size, dev, log):
         start_iter = ckpt["iteration"]
         log(f"resumed from {ckpt_path} at iteration {start_iter}")
 
-    # fixed validation batches: rank r takes every world_size-th one, and every rank runs the same number of
-    # forwards (FSDP needs all ranks in each all-gather; the extras count zero tokens)
+    # fixed validation batches, every world_size-th one here; all ranks run as many (FSDP), the extras count 0 tokens
     val_batches = []
     for i in range(rank, -(-c.eval_iters // world_size) * world_size, world_size):
         b = make_batch(val_tokens, val_docs, c, batch_generator(c.seed, -1 - (i % c.eval_iters), 0), dev,
@@ -738,9 +713,8 @@ def setup(config, given, rank, world_size, dev, log):
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning before it kills) only set a flag, which the loop asks for
-    before each step. Under several processes the flag is all-reduced (max) over a CPU gloo side group, so every
-    rank stops at the same step (a collective checkpoint needs all of them) without a GPU sync."""
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning) only set a flag, asked for before each step; under several
+    processes it is all-reduced (max) over a CPU gloo group: every rank stops at the same step, no GPU sync."""
 
     def __init__(self, world_size):
         self.signum, self.previous = 0, {}
@@ -767,24 +741,17 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def _pyplot():  # matplotlib's pyplot, drawing to files; None when matplotlib is not installed
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        return None
-
-
 def log_record(log_path, record):
     """Append a record to log.jsonl and redraw loss.png beside it (when matplotlib is installed)."""
     with open(log_path, "a") as f:
         f.write(json.dumps(record) + "\n")
     if "val_loss" not in record:
         return
-    plt = _pyplot()
-    if plt is None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # train() said so once
         return
     with open(log_path) as f:
         records = [json.loads(line) for line in f]
@@ -852,9 +819,8 @@ def train(config, given, rank, world_size, dev):
         if master:
             tokenizer = {"vocab": os.path.join(r.data_dir, r.meta["vocab"]), "special_tokens":
                          list(r.meta["special_tokens"]), "merges": os.path.join(r.data_dir, r.meta["merges"])}
-            rng = {"torch": torch.get_rng_state()}
-            if dev.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state(dev)
+            rng = {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(dev)} if dev.type == "cuda"
+                                                      else {})}
             save_checkpoint(state, opt_state, step, r.ckpt_path, model_args=r.model_args, config=vars(c),
                             tokenizer=tokenizer, rng=rng, world_size=world_size)
 
@@ -862,7 +828,7 @@ def train(config, given, rank, world_size, dev):
     peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
                             if dev.type == "cuda" else 0.0)
     stops, stopped, saved_at = StopSignals(world_size), None, r.start_iter if c.init_from == "resume" else None
-    if master and _pyplot() is None:
+    if master and importlib.util.find_spec("matplotlib") is None:
         log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
     # on CPU the same seed gives the same bits: else the embedding's backward adds rows in threads' order
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
@@ -884,13 +850,10 @@ def train(config, given, rank, world_size, dev):
             lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = []
-            for j in range(local_accum):
-                generator = batch_generator(c.seed, it, rank * local_accum + j)
-                *batch, n_real = make_batch(r.train_tokens, r.train_docs, c, generator, dev, r.meta["eot_id"])
-                batches.append(batch)
-                tokens_since += n_real
-            grad_norm = train_step(batches)
+            batches = [make_batch(r.train_tokens, r.train_docs, c, batch_generator(c.seed, it, rank * local_accum + j),
+                                  dev, r.meta["eot_id"]) for j in range(local_accum)]  # this rank's micro-batches
+            tokens_since += sum(b[-1] for b in batches)
+            grad_norm = train_step([b[:-1] for b in batches])
 
             step = it + 1
             if step % c.log_interval == 0 or step == c.max_iters:
@@ -924,41 +887,14 @@ def train(config, given, rank, world_size, dev):
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     if stopped is None:
         return 0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    launcher = ("python train.py" if world_size == 1 else f"torchrun --standalone --nproc_per_node={world_size} train.py"
-                if local == world_size else f"torchrun --nnodes={world_size // local} --nproc_per_node={local} "
-                "--node_rank=N --rdzv_backend=c10d --rdzv_endpoint=HOST0:PORT train.py")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this node
+    launcher = "python train.py" if world_size == 1 else f"torchrun --nproc_per_node={local} " + (
+        "--standalone" if local == world_size else f"--nnodes={world_size // local} --rdzv_backend=c10d "
+        "--rdzv_endpoint=HOST0:PORT") + " train.py"
     log(f"stopped by {signal.Signals(stopped[0]).name} after step {stopped[1]}: checkpoint in {r.ckpt_path}; "
         f"continue with `{launcher} --out_dir={c.out_dir} --init_from=resume`")
     return 128 + stopped[0]
 
 
-def run(config, given):
-    """The run of a parsed command line on this process (each rank under torchrun); returns the exit status."""
-    rank, _, world_size, dev = ddp.init_distributed()
-    try:
-        if config["device"] != "auto" and world_size == 1:
-            try:
-                dev = torch.device(config["device"])
-            except RuntimeError:
-                raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {config['device']!r}") from None
-            n = torch.cuda.device_count()
-            _require(dev.type != "cuda" or (dev.index or 0) < n, f"device={config['device']!r}: " + (
-                f"this machine has {n} CUDA devices" if n else "CUDA is not available on this machine"), ConfigError)
-        status = train(config, given, rank, world_size, dev)
-    except BaseException:  # no barrier: the other ranks may never reach it (a dataset missing on one node only)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        raise
-    ddp.cleanup_distributed()
-    return status
-
-
-def main(argv):
-    """Run train.py with command-line arguments, as cli() does but raising ConfigError; returns the exit status."""
-    parsed = parse(argv)
-    return 0 if parsed is None else run(*parsed)
-
-
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:], run))
+    sys.exit(cli(sys.argv[1:]))
