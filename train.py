@@ -192,7 +192,7 @@ def main(argv, check_only=False):
     try:
         if config["device"] != "auto" and world_size == 1:
             dev, n = _user_input(torch.device, config["device"]), torch.cuda.device_count()
-            _require(dev.type != "cuda" or (dev.index or 0) < n, f"device={config['device']!r}: " + (
+            _require(dev.type != "cuda" or (dev.index or 0) < n, f"--device={config['device']}: " + (
                 f"this machine has {n} CUDA devices" if n else "CUDA is not available on this machine"), ConfigError)
         status = train(config, given, rank, world_size, dev)
     except BaseException:  # no barrier: the other ranks may never reach it (a dataset missing on one node only)
