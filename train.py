@@ -2,38 +2,23 @@
 Train a TransformerLM on a tokenized dataset.
 
     python train.py                                    # CPU default: Shakespeare, vocab 2048, a few minutes on 2 cores
-    python train.py config/pack.py --max_iters=200     # config files of overrides, then --key=value on top
+    python train.py config/pack.py --max_iters 200     # config files of overrides, then --key=value / --key value
     python train.py --init_from=resume                 # continue out_dir/ckpt.pt exactly, with its saved config
-    python train.py --force=True                       # start over in an out_dir that holds a run (old files -> *.old)
+    python train.py --force=True                       # start over in an out_dir that holds a run (kept in old/N)
     torchrun --standalone --nproc_per_node=4 train.py config/small.py   # 4 GPUs; --ddp_impl=..., --zero1=True
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py  # on each host
 
-The file: the config globals; the library, importable without side effects (apply_config, the schedule and
-clipping, data loading and batching, checkpoints, make_step: one training step, eager or as CUDA graphs); the run
-(setup, then train: the loop; main / cli for the command line). Ctrl-C (SIGINT) or SIGTERM end a run after the step
-in progress, with a checkpoint and the command that continues it.
+The file: the config globals and the command line (main, cli: judged before torch is imported); the library,
+importable without side effects (schedule, clipping, data and batches, checkpoints, make_step: one training step,
+eager or as CUDA graphs); the run (setup, then train: the loop). SIGINT (Ctrl-C) or SIGTERM end a run after the
+step in progress, with a checkpoint and the command that continues it.
 """
 import ast
 import builtins
-import contextlib
 import difflib
-import json
-import math
 import os
-import pickle
-import signal
-import subprocess
 import sys
-import threading
-import time
 from types import SimpleNamespace
-
-import numpy as np
-import torch
-
-import ddp
-from flash import AdamW  # noqa: F401  (train.AdamW: the optimizer lives beside its kernel)
-from hf import llama_init
-from model import TransformerLM, auto_attn_impl, count_params, flops_per_token
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,7 +27,7 @@ _ROOT = os.path.dirname(os.path.abspath(__file__))
 # I/O
 out_dir = "out"                 # checkpoint (ckpt.pt), log.jsonl and loss.png
 init_from = "scratch"           # 'scratch', 'resume' (out_dir/ckpt.pt with its saved config) or a Llama directory
-force = False                   # scratch into an out_dir holding a run: move its ckpt.pt / log.jsonl to *.old
+force = False                   # scratch into an out_dir holding a run: move that run to out_dir/old/N first
 log_interval = 10               # optimizer steps between log lines
 eval_interval = 100             # steps between validation-loss evaluations (and at the last step)
 eval_iters = 10                 # fixed validation batches per evaluation
@@ -55,7 +40,7 @@ batching = "concat"             # 'concat' | 'pad' | 'dynamic_pad' | 'pack' (mak
 pack_static = False             # 'pack' padded to a few static shapes (pad_packed): compiles without dynamic shapes
 batch_size = 16                 # sequences per micro-batch; document batching: batch_size*context_length real tokens
 context_length = 128            # tokens per sequence
-grad_accum = 1                  # micro-batches per optimizer step, split across ranks
+grad_accum = 0                  # micro-batches per optimizer step, split across ranks (0: one per rank)
 # model (config/*.py hold the preset shapes)
 d_model = 256                   # residual width
 num_layers = 4                  # transformer blocks
@@ -83,7 +68,7 @@ device = "auto"                 # 'auto' (cuda if available), 'cpu', 'cuda', 'cu
 dtype = "auto"                  # 'auto' (bfloat16 on CUDA, float32 on CPU) | 'float32' | 'bfloat16' (autocast)
 compile = False                 # torch.compile the model
 cuda_graphs = False             # CUDA graphs (with compile, static shapes and one process: make_step)
-ddp_impl = "bucketed"           # under torchrun: one of ddp.IMPLS
+ddp_impl = "bucketed"           # under torchrun: one of DDP_IMPLS
 zero1 = False                   # shard AdamW state across ranks (ddp.ShardedOptimizer; not with fsdp)
 bucket_size_mb = 25.0           # bucket size of ddp_impl='bucketed'
 peak_flops = 0.0                # per-GPU peak FLOP/s for MFU (0 = PEAK_FLOPS of the GPU, else no MFU)
@@ -91,15 +76,23 @@ peak_flops = 0.0                # per-GPU peak FLOP/s for MFU (0 = PEAK_FLOPS of
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 
 BATCHING = ("concat", "pad", "dynamic_pad", "pack")
+DDP_IMPLS = ("naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")  # ddp.IMPLS but 'none'
 # keys a resumed run must keep: changing any of them would draw other batches or build another model
 RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length", "grad_accum", "seed", "d_model",
                 "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings")
 RENAMED = {"ckpt_interval": "save_interval"}  # old config keys -> their names now
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
+# nanoGPT's keys that ours differ from: the error for one names our key, or says why there is none
+NANOGPT = dict(block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
+               gradient_accumulation_steps="grad_accum", always_save_checkpoint="save_interval",
+               vocab_size="the dataset sets the vocabulary: `python data/prepare.py NAME --vocab_size N`",
+               dropout="this model has no dropout", bias="this model has no biases", eval_only="no eval-only mode",
+               decay_lr="the cosine schedule is always on (min_lr=learning_rate keeps the rate constant)",
+               backend="NCCL on CUDA, gloo on CPU", **dict.fromkeys(("wandb_log", "wandb_project", "wandb_run_name"),
+                                                                     "no wandb: see out_dir/log.jsonl"))
 
 
 class ConfigError(ValueError):
-    """A bad config key or value, or a run the config would damage: cli() prints it as one line, status 2."""
+    """A bad config key or value, dataset, checkpoint or device, or a run in the way: cli() prints one line."""
 
 
 def _require(ok, message, error=ValueError):
@@ -112,15 +105,15 @@ def default_config():
 
 
 def apply_config(argv, config, given=None):
-    """Apply config files (paths) and --key=value overrides, in order, to the dict `config` (nanoGPT's
-    configurator). A file runs with the current values in scope; a --key=value is parsed by ast.literal_eval
-    (strings verbatim). An unknown key (with the closest known one as a suggestion) or a value of another type than
-    the default (int is fine for float) raises ConfigError. The keys set are added to the set `given`, if any."""
+    """Apply config files and --key=value or --key value overrides, in order, to the dict `config` (nanoGPT's
+    configurator): a file runs with the current values in scope, a value is parsed by ast.literal_eval (strings
+    verbatim). An unknown key (named ours, or the closest one) or a value of another type than the default (int is
+    fine for float) raises ConfigError. The keys set are added to the set `given`, if any."""
     def checked(key, value, source):
         if key not in config:
-            close = [RENAMED[key]] if key in RENAMED else difflib.get_close_matches(key, list(config), n=1)
-            raise ConfigError(f"unknown config key {key!r} (from {source})"
-                              + (f"; did you mean {close[0]!r}?" if close else ""))
+            hint = {**RENAMED, **NANOGPT}.get(key) or next(iter(difflib.get_close_matches(key, config, n=1)), "")
+            raise ConfigError(f"unknown config key {key!r} (from {source})" + (
+                f"; did you mean {hint!r}?" if hint in config else f"; {hint}" if hint else ""))
         if isinstance(config[key], float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         _require(type(value) is type(config[key]), f"config key {key!r} expects {type(config[key]).__name__}, "
@@ -129,15 +122,18 @@ def apply_config(argv, config, given=None):
             given.add(key)
         return value
 
-    for arg in argv:
+    args = iter(argv)
+    for arg in args:
         if arg.startswith("--"):
-            _require("=" in arg, f"override {arg!r} must look like --key=value", ConfigError)
-            key, text = arg[2:].split("=", 1)
+            key, eq, text = arg[2:].partition("=")
+            text = text if eq else next(args, None)
+            _require(text is not None, f"{arg} needs a value: {arg}=VALUE or {arg} VALUE", ConfigError)
             try:
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text
-            config[key] = checked(key, text if isinstance(config.get(key), str) else value, arg)
+            config[key] = checked(key, text if isinstance(config.get(key), str) else value,
+                                  arg if eq else f"{arg} {text}")
             continue
         _require(os.path.isfile(arg), f"config file {arg!r} not found", ConfigError)
         scope = dict(config, __file__=os.path.abspath(arg))  # so a config file can build on a sibling
@@ -150,6 +146,98 @@ def apply_config(argv, config, given=None):
                 config[key] = checked(key, value, arg)
     return config
 
+
+def check_config(c, world_size):
+    """Values apply_config cannot judge alone; raises ConfigError naming the key."""
+    def need(ok, message):
+        _require(ok, message, ConfigError)
+    need(c.init_from in ("scratch", "resume") or os.path.isfile(os.path.join(c.init_from, "config.json")),
+         f"init_from must be 'scratch', 'resume' or a Llama-format checkpoint directory (config.json + "
+         f"model.safetensors, as hf.save_llama writes), got {c.init_from!r}")
+    need(c.batching in BATCHING, f"batching must be one of {BATCHING}, got {c.batching!r}")
+    need(c.ddp_impl in DDP_IMPLS, f"ddp_impl must be one of {DDP_IMPLS}, got {c.ddp_impl!r}")
+    need(not (c.zero1 and c.ddp_impl in ("fsdp", "torch_fsdp")), f"zero1 shards optimizer state on top of "
+         f"replicated DDP; ddp_impl={c.ddp_impl!r} shards it already")
+    need(c.grad_accum >= 0 and c.grad_accum % world_size == 0, f"grad_accum={c.grad_accum} must be a multiple of "
+         f"the world size {world_size} (micro-batches are split across ranks), or 0 for one per rank")
+    for key in ("batch_size", "context_length", "max_iters", "eval_iters", "log_interval", "eval_interval",
+                "save_interval"):
+        need(getattr(c, key) >= 1, f"{key} must be >= 1, got {getattr(c, key)}")
+    need(c.d_model % c.num_heads == 0, f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}")
+    need(c.act_ckpt_every >= 0 and -1 <= c.act_ckpt_layers <= c.num_layers, f"act_ckpt_every must be >= 0 and "
+         f"act_ckpt_layers in [-1, num_layers={c.num_layers}], got {c.act_ckpt_every} and {c.act_ckpt_layers}")
+    need(not c.pack_static or c.batching == "pack", f"pack_static applies to batching='pack', got "
+         f"batching={c.batching!r}")
+    need(not c.cuda_graphs or (c.compile and (c.batching == "concat" or c.pack_static) and world_size == 1),
+         f"cuda_graphs needs compile=True, static shapes (concat, or pack with pack_static=True) and one process, "
+         f"got compile={c.compile}, batching={c.batching!r}, pack_static={c.pack_static}, world size {world_size}")
+    need(c.dtype in ("auto", "float32", "bfloat16"), f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss "
+         f"scaling for float16), got {c.dtype!r}")
+
+
+def main(argv, check_only=False):
+    """Run train.py with command-line arguments; returns the exit status, raising ConfigError. check_only (before
+    torch is imported): judge them as far as they can be without data and checkpoint, and return None."""
+    if "-h" in argv or "--help" in argv:
+        keys = "\n".join(f"  --{k}={v!r}" for k, v in default_config().items())
+        print(f"{__doc__}\nconfig keys and defaults:\n{keys}")
+        return 0
+    given = set()
+    config = apply_config(argv, default_config(), given)
+    if config["init_from"] != "resume":  # torchrun's world size: init_distributed takes the same
+        check_config(SimpleNamespace(**config), int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+    if check_only:
+        return None
+    rank, _, world_size, dev = ddp.init_distributed()
+    try:
+        if config["device"] != "auto" and world_size == 1:
+            dev, n = _user_input(torch.device, config["device"]), torch.cuda.device_count()
+            _require(dev.type != "cuda" or (dev.index or 0) < n, f"--device={config['device']}: " + (
+                f"this machine has {n} CUDA devices" if n else "CUDA is not available on this machine"), ConfigError)
+        status = train(config, given, rank, world_size, dev)
+    except BaseException:  # no barrier: the other ranks may never reach it (a dataset missing on one node only)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        raise
+    ddp.cleanup_distributed()
+    return status
+
+
+def cli(argv, check_only=False):
+    """main() for the command line: a ConfigError is one line on stderr and status 2 (argparse's convention), a
+    Ctrl-C before the training loop one line and status 130; printed by the first process of each node only."""
+    try:
+        return main(argv, check_only)
+    except (ConfigError, KeyboardInterrupt) as e:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"train.py: error: {e}" if isinstance(e, ConfigError) else
+                  "train.py: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 130
+
+
+if __name__ == "__main__" and (status := cli(sys.argv[1:], check_only=True)) is not None:
+    sys.exit(status)  # --help or a bad command line: answered before the heavy imports below
+
+import contextlib
+import importlib.util
+import json
+import math
+import pickle
+import signal
+import subprocess
+import threading
+import time
+import zipfile
+
+import numpy as np
+import torch
+
+import ddp
+from flash import AdamW  # noqa: F401  (train.AdamW: the optimizer lives beside its kernel)
+from hf import llama_init
+from model import TransformerLM, auto_attn_impl, count_params, flops_per_token
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
 
 # -----------------------------------------------------------------------------------------------------------------
 # schedule and clipping
@@ -165,8 +253,7 @@ def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iter
 
 
 def clip_grad_norm(parameters, max_l2_norm):
-    """Scale all gradients so their global L2 norm is at most max_l2_norm; returns the norm before clipping
-    (ddp.clip_grad_norm, the one implementation)."""
+    """Scale all gradients to a global L2 norm of at most max_l2_norm; returns the norm before (ddp.clip_grad_norm)."""
     return ddp.clip_grad_norm(list(parameters), max_l2_norm)
 
 
@@ -177,10 +264,10 @@ def load_dataset(data_dir, split):
     """Open data_dir/{split}.bin as a read-only memmap, with its document offsets and meta.json (data/prepare.py's
     format), after checking everything train.py relies on. Returns (tokens, docs, meta)."""
     _require(split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}")
-    name = os.path.basename(os.path.normpath(data_dir))
-    make = f"run `python data/prepare.py {name}` to create it"
-    if os.path.abspath(data_dir) != os.path.join(_ROOT, "data", name):  # prepare.py writes data/<name> by default
-        make = f"run `python data/prepare.py {name} --input <files> --out_dir {data_dir}` to create it"
+    name = os.path.basename(os.path.normpath(data_dir))  # prepare.py's command for it: a download, or local text
+    make = (f"run `python data/prepare.py {name}" + " --input <files>" * (name not in ("shakespeare", "tinystories",
+            "owt")) + f" --out_dir {data_dir}" * (os.path.abspath(data_dir) != os.path.join(_ROOT, "data", name))
+            + "` to create it")
     meta_path, bin_path, docs_path = (os.path.join(data_dir, f) for f in ("meta.json", f"{split}.bin",
                                                                             f"{split}_docs.npy"))
     for path in (meta_path, bin_path, docs_path):
@@ -199,8 +286,8 @@ def load_dataset(data_dir, split):
              f"{meta[f'{split}_tokens']}; {make}")
     _require(n > 0, f"{bin_path} is empty; {make}")
     tokens = np.memmap(bin_path, dtype=np_dtype, mode="r", shape=(n,))
-    top = int(tokens.max())
-    _require(top < meta["vocab_size"], f"{bin_path} contains token id {top} >= vocab_size {meta['vocab_size']}")
+    _require((top := int(tokens.max())) < meta["vocab_size"], f"{bin_path} contains token id {top} >= vocab_size "
+             f"{meta['vocab_size']}; {make}")
     docs = np.load(docs_path)
     _require(docs.ndim == 1 and docs.dtype == np.int64 and len(docs) == meta[f"{split}_docs"] + 1 and docs[0] == 0
              and docs[-1] == n and np.all(np.diff(docs) > 0), f"{docs_path} is not a valid document index for {n} "
@@ -210,10 +297,8 @@ def load_dataset(data_dir, split):
     return tokens, docs, meta
 
 
-def _to_device(t, device):
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)  # pinned: the copy runs asynchronously to the GPU
-    return t.to(device)
+def _to_device(t, device):  # to a GPU from pinned memory: the copy runs asynchronously
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 def get_batch(dataset, batch_size, context_length, device, generator=None):
@@ -228,10 +313,9 @@ def get_batch(dataset, batch_size, context_length, device, generator=None):
 
 
 def sample_documents(docs, token_budget, context_length, generator):
-    """Random document pieces until they hold at least token_budget targets; returns their (start, end) token
-    ranges. Documents are cut into context_length-sized pieces, drawn uniformly (each token equally likely, as
-    with concat windows); a piece of L tokens has L - 1 targets, so one-token pieces are skipped. The batch
-    overshoots the budget by less than one piece."""
+    """Random document pieces until they hold at least token_budget targets (overshooting by less than one piece):
+    their (start, end) token ranges. Documents are cut into context_length-sized pieces, drawn uniformly (each token
+    equally likely, as with concat windows); a piece of L tokens has L - 1 targets, so one-token pieces are skipped."""
     docs = np.asarray(docs, dtype=np.int64)
     _require(context_length >= 2, f"context_length must be >= 2, got {context_length}")
     lengths = np.diff(docs)
@@ -280,9 +364,9 @@ def pack_batch(tokens, spans):
 
 
 def pad_packed(x, y, cu_seqlens, length, pad_id):
-    """A packed batch at a static shape: x and y right-padded to `length` tokens (pad_id in x, -100 in y), the
-    padding a document of its own so no real token attends to it, and cu_seqlens extended to the next power of two
-    of offsets by repeating its last one (empty documents). The loss and gradients are the unpadded batch's."""
+    """A packed batch at a static shape, with the unpadded batch's loss and gradients: x and y right-padded to
+    `length` (pad_id, -100), the padding a document of its own, cu_seqlens repeating its last offset (empty
+    documents) up to a power of two of entries."""
     n = x.shape[1]
     _require(n <= length, f"a packed batch of {n} tokens does not fit a static length of {length}")
     if n < length:
@@ -294,9 +378,8 @@ def pad_packed(x, y, cu_seqlens, length, pad_id):
 
 
 def make_batch(tokens, docs, c, generator, device, pad_id):
-    """One micro-batch of config c's batching: (x, y, cu_seqlens or None, max_seqlen or None, real targets).
-    concat: windows of the token stream; pad: one document piece per row, padded to context_length; dynamic_pad:
-    padded to the longest piece; pack: the pieces in one row with cu_seqlens (pack_static: padded by pad_packed)."""
+    """One micro-batch of c.batching, (x, y, cu_seqlens or None, max_seqlen or None, real targets): concat, windows of
+    the stream; pad / dynamic_pad, a document piece per row padded to context_length / the longest; pack, one row."""
     if c.batching == "concat":
         x, y = get_batch(tokens, c.batch_size, c.context_length, device, generator)
         return x, y, None, None, c.batch_size * c.context_length
@@ -314,9 +397,8 @@ def make_batch(tokens, docs, c, generator, device, pad_id):
 
 
 def batch_generator(seed, iteration, micro):
-    """The data RNG of one micro-batch, a pure function of (seed, iteration, global micro-batch index): a resumed
-    run draws the batches the uninterrupted one would, and N ranks those of 1 process with N-fold accumulation.
-    Validation uses negative iterations."""
+    """The data RNG of one micro-batch, a pure function of (seed, iteration (validation: negative), global micro-batch
+    index): a resumed run draws the uninterrupted one's batches, N ranks those of 1 process accumulating N-fold."""
     return torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_000_003 + micro) & (2 ** 63 - 1))
 
 
@@ -333,24 +415,34 @@ def _clean_state_dict(state_dict):
     return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}  # torch.compile's wrapper's names
 
 
+def _crc_failure(path):  # torch.save writes a zip whose records carry CRC-32s of their bytes; torch.load skips them
+    with zipfile.ZipFile(path) as z:
+        return z.testzip()  # the first record whose bytes do not match, or None
+
+
 def save_checkpoint(model, optimizer, iteration, out, **extra):
-    """torch.save {"model", "optimizer", "iteration", **extra} to a path (atomically: a temp file, then
-    os.replace) or a file object. model: a module (wrappers and torch.compile unwrapped) or a ready state dict;
-    optimizer: an optimizer, a ready state dict or None."""
+    """torch.save {"model", "optimizer", "iteration", **extra} to a path (a temp file, read back, then os.replace) or
+    a file object. model: a module (wrappers unwrapped) or a state dict; optimizer: one, its state dict or None."""
     state_dict = model if isinstance(model, dict) else _unwrap(model).state_dict()
     ckpt = {"model": _clean_state_dict(state_dict),
             "optimizer": optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer,
             "iteration": int(iteration), **extra}
     if not isinstance(out, (str, os.PathLike)):
         return torch.save(ckpt, out)
-    torch.save(ckpt, os.fspath(out) + ".tmp")
-    os.replace(os.fspath(out) + ".tmp", out)
+    tmp = os.fspath(out) + ".tmp"
+    torch.save(ckpt, tmp)
+    if _crc_failure(tmp):  # what reached the file does not read back as written: the old checkpoint stays
+        os.remove(tmp)
+        raise RuntimeError(f"checkpoint {tmp} was damaged on its way to the disk; {out} is left as it was")
+    os.replace(tmp, out)
 
 
 def read_checkpoint(src):
-    """torch.load(weights_only=True) onto the CPU, with a clear error for missing, truncated or corrupt files."""
-    _require(not isinstance(src, (str, os.PathLike)) or os.path.isfile(src),
-             f"checkpoint {src} not found (train with `python train.py` first)", FileNotFoundError)
+    """torch.load(weights_only=True) onto the CPU, with a clear error for missing, truncated or corrupt files, and
+    for a file whose bytes do not match the CRC-32s saved with them."""
+    path = isinstance(src, (str, os.PathLike))
+    _require(not path or os.path.isfile(src), f"checkpoint {src} not found (train with `python train.py` first)",
+             FileNotFoundError)
     try:
         ckpt = torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # torch's message would suggest the unsafe full unpickler: we never use it
@@ -362,6 +454,9 @@ def read_checkpoint(src):
         raise RuntimeError(f"checkpoint {src} is truncated or corrupt and cannot be loaded ({detail})") from None
     _require(isinstance(ckpt, dict) and "model" in ckpt and "iteration" in ckpt,
              f"checkpoint {src} is not a train.py checkpoint (no 'model' / 'iteration')", RuntimeError)
+    bad = path and zipfile.is_zipfile(src) and _crc_failure(src)
+    _require(not bad, f"checkpoint {src} is damaged: its part {bad} does not match the CRC-32 saved with it (a disk "
+             f"or copy error)", RuntimeError)
     return ckpt
 
 
@@ -379,10 +474,10 @@ def load_checkpoint(src, model, optimizer):
 # the training step, eager or as CUDA graphs
 
 def make_step(w, optimizer, micro_step, max_norm, graphs=None):
-    """One optimizer step as step(batches) -> gradient norm: micro_step(j, batch) per micro-batch (forward and
-    backward), the gradient sync, the clip, optimizer.step(), the gradients cleared. graphs=None: eager; 'micro':
-    for a model compiled with mode='reduce-overhead' (a CUDA graph per micro-step); 'whole': the whole step one
-    CUDA graph (whole_step_graph; optimizer capturable) reading the micro-batches from buffers each call fills."""
+    """One optimizer step as step(batches) -> gradient norm: micro_step(j, batch) per micro-batch (forward, backward),
+    the gradient sync, the clip, optimizer.step(), the gradients cleared. graphs: None (eager), 'micro' (a model
+    compiled with mode='reduce-overhead': a CUDA graph per micro-step) or 'whole' (the whole step one CUDA graph,
+    whole_step_graph, the optimizer capturable, reading the micro-batches from buffers each call fills)."""
     if graphs == "micro":  # a gradient left None would be a replay's output, overwritten by the next micro-step
         for p in w.parameters():
             p.grad = torch.zeros_like(p)
@@ -417,15 +512,18 @@ def make_step(w, optimizer, micro_step, max_norm, graphs=None):
 
 
 def whole_step_graph(step, optimizer, device, eager_steps=2):
-    """step() (a whole training step ending in optimizer.step()) as one CUDA graph, each call one step: the first
-    eager_steps calls run eagerly on a side stream (they compile, autotune and make the optimizer state), the
-    next captures it (capture_step), every later call replays. optimizer: capturable. Returns the function."""
+    """step() (a training step ending in optimizer.step(), optimizer capturable) as one CUDA graph: the first
+    eager_steps calls run on a side stream (they compile, autotune, make the optimizer state), the next captures it
+    (capture_step), every later call replays."""
     side, calls, replay = torch.cuda.Stream(device), [0], []
 
     def run():
         calls[0] += 1
-        if calls[0] <= eager_steps:
-            out = warmup_step(step, side)
+        if calls[0] <= eager_steps:  # after the work queued before, before the work queued after
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                out = step()
+            torch.cuda.current_stream(device).wait_stream(side)
             optimizer.zero_grad(set_to_none=True)
             return out
         if not replay:
@@ -434,27 +532,14 @@ def whole_step_graph(step, optimizer, device, eager_steps=2):
     return run
 
 
-def warmup_step(step, stream):
-    """step() on the side stream `stream`, ordered after the work queued before it and before the work after it
-    (torch.cuda.graph wants warm-up off the default stream). Returns step()'s result."""
-    current = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        out = step()
-    current.wait_stream(stream)
-    return out
-
-
 def capture_step(step, optimizer):
-    """Capture step() (a training step's GPU work, reading its batch from tensors that stay in place) as a CUDA
-    graph; returns replay(): optimizer.advance() (the step count and size, on the host), the graph replayed,
-    step()'s outputs (the same tensors each time). optimizer: capturable=True and stepped once already (AdamW, or
-    torch.optim with a tensor lr). Gradients are set to None first: each replay's first backward writes them."""
+    """Capture step() (a training step's GPU work, its batch in tensors that stay in place) as a CUDA graph; returns
+    replay(): optimizer.advance() (step count and size, on the host), the graph replayed, step()'s outputs (the same
+    tensors each time). optimizer: capturable, stepped once (AdamW, or torch.optim with a tensor lr)."""
     _require(getattr(optimizer, "capturable", False) or all(g.get("capturable", False) for g in
-             optimizer.param_groups), "capture_step needs an optimizer made with capturable=True (train.AdamW or "
-             "torch.optim)")
+             optimizer.param_groups), "capture_step needs an optimizer made with capturable=True")
     advance = getattr(optimizer, "advance", lambda: None)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)  # each replay's first backward writes the gradients
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
     graph = torch.cuda.CUDAGraph()
@@ -471,40 +556,6 @@ def capture_step(step, optimizer):
 
 # -----------------------------------------------------------------------------------------------------------------
 # the run: set-up
-
-def check_config(c, world_size):
-    """Values apply_config cannot judge alone; raises ConfigError naming the key."""
-    def need(ok, message):
-        _require(ok, message, ConfigError)
-    impls = tuple(i for i in ddp.IMPLS if i != "none")
-    need(c.init_from in ("scratch", "resume") or os.path.isfile(os.path.join(c.init_from, "config.json")),
-         f"init_from must be 'scratch', 'resume' or a Llama-format checkpoint directory (config.json + "
-         f"model.safetensors, as hf.save_llama writes), got {c.init_from!r}")
-    need(c.batching in BATCHING, f"batching must be one of {BATCHING}, got {c.batching!r}")
-    need(c.ddp_impl in impls, f"ddp_impl must be one of {impls}, got {c.ddp_impl!r}")
-    need(not (c.zero1 and c.ddp_impl in ("fsdp", "torch_fsdp")), f"zero1 shards optimizer state on top of "
-         f"replicated DDP; ddp_impl={c.ddp_impl!r} shards it already")
-    need(c.grad_accum >= 1 and c.grad_accum % world_size == 0, f"grad_accum={c.grad_accum} must be a positive "
-         f"multiple of the world size {world_size} (micro-batches are split across ranks)")
-    for key in ("batch_size", "context_length", "max_iters", "eval_iters", "log_interval", "eval_interval",
-                "save_interval"):
-        need(getattr(c, key) >= 1, f"{key} must be >= 1, got {getattr(c, key)}")
-    need(c.d_model % c.num_heads == 0, f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}")
-    need(c.act_ckpt_every >= 0 and -1 <= c.act_ckpt_layers <= c.num_layers, f"act_ckpt_every must be >= 0 and "
-         f"act_ckpt_layers in [-1, num_layers={c.num_layers}], got {c.act_ckpt_every} and {c.act_ckpt_layers}")
-    need(not c.pack_static or c.batching == "pack", f"pack_static applies to batching='pack', got "
-         f"batching={c.batching!r}")
-    need(not c.cuda_graphs or (c.compile and static_shapes(c) and world_size == 1), f"cuda_graphs needs "
-         f"compile=True, static shapes (batching='concat', or 'pack' with pack_static=True) and one process, got "
-         f"compile={c.compile}, batching={c.batching!r}, pack_static={c.pack_static}, world size {world_size}")
-    need(c.dtype in ("auto", "float32", "bfloat16"), f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss "
-         f"scaling for float16), got {c.dtype!r}")
-
-
-def static_shapes(c):
-    """Whether every micro-batch has one of a few fixed shapes (compiled without dynamic shapes)."""
-    return c.batching == "concat" or (c.batching == "pack" and c.pack_static)
-
 
 def resume_config(config, given, saved, log):
     """The config of a resumed run: the checkpoint's saved config, with the keys given on this command line on top.
@@ -526,17 +577,19 @@ def resume_config(config, given, saved, log):
 
 
 def claim_out_dir(c, master, log):
-    """A scratch run must not destroy a run in out_dir: refuse, or with force=True move its files to *.old."""
-    os.makedirs(c.out_dir, exist_ok=True)
+    """A scratch run must not destroy a run in out_dir: refuse, or with force=True move it to a new out_dir/old/N."""
     old = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(c.out_dir, n))]
-    if c.init_from == "resume" or not old:
-        return
-    _require(c.force, f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to continue "
-             f"it, or --force=True to start over (its files are then moved to *.old)", ConfigError)
-    if master:
-        for name in old + [n for n in ("loss.png",) if os.path.exists(os.path.join(c.out_dir, n))]:
-            os.replace(os.path.join(c.out_dir, name), os.path.join(c.out_dir, name + ".old"))
-        log(f"force: moved {', '.join(old)} in {c.out_dir} to *.old")
+    if c.init_from != "resume" and old:
+        _require(c.force, f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to continue "
+                 f"it, or --force=True to start over (that run is then moved to {c.out_dir}/old/N)", ConfigError)
+        if master:
+            done = os.listdir(os.path.join(c.out_dir, "old")) if os.path.isdir(os.path.join(c.out_dir, "old")) else []
+            keep = os.path.join(c.out_dir, "old", str(1 + max((int(n) for n in done if n.isdigit()), default=0)))
+            os.makedirs(keep)
+            for name in old + ["loss.png"] * os.path.exists(os.path.join(c.out_dir, "loss.png")):
+                os.replace(os.path.join(c.out_dir, name), os.path.join(keep, name))
+            log(f"force: moved the run that was in {c.out_dir} to {keep}")
+    os.makedirs(c.out_dir, exist_ok=True)
 
 
 def prepare_data(c, rank, world_size):
@@ -561,28 +614,38 @@ def decay_groups(weight_decay):
     return groups
 
 
+def _user_input(load, *args):
+    """load(*args), its errors about a missing or damaged dataset or checkpoint as ConfigError (one line, cli)."""
+    try:
+        return load(*args)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(e) from None
+
+
 def setup(config, given, rank, world_size, dev, log):
     """Everything the loop needs, as a namespace: the config c, the data, the wrapped model w and its optimizer,
-    the fixed validation batches, the iteration to start at."""
+    the fixed validation batches, the iteration to start at. Every input is judged before anything is written."""
     c, ckpt = SimpleNamespace(**config), None
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
     if c.init_from == "resume":  # the saved config, with this command line's changes (or refusals)
-        ckpt = read_checkpoint(ckpt_path)
+        ckpt = _user_input(read_checkpoint, ckpt_path)
         c = SimpleNamespace(**resume_config(config, given, ckpt.get("config", {}), log))
     check_config(c, world_size)
+    c.grad_accum = c.grad_accum or world_size  # saved resolved: a resume on another world size keeps the batch
     _require(not c.cuda_graphs or dev.type == "cuda", f"cuda_graphs needs a CUDA device, got {dev}", ConfigError)
-    claim_out_dir(c, rank == 0, log)
     ptdtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
                "float32": torch.float32, "bfloat16": torch.bfloat16}[c.dtype]
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     data_dir = prepare_data(c, rank, world_size)
-    (train_tokens, train_docs, meta), (val_tokens, val_docs, _) = (load_dataset(data_dir, s) for s in ("train", "val"))
+    (train_tokens, train_docs, meta), (val_tokens, val_docs, _) = (_user_input(load_dataset, data_dir, s)
+                                                                    for s in ("train", "val"))
     vocab_size = meta["vocab_size"]
     for name, toks in (("train", train_tokens), ("val", val_tokens)):
         _require(c.batching != "concat" or len(toks) > c.context_length, f"{name} split has {len(toks)} tokens, "
-                 f"fewer than context_length + 1 = {c.context_length + 1}: lower context_length or prepare more data")
+                 f"fewer than context_length + 1 = {c.context_length + 1}: lower context_length or prepare more data",
+                 ConfigError)
 
     # the model: from scratch, with the checkpoint's model_args, or a Llama directory's weights
     model_args = dict(vocab_size=vocab_size, context_length=c.context_length, d_model=c.d_model,
@@ -595,10 +658,11 @@ def setup(config, given, rank, world_size, dev, log):
         model_args = {k: v for k, v in ckpt["model_args"].items() if k not in recompute}
         _require(model_args["vocab_size"] == vocab_size, f"checkpoint {ckpt_path} has vocab_size "
                  f"{model_args['vocab_size']} but dataset {data_dir} has {vocab_size}: resume on the data it was "
-                 f"trained on")
+                 f"trained on", ConfigError)
     llama_state = None
     if c.init_from not in ("scratch", "resume"):
-        model_args, llama_state = llama_init(c.init_from, vocab_size=vocab_size, context_length=c.context_length)
+        model_args, llama_state = _user_input(llama_init, c.init_from, vocab_size, c.context_length)
+    claim_out_dir(c, rank == 0, log)  # every input judged: from here on the run writes
     attn = c.attn_impl if c.attn_impl != "auto" else auto_attn_impl(dev.type, packed=c.batching == "pack")
     torch.manual_seed(c.seed)
     model = TransformerLM(**model_args, **recompute, attn_impl=attn, device=dev)
@@ -614,7 +678,8 @@ def setup(config, given, rank, world_size, dev, log):
     # CUDA graphs: the whole step for concat batches, else one per micro-step (torch.compile's reduce-overhead);
     # document batches change shape every step: compiled for dynamic shapes at once rather than on the second
     graphs = None if not c.cuda_graphs else "whole" if c.batching == "concat" else "micro"
-    compile_kwargs = dict(dynamic=not static_shapes(c), **({"mode": "reduce-overhead"} if graphs == "micro" else {}))
+    static = c.batching == "concat" or c.pack_static  # (pack_static needs batching='pack': check_config)
+    compile_kwargs = dict(dynamic=not static, **({"mode": "reduce-overhead"} if graphs == "micro" else {}))
     w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb, compute_dtype=None if ptdtype == torch.float32
                  else ptdtype, compile=c.compile, compile_kwargs=compile_kwargs)
     optimizer = w.make_optimizer(AdamW, decay_groups(c.weight_decay), zero1=c.zero1, lr=c.learning_rate,
@@ -629,8 +694,7 @@ def setup(config, given, rank, world_size, dev, log):
         start_iter = ckpt["iteration"]
         log(f"resumed from {ckpt_path} at iteration {start_iter}")
 
-    # fixed validation batches: rank r takes every world_size-th one, and every rank runs the same number of
-    # forwards (FSDP needs all ranks in each all-gather; the extras count zero tokens)
+    # fixed validation batches, every world_size-th one here; all ranks run as many (FSDP), the extras count 0 tokens
     val_batches = []
     for i in range(rank, -(-c.eval_iters // world_size) * world_size, world_size):
         b = make_batch(val_tokens, val_docs, c, batch_generator(c.seed, -1 - (i % c.eval_iters), 0), dev,
@@ -649,9 +713,8 @@ def setup(config, given, rank, world_size, dev, log):
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning before it kills) only set a flag, which the loop asks for
-    before each step. Under several processes the flag is all-reduced (max) over a CPU gloo side group, so every
-    rank stops at the same step (a collective checkpoint needs all of them) without a GPU sync."""
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning) only set a flag, asked for before each step; under several
+    processes it is all-reduced (max) over a CPU gloo group: every rank stops at the same step, no GPU sync."""
 
     def __init__(self, world_size):
         self.signum, self.previous = 0, {}
@@ -688,7 +751,7 @@ def log_record(log_path, record):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
+    except ImportError:  # train() said so once
         return
     with open(log_path) as f:
         records = [json.loads(line) for line in f]
@@ -756,9 +819,8 @@ def train(config, given, rank, world_size, dev):
         if master:
             tokenizer = {"vocab": os.path.join(r.data_dir, r.meta["vocab"]), "special_tokens":
                          list(r.meta["special_tokens"]), "merges": os.path.join(r.data_dir, r.meta["merges"])}
-            rng = {"torch": torch.get_rng_state()}
-            if dev.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state(dev)
+            rng = {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(dev)} if dev.type == "cuda"
+                                                      else {})}
             save_checkpoint(state, opt_state, step, r.ckpt_path, model_args=r.model_args, config=vars(c),
                             tokenizer=tokenizer, rng=rng, world_size=world_size)
 
@@ -766,30 +828,32 @@ def train(config, given, rank, world_size, dev):
     peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
                             if dev.type == "cuda" else 0.0)
     stops, stopped, saved_at = StopSignals(world_size), None, r.start_iter if c.init_from == "resume" else None
+    if master and importlib.util.find_spec("matplotlib") is None:
+        log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
+    # on CPU the same seed gives the same bits: else the embedding's backward adds rows in threads' order
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu", warn_only=True)
     t_start = time.time()
-    t_last, it_last, tokens_since = t_start, r.start_iter, 0
+    t_last, it_last, tokens_since, eta_from = t_start, r.start_iter, 0, None
     w.train()
     try:
         for it in range(r.start_iter, c.max_iters):
             stop = stops.requested()
+            if it % c.eval_interval == 0 and not (it == r.start_iter and c.init_from == "resume"):
+                t_last += evaluate(it)  # evaluation time is not training time (and a resumed run skips this one)
             if stop:  # `it` steps are complete: keep them
                 if saved_at != it:
                     save(it)
                 stopped = (stop, it)
                 break
-            if it % c.eval_interval == 0 and not (it == r.start_iter and c.init_from == "resume"):
-                t_last += evaluate(it)  # evaluation time is not training time
 
             lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = []
-            for j in range(local_accum):
-                generator = batch_generator(c.seed, it, rank * local_accum + j)
-                *batch, n_real = make_batch(r.train_tokens, r.train_docs, c, generator, dev, r.meta["eot_id"])
-                batches.append(batch)
-                tokens_since += n_real
-            grad_norm = train_step(batches)
+            batches = [make_batch(r.train_tokens, r.train_docs, c, batch_generator(c.seed, it, rank * local_accum + j),
+                                  dev, r.meta["eot_id"]) for j in range(local_accum)]  # this rank's micro-batches
+            tokens_since += sum(b[-1] for b in batches)
+            grad_norm = train_step([b[:-1] for b in batches])
 
             step = it + 1
             if step % c.log_interval == 0 or step == c.max_iters:
@@ -799,13 +863,15 @@ def train(config, given, rank, world_size, dev):
                 train_loss, dt = loss_total / c.grad_accum / (step - it_last), (now - t_last) / (step - it_last)
                 tok_s = tokens / (now - t_last)
                 mfu = r.flops_tok * tok_s / (peak * world_size) if peak else None
+                t0, step0 = eta_from or (t_last, it_last)  # the mean since this run's first log line (after warm-up)
+                eta, eta_from = (now - t0) / (step - step0) * (c.max_iters - step), eta_from or (now, step)
                 log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, grad norm {float(grad_norm):.3f}"
                     f", {tok_s:,.0f} tok/s, " + (f"MFU {100 * mfu:.1f}%, " if mfu is not None else "")
-                    + f"{1000 * dt:.1f} ms/step, ETA {dt * (c.max_iters - step) / 60:.1f} min")
+                    + f"{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min")
                 if master:
                     log_record(r.log_path, {"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
                                             "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1000 * dt,
-                                            "time_s": now - t_start})
+                                            "eta_s": eta, "time_s": now - t_start})
                 t_last, it_last, tokens_since = now, step, 0
                 loss_sum.zero_()
             if step == c.max_iters:
@@ -818,45 +884,16 @@ def train(config, given, rank, world_size, dev):
             log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
     finally:
         stops.restore()
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     if stopped is None:
         return 0
-    launcher = f"torchrun --standalone --nproc_per_node={world_size} train.py" if world_size > 1 else "python train.py"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this node
+    launcher = "python train.py" if world_size == 1 else f"torchrun --nproc_per_node={local} " + (
+        "--standalone" if local == world_size else f"--nnodes={world_size // local} --rdzv_backend=c10d "
+        "--rdzv_endpoint=HOST0:PORT") + " train.py"
     log(f"stopped by {signal.Signals(stopped[0]).name} after step {stopped[1]}: checkpoint in {r.ckpt_path}; "
         f"continue with `{launcher} --out_dir={c.out_dir} --init_from=resume`")
     return 128 + stopped[0]
-
-
-def main(argv):
-    """Run train.py with command-line arguments; returns the exit status."""
-    if "-h" in argv or "--help" in argv:
-        keys = "\n".join(f"  --{k}={v!r}" for k, v in default_config().items())
-        print(f"{__doc__}\nconfig keys and defaults:\n{keys}")
-        return 0
-    given = set()
-    config = apply_config(argv, default_config(), given)
-    rank, _, world_size, dev = ddp.init_distributed()
-    if config["device"] != "auto" and world_size == 1:
-        dev = torch.device(config["device"])
-    try:
-        return train(config, given, rank, world_size, dev)
-    finally:
-        ddp.cleanup_distributed()
-
-
-def cli(argv):
-    """main() for the command line: a ConfigError is one line on stderr and status 2 (argparse's convention), a
-    Ctrl-C before the training loop one line and status 130; printed by rank 0 only."""
-    quiet = os.environ.get("RANK", "0") != "0"
-    try:
-        return main(argv)
-    except ConfigError as e:
-        if not quiet:
-            print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if not quiet:
-            print("train.py: interrupted before training started; nothing was saved", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":
