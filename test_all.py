@@ -2163,20 +2163,6 @@ def test_config_files_overrides_presets_and_checks(tmp_path):
         assert train.cli(["--grad_accum=3"]) == 2 and err.getvalue() == ""
 
 
-def _cli_errors(script, table, cwd):
-    """Each (argv, words) of table through the real command line (all at once): one line on stderr holding every
-    word, exit status 2, and not a file in cwd written, changed or removed."""
-    files = lambda: {p: p.read_bytes() if p.is_file() else None for p in sorted(Path(cwd).rglob("*"))}
-    before = files()
-    runs = [(argv, words, subprocess.Popen([sys.executable, str(ROOT / script), *argv], cwd=cwd, text=True,
-                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-            for argv, words in table]
-    for argv, words, run in runs:
-        err = run.communicate(timeout=300)[1]
-        assert run.returncode == 2 and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
-    assert files() == before
-
-
 def test_bad_input_to_the_command_line_is_one_line_and_touches_nothing(tmp_path):
     """Every bad input of `python train.py` (config, data, checkpoint, device, a run in the way): one line naming it,
     status 2, no file written, changed or removed; config errors before torch and numpy are imported (here: can't)."""
