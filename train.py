@@ -80,9 +80,8 @@ DDP_IMPLS = ("naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsd
 # keys a resumed run must keep: changing any of them would draw other batches or build another model
 RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length", "grad_accum", "seed", "d_model",
                 "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings")
-RENAMED = {"ckpt_interval": "save_interval"}  # old config keys -> their names now
-# nanoGPT's keys that ours differ from: the error for one names our key, or says why there is none
-NANOGPT = dict(block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
+# nanoGPT's keys (and our old ones) that ours differ from: the error for one names our key, or says why there is none
+NANOGPT = dict(ckpt_interval="save_interval", block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
                gradient_accumulation_steps="grad_accum", always_save_checkpoint="save_interval",
                vocab_size="the dataset sets the vocabulary: `python data/prepare.py NAME --vocab_size N`",
                dropout="this model has no dropout", bias="this model has no biases", eval_only="no eval-only mode",
@@ -111,7 +110,7 @@ def apply_config(argv, config, given=None):
     fine for float) raises ConfigError. The keys set are added to the set `given`, if any."""
     def checked(key, value, source):
         if key not in config:
-            hint = {**RENAMED, **NANOGPT}.get(key) or next(iter(difflib.get_close_matches(key, config, n=1)), "")
+            hint = NANOGPT.get(key) or next(iter(difflib.get_close_matches(key, config, n=1)), "")
             raise ConfigError(f"unknown config key {key!r} (from {source})" + (
                 f"; did you mean {hint!r}?" if hint in config else f"; {hint}" if hint else ""))
         if isinstance(config[key], float) and isinstance(value, int) and not isinstance(value, bool):
@@ -550,7 +549,6 @@ def capture_step(step, optimizer):
         advance()
         graph.replay()
         return outputs
-    replay.graph = graph
     return replay
 
 
@@ -560,10 +558,6 @@ def capture_step(step, optimizer):
 def resume_config(config, given, saved, log):
     """The config of a resumed run: the checkpoint's saved config, with the keys given on this command line on top.
     A change is applied with a warning naming it; a change of a RESUME_FIXED key is refused."""
-    saved = dict(saved)
-    for old, new in RENAMED.items():  # checkpoints written before a key was renamed
-        if old in saved:
-            saved.setdefault(new, saved.pop(old))
     this_run = ("init_from", "force", "out_dir")  # where the checkpoint is now, and how this run starts
     merged = dict(config, **{k: v for k, v in saved.items() if k in config and k not in this_run})
     merged.update({k: config[k] for k in given if k not in this_run})
@@ -592,28 +586,6 @@ def claim_out_dir(c, master, log):
     os.makedirs(c.out_dir, exist_ok=True)
 
 
-def prepare_data(c, rank, world_size):
-    """data_dir of the run; prepares the default Shakespeare data on first use (rank 0, the others wait)."""
-    data_dir = c.data_dir or os.path.join(_ROOT, "data", c.dataset)
-    if not os.path.isfile(os.path.join(data_dir, "meta.json")) and c.dataset == "shakespeare" and not c.data_dir:
-        if rank == 0:
-            print(f"{data_dir} is missing: running `python data/prepare.py shakespeare`", flush=True)
-            subprocess.run([sys.executable, os.path.join(_ROOT, "data", "prepare.py"), "shakespeare"], check=True)
-        if world_size > 1:
-            torch.distributed.barrier()
-    return data_dir
-
-
-def decay_groups(weight_decay):
-    """AdamW parameter groups: weight decay on the matrices, none on the RMSNorm gains (ln1, ln2, ln_final)."""
-    def groups(named_parameters):
-        decay, no_decay = [], []
-        for name, p in named_parameters:
-            (no_decay if any(part.startswith("ln") for part in name.split(".")) else decay).append(p)
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return groups
-
-
 def _user_input(load, *args):
     """load(*args), its errors about a missing or damaged dataset or checkpoint as ConfigError (one line, cli)."""
     try:
@@ -638,7 +610,13 @@ def setup(config, given, rank, world_size, dev, log):
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
-    data_dir = prepare_data(c, rank, world_size)
+    data_dir = c.data_dir or os.path.join(_ROOT, "data", c.dataset)
+    if not os.path.isfile(os.path.join(data_dir, "meta.json")) and c.dataset == "shakespeare" and not c.data_dir:
+        if rank == 0:  # the default data, prepared on first use (the other ranks wait)
+            log(f"{data_dir} is missing: running `python data/prepare.py shakespeare`")
+            subprocess.run([sys.executable, os.path.join(_ROOT, "data", "prepare.py"), "shakespeare"], check=True)
+        if world_size > 1:
+            torch.distributed.barrier()
     (train_tokens, train_docs, meta), (val_tokens, val_docs, _) = (_user_input(load_dataset, data_dir, s)
                                                                     for s in ("train", "val"))
     vocab_size = meta["vocab_size"]
@@ -671,6 +649,8 @@ def setup(config, given, rank, world_size, dev, log):
     impl = c.ddp_impl if world_size > 1 else "none"
     flops_tok = flops_per_token(vocab_size, model_args["context_length"], model_args["d_model"],
                                 model_args["num_layers"], model_args["d_ff"], causal=True)
+    peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
+                            if dev.type == "cuda" else 0.0)  # MFU's denominator, per GPU
     log(f"model: {count_params(model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token (training, "
         f"causal), attn_impl={attn}, dtype={ptdtype}, device={dev}, world_size={world_size}, ddp_impl={impl}"
         f"{' + zero1' if c.zero1 and world_size > 1 else ''}, batching={c.batching}")
@@ -682,7 +662,11 @@ def setup(config, given, rank, world_size, dev, log):
     compile_kwargs = dict(dynamic=not static, **({"mode": "reduce-overhead"} if graphs == "micro" else {}))
     w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb, compute_dtype=None if ptdtype == torch.float32
                  else ptdtype, compile=c.compile, compile_kwargs=compile_kwargs)
-    optimizer = w.make_optimizer(AdamW, decay_groups(c.weight_decay), zero1=c.zero1, lr=c.learning_rate,
+    def decay_groups(named):  # weight decay on the matrices, none on the RMSNorm gains (ln1, ln2, ln_final)
+        gain = {p: any(part.startswith("ln") for part in name.split(".")) for name, p in named}
+        return [{"params": [p for p in gain if gain[p] == g], "weight_decay": 0.0 if g else c.weight_decay}
+                for g in (False, True)]
+    optimizer = w.make_optimizer(AdamW, decay_groups, zero1=c.zero1, lr=c.learning_rate,
                                  betas=(c.beta1, c.beta2), eps=c.eps, capturable=graphs == "whole")
     start_iter = 0
     if ckpt is not None:
@@ -706,9 +690,11 @@ def setup(config, given, rank, world_size, dev, log):
         p = counts[counts > 0] / counts.sum()
         log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, vocab_size {vocab_size}; "
             f"unigram entropy {-(p * np.log(p)).sum():.3f} nats/token (the loss of a model that ignores context)")
+    if importlib.util.find_spec("matplotlib") is None:
+        log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
     return SimpleNamespace(c=c, w=w, optimizer=optimizer, graphs=graphs, start_iter=start_iter, meta=meta,
                            data_dir=data_dir, train_tokens=train_tokens, train_docs=train_docs,
-                           val_batches=val_batches, model_args=model_args, flops_tok=flops_tok, ptdtype=ptdtype,
+                           val_batches=val_batches, model_args=model_args, flops_tok=flops_tok, peak=peak, ptdtype=ptdtype,
                            ckpt_path=ckpt_path, log_path=os.path.join(c.out_dir, "log.jsonl"))
 
 
@@ -778,8 +764,7 @@ def train(config, given, rank, world_size, dev):
     log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
     r = setup(config, given, rank, world_size, dev, log)
     c, w, optimizer = r.c, r.w, r.optimizer
-    autocast = (torch.autocast(device_type=dev.type, dtype=r.ptdtype) if r.ptdtype != torch.float32
-                else contextlib.nullcontext())
+    autocast = torch.autocast(dev.type, dtype=r.ptdtype, enabled=r.ptdtype != torch.float32)
     local_accum = c.grad_accum // world_size
     # fp64: every micro-batch loss enters the sum exactly, so the logged loss is the same on any number of ranks
     loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
@@ -824,12 +809,7 @@ def train(config, given, rank, world_size, dev):
             save_checkpoint(state, opt_state, step, r.ckpt_path, model_args=r.model_args, config=vars(c),
                             tokenizer=tokenizer, rng=rng, world_size=world_size)
 
-    lr_decay_iters = c.lr_decay_iters or c.max_iters
-    peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
-                            if dev.type == "cuda" else 0.0)
-    stops, stopped, saved_at = StopSignals(world_size), None, r.start_iter if c.init_from == "resume" else None
-    if master and importlib.util.find_spec("matplotlib") is None:
-        log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
+    stops, saved_at = StopSignals(world_size), r.start_iter if c.init_from == "resume" else None
     # on CPU the same seed gives the same bits: else the embedding's backward adds rows in threads' order
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu", warn_only=True)
@@ -841,13 +821,18 @@ def train(config, given, rank, world_size, dev):
             stop = stops.requested()
             if it % c.eval_interval == 0 and not (it == r.start_iter and c.init_from == "resume"):
                 t_last += evaluate(it)  # evaluation time is not training time (and a resumed run skips this one)
-            if stop:  # `it` steps are complete: keep them
+            if stop:  # `it` steps are complete: keep them, and say how to continue
                 if saved_at != it:
                     save(it)
-                stopped = (stop, it)
-                break
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this node
+                launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={local} " + (
+                    "--standalone" if local == world_size else f"--nnodes={world_size // local} --rdzv_backend=c10d "
+                    "--rdzv_endpoint=HOST0:PORT")
+                log(f"stopped by {signal.Signals(stop).name} after step {it}: checkpoint in {r.ckpt_path}; continue "
+                    f"with `{launcher} train.py --out_dir={c.out_dir} --init_from=resume`")
+                return 128 + stop
 
-            lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
+            lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters or c.max_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batches = [make_batch(r.train_tokens, r.train_docs, c, batch_generator(c.seed, it, rank * local_accum + j),
@@ -862,7 +847,7 @@ def train(config, given, rank, world_size, dev):
                 now = time.time()
                 train_loss, dt = loss_total / c.grad_accum / (step - it_last), (now - t_last) / (step - it_last)
                 tok_s = tokens / (now - t_last)
-                mfu = r.flops_tok * tok_s / (peak * world_size) if peak else None
+                mfu = r.flops_tok * tok_s / (r.peak * world_size) if r.peak else None
                 t0, step0 = eta_from or (t_last, it_last)  # the mean since this run's first log line (after warm-up)
                 eta, eta_from = (now - t0) / (step - step0) * (c.max_iters - step), eta_from or (now, step)
                 log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, grad norm {float(grad_norm):.3f}"
@@ -880,20 +865,11 @@ def train(config, given, rank, world_size, dev):
                 save(step)
                 saved_at = step
                 log(f"saved {r.ckpt_path} at step {step}")
-        else:
-            log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
+        log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
+        return 0
     finally:
         stops.restore()
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-    if stopped is None:
-        return 0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this node
-    launcher = "python train.py" if world_size == 1 else f"torchrun --nproc_per_node={local} " + (
-        "--standalone" if local == world_size else f"--nnodes={world_size // local} --rdzv_backend=c10d "
-        "--rdzv_endpoint=HOST0:PORT") + " train.py"
-    log(f"stopped by {signal.Signals(stopped[0]).name} after step {stopped[1]}: checkpoint in {r.ckpt_path}; "
-        f"continue with `{launcher} --out_dir={c.out_dir} --init_from=resume`")
-    return 128 + stopped[0]
 
 
 if __name__ == "__main__":
