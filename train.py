@@ -81,8 +81,9 @@ DDP_IMPLS = ("naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsd
 RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length", "grad_accum", "seed", "d_model",
                 "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings")
 # nanoGPT's keys (and our old ones) that ours differ from: the error for one names our key, or says why there is none
-NANOGPT = dict(ckpt_interval="save_interval", block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
-               gradient_accumulation_steps="grad_accum", always_save_checkpoint="save_interval",
+NANOGPT = dict(block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
+               ckpt_interval="save_interval", gradient_accumulation_steps="grad_accum",
+               always_save_checkpoint="save_interval",
                vocab_size="the dataset sets the vocabulary: `python data/prepare.py NAME --vocab_size N`",
                dropout="this model has no dropout", bias="this model has no biases", eval_only="no eval-only mode",
                decay_lr="the cosine schedule is always on (min_lr=learning_rate keeps the rate constant)",
@@ -104,10 +105,9 @@ def default_config():
 
 
 def apply_config(argv, config, given=None):
-    """Apply config files and --key=value or --key value overrides, in order, to the dict `config` (nanoGPT's
-    configurator): a file runs with the current values in scope, a value is parsed by ast.literal_eval (strings
-    verbatim). An unknown key (named ours, or the closest one) or a value of another type than the default (int is
-    fine for float) raises ConfigError. The keys set are added to the set `given`, if any."""
+    """nanoGPT's configurator: config files (run with the current values in scope) and --key=value / --key value
+    (ast.literal_eval; strings verbatim) in order, into `config`; the keys set go into `given`. An unknown key or a
+    value of another type than the default (int is fine for float) raises ConfigError."""
     def checked(key, value, source):
         if key not in config:
             hint = NANOGPT.get(key) or next(iter(difflib.get_close_matches(key, config, n=1)), "")
@@ -260,8 +260,7 @@ def clip_grad_norm(parameters, max_l2_norm):
 # data
 
 def load_dataset(data_dir, split):
-    """Open data_dir/{split}.bin as a read-only memmap, with its document offsets and meta.json (data/prepare.py's
-    format), after checking everything train.py relies on. Returns (tokens, docs, meta)."""
+    """(tokens: data_dir/{split}.bin as a read-only memmap, docs: its document offsets, meta.json), all checked."""
     _require(split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}")
     name = os.path.basename(os.path.normpath(data_dir))  # prepare.py's command for it: a download, or local text
     make = (f"run `python data/prepare.py {name}" + " --input <files>" * (name not in ("shakespeare", "tinystories",
@@ -363,9 +362,8 @@ def pack_batch(tokens, spans):
 
 
 def pad_packed(x, y, cu_seqlens, length, pad_id):
-    """A packed batch at a static shape, with the unpadded batch's loss and gradients: x and y right-padded to
-    `length` (pad_id, -100), the padding a document of its own, cu_seqlens repeating its last offset (empty
-    documents) up to a power of two of entries."""
+    """A packed batch at a static shape, same loss and gradients: padded to `length` (a document of its own), and
+    cu_seqlens to a power of two of entries by repeating its last offset (empty documents)."""
     n = x.shape[1]
     _require(n <= length, f"a packed batch of {n} tokens does not fit a static length of {length}")
     if n < length:
@@ -437,8 +435,7 @@ def save_checkpoint(model, optimizer, iteration, out, **extra):
 
 
 def read_checkpoint(src):
-    """torch.load(weights_only=True) onto the CPU, with a clear error for missing, truncated or corrupt files, and
-    for a file whose bytes do not match the CRC-32s saved with them."""
+    """torch.load (weights only) onto the CPU; a missing, truncated, corrupt or CRC-damaged file is a clear error."""
     path = isinstance(src, (str, os.PathLike))
     _require(not path or os.path.isfile(src), f"checkpoint {src} not found (train with `python train.py` first)",
              FileNotFoundError)
@@ -473,10 +470,8 @@ def load_checkpoint(src, model, optimizer):
 # the training step, eager or as CUDA graphs
 
 def make_step(w, optimizer, micro_step, max_norm, graphs=None):
-    """One optimizer step as step(batches) -> gradient norm: micro_step(j, batch) per micro-batch (forward, backward),
-    the gradient sync, the clip, optimizer.step(), the gradients cleared. graphs: None (eager), 'micro' (a model
-    compiled with mode='reduce-overhead': a CUDA graph per micro-step) or 'whole' (the whole step one CUDA graph,
-    whole_step_graph, the optimizer capturable, reading the micro-batches from buffers each call fills)."""
+    """step(batches) -> gradient norm: micro_step(j, batch) per micro-batch, sync, clip, optimizer step. graphs: None,
+    'micro' (compiled with mode='reduce-overhead') or 'whole' (whole_step_graph over buffers each call fills)."""
     if graphs == "micro":  # a gradient left None would be a replay's output, overwritten by the next micro-step
         for p in w.parameters():
             p.grad = torch.zeros_like(p)
@@ -511,9 +506,8 @@ def make_step(w, optimizer, micro_step, max_norm, graphs=None):
 
 
 def whole_step_graph(step, optimizer, device, eager_steps=2):
-    """step() (a training step ending in optimizer.step(), optimizer capturable) as one CUDA graph: the first
-    eager_steps calls run on a side stream (they compile, autotune, make the optimizer state), the next captures it
-    (capture_step), every later call replays."""
+    """step() (ending in optimizer.step(), optimizer capturable) as one CUDA graph: eager_steps calls on a side stream
+    (to compile, autotune, make the optimizer state), then capture_step, then replays."""
     side, calls, replay = torch.cuda.Stream(device), [0], []
 
     def run():
@@ -532,9 +526,8 @@ def whole_step_graph(step, optimizer, device, eager_steps=2):
 
 
 def capture_step(step, optimizer):
-    """Capture step() (a training step's GPU work, its batch in tensors that stay in place) as a CUDA graph; returns
-    replay(): optimizer.advance() (step count and size, on the host), the graph replayed, step()'s outputs (the same
-    tensors each time). optimizer: capturable, stepped once (AdamW, or torch.optim with a tensor lr)."""
+    """step() (its batch in tensors that stay in place; optimizer capturable and stepped once) as a CUDA graph:
+    replay() advances the optimizer's step count on the host, replays, and returns step()'s outputs (same tensors)."""
     _require(getattr(optimizer, "capturable", False) or all(g.get("capturable", False) for g in
              optimizer.param_groups), "capture_step needs an optimizer made with capturable=True")
     advance = getattr(optimizer, "advance", lambda: None)
@@ -556,8 +549,7 @@ def capture_step(step, optimizer):
 # the run: set-up
 
 def resume_config(config, given, saved, log):
-    """The config of a resumed run: the checkpoint's saved config, with the keys given on this command line on top.
-    A change is applied with a warning naming it; a change of a RESUME_FIXED key is refused."""
+    """The saved config under the keys this command line gives: a change is warned of, one of RESUME_FIXED refused."""
     this_run = ("init_from", "force", "out_dir")  # where the checkpoint is now, and how this run starts
     merged = dict(config, **{k: v for k, v in saved.items() if k in config and k not in this_run})
     merged.update({k: config[k] for k in given if k not in this_run})
@@ -595,8 +587,7 @@ def _user_input(load, *args):
 
 
 def setup(config, given, rank, world_size, dev, log):
-    """Everything the loop needs, as a namespace: the config c, the data, the wrapped model w and its optimizer,
-    the fixed validation batches, the iteration to start at. Every input is judged before anything is written."""
+    """Everything the loop needs, as a namespace; every input is judged before anything is written."""
     c, ckpt = SimpleNamespace(**config), None
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
     if c.init_from == "resume":  # the saved config, with this command line's changes (or refusals)
@@ -605,8 +596,7 @@ def setup(config, given, rank, world_size, dev, log):
     check_config(c, world_size)
     c.grad_accum = c.grad_accum or world_size  # saved resolved: a resume on another world size keeps the batch
     _require(not c.cuda_graphs or dev.type == "cuda", f"cuda_graphs needs a CUDA device, got {dev}", ConfigError)
-    ptdtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
-               "float32": torch.float32, "bfloat16": torch.bfloat16}[c.dtype]
+    ptdtype = torch.bfloat16 if c.dtype == "bfloat16" or c.dtype == "auto" and dev.type == "cuda" else torch.float32
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
@@ -693,8 +683,8 @@ def setup(config, given, rank, world_size, dev, log):
     if importlib.util.find_spec("matplotlib") is None:
         log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
     return SimpleNamespace(c=c, w=w, optimizer=optimizer, graphs=graphs, start_iter=start_iter, meta=meta,
-                           data_dir=data_dir, train_tokens=train_tokens, train_docs=train_docs,
-                           val_batches=val_batches, model_args=model_args, flops_tok=flops_tok, peak=peak, ptdtype=ptdtype,
+                           data_dir=data_dir, train_tokens=train_tokens, train_docs=train_docs, peak=peak,
+                           val_batches=val_batches, model_args=model_args, flops_tok=flops_tok, ptdtype=ptdtype,
                            ckpt_path=ckpt_path, log_path=os.path.join(c.out_dir, "log.jsonl"))
 
 
@@ -758,8 +748,7 @@ def log_record(log_path, record):
 # the run: the training loop
 
 def train(config, given, rank, world_size, dev):
-    """The run on this rank: config (every key) and the keys the command line set (given). Returns the exit status:
-    0, or 128 + the signal number when SIGINT / SIGTERM stopped it (after saving the checkpoint)."""
+    """The run on this rank; returns 0, or 128 + the number of the signal that stopped it (after a checkpoint)."""
     master = rank == 0
     log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
     r = setup(config, given, rank, world_size, dev, log)
