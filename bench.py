@@ -1263,7 +1263,7 @@ SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens": ("*i32", "*i32"), 
               "sm_scale": "fp32", **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}
 
 
-def sass_stats(kernel_fn, signature, constexprs, options, gluon_source=False):
+def sass_stats(kernel_fn, types, constexprs, options, gluon_source=False):
     """One kernel compiled for sm_90 and read with the cuobjdump and ptxas Triton carries: a row for cmd_sass's table.
     Pointers and the integers Triton would specialize are marked multiples of 16, as at the dense shapes."""
     import triton
@@ -1272,6 +1272,7 @@ def sass_stats(kernel_fn, signature, constexprs, options, gluon_source=False):
     source = ASTSource
     if gluon_source:
         from triton.experimental.gluon._runtime import GluonASTSource as source
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel_fn.arg_names}
     skip = {p.name for p in kernel_fn.params if p.do_not_specialize}
     attrs = {}
     for i, name in enumerate(kernel_fn.arg_names):
@@ -1320,8 +1321,7 @@ def sass_rows(flash, d, varlen, causal):
             cx = dict(common, BLOCK_M=m, BLOCK_N=n, **extra)
             n_strides = 3 * sum(a in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") for a in fn.arg_names)
             types = dict(SASS_TYPES, strides=("i32",) * n_strides)
-            sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
-            rows.append([d, name, str((m, n, w, s))] + sass_stats(fn, sig, cx, {"num_warps": w, "num_stages": s}))
+            rows.append([d, name, str((m, n, w, s))] + sass_stats(fn, types, cx, {"num_warps": w, "num_stages": s}))
     tiles = flash._gluon_head_tiles(d) if flash.gluon is not None else None
     if tiles is None:
         return rows
@@ -1334,27 +1334,23 @@ def sass_rows(flash, d, varlen, causal):
 
     m, n, stages, q_bufs = flash.GLUON_FWD_CONFIGS[main + tail]
     cx = dict(NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal, HEAD_MAJOR=not varlen, DYNAMIC=True, O_TMA=tail == 0)
-    fn = flash._gl_attn_fwd
     types = dict(SASS_TYPES, out_strides=("i32",) * 5, dims=("i32",) * 5, q_desc=desc(m, main), k_desc=desc(n, main),
                  v_desc=desc(n, main), qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main),
                  vt_desc=desc(n, tail or main), o_desc=desc(m, main))
-    sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
     rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
-        fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
+        flash._gl_attn_fwd, types, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
     m, n, stages, split, persistent, dq_swizzle = flash.GLUON_BWD_CONFIGS[main + tail]
     cx = dict(NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=persistent,
               DKV_TMA=flash._gluon_bwd_dkv_tma(tail, persistent, 1024, split))
     dq = desc(m, main // split, "fp32", dq_swizzle)  # (a tail's dQ tiles: the default swizzle)
-    fn = flash._gl_attn_bwd
     types = dict(SASS_TYPES, out_strides=("i32",) * 8, dims=("i32",) * 5,
                  tensors=("*bf16", "*bf16", "*fp32", "*fp32", "*i32", "*i32"), q_desc=desc(m, main),
                  k_desc=desc(n, main), v_desc=desc(n, main), do_desc=desc(m, main), dq_desc=dq,
                  qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main), vt_desc=desc(n, tail or main),
                  dot_desc=desc(m, tail or main), dqt_desc=desc(m, tail, "fp32") if tail else dq, dk_desc=desc(n, main),
                  dv_desc=desc(n, main))
-    sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
     rows.append([d, "bwd (Gluon, sm90)", str((m, 2 * n, 10, stages))] + sass_stats(
-        fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
+        flash._gl_attn_bwd, types, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
     return rows
 
 
