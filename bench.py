@@ -30,9 +30,8 @@ T_START = time.time()  # a row's cold start counts from the process start
 
 
 def bpe_train_child(which, path, vocab_size, special, workers, out_dir):
-    """`bench.py _bpe_train WHICH PATH VOCAB_SIZE SPECIAL WORKERS OUT_DIR`: one training of `bench.py bpe` in a
-    process without torch, so its peak RSS is the trainer's own; WHICH: ours (bpe.train_bpe, saved to OUT_DIR) or
-    hf (HF tokenizers' byte-level BpeTrainer, as many threads). Prints seconds, RSS and vocab size as JSON."""
+    """One training of `bench.py bpe`, ours (saved to out_dir) or hf's, in a process without torch so its peak RSS
+    is the trainer's own; prints seconds, RSS and vocab size as JSON."""
     from bpe import Tokenizer, peak_rss_mb, train_bpe
     t0 = time.perf_counter()
     if which == "ours":
@@ -305,16 +304,17 @@ class Report:
         if not self.quiet:
             print(text, flush=True)
 
-    def table(self, header, rows, digits=2, fold=()):
+    def table(self, header, cells, digits=2, fold=(), **data):
         """The one table printer: every cell through fmt (digits: float decimals, for all or per column); a column
-        of `fold` whose cells are all equal becomes a caption line above it."""
+        of `fold` whose cells are all equal becomes a caption line above it. Then save(**data)."""
         digits = list(digits) + [2] * len(header) if isinstance(digits, (list, tuple)) else [digits] * len(header)
-        same = [i for i in fold if rows and len({fmt(r[i]) for r in rows}) == 1]
+        same = [i for i in fold if cells and len({fmt(r[i]) for r in cells}) == 1]
         keep = [i for i in range(len(header)) if i not in same]
         if same:
-            self.say(", ".join(f"{header[i]} {fmt(rows[0][i])}" for i in same) + "\n")
+            self.say(", ".join(f"{header[i]} {fmt(cells[0][i])}" for i in same) + "\n")
         self.say("\n".join(["| " + " | ".join(header[i] for i in keep) + " |", "|" + "---|" * len(keep)] + [
-            "| " + " | ".join(fmt(r[i], digits[i]).replace("|", "\\|") for i in keep) + " |" for r in rows]) + "\n")
+            "| " + " | ".join(fmt(r[i], digits[i]).replace("|", "\\|") for i in keep) + " |" for r in cells]) + "\n")
+        self.save(**data)
 
     def save(self, **data):
         self.data.update(data)
@@ -374,12 +374,10 @@ _L2_FLUSH = {}  # device -> 2**28 bytes, more than any L2 cache, zeroed before a
 
 def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, flush_l2=False, host_ahead=False,
             host_ms=None):
-    """The one timer: ms per call of fn(), one sample per timed step, as a list. `warmup` untimed calls, then
-    `steps` samples, each the mean of `reps` calls, the device synchronized around each; setup() runs untimed before
-    each sample; budget_ms: as many samples as fit in that many ms, judged by the first. CUDA: a pair of events per
-    sample; flush_l2 gives every sample a cold L2 cache; host_ahead keeps the GPU busy (torch.cuda._sleep) until the
-    host has issued the sample's calls, so the events time the GPU's work alone, and host_ms (a list) gets the host's
-    ms per call. CPU: time.perf_counter."""
+    """The one timer: a list of `steps` samples (or as many as fit in budget_ms), each the ms per call of `reps` calls
+    of fn() after `warmup` untimed ones and setup(), timed by CUDA events (CPU: perf_counter). flush_l2: a cold L2
+    per sample; host_ahead: the GPU kept busy until the host has issued the calls (the GPU's time alone; host_ms, a
+    list, gets the host's)."""
     device = torch.device(device)
     cuda, sleep_ms = device.type == "cuda", 1.0  # host_ahead's sleep: twice the host's time for a sample, or more
     for _ in range(warmup):
@@ -464,7 +462,6 @@ def document_lengths(num_docs, median_len, sigma, max_len, generator, total_toke
 
 
 # ---- model: the training step, ours beside a peer; every combination of the listed options is a row -----------------
-
 
 class PeerBlock(nn.Module):
     """A block as a PyTorch user writes it: GPT-2's (LayerNorm, qkv with bias, a GELU MLP of width 4 d), or ours
@@ -777,9 +774,8 @@ on_backend = lambda backend, fn: unittest.mock.patch.object(flash, "BACKEND", ba
 
 
 def dense_methods(cuda):
-    """name -> make(q, k, v) -> fn(q, k, v): causal attention on (B, H, S, D), make doing the per-shape setup
-    outside the timed calls. ours: flash.py's pick; ours-triton / ours-gluon: one kernel family forced; naive:
-    model.scaled_dot_product_attention with a causal mask, eager or compiled."""
+    """name -> make(q, k, v) -> fn(q, k, v): causal attention on (B, H, S, D), make doing the per-shape setup outside
+    the timed calls; ours-triton / ours-gluon force a kernel family, naive is model.py's (eager or compiled)."""
     ours = lambda q, k, v: flash.flash_attention(q, k, v, causal=True)
     naive = lambda fn: lambda q, k, v: functools.partial(fn, mask=model_py.causal_mask(q.shape[-2], q.device))
     methods = {"ours": made(ours), "naive": naive(model_py.scaled_dot_product_attention),
@@ -806,10 +802,8 @@ def padded(cu, length, num_heads):
 
 
 def packed_methods(cu, max_seqlen, num_heads, pad_length):
-    """Attention on packed documents, causal inside each: name -> make(q, k, v) -> fn on (N, H, D), the masks and
-    layouts made here, outside the timed calls. ours: flash_attn_varlen (-triton: on the Triton kernels); flex: a
-    document mask; sdpa-pad, -dynamic: SDPA on the documents padded to pad_length, or to the longest; fa2-varlen:
-    PyTorch's internal FA2 varlen kernel."""
+    """dense_methods for packed documents (N, H, D), causal inside each: sdpa-pad / -dynamic pad them to pad_length /
+    the longest; fa2-varlen is PyTorch's internal FA2 varlen kernel."""
     N, heads = int(cu[-1]), lambda t: t.transpose(0, 1)[None]  # (N, H, D) -> (1, H, N, D)
     ours, doc_mask = lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_seqlen), flex(
         N, cu.device, model_py.document_ids(cu, N), None)
@@ -933,11 +927,9 @@ def cmd_attention(args):
 
 # ---- varlen, hf: padding strategies on the same documents, our model's or a Hugging Face GPT-2's step ---------------
 
-
 def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
-    """One batch of documents (token ranges) laid out as `strategy` says: ours as train.py does (pack_static padded
-    to budget + ctx); Hugging Face's a row per document, or one row by DataCollatorWithFlattening (compiled:
-    max_length a constant bound, so it compiles once)."""
+    """One batch of documents (token ranges) laid out as `strategy` says: ours as train.py does; Hugging Face's a row
+    per document, or one row by DataCollatorWithFlattening (compiled: a constant max_length, so it compiles once)."""
     layout = strategy.split(":")[1] if hf_model else strategy
     if hf_model and layout == "pack":
         from transformers import DataCollatorWithFlattening
@@ -1076,8 +1068,8 @@ def cmd_rmsnorm(args):
     rep.table(["shape", "method", "fwd ms", "fwd GB/s", "fwd % of copy", "fwd+bwd ms", "fwd+bwd GB/s",
                "fwd+bwd % of copy", "bwd % of copy"],
               [[r["shape"], r["method"], r["fwd_ms"], r["fwd_gb_s"], pct(r, "fwd_gb_s"), r["fwd_bwd_ms"],
-                r["fwd_bwd_gb_s"], pct(r, "fwd_bwd_gb_s"), pct(r, "bwd_gb_s")] for r in rows], [0, 0, 3, 0, 0, 3, 0])
-    rep.save(rows=rows)
+                r["fwd_bwd_gb_s"], pct(r, "fwd_bwd_gb_s"), pct(r, "bwd_gb_s")] for r in rows], [0, 0, 3, 0, 0, 3, 0],
+              rows=rows)
     return rows
 
 
@@ -1102,13 +1094,11 @@ def cmd_adamw(args):
         free_memory(device)
     rep.table(["size", "parameters", "optimizer", "ms/step", "TB/s (28 bytes a parameter)", "vs torch fused"],
               [[r["size"], millions(r["params"]), r["optimizer"], r["ms"], r["tb_s"], r["vs_torch_fused"]]
-               for r in rows], digits=[0, 0, 0, 3])
-    rep.save(rows=rows)
+               for r in rows], digits=[0, 0, 0, 3], rows=rows)
     return rows
 
 
 # ---- ddp: all-reduce bandwidth and the data-parallel variants, under torchrun (`allreduce`: the first table) ------
-
 
 def _build_variant(variant, net, opt_cls, lr):
     """(ddp.Parallel, optimizer) for one variant name (see DDP_VARIANTS); net is already on its device."""
@@ -1273,16 +1263,16 @@ SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens": ("*i32", "*i32"), 
               "sm_scale": "fp32", **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}
 
 
-def sass_stats(kernel_fn, signature, constexprs, options, gluon_source=False):
-    """(registers, stack bytes, spill loads, spill stores, SASS instructions, shared memory in KiB, wgmma
-    serialized?) of one kernel compiled for sm_90 with this Triton, read with the cuobjdump and ptxas its package
-    carries. Pointers and the integers Triton would specialize are marked multiples of 16, as at the dense shapes."""
+def sass_stats(kernel_fn, types, constexprs, options, gluon_source=False):
+    """One kernel compiled for sm_90 and read with the cuobjdump and ptxas Triton carries: a row for cmd_sass's table.
+    Pointers and the integers Triton would specialize are marked multiples of 16, as at the dense shapes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     source = ASTSource
     if gluon_source:
         from triton.experimental.gluon._runtime import GluonASTSource as source
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel_fn.arg_names}
     skip = {p.name for p in kernel_fn.params if p.do_not_specialize}
     attrs = {}
     for i, name in enumerate(kernel_fn.arg_names):
@@ -1331,8 +1321,7 @@ def sass_rows(flash, d, varlen, causal):
             cx = dict(common, BLOCK_M=m, BLOCK_N=n, **extra)
             n_strides = 3 * sum(a in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") for a in fn.arg_names)
             types = dict(SASS_TYPES, strides=("i32",) * n_strides)
-            sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
-            rows.append([d, name, str((m, n, w, s))] + sass_stats(fn, sig, cx, {"num_warps": w, "num_stages": s}))
+            rows.append([d, name, str((m, n, w, s))] + sass_stats(fn, types, cx, {"num_warps": w, "num_stages": s}))
     tiles = flash._gluon_head_tiles(d) if flash.gluon is not None else None
     if tiles is None:
         return rows
@@ -1345,27 +1334,23 @@ def sass_rows(flash, d, varlen, causal):
 
     m, n, stages, q_bufs = flash.GLUON_FWD_CONFIGS[main + tail]
     cx = dict(NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal, HEAD_MAJOR=not varlen, DYNAMIC=True, O_TMA=tail == 0)
-    fn = flash._gl_attn_fwd
     types = dict(SASS_TYPES, out_strides=("i32",) * 5, dims=("i32",) * 5, q_desc=desc(m, main), k_desc=desc(n, main),
                  v_desc=desc(n, main), qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main),
                  vt_desc=desc(n, tail or main), o_desc=desc(m, main))
-    sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
     rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
-        fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
+        flash._gl_attn_fwd, types, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
     m, n, stages, split, persistent, dq_swizzle = flash.GLUON_BWD_CONFIGS[main + tail]
     cx = dict(NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=persistent,
               DKV_TMA=flash._gluon_bwd_dkv_tma(tail, persistent, 1024, split))
     dq = desc(m, main // split, "fp32", dq_swizzle)  # (a tail's dQ tiles: the default swizzle)
-    fn = flash._gl_attn_bwd
     types = dict(SASS_TYPES, out_strides=("i32",) * 8, dims=("i32",) * 5,
                  tensors=("*bf16", "*bf16", "*fp32", "*fp32", "*i32", "*i32"), q_desc=desc(m, main),
                  k_desc=desc(n, main), v_desc=desc(n, main), do_desc=desc(m, main), dq_desc=dq,
                  qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main), vt_desc=desc(n, tail or main),
                  dot_desc=desc(m, tail or main), dqt_desc=desc(m, tail, "fp32") if tail else dq, dk_desc=desc(n, main),
                  dv_desc=desc(n, main))
-    sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
     rows.append([d, "bwd (Gluon, sm90)", str((m, 2 * n, 10, stages))] + sass_stats(
-        fn, sig, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
+        flash._gl_attn_bwd, types, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
     return rows
 
 
@@ -1385,8 +1370,7 @@ def cmd_sass(args):
             f"shapes, except do_not_specialize ones\n")
     rows = [row for d in map(int, args.head_dims.split(",")) for row in sass_rows(flash, d, args.varlen, not args.full)]
     rep.table(["D", "kernel", "config (M, N, warps, stages)", "registers", "stack bytes", "spill loads",
-               "spill stores", "SASS instructions", "shared KiB", "wgmma serialized"], rows, digits=1)
-    rep.save(rows=rows)
+               "spill stores", "SASS instructions", "shared KiB", "wgmma serialized"], rows, digits=1, rows=rows)
     return 0
 
 

@@ -510,9 +510,6 @@ class Tokenizer:
                 buf = buf[cut:]
         yield from self.encode(buf)
 
-    def _encode_chunk(self, path, start, end):
-        return self.encode_to_numpy(_read_chunk(path, start, end))
-
     def encode_file(self, path, num_workers=None, chunk_bytes=CHUNK_BYTES, verbose=True):
         """Yields the ids of a UTF-8 file as NumPy arrays, in file order, encoded on num_workers threads (tiktoken's
         core releases the GIL). Chunks end at safe boundaries, so the concatenation equals encode(whole text); at
@@ -521,9 +518,10 @@ class Tokenizer:
         jobs = _file_chunks(path, self.special_tokens, num_workers, chunk_bytes)
         progress = Progress(f"encode {os.path.basename(path)}", os.path.getsize(path), "B", verbose=verbose)
         pool, pending, done = ThreadPoolExecutor(num_workers), deque(), 0  # pending: (bytes, future), in file order
+        encode = lambda start, end: self.encode_to_numpy(_read_chunk(path, start, end))  # noqa: E731
         try:
             for k, (_, start, end) in enumerate(jobs):
-                pending.append((end - start, pool.submit(self._encode_chunk, path, start, end)))
+                pending.append((end - start, pool.submit(encode, start, end)))
                 while pending and (len(pending) >= 2 * num_workers or k == len(jobs) - 1):
                     nbytes, future = pending.popleft()
                     yield future.result()

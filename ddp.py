@@ -668,17 +668,13 @@ def _torch_fsdp(model, compute_dtype):
 
 class Parallel:
     """wrap(model, impl, ...): `model` (on its device) under one data-parallel impl, with the operations a training
-    loop needs, the same for every impl (the module docstring shows the loop). impl:
-      none        one process, no communication (the plain model)
-      naive, flat, overlap, bucketed   DDPNaive, DDPFlat, DDPIndividualParameters, DDPBucketed(bucket_size_mb)
-      fsdp        FSDP(compute_dtype): weights all-gathered in compute_dtype (None: their own fp32)
-      torch       torch.nn.parallel.DistributedDataParallel
-      torch_fsdp  FSDP2 (fully_shard per block of model.layers and around the model), compute_dtype params
-    compile=True applies torch.compile(**compile_kwargs) inside our DDP wrappers and torch's DDP (hooks stay eager),
-    around the FSDP variants. .module is the unwrapped model, .model what is called. state_dict() and
-    optimizer_state_dict() give (and their load_ methods take, on every rank) the unwrapped model's and a torch.optim
-    optimizer's full state under every impl, so a checkpoint of one impl and world size loads into any other; they
-    are collective under the FSDP variants, optimizer_state_dict() under ZeRO-1 too."""
+    loop needs, the same for every impl (the module docstring shows the loop). impl: none (one process, the plain
+    model); naive, flat, overlap, bucketed (DDPNaive, DDPFlat, DDPIndividualParameters, DDPBucketed); fsdp (FSDP,
+    weights gathered in compute_dtype, None: fp32); torch (DistributedDataParallel); torch_fsdp (FSDP2 on each block
+    of model.layers and the model). compile=True: torch.compile(**compile_kwargs) inside the DDP wrappers (hooks stay
+    eager), around the FSDP ones. .module is the unwrapped model, .model what is called. state_dict() and
+    optimizer_state_dict() and their load_ twins move full states under every impl (collective under the FSDP
+    variants, the optimizer's under ZeRO-1 too), so a checkpoint of one impl and world size loads into any other."""
 
     def __init__(self, model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, compile_kwargs=None):
         if impl not in IMPLS:

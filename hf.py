@@ -15,6 +15,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from bpe import atomic_open
 from flash import flash_attention, flash_attn_varlen
 from model import RMSNorm, RotaryEmbedding, TransformerLM
 
@@ -108,11 +109,6 @@ def llama_state_dict(model):
     return out
 
 
-def _write_atomic(path, write):
-    write(path + ".tmp")  # then renamed into place: a reader never sees half a file
-    os.replace(path + ".tmp", path)
-
-
 def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False):
     """Write out_dir/config.json and model.safetensors that LlamaForCausalLM.from_pretrained(out_dir) loads into the
     same function as `model` (a TransformerLM, or a torch.compile / DDP wrapper of one). tokenizer (a bpe.Tokenizer):
@@ -136,10 +132,12 @@ def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False)
         specials = {"additional_special_tokens": list(tokenizer.special_ids)}
         if eot is not None:
             specials.update(bos_token="<|endoftext|>", eos_token="<|endoftext|>")
-        _write_atomic(os.path.join(out_dir, "special_tokens_map.json"),
-                      lambda p: open(p, "w").write(json.dumps(specials, indent=1)))
-    _write_atomic(os.path.join(out_dir, LLAMA_WEIGHTS), lambda p: st.save_file(tensors, p, metadata={"format": "pt"}))
-    _write_atomic(os.path.join(out_dir, "config.json"), lambda p: open(p, "w").write(json.dumps(config, indent=2)))
+        with atomic_open(os.path.join(out_dir, "special_tokens_map.json")) as f:
+            json.dump(specials, f, indent=1)
+    with atomic_open(os.path.join(out_dir, LLAMA_WEIGHTS), "wb") as f:
+        f.write(st.save(tensors, metadata={"format": "pt"}))
+    with atomic_open(os.path.join(out_dir, "config.json")) as f:  # last: its presence means the directory is done
+        json.dump(config, f, indent=2)
     return out_dir
 
 

@@ -80,10 +80,10 @@ DDP_IMPLS = ("naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsd
 # keys a resumed run must keep: changing any of them would draw other batches or build another model
 RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length", "grad_accum", "seed", "d_model",
                 "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings")
-RENAMED = {"ckpt_interval": "save_interval"}  # old config keys -> their names now
-# nanoGPT's keys that ours differ from: the error for one names our key, or says why there is none
+# nanoGPT's keys (and our old ones) that ours differ from: the error for one names our key, or says why there is none
 NANOGPT = dict(block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
-               gradient_accumulation_steps="grad_accum", always_save_checkpoint="save_interval",
+               ckpt_interval="save_interval", gradient_accumulation_steps="grad_accum",
+               always_save_checkpoint="save_interval",
                vocab_size="the dataset sets the vocabulary: `python data/prepare.py NAME --vocab_size N`",
                dropout="this model has no dropout", bias="this model has no biases", eval_only="no eval-only mode",
                decay_lr="the cosine schedule is always on (min_lr=learning_rate keeps the rate constant)",
@@ -105,13 +105,12 @@ def default_config():
 
 
 def apply_config(argv, config, given=None):
-    """Apply config files and --key=value or --key value overrides, in order, to the dict `config` (nanoGPT's
-    configurator): a file runs with the current values in scope, a value is parsed by ast.literal_eval (strings
-    verbatim). An unknown key (named ours, or the closest one) or a value of another type than the default (int is
-    fine for float) raises ConfigError. The keys set are added to the set `given`, if any."""
+    """nanoGPT's configurator: config files (run with the current values in scope) and --key=value / --key value
+    (ast.literal_eval; strings verbatim) in order, into `config`; the keys set go into `given`. An unknown key or a
+    value of another type than the default (int is fine for float) raises ConfigError."""
     def checked(key, value, source):
         if key not in config:
-            hint = {**RENAMED, **NANOGPT}.get(key) or next(iter(difflib.get_close_matches(key, config, n=1)), "")
+            hint = NANOGPT.get(key) or next(iter(difflib.get_close_matches(key, config, n=1)), "")
             raise ConfigError(f"unknown config key {key!r} (from {source})" + (
                 f"; did you mean {hint!r}?" if hint in config else f"; {hint}" if hint else ""))
         if isinstance(config[key], float) and isinstance(value, int) and not isinstance(value, bool):
@@ -261,8 +260,7 @@ def clip_grad_norm(parameters, max_l2_norm):
 # data
 
 def load_dataset(data_dir, split):
-    """Open data_dir/{split}.bin as a read-only memmap, with its document offsets and meta.json (data/prepare.py's
-    format), after checking everything train.py relies on. Returns (tokens, docs, meta)."""
+    """(tokens: data_dir/{split}.bin as a read-only memmap, docs: its document offsets, meta.json), all checked."""
     _require(split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}")
     name = os.path.basename(os.path.normpath(data_dir))  # prepare.py's command for it: a download, or local text
     make = (f"run `python data/prepare.py {name}" + " --input <files>" * (name not in ("shakespeare", "tinystories",
@@ -364,9 +362,8 @@ def pack_batch(tokens, spans):
 
 
 def pad_packed(x, y, cu_seqlens, length, pad_id):
-    """A packed batch at a static shape, with the unpadded batch's loss and gradients: x and y right-padded to
-    `length` (pad_id, -100), the padding a document of its own, cu_seqlens repeating its last offset (empty
-    documents) up to a power of two of entries."""
+    """A packed batch at a static shape, same loss and gradients: padded to `length` (a document of its own), and
+    cu_seqlens to a power of two of entries by repeating its last offset (empty documents)."""
     n = x.shape[1]
     _require(n <= length, f"a packed batch of {n} tokens does not fit a static length of {length}")
     if n < length:
@@ -438,8 +435,7 @@ def save_checkpoint(model, optimizer, iteration, out, **extra):
 
 
 def read_checkpoint(src):
-    """torch.load(weights_only=True) onto the CPU, with a clear error for missing, truncated or corrupt files, and
-    for a file whose bytes do not match the CRC-32s saved with them."""
+    """torch.load (weights only) onto the CPU; a missing, truncated, corrupt or CRC-damaged file is a clear error."""
     path = isinstance(src, (str, os.PathLike))
     _require(not path or os.path.isfile(src), f"checkpoint {src} not found (train with `python train.py` first)",
              FileNotFoundError)
@@ -474,10 +470,8 @@ def load_checkpoint(src, model, optimizer):
 # the training step, eager or as CUDA graphs
 
 def make_step(w, optimizer, micro_step, max_norm, graphs=None):
-    """One optimizer step as step(batches) -> gradient norm: micro_step(j, batch) per micro-batch (forward, backward),
-    the gradient sync, the clip, optimizer.step(), the gradients cleared. graphs: None (eager), 'micro' (a model
-    compiled with mode='reduce-overhead': a CUDA graph per micro-step) or 'whole' (the whole step one CUDA graph,
-    whole_step_graph, the optimizer capturable, reading the micro-batches from buffers each call fills)."""
+    """step(batches) -> gradient norm: micro_step(j, batch) per micro-batch, sync, clip, optimizer step. graphs: None,
+    'micro' (compiled with mode='reduce-overhead') or 'whole' (whole_step_graph over buffers each call fills)."""
     if graphs == "micro":  # a gradient left None would be a replay's output, overwritten by the next micro-step
         for p in w.parameters():
             p.grad = torch.zeros_like(p)
@@ -512,9 +506,8 @@ def make_step(w, optimizer, micro_step, max_norm, graphs=None):
 
 
 def whole_step_graph(step, optimizer, device, eager_steps=2):
-    """step() (a training step ending in optimizer.step(), optimizer capturable) as one CUDA graph: the first
-    eager_steps calls run on a side stream (they compile, autotune, make the optimizer state), the next captures it
-    (capture_step), every later call replays."""
+    """step() (ending in optimizer.step(), optimizer capturable) as one CUDA graph: eager_steps calls on a side stream
+    (to compile, autotune, make the optimizer state), then capture_step, then replays."""
     side, calls, replay = torch.cuda.Stream(device), [0], []
 
     def run():
@@ -533,9 +526,8 @@ def whole_step_graph(step, optimizer, device, eager_steps=2):
 
 
 def capture_step(step, optimizer):
-    """Capture step() (a training step's GPU work, its batch in tensors that stay in place) as a CUDA graph; returns
-    replay(): optimizer.advance() (step count and size, on the host), the graph replayed, step()'s outputs (the same
-    tensors each time). optimizer: capturable, stepped once (AdamW, or torch.optim with a tensor lr)."""
+    """step() (its batch in tensors that stay in place; optimizer capturable and stepped once) as a CUDA graph:
+    replay() advances the optimizer's step count on the host, replays, and returns step()'s outputs (same tensors)."""
     _require(getattr(optimizer, "capturable", False) or all(g.get("capturable", False) for g in
              optimizer.param_groups), "capture_step needs an optimizer made with capturable=True")
     advance = getattr(optimizer, "advance", lambda: None)
@@ -550,7 +542,6 @@ def capture_step(step, optimizer):
         advance()
         graph.replay()
         return outputs
-    replay.graph = graph
     return replay
 
 
@@ -558,12 +549,7 @@ def capture_step(step, optimizer):
 # the run: set-up
 
 def resume_config(config, given, saved, log):
-    """The config of a resumed run: the checkpoint's saved config, with the keys given on this command line on top.
-    A change is applied with a warning naming it; a change of a RESUME_FIXED key is refused."""
-    saved = dict(saved)
-    for old, new in RENAMED.items():  # checkpoints written before a key was renamed
-        if old in saved:
-            saved.setdefault(new, saved.pop(old))
+    """The saved config under the keys this command line gives: a change is warned of, one of RESUME_FIXED refused."""
     this_run = ("init_from", "force", "out_dir")  # where the checkpoint is now, and how this run starts
     merged = dict(config, **{k: v for k, v in saved.items() if k in config and k not in this_run})
     merged.update({k: config[k] for k in given if k not in this_run})
@@ -592,28 +578,6 @@ def claim_out_dir(c, master, log):
     os.makedirs(c.out_dir, exist_ok=True)
 
 
-def prepare_data(c, rank, world_size):
-    """data_dir of the run; prepares the default Shakespeare data on first use (rank 0, the others wait)."""
-    data_dir = c.data_dir or os.path.join(_ROOT, "data", c.dataset)
-    if not os.path.isfile(os.path.join(data_dir, "meta.json")) and c.dataset == "shakespeare" and not c.data_dir:
-        if rank == 0:
-            print(f"{data_dir} is missing: running `python data/prepare.py shakespeare`", flush=True)
-            subprocess.run([sys.executable, os.path.join(_ROOT, "data", "prepare.py"), "shakespeare"], check=True)
-        if world_size > 1:
-            torch.distributed.barrier()
-    return data_dir
-
-
-def decay_groups(weight_decay):
-    """AdamW parameter groups: weight decay on the matrices, none on the RMSNorm gains (ln1, ln2, ln_final)."""
-    def groups(named_parameters):
-        decay, no_decay = [], []
-        for name, p in named_parameters:
-            (no_decay if any(part.startswith("ln") for part in name.split(".")) else decay).append(p)
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return groups
-
-
 def _user_input(load, *args):
     """load(*args), its errors about a missing or damaged dataset or checkpoint as ConfigError (one line, cli)."""
     try:
@@ -623,8 +587,7 @@ def _user_input(load, *args):
 
 
 def setup(config, given, rank, world_size, dev, log):
-    """Everything the loop needs, as a namespace: the config c, the data, the wrapped model w and its optimizer,
-    the fixed validation batches, the iteration to start at. Every input is judged before anything is written."""
+    """Everything the loop needs, as a namespace; every input is judged before anything is written."""
     c, ckpt = SimpleNamespace(**config), None
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
     if c.init_from == "resume":  # the saved config, with this command line's changes (or refusals)
@@ -633,12 +596,17 @@ def setup(config, given, rank, world_size, dev, log):
     check_config(c, world_size)
     c.grad_accum = c.grad_accum or world_size  # saved resolved: a resume on another world size keeps the batch
     _require(not c.cuda_graphs or dev.type == "cuda", f"cuda_graphs needs a CUDA device, got {dev}", ConfigError)
-    ptdtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
-               "float32": torch.float32, "bfloat16": torch.bfloat16}[c.dtype]
+    ptdtype = torch.bfloat16 if c.dtype == "bfloat16" or c.dtype == "auto" and dev.type == "cuda" else torch.float32
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
-    data_dir = prepare_data(c, rank, world_size)
+    data_dir = c.data_dir or os.path.join(_ROOT, "data", c.dataset)
+    if not os.path.isfile(os.path.join(data_dir, "meta.json")) and c.dataset == "shakespeare" and not c.data_dir:
+        if rank == 0:  # the default data, prepared on first use (the other ranks wait)
+            log(f"{data_dir} is missing: running `python data/prepare.py shakespeare`")
+            subprocess.run([sys.executable, os.path.join(_ROOT, "data", "prepare.py"), "shakespeare"], check=True)
+        if world_size > 1:
+            torch.distributed.barrier()
     (train_tokens, train_docs, meta), (val_tokens, val_docs, _) = (_user_input(load_dataset, data_dir, s)
                                                                     for s in ("train", "val"))
     vocab_size = meta["vocab_size"]
@@ -671,6 +639,8 @@ def setup(config, given, rank, world_size, dev, log):
     impl = c.ddp_impl if world_size > 1 else "none"
     flops_tok = flops_per_token(vocab_size, model_args["context_length"], model_args["d_model"],
                                 model_args["num_layers"], model_args["d_ff"], causal=True)
+    peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
+                            if dev.type == "cuda" else 0.0)  # MFU's denominator, per GPU
     log(f"model: {count_params(model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token (training, "
         f"causal), attn_impl={attn}, dtype={ptdtype}, device={dev}, world_size={world_size}, ddp_impl={impl}"
         f"{' + zero1' if c.zero1 and world_size > 1 else ''}, batching={c.batching}")
@@ -682,7 +652,11 @@ def setup(config, given, rank, world_size, dev, log):
     compile_kwargs = dict(dynamic=not static, **({"mode": "reduce-overhead"} if graphs == "micro" else {}))
     w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb, compute_dtype=None if ptdtype == torch.float32
                  else ptdtype, compile=c.compile, compile_kwargs=compile_kwargs)
-    optimizer = w.make_optimizer(AdamW, decay_groups(c.weight_decay), zero1=c.zero1, lr=c.learning_rate,
+    def decay_groups(named):  # weight decay on the matrices, none on the RMSNorm gains (ln1, ln2, ln_final)
+        gain = {p: any(part.startswith("ln") for part in name.split(".")) for name, p in named}
+        return [{"params": [p for p in gain if gain[p] == g], "weight_decay": 0.0 if g else c.weight_decay}
+                for g in (False, True)]
+    optimizer = w.make_optimizer(AdamW, decay_groups, zero1=c.zero1, lr=c.learning_rate,
                                  betas=(c.beta1, c.beta2), eps=c.eps, capturable=graphs == "whole")
     start_iter = 0
     if ckpt is not None:
@@ -706,8 +680,10 @@ def setup(config, given, rank, world_size, dev, log):
         p = counts[counts > 0] / counts.sum()
         log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, vocab_size {vocab_size}; "
             f"unigram entropy {-(p * np.log(p)).sum():.3f} nats/token (the loss of a model that ignores context)")
+    if importlib.util.find_spec("matplotlib") is None:
+        log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
     return SimpleNamespace(c=c, w=w, optimizer=optimizer, graphs=graphs, start_iter=start_iter, meta=meta,
-                           data_dir=data_dir, train_tokens=train_tokens, train_docs=train_docs,
+                           data_dir=data_dir, train_tokens=train_tokens, train_docs=train_docs, peak=peak,
                            val_batches=val_batches, model_args=model_args, flops_tok=flops_tok, ptdtype=ptdtype,
                            ckpt_path=ckpt_path, log_path=os.path.join(c.out_dir, "log.jsonl"))
 
@@ -772,14 +748,12 @@ def log_record(log_path, record):
 # the run: the training loop
 
 def train(config, given, rank, world_size, dev):
-    """The run on this rank: config (every key) and the keys the command line set (given). Returns the exit status:
-    0, or 128 + the signal number when SIGINT / SIGTERM stopped it (after saving the checkpoint)."""
+    """The run on this rank; returns 0, or 128 + the number of the signal that stopped it (after a checkpoint)."""
     master = rank == 0
     log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
     r = setup(config, given, rank, world_size, dev, log)
     c, w, optimizer = r.c, r.w, r.optimizer
-    autocast = (torch.autocast(device_type=dev.type, dtype=r.ptdtype) if r.ptdtype != torch.float32
-                else contextlib.nullcontext())
+    autocast = torch.autocast(dev.type, dtype=r.ptdtype, enabled=r.ptdtype != torch.float32)
     local_accum = c.grad_accum // world_size
     # fp64: every micro-batch loss enters the sum exactly, so the logged loss is the same on any number of ranks
     loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
@@ -824,12 +798,7 @@ def train(config, given, rank, world_size, dev):
             save_checkpoint(state, opt_state, step, r.ckpt_path, model_args=r.model_args, config=vars(c),
                             tokenizer=tokenizer, rng=rng, world_size=world_size)
 
-    lr_decay_iters = c.lr_decay_iters or c.max_iters
-    peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
-                            if dev.type == "cuda" else 0.0)
-    stops, stopped, saved_at = StopSignals(world_size), None, r.start_iter if c.init_from == "resume" else None
-    if master and importlib.util.find_spec("matplotlib") is None:
-        log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
+    stops, saved_at = StopSignals(world_size), r.start_iter if c.init_from == "resume" else None
     # on CPU the same seed gives the same bits: else the embedding's backward adds rows in threads' order
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu", warn_only=True)
@@ -841,13 +810,18 @@ def train(config, given, rank, world_size, dev):
             stop = stops.requested()
             if it % c.eval_interval == 0 and not (it == r.start_iter and c.init_from == "resume"):
                 t_last += evaluate(it)  # evaluation time is not training time (and a resumed run skips this one)
-            if stop:  # `it` steps are complete: keep them
+            if stop:  # `it` steps are complete: keep them, and say how to continue
                 if saved_at != it:
                     save(it)
-                stopped = (stop, it)
-                break
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this node
+                launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={local} " + (
+                    "--standalone" if local == world_size else f"--nnodes={world_size // local} --rdzv_backend=c10d "
+                    "--rdzv_endpoint=HOST0:PORT")
+                log(f"stopped by {signal.Signals(stop).name} after step {it}: checkpoint in {r.ckpt_path}; continue "
+                    f"with `{launcher} train.py --out_dir={c.out_dir} --init_from=resume`")
+                return 128 + stop
 
-            lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, lr_decay_iters)
+            lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters or c.max_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batches = [make_batch(r.train_tokens, r.train_docs, c, batch_generator(c.seed, it, rank * local_accum + j),
@@ -862,7 +836,7 @@ def train(config, given, rank, world_size, dev):
                 now = time.time()
                 train_loss, dt = loss_total / c.grad_accum / (step - it_last), (now - t_last) / (step - it_last)
                 tok_s = tokens / (now - t_last)
-                mfu = r.flops_tok * tok_s / (peak * world_size) if peak else None
+                mfu = r.flops_tok * tok_s / (r.peak * world_size) if r.peak else None
                 t0, step0 = eta_from or (t_last, it_last)  # the mean since this run's first log line (after warm-up)
                 eta, eta_from = (now - t0) / (step - step0) * (c.max_iters - step), eta_from or (now, step)
                 log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, grad norm {float(grad_norm):.3f}"
@@ -880,20 +854,11 @@ def train(config, given, rank, world_size, dev):
                 save(step)
                 saved_at = step
                 log(f"saved {r.ckpt_path} at step {step}")
-        else:
-            log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
+        log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
+        return 0
     finally:
         stops.restore()
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-    if stopped is None:
-        return 0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this node
-    launcher = "python train.py" if world_size == 1 else f"torchrun --nproc_per_node={local} " + (
-        "--standalone" if local == world_size else f"--nnodes={world_size // local} --rdzv_backend=c10d "
-        "--rdzv_endpoint=HOST0:PORT") + " train.py"
-    log(f"stopped by {signal.Signals(stopped[0]).name} after step {stopped[1]}: checkpoint in {r.ckpt_path}; "
-        f"continue with `{launcher} --out_dir={c.out_dir} --init_from=resume`")
-    return 128 + stopped[0]
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ train_runs() {
     "$PY" - "$P" "$config" "${names[@]}" >>"$P.md" <<'PYEOF'
 import json, os, statistics, sys
 prefix, config, runs = sys.argv[1], sys.argv[2], [r.split(":") for r in sys.argv[3:]]
-command = " ".join(["train.py", config, "--max_iters=150"] if config else ["train.py", "--max_iters=150"])
+command = " ".join(filter(None, ["train.py", config, "--max_iters=150"]))
 shape = ("(12 layers, d_model 768, context 1024, 64k tokens per step at any world size, vocab 2048, bf16, compiled; "
          "attention as the config says unless the run names another)" if config == "config/small.py"
          else "with each run's options")
