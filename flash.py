@@ -553,27 +553,18 @@ def _bucket(n):
 
 
 def _blocks(name):
-    if not INTERPRET:
-        return {}
-    m, n = INTERPRET_BLOCKS[name]
-    return {"BLOCK_M": m, "BLOCK_N": n}
+    return dict(zip(("BLOCK_M", "BLOCK_N"), INTERPRET_BLOCKS[name])) if INTERPRET else {}
 
 
 def _unit_last(x):  # the kernels read rows with unit stride along the head dim
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _empty_out(x):
-    """The output buffer for x (O, dQ, dK, dV): x's own layout when it is dense (the (B, S, H, D) memory of a
-    transposed view is kept, so the caller's transpose back is free)."""
-    if x.stride(-1) == 1:
-        return torch.empty_like(x)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _empty_out(x):  # x's own layout when dense (a transposed (B, S, H, D) view stays one: its transpose back is free)
+    return torch.empty_like(x) if x.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def _kernel_head_dim(d):
-    """The Triton kernels' tile width along the head dim: a power of two of at least 16; other head dims run on
-    zero-padded copies (zeros change no score)."""
+def _kernel_head_dim(d):  # the Triton kernels' tile width; other head dims run on zero-padded copies
     return max(16, _pow2(d))
 
 
@@ -581,27 +572,13 @@ def _pad(x, d_pad):
     return x if x.shape[-1] == d_pad else torch.nn.functional.pad(x, (0, d_pad - x.shape[-1]))
 
 
-def _strides(varlen, *xs):
-    """The (b, h, s) strides of each tensor, one flat tuple (packed tensors have no batch stride)."""
+def _strides(varlen, *xs):  # the (b, h, s) strides of each tensor in one tuple (packed: no batch stride)
     return tuple(s for x in xs for s in ((0, x.stride(1), x.stride(0)) if varlen else x.stride()[:3]))
 
 
 def _precision(dtype):
     # fp32 inputs follow PyTorch's own matmul setting: true fp32 unless TF32 is allowed
     return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
-
-
-def _require_triton_device(q):
-    if q.device.type != "cuda" and not INTERPRET:
-        raise RuntimeError(f"flash: Triton kernels need a CUDA tensor (got {q.device}); on CPU set "
-                           "TRITON_INTERPRET=1 before triton is imported, or use FlashAttentionPyTorch")
-    _check_interpreter("flash")
-
-
-def _interpreter_bf16(x):
-    """Whether x is bf16 in Triton's CPU interpreter, which has no bf16 arithmetic (it keeps bf16 as 16-bit
-    integers, and its tl.dot multiplies those): the attention kernels then run on fp32 copies."""
-    return INTERPRET and x.dtype == torch.bfloat16
 
 
 def _check_interpreter(who):
@@ -612,26 +589,35 @@ def _check_interpreter(who):
 
 
 def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-    """(batch, heads, kv_heads, seqlen_q, seqlen_k, L shape, L strides (b, h)) of a dense or a packed call."""
+    """(batch, heads, kv_heads, seqlen_q, seqlen_k, L strides (b, h)) of a dense or a packed call."""
     if cu_seqlens_q is not None:
-        heads, total = q.shape[1], q.shape[0]
-        return cu_seqlens_q.shape[0] - 1, heads, k.shape[1], max_seqlen_q, max_seqlen_k, (heads, total), (0, total)
+        return cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k, (0, q.shape[0])
     b, heads, s = q.shape[:3]
-    return b, heads, k.shape[1], s, k.shape[2], (b, heads, s), (heads * s, s)
+    return b, heads, k.shape[1], s, k.shape[2], (heads * s, s)
+
+
+def _fwd_outputs(q, cu_seqlens_q):  # O, and L: (B, H, S) dense, (H, total) packed
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
+    return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _require_triton_device(q):
+    if q.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(f"flash: Triton kernels need a CUDA tensor (got {q.device}); on CPU set "
+                           "TRITON_INTERPRET=1 before triton is imported, or use FlashAttentionPyTorch")
+    _check_interpreter("flash")
 
 
 def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
     """(O, L) of attention with the Triton kernel; dense, or packed when cu_seqlens_q is given."""
     _require_triton_device(q)
-    if _interpreter_bf16(q):
+    if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic: run on fp32 copies
         o, lse = _triton_forward(q.float(), k.float(), v.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, causal)
         return o.to(q.dtype), lse
     varlen = cu_seqlens_q is not None
-    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q,
-                                                                              max_seqlen_k)
-    o = _empty_out(q)
-    lse = q.new_empty(lse_shape, dtype=torch.float32)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    o, lse = _fwd_outputs(q, cu_seqlens_q)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
@@ -650,12 +636,12 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
     """(dQ, dK, dV) with the Triton kernels: the dQ pass (which also works out Delta), then the dK/dV pass."""
     _require_triton_device(q)
-    if _interpreter_bf16(q):
+    if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic: run on fp32 copies
         grads = _triton_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, cu_seqlens_q,
                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
         return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     varlen = cu_seqlens_q is not None
-    batch, heads, kv_heads, seqlen_q, seqlen_k, _, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -734,9 +720,8 @@ if gluon is not None:
               "smem": gl.shared_memory_descriptor, "desc": tma.tensor_descriptor}
 
     def _bundle(**fields):
-        """A Gluon aggregate of the fields named by kind (kind="name name ..."; an int may come as a constexpr,
-        as Triton passes ints equal to 1), built positionally in the order given: one value for a partition to
-        take where it needs many."""
+        """A Gluon aggregate of the fields named by kind (kind="name name ...", built positionally in that order;
+        an int may come as a constexpr, as Triton passes ints equal to 1): one argument instead of many."""
         names = [(name, kind) for kind, group in fields.items() for name in group.split()]
 
         def wrap(cls):
@@ -754,8 +739,7 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_warp_uniform(x):
-        """x (an int32 every lane of the warp holds the same value of) as lane 0's value, through a shuffle: the
-        usual way to tell the compiler that a value is the same in every lane."""
+        """x, the same int32 in every lane, as lane 0's value (a shuffle): tells the compiler it is warp-uniform."""
         return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=gl.int32,
                                          is_pure=True, pack=1)
 
@@ -763,7 +747,7 @@ if gluon is not None:
     class _Schedule:
         """A persistent CTA's work items (DYNAMIC): its producer claims the next untaken item from `counter` (zero
         at launch; the first G items went one to each of the G CTAs) and hands it to the other partitions through a
-        two-slot ring in shared memory, each slot read by all of them before it is filled again."""
+        two-slot ring in shared memory."""
 
         @gluon.jit
         def publish(self, n, item):
@@ -775,8 +759,7 @@ if gluon is not None:
             mbarrier.arrive(self.ready.index(s), count=1)
 
         @gluon.jit
-        def read(self, n):
-            """A reader: the CTA's n-th work item."""
+        def read(self, n):  # a reader: the CTA's n-th work item
             s = n % 2
             mbarrier.wait(self.ready.index(s), (n // 2) & 1)
             layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -785,8 +768,7 @@ if gluon is not None:
             return _gl_warp_uniform(item)
 
         @gluon.jit
-        def first(self):
-            """A reader's first item: from the ring, or with one CTA per item its own."""
+        def first(self):  # a reader's first item: from the ring, or with one CTA per item its own
             if self.DYNAMIC:
                 item = self.read(0)
             else:
@@ -794,34 +776,29 @@ if gluon is not None:
             return item
 
         @gluon.jit
-        def claim(self):
-            """The producer: the next item no CTA has taken yet."""
+        def claim(self):  # the producer: the next item no CTA has taken yet
             return gl.num_programs(0) + gl.atomic_add(self.counter, 1, sem="relaxed")
 
     @gluon.jit
-    def _gl_tiles(desc, n: gl.constexpr):
-        """n shared-memory tiles of desc's block."""
+    def _gl_tiles(desc, n: gl.constexpr):  # n shared-memory tiles of desc's block
         return gl.allocate_shared_memory(desc.dtype, [n] + desc.block_type.shape, desc.layout)
 
     @gluon.jit
-    def _gl_bars(n: gl.constexpr):
-        """n mbarriers (the caller initializes them)."""
+    def _gl_bars(n: gl.constexpr):  # n mbarriers (the caller initializes them)
         return gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
 
     @gluon.jit
-    def _gl_schedule(counter, DYNAMIC: gl.constexpr):
-        """A _Schedule with its ring allocated (the caller initializes its barriers)."""
+    def _gl_schedule(counter, DYNAMIC: gl.constexpr):  # a _Schedule, its barriers not yet initialized
         ring = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         return _Schedule(ring, _gl_bars(2), _gl_bars(2), counter, DYNAMIC)
 
     @gluon.jit
     def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
-        """Packed batches, one program (or work item) per slot g of a tile of TILE rows: document b owns the slots
-        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), at least as many as its tiles, so total // TILE + n_docs
-        slots hold every tile of every document and only a few (at most two a document) are left empty, where a
-        grid of max_seqlen / TILE tiles per document is mostly empty when lengths differ. Returns (b, its first
-        row, its length, the tile of b at slot g; past b's tiles where the slot is empty). b is found by counting
-        the documents whose first slot is <= g, CHUNK of them at a time."""
+        """Packed batches, one work item per slot g of a tile of TILE rows: document b owns the slots
+        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), so total // TILE + n_docs slots hold every tile of every
+        document with at most two a document empty (a grid of max_seqlen / TILE tiles per document is mostly empty
+        when lengths differ). Returns (b, its first row, its length, b's tile at slot g, past b's tiles if empty);
+        b is the count of documents whose first slot is <= g, less one."""
         CHUNK: gl.constexpr = 256
         WARPS: gl.constexpr = gl.num_warps()
         offs = gl.arange(0, CHUNK, layout=gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0]))
@@ -837,8 +814,7 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_softmax(s, m_i, l_i, start_n, offs_m, offs_n, seqlen_k, qk_scale, masked, CAUSAL: gl.constexpr):
-        """One online-softmax step on the scores of one key tile, in base 2: returns P, m_i, l_i and alpha, the
-        factor that rescales the accumulator."""
+        """One online-softmax step on one key tile's scores, in base 2: P, m_i, l_i and alpha (rescales acc)."""
         if masked:  # ragged end and, when causal, the diagonal tile: the only tiles that compare indices
             cols = start_n + offs_n
             keep = cols[None, :] < seqlen_k
@@ -854,10 +830,9 @@ if gluon is not None:
     @gluon.jit
     def _gl_load_tile(desc, tail_desc, bar, dst, tail_dst, b, h, row, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
                       VARLEN: gl.constexpr):
-        """TMA loads of one tile of rows [row, row + tile) of head h onto barrier bar (the caller has set its
-        expected bytes, _gl_tile_bytes): its first HEAD_DIM columns into dst and, TAIL > 0, the next TAIL into
-        tail_dst. Packed descriptors are (total, H, D) with row counted from the start of the batch; dense ones
-        (B, H, S, D) with row inside sequence b."""
+        """TMA loads of rows [row, row + tile) of head h onto barrier bar (its bytes expected by the caller): the
+        first HEAD_DIM columns into dst, TAIL > 0 the next TAIL into tail_dst. Rows count from the start of the
+        packed (total, H, D) batch, or inside sequence b of a dense (B, H, S, D) one."""
         if VARLEN:
             _tma_load(desc, [row, h, 0], bar, dst)
             if TAIL > 0:
@@ -869,34 +844,29 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_store_tile(desc, src, b, h, row, VARLEN: gl.constexpr):
-        """A TMA store of the tile in shared memory src (written and fenced by the caller) to rows [row, row + tile)
-        of head h, rows counted as in _gl_load_tile; it runs on while the caller goes on (tma.store_wait before src
-        is written again)."""
+        """A TMA store of shared-memory tile src (written and fenced by the caller) to rows [row, row + tile) of
+        head h, counted as in _gl_load_tile; the caller calls tma.store_wait before it writes src again."""
         if VARLEN:
             _tma_store(desc, [row, h, 0], src)
         else:
             _tma_store(desc, [b, h, row, 0], src)
 
     @gluon.constexpr_function
-    def _gl_tile_bytes(desc, tail_desc, TAIL):
-        """The bytes of one tile loaded by _gl_load_tile."""
+    def _gl_tile_bytes(desc, tail_desc, TAIL):  # the bytes _gl_load_tile loads
         return desc.block_type.nbytes + (tail_desc.block_type.nbytes if TAIL > 0 else 0)
 
     @gluon.constexpr_function
-    def _gl_tail(desc, tail_desc):
-        """TAIL, the width of the tail tiles: 0 where the tail descriptor is the main one again (no tail)."""
+    def _gl_tail(desc, tail_desc):  # the tail tiles' width: 0 where the tail descriptor is the main one again
         width = tail_desc.block_type.shape[-1]
         return 0 if width == desc.block_type.shape[-1] else width
 
     @gluon.constexpr_function
-    def _gl_rows(desc):
-        """The rows of a descriptor's tiles."""
+    def _gl_rows(desc):  # the rows of a descriptor's tiles
         shape = desc.block_type.shape
         return shape[0] if len(shape) == 3 else shape[2]
 
     @gluon.constexpr_function
-    def _gl_packed(desc):
-        """VARLEN: packed descriptors are (total, H, D), dense ones (B, H, S, D)."""
+    def _gl_packed(desc):  # VARLEN: packed descriptors are (total, H, D), dense ones (B, H, S, D)
         return len(desc.block_type.shape) == 3
 
     # The work counts (documents, batch x heads, tiles, items) change from batch to batch and are not specialized on
@@ -1661,20 +1631,14 @@ def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
     return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
 
 
-_SM90 = {}  # device index -> whether it is an sm90 GPU
-_SMS = {}  # device index -> its number of SMs
-
-
+@functools.cache
 def _is_sm90(device_index):
-    if device_index not in _SM90:
-        _SM90[device_index] = torch.cuda.get_device_capability(device_index) == (9, 0)
-    return _SM90[device_index]
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+@functools.cache
 def _sm_count(device_index):
-    if device_index not in _SMS:
-        _SMS[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return _SMS[device_index]
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # At D=64 (head dims 33-64, tiles 64 wide) the Triton kernels keep up where there is little work per SM, so the
@@ -1758,10 +1722,8 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
     block_m, block_n, stages, q_bufs = GLUON_FWD_CONFIGS[main + tail]
-    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q,
-                                                                              max_seqlen_q)
-    o = _empty_out(q)
-    lse = q.new_empty(lse_shape, dtype=torch.float32)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
+    o, lse = _fwd_outputs(q, cu_seqlens_q)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     qp, kp, vp = (_tma_operand(x, main + tail) for x in (q, k, v))
@@ -1797,7 +1759,7 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
     block_m, block_n, stages, dq_split, persistent, dq_swizzle = GLUON_BWD_CONFIGS[main + tail]
-    batch, heads, kv_heads, seqlen_q, seqlen_k, _, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -1878,8 +1840,7 @@ _attention_fwd_op, _attention_bwd_op = torch.ops.flash.attention_fwd.default, to
 
 @torch.library.register_fake("flash::attention_fwd", lib=_LIB)
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
-    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
-    return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
+    return _fwd_outputs(q, cu_seqlens_q)
 
 
 @torch.library.register_fake("flash::attention_bwd", lib=_LIB)

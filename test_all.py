@@ -479,26 +479,15 @@ def _rel(a, b):
 def _poisoned_empty():
     """torch.empty / empty_like hand out NaN-filled memory while inside, so any output element a kernel fails to
     write shows up as NaN in the comparison."""
+    poison = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)  # noqa: E731
     empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
-
-    torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
-    torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
-    try:
+    with unittest.mock.patch.object(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw))), \
+            unittest.mock.patch.object(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw))):
         yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
 
 
-@contextlib.contextmanager
-def _backend(name):
-    old, flash.BACKEND = flash.BACKEND, name
-    try:
-        yield
-    finally:
-        flash.BACKEND = old
+def _backend(name):  # FLASH_BACKEND=name while inside
+    return unittest.mock.patch.object(flash, "BACKEND", name)
 
 
 def _check_attention(q, k, v, causal, tol, cu=None, max_len=0, cu_k=None, max_len_k=0):
@@ -539,20 +528,26 @@ def _check_varlen(lens, h, h_kv, d, causal, lens_k=None, gen=None, tol=1e-5, dty
                        o)  # the public entry point
 
 
-@cases("causal", [False, True])
-def test_flash_reference_twin_matches_naive_attention(causal):
+@cases("twin", [True, False])
+def test_flash_reference_twin_matches_naive_attention(twin):
+    """The (batch, seq, d) interfaces against naive attention, O, L (saved once, (batch, seq_q), fp32 or wider) and
+    the gradients: FlashAttentionPyTorch, the readable twin, in float64; FlashAttentionTriton in fp32."""
+    fn, dtype, tol = (flash.FlashAttentionPyTorch, torch.float64, 1e-10) if twin else \
+        (flash.FlashAttentionTriton, torch.float32, 1e-5)
     gen = torch.Generator().manual_seed(0)
-    for batch, s, d in ((2, 1, 16), (1, 17, 32), (2, 100, 16), (1, 130, 64)):
-        q, k, v = (torch.randn(batch, s, d, generator=gen, dtype=torch.float64, requires_grad=True)
-                   for _ in range(3))
-        o = flash.FlashAttentionPyTorch.apply(q, k, v, causal)
-        lse = o.grad_fn.saved_tensors[-1]
-        assert lse.shape == (batch, s)  # L saved, (batch, seq_q)
-        do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
-        ro, rlse = flash.attention_reference(q, k, v, causal)
-        grads = torch.autograd.grad(o, (q, k, v), do) + torch.autograd.grad(ro, (q, k, v), do)
-        assert _rel(o, ro) < 1e-10 and _rel(lse, rlse) < 1e-10
-        assert all(_rel(a, r) < 1e-10 for a, r in zip(grads[:3], grads[3:])), (causal, batch, s, d)
+    for causal in (False, True):
+        for batch, s, d in ((2, 1, 16), (1, 17, 32), (2, 100, 16), (1, 130, 64)) if twin else ((3, 40, 32),):
+            q, k, v = (torch.randn(batch, s, d, generator=gen, dtype=dtype).to(DEVICE).requires_grad_()
+                       for _ in range(3))
+            o = fn.apply(q, k, v, causal)
+            lse = o.grad_fn.saved_tensors[-1]
+            assert lse.shape == (batch, s) and lse.dtype in (torch.float32, torch.float64)
+            do = torch.randn(o.shape, generator=gen, dtype=dtype).to(DEVICE)
+            ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+            ro, rlse = flash.attention_reference(*ref, causal)
+            grads = torch.autograd.grad(o, (q, k, v), do) + torch.autograd.grad(ro, ref, do.double())
+            assert _rel(o, ro) < tol and _rel(lse, rlse) < tol
+            assert all(_rel(a, r) < tol for a, r in zip(grads[:3], grads[3:])), (causal, batch, s, d)
 
 
 @cases("b, h, h_kv, s, s_k, d, layout", [
@@ -581,26 +576,14 @@ def test_flash_triton_varlen_matches_float64(lens, h, h_kv, d, lens_k):
         _check_varlen(lens, h, h_kv, d, causal, lens_k, gen=gen)
 
 
-def test_flash_triton_bf16_and_apply_interface():
+def test_flash_triton_bf16_matches_float64():
     """bf16 q, k, v through the Triton kernels (forced), dense and packed, against float64 (Triton's interpreter
-    has no bf16 arithmetic: flash.py runs such calls in fp32 there and returns bf16); and the (batch, seq, d)
-    interface, which saves one L."""
+    has no bf16 arithmetic: flash.py runs such calls in fp32 there and returns bf16)."""
     gen = torch.Generator().manual_seed(6)
     with _backend("triton"):
         for causal in (True, False):
             _check_dense(1, 2, 1, 37, 37, 32, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
             _check_varlen([5, 1, 40], 2, 2, 16, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-    for causal in (False, True):
-        q, k, v = (torch.randn(3, 40, 32, generator=gen).to(DEVICE).requires_grad_() for _ in range(3))
-        o = flash.FlashAttentionTriton.apply(q, k, v, causal)
-        lse = o.grad_fn.saved_tensors[-1]
-        assert lse.shape == (3, 40) and lse.dtype == torch.float32
-        do = torch.randn(o.shape, generator=gen).to(DEVICE)
-        ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
-        ro, rlse = flash.attention_reference(*ref, causal)
-        grads = torch.autograd.grad(o, (q, k, v), do) + torch.autograd.grad(ro, ref, do.double())
-        assert _rel(o, ro) < 1e-5 and _rel(lse, rlse) < 1e-5
-        assert all(_rel(g, r) < 1e-5 for g, r in zip(grads[:3], grads[3:]))
 
 
 @cases("lens, d", [(None, 16), (None, 12), ([1, 70, 5, 33], 16), ([1, 70, 5, 33], 12)])
@@ -699,10 +682,8 @@ def test_flash_kernels_take_their_state_in_few_arguments():
 
 
 def test_flash_d64_kernels_by_work_per_sm_and_direction():
-    """At head dims 33-64 the Gluon kernels take a call only where they were measured faster (flash._gluon_d64):
-    forward from 15 query tiles per SM at 1024 tokens and more, backward from 31 at 2048; from 4096 tokens both;
-    packed documents from 2048 tokens or 15 query tiles per SM (the winners of `bench.py attention --parts work`
-    on 132 SMs)."""
+    """At head dims 33-64 the Gluon kernels take a call (flash._gluon_d64) forward from 15 query tiles per SM at
+    1024 tokens and more, backward from 31 at 2048, both from 4096 tokens; packed from 2048 tokens or 15 per SM."""
     tiles = lambda b, h, s: b * h * -(-s // 128)  # noqa: E731
     pick = lambda b, h, s: tuple(flash._gluon_d64(s, tiles(b, h, s), False, bwd, 132) for bwd in (False, True))  # noqa
     assert pick(12, 12, 1024) == (False, False)  # GPT-2 small: the Triton kernels both ways
@@ -777,13 +758,12 @@ def test_flash_gpu_mixed_kernel_families_match_reference():
     if not HOPPER:
         raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(14)
-    old = flash.GLUON_D64_TILES_PER_SM
-    try:
-        for flash.GLUON_D64_TILES_PER_SM, s in (((0, 10 ** 9), 1100), ((10 ** 9, 0), 2100)):
+    for tiles, s in (((0, 10 ** 9), 1100), ((10 ** 9, 0), 2100)):
+        with unittest.mock.patch.object(flash, "GLUON_D64_TILES_PER_SM", tiles):
             q = torch.empty(1, 4, s, 64, device="cuda", dtype=torch.bfloat16)
             fwd, bwd = (flash._gluon_supported(q, q, q, None, None, 0, *more, backward=bool(more))
                         for more in ((), (q, q)))
-            assert fwd != bwd, (flash.GLUON_D64_TILES_PER_SM, fwd, bwd)
+            assert fwd != bwd, (tiles, fwd, bwd)
             for causal in (True, False):
                 _check_dense(1, 4, 2, s, s, 64, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
                 _check_dense(2, 4, 4, s, s, 64, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
@@ -794,11 +774,8 @@ def test_flash_gpu_mixed_kernel_families_match_reference():
             ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
             ro = flash.attention_reference(*ref, True)[0]
             ro.backward(torch.ones_like(ro))
-            assert max(_rel(a, r) for a, r in ((o, ro), (q.grad, ref[0].grad), (k.grad, ref[1].grad),
-                                               (v.grad, ref[2].grad))) < 2e-2
-    finally:
-        flash.GLUON_D64_TILES_PER_SM = old
-        torch._dynamo.reset()
+            assert max(_rel(a, r) for a, r in zip((o, q.grad, k.grad, v.grad), [ro] + [x.grad for x in ref])) < 2e-2
+    torch._dynamo.reset()
 
 
 # --- AdamW: flash.AdamW (train.AdamW) and its fused kernel ---
@@ -1040,15 +1017,13 @@ def test_flash_rms_norm_backward_reads_no_zero_filled_gradient():
     # gradient must reach the backward kernel as None, not as a tensor of zeros it would read and add
     gen = torch.Generator().manual_seed(34)
     calls, real = [], flash._rms_norm_backward
-    flash._rms_norm_backward = lambda dy, x, w, rstd, dh=None: calls.append(dh) or real(dy, x, w, rstd, dh)
-    try:
-        x = torch.randn(6, 32, generator=gen).to(DEVICE).requires_grad_()
-        w = torch.randn(32, generator=gen).to(DEVICE).requires_grad_()
+    x = torch.randn(6, 32, generator=gen).to(DEVICE).requires_grad_()
+    w = torch.randn(32, generator=gen).to(DEVICE).requires_grad_()
+    with unittest.mock.patch.object(flash, "_rms_norm_backward", lambda dy, x, w, rstd, dh=None: calls.append(dh)
+                                    or real(dy, x, w, rstd, dh)):
         flash.rms_norm(x, w).square().sum().backward()
         h, y = flash.add_rms_norm(x, x.detach(), w, 1e-5)
         (h.sum() + y.square().sum()).backward()  # both used: the residual's gradient is added in the kernel
-    finally:
-        flash._rms_norm_backward = real
     assert len(calls) == 2 and calls[0] is None and calls[1] is not None
     assert torch.equal(calls[1], torch.ones_like(calls[1]))
 
@@ -1072,13 +1047,11 @@ def test_triton_norm_block_matches_torch_block():
 
     ref64 = run("torch", dtype=torch.float64)
     fp32 = run("triton")
-    for p in block.parameters():
-        p.grad = None
+    block.zero_grad(set_to_none=True)
     torch32 = run("torch")
     assert all(_rel(a, b) < 1e-5 for a, b in zip(fp32, torch32))
     for compiled in (False, True):
-        for p in block.parameters():
-            p.grad = None
+        block.zero_grad(set_to_none=True)
         ours = run("triton", autocast=True, compiled=compiled)
         errs = [_rel(a, b) for a, b in zip(ours, ref64)]
         assert max(errs) < 3e-2, (compiled, errs)
