@@ -289,12 +289,9 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
-        full_hi = tl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N)
-    else:
-        hi = seqlen_k
-        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # key tiles right of the diagonal: none
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # the tiles with no index compare
+    full_hi = tl.minimum(start_m, full_hi) if CAUSAL else full_hi
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
                                seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
@@ -416,12 +413,9 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb,
     k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
     v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
-        full_hi = tl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N)
-    else:
-        hi = seqlen_k
-        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # key tiles right of the diagonal: none
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # the tiles with no index compare
+    full_hi = tl.minimum(start_m, full_hi) if CAUSAL else full_hi
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
                    seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
@@ -833,23 +827,15 @@ if gluon is not None:
         """TMA loads of rows [row, row + tile) of head h onto barrier bar (its bytes expected by the caller): the
         first HEAD_DIM columns into dst, TAIL > 0 the next TAIL into tail_dst. Rows count from the start of the
         packed (total, H, D) batch, or inside sequence b of a dense (B, H, S, D) one."""
-        if VARLEN:
-            _tma_load(desc, [row, h, 0], bar, dst)
-            if TAIL > 0:
-                _tma_load(tail_desc, [row, h, HEAD_DIM], bar, tail_dst)
-        else:
-            _tma_load(desc, [b, h, row, 0], bar, dst)
-            if TAIL > 0:
-                _tma_load(tail_desc, [b, h, row, HEAD_DIM], bar, tail_dst)
+        _tma_load(desc, [row, h, 0] if VARLEN else [b, h, row, 0], bar, dst)
+        if TAIL > 0:
+            _tma_load(tail_desc, [row, h, HEAD_DIM] if VARLEN else [b, h, row, HEAD_DIM], bar, tail_dst)
 
     @gluon.jit
     def _gl_store_tile(desc, src, b, h, row, VARLEN: gl.constexpr):
         """A TMA store of shared-memory tile src (written and fenced by the caller) to rows [row, row + tile) of
         head h, counted as in _gl_load_tile; the caller calls tma.store_wait before it writes src again."""
-        if VARLEN:
-            _tma_store(desc, [row, h, 0], src)
-        else:
-            _tma_store(desc, [b, h, row, 0], src)
+        _tma_store(desc, [row, h, 0] if VARLEN else [b, h, row, 0], src)
 
     @gluon.constexpr_function
     def _gl_tile_bytes(desc, tail_desc, TAIL):  # the bytes _gl_load_tile loads
@@ -913,12 +899,9 @@ if gluon is not None:
                 b = bh // self.num_heads
                 h = bh % self.num_heads
             start_m = pid_m * 2 * BLOCK_M
-            if self.CAUSAL:
-                hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M)
-                n_full = gl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N) // BLOCK_N  # tiles with no compare
-            else:
-                hi = seqlen_k
-                n_full = seqlen_k // BLOCK_N
+            hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M) if self.CAUSAL else seqlen_k
+            n_full = gl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N) // BLOCK_N if self.CAUSAL else \
+                seqlen_k // BLOCK_N  # tiles with no compare
             return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, BLOCK_N), n_full
 
     @_bundle(desc="q k v qt kt vt o", tensor="O LSE", int="stride_ob stride_oh stride_os stride_lb stride_lh")
@@ -1231,9 +1214,7 @@ if gluon is not None:
                     seqlen_q = gl.load(self.cu_seqlens_q + b + 1) - q_start
                     seqlen_k = seqlen_q
             start_n = pid_n * 2 * BLOCK_N
-            m_lo = 0
-            if self.CAUSAL:  # query rows before start_n see none of these keys
-                m_lo = start_n // BLOCK_M
+            m_lo = start_n // BLOCK_M if self.CAUSAL else 0  # causal: query rows before start_n see none of them
             n_iter = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
             return b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter
 
@@ -1524,15 +1505,11 @@ if gluon is not None:
                     for wg in gl.static_range(2):
                         col = wg * DQ_COLS if DQ_COLS < HEAD_DIM else 0
                         mbarrier.wait(smem.dq_full.index(2 * buf + wg), (tile // 2) & 1)
-                        if cfg.VARLEN:
-                            _tma_reduce_add(glob.dq, [q_start + start_m, h, col], smem.dq.index(2 * buf + wg))
-                            if cfg.TAIL > 0:
-                                _tma_reduce_add(glob.dqt, [q_start + start_m, h, HEAD_DIM],
-                                                smem.dqt.index(2 * buf + wg))
-                        else:
-                            _tma_reduce_add(glob.dq, [b, h, start_m, col], smem.dq.index(2 * buf + wg))
-                            if cfg.TAIL > 0:
-                                _tma_reduce_add(glob.dqt, [b, h, start_m, HEAD_DIM], smem.dqt.index(2 * buf + wg))
+                        _tma_reduce_add(glob.dq, [q_start + start_m, h, col] if cfg.VARLEN else [b, h, start_m, col],
+                                        smem.dq.index(2 * buf + wg))
+                        if cfg.TAIL > 0:
+                            _tma_reduce_add(glob.dqt, [q_start + start_m, h, HEAD_DIM] if cfg.VARLEN else
+                                            [b, h, start_m, HEAD_DIM], smem.dqt.index(2 * buf + wg))
                     if tile > 0:
                         tma.store_wait(4 if cfg.TAIL > 0 else 2)  # the previous tile's reduces have read their buffers
                         mbarrier.arrive(smem.dq_empty.index(2 * (1 - buf)), count=1)
@@ -1577,10 +1554,9 @@ if gluon is not None:
                 kt_smem, vt_smem, dqt_smem = _gl_tiles(kt_desc, 2), _gl_tiles(vt_desc, 2), _gl_tiles(dqt_desc, 4)
             else:
                 qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem = q_smem, do_smem, k_smem, v_smem, dq_smem
-            lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
-                                                 gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
-                                                   gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
             kv_ready, kv_empty, ds_ready = _gl_bars(2), _gl_bars(1), _gl_bars(2)
             dq_full, dq_empty, ready, empty = _gl_bars(4), _gl_bars(4), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES)
             sched = _gl_schedule(counter, DYNAMIC)
