@@ -763,11 +763,7 @@ if gluon is not None:
 
         @gluon.jit
         def first(self):  # a reader's first item: from the ring, or with one CTA per item its own
-            if self.DYNAMIC:
-                item = self.read(0)
-            else:
-                item = gl.program_id(0)
-            return item
+            return self.read(0) if self.DYNAMIC else gl.program_id(0)
 
         @gluon.jit
         def claim(self):  # the producer: the next item no CTA has taken yet
@@ -836,6 +832,10 @@ if gluon is not None:
         """A TMA store of shared-memory tile src (written and fenced by the caller) to rows [row, row + tile) of
         head h, counted as in _gl_load_tile; the caller calls tma.store_wait before it writes src again."""
         _tma_store(desc, [row, h, 0] if VARLEN else [b, h, row, 0], src)
+
+    @gluon.constexpr_function
+    def _gl_mma_layout(n):  # a warpgroup's wgmma accumulator layout for tiles n columns wide
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
     @gluon.constexpr_function
     def _gl_tile_bytes(desc, tail_desc, TAIL):  # the bytes _gl_load_tile loads
@@ -929,17 +929,14 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = cfg.BLOCK_N
         NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
         N_PV: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one P V product
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _gl_mma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _gl_mma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = smem.q.dtype
         if TAIL > 0:
-            ot_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, TAIL, 16])
+            ot_layout: gl.constexpr = _gl_mma_layout(TAIL)
             pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ot_layout, k_width=2)
             row_ot: gl.constexpr = gl.SliceLayout(1, ot_layout)
         it = 0  # K/V tiles consumed so far (the ring position)
@@ -1034,11 +1031,9 @@ if gluon is not None:
                 l_inv = 1.0 / l_safe  # one division per row, then a multiply per element
                 out = (acc * gl.convert_layout(l_inv, row_o)[:, None]).to(glob.O.dtype.element_ty)
                 o_base = b.to(gl.int64) * glob.stride_ob + h * glob.stride_oh + q_start.to(gl.int64) * glob.stride_os
-                staged = False
-                if cfg.O_TMA:  # full tiles (one of a packed batch reaching past its document would write the next
-                    # one's; a dense one is clipped by the descriptor, but Triton 3.6 fails to compile these kernels
-                    # when a pointer argument, O here, goes unused)
-                    staged = rows0 + BLOCK_M <= seqlen_q_b
+                # full tiles (one of a packed batch reaching past its document would write the next one's; a dense
+                # one is clipped by the descriptor, but Triton 3.6 fails to compile a kernel whose O goes unused)
+                staged = rows0 + BLOCK_M <= seqlen_q_b if cfg.O_TMA else False
                 if staged:  # staged in shared memory and stored by the TMA unit while this warpgroup goes on
                     tma.store_wait(0)  # the previous item's store has read the buffer
                     smem.o.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(out)
@@ -1063,10 +1058,7 @@ if gluon is not None:
                 w += n_tiles + 1
                 n_done += 1
             n_seen += 1
-            if sched.DYNAMIC:
-                item = sched.read(n_seen)
-            else:
-                item += gl.num_programs(0)
+            item = sched.read(n_seen) if sched.DYNAMIC else item + gl.num_programs(0)
         if cfg.O_TMA:
             tma.store_wait(0)  # the last store has read its buffer before the CTA's shared memory goes
 
@@ -1109,10 +1101,7 @@ if gluon is not None:
                 it += n_tiles
                 n_done += 1
             n_seen += 1
-            if sched.DYNAMIC:
-                item = sched.claim()
-            else:
-                item += gl.num_programs(0)
+            item = sched.claim() if sched.DYNAMIC else item + gl.num_programs(0)
         if sched.DYNAMIC:
             sched.publish(n_seen, item)  # past the last: the consumers stop
 
@@ -1137,9 +1126,7 @@ if gluon is not None:
             vt_smem = _gl_tiles(vt_desc, NUM_STAGES)
         else:
             qt_smem, kt_smem, vt_smem = q_smem, k_smem, v_smem
-        o_smem = q_smem  # (unused)
-        if O_TMA:  # each warpgroup's O tile on its way to the TMA store
-            o_smem = _gl_tiles(o_desc, 2)
+        o_smem = _gl_tiles(o_desc, 2) if O_TMA else q_smem  # each warpgroup's O tile on its way to the TMA store
         q_ready, q_empty = _gl_bars(2 * Q_BUFS), _gl_bars(2 * Q_BUFS)
         k_ready, k_empty, v_ready, v_empty = _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), \
             _gl_bars(NUM_STAGES)
@@ -1249,11 +1236,7 @@ if gluon is not None:
     def _gl_bwd_next_item(sched, n_seen, n_items):
         """The item after n_seen of them: the next from the schedule ring, or with one CTA per item n_items, which
         ends the reader's loop after one pass (so the compiler drops the loop)."""
-        if sched.DYNAMIC:
-            item = sched.read(n_seen)
-        else:
-            item = n_items
-        return item
+        return sched.read(n_seen) if sched.DYNAMIC else n_items
 
     @gluon.jit
     def _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k, col0: gl.constexpr, layout: gl.constexpr):
@@ -1279,12 +1262,9 @@ if gluon is not None:
         CAUSAL: gl.constexpr = cfg.CAUSAL
         SPLIT: gl.constexpr = DQ_COLS < HEAD_DIM  # (never with a tail: the configs say so)
         N_MM: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one product over the head dim
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_COLS, 16])
+        st_layout: gl.constexpr = _gl_mma_layout(BLOCK_M)
+        acc_layout: gl.constexpr = _gl_mma_layout(HEAD_DIM)
+        dq_layout: gl.constexpr = _gl_mma_layout(DQ_COLS)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_st: gl.constexpr = gl.SliceLayout(0, st_layout)
         dtype: gl.constexpr = smem.q.dtype
@@ -1292,8 +1272,7 @@ if gluon is not None:
         k = smem.k.index(WG).reshape([BLOCK_N, HEAD_DIM])
         v = smem.v.index(WG).reshape([BLOCK_N, HEAD_DIM])
         if TAIL > 0:  # the head dim's last TAIL columns: tiles, accumulators and dQ shares of their own
-            tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                  instr_shape=[16, TAIL, 16])
+            tail_layout: gl.constexpr = _gl_mma_layout(TAIL)
             op_t_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=tail_layout, k_width=2)
             kt = smem.kt.index(WG).reshape([BLOCK_N, TAIL])
             vt = smem.vt.index(WG).reshape([BLOCK_N, TAIL])
@@ -1402,12 +1381,9 @@ if gluon is not None:
                 # store waits on it
                 if (sched.DYNAMIC and not cfg.DKV_TMA) or (cfg.DKV_TMA and SPLIT):
                     mbarrier.arrive(smem.kv_empty.index(0), count=1)
-                staged = False
-                if cfg.DKV_TMA:  # full tiles (a packed one reaching past its document would write the next one's)
-                    if cfg.VARLEN:
-                        staged = key_lo + BLOCK_N <= seqlen_k_b
-                    else:  # (rows past the tensor's are dropped by the TMA unit; a condition, not True: see O_TMA)
-                        staged = cfg.head_dim > 0
+                # full tiles (a packed one reaching past its document would write the next one's; dense, rows past
+                # the tensor's are dropped by the TMA unit: a condition, not True, see O_TMA)
+                staged = (key_lo + BLOCK_N <= seqlen_k_b if cfg.VARLEN else cfg.head_dim > 0) if cfg.DKV_TMA else False
                 if staged:  # through this warpgroup's K and V tiles and TMA stores
                     if SPLIT:  # (one CTA per item: the phase is 0)
                         mbarrier.wait(smem.kv_empty.index(0), 0)  # the other warpgroup's dQ products have read this K
@@ -1478,10 +1454,7 @@ if gluon is not None:
                 t += cfg.group * n_iter
                 n_done += 1
             n_seen += 1
-            if sched.DYNAMIC:
-                item = sched.claim()
-            else:
-                item = cfg.n_items
+            item = sched.claim() if sched.DYNAMIC else cfg.n_items
         if sched.DYNAMIC:
             sched.publish(n_seen, item)  # past the last: the others stop
 
@@ -1588,13 +1561,9 @@ def _gluon_head_tiles(d):
     """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and tail 0, 16 or 32 more in
     tiles of their own (80 = 64 + 16: 5/8 of the tensor-core work of a 128-wide tile), main + tail >= d (the
     columns past d read as zeros and are never stored); None where the kernels do not apply."""
-    if 32 < d <= 64:
-        return 64, 0
-    if 64 < d <= 96:
-        return 64, 16 if d <= 80 else 32
-    if 96 < d <= 128:
-        return 128, 0
-    return None
+    if not 32 < d <= 128:
+        return None
+    return (64, 0) if d <= 64 else (64, 16 if d <= 80 else 32) if d <= 96 else (128, 0)
 
 
 def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
@@ -1625,8 +1594,8 @@ GLUON_D64_TILES_PER_SM = (15, 31)
 
 
 def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
-    """Whether the Gluon kernels take a D=64 call of `query_tiles` query tiles (128 rows of one head) in all, its
-    sequences (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs."""
+    """Whether the Gluon kernels take a D=64 call of `query_tiles` tiles of 128 query rows in all, its sequences
+    (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs."""
     if packed:
         return seqlen >= 2048 or query_tiles >= GLUON_D64_TILES_PER_SM[0] * sms
     if seqlen >= 4096:
@@ -1636,9 +1605,7 @@ def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
     return query_tiles >= GLUON_D64_TILES_PER_SM[1 if backward else 0] * sms
 
 
-def _tma_ready(x):
-    """Whether a TMA descriptor can read x in place: unit last stride, the other strides multiples of 16 bytes, a
-    16-byte aligned base."""
+def _tma_ready(x):  # whether TMA reads x in place: unit last stride, other strides and the base 16-byte aligned
     return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0
                                                                 for st in x.stride()[:-1])
 
@@ -1669,8 +1636,7 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
 
 @functools.cache
 def _smem_layout(block, dtype, swizzle=None):
-    """The shared-memory layout of a TMA tile, made once per (block, dtype, swizzle). swizzle: its swizzle width in
-    bytes, else the widest the tile's rows allow."""
+    """A TMA tile's shared-memory layout, swizzled `swizzle` bytes (default: the widest its rows allow)."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     if swizzle is not None:
         return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=gl_dtype.primitive_bitwidth,
@@ -1686,8 +1652,7 @@ def _descriptor(x, rows, varlen, cols, swizzle=None):
 
 
 def _head_descriptors(x, rows, varlen, main, tail, swizzle=None):
-    """The descriptors of x's main tiles (swizzled `swizzle` bytes if given) and of its tail tiles (the main ones
-    again where there is no tail)."""
+    """The descriptors of x's main tiles and of its tail tiles (the main ones again where there is no tail)."""
     desc = _descriptor(x, rows, varlen, main, swizzle)
     return desc, _descriptor(x, rows, varlen, tail) if tail else desc
 
@@ -1723,14 +1688,12 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
 
 
 def _tma_operand(x, width):
-    """x itself where TMA can read it (tiles reaching past its head dim read zeros there, so a head dim of 72
-    costs no padded copy), else a contiguous copy zero-padded to `width` columns."""
+    """x itself where TMA can read it (tiles past its head dim read zeros), else a copy zero-padded to `width`."""
     return x if _tma_ready(x) else _pad(x, width).contiguous()
 
 
 def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
-    """(dQ, dK, dV) with the Gluon backward: the Triton Delta pre-pass, then one kernel for all three; dQ is
-    accumulated in fp32 and rounded once at the end."""
+    """(dQ, dK, dV) with the Gluon backward: the Triton Delta pre-pass, then one kernel for all three (dQ in fp32)."""
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
@@ -1831,8 +1794,7 @@ def _through_ops():
 
 
 class _FlashAttention(torch.autograd.Function):
-    """(O, L) with gradients for q, k, v; dense when cu_seqlens_q is None, packed otherwise. L is not
-    differentiable."""
+    """(O, L) with gradients for q, k, v (L has none); dense when cu_seqlens_q is None, packed otherwise."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
@@ -1906,8 +1868,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """The Triton kernels on (..., seq, d) (heads folded into the leading dims); saves one L of shape
-    (..., seq_q)."""
+    """The Triton kernels on (..., seq, d) (heads folded into the leading dims); saves one L, (..., seq_q)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):
@@ -1925,7 +1886,6 @@ class FlashAttentionTriton(torch.autograd.Function):
         dq, dk, dv = _triton_backward(as4(do), as4(q), as4(k), as4(v), as4(o), lse.reshape(-1, 1, q.shape[-2]),
                                       None, None, 0, 0, ctx.causal)
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2033,7 +1993,6 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
                                beta1, beta2, eps, decay, cache["table"] if scalars is None else scalars,
                                BLOCK=ADAMW_BLOCK, UNIT=cache["unit"], G_UNIT=cache["g_unit"],
                                DEVICE_SCALARS=scalars is not None, num_warps=8)
-
 
 
 class AdamW(torch.optim.Optimizer):
