@@ -268,8 +268,7 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen
     qk_scale = tl.cast(qk_scale, tl.float32)  # a Python float may come typed fp64
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest causal tiles launch first
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    b, h = pid_bh // num_heads, pid_bh % num_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:  # sequence b's slice of the packed rows
         q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
@@ -285,7 +284,6 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen
     k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
     v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -296,7 +294,6 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen
                                seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
                                seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
-
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys (empty key sequence) writes O = 0
     o_dst = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M)
     _store_rows(o_dst, start_m, stride_os, seqlen_q, offs_m0, acc * (1.0 / l_safe)[:, None])
@@ -311,12 +308,10 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, strides, stride_lb, stride_l
     of DQ (its first dq_cols columns), the fp32 buffer the Gluon backward adds dQ into, zeroed."""
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = strides
     pid_bh = tl.program_id(0)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    b, h = pid_bh // num_heads, pid_bh % num_heads
     q_start = tl.full([], 0, tl.int64)
     if VARLEN:
-        q0 = tl.load(cu_seqlens_q + b)
-        q_start, seqlen_q = q0.to(tl.int64), tl.load(cu_seqlens_q + b + 1) - q0
+        q_start, seqlen_q, _, _ = _doc_bounds((cu_seqlens_q, cu_seqlens_q), b)
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -382,12 +377,10 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb,
         stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = \
             strides
     seqlen_q, seqlen_k = seqlens
-    qk_scale, sm_scale = scales
-    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as in _attn_fwd
+    qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    b, h = pid_bh // num_heads, pid_bh % num_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:  # sequence b's slice of the packed rows
         q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
@@ -477,12 +470,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
         stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs = \
         strides
     seqlen_q, seqlen_k = seqlens
-    qk_scale, sm_scale = scales
-    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as in _attn_fwd
+    qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)  # causal: the first key tiles have the most query rows, so they launch first
-    b = pid_bh // num_kv_heads
-    hk = pid_bh % num_kv_heads
+    b, hk = pid_bh // num_kv_heads, pid_bh % num_kv_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:  # sequence b's slice of the packed rows
         q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
@@ -496,8 +487,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
                    start_n, stride_ks, seqlen_k, offs_n0, True)
     v = _load_rows(_rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N),
                    start_n, stride_vs, seqlen_k, offs_n0, True)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk, dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32), tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dk_dst = DK + b64 * stride_dkb + hk * stride_dkh + k_start * stride_dks
     dv_dst = DV + b64 * stride_dvb + hk * stride_dvh + k_start * stride_dvs
     if CAUSAL:  # query rows before start_n see none of these keys; rows past start_n + BLOCK_N see all of them
@@ -1121,11 +1111,10 @@ if gluon is not None:
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         q_smem = _gl_tiles(q_desc, 2 * Q_BUFS)
         k_smem, v_smem = _gl_tiles(k_desc, NUM_STAGES), _gl_tiles(v_desc, NUM_STAGES)
-        if TAIL > 0:  # the last TAIL columns of the head dim (else the tail descriptors and tiles are never used)
-            qt_smem, kt_smem = _gl_tiles(qt_desc, 2 * Q_BUFS), _gl_tiles(kt_desc, NUM_STAGES)
-            vt_smem = _gl_tiles(vt_desc, NUM_STAGES)
-        else:
-            qt_smem, kt_smem, vt_smem = q_smem, k_smem, v_smem
+        # the last TAIL columns of the head dim (without a tail the tail descriptors and tiles are never used)
+        qt_smem = _gl_tiles(qt_desc, 2 * Q_BUFS) if TAIL > 0 else q_smem
+        kt_smem = _gl_tiles(kt_desc, NUM_STAGES) if TAIL > 0 else k_smem
+        vt_smem = _gl_tiles(vt_desc, NUM_STAGES) if TAIL > 0 else v_smem
         o_smem = _gl_tiles(o_desc, 2) if O_TMA else q_smem  # each warpgroup's O tile on its way to the TMA store
         q_ready, q_empty = _gl_bars(2 * Q_BUFS), _gl_bars(2 * Q_BUFS)
         k_ready, k_empty, v_ready, v_empty = _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), \
@@ -1567,10 +1556,9 @@ def _gluon_head_tiles(d):
 
 
 def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
-    """Whether the Gluon backward stores full dK/dV tiles through shared memory and TMA (before the tensors' own
-    alignment, which the launcher checks). split: the config's dQ split (2 at D=128: each warpgroup's dQ columns
-    read both K tiles, so a K tile is free only once both warpgroups are done, which the persistent grid does not
-    wait for)."""
+    """Whether the Gluon backward stores full dK/dV tiles through shared memory and TMA, before the launcher checks
+    the tensors' alignment. With the dQ split (split 2) a K tile is free only once both warpgroups are done with
+    it, which the persistent grid does not wait for."""
     if tail or (dynamic and split > 1):
         return False
     return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
@@ -1611,11 +1599,10 @@ def _tma_ready(x):  # whether TMA reads x in place: unit last stride, other stri
 
 
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, backward=False):
-    """Whether the Gluon kernels take the call (the forward, or the backward): sm90 bf16/fp16 inputs with D from 33
-    to 128 (at D=64 where _gluon_d64 says so for the direction, unless FLASH_BACKEND=gluon insists), keys that share
-    the queries' documents when packed, and at D 64 or 128 the tensors (`more`: the backward's dO and O) TMA-ready,
-    as the Triton kernels read any strides there; at other head dims, where the Triton kernels need padded copies,
-    those that are not TMA-ready are copied."""
+    """Whether the Gluon kernels take the call (forward, or backward): sm90 bf16/fp16 inputs with D from 33 to 128
+    (at D=64 where _gluon_d64 says so, unless FLASH_BACKEND=gluon), keys sharing the queries' documents when packed,
+    and at D 64 or 128 (where the Triton kernels read any strides) TMA-ready tensors (`more`: dO and O); at other
+    head dims, where the Triton kernels need padded copies too, those not TMA-ready are copied."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     tiles = _gluon_head_tiles(q.shape[-1])
@@ -2041,10 +2028,9 @@ class AdamW(torch.optim.Optimizer):
                     if not count:
                         raise RuntimeError("AdamW: capturing step() needs the optimizer state first; take one eager "
                                            "step before the capture")
-                    state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
+                    dtype = torch.promote_types(p.dtype, torch.float32)  # fp32, fp64 for fp64 parameters
+                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=dtype),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=dtype))
                 state["step"] += count
                 key = (gi, self._use_kernel(p), p.device, p.dtype, p.grad.dtype, state["step"])
                 b = buckets.setdefault(key, ([], [], [], []))
