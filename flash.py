@@ -523,17 +523,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
 
 # Launchers: dense (B, H, S, D) when cu_seqlens_q is None, packed (total, H, D) otherwise.
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _pow2(n):
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _bucket(n):
     """SEQ_BUCKET, the autotuning key's length class: n rounded up to a power of two (at least 16)."""
-    return max(16, _pow2(n))
+    return max(16, triton.next_power_of_2(n))
 
 
 def _blocks(name):
@@ -549,7 +541,7 @@ def _empty_out(x):  # x's own layout when dense (a transposed (B, S, H, D) view 
 
 
 def _kernel_head_dim(d):  # the Triton kernels' tile width; other head dims run on zero-padded copies
-    return max(16, _pow2(d))
+    return max(16, triton.next_power_of_2(d))
 
 
 def _pad(x, d_pad):
@@ -608,7 +600,7 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     qp, kp, vp = (_unit_last(_pad(x, d_pad)) for x in (q, k, v))
     op = o if d_pad == d else _empty_out(qp)
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
-    grid = lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
+    grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
     _attn_fwd[grid](qp, kp, vp, op, lse, cu, _strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
                     heads // kv_heads, LOG2E / math.sqrt(d), _bucket(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal,
                     VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))
@@ -637,10 +629,10 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     scale = 1.0 / math.sqrt(d)
     common = dict(SEQ_BUCKET=_bucket(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
                   PREC=_precision(q.dtype))
-    _attn_bwd_dq[lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))](
+    _attn_bwd_dq[lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))](
         qp, kp, vp, op, dop, dqp, lse, delta, cu, _strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
         (seqlen_q, seqlen_k), heads, heads // kv_heads, (LOG2E * scale, scale), **common, **_blocks("dq"))
-    _attn_bwd_dkdv[lambda meta: (batch * kv_heads, _cdiv(seqlen_k, meta["BLOCK_N"]))](
+    _attn_bwd_dkdv[lambda meta: (batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"]))](
         qp, kp, vp, dop, dkp, dvp, lse, delta, cu, _strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
         (seqlen_q, seqlen_k), kv_heads, (LOG2E * scale, scale), **common, GROUP=heads // kv_heads,
         EVEN_Q=not varlen and seqlen_q % 128 == 0, **_blocks("dkdv"))
@@ -689,10 +681,9 @@ except ImportError:  # a Triton without Gluon: the Triton kernels serve everythi
 # two stages and one Q tile, so that O's staging tiles fit in shared memory.
 GLUON_FWD_CONFIGS = {64: (64, 128, 3, 2), 80: (64, 128, 3, 2), 96: (64, 128, 3, 2), 128: (64, 128, 2, 1)}
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
-# warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys; the grid: True =
-# persistent with dynamic scheduling, False = one CTA per item, which lets the compiler drop the item loop where
-# the consumers are at the register limit; the swizzle in bytes of the fp32 dQ shares in shared memory, 32 at
-# D=128, where 128-byte rows made the consumers' 8-byte stores hit the same banks).
+# warpgroups make half of dQ's columns each, 1 = each all of them for its own keys; grid: True = persistent,
+# False = one CTA per item, which lets the compiler drop the item loop where the consumers are at the register
+# limit; the fp32 dQ shares' swizzle in bytes, 32 at D=128, where 128 made the 8-byte stores hit the same banks).
 GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True, 128), 80: (64, 64, 3, 1, True, 128),
                      96: (64, 64, 2, 1, True, 128), 128: (64, 64, 2, 2, False, 32)}
 # the backward stores full dK/dV tiles through shared memory and TMA up to this many keys per sequence at D=128:
@@ -909,10 +900,9 @@ if gluon is not None:
     def _gl_fwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
         """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The
         ring position (it) and the turn count (w) run on across items, so the producer fills the next item's slots
-        while this one's last matmul and its output store finish. The warpgroups take turns issuing their matmuls
-        (turn barriers), so one's softmax always runs under the other's matmuls; warpgroup 0 goes first (its
-        barrier starts as if released). TAIL > 0: the head dim's last TAIL columns in tiles of their own (O's in
-        a second accumulator), one more matmul each for S and O."""
+        while this one finishes. The warpgroups take turns issuing their matmuls (turn barriers; warpgroup 0's starts
+        as if released), so one's softmax runs under the other's matmuls. TAIL > 0: the last TAIL columns of the
+        head dim in tiles of their own (O's in a second accumulator), one more matmul each for S and O."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         TAIL: gl.constexpr = cfg.TAIL
         BLOCK_M: gl.constexpr = cfg.BLOCK_M
@@ -1100,11 +1090,10 @@ if gluon is not None:
                      out_strides, dims, m_tiles, n_bh, n_docs, n_items, qk_scale, NUM_STAGES: gl.constexpr,
                      Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
                      O_TMA: gl.constexpr):
-        """Work items of 2 x BLOCK_M query rows of one batch x head (_FwdConfig.item), n_items = m_tiles * n_bh of
-        them: one CTA per item (grid n_items), or DYNAMIC, a persistent grid of G CTAs that start on items 0..G-1
-        and take the next untaken one from `counter` as they finish (_Schedule). The TMA descriptors of q, k, v,
-        their tails (the main ones again without a tail) and o; out_strides: O's (b, h, s) and L's (b, h); dims:
-        (head_dim, seqlen_q, seqlen_k, num_heads, group). The tiling follows from the descriptors."""
+        """Work items of 2 x BLOCK_M query rows of one batch x head (_FwdConfig.item), n_items = m_tiles * n_bh: one
+        CTA per item, or DYNAMIC a persistent grid whose CTAs take the next untaken item from `counter` (_Schedule).
+        TMA descriptors of q, k, v, their tails (the main ones again without a tail) and o, whose blocks give the
+        tiling; out_strides: O's (b, h, s), L's (b, h); dims: (head_dim, seqlen_q, seqlen_k, num_heads, group)."""
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh = out_strides
         head_dim, seqlen_q, seqlen_k, num_heads, group = dims
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
@@ -1165,12 +1154,10 @@ if gluon is not None:
         @gluon.jit
         def item(self, t, SLOTS: gl.constexpr):
             """Work item t -> (b, K/V head hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter): keys [start_n,
-            start_n + 2 x BLOCK_N) of one batch x K/V head, which see the query tiles m_lo .. m_lo + n_iter - 1 of
-            each query head of its group. Consecutive items are the key tiles of one batch x head (they share its Q
-            and dO in L2), the first (causal: the longest) first. Packed: a document's keys are its own; n_tiles
-            tiles per document x head, those past its end empty, or SLOTS, n_tiles slots per head (_gl_doc_slot),
-            only a few empty (a persistent grid takes every item in turn; one CTA per item returns at once from an
-            empty one). Empty items have start_n >= seqlen_k."""
+            start_n + 2 x BLOCK_N) of one batch x K/V head, seen by the query tiles m_lo .. m_lo + n_iter - 1 of
+            each query head of its group. Consecutive items are the key tiles of one batch x head (sharing its Q
+            and dO in L2), the first (causal: the longest) first. Packed: n_tiles tiles per document x head, those
+            past its end empty, or SLOTS, n_tiles slots per head (_gl_doc_slot). Empty items: start_n >= seqlen_k."""
             BLOCK_M: gl.constexpr = self.BLOCK_M
             BLOCK_N: gl.constexpr = self.BLOCK_N
             bh = t // self.n_tiles
@@ -1204,10 +1191,9 @@ if gluon is not None:
     @_bundle(smem="q do k v ds dq qt dot kt vt dqt lse delta kv_ready kv_empty ready empty ds_ready dq_full dq_empty")
     class _BwdShared:
         """The backward's shared memory. q/do (and tails), lse, delta: a ring of NUM_STAGES query tiles (ready:
-        loaded; empty: both consumers done). k/v (and tails): each warpgroup's keys (kv_ready per warpgroup;
-        kv_empty: both consumers done with the item). ds and dq: two buffers per warpgroup, buffer b of warpgroup
-        wg at 2 * b + wg (ds_ready: both warpgroups' dS stored; dq_full / dq_empty: a dQ share handed to the dQ
-        warp / given back)."""
+        loaded; empty: both consumers done). k/v (and tails): each warpgroup's keys (kv_empty: both consumers done
+        with the item). ds and dq: buffer b of warpgroup wg at 2 * b + wg (ds_ready: both warpgroups' dS stored;
+        dq_full / dq_empty: a dQ share handed to the dQ warp / given back)."""
 
     @gluon.jit
     def _gl_bwd_put_dq(smem, dq, dq_t, tile, WG: gl.constexpr, TAIL: gl.constexpr):
@@ -1485,11 +1471,10 @@ if gluon is not None:
     def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
                      dv_desc, tensors, out_strides, dims, n_tiles, n_docs, n_items, qk_scale, sm_scale,
                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
-        """Work items of 2 x BLOCK_N keys of one batch x K/V head (_BwdConfig.item), n_items of them: one CTA per
-        item (grid n_items) or, DYNAMIC, a persistent grid as the forward's. The TMA descriptors of q, k, v, dO, the
-        fp32 dQ buffer (zeroed by the caller, added to), their tails, dk and dv; tensors: (dK, dV, L, Delta,
-        cu_seqlens_q, counter); out_strides: dK's and dV's (b, h, s), L's (b, h); dims: (seqlen_q, seqlen_k,
-        num_kv_heads, group, head_dim)."""
+        """Work items of 2 x BLOCK_N keys of one batch x K/V head (_BwdConfig.item): one CTA per item or, DYNAMIC, a
+        persistent grid as the forward's. TMA descriptors of q, k, v, dO, the fp32 dQ buffer (zeroed, added to),
+        their tails, dk and dv; tensors: (dK, dV, L, Delta, cu_seqlens_q, counter); out_strides: dK's and dV's
+        (b, h, s), L's (b, h); dims: (seqlen_q, seqlen_k, num_kv_heads, group, head_dim)."""
         DK, DV, LSE, DELTA, cu_seqlens_q, counter = tensors
         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh = out_strides
         seqlen_q, seqlen_k, num_kv_heads, group, head_dim = dims
@@ -1613,7 +1598,7 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
         seqlen = max_seqlen_q if packed else q.shape[2]
         # query tiles of 128 rows (packed: at most one more per document than the tokens fill)
         query_tiles = q.shape[1] * ((q.shape[0] // 128 + cu_seqlens_q.shape[0] - 1) if packed
-                                    else q.shape[0] * _cdiv(seqlen, 128))
+                                    else q.shape[0] * triton.cdiv(seqlen, 128))
         if not _gluon_d64(seqlen, query_tiles, packed, backward, _sm_count(q.device.index)):
             return False
     if _kernel_head_dim(q.shape[-1]) == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
@@ -1656,7 +1641,7 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
         return o.zero_(), lse.fill_(float("-inf"))
     qp, kp, vp = (_tma_operand(x, main + tail) for x in (q, k, v))
     # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
-    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else _cdiv(seqlen_q, 2 * block_m)
+    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
     n_bh = heads if varlen else batch * heads
     n_items = m_tiles * n_bh
     ctas = _sm_count(q.device.index)
@@ -1695,13 +1680,13 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
     dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q if varlen else lse
-    _attn_bwd_delta[(batch * heads, _cdiv(seqlen_q, 64))](
+    _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
         o, dop, delta, dq_acc, cu, _strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
         HEAD_DIM=_kernel_head_dim(main + tail), VARLEN=varlen, BLOCK_M=64)
     # work items: key tiles x batch x K/V heads; on the persistent grid packed batches in slots (_gl_doc_slot) x
     # K/V heads instead
     scale = 1.0 / math.sqrt(d)
-    n_tiles, n_bh = _cdiv(seqlen_k, 2 * block_n), batch * kv_heads
+    n_tiles, n_bh = triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads
     ctas = _sm_count(q.device.index) if persistent else 0
     dynamic = 0 < ctas < n_tiles * n_bh
     if varlen and dynamic:
@@ -1869,10 +1854,9 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        as4 = lambda x: x.reshape(-1, 1, *x.shape[-2:])  # noqa: E731
-        dq, dk, dv = _triton_backward(as4(do), as4(q), as4(k), as4(v), as4(o), lse.reshape(-1, 1, q.shape[-2]),
-                                      None, None, 0, 0, ctx.causal)
-        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
+        grads = _triton_backward(*(x.reshape(-1, 1, *x.shape[-2:]) for x in (do, q, k, v, o)),
+                                 lse.reshape(-1, 1, q.shape[-2]), None, None, 0, 0, ctx.causal)
+        return (*(g.reshape(x.shape) for g, x in zip(grads, (q, k, v))), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1950,8 +1934,7 @@ def _chunk_table(columns, block):
 def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay, scalars=None):
     """One fused AdamW update of equal-length lists of contiguous tensors (m, v fp32): p <- (p + neg_step m /
     (sqrt(v) + eps)) * decay. `cache`: a dict the caller keeps per bucket (chunk table, gradient offsets). scalars:
-    None, or 2 fp32 values on the device the kernel reads (neg_step, decay) from instead, so that a CUDA graph that
-    captured the launch takes each replay's step size from there."""
+    None, or (neg_step, decay) as 2 fp32 values on the device, read there (a captured launch's replays)."""
     live = [i for i, p in enumerate(params) if p.numel()]
     if not live:
         return
@@ -1986,9 +1969,8 @@ class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay (the formulas above). m and v are fp32 (fp64 for fp64 parameters); bf16
     and fp16 parameters are updated in fp32 and rounded once. fused=None steps CUDA parameters with the fused
     kernel and others with torch._foreach_* ops; True insists on the kernel (the interpreter on CPU), False never.
-    capturable=True lets step() be captured in a CUDA graph (train.capture_step): the kernel then reads its step
-    size and decay from a device tensor per bucket, which step() writes eagerly and advance(), the host's part of
-    each replay, writes from the groups' current lr (every parameter needs its state first: one eager step)."""
+    capturable=True lets step() be captured in a CUDA graph (train.capture_step): the kernel reads its step size
+    and decay from a device tensor, written by step() eagerly and by advance() before each replay."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None,
                  capturable=False):
@@ -2188,9 +2170,8 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
             return _cross_entropy_rows_op(logits, targets, ignore_index, scale, loss)
         kernel = logits.is_cuda
     if not kernel:
-        row_loss, grad = cross_entropy_rows_reference(logits, targets, ignore_index, scale)
-        loss.copy_(row_loss)
-        logits.copy_(grad)
+        for out, value in zip((loss, logits), cross_entropy_rows_reference(logits, targets, ignore_index, scale)):
+            out.copy_(value)
         return
     assert logits.stride(-1) == 1 and targets.is_contiguous() and loss.is_contiguous()
     _cross_entropy_rows_kernel[(logits.shape[0],)](logits, targets, loss, scale, logits.stride(0), logits.shape[1],
@@ -2298,13 +2279,6 @@ def _as_rows(t, d):
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _rms_programs(device, n_blocks, block_d):
-    """Backward programs: 2 or 4 per SM on CUDA; 2 in the interpreter, so a program steps over several blocks."""
-    if device.type != "cuda":
-        return max(1, min(n_blocks, 2))
-    return max(1, min(n_blocks, _sm_count(device.index) * (2 if block_d >= 2048 else 4)))
-
-
 def _rms_norm_forward(x, weight, eps, r=None, y_dtype=None):
     """(y, rstd fp32 x.shape[:-1], h) through _rms_norm_fwd_kernel: y = rms_norm(h) * weight in y_dtype (default
     h's), h = x + r in their promoted dtype (r None: h is x itself)."""
@@ -2335,7 +2309,8 @@ def _rms_norm_backward(dy, x, weight, rstd, dh=None):
         return dx, torch.zeros_like(weight)
     block_m, block_d, warps = _rms_config(d, backward=True)
     n_blocks = triton.cdiv(n, block_m)
-    programs = _rms_programs(x.device, n_blocks, block_d)
+    # programs: 2 or 4 per SM on CUDA; 2 in the interpreter, so that a program steps over several blocks
+    programs = max(1, min(n_blocks, _sm_count(x.device.index) * (2 if block_d >= 2048 else 4) if x.is_cuda else 2))
     partial = torch.empty(programs, d, dtype=torch.float32, device=x.device)  # every program writes its row
     _rms_norm_bwd_kernel[(programs,)](x2, w, dy2, rstd, dy2 if dh2 is None else dh2, dx, partial, n, d,
                                       x2.stride(0), dy2.stride(0), 0 if dh2 is None else dh2.stride(0), n_blocks,
@@ -2345,27 +2320,18 @@ def _rms_norm_backward(dy, x, weight, rstd, dh=None):
 
 
 @torch.library.custom_op("flash::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     y_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rms_norm_forward(x, weight, eps, y_dtype=y_dtype)[:2]
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, r: Optional[torch.Tensor] = None,
+                     y_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, rstd, h = _rms_norm_forward(x, weight, eps, r, y_dtype)
+    return y, rstd, x.new_empty(0) if r is None else h  # (no residual: h is x, which an output may not alias)
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, weight, eps, y_dtype=None):
-    return (torch.empty_like(x, dtype=y_dtype or x.dtype, memory_format=torch.contiguous_format),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
-
-
-@torch.library.custom_op("flash::add_rms_norm_fwd", mutates_args=())
-def _add_rms_norm_fwd_op(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
-                         y_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _rms_norm_forward(x, weight, eps, r, y_dtype)
-
-
-@_add_rms_norm_fwd_op.register_fake
-def _(x, r, weight, eps, y_dtype=None):
-    h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, r.dtype), memory_format=torch.contiguous_format)
-    return torch.empty_like(h, dtype=y_dtype or h.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32), h
+def _(x, weight, eps, r=None, y_dtype=None):
+    h = torch.empty_like(x, dtype=x.dtype if r is None else torch.promote_types(x.dtype, r.dtype),
+                         memory_format=torch.contiguous_format)
+    y, rstd = torch.empty_like(h, dtype=y_dtype or h.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return y, rstd, x.new_empty(0) if r is None else h
 
 
 @torch.library.custom_op("flash::rms_norm_bwd", mutates_args=())
@@ -2386,11 +2352,9 @@ class _AddRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, r, weight, eps, y_dtype):
-        if torch.compiler.is_compiling():
-            y, rstd, h = _add_rms_norm_fwd_op(x, r, weight, eps, y_dtype) if r is not None else \
-                (*_rms_norm_fwd_op(x, weight, eps, y_dtype), x)
-        else:
-            y, rstd, h = _rms_norm_forward(x, weight, eps, r, y_dtype)
+        fwd = _rms_norm_fwd_op if torch.compiler.is_compiling() else _rms_norm_forward
+        y, rstd, h = fwd(x, weight, eps, r, y_dtype)
+        h = x if r is None else h
         ctx.save_for_backward(h, weight, rstd)
         ctx.has_r, ctx.r_dtype = r is not None, None if r is None else r.dtype
         ctx.set_materialize_grads(False)  # an output nothing used gets None, not a tensor of zeros (rms_norm's h:

@@ -966,10 +966,10 @@ def test_flash_rms_norm_compiles_without_graph_breaks():
     assert _rel(out, want) < 1e-6
     assert all(_rel(a, b) < 1e-6 for a, b in zip(grads, torch.autograd.grad(want, (x, w))))
     xs, ws = x.detach()[0], w.detach()
-    y, rstd = flash._rms_norm_fwd_op(xs, ws, 1e-5)
-    _, _, h = flash._add_rms_norm_fwd_op(xs, y, ws, 1e-5, torch.bfloat16)
+    y, rstd, _ = flash._rms_norm_fwd_op(xs, ws, 1e-5)
+    _, _, h = flash._rms_norm_fwd_op(xs, ws, 1e-5, y, torch.bfloat16)
     for op, args in ((flash._rms_norm_fwd_op, (xs, ws, 1e-5)), (flash._rms_norm_bwd_op, (y, xs, ws, rstd)),
-                     (flash._add_rms_norm_fwd_op, (xs, y, ws, 1e-5, torch.bfloat16)),
+                     (flash._rms_norm_fwd_op, (xs, ws, 1e-5, y, torch.bfloat16)),
                      (flash._rms_norm_bwd_op, (y, h, ws, rstd, xs))):
         results = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
         assert all(v == "SUCCESS" for v in results.values()), results
