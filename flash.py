@@ -287,8 +287,8 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # key tiles right of the diagonal: none
-    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # the tiles with no index compare
+    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # causal: no key tile right of the diagonal
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # key tiles below it need no index compare
     full_hi = tl.minimum(start_m, full_hi) if CAUSAL else full_hi
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
                                seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
@@ -406,8 +406,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb,
     k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
     v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # key tiles right of the diagonal: none
-    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # the tiles with no index compare
+    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # causal: no key tile right of the diagonal
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # key tiles below it need no index compare
     full_hi = tl.minimum(start_m, full_hi) if CAUSAL else full_hi
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
                    seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
@@ -881,8 +881,8 @@ if gluon is not None:
                 h = bh % self.num_heads
             start_m = pid_m * 2 * BLOCK_M
             hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M) if self.CAUSAL else seqlen_k
-            n_full = gl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N) // BLOCK_N if self.CAUSAL else \
-                seqlen_k // BLOCK_N  # tiles with no compare
+            n_full = seqlen_k // BLOCK_N  # key tiles with no index compare
+            n_full = gl.minimum(start_m, n_full * BLOCK_N) // BLOCK_N if self.CAUSAL else n_full
             return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, BLOCK_N), n_full
 
     @_bundle(desc="q k v qt kt vt o", tensor="O LSE", int="stride_ob stride_oh stride_os stride_lb stride_lh")
