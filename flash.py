@@ -268,8 +268,7 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen
     qk_scale = tl.cast(qk_scale, tl.float32)  # a Python float may come typed fp64
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest causal tiles launch first
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    b, h = pid_bh // num_heads, pid_bh % num_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:  # sequence b's slice of the packed rows
         q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
@@ -285,21 +284,16 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen
     k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
     v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
-        full_hi = tl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N)
-    else:
-        hi = seqlen_k
-        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # causal: no key tile right of the diagonal
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # key tiles below it need no index compare
+    full_hi = tl.minimum(start_m, full_hi) if CAUSAL else full_hi
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
                                seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
                                seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
-
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys (empty key sequence) writes O = 0
     o_dst = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M)
     _store_rows(o_dst, start_m, stride_os, seqlen_q, offs_m0, acc * (1.0 / l_safe)[:, None])
@@ -314,12 +308,10 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, strides, stride_lb, stride_l
     of DQ (its first dq_cols columns), the fp32 buffer the Gluon backward adds dQ into, zeroed."""
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = strides
     pid_bh = tl.program_id(0)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    b, h = pid_bh // num_heads, pid_bh % num_heads
     q_start = tl.full([], 0, tl.int64)
     if VARLEN:
-        q0 = tl.load(cu_seqlens_q + b)
-        q_start, seqlen_q = q0.to(tl.int64), tl.load(cu_seqlens_q + b + 1) - q0
+        q_start, seqlen_q, _, _ = _doc_bounds((cu_seqlens_q, cu_seqlens_q), b)
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -385,12 +377,10 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb,
         stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = \
             strides
     seqlen_q, seqlen_k = seqlens
-    qk_scale, sm_scale = scales
-    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as in _attn_fwd
+    qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    b, h = pid_bh // num_heads, pid_bh % num_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:  # sequence b's slice of the packed rows
         q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
@@ -416,12 +406,9 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb,
     k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
     v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
-        full_hi = tl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N)
-    else:
-        hi = seqlen_k
-        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # causal: no key tile right of the diagonal
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # key tiles below it need no index compare
+    full_hi = tl.minimum(start_m, full_hi) if CAUSAL else full_hi
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
                    seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
@@ -483,12 +470,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
         stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs = \
         strides
     seqlen_q, seqlen_k = seqlens
-    qk_scale, sm_scale = scales
-    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as in _attn_fwd
+    qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)  # causal: the first key tiles have the most query rows, so they launch first
-    b = pid_bh // num_kv_heads
-    hk = pid_bh % num_kv_heads
+    b, hk = pid_bh // num_kv_heads, pid_bh % num_kv_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:  # sequence b's slice of the packed rows
         q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
@@ -502,8 +487,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
                    start_n, stride_ks, seqlen_k, offs_n0, True)
     v = _load_rows(_rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N),
                    start_n, stride_vs, seqlen_k, offs_n0, True)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk, dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32), tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dk_dst = DK + b64 * stride_dkb + hk * stride_dkh + k_start * stride_dks
     dv_dst = DV + b64 * stride_dvb + hk * stride_dvh + k_start * stride_dvs
     if CAUSAL:  # query rows before start_n see none of these keys; rows past start_n + BLOCK_N see all of them
@@ -539,69 +523,38 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
 
 # Launchers: dense (B, H, S, D) when cu_seqlens_q is None, packed (total, H, D) otherwise.
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _pow2(n):
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _bucket(n):
     """SEQ_BUCKET, the autotuning key's length class: n rounded up to a power of two (at least 16)."""
-    return max(16, _pow2(n))
+    return max(16, triton.next_power_of_2(n))
 
 
 def _blocks(name):
-    if not INTERPRET:
-        return {}
-    m, n = INTERPRET_BLOCKS[name]
-    return {"BLOCK_M": m, "BLOCK_N": n}
+    return dict(zip(("BLOCK_M", "BLOCK_N"), INTERPRET_BLOCKS[name])) if INTERPRET else {}
 
 
 def _unit_last(x):  # the kernels read rows with unit stride along the head dim
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _empty_out(x):
-    """The output buffer for x (O, dQ, dK, dV): x's own layout when it is dense (the (B, S, H, D) memory of a
-    transposed view is kept, so the caller's transpose back is free)."""
-    if x.stride(-1) == 1:
-        return torch.empty_like(x)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _empty_out(x):  # x's own layout when dense (a transposed (B, S, H, D) view stays one: its transpose back is free)
+    return torch.empty_like(x) if x.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def _kernel_head_dim(d):
-    """The Triton kernels' tile width along the head dim: a power of two of at least 16; other head dims run on
-    zero-padded copies (zeros change no score)."""
-    return max(16, _pow2(d))
+def _kernel_head_dim(d):  # the Triton kernels' tile width; other head dims run on zero-padded copies
+    return max(16, triton.next_power_of_2(d))
 
 
 def _pad(x, d_pad):
     return x if x.shape[-1] == d_pad else torch.nn.functional.pad(x, (0, d_pad - x.shape[-1]))
 
 
-def _strides(varlen, *xs):
-    """The (b, h, s) strides of each tensor, one flat tuple (packed tensors have no batch stride)."""
+def _strides(varlen, *xs):  # the (b, h, s) strides of each tensor in one tuple (packed: no batch stride)
     return tuple(s for x in xs for s in ((0, x.stride(1), x.stride(0)) if varlen else x.stride()[:3]))
 
 
 def _precision(dtype):
     # fp32 inputs follow PyTorch's own matmul setting: true fp32 unless TF32 is allowed
     return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
-
-
-def _require_triton_device(q):
-    if q.device.type != "cuda" and not INTERPRET:
-        raise RuntimeError(f"flash: Triton kernels need a CUDA tensor (got {q.device}); on CPU set "
-                           "TRITON_INTERPRET=1 before triton is imported, or use FlashAttentionPyTorch")
-    _check_interpreter("flash")
-
-
-def _interpreter_bf16(x):
-    """Whether x is bf16 in Triton's CPU interpreter, which has no bf16 arithmetic (it keeps bf16 as 16-bit
-    integers, and its tl.dot multiplies those): the attention kernels then run on fp32 copies."""
-    return INTERPRET and x.dtype == torch.bfloat16
 
 
 def _check_interpreter(who):
@@ -612,33 +565,42 @@ def _check_interpreter(who):
 
 
 def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-    """(batch, heads, kv_heads, seqlen_q, seqlen_k, L shape, L strides (b, h)) of a dense or a packed call."""
+    """(batch, heads, kv_heads, seqlen_q, seqlen_k, L strides (b, h)) of a dense or a packed call."""
     if cu_seqlens_q is not None:
-        heads, total = q.shape[1], q.shape[0]
-        return cu_seqlens_q.shape[0] - 1, heads, k.shape[1], max_seqlen_q, max_seqlen_k, (heads, total), (0, total)
+        return cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k, (0, q.shape[0])
     b, heads, s = q.shape[:3]
-    return b, heads, k.shape[1], s, k.shape[2], (b, heads, s), (heads * s, s)
+    return b, heads, k.shape[1], s, k.shape[2], (heads * s, s)
+
+
+def _fwd_outputs(q, cu_seqlens_q):  # O, and L: (B, H, S) dense, (H, total) packed
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
+    return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _require_triton_device(q):
+    if q.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(f"flash: Triton kernels need a CUDA tensor (got {q.device}); on CPU set "
+                           "TRITON_INTERPRET=1 before triton is imported, or use FlashAttentionPyTorch")
+    _check_interpreter("flash")
 
 
 def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
     """(O, L) of attention with the Triton kernel; dense, or packed when cu_seqlens_q is given."""
     _require_triton_device(q)
-    if _interpreter_bf16(q):
+    if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic: run on fp32 copies
         o, lse = _triton_forward(q.float(), k.float(), v.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, causal)
         return o.to(q.dtype), lse
     varlen = cu_seqlens_q is not None
-    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q,
-                                                                              max_seqlen_k)
-    o = _empty_out(q)
-    lse = q.new_empty(lse_shape, dtype=torch.float32)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    o, lse = _fwd_outputs(q, cu_seqlens_q)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
     qp, kp, vp = (_unit_last(_pad(x, d_pad)) for x in (q, k, v))
     op = o if d_pad == d else _empty_out(qp)
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
-    grid = lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
+    grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
     _attn_fwd[grid](qp, kp, vp, op, lse, cu, _strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
                     heads // kv_heads, LOG2E / math.sqrt(d), _bucket(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal,
                     VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))
@@ -650,12 +612,12 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
     """(dQ, dK, dV) with the Triton kernels: the dQ pass (which also works out Delta), then the dK/dV pass."""
     _require_triton_device(q)
-    if _interpreter_bf16(q):
+    if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic: run on fp32 copies
         grads = _triton_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, cu_seqlens_q,
                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
         return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     varlen = cu_seqlens_q is not None
-    batch, heads, kv_heads, seqlen_q, seqlen_k, _, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -667,10 +629,10 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     scale = 1.0 / math.sqrt(d)
     common = dict(SEQ_BUCKET=_bucket(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
                   PREC=_precision(q.dtype))
-    _attn_bwd_dq[lambda meta: (batch * heads, _cdiv(seqlen_q, meta["BLOCK_M"]))](
+    _attn_bwd_dq[lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))](
         qp, kp, vp, op, dop, dqp, lse, delta, cu, _strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
         (seqlen_q, seqlen_k), heads, heads // kv_heads, (LOG2E * scale, scale), **common, **_blocks("dq"))
-    _attn_bwd_dkdv[lambda meta: (batch * kv_heads, _cdiv(seqlen_k, meta["BLOCK_N"]))](
+    _attn_bwd_dkdv[lambda meta: (batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"]))](
         qp, kp, vp, dop, dkp, dvp, lse, delta, cu, _strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
         (seqlen_q, seqlen_k), kv_heads, (LOG2E * scale, scale), **common, GROUP=heads // kv_heads,
         EVEN_Q=not varlen and seqlen_q % 128 == 0, **_blocks("dkdv"))
@@ -719,10 +681,9 @@ except ImportError:  # a Triton without Gluon: the Triton kernels serve everythi
 # two stages and one Q tile, so that O's staging tiles fit in shared memory.
 GLUON_FWD_CONFIGS = {64: (64, 128, 3, 2), 80: (64, 128, 3, 2), 96: (64, 128, 3, 2), 128: (64, 128, 2, 1)}
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
-# warpgroups make half of dQ's columns each, 1 = each makes all of them for its own keys; the grid: True =
-# persistent with dynamic scheduling, False = one CTA per item, which lets the compiler drop the item loop where
-# the consumers are at the register limit; the swizzle in bytes of the fp32 dQ shares in shared memory, 32 at
-# D=128, where 128-byte rows made the consumers' 8-byte stores hit the same banks).
+# warpgroups make half of dQ's columns each, 1 = each all of them for its own keys; grid: True = persistent,
+# False = one CTA per item, which lets the compiler drop the item loop where the consumers are at the register
+# limit; the fp32 dQ shares' swizzle in bytes, 32 at D=128, where 128 made the 8-byte stores hit the same banks).
 GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True, 128), 80: (64, 64, 3, 1, True, 128),
                      96: (64, 64, 2, 1, True, 128), 128: (64, 64, 2, 2, False, 32)}
 # the backward stores full dK/dV tiles through shared memory and TMA up to this many keys per sequence at D=128:
@@ -734,9 +695,8 @@ if gluon is not None:
               "smem": gl.shared_memory_descriptor, "desc": tma.tensor_descriptor}
 
     def _bundle(**fields):
-        """A Gluon aggregate of the fields named by kind (kind="name name ..."; an int may come as a constexpr,
-        as Triton passes ints equal to 1), built positionally in the order given: one value for a partition to
-        take where it needs many."""
+        """A Gluon aggregate of the fields named by kind (kind="name name ...", built positionally in that order;
+        an int may come as a constexpr, as Triton passes ints equal to 1): one argument instead of many."""
         names = [(name, kind) for kind, group in fields.items() for name in group.split()]
 
         def wrap(cls):
@@ -754,8 +714,7 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_warp_uniform(x):
-        """x (an int32 every lane of the warp holds the same value of) as lane 0's value, through a shuffle: the
-        usual way to tell the compiler that a value is the same in every lane."""
+        """x, the same int32 in every lane, as lane 0's value (a shuffle): tells the compiler it is warp-uniform."""
         return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=gl.int32,
                                          is_pure=True, pack=1)
 
@@ -763,7 +722,7 @@ if gluon is not None:
     class _Schedule:
         """A persistent CTA's work items (DYNAMIC): its producer claims the next untaken item from `counter` (zero
         at launch; the first G items went one to each of the G CTAs) and hands it to the other partitions through a
-        two-slot ring in shared memory, each slot read by all of them before it is filled again."""
+        two-slot ring in shared memory."""
 
         @gluon.jit
         def publish(self, n, item):
@@ -775,8 +734,7 @@ if gluon is not None:
             mbarrier.arrive(self.ready.index(s), count=1)
 
         @gluon.jit
-        def read(self, n):
-            """A reader: the CTA's n-th work item."""
+        def read(self, n):  # a reader: the CTA's n-th work item
             s = n % 2
             mbarrier.wait(self.ready.index(s), (n // 2) & 1)
             layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -785,43 +743,33 @@ if gluon is not None:
             return _gl_warp_uniform(item)
 
         @gluon.jit
-        def first(self):
-            """A reader's first item: from the ring, or with one CTA per item its own."""
-            if self.DYNAMIC:
-                item = self.read(0)
-            else:
-                item = gl.program_id(0)
-            return item
+        def first(self):  # a reader's first item: from the ring, or with one CTA per item its own
+            return self.read(0) if self.DYNAMIC else gl.program_id(0)
 
         @gluon.jit
-        def claim(self):
-            """The producer: the next item no CTA has taken yet."""
+        def claim(self):  # the producer: the next item no CTA has taken yet
             return gl.num_programs(0) + gl.atomic_add(self.counter, 1, sem="relaxed")
 
     @gluon.jit
-    def _gl_tiles(desc, n: gl.constexpr):
-        """n shared-memory tiles of desc's block."""
+    def _gl_tiles(desc, n: gl.constexpr):  # n shared-memory tiles of desc's block
         return gl.allocate_shared_memory(desc.dtype, [n] + desc.block_type.shape, desc.layout)
 
     @gluon.jit
-    def _gl_bars(n: gl.constexpr):
-        """n mbarriers (the caller initializes them)."""
+    def _gl_bars(n: gl.constexpr):  # n mbarriers (the caller initializes them)
         return gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
 
     @gluon.jit
-    def _gl_schedule(counter, DYNAMIC: gl.constexpr):
-        """A _Schedule with its ring allocated (the caller initializes its barriers)."""
+    def _gl_schedule(counter, DYNAMIC: gl.constexpr):  # a _Schedule, its barriers not yet initialized
         ring = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         return _Schedule(ring, _gl_bars(2), _gl_bars(2), counter, DYNAMIC)
 
     @gluon.jit
     def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
-        """Packed batches, one program (or work item) per slot g of a tile of TILE rows: document b owns the slots
-        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), at least as many as its tiles, so total // TILE + n_docs
-        slots hold every tile of every document and only a few (at most two a document) are left empty, where a
-        grid of max_seqlen / TILE tiles per document is mostly empty when lengths differ. Returns (b, its first
-        row, its length, the tile of b at slot g; past b's tiles where the slot is empty). b is found by counting
-        the documents whose first slot is <= g, CHUNK of them at a time."""
+        """Packed batches, one work item per slot g of a tile of TILE rows: document b owns the slots
+        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), so total // TILE + n_docs slots hold every tile of every
+        document with at most two a document empty (a grid of max_seqlen / TILE tiles per document is mostly empty
+        when lengths differ). Returns (b, its first row, its length, b's tile at slot g, past b's tiles if empty);
+        b is the count of documents whose first slot is <= g, less one."""
         CHUNK: gl.constexpr = 256
         WARPS: gl.constexpr = gl.num_warps()
         offs = gl.arange(0, CHUNK, layout=gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0]))
@@ -837,8 +785,7 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_softmax(s, m_i, l_i, start_n, offs_m, offs_n, seqlen_k, qk_scale, masked, CAUSAL: gl.constexpr):
-        """One online-softmax step on the scores of one key tile, in base 2: returns P, m_i, l_i and alpha, the
-        factor that rescales the accumulator."""
+        """One online-softmax step on one key tile's scores, in base 2: P, m_i, l_i and alpha (rescales acc)."""
         if masked:  # ragged end and, when causal, the diagonal tile: the only tiles that compare indices
             cols = start_n + offs_n
             keep = cols[None, :] < seqlen_k
@@ -854,49 +801,39 @@ if gluon is not None:
     @gluon.jit
     def _gl_load_tile(desc, tail_desc, bar, dst, tail_dst, b, h, row, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
                       VARLEN: gl.constexpr):
-        """TMA loads of one tile of rows [row, row + tile) of head h onto barrier bar (the caller has set its
-        expected bytes, _gl_tile_bytes): its first HEAD_DIM columns into dst and, TAIL > 0, the next TAIL into
-        tail_dst. Packed descriptors are (total, H, D) with row counted from the start of the batch; dense ones
-        (B, H, S, D) with row inside sequence b."""
-        if VARLEN:
-            _tma_load(desc, [row, h, 0], bar, dst)
-            if TAIL > 0:
-                _tma_load(tail_desc, [row, h, HEAD_DIM], bar, tail_dst)
-        else:
-            _tma_load(desc, [b, h, row, 0], bar, dst)
-            if TAIL > 0:
-                _tma_load(tail_desc, [b, h, row, HEAD_DIM], bar, tail_dst)
+        """TMA loads of rows [row, row + tile) of head h onto barrier bar (its bytes expected by the caller): the
+        first HEAD_DIM columns into dst, TAIL > 0 the next TAIL into tail_dst. Rows count from the start of the
+        packed (total, H, D) batch, or inside sequence b of a dense (B, H, S, D) one."""
+        _tma_load(desc, [row, h, 0] if VARLEN else [b, h, row, 0], bar, dst)
+        if TAIL > 0:
+            _tma_load(tail_desc, [row, h, HEAD_DIM] if VARLEN else [b, h, row, HEAD_DIM], bar, tail_dst)
 
     @gluon.jit
     def _gl_store_tile(desc, src, b, h, row, VARLEN: gl.constexpr):
-        """A TMA store of the tile in shared memory src (written and fenced by the caller) to rows [row, row + tile)
-        of head h, rows counted as in _gl_load_tile; it runs on while the caller goes on (tma.store_wait before src
-        is written again)."""
-        if VARLEN:
-            _tma_store(desc, [row, h, 0], src)
-        else:
-            _tma_store(desc, [b, h, row, 0], src)
+        """A TMA store of shared-memory tile src (written and fenced by the caller) to rows [row, row + tile) of
+        head h, counted as in _gl_load_tile; the caller calls tma.store_wait before it writes src again."""
+        _tma_store(desc, [row, h, 0] if VARLEN else [b, h, row, 0], src)
 
     @gluon.constexpr_function
-    def _gl_tile_bytes(desc, tail_desc, TAIL):
-        """The bytes of one tile loaded by _gl_load_tile."""
+    def _gl_mma_layout(n):  # a warpgroup's wgmma accumulator layout for tiles n columns wide
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+    @gluon.constexpr_function
+    def _gl_tile_bytes(desc, tail_desc, TAIL):  # the bytes _gl_load_tile loads
         return desc.block_type.nbytes + (tail_desc.block_type.nbytes if TAIL > 0 else 0)
 
     @gluon.constexpr_function
-    def _gl_tail(desc, tail_desc):
-        """TAIL, the width of the tail tiles: 0 where the tail descriptor is the main one again (no tail)."""
+    def _gl_tail(desc, tail_desc):  # the tail tiles' width: 0 where the tail descriptor is the main one again
         width = tail_desc.block_type.shape[-1]
         return 0 if width == desc.block_type.shape[-1] else width
 
     @gluon.constexpr_function
-    def _gl_rows(desc):
-        """The rows of a descriptor's tiles."""
+    def _gl_rows(desc):  # the rows of a descriptor's tiles
         shape = desc.block_type.shape
         return shape[0] if len(shape) == 3 else shape[2]
 
     @gluon.constexpr_function
-    def _gl_packed(desc):
-        """VARLEN: packed descriptors are (total, H, D), dense ones (B, H, S, D)."""
+    def _gl_packed(desc):  # VARLEN: packed descriptors are (total, H, D), dense ones (B, H, S, D)
         return len(desc.block_type.shape) == 3
 
     # The work counts (documents, batch x heads, tiles, items) change from batch to batch and are not specialized on
@@ -943,12 +880,9 @@ if gluon is not None:
                 b = bh // self.num_heads
                 h = bh % self.num_heads
             start_m = pid_m * 2 * BLOCK_M
-            if self.CAUSAL:
-                hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M)
-                n_full = gl.minimum(start_m, (seqlen_k // BLOCK_N) * BLOCK_N) // BLOCK_N  # tiles with no compare
-            else:
-                hi = seqlen_k
-                n_full = seqlen_k // BLOCK_N
+            hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M) if self.CAUSAL else seqlen_k
+            n_full = seqlen_k // BLOCK_N  # key tiles with no index compare
+            n_full = gl.minimum(start_m, n_full * BLOCK_N) // BLOCK_N if self.CAUSAL else n_full
             return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, BLOCK_N), n_full
 
     @_bundle(desc="q k v qt kt vt o", tensor="O LSE", int="stride_ob stride_oh stride_os stride_lb stride_lh")
@@ -966,27 +900,23 @@ if gluon is not None:
     def _gl_fwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
         """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The
         ring position (it) and the turn count (w) run on across items, so the producer fills the next item's slots
-        while this one's last matmul and its output store finish. The warpgroups take turns issuing their matmuls
-        (turn barriers), so one's softmax always runs under the other's matmuls; warpgroup 0 goes first (its
-        barrier starts as if released). TAIL > 0: the head dim's last TAIL columns in tiles of their own (O's in
-        a second accumulator), one more matmul each for S and O."""
+        while this one finishes. The warpgroups take turns issuing their matmuls (turn barriers; warpgroup 0's starts
+        as if released), so one's softmax runs under the other's matmuls. TAIL > 0: the last TAIL columns of the
+        head dim in tiles of their own (O's in a second accumulator), one more matmul each for S and O."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         TAIL: gl.constexpr = cfg.TAIL
         BLOCK_M: gl.constexpr = cfg.BLOCK_M
         BLOCK_N: gl.constexpr = cfg.BLOCK_N
         NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
         N_PV: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one P V product
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _gl_mma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _gl_mma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = smem.q.dtype
         if TAIL > 0:
-            ot_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, TAIL, 16])
+            ot_layout: gl.constexpr = _gl_mma_layout(TAIL)
             pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ot_layout, k_width=2)
             row_ot: gl.constexpr = gl.SliceLayout(1, ot_layout)
         it = 0  # K/V tiles consumed so far (the ring position)
@@ -1081,11 +1011,9 @@ if gluon is not None:
                 l_inv = 1.0 / l_safe  # one division per row, then a multiply per element
                 out = (acc * gl.convert_layout(l_inv, row_o)[:, None]).to(glob.O.dtype.element_ty)
                 o_base = b.to(gl.int64) * glob.stride_ob + h * glob.stride_oh + q_start.to(gl.int64) * glob.stride_os
-                staged = False
-                if cfg.O_TMA:  # full tiles (one of a packed batch reaching past its document would write the next
-                    # one's; a dense one is clipped by the descriptor, but Triton 3.6 fails to compile these kernels
-                    # when a pointer argument, O here, goes unused)
-                    staged = rows0 + BLOCK_M <= seqlen_q_b
+                # full tiles (one of a packed batch reaching past its document would write the next one's; a dense
+                # one is clipped by the descriptor, but Triton 3.6 fails to compile a kernel whose O goes unused)
+                staged = rows0 + BLOCK_M <= seqlen_q_b if cfg.O_TMA else False
                 if staged:  # staged in shared memory and stored by the TMA unit while this warpgroup goes on
                     tma.store_wait(0)  # the previous item's store has read the buffer
                     smem.o.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(out)
@@ -1110,10 +1038,7 @@ if gluon is not None:
                 w += n_tiles + 1
                 n_done += 1
             n_seen += 1
-            if sched.DYNAMIC:
-                item = sched.read(n_seen)
-            else:
-                item += gl.num_programs(0)
+            item = sched.read(n_seen) if sched.DYNAMIC else item + gl.num_programs(0)
         if cfg.O_TMA:
             tma.store_wait(0)  # the last store has read its buffer before the CTA's shared memory goes
 
@@ -1156,10 +1081,7 @@ if gluon is not None:
                 it += n_tiles
                 n_done += 1
             n_seen += 1
-            if sched.DYNAMIC:
-                item = sched.claim()
-            else:
-                item += gl.num_programs(0)
+            item = sched.claim() if sched.DYNAMIC else item + gl.num_programs(0)
         if sched.DYNAMIC:
             sched.publish(n_seen, item)  # past the last: the consumers stop
 
@@ -1168,25 +1090,21 @@ if gluon is not None:
                      out_strides, dims, m_tiles, n_bh, n_docs, n_items, qk_scale, NUM_STAGES: gl.constexpr,
                      Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
                      O_TMA: gl.constexpr):
-        """Work items of 2 x BLOCK_M query rows of one batch x head (_FwdConfig.item), n_items = m_tiles * n_bh of
-        them: one CTA per item (grid n_items), or DYNAMIC, a persistent grid of G CTAs that start on items 0..G-1
-        and take the next untaken one from `counter` as they finish (_Schedule). The TMA descriptors of q, k, v,
-        their tails (the main ones again without a tail) and o; out_strides: O's (b, h, s) and L's (b, h); dims:
-        (head_dim, seqlen_q, seqlen_k, num_heads, group). The tiling follows from the descriptors."""
+        """Work items of 2 x BLOCK_M query rows of one batch x head (_FwdConfig.item), n_items = m_tiles * n_bh: one
+        CTA per item, or DYNAMIC a persistent grid whose CTAs take the next untaken item from `counter` (_Schedule).
+        TMA descriptors of q, k, v, their tails (the main ones again without a tail) and o, whose blocks give the
+        tiling; out_strides: O's (b, h, s), L's (b, h); dims: (head_dim, seqlen_q, seqlen_k, num_heads, group)."""
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh = out_strides
         head_dim, seqlen_q, seqlen_k, num_heads, group = dims
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         q_smem = _gl_tiles(q_desc, 2 * Q_BUFS)
         k_smem, v_smem = _gl_tiles(k_desc, NUM_STAGES), _gl_tiles(v_desc, NUM_STAGES)
-        if TAIL > 0:  # the last TAIL columns of the head dim (else the tail descriptors and tiles are never used)
-            qt_smem, kt_smem = _gl_tiles(qt_desc, 2 * Q_BUFS), _gl_tiles(kt_desc, NUM_STAGES)
-            vt_smem = _gl_tiles(vt_desc, NUM_STAGES)
-        else:
-            qt_smem, kt_smem, vt_smem = q_smem, k_smem, v_smem
-        o_smem = q_smem  # (unused)
-        if O_TMA:  # each warpgroup's O tile on its way to the TMA store
-            o_smem = _gl_tiles(o_desc, 2)
+        # the last TAIL columns of the head dim (without a tail the tail descriptors and tiles are never used)
+        qt_smem = _gl_tiles(qt_desc, 2 * Q_BUFS) if TAIL > 0 else q_smem
+        kt_smem = _gl_tiles(kt_desc, NUM_STAGES) if TAIL > 0 else k_smem
+        vt_smem = _gl_tiles(vt_desc, NUM_STAGES) if TAIL > 0 else v_smem
+        o_smem = _gl_tiles(o_desc, 2) if O_TMA else q_smem  # each warpgroup's O tile on its way to the TMA store
         q_ready, q_empty = _gl_bars(2 * Q_BUFS), _gl_bars(2 * Q_BUFS)
         k_ready, k_empty, v_ready, v_empty = _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), \
             _gl_bars(NUM_STAGES)
@@ -1236,12 +1154,10 @@ if gluon is not None:
         @gluon.jit
         def item(self, t, SLOTS: gl.constexpr):
             """Work item t -> (b, K/V head hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter): keys [start_n,
-            start_n + 2 x BLOCK_N) of one batch x K/V head, which see the query tiles m_lo .. m_lo + n_iter - 1 of
-            each query head of its group. Consecutive items are the key tiles of one batch x head (they share its Q
-            and dO in L2), the first (causal: the longest) first. Packed: a document's keys are its own; n_tiles
-            tiles per document x head, those past its end empty, or SLOTS, n_tiles slots per head (_gl_doc_slot),
-            only a few empty (a persistent grid takes every item in turn; one CTA per item returns at once from an
-            empty one). Empty items have start_n >= seqlen_k."""
+            start_n + 2 x BLOCK_N) of one batch x K/V head, seen by the query tiles m_lo .. m_lo + n_iter - 1 of
+            each query head of its group. Consecutive items are the key tiles of one batch x head (sharing its Q
+            and dO in L2), the first (causal: the longest) first. Packed: n_tiles tiles per document x head, those
+            past its end empty, or SLOTS, n_tiles slots per head (_gl_doc_slot). Empty items: start_n >= seqlen_k."""
             BLOCK_M: gl.constexpr = self.BLOCK_M
             BLOCK_N: gl.constexpr = self.BLOCK_N
             bh = t // self.n_tiles
@@ -1261,9 +1177,7 @@ if gluon is not None:
                     seqlen_q = gl.load(self.cu_seqlens_q + b + 1) - q_start
                     seqlen_k = seqlen_q
             start_n = pid_n * 2 * BLOCK_N
-            m_lo = 0
-            if self.CAUSAL:  # query rows before start_n see none of these keys
-                m_lo = start_n // BLOCK_M
+            m_lo = start_n // BLOCK_M if self.CAUSAL else 0  # causal: query rows before start_n see none of them
             n_iter = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
             return b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter
 
@@ -1277,10 +1191,9 @@ if gluon is not None:
     @_bundle(smem="q do k v ds dq qt dot kt vt dqt lse delta kv_ready kv_empty ready empty ds_ready dq_full dq_empty")
     class _BwdShared:
         """The backward's shared memory. q/do (and tails), lse, delta: a ring of NUM_STAGES query tiles (ready:
-        loaded; empty: both consumers done). k/v (and tails): each warpgroup's keys (kv_ready per warpgroup;
-        kv_empty: both consumers done with the item). ds and dq: two buffers per warpgroup, buffer b of warpgroup
-        wg at 2 * b + wg (ds_ready: both warpgroups' dS stored; dq_full / dq_empty: a dQ share handed to the dQ
-        warp / given back)."""
+        loaded; empty: both consumers done). k/v (and tails): each warpgroup's keys (kv_empty: both consumers done
+        with the item). ds and dq: buffer b of warpgroup wg at 2 * b + wg (ds_ready: both warpgroups' dS stored;
+        dq_full / dq_empty: a dQ share handed to the dQ warp / given back)."""
 
     @gluon.jit
     def _gl_bwd_put_dq(smem, dq, dq_t, tile, WG: gl.constexpr, TAIL: gl.constexpr):
@@ -1298,11 +1211,7 @@ if gluon is not None:
     def _gl_bwd_next_item(sched, n_seen, n_items):
         """The item after n_seen of them: the next from the schedule ring, or with one CTA per item n_items, which
         ends the reader's loop after one pass (so the compiler drops the loop)."""
-        if sched.DYNAMIC:
-            item = sched.read(n_seen)
-        else:
-            item = n_items
-        return item
+        return sched.read(n_seen) if sched.DYNAMIC else n_items
 
     @gluon.jit
     def _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k, col0: gl.constexpr, layout: gl.constexpr):
@@ -1328,12 +1237,9 @@ if gluon is not None:
         CAUSAL: gl.constexpr = cfg.CAUSAL
         SPLIT: gl.constexpr = DQ_COLS < HEAD_DIM  # (never with a tail: the configs say so)
         N_MM: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one product over the head dim
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_COLS, 16])
+        st_layout: gl.constexpr = _gl_mma_layout(BLOCK_M)
+        acc_layout: gl.constexpr = _gl_mma_layout(HEAD_DIM)
+        dq_layout: gl.constexpr = _gl_mma_layout(DQ_COLS)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_st: gl.constexpr = gl.SliceLayout(0, st_layout)
         dtype: gl.constexpr = smem.q.dtype
@@ -1341,8 +1247,7 @@ if gluon is not None:
         k = smem.k.index(WG).reshape([BLOCK_N, HEAD_DIM])
         v = smem.v.index(WG).reshape([BLOCK_N, HEAD_DIM])
         if TAIL > 0:  # the head dim's last TAIL columns: tiles, accumulators and dQ shares of their own
-            tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                  instr_shape=[16, TAIL, 16])
+            tail_layout: gl.constexpr = _gl_mma_layout(TAIL)
             op_t_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=tail_layout, k_width=2)
             kt = smem.kt.index(WG).reshape([BLOCK_N, TAIL])
             vt = smem.vt.index(WG).reshape([BLOCK_N, TAIL])
@@ -1451,12 +1356,9 @@ if gluon is not None:
                 # store waits on it
                 if (sched.DYNAMIC and not cfg.DKV_TMA) or (cfg.DKV_TMA and SPLIT):
                     mbarrier.arrive(smem.kv_empty.index(0), count=1)
-                staged = False
-                if cfg.DKV_TMA:  # full tiles (a packed one reaching past its document would write the next one's)
-                    if cfg.VARLEN:
-                        staged = key_lo + BLOCK_N <= seqlen_k_b
-                    else:  # (rows past the tensor's are dropped by the TMA unit; a condition, not True: see O_TMA)
-                        staged = cfg.head_dim > 0
+                # full tiles (a packed one reaching past its document would write the next one's; dense, rows past
+                # the tensor's are dropped by the TMA unit: a condition, not True, see O_TMA)
+                staged = (key_lo + BLOCK_N <= seqlen_k_b if cfg.VARLEN else cfg.head_dim > 0) if cfg.DKV_TMA else False
                 if staged:  # through this warpgroup's K and V tiles and TMA stores
                     if SPLIT:  # (one CTA per item: the phase is 0)
                         mbarrier.wait(smem.kv_empty.index(0), 0)  # the other warpgroup's dQ products have read this K
@@ -1527,10 +1429,7 @@ if gluon is not None:
                 t += cfg.group * n_iter
                 n_done += 1
             n_seen += 1
-            if sched.DYNAMIC:
-                item = sched.claim()
-            else:
-                item = cfg.n_items
+            item = sched.claim() if sched.DYNAMIC else cfg.n_items
         if sched.DYNAMIC:
             sched.publish(n_seen, item)  # past the last: the others stop
 
@@ -1554,15 +1453,11 @@ if gluon is not None:
                     for wg in gl.static_range(2):
                         col = wg * DQ_COLS if DQ_COLS < HEAD_DIM else 0
                         mbarrier.wait(smem.dq_full.index(2 * buf + wg), (tile // 2) & 1)
-                        if cfg.VARLEN:
-                            _tma_reduce_add(glob.dq, [q_start + start_m, h, col], smem.dq.index(2 * buf + wg))
-                            if cfg.TAIL > 0:
-                                _tma_reduce_add(glob.dqt, [q_start + start_m, h, HEAD_DIM],
-                                                smem.dqt.index(2 * buf + wg))
-                        else:
-                            _tma_reduce_add(glob.dq, [b, h, start_m, col], smem.dq.index(2 * buf + wg))
-                            if cfg.TAIL > 0:
-                                _tma_reduce_add(glob.dqt, [b, h, start_m, HEAD_DIM], smem.dqt.index(2 * buf + wg))
+                        _tma_reduce_add(glob.dq, [q_start + start_m, h, col] if cfg.VARLEN else [b, h, start_m, col],
+                                        smem.dq.index(2 * buf + wg))
+                        if cfg.TAIL > 0:
+                            _tma_reduce_add(glob.dqt, [q_start + start_m, h, HEAD_DIM] if cfg.VARLEN else
+                                            [b, h, start_m, HEAD_DIM], smem.dqt.index(2 * buf + wg))
                     if tile > 0:
                         tma.store_wait(4 if cfg.TAIL > 0 else 2)  # the previous tile's reduces have read their buffers
                         mbarrier.arrive(smem.dq_empty.index(2 * (1 - buf)), count=1)
@@ -1576,11 +1471,10 @@ if gluon is not None:
     def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
                      dv_desc, tensors, out_strides, dims, n_tiles, n_docs, n_items, qk_scale, sm_scale,
                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
-        """Work items of 2 x BLOCK_N keys of one batch x K/V head (_BwdConfig.item), n_items of them: one CTA per
-        item (grid n_items) or, DYNAMIC, a persistent grid as the forward's. The TMA descriptors of q, k, v, dO, the
-        fp32 dQ buffer (zeroed by the caller, added to), their tails, dk and dv; tensors: (dK, dV, L, Delta,
-        cu_seqlens_q, counter); out_strides: dK's and dV's (b, h, s), L's (b, h); dims: (seqlen_q, seqlen_k,
-        num_kv_heads, group, head_dim)."""
+        """Work items of 2 x BLOCK_N keys of one batch x K/V head (_BwdConfig.item): one CTA per item or, DYNAMIC, a
+        persistent grid as the forward's. TMA descriptors of q, k, v, dO, the fp32 dQ buffer (zeroed, added to),
+        their tails, dk and dv; tensors: (dK, dV, L, Delta, cu_seqlens_q, counter); out_strides: dK's and dV's
+        (b, h, s), L's (b, h); dims: (seqlen_q, seqlen_k, num_kv_heads, group, head_dim)."""
         DK, DV, LSE, DELTA, cu_seqlens_q, counter = tensors
         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh = out_strides
         seqlen_q, seqlen_k, num_kv_heads, group, head_dim = dims
@@ -1607,10 +1501,9 @@ if gluon is not None:
                 kt_smem, vt_smem, dqt_smem = _gl_tiles(kt_desc, 2), _gl_tiles(vt_desc, 2), _gl_tiles(dqt_desc, 4)
             else:
                 qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem = q_smem, do_smem, k_smem, v_smem, dq_smem
-            lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
-                                                 gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
-                                                   gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
             kv_ready, kv_empty, ds_ready = _gl_bars(2), _gl_bars(1), _gl_bars(2)
             dq_full, dq_empty, ready, empty = _gl_bars(4), _gl_bars(4), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES)
             sched = _gl_schedule(counter, DYNAMIC)
@@ -1642,39 +1535,28 @@ def _gluon_head_tiles(d):
     """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and tail 0, 16 or 32 more in
     tiles of their own (80 = 64 + 16: 5/8 of the tensor-core work of a 128-wide tile), main + tail >= d (the
     columns past d read as zeros and are never stored); None where the kernels do not apply."""
-    if 32 < d <= 64:
-        return 64, 0
-    if 64 < d <= 96:
-        return 64, 16 if d <= 80 else 32
-    if 96 < d <= 128:
-        return 128, 0
-    return None
+    if not 32 < d <= 128:
+        return None
+    return (64, 0) if d <= 64 else (64, 16 if d <= 80 else 32) if d <= 96 else (128, 0)
 
 
 def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
-    """Whether the Gluon backward stores full dK/dV tiles through shared memory and TMA (before the tensors' own
-    alignment, which the launcher checks). split: the config's dQ split (2 at D=128: each warpgroup's dQ columns
-    read both K tiles, so a K tile is free only once both warpgroups are done, which the persistent grid does not
-    wait for)."""
+    """Whether the Gluon backward stores full dK/dV tiles through shared memory and TMA, before the launcher checks
+    the tensors' alignment. With the dQ split (split 2) a K tile is free only once both warpgroups are done with
+    it, which the persistent grid does not wait for."""
     if tail or (dynamic and split > 1):
         return False
     return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
 
 
-_SM90 = {}  # device index -> whether it is an sm90 GPU
-_SMS = {}  # device index -> its number of SMs
-
-
+@functools.cache
 def _is_sm90(device_index):
-    if device_index not in _SM90:
-        _SM90[device_index] = torch.cuda.get_device_capability(device_index) == (9, 0)
-    return _SM90[device_index]
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+@functools.cache
 def _sm_count(device_index):
-    if device_index not in _SMS:
-        _SMS[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return _SMS[device_index]
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # At D=64 (head dims 33-64, tiles 64 wide) the Triton kernels keep up where there is little work per SM, so the
@@ -1685,8 +1567,8 @@ GLUON_D64_TILES_PER_SM = (15, 31)
 
 
 def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
-    """Whether the Gluon kernels take a D=64 call of `query_tiles` query tiles (128 rows of one head) in all, its
-    sequences (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs."""
+    """Whether the Gluon kernels take a D=64 call of `query_tiles` tiles of 128 query rows in all, its sequences
+    (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs."""
     if packed:
         return seqlen >= 2048 or query_tiles >= GLUON_D64_TILES_PER_SM[0] * sms
     if seqlen >= 4096:
@@ -1696,19 +1578,16 @@ def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
     return query_tiles >= GLUON_D64_TILES_PER_SM[1 if backward else 0] * sms
 
 
-def _tma_ready(x):
-    """Whether a TMA descriptor can read x in place: unit last stride, the other strides multiples of 16 bytes, a
-    16-byte aligned base."""
+def _tma_ready(x):  # whether TMA reads x in place: unit last stride, other strides and the base 16-byte aligned
     return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0
                                                                 for st in x.stride()[:-1])
 
 
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, backward=False):
-    """Whether the Gluon kernels take the call (the forward, or the backward): sm90 bf16/fp16 inputs with D from 33
-    to 128 (at D=64 where _gluon_d64 says so for the direction, unless FLASH_BACKEND=gluon insists), keys that share
-    the queries' documents when packed, and at D 64 or 128 the tensors (`more`: the backward's dO and O) TMA-ready,
-    as the Triton kernels read any strides there; at other head dims, where the Triton kernels need padded copies,
-    those that are not TMA-ready are copied."""
+    """Whether the Gluon kernels take the call (forward, or backward): sm90 bf16/fp16 inputs with D from 33 to 128
+    (at D=64 where _gluon_d64 says so, unless FLASH_BACKEND=gluon), keys sharing the queries' documents when packed,
+    and at D 64 or 128 (where the Triton kernels read any strides) TMA-ready tensors (`more`: dO and O); at other
+    head dims, where the Triton kernels need padded copies too, those not TMA-ready are copied."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     tiles = _gluon_head_tiles(q.shape[-1])
@@ -1719,7 +1598,7 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
         seqlen = max_seqlen_q if packed else q.shape[2]
         # query tiles of 128 rows (packed: at most one more per document than the tokens fill)
         query_tiles = q.shape[1] * ((q.shape[0] // 128 + cu_seqlens_q.shape[0] - 1) if packed
-                                    else q.shape[0] * _cdiv(seqlen, 128))
+                                    else q.shape[0] * triton.cdiv(seqlen, 128))
         if not _gluon_d64(seqlen, query_tiles, packed, backward, _sm_count(q.device.index)):
             return False
     if _kernel_head_dim(q.shape[-1]) == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
@@ -1729,8 +1608,7 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
 
 @functools.cache
 def _smem_layout(block, dtype, swizzle=None):
-    """The shared-memory layout of a TMA tile, made once per (block, dtype, swizzle). swizzle: its swizzle width in
-    bytes, else the widest the tile's rows allow."""
+    """A TMA tile's shared-memory layout, swizzled `swizzle` bytes (default: the widest its rows allow)."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     if swizzle is not None:
         return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=gl_dtype.primitive_bitwidth,
@@ -1746,8 +1624,7 @@ def _descriptor(x, rows, varlen, cols, swizzle=None):
 
 
 def _head_descriptors(x, rows, varlen, main, tail, swizzle=None):
-    """The descriptors of x's main tiles (swizzled `swizzle` bytes if given) and of its tail tiles (the main ones
-    again where there is no tail)."""
+    """The descriptors of x's main tiles and of its tail tiles (the main ones again where there is no tail)."""
     desc = _descriptor(x, rows, varlen, main, swizzle)
     return desc, _descriptor(x, rows, varlen, tail) if tail else desc
 
@@ -1758,15 +1635,13 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
     block_m, block_n, stages, q_bufs = GLUON_FWD_CONFIGS[main + tail]
-    batch, heads, kv_heads, seqlen_q, seqlen_k, lse_shape, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q,
-                                                                              max_seqlen_q)
-    o = _empty_out(q)
-    lse = q.new_empty(lse_shape, dtype=torch.float32)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
+    o, lse = _fwd_outputs(q, cu_seqlens_q)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     qp, kp, vp = (_tma_operand(x, main + tail) for x in (q, k, v))
     # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
-    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else _cdiv(seqlen_q, 2 * block_m)
+    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
     n_bh = heads if varlen else batch * heads
     n_items = m_tiles * n_bh
     ctas = _sm_count(q.device.index)
@@ -1785,19 +1660,17 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
 
 
 def _tma_operand(x, width):
-    """x itself where TMA can read it (tiles reaching past its head dim read zeros there, so a head dim of 72
-    costs no padded copy), else a contiguous copy zero-padded to `width` columns."""
+    """x itself where TMA can read it (tiles past its head dim read zeros), else a copy zero-padded to `width`."""
     return x if _tma_ready(x) else _pad(x, width).contiguous()
 
 
 def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
-    """(dQ, dK, dV) with the Gluon backward: the Triton Delta pre-pass, then one kernel for all three; dQ is
-    accumulated in fp32 and rounded once at the end."""
+    """(dQ, dK, dV) with the Gluon backward: the Triton Delta pre-pass, then one kernel for all three (dQ in fp32)."""
     varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     main, tail = _gluon_head_tiles(d)
     block_m, block_n, stages, dq_split, persistent, dq_swizzle = GLUON_BWD_CONFIGS[main + tail]
-    batch, heads, kv_heads, seqlen_q, seqlen_k, _, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -1807,13 +1680,13 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
     dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q if varlen else lse
-    _attn_bwd_delta[(batch * heads, _cdiv(seqlen_q, 64))](
+    _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
         o, dop, delta, dq_acc, cu, _strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
         HEAD_DIM=_kernel_head_dim(main + tail), VARLEN=varlen, BLOCK_M=64)
     # work items: key tiles x batch x K/V heads; on the persistent grid packed batches in slots (_gl_doc_slot) x
     # K/V heads instead
     scale = 1.0 / math.sqrt(d)
-    n_tiles, n_bh = _cdiv(seqlen_k, 2 * block_n), batch * kv_heads
+    n_tiles, n_bh = triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads
     ctas = _sm_count(q.device.index) if persistent else 0
     dynamic = 0 < ctas < n_tiles * n_bh
     if varlen and dynamic:
@@ -1878,8 +1751,7 @@ _attention_fwd_op, _attention_bwd_op = torch.ops.flash.attention_fwd.default, to
 
 @torch.library.register_fake("flash::attention_fwd", lib=_LIB)
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
-    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
-    return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
+    return _fwd_outputs(q, cu_seqlens_q)
 
 
 @torch.library.register_fake("flash::attention_bwd", lib=_LIB)
@@ -1894,8 +1766,7 @@ def _through_ops():
 
 
 class _FlashAttention(torch.autograd.Function):
-    """(O, L) with gradients for q, k, v; dense when cu_seqlens_q is None, packed otherwise. L is not
-    differentiable."""
+    """(O, L) with gradients for q, k, v (L has none); dense when cu_seqlens_q is None, packed otherwise."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
@@ -1969,8 +1840,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """The Triton kernels on (..., seq, d) (heads folded into the leading dims); saves one L of shape
-    (..., seq_q)."""
+    """The Triton kernels on (..., seq, d) (heads folded into the leading dims); saves one L, (..., seq_q)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):
@@ -1984,11 +1854,9 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        as4 = lambda x: x.reshape(-1, 1, *x.shape[-2:])  # noqa: E731
-        dq, dk, dv = _triton_backward(as4(do), as4(q), as4(k), as4(v), as4(o), lse.reshape(-1, 1, q.shape[-2]),
-                                      None, None, 0, 0, ctx.causal)
-        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
-
+        grads = _triton_backward(*(x.reshape(-1, 1, *x.shape[-2:]) for x in (do, q, k, v, o)),
+                                 lse.reshape(-1, 1, q.shape[-2]), None, None, 0, 0, ctx.causal)
+        return (*(g.reshape(x.shape) for g, x in zip(grads, (q, k, v))), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2066,8 +1934,7 @@ def _chunk_table(columns, block):
 def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay, scalars=None):
     """One fused AdamW update of equal-length lists of contiguous tensors (m, v fp32): p <- (p + neg_step m /
     (sqrt(v) + eps)) * decay. `cache`: a dict the caller keeps per bucket (chunk table, gradient offsets). scalars:
-    None, or 2 fp32 values on the device the kernel reads (neg_step, decay) from instead, so that a CUDA graph that
-    captured the launch takes each replay's step size from there."""
+    None, or (neg_step, decay) as 2 fp32 values on the device, read there (a captured launch's replays)."""
     live = [i for i, p in enumerate(params) if p.numel()]
     if not live:
         return
@@ -2098,14 +1965,12 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
                                DEVICE_SCALARS=scalars is not None, num_warps=8)
 
 
-
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay (the formulas above). m and v are fp32 (fp64 for fp64 parameters); bf16
     and fp16 parameters are updated in fp32 and rounded once. fused=None steps CUDA parameters with the fused
     kernel and others with torch._foreach_* ops; True insists on the kernel (the interpreter on CPU), False never.
-    capturable=True lets step() be captured in a CUDA graph (train.capture_step): the kernel then reads its step
-    size and decay from a device tensor per bucket, which step() writes eagerly and advance(), the host's part of
-    each replay, writes from the groups' current lr (every parameter needs its state first: one eager step)."""
+    capturable=True lets step() be captured in a CUDA graph (train.capture_step): the kernel reads its step size
+    and decay from a device tensor, written by step() eagerly and by advance() before each replay."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None,
                  capturable=False):
@@ -2145,10 +2010,9 @@ class AdamW(torch.optim.Optimizer):
                     if not count:
                         raise RuntimeError("AdamW: capturing step() needs the optimizer state first; take one eager "
                                            "step before the capture")
-                    state_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
+                    dtype = torch.promote_types(p.dtype, torch.float32)  # fp32, fp64 for fp64 parameters
+                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=dtype),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=dtype))
                 state["step"] += count
                 key = (gi, self._use_kernel(p), p.device, p.dtype, p.grad.dtype, state["step"])
                 b = buckets.setdefault(key, ([], [], [], []))
@@ -2306,9 +2170,8 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
             return _cross_entropy_rows_op(logits, targets, ignore_index, scale, loss)
         kernel = logits.is_cuda
     if not kernel:
-        row_loss, grad = cross_entropy_rows_reference(logits, targets, ignore_index, scale)
-        loss.copy_(row_loss)
-        logits.copy_(grad)
+        for out, value in zip((loss, logits), cross_entropy_rows_reference(logits, targets, ignore_index, scale)):
+            out.copy_(value)
         return
     assert logits.stride(-1) == 1 and targets.is_contiguous() and loss.is_contiguous()
     _cross_entropy_rows_kernel[(logits.shape[0],)](logits, targets, loss, scale, logits.stride(0), logits.shape[1],
@@ -2416,13 +2279,6 @@ def _as_rows(t, d):
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _rms_programs(device, n_blocks, block_d):
-    """Backward programs: 2 or 4 per SM on CUDA; 2 in the interpreter, so a program steps over several blocks."""
-    if device.type != "cuda":
-        return max(1, min(n_blocks, 2))
-    return max(1, min(n_blocks, _sm_count(device.index) * (2 if block_d >= 2048 else 4)))
-
-
 def _rms_norm_forward(x, weight, eps, r=None, y_dtype=None):
     """(y, rstd fp32 x.shape[:-1], h) through _rms_norm_fwd_kernel: y = rms_norm(h) * weight in y_dtype (default
     h's), h = x + r in their promoted dtype (r None: h is x itself)."""
@@ -2453,7 +2309,8 @@ def _rms_norm_backward(dy, x, weight, rstd, dh=None):
         return dx, torch.zeros_like(weight)
     block_m, block_d, warps = _rms_config(d, backward=True)
     n_blocks = triton.cdiv(n, block_m)
-    programs = _rms_programs(x.device, n_blocks, block_d)
+    # programs: 2 or 4 per SM on CUDA; 2 in the interpreter, so that a program steps over several blocks
+    programs = max(1, min(n_blocks, _sm_count(x.device.index) * (2 if block_d >= 2048 else 4) if x.is_cuda else 2))
     partial = torch.empty(programs, d, dtype=torch.float32, device=x.device)  # every program writes its row
     _rms_norm_bwd_kernel[(programs,)](x2, w, dy2, rstd, dy2 if dh2 is None else dh2, dx, partial, n, d,
                                       x2.stride(0), dy2.stride(0), 0 if dh2 is None else dh2.stride(0), n_blocks,
@@ -2463,27 +2320,18 @@ def _rms_norm_backward(dy, x, weight, rstd, dh=None):
 
 
 @torch.library.custom_op("flash::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     y_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rms_norm_forward(x, weight, eps, y_dtype=y_dtype)[:2]
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, r: Optional[torch.Tensor] = None,
+                     y_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, rstd, h = _rms_norm_forward(x, weight, eps, r, y_dtype)
+    return y, rstd, x.new_empty(0) if r is None else h  # (no residual: h is x, which an output may not alias)
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, weight, eps, y_dtype=None):
-    return (torch.empty_like(x, dtype=y_dtype or x.dtype, memory_format=torch.contiguous_format),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
-
-
-@torch.library.custom_op("flash::add_rms_norm_fwd", mutates_args=())
-def _add_rms_norm_fwd_op(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
-                         y_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _rms_norm_forward(x, weight, eps, r, y_dtype)
-
-
-@_add_rms_norm_fwd_op.register_fake
-def _(x, r, weight, eps, y_dtype=None):
-    h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, r.dtype), memory_format=torch.contiguous_format)
-    return torch.empty_like(h, dtype=y_dtype or h.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32), h
+def _(x, weight, eps, r=None, y_dtype=None):
+    h = torch.empty_like(x, dtype=x.dtype if r is None else torch.promote_types(x.dtype, r.dtype),
+                         memory_format=torch.contiguous_format)
+    y, rstd = torch.empty_like(h, dtype=y_dtype or h.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return y, rstd, x.new_empty(0) if r is None else h
 
 
 @torch.library.custom_op("flash::rms_norm_bwd", mutates_args=())
@@ -2504,11 +2352,9 @@ class _AddRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, r, weight, eps, y_dtype):
-        if torch.compiler.is_compiling():
-            y, rstd, h = _add_rms_norm_fwd_op(x, r, weight, eps, y_dtype) if r is not None else \
-                (*_rms_norm_fwd_op(x, weight, eps, y_dtype), x)
-        else:
-            y, rstd, h = _rms_norm_forward(x, weight, eps, r, y_dtype)
+        fwd = _rms_norm_fwd_op if torch.compiler.is_compiling() else _rms_norm_forward
+        y, rstd, h = fwd(x, weight, eps, r, y_dtype)
+        h = x if r is None else h
         ctx.save_for_backward(h, weight, rstd)
         ctx.has_r, ctx.r_dtype = r is not None, None if r is None else r.dtype
         ctx.set_materialize_grads(False)  # an output nothing used gets None, not a tensor of zeros (rms_norm's h:
