@@ -1228,7 +1228,7 @@ def test_linear_cross_entropy_and_model_targets_equal_the_unfused_head():
             assert abs(fused.item() - plain.item()) < 1e-6 and all(_rel(a, b) < 1e-5 for a, b in zip(*grads)), tie
 
 
-def test_state_dict_has_reference_names_and_reference_weights_load_strictly():
+def test_state_dict_names_strict_loads_param_count_and_flops_match_spec():
     m, layer = _tiny_lm(), "ln1 attn.q_proj attn.k_proj attn.v_proj attn.output_proj ln2 ffn.w1 ffn.w2 ffn.w3".split()
     names = [f"layers.{i}.{n}.weight" for i in range(2) for n in layer]
     assert list(m.state_dict()) == ["token_embeddings.weight"] + names + ["ln_final.weight", "lm_head.weight"]
@@ -1244,6 +1244,18 @@ def test_state_dict_has_reference_names_and_reference_weights_load_strictly():
     tied = _tiny_lm(tie_embeddings=True)
     assert tied.lm_head.weight is tied.token_embeddings.weight and count_params(tied) == count_params(m) - 61 * 32
     tied.load_state_dict(tied.state_dict(), strict=True)
+    V = 10_000
+    for name, want in {"small": 128.6e6, "medium": 423.2e6, "large": 969.4e6, "xl": 3.407e9, "gpt2-xl": 1.998e9,
+                       "10B": 12.83e9}.items():
+        d, L, d_ff, H = (PRESETS[name][k] for k in ("d_model", "num_layers", "d_ff", "num_heads"))
+        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d  # embeddings, lm_head, per layer, final norm
+        assert abs(psi - want) / want < 1e-3 and d % H == 0, name
+    m = TransformerLM(V, 16, 64, 3, 4, 96)
+    assert count_params(m) == 2 * V * 64 + 3 * (4 * 64 * 64 + 3 * 64 * 96 + 2 * 64) + 64
+    # GPT-2 XL shape check values: one 1,024-token forward = 4.51 TFLOP counting all T^2 terms
+    full = flops_per_token(50257, 1024, 1600, 48, 6400, causal=False)
+    assert abs(full / 3 * 1024 / 4.51e12 - 1) < 0.005
+    assert math.isclose(flops_per_token(50257, 1024, 1600, 48, 6400), full - 3 * 48 * 2 * 1024 * 1600)
 
 
 def _functional_reference_lm(sd, idx, num_layers, num_heads, theta=10000.0, rope=True):
@@ -1376,7 +1388,7 @@ def test_gpu_selective_recompute_compiled_keeps_less_and_trains_the_same():
         assert (g1 - g0).norm() <= 2e-2 * g0.norm() + 1e-6, ((g1 - g0).norm(), g0.norm())
 
 
-def test_positions_packed_documents_right_padding_and_kv_cache():
+def test_positions_packed_documents_right_padding_kv_cache_and_bad_input():
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     assert model.packed_positions(cu, 9).tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
     assert model.block_diagonal_causal_mask(cu, 9)[5].tolist() == [False] * 4 + [True, True] + [False] * 3
@@ -1393,8 +1405,18 @@ def test_positions_packed_documents_right_padding_and_kv_cache():
     for t in range(7, 12):
         step = m(idx[:, t:t + 1], position_ids=torch.full((3, 1), t), kv_cache=cache)
         assert torch.allclose(step[:, 0], full[:, t], atol=1e-5)
-    _expect(ValueError, ["KV cache full"], lambda: m(idx, position_ids=torch.arange(12)[None].expand(3, 12),
-                                                     kv_cache=m.make_kv_cache(3, max_len=8)))
+    ids, cu = torch.zeros(1, 5, dtype=torch.long), torch.tensor([0, 5], dtype=torch.int32)
+    for fn, words in [(lambda: m(torch.zeros(1, 41, dtype=torch.long)), "context_length"),
+                      (lambda: m(ids.expand(2, 5), cu_seqlens=cu, max_seqlen=5), "(1, N)"),
+                      (lambda: m(ids, cu_seqlens=cu.long(), max_seqlen=5), "int32"),
+                      (lambda: m(ids, cu_seqlens=cu, max_seqlen=torch.tensor(5)), "Python int"),
+                      (lambda: m(ids, cu_seqlens=cu, max_seqlen=41), "exceeds context_length"),
+                      (lambda: m(ids, kv_cache=m.make_kv_cache(1)), "needs position_ids"),
+                      (lambda: m(idx, position_ids=torch.arange(12), kv_cache=m.make_kv_cache(3, max_len=8)),
+                       "KV cache full"),
+                      (lambda: TransformerLM(10, 8, 30, 1, 4, 64), "divisible"),
+                      (lambda: TransformerLM(10, 8, 32, 1, 4, 64, attn_impl="flash2"), "attn_impl")]:
+        _expect(ValueError, [words], fn)
 
 
 def test_activation_checkpointing_gives_same_loss_and_grads():
@@ -1452,35 +1474,6 @@ def test_compiles_without_graph_breaks():
     torch._dynamo.reset()
 
 
-def test_bad_inputs_are_clear_errors():
-    m, ids = _tiny_lm(), torch.zeros(1, 5, dtype=torch.long)
-    cu = torch.tensor([0, 5], dtype=torch.int32)
-    for fn, words in [(lambda: m(torch.zeros(1, 41, dtype=torch.long)), "context_length"),
-                      (lambda: m(ids.expand(2, 5), cu_seqlens=cu, max_seqlen=5), "(1, N)"),
-                      (lambda: m(ids, cu_seqlens=cu.long(), max_seqlen=5), "int32"),
-                      (lambda: m(ids, cu_seqlens=cu, max_seqlen=torch.tensor(5)), "Python int"),
-                      (lambda: m(ids, cu_seqlens=cu, max_seqlen=41), "exceeds context_length"),
-                      (lambda: m(ids, kv_cache=m.make_kv_cache(1)), "needs position_ids"),
-                      (lambda: TransformerLM(10, 8, 30, 1, 4, 64), "divisible"),
-                      (lambda: TransformerLM(10, 8, 32, 1, 4, 64, attn_impl="flash2"), "attn_impl")]:
-        _expect(ValueError, [words], fn)
-
-
-def test_param_count_and_flops_match_spec():
-    V = 10_000
-    for name, want in {"small": 128.6e6, "medium": 423.2e6, "large": 969.4e6, "xl": 3.407e9, "gpt2-xl": 1.998e9,
-                       "10B": 12.83e9}.items():
-        d, L, d_ff, H = (PRESETS[name][k] for k in ("d_model", "num_layers", "d_ff", "num_heads"))
-        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d  # embeddings, lm_head, per layer, final norm
-        assert abs(psi - want) / want < 1e-3 and d % H == 0, name
-    m = TransformerLM(V, 16, 64, 3, 4, 96)
-    assert count_params(m) == 2 * V * 64 + 3 * (4 * 64 * 64 + 3 * 64 * 96 + 2 * 64) + 64
-    # GPT-2 XL shape check values: one 1,024-token forward = 4.51 TFLOP counting all T^2 terms
-    full = flops_per_token(50257, 1024, 1600, 48, 6400, causal=False)
-    assert abs(full / 3 * 1024 / 4.51e12 - 1) < 0.005
-    assert math.isclose(flops_per_token(50257, 1024, 1600, 48, 6400), full - 3 * 48 * 2 * 1024 * 1600)
-
-
 # --- hf.py: Llama-format checkpoints, and transformers models on our attention kernels ---
 # Optional extras (requirements-hf.txt), else these skip. Tiny GPT-2 and Llama on our attention against eager.
 
@@ -1497,22 +1490,17 @@ def _need_hf(*modules):
         hf_logging.set_verbosity_error()
 
 
-def _llama_lm(tie, theta=500.0):
-    torch.manual_seed(0)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
-    m = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta, tie_embeddings=tie).eval()
-    with torch.no_grad():  # RMSNorm gains away from 1, so a swapped or dropped gain would show
-        for p in [p for p in m.parameters() if p.dim() == 1]:
-            p.add_(0.3 * torch.randn_like(p))
-    return m
-
-
-def test_llama_export_and_load_agree_with_hf_llama(tmp_path):
+def test_llama_export_and_load_agree_with_hf_llama_and_errors_name_the_problem(tmp_path):
     # ours -> save_llama -> LlamaForCausalLM and back bit for bit, tied and untied; a save_pretrained Llama loaded
     _need_hf("safetensors", "transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
     idx = torch.randint(97, (2, 29), generator=torch.Generator().manual_seed(1))
-    for tie, theta in ((False, 500.0), (True, 12345.0)):
-        m, out = _llama_lm(tie, theta=theta), tmp_path / f"tie{tie}"
+    for tie, theta in ((True, 12345.0), (False, 500.0)):  # then the errors, on the untied one
+        torch.manual_seed(0)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
+        m, out = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta, tie_embeddings=tie).eval(), tmp_path / str(tie)
+        with torch.no_grad():  # RMSNorm gains away from 1, so a swapped or dropped gain would show
+            for p in [p for p in m.parameters() if p.dim() == 1]:
+                p.add_(0.3 * torch.randn_like(p))
         hf.save_llama(m, str(out))
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["tie_word_embeddings"] is tie and cfg["rope_theta"] == theta and cfg["num_key_value_heads"] == 4
@@ -1540,12 +1528,6 @@ def test_llama_export_and_load_agree_with_hf_llama(tmp_path):
     idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (lm(idx) - theirs(idx).logits).abs().max() <= 1e-5
-
-
-def test_llama_checkpoint_errors_name_the_problem(tmp_path):
-    _need_hf("safetensors")
-    m, out = _llama_lm(False), tmp_path / "x"
-    hf.save_llama(m, str(out))
     model_args, state = hf.llama_init(str(out), vocab_size=97, context_length=32)
     fresh = TransformerLM(**model_args)
     fresh.load_state_dict(state)  # what train.py's init_from=<directory> does
