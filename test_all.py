@@ -1552,25 +1552,6 @@ def test_llama_export_and_load_agree_with_hf_llama_and_errors_name_the_problem(t
     _expect(RuntimeError, ["truncated or corrupt"], hf.load_llama, str(out))
 
 
-def test_llama_directory_samples_like_the_saved_model(tmp_path):
-    _need_hf("safetensors")
-    ckpt, m = _tiny_checkpoint(tmp_path)
-    tok = Tokenizer.from_files(ckpt["tokenizer"]["vocab"], ckpt["tokenizer"]["merges"], [EOT])
-    out = tmp_path / "llama"
-    hf.save_llama(m, str(out), tokenizer=tok)
-    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.special_ids[EOT]
-    loaded, tokenizer, eot_id, _ = sample.load_model(str(out))
-    assert eot_id == tok.special_ids[EOT] and tokenizer.encode("the cat sat") == tok.encode("the cat sat")
-    prompt = tok.encode("the cat")
-    assert sample.generate(loaded, prompt, 10, temperature=0) == sample.generate(m, prompt, 10, temperature=0)
-    out_text = io.StringIO()
-    with contextlib.redirect_stdout(out_text):
-        sample.main(["--ckpt", str(out), "--prompt", "the dog", "--max_new_tokens", "5", "--device", "cpu"])
-    assert out_text.getvalue().startswith("the dog")
-    (out / "merges.txt").unlink()
-    _expect(FileNotFoundError, ["has no merges.txt"], sample.load_model, str(out))
-
-
 HF_VOCAB = 53
 
 
@@ -1727,12 +1708,12 @@ def test_generate_batched_prompts_match_each_alone_stop_at_eot_and_refuse_long_o
         sample.generate(m, list(range(10, 40)), 3, temperature=0)
 
 
-def _tiny_checkpoint(tmp_path):
-    """A checkpoint like train.py's (names as torch.compile saves them) and its model; a BPE trained on the spot."""
+def test_load_model_strips_prefixes_reads_llama_directories_the_cli_samples_and_names_bad_input(tmp_path):
+    # a checkpoint like train.py's (names as torch.compile saves them); a BPE trained on the spot
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat. the dog sat on the log.<|endoftext|>a cat and a dog.<|endoftext|>" * 20)
     vocab, merges = bpe.train_bpe(str(corpus), 280, [EOT], num_workers=1, verbose=False)
-    bpe.Tokenizer(vocab, merges, [EOT]).save(str(tmp_path / "tok"))
+    (tok := bpe.Tokenizer(vocab, merges, [EOT])).save(str(tmp_path / "tok"))
     model_args = dict(vocab_size=len(vocab), context_length=32, d_model=32, num_layers=2, num_heads=4, d_ff=64,
                       rope_theta=10000.0, tie_embeddings=False, act_ckpt_every=0)
     torch.manual_seed(0)
@@ -1740,11 +1721,6 @@ def _tiny_checkpoint(tmp_path):
     ckpt = {"model": {"_orig_mod." + k: v for k, v in m.state_dict().items()}, "model_args": model_args,
             "tokenizer": {"vocab": str(tmp_path / "tok" / "vocab.json"), "merges": str(tmp_path / "tok" / "merges.txt"),
                           "special_tokens": [EOT]}}
-    return ckpt, m
-
-
-def test_load_model_strips_prefixes_and_the_cli_samples_batches_and_names_bad_input(tmp_path):
-    ckpt, m = _tiny_checkpoint(tmp_path)
     torch.save(ckpt, tmp_path / "ckpt.pt")
     loaded, tokenizer, eot_id, _ = sample.load_model(str(tmp_path / "ckpt.pt"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), m.state_dict().values()))
@@ -1769,6 +1745,19 @@ def test_load_model_strips_prefixes_and_the_cli_samples_batches_and_names_bad_in
                               (["--ckpt", "notok.pt"], ["gone/vocab.json", "data/prepare.py NAME", "--input FILE"]),
                               (["--out_dir", ".", "--prompt", "the cat " * 40], ["context_length", "--crop_prompt"]),
                               *[(["--out_dir", ".", "--device", "cuda"], ["CUDA is not"])] * no_cuda], tmp_path)
+    _need_hf("safetensors")  # a Llama directory (an optional extra) samples like the saved model
+    out = tmp_path / "llama"
+    hf.save_llama(m, str(out), tokenizer=tok)
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.special_ids[EOT]
+    loaded, tokenizer, eot_id, _ = sample.load_model(str(out))
+    assert eot_id == tok.special_ids[EOT] and tokenizer.encode("the cat sat") == tok.encode("the cat sat")
+    prompt = tok.encode("the cat")
+    assert sample.generate(loaded, prompt, 10, temperature=0) == sample.generate(m, prompt, 10, temperature=0)
+    with contextlib.redirect_stdout(out_text := io.StringIO()):
+        sample.main(["--ckpt", str(out), "--prompt", "the dog", "--max_new_tokens", "5", "--device", "cpu"])
+    assert out_text.getvalue().startswith("the dog")
+    (out / "merges.txt").unlink()
+    _expect(FileNotFoundError, ["has no merges.txt"], sample.load_model, str(out))
 
 
 # ---------------------------------------------------------------------------------------------------------------
