@@ -1606,41 +1606,30 @@ def _padded_batch(gen, rows=((0, 14), (18, 21), (4, 19), (0, 21))):
 
 
 @cases("kind, kwargs", [("gpt2", False), ("llama", True)])
-def test_hf_attention_padded_and_packed_batches_match_eager(kind, kwargs):
-    # padded; then DataCollatorWithFlattening's packed row, by position_ids (gpt2) or its kwargs (llama), vs each alone
+def test_hf_attention_padded_and_packed_batches_match_eager_and_compile_without_graph_breaks(kind, kwargs):
+    # padded; DataCollatorWithFlattening's packed row, by position_ids (gpt2) or its kwargs (llama), vs each alone;
+    # then (llama) compiled with fullgraph=True, where any graph break raises
     eager, ours = _hf_pair(kind)
     from transformers import DataCollatorWithFlattening
     gen = torch.Generator().manual_seed(11)
-    batch, real = _padded_batch(gen)
-    _assert_hf_close(ours, eager, batch, real=real)
+    padded, real = _padded_batch(gen)
+    _assert_hf_close(ours, eager, padded, real=real)
     docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
-    assert batch["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in batch) is kwargs
-    # eager attention sees the same packing through position_ids (no mask, no cache)
-    loss = _assert_hf_close(ours, eager, batch, {k: batch[k] for k in ("input_ids", "labels", "position_ids")})
+    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
+    positions = {k: packed[k] for k in ("input_ids", "labels", "position_ids")}  # eager sees the packing by these
+    assert packed["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in packed) is kwargs
+    loss = _assert_hf_close(ours, eager, packed, positions)
     with torch.no_grad():  # the packed row's loss is the token-weighted mean of each document's own loss
         losses = [(len(d) - 1, eager(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss) for d in docs
                   if len(d) > 1]
     per_doc = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
     assert abs(loss - per_doc) <= 1e-5 * per_doc, (loss, per_doc)
-
-
-def test_hf_attention_compiles_without_graph_breaks():
-    # fullgraph=True: collator kwargs, a padding mask and position_ids alone, forward only, against eager
-    _need_hf("transformers")
-    from transformers import DataCollatorWithFlattening
-    gen = torch.Generator().manual_seed(13)
-    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (9, 3, 14)]
-    eager, ours = _hf_pair("llama", num_hidden_layers=1)
-    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
-    positions = {k: packed[k] for k in ("input_ids", "labels", "position_ids")}
-    padded, padded_real = _padded_batch(gen, rows=((0, 10), (3, 13)))
-    torch._dynamo.reset()
-    compiled = torch.compile(ours, backend="eager", fullgraph=True)
-    for batch, real in ((packed, None), (padded, padded_real), (positions, None)):
-        _assert_hf_close(compiled, eager, batch, {k: v for k, v in batch.items() if not k.startswith(("cu_", "max_"))},
-                         real, backward=False)
-    torch._dynamo.reset()
+    if kind == "llama":  # GPT-2's loss logs a warning inside transformers: a graph break, not ours
+        torch._dynamo.reset()
+        compiled = torch.compile(ours, backend="eager", fullgraph=True)
+        for batch, eager_batch, r in ((packed, positions, None), (padded, padded, real), (positions, positions, None)):
+            _assert_hf_close(compiled, eager, batch, eager_batch, r, backward=False)
+        torch._dynamo.reset()
 
 
 def test_hf_attention_errors_name_the_problem():
