@@ -16,7 +16,6 @@ import copy
 import datetime
 import functools
 import hashlib
-import importlib
 import importlib.util
 import io
 import itertools
@@ -35,7 +34,6 @@ import tempfile
 import time
 import traceback
 import tracemalloc
-import unittest
 import unittest.mock
 import warnings
 from pathlib import Path
@@ -1479,11 +1477,9 @@ def test_compiles_without_graph_breaks():
 
 def _need_hf(*modules):
     """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            raise unittest.SkipTest(f"needs {name} (pip install -r requirements-hf.txt)")
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise unittest.SkipTest(f"needs {' and '.join(missing)} (pip install -r requirements-hf.txt)")
     if "transformers" in modules:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
