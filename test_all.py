@@ -266,12 +266,9 @@ def test_encode_file_iterable_and_batch_equal_encode_on_both_paths_and_stream(tm
     assert count == n_lines * len(tok.encode(line)) and peak < 1 << 16, peak
 
 
-GPT2_SHA256 = {  # sha256 of GPT-2's published encoder.json and vocab.bpe
-    "vocab.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-    "merges.txt": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
-
-
 def test_gpt2_compatibility():
+    sha256 = {"vocab.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",  # GPT-2's files
+              "merges.txt": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
     try:
         vocab_json, merges_txt = map(Path, fetch_gpt2_tokenizer())
     except SystemExit as e:
@@ -281,7 +278,7 @@ def test_gpt2_compatibility():
                                 "`python data/prepare.py --get_gpt2_tokenizer`")
     for path in (vocab_json, merges_txt):
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        assert digest == GPT2_SHA256[path.name], f"{path} is not GPT-2's file (sha256 {digest}); delete it and rerun"
+        assert digest == sha256[path.name], f"{path} is not GPT-2's file (sha256 {digest}); delete it and rerun"
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(merges_txt), encoder_json_file=str(vocab_json))
     ref = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: 50256})
     tok = Tokenizer.from_files(str(vocab_json), str(merges_txt), [EOT])
@@ -1591,16 +1588,6 @@ def _assert_hf_close(ours, eager, batch, eager_batch=None, real=None, backward=T
     return loss
 
 
-def _padded_batch(gen, rows=((0, 14), (18, 21), (4, 19), (0, 21))):
-    """Real tokens [a, b) of 21 per row (right, left, both-sided padding, none); no pad's output in the loss."""
-    ids, mask = torch.randint(HF_VOCAB, (len(rows), 21), generator=gen), torch.zeros(len(rows), 21, dtype=torch.long)
-    for r, (a, b) in enumerate(rows):
-        mask[r, a:b] = 1
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[torch.arange(len(rows)), mask.argmax(-1)] = -100
-    return dict(input_ids=ids, attention_mask=mask, labels=labels), mask.bool()
-
-
 @cases("kind, kwargs", [("gpt2", False), ("llama", True)])
 def test_hf_attention_padded_and_packed_batches_match_eager_and_compile_without_graph_breaks(kind, kwargs):
     # padded; DataCollatorWithFlattening's packed row, by position_ids (gpt2) or its kwargs (llama), vs each alone;
@@ -1608,7 +1595,12 @@ def test_hf_attention_padded_and_packed_batches_match_eager_and_compile_without_
     eager, ours = _hf_pair(kind)
     from transformers import DataCollatorWithFlattening
     gen = torch.Generator().manual_seed(11)
-    padded, real = _padded_batch(gen)
+    ids, mask = torch.randint(HF_VOCAB, (4, 21), generator=gen), torch.zeros(4, 21, dtype=torch.long)
+    for r, (a, b) in enumerate(((0, 14), (18, 21), (4, 19), (0, 21))):  # right, left, both-sided padding, none
+        mask[r, a:b] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[torch.arange(4), mask.argmax(-1)] = -100  # no pad's output in the loss
+    padded, real = dict(input_ids=ids, attention_mask=mask, labels=labels), mask.bool()
     _assert_hf_close(ours, eager, padded, real=real)
     docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
     packed = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
