@@ -1545,8 +1545,7 @@ def _hf_pair(kind, **overrides):
         cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40, use_cache=False,
                           bos_token_id=0, eos_token_id=0)
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
+    cfg.update(overrides)
     torch.manual_seed(0)
     eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
     ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name)
@@ -2626,8 +2625,8 @@ def _check_wrap_exact(rank, world_size):
             _assert_close(w.state_dict(), want[steps][0], what, atol=0, rtol=0)
 
 
-def _check_wrap_bf16(rank, world_size):
-    """The same under bf16 autocast, to 1e-4; FSDP compute_dtype=bf16 against a reference with a bf16 embedding."""
+def _check_wrap_bf16_and_fsdp_fused_checkpointed(rank, world_size):
+    """bf16 autocast, to 1e-4 (FSDP compute_dtype=bf16: a bf16 embedding); FSDP + recompute + fused head, to 1e-5."""
     data, make_opt = _batches(3, seq=8), _OPTIMIZERS["sgd"]
     *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt, autocast=True)
     bf16_lookup = _tiny_transformer(0)  # autocast alone reads the embedding in fp32: this one reads it in bf16
@@ -2640,11 +2639,7 @@ def _check_wrap_bf16(rank, world_size):
         for step, (x, y) in enumerate(data):
             _rank_step(w, opt, x, y, rank, world_size, autocast=True)
             _assert_close(w.state_dict(), ref[step][0], f"{impl} {kw} bf16 step {step}", atol=1e-4, rtol=0)
-
-
-def _check_fsdp_fused_checkpointed(rank, world_size):
-    """FSDP + recompute + fused head + AdamW, and one process doing the same, within 1e-5 of the plain model."""
-    data, make_opt = _batches(3, seq=8), _OPTIMIZERS["adamw"]
+    make_opt = _OPTIMIZERS["adamw"]  # FSDP + recompute + fused head, and one process doing the same, vs the plain model
     *_, want = _reference(lambda: _tiny_transformer(0), data, make_opt)
     *_, one = _reference(lambda: _tiny_transformer(0, act_ckpt_every=1), data, make_opt, fused=True)
     w, opt = _wrapped("fsdp", make_opt, rank, make=functools.partial(_tiny_transformer, act_ckpt_every=1))
@@ -2656,7 +2651,7 @@ def _check_fsdp_fused_checkpointed(rank, world_size):
 
 def test_fsdp_and_every_ddp_wrap_impl_match_one_process():
     """FSDP (_check_fsdp); ddp.wrap: every impl bit for bit, under bf16 autocast, FSDP + checkpoints + fused head."""
-    _spawn(_check_fsdp, _check_wrap_exact, _check_wrap_bf16, _check_fsdp_fused_checkpointed)
+    _spawn(_check_fsdp, _check_wrap_exact, _check_wrap_bf16_and_fsdp_fused_checkpointed)
 
 
 def test_ddp_without_a_process_group_and_bad_input():
