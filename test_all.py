@@ -150,7 +150,7 @@ def _adversarial_texts(seed=0, n=90):
 
 # --- training ---
 
-def test_train_bpe_spec_vector_ties_and_specials(tmp_path):
+def test_train_bpe_spec_vector_ties_specials_and_the_cli_train_encode_and_bad_input(tmp_path):
     # the textbook example (low, lower, widest, newest), each word its own document, so pre-tokens are the words
     path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
     expected = [(b"s", b"t"), (b"e", b"st"), (b"o", b"w"), (b"l", b"ow"), (b"w", b"est"), (b"n", b"e"),
@@ -161,14 +161,39 @@ def test_train_bpe_spec_vector_ties_and_specials(tmp_path):
         vocab, merges = trainer(str(path), 256 + 1 + 12, [EOT])
         assert merges == expected and vocab[256] == EOT.encode() and vocab[257] == b"st" and len(vocab) == 269
         assert trainer(str(ties), 256 + 1 + 4, [EOT])[1] == [(b"z", b"z"), (b"b", b"a"), (b"ba", b"a"), (b"b", b"zz")]
-    _write_text(path, (EOT + "ab").join(["xy"] * 50) + EOT)  # no merge crosses a special token
-    assert not any(b"<|" in t or b"|>" in t for i, t in train_bpe(str(path), 300, [EOT], verbose=False)[0].items()
+    xy = _write_text(tmp_path / "xy.txt", (EOT + "ab").join(["xy"] * 50) + EOT)  # no merge crosses a special token
+    assert not any(b"<|" in t or b"|>" in t for i, t in train_bpe(str(xy), 300, [EOT], verbose=False)[0].items()
                    if i > 256)
     # chunks are cut only where no special token can overlap another: else at a newline, or nowhere
     assert chunk_split_token([EOT, EOT + EOT]) == b"\n" and chunk_split_token([EOT, "<pad>"]) == EOT.encode()
     assert chunk_split_token(["a\nb", "a\nbc"]) is None and chunk_split_token([]) == b"\n"
     with open(path, "rb") as f:
         assert find_chunk_boundaries(f, 7, b"@@") == [0, path.stat().st_size]  # a token that never occurs: one chunk
+    # train says when the corpus runs out of pairs (and only then); bad input (train_bpe's checks too) is one line
+    for vocab_size, runs_out in ((400, True), (260, False)):
+        with contextlib.redirect_stdout(out := io.StringIO()):
+            bpe.main(["train", "--input", str(path), "--vocab_size", str(vocab_size), "--out", str(tmp_path / "t")])
+        got = len(json.loads((tmp_path / "t" / "vocab.json").read_text(encoding="utf-8")))
+        note = f"asked {vocab_size}, got {got}: the corpus has no more pairs to merge"
+        assert (note in out.getvalue()) is runs_out and (got < vocab_size) is runs_out, out.getvalue()
+    tok = _small_tokenizer(specials=(EOT,))
+    vocab_path, merges_path = tok.save(str(tmp_path / "tok"))
+    good = _write_text(tmp_path / "good.txt", _synthetic_text(3000, seed=5))
+    (tmp_path / "latin1.txt").write_bytes(good.read_bytes() + "caf\xe9".encode("latin-1"))  # bad UTF-8 at the end
+    (tmp_path / "empty.txt").write_bytes(b"")
+    encode = ["encode", "--vocab", vocab_path, "--merges", merges_path, "--out", "out.bin", "--num_workers", "2"]
+    train = lambda name, *more: ["train", "--out", "t2", "--input", name, "--vocab_size", "300", *more]
+    _cli_errors("bpe.py", [([], ["required: cmd"]), (["train", "--vocab_size", "x"], ["invalid int value: 'x'"]),
+                           (train("toy.txt", "--nope"), ["unrecognized arguments: --nope"]),
+                           (train("toy.txt", "--vocab_size", "100"), ["vocab_size=100"]),
+                           (train("nothere.txt"), ["nothere.txt does not exist"]), (train("empty.txt"), ["empty"]),
+                           (train("latin1.txt"), ["not valid UTF-8"]),
+                           (encode + ["--input", "latin1.txt"], ["not valid UTF-8"]),
+                           (encode[:2] + ["nothere.json"] + encode[3:] + ["--input", "good.txt"], ["nothere.json"])],
+                tmp_path)
+    with contextlib.redirect_stdout(io.StringIO()):
+        bpe.main(encode[:5] + ["--out", str(tmp_path / "out.bin"), "--input", str(good)])
+    assert np.fromfile(tmp_path / "out.bin", dtype=np.uint16).tolist() == tok.encode(good.read_text(encoding="utf-8"))
 
 
 @cases("text, vocab_size, specials", [("small", 300, "eot"), ("small", 600, "eot"), ("plain", 420, "none"),
@@ -293,35 +318,6 @@ def _cli_errors(script, table, cwd):
         err = run.communicate(timeout=300)[1]
         assert run.returncode == 2 and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
     assert files() == before
-
-
-def test_bpe_cli_train_encode_and_bad_input(tmp_path):
-    # train says when the corpus runs out of pairs (and only then); bad input (train_bpe's checks too) is one line
-    path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
-    for vocab_size, runs_out in ((400, True), (260, False)):
-        with contextlib.redirect_stdout(out := io.StringIO()):
-            bpe.main(["train", "--input", str(path), "--vocab_size", str(vocab_size), "--out", str(tmp_path / "t")])
-        got = len(json.loads((tmp_path / "t" / "vocab.json").read_text(encoding="utf-8")))
-        note = f"asked {vocab_size}, got {got}: the corpus has no more pairs to merge"
-        assert (note in out.getvalue()) is runs_out and (got < vocab_size) is runs_out, out.getvalue()
-    tok = _small_tokenizer(specials=(EOT,))
-    vocab_path, merges_path = tok.save(str(tmp_path / "tok"))
-    good = _write_text(tmp_path / "good.txt", _synthetic_text(3000, seed=5))
-    (tmp_path / "latin1.txt").write_bytes(good.read_bytes() + "caf\xe9".encode("latin-1"))  # bad UTF-8 at the end
-    (tmp_path / "empty.txt").write_bytes(b"")
-    encode = ["encode", "--vocab", vocab_path, "--merges", merges_path, "--out", "out.bin", "--num_workers", "2"]
-    train = lambda name, *more: ["train", "--out", "t2", "--input", name, "--vocab_size", "300", *more]
-    _cli_errors("bpe.py", [([], ["required: cmd"]), (["train", "--vocab_size", "x"], ["invalid int value: 'x'"]),
-                           (train("toy.txt", "--nope"), ["unrecognized arguments: --nope"]),
-                           (train("toy.txt", "--vocab_size", "100"), ["vocab_size=100"]),
-                           (train("nothere.txt"), ["nothere.txt does not exist"]), (train("empty.txt"), ["empty"]),
-                           (train("latin1.txt"), ["not valid UTF-8"]),
-                           (encode + ["--input", "latin1.txt"], ["not valid UTF-8"]),
-                           (encode[:2] + ["nothere.json"] + encode[3:] + ["--input", "good.txt"], ["nothere.json"])],
-                tmp_path)
-    with contextlib.redirect_stdout(io.StringIO()):
-        bpe.main(encode[:5] + ["--out", str(tmp_path / "out.bin"), "--input", str(good)])
-    assert np.fromfile(tmp_path / "out.bin", dtype=np.uint16).tolist() == tok.encode(good.read_text(encoding="utf-8"))
 
 
 # --- data/ ---
