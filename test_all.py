@@ -1235,33 +1235,6 @@ def test_state_dict_names_strict_loads_param_count_and_flops_match_spec():
     assert math.isclose(flops_per_token(50257, 1024, 1600, 48, 6400), full - 3 * 48 * 2 * 1024 * 1600)
 
 
-def _functional_reference_lm(sd, idx, num_layers, num_heads, theta=10000.0, rope=True):
-    """The whole LM written again from torch's own ops, float64, complex-number RoPE (rope=False: none)."""
-    x = sd["token_embeddings.weight"][idx]
-    B, T, d = x.shape
-    D = d // num_heads
-    j = torch.arange(D // 2, dtype=torch.float64)
-    rot = torch.polar(torch.ones(T, D // 2, dtype=torch.float64),
-                      torch.arange(T, dtype=torch.float64)[:, None] * theta ** (-2 * j / D))
-
-    def turn(t):  # (B, H, T, D)
-        return torch.view_as_real(torch.view_as_complex(t.unflatten(-1, (D // 2, 2)).contiguous()) * rot).flatten(-2)
-
-    turn = turn if rope else (lambda t: t)
-
-    for i in range(num_layers):
-        p = lambda n: sd[f"layers.{i}.{n}.weight"]
-        h = F.rms_norm(x, (d,), p("ln1"), eps=1e-5)
-        q, k, v = (F.linear(h, p(f"attn.{n}")).view(B, T, num_heads, D).transpose(1, 2)
-                   for n in ("q_proj", "k_proj", "v_proj"))
-        a = torch.softmax((turn(q) @ turn(k).transpose(-1, -2) / math.sqrt(D)).masked_fill(
-            torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
-        x = x + F.linear(a.transpose(1, 2).reshape(B, T, d), p("attn.output_proj"))
-        h = F.rms_norm(x, (d,), p("ln2"), eps=1e-5)
-        x = x + F.linear(F.silu(F.linear(h, p("ffn.w1"))) * F.linear(h, p("ffn.w3")), p("ffn.w2"))
-    return F.linear(F.rms_norm(x, (d,), sd["ln_final.weight"], eps=1e-5), sd["lm_head.weight"])
-
-
 @cases("rope_theta", [10000.0, None])
 def test_transformer_lm_matches_functional_reference(rope_theta):
     m = _tiny_lm(dtype=torch.float64, rope_theta=rope_theta)  # rope_theta=None: no positional encoding
@@ -1269,8 +1242,25 @@ def test_transformer_lm_matches_functional_reference(rope_theta):
     for n, prm in m.named_parameters():
         if "ln" in n:
             prm.data = 1 + 0.1 * torch.randn_like(prm)  # norms away from 1 so their weights are exercised
-    idx = torch.randint(0, 61, (3, 13))
-    ref = _functional_reference_lm(m.state_dict(), idx, num_layers=2, num_heads=4, rope=rope_theta is not None)
+    # the reference: the whole LM written again from torch's own ops, float64, RoPE as a complex rotation
+    idx, sd, H = torch.randint(0, 61, (3, 13)), m.state_dict(), 4
+    x = sd["token_embeddings.weight"][idx]
+    B, T, d = x.shape
+    D, j = d // H, torch.arange(d // H // 2, dtype=torch.float64)
+    rot = torch.polar(torch.ones(T, D // 2, dtype=torch.float64),
+                      torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * j / D))
+    turn = lambda t: t if rope_theta is None else torch.view_as_real(  # t: (B, H, T, D)
+        torch.view_as_complex(t.unflatten(-1, (D // 2, 2)).contiguous()) * rot).flatten(-2)
+    for i in range(2):
+        p = lambda n: sd[f"layers.{i}.{n}.weight"]
+        h = F.rms_norm(x, (d,), p("ln1"), eps=1e-5)
+        q, k, v = (F.linear(h, p(f"attn.{n}")).view(B, T, H, D).transpose(1, 2) for n in ("q_proj", "k_proj", "v_proj"))
+        a = torch.softmax((turn(q) @ turn(k).transpose(-1, -2) / math.sqrt(D)).masked_fill(
+            torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
+        x = x + F.linear(a.transpose(1, 2).reshape(B, T, d), p("attn.output_proj"))
+        h = F.rms_norm(x, (d,), p("ln2"), eps=1e-5)
+        x = x + F.linear(F.silu(F.linear(h, p("ffn.w1"))) * F.linear(h, p("ffn.w3")), p("ffn.w2"))
+    ref = F.linear(F.rms_norm(x, (d,), sd["ln_final.weight"], eps=1e-5), sd["lm_head.weight"])
     assert m(idx).shape == (3, 13, 61) and torch.allclose(m(idx), ref, atol=1e-5)
 
 
@@ -2944,7 +2934,8 @@ def test_runner_names_and_runs_cases_and_fails_when_no_test_matches():
     with contextlib.redirect_stdout(out := io.StringIO()), contextlib.redirect_stderr(err := io.StringIO()):
         assert main(["test_transformer_lm_matches"]) == 0 and main(["no_test_is_named_like_this"]) == 2
     assert "ok   test_transformer_lm_matches_functional_reference[None]" in out.getvalue()  # a case gets its args
-    assert "test_transformer_lm_matches_functional_reference[10000.0]" in out.getvalue() and "2 passed" in out.getvalue()
+    assert "ok   test_transformer_lm_matches_functional_reference[10000.0]" in out.getvalue()
+    assert "2 passed" in out.getvalue()
     assert "no test name contains any of: no_test_is_named_like_this" in err.getvalue()
 
 
