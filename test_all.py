@@ -1112,8 +1112,7 @@ def test_modules_and_attention_match_their_formulas():
     xb = (x * 300).bfloat16()  # squares of 300 overflow nothing in fp32, but the sum would lose bits in bf16
     assert norm(xb).dtype == torch.bfloat16 and torch.allclose(norm(xb).double(), rms(xb.double()), 1e-2, 1e-2)
     assert torch.isfinite(RMSNorm(37)(torch.full((1, 37), 300.0, dtype=torch.float16))).all()  # 300^2 > fp16 max
-    x = torch.randn(4, 9, 24, dtype=torch.float64)
-    ffn = SwiGLU(24, 40, dtype=torch.float64)
+    x, ffn = torch.randn(4, 9, 24, dtype=torch.float64), SwiGLU(24, 40, dtype=torch.float64)
     assert torch.allclose(silu(x), F.silu(x))
     assert torch.allclose(ffn(x), (F.silu(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T)
     assert SwiGLU(200).w1.weight.shape == (512, 200)  # d_ff defaults to 64 * round(8d / 192)
@@ -1604,7 +1603,7 @@ def test_hf_attention_errors_name_the_problem():
 
 # --- sample.py ---
 
-def test_sample_next_greedy_top_k_and_top_p_follow_spec():
+def test_sample_next_follows_spec_and_generate_is_the_same_cached_batched_and_past_the_context():
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.85, 0.05, 0.05, 0.05]]))
     g = torch.Generator().manual_seed(0)
     draws = lambda n, **kw: torch.stack([sample.sample_next(logits, generator=g, **kw) for _ in range(n)])
@@ -1617,10 +1616,7 @@ def test_sample_next_greedy_top_k_and_top_p_follow_spec():
     assert abs((top_p[:, 0] == 1).float().mean().item() - 0.5 / 0.75) < 0.08  # renormalised inside V(p)
     same = [sample.sample_next(logits.repeat(50, 1), 1.0, generator=torch.Generator().manual_seed(5)) for _ in (0, 1)]
     assert torch.equal(*same)
-
-
-def test_generate_greedy_same_with_and_without_kv_cache_past_the_context_and_batched():
-    m = _tiny_lm(context_length=24)
+    m = _tiny_lm(context_length=24)  # generate: greedy, cached or not, past the context, batched
     prompt = torch.randint(0, 61, (9,)).tolist()
     seq = list(prompt)
     for _ in range(30):  # the plainest decoder: the argmax of the last position of the (cropped) sequence
