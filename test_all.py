@@ -340,7 +340,7 @@ def _check_prepared(out_dir, documents_by_split=None):
     return meta
 
 
-def test_prepare_local_input_end_to_end_and_a_single_document(tmp_path):
+def test_prepare_local_input_end_to_end_a_single_document_bad_input_and_failures_clean_up(tmp_path):
     # run as a user would (no PYTHONPATH, no terminal), into an --out_dir whose parent is missing too
     rng, words = random.Random(6), _synthetic_text(3000, seed=6).replace(EOT, " ").split()
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "\n" for _ in range(23)]
@@ -364,10 +364,7 @@ def test_prepare_local_input_end_to_end_and_a_single_document(tmp_path):
     cut = text.rindex("\n", 0, int(0.9 * len(text))) + 1
     _check_prepared(tmp_path / "d", {"train": [text[:cut]], "val": [text[cut:]]})
     assert "are the validation split" in out.getvalue() and 0.1 <= 1 - cut / len(text) < 0.15, out.getvalue()
-
-
-def test_prepare_bad_input_and_failures_clean_up(tmp_path):
-    docs = EOT.join(f"document {i} with words" for i in range(12)).encode()
+    docs = EOT.join(f"document {i} with words" for i in range(12)).encode()  # then bad input, and failures
     for name, data in dict(docs=docs, one=b"one document, one line", latin=b"caf\xe9 au lait", empty=b"").items():
         (tmp_path / f"{name}.txt").write_bytes(data)
     (tmp_path / "done").mkdir()  # a finished dataset (as far as prepare.py can tell) that a bad run must not touch
