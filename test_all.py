@@ -1435,8 +1435,7 @@ def test_compiles_without_graph_breaks():
 
 def _need_hf(*modules):
     """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
+    if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
         raise unittest.SkipTest(f"needs {' and '.join(missing)} (pip install -r requirements-hf.txt)")
     if "transformers" in modules:
         from transformers.utils import logging as hf_logging
@@ -2373,7 +2372,6 @@ def _spawn(*checks, world_size=2):
 
 class _ToyLM(nn.Module):
     """Ragged sizes, tied embedding and head, a frozen, a never-used and a sometimes-used (`extra`) parameter."""
-
     def __init__(self, vocab_size=29, d_model=12, d_ff=19):
         super().__init__()
         self.emb = model.Embedding(vocab_size, d_model)
@@ -2548,7 +2546,6 @@ def _check_fsdp(rank, world_size):
             assert all(s.grad is None or (s.grad.dtype == torch.float32 and s.grad.shape == s.shape)
                        for s in sharded.shards), what
             _assert_close(ddp.gather_full_params(sharded), want[step][0], f"{what} step {step}", atol=atol)  # fp32
-
     # clipping, on the fp32 run: the global norm over shards and replicated parameters equals one process's
     x, y = data[0]
     ref.zero_grad(set_to_none=True)
