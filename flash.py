@@ -1829,8 +1829,7 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
     if cache["g_key"] != g_key:  # new gradient addresses: send their offsets, without waiting for the GPU
         g_base, g_offsets, g_unit = _offsets(grads)
         host = torch.from_numpy(g_offsets)  # kept: a CUDA graph that captured the copy reads it at every replay
-        if device.type == "cuda":
-            host = host.pin_memory()
+        host = host.pin_memory() if device.type == "cuda" else host
         cache.update(g_key=g_key, g_index=next(i for i, g in enumerate(grads) if g is g_base), g_host=host,
                      g_offsets=host.to(device, non_blocking=True), g_unit=g_unit)
     g_base = grads[cache["g_index"]]  # this step's tensor at the base address (a CUDA graph hands out new ones)
