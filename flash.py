@@ -34,9 +34,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 # no GPU, and triton imported already (by torch.compile, say) with no TRITON_INTERPRET set: setting it below is too
-# late for triton's own language helpers, so the kernels cannot run (_check_interpreter)
-_INTERPRET_TOO_LATE = not torch.cuda.is_available() and "triton" in sys.modules and \
-    "TRITON_INTERPRET" not in os.environ
+# late for triton's own language helpers, so the kernels cannot run (_require_triton_device)
+_INTERPRET_TOO_LATE = not torch.cuda.is_available() and "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
@@ -70,22 +69,18 @@ def attention_varlen_reference(q, k, v, cu_seqlens, causal=True, cu_seqlens_k=No
     document): returns (O, L) with L of shape (H, total_tokens), the flash-attn varlen layout."""
     cu_q = cu_seqlens.tolist()
     cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.tolist()
-    o = q.new_zeros(q.shape)
-    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"))
+    o, lse = q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), float("-inf"))
     for i in range(len(cu_q) - 1):
         (a, b), (c, d) = cu_q[i:i + 2], cu_k[i:i + 2]
         if b == a or d == c:
             continue
         o_i, lse_i = attention_reference(q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1), causal)
-        o[a:b] = o_i.transpose(0, 1)
-        lse[:, a:b] = lse_i
+        o[a:b], lse[:, a:b] = o_i.transpose(0, 1), lse_i
     return o, lse
 
 
-# The readable twin: the kernels' tiled online softmax and recomputing backward in plain PyTorch, one query tile and
-# one key tile at a time (the kernels do exactly this, a tile per program).
-
-TWIN_TILE = 64
+TWIN_TILE = 64  # the readable twin: the kernels' tiled online softmax and recomputing backward in plain PyTorch,
+# one query tile and one key tile at a time (the kernels do exactly this, a tile per program)
 
 
 def _twin_forward(q, k, v, causal, tile=TWIN_TILE):
@@ -121,9 +116,7 @@ def _twin_backward(q, k, v, o, lse, do, causal, tile=TWIN_TILE):
     acc_dtype = lse.dtype
     n_q, n_k, scale = q.shape[-2], k.shape[-2], 1.0 / math.sqrt(q.shape[-1])
     delta = (do.to(acc_dtype) * o.to(acc_dtype)).sum(-1)  # Delta = rowsum(dO * O)
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype, device=q.device) for x in (q, k, v))
     for j0 in range(0, n_k, tile):
         k_j, v_j = k[..., j0:j0 + tile, :].to(acc_dtype), v[..., j0:j0 + tile, :].to(acc_dtype)
         cols = torch.arange(j0, j0 + k_j.shape[-2], device=q.device)
@@ -153,8 +146,7 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        return (*_twin_backward(q, k, v, o, lse, do, ctx.causal), None)
+        return (*_twin_backward(*ctx.saved_tensors, do, ctx.causal), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -163,17 +155,12 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 #    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch].
 #    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes its operands' strides as one
 #    tuple (b, h, s per operand, in the order of its pointers) and the query and key cu_seqlens as a pair.
-#    Autotuning picks among two (BLOCK_M, BLOCK_N, warps, stages) per head-dim class and element size; compiling
-#    is the cold-start cost, hence few integers specialized (do_not_specialize). The interpreter runs one small
-#    config, tiles smaller than the test lengths, so every code path runs.
+#    Autotuning picks among two configs per head-dim class and element size; few integers are specialized
+#    (compiling is the cold start). The interpreter runs tiles smaller than the test lengths, so every path runs.
 # ---------------------------------------------------------------------------------------------------------------
 
 TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC"]
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dq": (32, 16), "dkdv": (16, 32)}
-
-
-def _tune_class(head_dim, dtype):
-    return (64 if head_dim <= 64 else head_dim, 4 if dtype == torch.float32 else 2)
 
 
 def _autotuned(table):
@@ -186,7 +173,8 @@ def _autotuned(table):
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
 
         def prune(configs, named_args, **kwargs):
-            wanted = table[_tune_class(kwargs["HEAD_DIM"], named_args["Q"].dtype)]
+            d, dtype = kwargs["HEAD_DIM"], named_args["Q"].dtype
+            wanted = table[(64 if d <= 64 else d, 4 if dtype == torch.float32 else 2)]
             return [c for c in configs
                     if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
@@ -245,13 +233,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, off
 
 
 FWD_CONFIGS = {  # (head-dim class, element size): (BLOCK_M, BLOCK_N, warps, stages), the best first
-    (64, 2): [(128, 64, 8, 3), (128, 64, 4, 3)],
-    (128, 2): [(128, 64, 8, 3), (128, 128, 8, 2)],
-    (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)],
-    (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
-    (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)],
-}
+    (64, 2): [(128, 64, 8, 3), (128, 64, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
+    (128, 2): [(128, 64, 8, 3), (128, 128, 8, 2)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
 
 
 @_autotuned(FWD_CONFIGS)
@@ -259,9 +243,8 @@ FWD_CONFIGS = {  # (head-dim class, element size): (BLOCK_M, BLOCK_N, warps, sta
 def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen_q, seqlen_k, num_heads, group,
               qk_scale, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
               PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query tile, batch x head): O and L of BLOCK_M query rows. Key tiles left of the diagonal
-    run without index compares, the diagonal tile and a ragged end with them; tiles right of it are never
-    visited."""
+    """One program per (query tile, batch x head): O and L of BLOCK_M rows. Key tiles left of the diagonal run
+    without index compares, the diagonal tile and a ragged end with them; tiles right of it are never visited."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
         stride_ob, stride_oh, stride_os = strides
@@ -355,13 +338,9 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi
 
 
 DQ_CONFIGS = {
-    (64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)],
-    (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)],
-    (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
-    (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)],
-}
+    (64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
+    (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
 
 
 @_autotuned(DQ_CONFIGS)
@@ -369,9 +348,8 @@ DQ_CONFIGS = {
 def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb, stride_lh, seqlens, num_heads,
                  group, scales, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                  PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once. It also
-    stores Delta = rowsum(dO * O) of its rows for pass 2. scales: (log2(e) / sqrt(d), 1 / sqrt(d)). The lengths
-    are specialized (a few binaries: 1, a multiple of 16, other)."""
+    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once, and Delta =
+    rowsum(dO * O) of its rows for pass 2. scales: (log2(e) / sqrt(d), 1 / sqrt(d)); the lengths specialized."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
         stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = \
@@ -425,10 +403,9 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        if MASKED:  # rows past the end load as zeros (L = 0 too), so they add nothing to dK and dV
-            lse2 = tl.load(LSE_h + offs_m, mask=offs_m < seqlen_q, other=0.0) * 1.4426950408889634
-        else:
-            lse2 = tl.load(LSE_h + offs_m) * 1.4426950408889634
+        # MASKED: rows past the end load as zeros (L = 0 too), so they add nothing to dK and dV
+        lse2 = tl.load(LSE_h + offs_m, mask=offs_m < seqlen_q, other=0.0) if MASKED else tl.load(LSE_h + offs_m)
+        lse2 = lse2 * 1.4426950408889634
         q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, MASKED)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         if CAUSAL:
@@ -436,10 +413,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
         p_t = tl.math.exp2(s_t - lse2[None, :])
         do = _load_rows(do_src, start_m, stride_dos, seqlen_q, offs_m0, MASKED)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
-        if MASKED:
-            delta = tl.load(DELTA_h + offs_m, mask=offs_m < seqlen_q, other=0.0)
-        else:
-            delta = tl.load(DELTA_h + offs_m)
+        delta = tl.load(DELTA_h + offs_m, mask=offs_m < seqlen_q, other=0.0) if MASKED else tl.load(DELTA_h + offs_m)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
@@ -447,13 +421,9 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
 
 
 DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in registers
-    (64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)],
-    (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)],
-    (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)],
-    (64, 4): [(32, 64, 4, 2), (64, 64, 4, 2)],
-    (128, 4): [(32, 64, 4, 2), (32, 32, 4, 2)],
-    (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)],
-}
+    (64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)], (64, 4): [(32, 64, 4, 2), (64, 64, 4, 2)],
+    (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)], (128, 4): [(32, 64, 4, 2), (32, 32, 4, 2)],
+    (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)]}
 
 
 @_autotuned(DKDV_CONFIGS)
@@ -495,9 +465,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
             _store_rows(_rows(dk_dst, stride_dks, HEAD_DIM, BLOCK_N), start_n, stride_dks, seqlen_k, offs_n0, dk)
             _store_rows(_rows(dv_dst, stride_dvs, HEAD_DIM, BLOCK_N), start_n, stride_dvs, seqlen_k, offs_n0, dv)
             return
-        lo = start_n + BLOCK_N
-    else:
-        lo = 0
+    lo = start_n + BLOCK_N if CAUSAL else 0
     # A diagonal loop of fixed trip count, then the other rows as one loop masked only at a ragged end (EVEN_Q):
     # other loop shapes make ptxas serialize the wgmma instructions (`bench.py sass` shows it). GROUP, query heads
     # per K/V head, is a constexpr, so with one the compiler drops the outer loop.
@@ -505,12 +473,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
         h = hk * GROUP + g
         q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, stride_qs, HEAD_DIM, BLOCK_M)
         do_src = _rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM, BLOCK_M)
-        if EVEN_Q:  # the L strides are multiples of 128: written so, the L and Delta rows load with wide copies
-            l_off = (b64 * (stride_lb // 128) + h * (stride_lh // 128)) * 128
-        else:
-            l_off = b64 * stride_lb + h * stride_lh + q_start
-        LSE_h = LSE + l_off
-        DELTA_h = DELTA + l_off
+        # EVEN_Q: the L strides are multiples of 128; written so, the L and Delta rows load with wide copies
+        l_off = (b64 * (stride_lb // 128) + h * (stride_lh // 128)) * 128 if EVEN_Q else \
+            b64 * stride_lb + h * stride_lh + q_start
+        LSE_h, DELTA_h = LSE + l_off, DELTA + l_off
         if CAUSAL:  # with EVEN_Q, a diagonal tile that starts before seqlen_q ends before it (BLOCK_N divides 128)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, start_n,
                                  start_n + BLOCK_N, offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q, CAUSAL=True,
@@ -552,16 +518,8 @@ def _strides(varlen, *xs):  # the (b, h, s) strides of each tensor in one tuple 
     return tuple(s for x in xs for s in ((0, x.stride(1), x.stride(0)) if varlen else x.stride()[:3]))
 
 
-def _precision(dtype):
-    # fp32 inputs follow PyTorch's own matmul setting: true fp32 unless TF32 is allowed
+def _precision(dtype):  # fp32 inputs follow PyTorch's own matmul setting: true fp32 unless TF32 is allowed
     return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
-
-
-def _check_interpreter(who):
-    if INTERPRET and _INTERPRET_TOO_LATE:
-        raise RuntimeError(f"{who}: triton was imported before flash.py could set TRITON_INTERPRET=1 (there is no "
-                           "GPU), so the kernels cannot run in the interpreter; import flash.py first (model.py and "
-                           "train.py do) or set TRITON_INTERPRET=1 before anything imports triton")
 
 
 def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
@@ -577,11 +535,14 @@ def _fwd_outputs(q, cu_seqlens_q):  # O, and L: (B, H, S) dense, (H, total) pack
     return _empty_out(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _require_triton_device(q):
-    if q.device.type != "cuda" and not INTERPRET:
-        raise RuntimeError(f"flash: Triton kernels need a CUDA tensor (got {q.device}); on CPU set "
-                           "TRITON_INTERPRET=1 before triton is imported, or use FlashAttentionPyTorch")
-    _check_interpreter("flash")
+def _require_triton_device(x, who="flash"):
+    if x.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(f"{who}: the Triton kernels need CUDA tensors (got {x.device}); on CPU set "
+                           "TRITON_INTERPRET=1 before triton is imported")
+    if INTERPRET and _INTERPRET_TOO_LATE:
+        raise RuntimeError(f"{who}: triton was imported before flash.py could set TRITON_INTERPRET=1 (there is no "
+                           "GPU), so the kernels cannot run in the interpreter; import flash.py first (model.py and "
+                           "train.py do) or set TRITON_INTERPRET=1 before anything imports triton")
 
 
 def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
@@ -625,8 +586,7 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     dop, qp, kp, vp, op = (_unit_last(_pad(x, d_pad)) for x in (do, q, k, v, o))
     dqp, dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dq, qp), (dk, kp), (dv, vp)))
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
-    delta = torch.empty_like(lse)
-    scale = 1.0 / math.sqrt(d)
+    delta, scale = torch.empty_like(lse), 1.0 / math.sqrt(d)
     common = dict(SEQ_BUCKET=_bucket(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
                   PREC=_precision(q.dtype))
     _attn_bwd_dq[lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))](
@@ -645,13 +605,11 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Attention on Hopper in Gluon (TMA, mbarriers, async wgmma, warp specialization): FlashAttention-3's design.
 #    Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item); a producer warp streams K_j and V_j through
-#    a ring of shared-memory slots with TMA, and two consumer warpgroups of BLOCK_M rows take turns on the tensor
-#    cores, so one's softmax runs under the other's matmuls. Inside a consumer, S_j = Q K_j^T and P_(j-1) V_(j-1)
-#    are issued together and the softmax of S_j runs while the second is in flight. Backward: the roles turned
-#    around, a CTA per key tile, the query tiles streamed, dQ added up with TMA reduce-adds. Each kernel's state
-#    travels in a few aggregates (config, global tensors, shared memory, schedule), and a partition's body reads
-#    schedule -> mainloop -> epilogue. Head dims 33 to 128 in tiles 64 or 128 wide; 65 to 96 as 64 plus a tail of
-#    16 or 32 columns with matmuls of its own (_gluon_head_tiles); TMA reads zeros past D, the stores are masked.
+#    a ring of shared-memory slots with TMA, and two consumer warpgroups take turns on the tensor cores, so one's
+#    softmax runs under the other's matmuls (and inside one, S_j's softmax under P_(j-1) V_(j-1)). Backward: a CTA
+#    per key tile, the query tiles streamed, dQ added up with TMA reduce-adds. State travels in a few aggregates
+#    (config, global tensors, shared memory, schedule); a partition reads schedule -> mainloop -> epilogue. Head
+#    dims 33 to 128 in tiles 64 or 128 wide, 65 to 96 as 64 plus a tail of 16 or 32 columns (_gluon_head_tiles).
 # ---------------------------------------------------------------------------------------------------------------
 
 try:
@@ -680,10 +638,9 @@ except ImportError:  # a Triton without Gluon: the Triton kernels serve everythi
 # per warpgroup: with 2 the producer loads the next item's Q while this item's last matmuls run). D=128 keeps
 # two stages and one Q tile, so that O's staging tiles fit in shared memory.
 GLUON_FWD_CONFIGS = {64: (64, 128, 3, 2), 80: (64, 128, 3, 2), 96: (64, 128, 3, 2), 128: (64, 128, 2, 1)}
-# head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split: 2 = the
-# warpgroups make half of dQ's columns each, 1 = each all of them for its own keys; grid: True = persistent,
-# False = one CTA per item, which lets the compiler drop the item loop where the consumers are at the register
-# limit; the fp32 dQ shares' swizzle in bytes, 32 at D=128, where 128 made the 8-byte stores hit the same banks).
+# head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split (2: each
+# warpgroup makes half of dQ's columns), persistent grid (False: a CTA per item, so the compiler drops the item loop
+# at the register limit), the dQ tiles' swizzle bytes (32 at D=128: 128 made the 8-byte stores hit one bank)).
 GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True, 128), 80: (64, 64, 3, 1, True, 128),
                      96: (64, 64, 2, 1, True, 128), 128: (64, 64, 2, 2, False, 32)}
 # the backward stores full dK/dV tiles through shared memory and TMA up to this many keys per sequence at D=128:
@@ -720,9 +677,8 @@ if gluon is not None:
 
     @_bundle(smem="ring ready empty", tensor="counter", constexpr="DYNAMIC")
     class _Schedule:
-        """A persistent CTA's work items (DYNAMIC): its producer claims the next untaken item from `counter` (zero
-        at launch; the first G items went one to each of the G CTAs) and hands it to the other partitions through a
-        two-slot ring in shared memory."""
+        """A persistent CTA's work items (DYNAMIC): its producer claims the next untaken item from `counter` (the
+        first G went one to each of the G CTAs) and hands it to the other partitions through a two-slot ring."""
 
         @gluon.jit
         def publish(self, n, item):
@@ -765,11 +721,10 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
-        """Packed batches, one work item per slot g of a tile of TILE rows: document b owns the slots
-        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), so total // TILE + n_docs slots hold every tile of every
-        document with at most two a document empty (a grid of max_seqlen / TILE tiles per document is mostly empty
-        when lengths differ). Returns (b, its first row, its length, b's tile at slot g, past b's tiles if empty);
-        b is the count of documents whose first slot is <= g, less one."""
+        """Packed batches, a work item per slot g of TILE rows: document b owns the slots [cu[b] // TILE + b,
+        cu[b + 1] // TILE + b + 1), so total // TILE + n_docs slots hold every tile, at most two a document empty
+        (max_seqlen / TILE tiles per document would be mostly empty). Returns (b, its first row, its length, b's
+        tile at slot g, past b's tiles if empty); b: the documents whose first slot is <= g, less one."""
         CHUNK: gl.constexpr = 256
         WARPS: gl.constexpr = gl.num_warps()
         offs = gl.arange(0, CHUNK, layout=gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0]))
@@ -801,17 +756,16 @@ if gluon is not None:
     @gluon.jit
     def _gl_load_tile(desc, tail_desc, bar, dst, tail_dst, b, h, row, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
                       VARLEN: gl.constexpr):
-        """TMA loads of rows [row, row + tile) of head h onto barrier bar (its bytes expected by the caller): the
-        first HEAD_DIM columns into dst, TAIL > 0 the next TAIL into tail_dst. Rows count from the start of the
-        packed (total, H, D) batch, or inside sequence b of a dense (B, H, S, D) one."""
+        """TMA loads of rows [row, row + tile) of head h (of sequence b when dense) onto barrier bar: the first
+        HEAD_DIM columns into dst, TAIL > 0 the next TAIL into tail_dst; the caller expects the bytes."""
         _tma_load(desc, [row, h, 0] if VARLEN else [b, h, row, 0], bar, dst)
         if TAIL > 0:
             _tma_load(tail_desc, [row, h, HEAD_DIM] if VARLEN else [b, h, row, HEAD_DIM], bar, tail_dst)
 
     @gluon.jit
     def _gl_store_tile(desc, src, b, h, row, VARLEN: gl.constexpr):
-        """A TMA store of shared-memory tile src (written and fenced by the caller) to rows [row, row + tile) of
-        head h, counted as in _gl_load_tile; the caller calls tma.store_wait before it writes src again."""
+        """A TMA store of tile src (written and fenced by the caller) to rows [row, row + tile) of head h, as in
+        _gl_load_tile; the caller calls tma.store_wait before it writes src again."""
         _tma_store(desc, [row, h, 0] if VARLEN else [b, h, row, 0], src)
 
     @gluon.constexpr_function
@@ -847,38 +801,30 @@ if gluon is not None:
              tensor="cu_seqlens_q qk_scale",
              int="seqlen_q seqlen_k num_heads group m_tiles n_bh n_docs n_items head_dim")
     class _FwdConfig:
-        """The forward's tiling and problem, what every partition reads. HEAD_DIM: the main tile width along the
-        head dim, TAIL: the columns after it in tiles of their own (0: none); BLOCK_M query rows per consumer
-        warpgroup (a work item has two), BLOCK_N keys per K/V tile, NUM_STAGES K/V ring slots, Q_BUFS Q tiles per
-        warpgroup (work items in flight); HEAD_MAJOR: consecutive items are one head's query tiles (they share its
-        K and V in L2); O_TMA: full O tiles leave through shared memory and a TMA store; group: query heads per K/V
-        head; m_tiles: items per batch x head (packed: slots per head)."""
+        """The forward's tiling and problem: HEAD_DIM main + TAIL columns (tiles of their own); BLOCK_M query rows
+        per consumer warpgroup (two an item), BLOCK_N keys per tile, NUM_STAGES K/V slots, Q_BUFS Q tiles per
+        warpgroup; HEAD_MAJOR: consecutive items are one head's (sharing K, V in L2); O_TMA: full O tiles leave by
+        TMA; group: query heads per K/V head; m_tiles: items per batch x head (packed: slots per head)."""
 
         @gluon.jit
         def item(self, t):
             """Work item t (2 x BLOCK_M query rows of one batch x head) -> (b, h, q_start, seqlen_q, seqlen_k,
-            start_m, n_tiles, n_full): key tiles to visit, and how many of them need no compare. HEAD_MAJOR: the
-            query tiles of one head in a row (longest first); else one tile of every head, longest first over all.
-            Packed: m_tiles slots per head (_gl_doc_slot), the documents from the last, each one's query tiles
-            longest first; one document's rows, its keys its own. Empty items have start_m >= seqlen_q."""
+            start_m, n_tiles, n_full): key tiles to visit, n_full of them without compares. Longest tiles first,
+            one head's in a row (HEAD_MAJOR) or one of every head; packed: m_tiles slots per head (_gl_doc_slot).
+            Empty items have start_m >= seqlen_q."""
             BLOCK_M: gl.constexpr = self.BLOCK_M
             BLOCK_N: gl.constexpr = self.BLOCK_N
             if self.HEAD_MAJOR:
-                bh = t // self.m_tiles
-                pid_m = self.m_tiles - 1 - t % self.m_tiles
+                bh, pid_m = t // self.m_tiles, self.m_tiles - 1 - t % self.m_tiles
             else:
-                bh = t % self.n_bh
-                pid_m = self.m_tiles - 1 - t // self.n_bh
-            q_start = 0
-            seqlen_q = self.seqlen_q
-            seqlen_k = self.seqlen_k
+                bh, pid_m = t % self.n_bh, self.m_tiles - 1 - t // self.n_bh
+            q_start, seqlen_q, seqlen_k = 0, self.seqlen_q, self.seqlen_k
             if self.VARLEN:  # bh is the head, pid_m a slot
                 h = bh
                 b, q_start, seqlen_q, pid_m = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_m, 2 * BLOCK_M)
                 seqlen_k = seqlen_q
             else:
-                b = bh // self.num_heads
-                h = bh % self.num_heads
+                b, h = bh // self.num_heads, bh % self.num_heads
             start_m = pid_m * 2 * BLOCK_M
             hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M) if self.CAUSAL else seqlen_k
             n_full = seqlen_k // BLOCK_N  # key tiles with no index compare
@@ -887,22 +833,18 @@ if gluon is not None:
 
     @_bundle(desc="q k v qt kt vt o", tensor="O LSE", int="stride_ob stride_oh stride_os stride_lb stride_lh")
     class _FwdGlobal:
-        """The forward's tensors in global memory: TMA descriptors of Q, K, V, their tails (the main ones again where
-        there is no tail) and O; O and L for the stores from registers."""
+        """The forward's TMA descriptors (tails: the main ones again where there are none); O and L as pointers."""
 
     @_bundle(smem="q k v qt kt vt o q_ready q_empty k_ready k_empty v_ready v_empty turn")
     class _FwdShared:
-        """The forward's shared memory: the tiles and the barriers that hand them from producer to consumers. q/qt
-        hold 2 x Q_BUFS tiles (warpgroup wg's of item n at 2 * (n % Q_BUFS) + wg), k/v (and tails) a ring of
-        NUM_STAGES, o one staging tile per warpgroup; turn: the warpgroups' turns on the tensor cores."""
+        """The forward's tiles and barriers: q/qt 2 x Q_BUFS tiles (warpgroup wg's of item n at 2 * (n % Q_BUFS) +
+        wg), k/v (and tails) a ring of NUM_STAGES, o one per warpgroup; turn: the warpgroups' turns at the MMAs."""
 
     @gluon.jit
     def _gl_fwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
-        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The
-        ring position (it) and the turn count (w) run on across items, so the producer fills the next item's slots
-        while this one finishes. The warpgroups take turns issuing their matmuls (turn barriers; warpgroup 0's starts
-        as if released), so one's softmax runs under the other's matmuls. TAIL > 0: the last TAIL columns of the
-        head dim in tiles of their own (O's in a second accumulator), one more matmul each for S and O."""
+        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The ring
+        position (it) and turn count (w) run on across items; warpgroup 0's first turn starts as if released. TAIL
+        > 0: the head dim's last TAIL columns in tiles of their own, one more matmul each for S and O."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         TAIL: gl.constexpr = cfg.TAIL
         BLOCK_M: gl.constexpr = cfg.BLOCK_M
@@ -919,10 +861,7 @@ if gluon is not None:
             ot_layout: gl.constexpr = _gl_mma_layout(TAIL)
             pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ot_layout, k_width=2)
             row_ot: gl.constexpr = gl.SliceLayout(1, ot_layout)
-        it = 0  # K/V tiles consumed so far (the ring position)
-        w = 0  # turns taken so far
-        n_done = 0  # work items done so far (the phase of q_ready)
-        n_seen = 0  # work items taken so far, empty ones included (the position in the schedule ring)
+        it, w, n_done, n_seen = 0, 0, 0, 0  # so far: K/V tiles (ring position), turns, items done, items taken
         item = sched.first()
         while item < cfg.n_items:
             b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = cfg.item(item)
@@ -1034,9 +973,7 @@ if gluon is not None:
                 l_base = b.to(gl.int64) * glob.stride_lb + h * glob.stride_lh + q_start
                 gl.store(glob.LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
                          mask=offs_m < seqlen_q_b)
-                it += n_tiles
-                w += n_tiles + 1
-                n_done += 1
+                it, w, n_done = it + n_tiles, w + n_tiles + 1, n_done + 1
             n_seen += 1
             item = sched.read(n_seen) if sched.DYNAMIC else item + gl.num_programs(0)
         if cfg.O_TMA:
@@ -1044,16 +981,12 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_fwd_loader(cfg, glob, smem, sched):
-        """The producer warp, over the CTA's work items: both halves of Q, each into its warpgroup's Q tile of this
-        item (one of Q_BUFS, released Q_BUFS items ago), then K_j and V_j, each into a ring slot once both consumers
-        have released it (the empty barriers start as if their phase 1 had completed)."""
+        """The producer warp: per work item both halves of Q into their warpgroups' Q tiles, then K_j and V_j into
+        ring slots once both consumers have released them (the empty barriers start as if released)."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         TAIL: gl.constexpr = cfg.TAIL
         NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
-        it = 0
-        n_done = 0
-        item = gl.program_id(0)
-        n_seen = 0  # work items taken so far (the position in the schedule ring)
+        it, n_done, item, n_seen = 0, 0, gl.program_id(0), 0  # n_seen: items taken (the schedule ring's position)
         while item < cfg.n_items:
             if sched.DYNAMIC:
                 sched.publish(n_seen, item)
@@ -1078,8 +1011,7 @@ if gluon is not None:
                     mbarrier.expect(smem.v_ready.index(slot), _gl_tile_bytes(glob.v, glob.vt, TAIL))
                     _gl_load_tile(glob.v, glob.vt, smem.v_ready.index(slot), smem.v.index(slot), smem.vt.index(slot),
                                   b, kv_h, row, HEAD_DIM, TAIL, cfg.VARLEN)
-                it += n_tiles
-                n_done += 1
+                it, n_done = it + n_tiles, n_done + 1
             n_seen += 1
             item = sched.claim() if sched.DYNAMIC else item + gl.num_programs(0)
         if sched.DYNAMIC:
@@ -1090,10 +1022,9 @@ if gluon is not None:
                      out_strides, dims, m_tiles, n_bh, n_docs, n_items, qk_scale, NUM_STAGES: gl.constexpr,
                      Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
                      O_TMA: gl.constexpr):
-        """Work items of 2 x BLOCK_M query rows of one batch x head (_FwdConfig.item), n_items = m_tiles * n_bh: one
-        CTA per item, or DYNAMIC a persistent grid whose CTAs take the next untaken item from `counter` (_Schedule).
-        TMA descriptors of q, k, v, their tails (the main ones again without a tail) and o, whose blocks give the
-        tiling; out_strides: O's (b, h, s), L's (b, h); dims: (head_dim, seqlen_q, seqlen_k, num_heads, group)."""
+        """n_items = m_tiles * n_bh work items (_FwdConfig.item): a CTA each, or DYNAMIC a persistent grid taking them
+        from `counter` (_Schedule). The descriptors' blocks give the tiling; out_strides: O's (b, h, s), L's (b, h);
+        dims: (head_dim, seqlen_q, seqlen_k, num_heads, group)."""
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh = out_strides
         head_dim, seqlen_q, seqlen_k, num_heads, group = dims
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
@@ -1134,44 +1065,38 @@ if gluon is not None:
                             (_gl_fwd_loader, (cfg, glob, smem, sched))], [4, 1], [240, 24])
 
     # ---- the backward ----
-    # Work items of 2 x BLOCK_N keys of one K/V head, BLOCK_N per consumer warpgroup, K and V in shared memory, dK
-    # and dV in registers; the producer streams every query tile (Q_i, dO_i, L_i, Delta_i) of the group's heads.
-    # Per query tile a consumer makes five matmuls on transposed scores, so no register tile is transposed:
+    # Work items of 2 x BLOCK_N keys of one K/V head, BLOCK_N per consumer warpgroup; the producer streams every
+    # query tile (Q_i, dO_i, L_i, Delta_i) of the group's heads. Per query tile a consumer makes five matmuls on
+    # transposed scores, so no register tile is transposed:
     #   S^T = K Q_i^T,  dP^T = V dO_i^T,  P^T = exp2(S^T * scale - L_i),  dS^T = P^T * (dP^T - Delta_i),
     #   dV += P^T dO_i,  dK += dS^T Q_i,  dQ_i = dS K  (dS^T through shared memory, read transposed).
     # A dQ warp adds each dQ share into an fp32 buffer with TMA reduce-adds. With the dQ split (D=128) each
-    # warpgroup makes half of dQ_i's columns over both K tiles, and stores its share under the next tile's S^T.
+    # warpgroup makes half of dQ_i's columns over both K tiles, stored under the next tile's S^T.
 
     @_bundle(constexpr="HEAD_DIM TAIL BLOCK_M BLOCK_N NUM_STAGES DQ_COLS CAUSAL VARLEN DKV_TMA",
              tensor="cu_seqlens_q qk_scale sm_scale",
              int="seqlen_q seqlen_k num_kv_heads group n_tiles n_docs n_items head_dim")
     class _BwdConfig:
-        """The backward's tiling and problem, what every partition reads. BLOCK_M query rows per step, BLOCK_N keys
-        per consumer warpgroup (a work item has two), NUM_STAGES Q/dO ring slots, DQ_COLS the dQ columns a
-        warpgroup makes (HEAD_DIM / 2 with the dQ split); DKV_TMA: full dK/dV tiles leave through shared memory
-        and TMA stores; n_tiles: items per batch x K/V head (packed on the persistent grid: slots per K/V head)."""
+        """The backward's tiling and problem: BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup (two
+        an item), NUM_STAGES Q/dO slots, DQ_COLS the dQ columns a warpgroup makes; DKV_TMA: full dK/dV tiles leave
+        by TMA; n_tiles: items per batch x K/V head (packed on the persistent grid: slots per K/V head)."""
 
         @gluon.jit
         def item(self, t, SLOTS: gl.constexpr):
             """Work item t -> (b, K/V head hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter): keys [start_n,
-            start_n + 2 x BLOCK_N) of one batch x K/V head, seen by the query tiles m_lo .. m_lo + n_iter - 1 of
-            each query head of its group. Consecutive items are the key tiles of one batch x head (sharing its Q
-            and dO in L2), the first (causal: the longest) first. Packed: n_tiles tiles per document x head, those
-            past its end empty, or SLOTS, n_tiles slots per head (_gl_doc_slot). Empty items: start_n >= seqlen_k."""
+            start_n + 2 x BLOCK_N) of one batch x K/V head, seen by query tiles m_lo .. m_lo + n_iter - 1 of each
+            head of its group; one head's key tiles in a row, the first first. Packed: n_tiles tiles per document,
+            or SLOTS, n_tiles slots per head (_gl_doc_slot). Empty items: start_n >= seqlen_k."""
             BLOCK_M: gl.constexpr = self.BLOCK_M
             BLOCK_N: gl.constexpr = self.BLOCK_N
-            bh = t // self.n_tiles
-            pid_n = t % self.n_tiles
-            q_start = 0
-            seqlen_q = self.seqlen_q
-            seqlen_k = self.seqlen_k
+            bh, pid_n = t // self.n_tiles, t % self.n_tiles
+            q_start, seqlen_q, seqlen_k = 0, self.seqlen_q, self.seqlen_k
             if self.VARLEN and SLOTS:  # bh is the K/V head, pid_n a slot
                 hk = bh
                 b, q_start, seqlen_q, pid_n = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_n, 2 * BLOCK_N)
                 seqlen_k = seqlen_q
             else:
-                b = bh // self.num_kv_heads
-                hk = bh % self.num_kv_heads
+                b, hk = bh // self.num_kv_heads, bh % self.num_kv_heads
                 if self.VARLEN:
                     q_start = gl.load(self.cu_seqlens_q + b)
                     seqlen_q = gl.load(self.cu_seqlens_q + b + 1) - q_start
@@ -1184,16 +1109,14 @@ if gluon is not None:
     @_bundle(desc="q k v do dq qt kt vt dot dqt dk dv", tensor="DK DV LSE DELTA",
              int="stride_dkb stride_dkh stride_dks stride_dvb stride_dvh stride_dvs stride_lb stride_lh")
     class _BwdGlobal:
-        """The backward's tensors in global memory: TMA descriptors of Q, K, V, dO, the fp32 dQ buffer, their tails
-        (the main ones again where there is no tail), dK and dV; dK, dV, L and Delta for the loads and stores from
-        registers."""
+        """The backward's TMA descriptors (tails: the main ones again where there are none); dK, dV, L, Delta as
+        pointers."""
 
     @_bundle(smem="q do k v ds dq qt dot kt vt dqt lse delta kv_ready kv_empty ready empty ds_ready dq_full dq_empty")
     class _BwdShared:
-        """The backward's shared memory. q/do (and tails), lse, delta: a ring of NUM_STAGES query tiles (ready:
-        loaded; empty: both consumers done). k/v (and tails): each warpgroup's keys (kv_empty: both consumers done
-        with the item). ds and dq: buffer b of warpgroup wg at 2 * b + wg (ds_ready: both warpgroups' dS stored;
-        dq_full / dq_empty: a dQ share handed to the dQ warp / given back)."""
+        """The backward's tiles and barriers: q/do (and tails), lse, delta a ring of NUM_STAGES query tiles; k/v
+        (and tails) each warpgroup's keys; ds and dq buffer b of warpgroup wg at 2 * b + wg (ds_ready: both dS
+        stored; dq_full / dq_empty: a dQ share handed to the dQ warp / given back)."""
 
     @gluon.jit
     def _gl_bwd_put_dq(smem, dq, dq_t, tile, WG: gl.constexpr, TAIL: gl.constexpr):
@@ -1206,12 +1129,6 @@ if gluon is not None:
             smem.dqt.index(2 * buf + WG).reshape(dq_t.type.shape).store(dq_t)
         fence_async_shared()  # the TMA unit (async proxy) reads what these threads wrote
         mbarrier.arrive(smem.dq_full.index(2 * buf + WG), count=1)
-
-    @gluon.jit
-    def _gl_bwd_next_item(sched, n_seen, n_items):
-        """The item after n_seen of them: the next from the schedule ring, or with one CTA per item n_items, which
-        ends the reader's loop after one pass (so the compiler drops the loop)."""
-        return sched.read(n_seen) if sched.DYNAMIC else n_items
 
     @gluon.jit
     def _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k, col0: gl.constexpr, layout: gl.constexpr):
@@ -1251,9 +1168,7 @@ if gluon is not None:
             op_t_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=tail_layout, k_width=2)
             kt = smem.kt.index(WG).reshape([BLOCK_N, TAIL])
             vt = smem.vt.index(WG).reshape([BLOCK_N, TAIL])
-        t = 0  # query tiles consumed so far (the ring position and the dQ buffers' count)
-        n_done = 0  # items with keys done so far (the phase of kv_ready)
-        n_seen = 0  # items taken so far, empty ones included (the position in the schedule ring)
+        t, n_done, n_seen = 0, 0, 0  # so far: query tiles (ring position, dQ buffers' count), items done, items taken
         item = sched.first()
         while item < cfg.n_items:
             b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = cfg.item(item, sched.DYNAMIC)
@@ -1375,25 +1290,20 @@ if gluon is not None:
                     mbarrier.arrive(smem.kv_empty.index(0), count=1)
                 if TAIL > 0:
                     _gl_store_keys(glob, cfg, dk_t, dv_t, b, hk, q_start, key_lo, seqlen_k_b, HEAD_DIM, tail_layout)
-                t += cfg.group * n_iter
-                n_done += 1
+                t, n_done = t + cfg.group * n_iter, n_done + 1
             n_seen += 1
-            item = _gl_bwd_next_item(sched, n_seen, cfg.n_items)
+            item = sched.read(n_seen) if sched.DYNAMIC else cfg.n_items  # one CTA per item: one pass, no loop
 
     @gluon.jit
     def _gl_bwd_loader(cfg, glob, smem, sched):
-        """The producer warp, over the CTA's work items: each warpgroup's K and V once both consumers have made the
-        last item's final matmul, then Q_i and dO_i of every query tile of every head of the group into the ring
-        with their rows of L (in base 2) and Delta, a slot at a time once both consumers have released it."""
+        """The producer warp: per work item each warpgroup's K and V (once both consumers are done with the last),
+        then Q_i, dO_i, L_i (in base 2) and Delta_i of every query tile of the group's heads into the ring."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         TAIL: gl.constexpr = cfg.TAIL
         BLOCK_M: gl.constexpr = cfg.BLOCK_M
         NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
         offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
-        t = 0  # query tiles loaded so far (the ring position)
-        n_done = 0  # items with keys loaded so far (the phase of kv_empty)
-        n_seen = 0  # items taken so far (the position in the schedule ring)
-        item = gl.program_id(0)
+        t, n_done, n_seen, item = 0, 0, 0, gl.program_id(0)  # so far: query tiles, items done, items taken
         while item < cfg.n_items:
             if sched.DYNAMIC:
                 sched.publish(n_seen, item)
@@ -1426,8 +1336,7 @@ if gluon is not None:
                                                * 1.4426950408889634)
                     smem.delta.index(slot).store(gl.load(glob.DELTA + l_off, mask=rows < seqlen_q_b, other=0.0))
                     mbarrier.arrive(smem.ready.index(slot), count=1)  # (releases the two stores above)
-                t += cfg.group * n_iter
-                n_done += 1
+                t, n_done = t + cfg.group * n_iter, n_done + 1
             n_seen += 1
             item = sched.claim() if sched.DYNAMIC else cfg.n_items
         if sched.DYNAMIC:
@@ -1439,8 +1348,7 @@ if gluon is not None:
         reduce-add; a buffer is given back once its reduce has read it, one query tile later."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         DQ_COLS: gl.constexpr = cfg.DQ_COLS
-        t = 0  # query tiles done so far, over all items (the dQ buffers' count)
-        n_seen = 0
+        t, n_seen = 0, 0  # so far: query tiles, over all items (the dQ buffers' count), items taken
         item = sched.first()
         while item < cfg.n_items:
             b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = cfg.item(item, sched.DYNAMIC)
@@ -1464,17 +1372,16 @@ if gluon is not None:
                         mbarrier.arrive(smem.dq_empty.index(2 * (1 - buf) + 1), count=1)
                 t += cfg.group * n_iter
             n_seen += 1
-            item = _gl_bwd_next_item(sched, n_seen, cfg.n_items)
+            item = sched.read(n_seen) if sched.DYNAMIC else cfg.n_items  # one CTA per item: one pass, no loop
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["n_tiles"])
     def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
                      dv_desc, tensors, out_strides, dims, n_tiles, n_docs, n_items, qk_scale, sm_scale,
                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
-        """Work items of 2 x BLOCK_N keys of one batch x K/V head (_BwdConfig.item): one CTA per item or, DYNAMIC, a
-        persistent grid as the forward's. TMA descriptors of q, k, v, dO, the fp32 dQ buffer (zeroed, added to),
-        their tails, dk and dv; tensors: (dK, dV, L, Delta, cu_seqlens_q, counter); out_strides: dK's and dV's
-        (b, h, s), L's (b, h); dims: (seqlen_q, seqlen_k, num_kv_heads, group, head_dim)."""
+        """Work items (_BwdConfig.item): a CTA each or, DYNAMIC, a persistent grid as the forward's. dq_desc: the
+        zeroed fp32 dQ buffer; tensors: (dK, dV, L, Delta, cu_seqlens_q, counter); out_strides: dK's and dV's (b, h,
+        s), L's (b, h); dims: (seqlen_q, seqlen_k, num_kv_heads, group, head_dim)."""
         DK, DV, LSE, DELTA, cu_seqlens_q, counter = tensors
         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh = out_strides
         seqlen_q, seqlen_k, num_kv_heads, group, head_dim = dims
@@ -1533,17 +1440,15 @@ if gluon is not None:
 
 def _gluon_head_tiles(d):
     """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and tail 0, 16 or 32 more in
-    tiles of their own (80 = 64 + 16: 5/8 of the tensor-core work of a 128-wide tile), main + tail >= d (the
-    columns past d read as zeros and are never stored); None where the kernels do not apply."""
+    tiles of their own (80 = 64 + 16: 5/8 of a 128-wide tile's work); None where the kernels do not apply."""
     if not 32 < d <= 128:
         return None
     return (64, 0) if d <= 64 else (64, 16 if d <= 80 else 32) if d <= 96 else (128, 0)
 
 
 def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
-    """Whether the Gluon backward stores full dK/dV tiles through shared memory and TMA, before the launcher checks
-    the tensors' alignment. With the dQ split (split 2) a K tile is free only once both warpgroups are done with
-    it, which the persistent grid does not wait for."""
+    """Whether the Gluon backward stores full dK/dV tiles by TMA (before the alignment checks): not with the dQ split
+    (2) on the persistent grid, which does not wait until both warpgroups are done with a K tile."""
     if tail or (dynamic and split > 1):
         return False
     return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
@@ -1559,23 +1464,19 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# At D=64 (head dims 33-64, tiles 64 wide) the Triton kernels keep up where there is little work per SM, so the
-# Gluon kernels take a call from these many query tiles of 128 rows per SM (forward, backward): dense from 1024
-# tokens (forward) and 2048 (backward), always from 4096; packed from the forward's count, or documents of 2048
-# tokens and more (bench.py attention --parts work measures both families at each point).
+# At D=64 the Triton kernels keep up where there is little work per SM, so the Gluon kernels take a call from these
+# many query tiles of 128 rows per SM (forward, backward) (bench.py attention --parts work measures both families)
 GLUON_D64_TILES_PER_SM = (15, 31)
 
 
 def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
     """Whether the Gluon kernels take a D=64 call of `query_tiles` tiles of 128 query rows in all, its sequences
-    (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs."""
+    (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs: dense from 1024 tokens (forward) or 2048
+    (backward) with enough tiles, always from 4096; packed from the forward's count or documents of 2048 tokens."""
     if packed:
         return seqlen >= 2048 or query_tiles >= GLUON_D64_TILES_PER_SM[0] * sms
-    if seqlen >= 4096:
-        return True
-    if seqlen < (2048 if backward else 1024):
-        return False
-    return query_tiles >= GLUON_D64_TILES_PER_SM[1 if backward else 0] * sms
+    enough = query_tiles >= GLUON_D64_TILES_PER_SM[backward] * sms
+    return seqlen >= 4096 or seqlen >= (2048 if backward else 1024) and enough
 
 
 def _tma_ready(x):  # whether TMA reads x in place: unit last stride, other strides and the base 16-byte aligned
@@ -1586,8 +1487,7 @@ def _tma_ready(x):  # whether TMA reads x in place: unit last stride, other stri
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, backward=False):
     """Whether the Gluon kernels take the call (forward, or backward): sm90 bf16/fp16 inputs with D from 33 to 128
     (at D=64 where _gluon_d64 says so, unless FLASH_BACKEND=gluon), keys sharing the queries' documents when packed,
-    and at D 64 or 128 (where the Triton kernels read any strides) TMA-ready tensors (`more`: dO and O); at other
-    head dims, where the Triton kernels need padded copies too, those not TMA-ready are copied."""
+    and at D 64 or 128 TMA-ready tensors (`more`: dO and O; elsewhere the Triton kernels copy too, so both copy)."""
     if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     tiles = _gluon_head_tiles(q.shape[-1])
@@ -1601,9 +1501,8 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
                                     else q.shape[0] * triton.cdiv(seqlen, 128))
         if not _gluon_d64(seqlen, query_tiles, packed, backward, _sm_count(q.device.index)):
             return False
-    if _kernel_head_dim(q.shape[-1]) == q.shape[-1] and not all(_tma_ready(x) for x in (q, k, v, *more)):
-        return False
-    return packed or k.shape[2] > 0
+    aligned = _kernel_head_dim(q.shape[-1]) != q.shape[-1] or all(_tma_ready(x) for x in (q, k, v, *more))
+    return aligned and (packed or k.shape[2] > 0)
 
 
 @functools.cache
@@ -1631,8 +1530,7 @@ def _head_descriptors(x, rows, varlen, main, tail, swizzle=None):
 
 def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     """(O, L) with the Gluon forward on a persistent grid: one CTA per SM takes work items from a counter."""
-    varlen = cu_seqlens_q is not None
-    d = q.shape[-1]
+    varlen, d = cu_seqlens_q is not None, q.shape[-1]
     main, tail = _gluon_head_tiles(d)
     block_m, block_n, stages, q_bufs = GLUON_FWD_CONFIGS[main + tail]
     batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
@@ -1643,8 +1541,7 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
     m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
     n_bh = heads if varlen else batch * heads
-    n_items = m_tiles * n_bh
-    ctas = _sm_count(q.device.index)
+    n_items, ctas = m_tiles * n_bh, _sm_count(q.device.index)
     dynamic = ctas < n_items
     o_tma = tail == 0 and _tma_ready(o)
     (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
@@ -1666,8 +1563,7 @@ def _tma_operand(x, width):
 
 def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     """(dQ, dK, dV) with the Gluon backward: the Triton Delta pre-pass, then one kernel for all three (dQ in fp32)."""
-    varlen = cu_seqlens_q is not None
-    d = q.shape[-1]
+    varlen, d = cu_seqlens_q is not None, q.shape[-1]
     main, tail = _gluon_head_tiles(d)
     block_m, block_n, stages, dq_split, persistent, dq_swizzle = GLUON_BWD_CONFIGS[main + tail]
     batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
@@ -1675,16 +1571,14 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     dop, qp, kp, vp = (_tma_operand(x, main + tail) for x in (do, q, k, v))
-    o = _unit_last(o)
-    delta = torch.empty_like(lse)
+    o, delta = _unit_last(o), torch.empty_like(lse)
     # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
     dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q if varlen else lse
     _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
         o, dop, delta, dq_acc, cu, _strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
         HEAD_DIM=_kernel_head_dim(main + tail), VARLEN=varlen, BLOCK_M=64)
-    # work items: key tiles x batch x K/V heads; on the persistent grid packed batches in slots (_gl_doc_slot) x
-    # K/V heads instead
+    # work items: key tiles x batch x K/V heads (persistent and packed: slots (_gl_doc_slot) x K/V heads)
     scale = 1.0 / math.sqrt(d)
     n_tiles, n_bh = triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads
     ctas = _sm_count(q.device.index) if persistent else 0
@@ -1704,8 +1598,7 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
         q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc,
         (dk, dv, lse, delta, cu, counter), _strides(varlen, dk, dv) + (lb, lh),
         (seqlen_q, seqlen_k, kv_heads, heads // kv_heads, d), n_tiles, batch, n_items, LOG2E * scale, scale,
-        NUM_STAGES=stages, CAUSAL=causal,
-        DYNAMIC=dynamic, DKV_TMA=dkv_tma, num_warps=4, maxnreg=168)
+        NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=dynamic, DKV_TMA=dkv_tma, num_warps=4, maxnreg=168)
     dq.copy_(dq_acc[..., :d])
     return dq, dk, dv
 
@@ -1747,16 +1640,9 @@ _LIB.define("attention_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Te
 _LIB.impl("attention_fwd", _forward, "CompositeExplicitAutograd")
 _LIB.impl("attention_bwd", _backward, "CompositeExplicitAutograd")
 _attention_fwd_op, _attention_bwd_op = torch.ops.flash.attention_fwd.default, torch.ops.flash.attention_bwd.default
-
-
-@torch.library.register_fake("flash::attention_fwd", lib=_LIB)
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
-    return _fwd_outputs(q, cu_seqlens_q)
-
-
-@torch.library.register_fake("flash::attention_bwd", lib=_LIB)
-def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
-    return _empty_out(q), _empty_out(k), _empty_out(v)
+torch.library.register_fake("flash::attention_fwd", lambda q, k, v, cu_q, *_: _fwd_outputs(q, cu_q), lib=_LIB)
+torch.library.register_fake("flash::attention_bwd", lambda do, q, k, v, *_: tuple(map(_empty_out, (q, k, v))),
+                            lib=_LIB)
 
 
 def _through_ops():
@@ -1770,8 +1656,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-        if cu_seqlens_k is None:
-            cu_seqlens_k = cu_seqlens_q
+        cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
         fwd = _attention_fwd_op if _through_ops() else _forward
         o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
@@ -1785,8 +1670,7 @@ class _FlashAttention(torch.autograd.Function):
         if do is None:  # O took no part in what is differentiated
             return (None,) * 8
         bwd = _attention_bwd_op if _through_ops() else _backward
-        dq, dk, dv = bwd(do, *ctx.saved_tensors, *ctx.args)
-        return (dq, dk, dv) + (None,) * 5
+        return tuple(bwd(do, *ctx.saved_tensors, *ctx.args)) + (None,) * 5
 
 
 def _check_qkv(q, k, v, ndim):
@@ -1806,14 +1690,11 @@ def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, c
                        max_seqlen_k=None):
     """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning the logsumexp L
     ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
+    _check_qkv(q, k, v, 4 if cu_seqlens is None else 3)
+    if (cu_seqlens is None and q.shape[0] != k.shape[0]) or q.shape[1] % k.shape[1] != 0:  # dim 1: heads either way
+        raise ValueError(f"flash: batch must match and H_kv divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if cu_seqlens is None:
-        _check_qkv(q, k, v, 4)
-        if q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] != 0:
-            raise ValueError(f"flash: batch must match and H_kv divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
         return _FlashAttention.apply(q, k, v, None, None, 0, 0, causal)
-    _check_qkv(q, k, v, 3)
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"flash: H_kv must divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if cu_seqlens_k is None:  # passed on as None: the autograd Function may not take one tensor twice
         max_seqlen_k = max_seqlen
     elif max_seqlen_k is None:
@@ -1862,10 +1743,10 @@ class FlashAttentionTriton(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------
 # 5. AdamW, t counted per parameter: m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
 #    p <- p - a_t m / (sqrt(v) + eps) with a_t = lr sqrt(1 - b2^t) / (1 - b1^t); then p <- p (1 - lr wd).
-#    On CUDA one launch steps every parameter of a (group, dtype) bucket in one pass over p, g, m, v, chunk by
-#    chunk through a table built once (each chunk's offsets from a base tensor, its tensor, its length). Gradients
-#    are new tensors after every backward, so their offsets are a small array of their own, re-sent only when they
-#    move. Offsets count 16 elements at a time where they can, so full chunks load and store 16 bytes a thread.
+#    On CUDA one launch steps every parameter of a (group, dtype) bucket, chunk by chunk through a table built once
+#    (each chunk's offsets from a base tensor, its tensor, its length). Gradients are new tensors after every
+#    backward, so their offsets are an array of their own, re-sent only when they move. Offsets count 16 elements
+#    at a time where they can, so full chunks load and store 16 bytes a thread.
 # ---------------------------------------------------------------------------------------------------------------
 
 ADAMW_BLOCK = 2048
@@ -1917,9 +1798,8 @@ def _offsets(tensors):
 
 
 def _chunk_table(columns, block):
-    """columns: [params, exp_avgs, exp_avg_sqs], equal-length lists of contiguous tensors. Returns (bases, table
-    int64 (6, n_chunks), unit): rows p/m/v tensor offsets in units, tensor index, chunk index inside the tensor
-    (the kernel adds chunk * block to every offset), length."""
+    """columns: [params, exp_avgs, exp_avg_sqs], lists of contiguous tensors -> (bases, table int64 (6, n_chunks),
+    unit), the table's rows: p/m/v offsets in units, tensor index, chunk index in the tensor, length."""
     numels = np.array([t.numel() for t in columns[0]], dtype=np.int64)
     n_chunks = -(-numels // block)
     chunk = np.concatenate([np.arange(n, dtype=np.int64) for n in n_chunks])
@@ -1949,8 +1829,7 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
     if cache["g_key"] != g_key:  # new gradient addresses: send their offsets, without waiting for the GPU
         g_base, g_offsets, g_unit = _offsets(grads)
         host = torch.from_numpy(g_offsets)  # kept: a CUDA graph that captured the copy reads it at every replay
-        if device.type == "cuda":
-            host = host.pin_memory()
+        host = host.pin_memory() if device.type == "cuda" else host
         cache.update(g_key=g_key, g_index=next(i for i, g in enumerate(grads) if g is g_base), g_host=host,
                      g_offsets=host.to(device, non_blocking=True), g_unit=g_unit)
     g_base = grads[cache["g_index"]]  # this step's tensor at the base address (a CUDA graph hands out new ones)
@@ -1979,8 +1858,7 @@ class AdamW(torch.optim.Optimizer):
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"AdamW: betas must lie in [0, 1) (got {betas})")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.fused = fused
-        self.capturable = capturable
+        self.fused, self.capturable = fused, capturable
         self._tables = {}  # bucket -> flash.adamw_step's cache (chunk table, gradient offsets)
         self._scalars = {}  # bucket -> (neg_step, decay) on the device (capturable)
         self._captured = set()  # the buckets a captured step() launches for
@@ -1989,11 +1867,9 @@ class AdamW(torch.optim.Optimizer):
         if self.fused is False or p.dtype == torch.float64:
             return False
         dense = p.is_contiguous() and p.grad.is_contiguous()
-        if self.fused is None:
-            return dense and p.is_cuda
-        if not dense:
+        if self.fused and not dense:
             raise ValueError("AdamW(fused=True) needs contiguous parameters and gradients")
-        return True
+        return dense and (p.is_cuda or self.fused)
 
     def _buckets(self, count):
         """{(group index, fused, device, dtype, grad dtype): (t, [params], [grads], [exp_avgs], [exp_avg_sqs])} over
@@ -2181,26 +2057,23 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
 # ---------------------------------------------------------------------------------------------------------------
 # 7. RMSNorm over the last dim, in fp32 whatever the dtype: r = 1 / sqrt(mean(x^2) + eps), y = (x r) g, r kept per
 #    row for the backward: with x_hat = x r and gy = g dy, dx = r (gy - x_hat mean(x_hat gy)) and dg = sum over rows
-#    of dy x_hat. Whole rows in registers (d <= RMS_MAX_D). The backward's programs stride over the row blocks,
-#    each summing its rows' dy x_hat into one row of a (programs, d) buffer that a torch sum turns into dg.
-#    add_rms_norm also adds the residual stream (h = x + r, one pass) and, in the backward, the gradient reaching
-#    h from the residual path, so a pre-norm block's adds, norms and their gradients take one kernel each. As with
-#    attention: custom ops with fake kernels under torch.compile, the launchers directly when eager.
+#    of dy x_hat. Whole rows in registers (d <= RMS_MAX_D); the backward's programs stride over the row blocks, each
+#    summing dy x_hat into its row of a buffer that a torch sum turns into dg. add_rms_norm also adds the residual
+#    (h = x + r) and, backward, the gradient reaching h from the residual path: one kernel each way per pre-norm.
+#    As with attention: custom ops with fake kernels under torch.compile, the launchers directly when eager.
 # ---------------------------------------------------------------------------------------------------------------
 
 RMS_MAX_D = 8192  # the backward spills past it (rows live in registers): wider rows are refused
-RMS_ELEMENTS = 4096  # a forward program's tile, BLOCK_M rows x BLOCK_D columns: 16 elements a thread
-RMS_BWD_ELEMENTS = 2048  # the backward's, with 2 programs per SM from 2048 columns, 4 below
-RMS_INTERPRET_BLOCK_M = 128  # the interpreter: its time goes by programs and loop steps, not tile size
 
 
 def _rms_config(d, backward=False):
-    """(BLOCK_M, BLOCK_D, num_warps) for rows of d elements."""
+    """(BLOCK_M, BLOCK_D, num_warps) for rows of d elements: tiles of 4096 elements forward, 2048 backward, 16 a
+    thread; 128 rows in the interpreter, whose time goes by programs and loop steps, not tile size."""
     block_d = triton.next_power_of_2(d)
     if INTERPRET:
-        return RMS_INTERPRET_BLOCK_M, block_d, 4
-    block_m = max(1, (RMS_BWD_ELEMENTS if backward else RMS_ELEMENTS) // block_d)
-    return block_m, block_d, max(4, block_m * block_d // 512)  # 16 elements a thread
+        return 128, block_d, 4
+    block_m = max(1, (2048 if backward else 4096) // block_d)
+    return block_m, block_d, max(4, block_m * block_d // 512)
 
 
 @triton.jit
@@ -2340,15 +2213,13 @@ def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
     return _rms_norm_backward(dy, x, weight, rstd, dh)
 
 
-@_rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd, dh=None):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+_rms_norm_bwd_op.register_fake(lambda dy, x, weight, rstd, dh=None: (
+    torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)))
 
 
 class _AddRMSNorm(torch.autograd.Function):
-    """(h, y) = (x + r, rms_norm(x + r) * weight), or (x, rms_norm(x) * weight) when r is None (h is then x itself,
-    returned so that the gradient reaching it joins the norm's in one backward kernel; rms_norm takes y alone).
-    Saves h, weight, rstd."""
+    """(h, y) = (x + r, rms_norm(x + r) * weight); r None: h is x itself, returned so that its gradient joins the
+    norm's in one backward kernel (rms_norm takes y alone). Saves h, weight, rstd."""
 
     @staticmethod
     def forward(ctx, x, r, weight, eps, y_dtype):
@@ -2395,10 +2266,7 @@ def _check_rms(who, x, weight, r=None, y_dtype=None):
         raise ValueError(f"flash.{who}: residual {tuple(r.shape)} must have x's shape {tuple(x.shape)}")
     if x.shape[-1] > RMS_MAX_D:
         raise ValueError(f"flash.{who}: last dim {x.shape[-1]} > {RMS_MAX_D} is not supported")
-    if x.device.type != "cuda" and not INTERPRET:
-        raise ValueError(f"flash.{who}: x is on {x.device}; the Triton kernels need CUDA tensors (or "
-                         f"TRITON_INTERPRET=1)")
-    _check_interpreter(f"flash.{who}")
+    _require_triton_device(x, f"flash.{who}")
 
 
 def rms_norm(x, weight, eps=1e-5):
