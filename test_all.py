@@ -2682,7 +2682,7 @@ def _bench_kernels(text, payload):
             assert math.isclose(r["fwd_gb_s"], (2 * n * d * 4 + d * 4) / r["fwd_ms"] / 1e6)
             assert (r["fwd_bwd_ms"] is None) == (r["method"] == "copy") and cells[4].endswith("%")
         else:  # adamw: 28 bytes a parameter, each optimizer against torch's fused one
-            fused = next(o["ms"] for o in rows if o["optimizer"] == "torch fused=True")
+            fused = next(o["ms"] for o in rows if o["optimizer"] == "torch fused=True" and o["size"] == r["size"])
             assert cells[5] == f"{r['ms'] / fused:.2f}x" and math.isclose(r["tb_s"], 28 * r["params"] / r["ms"] / 1e9)
 
 
