@@ -188,18 +188,21 @@ def main(argv, check_only=False):
     if check_only:
         return None
     rank, _, world_size, dev = ddp.init_distributed()
+    stops = StopSignals(world_size)  # held until the group is gone: torchrun signals a node's ranks one after another
     try:
         if config["device"] != "auto" and world_size == 1:
             dev, n = _user_input(torch.device, config["device"]), torch.cuda.device_count()
             _require(dev.type != "cuda" or (dev.index or 0) < n, f"--device={config['device']}: " + (
                 f"this machine has {n} CUDA devices" if n else "CUDA is not available on this machine"), ConfigError)
-        status = train(config, given, rank, world_size, dev)
+        status = train(config, given, rank, world_size, dev, stops)
+        ddp.cleanup_distributed()
+        return status
     except BaseException:  # no barrier: the other ranks may never reach it (a dataset missing on one node only)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise
-    ddp.cleanup_distributed()
-    return status
+    finally:
+        stops.restore()
 
 
 def cli(argv, check_only=False):
@@ -695,6 +698,8 @@ class StopSignals:
     def __init__(self, world_size):
         self.signum, self.previous = 0, {}
         self.group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
+
+    def install(self):  # before it (set-up, data preparation) Ctrl-C interrupts at once
         if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
             self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -747,7 +752,7 @@ def log_record(log_path, record):
 # -----------------------------------------------------------------------------------------------------------------
 # the run: the training loop
 
-def train(config, given, rank, world_size, dev):
+def train(config, given, rank, world_size, dev, stops):
     """The run on this rank; returns 0, or 128 + the number of the signal that stopped it (after a checkpoint)."""
     master = rank == 0
     log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
@@ -798,7 +803,8 @@ def train(config, given, rank, world_size, dev):
             save_checkpoint(state, opt_state, step, r.ckpt_path, model_args=r.model_args, config=vars(c),
                             tokenizer=tokenizer, rng=rng, world_size=world_size)
 
-    stops, saved_at = StopSignals(world_size), r.start_iter if c.init_from == "resume" else None
+    saved_at = r.start_iter if c.init_from == "resume" else None
+    stops.install()
     # on CPU the same seed gives the same bits: else the embedding's backward adds rows in threads' order
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu", warn_only=True)
@@ -857,7 +863,6 @@ def train(config, given, rank, world_size, dev):
         log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
         return 0
     finally:
-        stops.restore()
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
