@@ -110,7 +110,7 @@ part_tests_triton() { tests_part flash_reference flash_triton flash_delta flash_
     flash_kernels_take adamw; }
 part_tests_gluon() { tests_part 'flash_gpu_kernels_match_reference[gluon]'; }
 part_tests_model() { tests_part 'flash_gpu_kernels_match_reference[triton]' flash_gpu_gluon_compiles flash_d64 \
-    flash_gpu_mixed rms_norm attention_impls_match gpu_flash_model gpu_selective gpu_whole_step gpu_cuda_graphs \
+    flash_gpu_mixed rms_norm attention_impls_match gpu_flash_model gpu_whole_step gpu_cuda_graphs \
     gpu_bench triton_norm_block loss_curves; }
 
 run_parts
