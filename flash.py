@@ -754,19 +754,21 @@ if gluon is not None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _gl_load_tile(desc, tail_desc, bar, dst, tail_dst, b, h, row, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
-                      VARLEN: gl.constexpr):
-        """TMA loads of rows [row, row + tile) of head h (of sequence b when dense) onto barrier bar: the first
-        HEAD_DIM columns into dst, TAIL > 0 the next TAIL into tail_dst; the caller expects the bytes."""
-        _tma_load(desc, [row, h, 0] if VARLEN else [b, h, row, 0], bar, dst)
+    def _gl_load_tile(desc, tail_desc, bars, tiles, tail_tiles, i, b, h, row, EXPECT: gl.constexpr):
+        """TMA loads of rows [row, row + tile) of head h (of sequence b when dense) into tiles[i], a tail's columns
+        into tail_tiles[i], onto barrier bars[i], which first expects EXPECT such loads (0: expected already)."""
+        HEAD_DIM: gl.constexpr = desc.block_type.shape[-1]
+        TAIL: gl.constexpr = _gl_tail(desc, tail_desc)
+        if EXPECT > 0:
+            mbarrier.expect(bars.index(i), EXPECT * _gl_tile_bytes(desc, tail_desc, TAIL))
+        bar, dst, tail_dst = bars.index(i), tiles.index(i), tail_tiles.index(i)
+        _tma_load(desc, [row, h, 0] if _gl_packed(desc) else [b, h, row, 0], bar, dst)
         if TAIL > 0:
-            _tma_load(tail_desc, [row, h, HEAD_DIM] if VARLEN else [b, h, row, HEAD_DIM], bar, tail_dst)
+            _tma_load(tail_desc, [row, h, HEAD_DIM] if _gl_packed(desc) else [b, h, row, HEAD_DIM], bar, tail_dst)
 
     @gluon.jit
-    def _gl_store_tile(desc, src, b, h, row, VARLEN: gl.constexpr):
-        """A TMA store of tile src (written and fenced by the caller) to rows [row, row + tile) of head h, as in
-        _gl_load_tile; the caller calls tma.store_wait before it writes src again."""
-        _tma_store(desc, [row, h, 0] if VARLEN else [b, h, row, 0], src)
+    def _gl_store_tile(desc, tiles, i, b, h, row):  # tiles[i] (written and fenced) to rows [row, row + tile) by TMA
+        _tma_store(desc, [row, h, 0] if _gl_packed(desc) else [b, h, row, 0], tiles.index(i))
 
     @gluon.constexpr_function
     def _gl_mma_layout(n):  # a warpgroup's wgmma accumulator layout for tiles n columns wide
@@ -957,7 +959,7 @@ if gluon is not None:
                     tma.store_wait(0)  # the previous item's store has read the buffer
                     smem.o.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(out)
                     fence_async_shared()
-                    _gl_store_tile(glob.o, smem.o.index(WG), b, h, q_start + rows0, cfg.VARLEN)
+                    _gl_store_tile(glob.o, smem.o, WG, b, h, q_start + rows0)
                 else:
                     rows = rows0 + gl.arange(0, BLOCK_M, layout=row_o)
                     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -983,8 +985,6 @@ if gluon is not None:
     def _gl_fwd_loader(cfg, glob, smem, sched):
         """The producer warp: per work item both halves of Q into their warpgroups' Q tiles, then K_j and V_j into
         ring slots once both consumers have released them (the empty barriers start as if released)."""
-        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
-        TAIL: gl.constexpr = cfg.TAIL
         NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
         it, n_done, item, n_seen = 0, 0, gl.program_id(0), 0  # n_seen: items taken (the schedule ring's position)
         while item < cfg.n_items:
@@ -996,21 +996,16 @@ if gluon is not None:
                 for wg in gl.static_range(2):
                     qi = 2 * (n_done % cfg.Q_BUFS) + wg
                     mbarrier.wait(smem.q_empty.index(qi), ((n_done // cfg.Q_BUFS) & 1) ^ 1)
-                    mbarrier.expect(smem.q_ready.index(qi), _gl_tile_bytes(glob.q, glob.qt, TAIL))
-                    _gl_load_tile(glob.q, glob.qt, smem.q_ready.index(qi), smem.q.index(qi), smem.qt.index(qi),
-                                  b, h, q_start + start_m + wg * cfg.BLOCK_M, HEAD_DIM, TAIL, cfg.VARLEN)
+                    _gl_load_tile(glob.q, glob.qt, smem.q_ready, smem.q, smem.qt, qi, b, h,
+                                  q_start + start_m + wg * cfg.BLOCK_M, 1)
                 for j in range(n_tiles):
                     slot = (it + j) % NUM_STAGES
                     phase = ((it + j) // NUM_STAGES) & 1
                     row = q_start + j * cfg.BLOCK_N
                     mbarrier.wait(smem.k_empty.index(slot), phase ^ 1)
-                    mbarrier.expect(smem.k_ready.index(slot), _gl_tile_bytes(glob.k, glob.kt, TAIL))
-                    _gl_load_tile(glob.k, glob.kt, smem.k_ready.index(slot), smem.k.index(slot), smem.kt.index(slot),
-                                  b, kv_h, row, HEAD_DIM, TAIL, cfg.VARLEN)
+                    _gl_load_tile(glob.k, glob.kt, smem.k_ready, smem.k, smem.kt, slot, b, kv_h, row, 1)
                     mbarrier.wait(smem.v_empty.index(slot), phase ^ 1)
-                    mbarrier.expect(smem.v_ready.index(slot), _gl_tile_bytes(glob.v, glob.vt, TAIL))
-                    _gl_load_tile(glob.v, glob.vt, smem.v_ready.index(slot), smem.v.index(slot), smem.vt.index(slot),
-                                  b, kv_h, row, HEAD_DIM, TAIL, cfg.VARLEN)
+                    _gl_load_tile(glob.v, glob.vt, smem.v_ready, smem.v, smem.vt, slot, b, kv_h, row, 1)
                 it, n_done = it + n_tiles, n_done + 1
             n_seen += 1
             item = sched.claim() if sched.DYNAMIC else item + gl.num_programs(0)
@@ -1281,8 +1276,8 @@ if gluon is not None:
                     smem.k.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dk_out)
                     smem.v.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dv.to(glob.DV.dtype.element_ty))
                     fence_async_shared()
-                    _gl_store_tile(glob.dk, smem.k.index(WG), b, hk, q_start + key_lo, cfg.VARLEN)
-                    _gl_store_tile(glob.dv, smem.v.index(WG), b, hk, q_start + key_lo, cfg.VARLEN)
+                    _gl_store_tile(glob.dk, smem.k, WG, b, hk, q_start + key_lo)
+                    _gl_store_tile(glob.dv, smem.v, WG, b, hk, q_start + key_lo)
                     tma.store_wait(0)  # the stores have read the tiles before the CTA's shared memory goes
                 else:
                     _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k_b, 0, acc_layout)
@@ -1298,8 +1293,6 @@ if gluon is not None:
     def _gl_bwd_loader(cfg, glob, smem, sched):
         """The producer warp: per work item each warpgroup's K and V (once both consumers are done with the last),
         then Q_i, dO_i, L_i (in base 2) and Delta_i of every query tile of the group's heads into the ring."""
-        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
-        TAIL: gl.constexpr = cfg.TAIL
         BLOCK_M: gl.constexpr = cfg.BLOCK_M
         NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
         offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
@@ -1313,11 +1306,8 @@ if gluon is not None:
                     mbarrier.wait(smem.kv_empty.index(0), (n_done & 1) ^ 1)
                 for wg in gl.static_range(2):
                     row = q_start + start_n + wg * cfg.BLOCK_N
-                    mbarrier.expect(smem.kv_ready.index(wg), 2 * _gl_tile_bytes(glob.k, glob.kt, TAIL))
-                    _gl_load_tile(glob.k, glob.kt, smem.kv_ready.index(wg), smem.k.index(wg), smem.kt.index(wg), b, hk,
-                                  row, HEAD_DIM, TAIL, cfg.VARLEN)
-                    _gl_load_tile(glob.v, glob.vt, smem.kv_ready.index(wg), smem.v.index(wg), smem.vt.index(wg), b, hk,
-                                  row, HEAD_DIM, TAIL, cfg.VARLEN)
+                    _gl_load_tile(glob.k, glob.kt, smem.kv_ready, smem.k, smem.kt, wg, b, hk, row, 2)  # K and V
+                    _gl_load_tile(glob.v, glob.vt, smem.kv_ready, smem.v, smem.vt, wg, b, hk, row, 0)
                 for i in range(cfg.group * n_iter):
                     slot = (t + i) % NUM_STAGES
                     h = hk * cfg.group + i // n_iter
@@ -1327,11 +1317,8 @@ if gluon is not None:
                     l_off = b.to(gl.int64) * glob.stride_lb + h * glob.stride_lh + q_start + rows
                     # the TMA loads first, so that L's and Delta's load latency runs under theirs; the slot is ready
                     # after the bytes and a second arrival
-                    mbarrier.expect(smem.ready.index(slot), 2 * _gl_tile_bytes(glob.q, glob.qt, TAIL))
-                    _gl_load_tile(glob.q, glob.qt, smem.ready.index(slot), smem.q.index(slot), smem.qt.index(slot),
-                                  b, h, q_start + start_m, HEAD_DIM, TAIL, cfg.VARLEN)
-                    _gl_load_tile(glob.do, glob.dot, smem.ready.index(slot), smem.do.index(slot),
-                                  smem.dot.index(slot), b, h, q_start + start_m, HEAD_DIM, TAIL, cfg.VARLEN)
+                    _gl_load_tile(glob.q, glob.qt, smem.ready, smem.q, smem.qt, slot, b, h, q_start + start_m, 2)
+                    _gl_load_tile(glob.do, glob.dot, smem.ready, smem.do, smem.dot, slot, b, h, q_start + start_m, 0)
                     smem.lse.index(slot).store(gl.load(glob.LSE + l_off, mask=rows < seqlen_q_b, other=0.0)
                                                * 1.4426950408889634)
                     smem.delta.index(slot).store(gl.load(glob.DELTA + l_off, mask=rows < seqlen_q_b, other=0.0))
@@ -1411,6 +1398,8 @@ if gluon is not None:
             row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
             delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
+            # arrivals: kv_empty, both consumers' last matmul of an item; ds_ready, both warpgroups' dS tiles stored;
+            # ready, the TMA bytes' expect and the L/Delta stores; empty, both consumers' releases
             kv_ready, kv_empty, ds_ready = _gl_bars(2), _gl_bars(1), _gl_bars(2)
             dq_full, dq_empty, ready, empty = _gl_bars(4), _gl_bars(4), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES)
             sched = _gl_schedule(counter, DYNAMIC)
