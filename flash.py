@@ -202,11 +202,17 @@ def _store_rows(dst, start, stride, seqlen, offs, x):
 
 
 @triton.jit
-def _doc_bounds(cu_seqlens, b):
-    """First row and length of packed sequence b's queries and keys (64-bit starts: start * stride may pass 2^31)."""
-    cu_q, cu_k = cu_seqlens
-    q0, q1, k0, k1 = tl.load(cu_q + b), tl.load(cu_q + b + 1), tl.load(cu_k + b), tl.load(cu_k + b + 1)
-    return q0.to(tl.int64), q1 - q0, k0.to(tl.int64), k1 - k0
+def _sequence(cu_seqlens, num_heads, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """(b, h, first query row, seqlen_q, first key row, seqlen_k) of program_id(0) = batch b x head h; packed, the
+    rows of sequence b's queries and keys (64-bit starts: start * stride may pass 2^31)."""
+    pid_bh = tl.program_id(0)
+    b, h = pid_bh // num_heads, pid_bh % num_heads
+    q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
+    if VARLEN:
+        cu_q, cu_k = cu_seqlens
+        q0, q1, k0, k1 = tl.load(cu_q + b), tl.load(cu_q + b + 1), tl.load(cu_k + b), tl.load(cu_k + b + 1)
+        q_start, seqlen_q, k_start, seqlen_k = q0.to(tl.int64), q1 - q0, k0.to(tl.int64), k1 - k0
+    return b, h, q_start, seqlen_q, k_start, seqlen_k
 
 
 @triton.jit
@@ -249,13 +255,8 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
         stride_ob, stride_oh, stride_os = strides
     qk_scale = tl.cast(qk_scale, tl.float32)  # a Python float may come typed fp64
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest causal tiles launch first
-    b, h = pid_bh // num_heads, pid_bh % num_heads
-    q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
-    if VARLEN:  # sequence b's slice of the packed rows
-        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
-    start_m = pid_m * BLOCK_M
+    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens, num_heads, seqlen_q, seqlen_k, VARLEN)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest causal tiles launch first
     if start_m >= seqlen_q:  # a tile past its sequence's end exits at once
         return
     b64 = b.to(tl.int64)
@@ -290,11 +291,7 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, strides, stride_lb, stride_l
     """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns, and the same rows
     of DQ (its first dq_cols columns), the fp32 buffer the Gluon backward adds dQ into, zeroed."""
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = strides
-    pid_bh = tl.program_id(0)
-    b, h = pid_bh // num_heads, pid_bh % num_heads
-    q_start = tl.full([], 0, tl.int64)
-    if VARLEN:
-        q_start, seqlen_q, _, _ = _doc_bounds((cu_seqlens_q, cu_seqlens_q), b)
+    b, h, q_start, seqlen_q, _, _ = _sequence((cu_seqlens_q, cu_seqlens_q), num_heads, seqlen_q, seqlen_q, VARLEN)
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -356,13 +353,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb,
             strides
     seqlen_q, seqlen_k = seqlens
     qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b, h = pid_bh // num_heads, pid_bh % num_heads
-    q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
-    if VARLEN:  # sequence b's slice of the packed rows
-        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
-    start_m = pid_m * BLOCK_M
+    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens, num_heads, seqlen_q, seqlen_k, VARLEN)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     if start_m >= seqlen_q:
         return
     b64 = b.to(tl.int64)
@@ -441,13 +433,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
             strides
     seqlen_q, seqlen_k = seqlens
     qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
-    pid_bh = tl.program_id(0)
-    pid_n = tl.program_id(1)  # causal: the first key tiles have the most query rows, so they launch first
-    b, hk = pid_bh // num_kv_heads, pid_bh % num_kv_heads
-    q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
-    if VARLEN:  # sequence b's slice of the packed rows
-        q_start, seqlen_q, k_start, seqlen_k = _doc_bounds(cu_seqlens, b)
-    start_n = pid_n * BLOCK_N
+    b, hk, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens, num_kv_heads, seqlen_q, seqlen_k, VARLEN)
+    start_n = tl.program_id(1) * BLOCK_N  # causal: the first key tiles have the most query rows, so they launch first
     if start_n >= seqlen_k:
         return
     b64 = b.to(tl.int64)
