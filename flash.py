@@ -20,8 +20,7 @@ never store S or P: the forward keeps a running max m_i and sum l_i (online soft
 P = exp(S - L) tile by tile and uses Delta = rowsum(dO * O) (which equals rowsum(P * dP)), so
 dS = P * (dP - Delta), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), dV = P^T dO.
 FLASH_BACKEND=triton forces the Triton kernels, FLASH_BACKEND=gluon insists on the Hopper ones (default: auto).
-On a machine without CUDA the Triton kernels run in Triton's interpreter, so importing this file there sets
-TRITON_INTERPRET=1 (unless it is already set) before importing triton; it is slow, so keep shapes tiny there.
+Without CUDA the Triton kernels run in Triton's (slow) interpreter: importing this file sets TRITON_INTERPRET=1.
 """
 import functools
 import math
@@ -79,8 +78,7 @@ def attention_varlen_reference(q, k, v, cu_seqlens, causal=True, cu_seqlens_k=No
     return o, lse
 
 
-TWIN_TILE = 64  # the readable twin: the kernels' tiled online softmax and recomputing backward in plain PyTorch,
-# one query tile and one key tile at a time (the kernels do exactly this, a tile per program)
+TWIN_TILE = 64  # the readable twin: the kernels' tiled online softmax and recomputing backward in plain PyTorch
 
 
 def _twin_forward(q, k, v, causal, tile=TWIN_TILE):
@@ -153,10 +151,10 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 # 2. Attention in Triton (FlashAttention-2). One layout serves dense and packed inputs: a tensor is addressed as
 #      base + batch * stride_b + head * stride_h + (seq_start + row) * stride_s + dim
 #    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch].
-#    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes its operands' strides as one
-#    tuple (b, h, s per operand, in the order of its pointers) and the query and key cu_seqlens as a pair.
-#    Autotuning picks among two configs per head-dim class and element size; few integers are specialized
-#    (compiling is the cold start). The interpreter runs tiles smaller than the test lengths, so every path runs.
+#    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes its operands' (b, h, s) strides as
+#    one tuple, the query and key cu_seqlens as a pair. Autotuning picks among two configs per head-dim class and
+#    element size; few integers are specialized (compiling is the cold start). The interpreter's smaller tiles run
+#    every path at the test lengths.
 # ---------------------------------------------------------------------------------------------------------------
 
 TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC"]
@@ -164,8 +162,7 @@ INTERPRET_BLOCKS = {"fwd": (32, 16), "dq": (32, 16), "dkdv": (16, 32)}
 
 
 def _autotuned(table):
-    """triton.autotune over the caller's class of `table` ({(head-dim class, element size): [configs]}), its pick
-    cached on disk; the plain kernel under the interpreter."""
+    """triton.autotune among table[(head-dim class, element size)], its pick cached on disk; as is if interpreted."""
     def wrap(kernel):
         if INTERPRET:
             return kernel
@@ -249,8 +246,8 @@ FWD_CONFIGS = {  # (head-dim class, element size): (BLOCK_M, BLOCK_N, warps, sta
 def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen_q, seqlen_k, num_heads, group,
               qk_scale, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
               PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query tile, batch x head): O and L of BLOCK_M rows. Key tiles left of the diagonal run
-    without index compares, the diagonal tile and a ragged end with them; tiles right of it are never visited."""
+    """One program per (query tile, batch x head): O and L of BLOCK_M rows. Key tiles left of the diagonal need no
+    index compare; the diagonal tile and a ragged end do; tiles right of it are never visited."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
         stride_ob, stride_oh, stride_os = strides
@@ -476,8 +473,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_
 
 # Launchers: dense (B, H, S, D) when cu_seqlens_q is None, packed (total, H, D) otherwise.
 
-def _bucket(n):
-    """SEQ_BUCKET, the autotuning key's length class: n rounded up to a power of two (at least 16)."""
+def _pow2(n):  # SEQ_BUCKET (the tuning key's length class), and the kernels' tile width (others run zero-padded)
     return max(16, triton.next_power_of_2(n))
 
 
@@ -485,20 +481,13 @@ def _blocks(name):
     return dict(zip(("BLOCK_M", "BLOCK_N"), INTERPRET_BLOCKS[name])) if INTERPRET else {}
 
 
-def _unit_last(x):  # the kernels read rows with unit stride along the head dim
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _empty_out(x):  # x's own layout when dense (a transposed (B, S, H, D) view stays one: its transpose back is free)
     return torch.empty_like(x) if x.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def _kernel_head_dim(d):  # the Triton kernels' tile width; other head dims run on zero-padded copies
-    return max(16, triton.next_power_of_2(d))
-
-
-def _pad(x, d_pad):
-    return x if x.shape[-1] == d_pad else torch.nn.functional.pad(x, (0, d_pad - x.shape[-1]))
+def _padded(x, width):  # x zero-padded to `width` columns, with the unit stride along them that the kernels read
+    x = x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _strides(varlen, *xs):  # the (b, h, s) strides of each tensor in one tuple (packed: no batch stride)
@@ -544,13 +533,13 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     o, lse = _fwd_outputs(q, cu_seqlens_q)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
-    d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
-    qp, kp, vp = (_unit_last(_pad(x, d_pad)) for x in (q, k, v))
+    d, d_pad = q.shape[-1], _pow2(q.shape[-1])
+    qp, kp, vp = (_padded(x, d_pad) for x in (q, k, v))
     op = o if d_pad == d else _empty_out(qp)
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
     grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
     _attn_fwd[grid](qp, kp, vp, op, lse, cu, _strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
-                    heads // kv_heads, LOG2E / math.sqrt(d), _bucket(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal,
+                    heads // kv_heads, LOG2E / math.sqrt(d), _pow2(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal,
                     VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))
     if op is not o:
         o.copy_(op[..., :d])
@@ -569,12 +558,12 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    d, d_pad = q.shape[-1], _kernel_head_dim(q.shape[-1])
-    dop, qp, kp, vp, op = (_unit_last(_pad(x, d_pad)) for x in (do, q, k, v, o))
+    d, d_pad = q.shape[-1], _pow2(q.shape[-1])
+    dop, qp, kp, vp, op = (_padded(x, d_pad) for x in (do, q, k, v, o))
     dqp, dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dq, qp), (dk, kp), (dv, vp)))
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     delta, scale = torch.empty_like(lse), 1.0 / math.sqrt(d)
-    common = dict(SEQ_BUCKET=_bucket(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
+    common = dict(SEQ_BUCKET=_pow2(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
                   PREC=_precision(q.dtype))
     _attn_bwd_dq[lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))](
         qp, kp, vp, op, dop, dqp, lse, delta, cu, _strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
@@ -621,17 +610,15 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernels serve everything
     gluon = None
 
-# tile width along the head dim (main + tail) -> (BLOCK_M per consumer warpgroup, BLOCK_N, K/V stages, Q tiles
-# per warpgroup: with 2 the producer loads the next item's Q while this item's last matmuls run). D=128 keeps
-# two stages and one Q tile, so that O's staging tiles fit in shared memory.
+# tile width (main + tail) -> (BLOCK_M per consumer warpgroup, BLOCK_N, K/V stages, Q tiles per warpgroup: with 2
+# the next item's Q loads under this item's last matmuls); D=128's one Q tile leaves room for O's staging tiles.
 GLUON_FWD_CONFIGS = {64: (64, 128, 3, 2), 80: (64, 128, 3, 2), 96: (64, 128, 3, 2), 128: (64, 128, 2, 1)}
 # head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split (2: each
 # warpgroup makes half of dQ's columns), persistent grid (False: a CTA per item, so the compiler drops the item loop
-# at the register limit), the dQ tiles' swizzle bytes (32 at D=128: 128 made the 8-byte stores hit one bank)).
+# at the register limit), the dQ tiles' swizzle bytes (32 at D=128: with 128 the 8-byte stores hit one bank)).
 GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True, 128), 80: (64, 64, 3, 1, True, 128),
                      96: (64, 64, 2, 1, True, 128), 128: (64, 64, 2, 2, False, 32)}
-# the backward stores full dK/dV tiles through shared memory and TMA up to this many keys per sequence at D=128:
-# past it the values the epilogue keeps live make its inner loop spill
+# the backward stores full dK/dV tiles by TMA up to this many keys a sequence at D=128 (past it its inner loop spills)
 GLUON_BWD_DKV_TMA_MAX_SEQLEN = 4096
 
 if gluon is not None:
@@ -639,8 +626,8 @@ if gluon is not None:
               "smem": gl.shared_memory_descriptor, "desc": tma.tensor_descriptor}
 
     def _bundle(**fields):
-        """A Gluon aggregate of the fields named by kind (kind="name name ...", built positionally in that order;
-        an int may come as a constexpr, as Triton passes ints equal to 1): one argument instead of many."""
+        """A Gluon aggregate of fields named by kind (kind="name name ...", built positionally in that order; an int
+        may come as a constexpr, as Triton passes ints equal to 1): one argument instead of many."""
         names = [(name, kind) for kind, group in fields.items() for name in group.split()]
 
         def wrap(cls):
@@ -655,12 +642,6 @@ if gluon is not None:
             cls.__init__ = __init__
             return _aggregate(cls)
         return wrap
-
-    @gluon.jit
-    def _gl_warp_uniform(x):
-        """x, the same int32 in every lane, as lane 0's value (a shuffle): tells the compiler it is warp-uniform."""
-        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=gl.int32,
-                                         is_pure=True, pack=1)
 
     @_bundle(smem="ring ready empty", tensor="counter", constexpr="DYNAMIC")
     class _Schedule:
@@ -683,7 +664,9 @@ if gluon is not None:
             layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             item = gl.max(self.ring.index(s).load(layout), 0)
             mbarrier.arrive(self.empty.index(s), count=1)
-            return _gl_warp_uniform(item)
+            # lane 0's value (a shuffle; every lane holds the same): tells the compiler the item is warp-uniform
+            return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [item], dtype=gl.int32,
+                                             is_pure=True, pack=1)
 
         @gluon.jit
         def first(self):  # a reader's first item: from the ring, or with one CTA per item its own
@@ -747,7 +730,8 @@ if gluon is not None:
         HEAD_DIM: gl.constexpr = desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(desc, tail_desc)
         if EXPECT > 0:
-            mbarrier.expect(bars.index(i), EXPECT * _gl_tile_bytes(desc, tail_desc, TAIL))
+            nbytes: gl.constexpr = desc.block_type.nbytes + (tail_desc.block_type.nbytes if TAIL > 0 else 0)
+            mbarrier.expect(bars.index(i), EXPECT * nbytes)
         bar, dst, tail_dst = bars.index(i), tiles.index(i), tail_tiles.index(i)
         _tma_load(desc, [row, h, 0] if _gl_packed(desc) else [b, h, row, 0], bar, dst)
         if TAIL > 0:
@@ -760,10 +744,6 @@ if gluon is not None:
     @gluon.constexpr_function
     def _gl_mma_layout(n):  # a warpgroup's wgmma accumulator layout for tiles n columns wide
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-    @gluon.constexpr_function
-    def _gl_tile_bytes(desc, tail_desc, TAIL):  # the bytes _gl_load_tile loads
-        return desc.block_type.nbytes + (tail_desc.block_type.nbytes if TAIL > 0 else 0)
 
     @gluon.constexpr_function
     def _gl_tail(desc, tail_desc):  # the tail tiles' width: 0 where the tail descriptor is the main one again
@@ -1477,7 +1457,7 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
                                     else q.shape[0] * triton.cdiv(seqlen, 128))
         if not _gluon_d64(seqlen, query_tiles, packed, backward, _sm_count(q.device.index)):
             return False
-    aligned = _kernel_head_dim(q.shape[-1]) != q.shape[-1] or all(_tma_ready(x) for x in (q, k, v, *more))
+    aligned = _pow2(q.shape[-1]) != q.shape[-1] or all(_tma_ready(x) for x in (q, k, v, *more))
     return aligned and (packed or k.shape[2] > 0)
 
 
@@ -1534,7 +1514,7 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
 
 def _tma_operand(x, width):
     """x itself where TMA can read it (tiles past its head dim read zeros), else a copy zero-padded to `width`."""
-    return x if _tma_ready(x) else _pad(x, width).contiguous()
+    return x if _tma_ready(x) else _padded(x, width).contiguous()
 
 
 def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
@@ -1547,13 +1527,13 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     dop, qp, kp, vp = (_tma_operand(x, main + tail) for x in (do, q, k, v))
-    o, delta = _unit_last(o), torch.empty_like(lse)
+    o, delta = _padded(o, d), torch.empty_like(lse)
     # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
     dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q if varlen else lse
     _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
         o, dop, delta, dq_acc, cu, _strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
-        HEAD_DIM=_kernel_head_dim(main + tail), VARLEN=varlen, BLOCK_M=64)
+        HEAD_DIM=_pow2(main + tail), VARLEN=varlen, BLOCK_M=64)
     # work items: key tiles x batch x K/V heads (persistent and packed: slots (_gl_doc_slot) x K/V heads)
     scale = 1.0 / math.sqrt(d)
     n_tiles, n_bh = triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads
