@@ -78,73 +78,67 @@ def attention_varlen_reference(q, k, v, cu_seqlens, causal=True, cu_seqlens_k=No
     return o, lse
 
 
-TWIN_TILE = 64  # the readable twin: the kernels' tiled online softmax and recomputing backward in plain PyTorch
-
-
-def _twin_forward(q, k, v, causal, tile=TWIN_TILE):
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    n_q, n_k, scale = q.shape[-2], k.shape[-2], 1.0 / math.sqrt(q.shape[-1])
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=acc_dtype, device=q.device)
-    for i0 in range(0, n_q, tile):
-        q_i = q[..., i0:i0 + tile, :].to(acc_dtype)
-        rows = torch.arange(i0, i0 + q_i.shape[-2], device=q.device)
-        m_i = torch.full(q_i.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
-        l_i = torch.zeros_like(m_i)
-        acc = torch.zeros(q_i.shape[:-1] + (v.shape[-1],), dtype=acc_dtype, device=q.device)
-        n_end = min(n_k, i0 + q_i.shape[-2]) if causal else n_k  # key tiles right of the diagonal: never visited
-        for j0 in range(0, n_end, tile):
-            k_j, v_j = k[..., j0:j0 + tile, :].to(acc_dtype), v[..., j0:j0 + tile, :].to(acc_dtype)
-            s = (q_i @ k_j.transpose(-1, -2)) * scale
-            if causal and j0 + k_j.shape[-2] - 1 > i0:  # diagonal tile: the one place with a compare
-                cols = torch.arange(j0, j0 + k_j.shape[-2], device=q.device)
-                s = s.masked_fill(cols[None, :] > rows[:, None], -1e6)  # finite: a fully masked row gives no inf - inf
-            m_new = torch.maximum(m_i, s.amax(-1))
-            p = torch.exp(s - m_new[..., None])
-            alpha = torch.exp(m_i - m_new)
-            l_i = alpha * l_i + p.sum(-1)
-            acc = alpha[..., None] * acc + p @ v_j
-            m_i = m_new
-        o[..., i0:i0 + tile, :] = (acc / l_i[..., None]).to(q.dtype)
-        lse[..., i0:i0 + tile] = m_i + torch.log(l_i)
-    return o, lse
-
-
-def _twin_backward(q, k, v, o, lse, do, causal, tile=TWIN_TILE):
-    acc_dtype = lse.dtype
-    n_q, n_k, scale = q.shape[-2], k.shape[-2], 1.0 / math.sqrt(q.shape[-1])
-    delta = (do.to(acc_dtype) * o.to(acc_dtype)).sum(-1)  # Delta = rowsum(dO * O)
-    dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype, device=q.device) for x in (q, k, v))
-    for j0 in range(0, n_k, tile):
-        k_j, v_j = k[..., j0:j0 + tile, :].to(acc_dtype), v[..., j0:j0 + tile, :].to(acc_dtype)
-        cols = torch.arange(j0, j0 + k_j.shape[-2], device=q.device)
-        for i0 in range(j0 if causal else 0, n_q, tile):  # causal: start at the diagonal
-            sl = slice(i0, i0 + tile)
-            q_i, do_i = q[..., sl, :].to(acc_dtype), do[..., sl, :].to(acc_dtype)
-            rows = torch.arange(i0, i0 + q_i.shape[-2], device=q.device)
-            p = torch.exp((q_i @ k_j.transpose(-1, -2)) * scale - lse[..., sl, None])
-            if causal:
-                p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
-            dv[..., j0:j0 + tile, :] += p.transpose(-1, -2) @ do_i
-            ds = p * (do_i @ v_j.transpose(-1, -2) - delta[..., sl, None])
-            dq[..., sl, :] += (ds @ k_j) * scale
-            dk[..., j0:j0 + tile, :] += (ds.transpose(-1, -2) @ q_i) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+TWIN_TILE = 64
 
 
 class FlashAttentionPyTorch(torch.autograd.Function):
-    """Tiled FlashAttention-2 in plain PyTorch on (..., seq, d); saves L of shape (..., seq_q)."""
+    """Tiled FlashAttention-2 in plain PyTorch on (..., seq, d), the readable twin of the kernels: their online
+    softmax and recomputing backward, one query tile and one key tile at a time; saves L of shape (..., seq_q)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):
-        o, lse = _twin_forward(q, k, v, causal)
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)
+        n_q, n_k, scale = q.shape[-2], k.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=acc_dtype, device=q.device)
+        for i0 in range(0, n_q, TWIN_TILE):
+            q_i = q[..., i0:i0 + TWIN_TILE, :].to(acc_dtype)
+            rows = torch.arange(i0, i0 + q_i.shape[-2], device=q.device)
+            m_i = torch.full(q_i.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
+            l_i = torch.zeros_like(m_i)
+            acc = torch.zeros(q_i.shape[:-1] + (v.shape[-1],), dtype=acc_dtype, device=q.device)
+            n_end = min(n_k, i0 + q_i.shape[-2]) if causal else n_k  # key tiles right of the diagonal: never visited
+            for j0 in range(0, n_end, TWIN_TILE):
+                k_j, v_j = k[..., j0:j0 + TWIN_TILE, :].to(acc_dtype), v[..., j0:j0 + TWIN_TILE, :].to(acc_dtype)
+                s = (q_i @ k_j.transpose(-1, -2)) * scale
+                if causal and j0 + k_j.shape[-2] - 1 > i0:  # diagonal tile: the one place with a compare
+                    cols = torch.arange(j0, j0 + k_j.shape[-2], device=q.device)
+                    s = s.masked_fill(cols[None, :] > rows[:, None], -1e6)  # finite: no inf - inf in a masked row
+                m_new = torch.maximum(m_i, s.amax(-1))
+                p = torch.exp(s - m_new[..., None])
+                alpha = torch.exp(m_i - m_new)
+                l_i = alpha * l_i + p.sum(-1)
+                acc = alpha[..., None] * acc + p @ v_j
+                m_i = m_new
+            o[..., i0:i0 + TWIN_TILE, :] = (acc / l_i[..., None]).to(q.dtype)
+            lse[..., i0:i0 + TWIN_TILE] = m_i + torch.log(l_i)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
         return o
 
     @staticmethod
     def backward(ctx, do):
-        return (*_twin_backward(*ctx.saved_tensors, do, ctx.causal), None)
+        q, k, v, o, lse = ctx.saved_tensors
+        causal = ctx.causal
+        acc_dtype = lse.dtype
+        n_q, n_k, scale = q.shape[-2], k.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+        delta = (do.to(acc_dtype) * o.to(acc_dtype)).sum(-1)  # Delta = rowsum(dO * O)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype, device=q.device) for x in (q, k, v))
+        for j0 in range(0, n_k, TWIN_TILE):
+            k_j, v_j = k[..., j0:j0 + TWIN_TILE, :].to(acc_dtype), v[..., j0:j0 + TWIN_TILE, :].to(acc_dtype)
+            cols = torch.arange(j0, j0 + k_j.shape[-2], device=q.device)
+            for i0 in range(j0 if causal else 0, n_q, TWIN_TILE):  # causal: start at the diagonal
+                sl = slice(i0, i0 + TWIN_TILE)
+                q_i, do_i = q[..., sl, :].to(acc_dtype), do[..., sl, :].to(acc_dtype)
+                rows = torch.arange(i0, i0 + q_i.shape[-2], device=q.device)
+                p = torch.exp((q_i @ k_j.transpose(-1, -2)) * scale - lse[..., sl, None])
+                if causal:
+                    p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
+                dv[..., j0:j0 + TWIN_TILE, :] += p.transpose(-1, -2) @ do_i
+                ds = p * (do_i @ v_j.transpose(-1, -2) - delta[..., sl, None])
+                dq[..., sl, :] += (ds @ k_j) * scale
+                dk[..., j0:j0 + TWIN_TILE, :] += (ds.transpose(-1, -2) @ q_i) * scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 # ---------------------------------------------------------------------------------------------------------------
