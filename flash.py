@@ -775,8 +775,6 @@ if gluon is not None:
             start_m, n_tiles, n_full): key tiles to visit, n_full of them without compares. Longest tiles first,
             one head's in a row (HEAD_MAJOR) or one of every head; packed: m_tiles slots per head (_gl_doc_slot).
             Empty items have start_m >= seqlen_q."""
-            BLOCK_M: gl.constexpr = self.BLOCK_M
-            BLOCK_N: gl.constexpr = self.BLOCK_N
             if self.HEAD_MAJOR:
                 bh, pid_m = t // self.m_tiles, self.m_tiles - 1 - t % self.m_tiles
             else:
@@ -784,15 +782,15 @@ if gluon is not None:
             q_start, seqlen_q, seqlen_k = 0, self.seqlen_q, self.seqlen_k
             if self.VARLEN:  # bh is the head, pid_m a slot
                 h = bh
-                b, q_start, seqlen_q, pid_m = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_m, 2 * BLOCK_M)
+                b, q_start, seqlen_q, pid_m = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_m, 2 * self.BLOCK_M)
                 seqlen_k = seqlen_q
             else:
                 b, h = bh // self.num_heads, bh % self.num_heads
-            start_m = pid_m * 2 * BLOCK_M
-            hi = gl.minimum(seqlen_k, start_m + 2 * BLOCK_M) if self.CAUSAL else seqlen_k
-            n_full = seqlen_k // BLOCK_N  # key tiles with no index compare
-            n_full = gl.minimum(start_m, n_full * BLOCK_N) // BLOCK_N if self.CAUSAL else n_full
-            return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, BLOCK_N), n_full
+            start_m = pid_m * 2 * self.BLOCK_M
+            hi = gl.minimum(seqlen_k, start_m + 2 * self.BLOCK_M) if self.CAUSAL else seqlen_k
+            n_full = seqlen_k // self.BLOCK_N  # key tiles with no index compare
+            n_full = gl.minimum(start_m, n_full * self.BLOCK_N) // self.BLOCK_N if self.CAUSAL else n_full
+            return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, self.BLOCK_N), n_full
 
     @_bundle(desc="q k v qt kt vt o", tensor="O LSE", int="stride_ob stride_oh stride_os stride_lb stride_lh")
     class _FwdGlobal:
@@ -946,7 +944,6 @@ if gluon is not None:
     def _gl_fwd_loader(cfg, glob, smem, sched):
         """The producer warp: per work item both halves of Q into their warpgroups' Q tiles, then K_j and V_j into
         ring slots once both consumers have released them (the empty barriers start as if released)."""
-        NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
         it, n_done, item, n_seen = 0, 0, gl.program_id(0), 0  # n_seen: items taken (the schedule ring's position)
         while item < cfg.n_items:
             if sched.DYNAMIC:
@@ -960,8 +957,8 @@ if gluon is not None:
                     _gl_load_tile(glob.q, glob.qt, smem.q_ready, smem.q, smem.qt, qi, b, h,
                                   q_start + start_m + wg * cfg.BLOCK_M, 1)
                 for j in range(n_tiles):
-                    slot = (it + j) % NUM_STAGES
-                    phase = ((it + j) // NUM_STAGES) & 1
+                    slot = (it + j) % cfg.NUM_STAGES
+                    phase = ((it + j) // cfg.NUM_STAGES) & 1
                     row = q_start + j * cfg.BLOCK_N
                     mbarrier.wait(smem.k_empty.index(slot), phase ^ 1)
                     _gl_load_tile(glob.k, glob.kt, smem.k_ready, smem.k, smem.kt, slot, b, kv_h, row, 1)
@@ -1043,13 +1040,11 @@ if gluon is not None:
             start_n + 2 x BLOCK_N) of one batch x K/V head, seen by query tiles m_lo .. m_lo + n_iter - 1 of each
             head of its group; one head's key tiles in a row, the first first. Packed: n_tiles tiles per document,
             or SLOTS, n_tiles slots per head (_gl_doc_slot). Empty items: start_n >= seqlen_k."""
-            BLOCK_M: gl.constexpr = self.BLOCK_M
-            BLOCK_N: gl.constexpr = self.BLOCK_N
             bh, pid_n = t // self.n_tiles, t % self.n_tiles
             q_start, seqlen_q, seqlen_k = 0, self.seqlen_q, self.seqlen_k
             if self.VARLEN and SLOTS:  # bh is the K/V head, pid_n a slot
                 hk = bh
-                b, q_start, seqlen_q, pid_n = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_n, 2 * BLOCK_N)
+                b, q_start, seqlen_q, pid_n = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_n, 2 * self.BLOCK_N)
                 seqlen_k = seqlen_q
             else:
                 b, hk = bh // self.num_kv_heads, bh % self.num_kv_heads
@@ -1057,9 +1052,9 @@ if gluon is not None:
                     q_start = gl.load(self.cu_seqlens_q + b)
                     seqlen_q = gl.load(self.cu_seqlens_q + b + 1) - q_start
                     seqlen_k = seqlen_q
-            start_n = pid_n * 2 * BLOCK_N
-            m_lo = start_n // BLOCK_M if self.CAUSAL else 0  # causal: query rows before start_n see none of them
-            n_iter = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+            start_n = pid_n * 2 * self.BLOCK_N
+            m_lo = start_n // self.BLOCK_M if self.CAUSAL else 0  # causal: query rows before start_n see none of them
+            n_iter = gl.maximum(gl.cdiv(seqlen_q, self.BLOCK_M) - m_lo, 0)
             return b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter
 
     @_bundle(desc="q k v do dq qt kt vt dot dqt dk dv", tensor="DK DV LSE DELTA",
@@ -1254,9 +1249,7 @@ if gluon is not None:
     def _gl_bwd_loader(cfg, glob, smem, sched):
         """The producer warp: per work item each warpgroup's K and V (once both consumers are done with the last),
         then Q_i, dO_i, L_i (in base 2) and Delta_i of every query tile of the group's heads into the ring."""
-        BLOCK_M: gl.constexpr = cfg.BLOCK_M
-        NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
-        offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
+        offs = gl.arange(0, cfg.BLOCK_M, layout=gl.BlockedLayout([cfg.BLOCK_M // 32], [32], [1], [0]))
         t, n_done, n_seen, item = 0, 0, 0, gl.program_id(0)  # so far: query tiles, items done, items taken
         while item < cfg.n_items:
             if sched.DYNAMIC:
@@ -1270,10 +1263,10 @@ if gluon is not None:
                     _gl_load_tile(glob.k, glob.kt, smem.kv_ready, smem.k, smem.kt, wg, b, hk, row, 2)  # K and V
                     _gl_load_tile(glob.v, glob.vt, smem.kv_ready, smem.v, smem.vt, wg, b, hk, row, 0)
                 for i in range(cfg.group * n_iter):
-                    slot = (t + i) % NUM_STAGES
+                    slot = (t + i) % cfg.NUM_STAGES
                     h = hk * cfg.group + i // n_iter
-                    start_m = (m_lo + i % n_iter) * BLOCK_M
-                    mbarrier.wait(smem.empty.index(slot), (((t + i) // NUM_STAGES) & 1) ^ 1)
+                    start_m = (m_lo + i % n_iter) * cfg.BLOCK_M
+                    mbarrier.wait(smem.empty.index(slot), (((t + i) // cfg.NUM_STAGES) & 1) ^ 1)
                     rows = start_m + offs
                     l_off = b.to(gl.int64) * glob.stride_lb + h * glob.stride_lh + q_start + rows
                     # the TMA loads first, so that L's and Delta's load latency runs under theirs; the slot is ready
@@ -1294,8 +1287,6 @@ if gluon is not None:
     def _gl_bwd_dq_writer(cfg, glob, smem, sched):
         """The dQ warp: each warpgroup's dQ share from shared memory added to the fp32 dQ buffer with a TMA bulk
         reduce-add; a buffer is given back once its reduce has read it, one query tile later."""
-        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
-        DQ_COLS: gl.constexpr = cfg.DQ_COLS
         t, n_seen = 0, 0  # so far: query tiles, over all items (the dQ buffers' count), items taken
         item = sched.first()
         while item < cfg.n_items:
@@ -1307,13 +1298,13 @@ if gluon is not None:
                     start_m = (m_lo + i % n_iter) * cfg.BLOCK_M
                     buf = tile % 2
                     for wg in gl.static_range(2):
-                        col = wg * DQ_COLS if DQ_COLS < HEAD_DIM else 0
+                        col = wg * cfg.DQ_COLS if cfg.DQ_COLS < cfg.HEAD_DIM else 0
                         mbarrier.wait(smem.dq_full.index(2 * buf + wg), (tile // 2) & 1)
                         _tma_reduce_add(glob.dq, [q_start + start_m, h, col] if cfg.VARLEN else [b, h, start_m, col],
                                         smem.dq.index(2 * buf + wg))
                         if cfg.TAIL > 0:
-                            _tma_reduce_add(glob.dqt, [q_start + start_m, h, HEAD_DIM] if cfg.VARLEN else
-                                            [b, h, start_m, HEAD_DIM], smem.dqt.index(2 * buf + wg))
+                            _tma_reduce_add(glob.dqt, [q_start + start_m, h, cfg.HEAD_DIM] if cfg.VARLEN else
+                                            [b, h, start_m, cfg.HEAD_DIM], smem.dqt.index(2 * buf + wg))
                     if tile > 0:
                         tma.store_wait(4 if cfg.TAIL > 0 else 2)  # the previous tile's reduces have read their buffers
                         mbarrier.arrive(smem.dq_empty.index(2 * (1 - buf)), count=1)
