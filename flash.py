@@ -679,6 +679,12 @@ if gluon is not None:
         return gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
 
     @gluon.jit
+    def _gl_init_bars(n: gl.constexpr, bars, arrivals: gl.constexpr):  # bars[j][i] for i < n: arrivals[j] arrivals
+        for i in gl.static_range(n):
+            for j in gl.static_range(len(bars)):
+                mbarrier.init(bars[j].index(i), count=arrivals[j])
+
+    @gluon.jit
     def _gl_schedule(counter, DYNAMIC: gl.constexpr):  # a _Schedule, its barriers not yet initialized
         ring = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         return _Schedule(ring, _gl_bars(2), _gl_bars(2), counter, DYNAMIC)
@@ -994,18 +1000,10 @@ if gluon is not None:
             _gl_bars(NUM_STAGES)
         turn = _gl_bars(2)
         sched = _gl_schedule(counter, DYNAMIC)
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
-            mbarrier.init(sched.ready.index(i), count=1)
-            mbarrier.init(sched.empty.index(i), count=2)  # read by both consumers
-        for i in gl.static_range(2 * Q_BUFS):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # released by both consumer warpgroups
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
+        # the schedule's slots are read, the K and V slots released, by both consumer warpgroups
+        _gl_init_bars(2, (turn, sched.ready, sched.empty), (1, 1, 2))
+        _gl_init_bars(2 * Q_BUFS, (q_ready, q_empty), (1, 1))
+        _gl_init_bars(NUM_STAGES, (k_ready, k_empty, v_ready, v_empty), (1, 2, 1, 2))
         smem = _FwdShared(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, q_ready, q_empty, k_ready,
                           k_empty, v_ready, v_empty, turn)
         cfg = _FwdConfig(HEAD_DIM, TAIL, _gl_rows(q_desc), _gl_rows(k_desc), NUM_STAGES, Q_BUFS, CAUSAL,
@@ -1350,23 +1348,16 @@ if gluon is not None:
             row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
             delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
-            # arrivals: kv_empty, both consumers' last matmul of an item; ds_ready, both warpgroups' dS tiles stored;
-            # ready, the TMA bytes' expect and the L/Delta stores; empty, both consumers' releases
             kv_ready, kv_empty, ds_ready = _gl_bars(2), _gl_bars(1), _gl_bars(2)
             dq_full, dq_empty, ready, empty = _gl_bars(4), _gl_bars(4), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES)
             sched = _gl_schedule(counter, DYNAMIC)
-            mbarrier.init(kv_empty.index(0), count=2)  # both consumers have made their last matmul of an item
-            for i in gl.static_range(2):
-                mbarrier.init(kv_ready.index(i), count=1)
-                mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' dS tiles are in shared memory
-                mbarrier.init(sched.ready.index(i), count=1)
-                mbarrier.init(sched.empty.index(i), count=3)  # read by both consumers and the dQ warp
-            for i in gl.static_range(4):
-                mbarrier.init(dq_full.index(i), count=1)
-                mbarrier.init(dq_empty.index(i), count=1)
-            for i in gl.static_range(NUM_STAGES):
-                mbarrier.init(ready.index(i), count=2)  # the TMA bytes' expect and the L/Delta stores
-                mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+            # arrivals: kv_empty, both consumers' last matmul of an item; ds_ready, both warpgroups' dS tiles stored;
+            # the schedule's slots, read by both consumers and the dQ warp; ready, the TMA bytes' expect and the
+            # L/Delta stores; empty, both consumers' releases
+            mbarrier.init(kv_empty.index(0), count=2)
+            _gl_init_bars(2, (kv_ready, ds_ready, sched.ready, sched.empty), (1, 2, 1, 3))
+            _gl_init_bars(4, (dq_full, dq_empty), (1, 1))
+            _gl_init_bars(NUM_STAGES, (ready, empty), (2, 2))
             smem = _BwdShared(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
                               dqt_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty, ds_ready, dq_full,
                               dq_empty)
