@@ -768,7 +768,7 @@ if gluon is not None:
 
     @_bundle(constexpr="HEAD_DIM TAIL BLOCK_M BLOCK_N NUM_STAGES Q_BUFS CAUSAL VARLEN HEAD_MAJOR O_TMA",
              tensor="cu_seqlens_q qk_scale",
-             int="seqlen_q seqlen_k num_heads group m_tiles n_bh n_docs n_items head_dim")
+             int="head_dim seqlen_q seqlen_k num_heads group m_tiles n_bh n_docs n_items")
     class _FwdConfig:
         """The forward's tiling and problem: HEAD_DIM main + TAIL columns (tiles of their own); BLOCK_M query rows
         per consumer warpgroup (two an item), BLOCK_N keys per tile, NUM_STAGES K/V slots, Q_BUFS Q tiles per
@@ -984,8 +984,6 @@ if gluon is not None:
         """n_items = m_tiles * n_bh work items (_FwdConfig.item): a CTA each, or DYNAMIC a persistent grid taking them
         from `counter` (_Schedule). The descriptors' blocks give the tiling; out_strides: O's (b, h, s), L's (b, h);
         dims: (head_dim, seqlen_q, seqlen_k, num_heads, group)."""
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh = out_strides
-        head_dim, seqlen_q, seqlen_k, num_heads, group = dims
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         q_smem = _gl_tiles(q_desc, 2 * Q_BUFS)
@@ -1007,10 +1005,9 @@ if gluon is not None:
         smem = _FwdShared(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, q_ready, q_empty, k_ready,
                           k_empty, v_ready, v_empty, turn)
         cfg = _FwdConfig(HEAD_DIM, TAIL, _gl_rows(q_desc), _gl_rows(k_desc), NUM_STAGES, Q_BUFS, CAUSAL,
-                         _gl_packed(q_desc), HEAD_MAJOR, O_TMA, cu_seqlens_q, qk_scale, seqlen_q, seqlen_k,
-                         num_heads, group, m_tiles, n_bh, n_docs, n_items, head_dim)
-        glob = _FwdGlobal(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, O, LSE, stride_ob, stride_oh,
-                          stride_os, stride_lb, stride_lh)
+                         _gl_packed(q_desc), HEAD_MAJOR, O_TMA, cu_seqlens_q, qk_scale, *dims, m_tiles, n_bh, n_docs,
+                         n_items)
+        glob = _FwdGlobal(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, O, LSE, *out_strides)
         gl.warp_specialize([(_gl_fwd_consumer, (0, cfg, glob, smem, sched)),
                             (_gl_fwd_consumer, (gl.constexpr(1), cfg, glob, smem, sched)),
                             (_gl_fwd_loader, (cfg, glob, smem, sched))], [4, 1], [240, 24])
@@ -1026,7 +1023,7 @@ if gluon is not None:
 
     @_bundle(constexpr="HEAD_DIM TAIL BLOCK_M BLOCK_N NUM_STAGES DQ_COLS CAUSAL VARLEN DKV_TMA",
              tensor="cu_seqlens_q qk_scale sm_scale",
-             int="seqlen_q seqlen_k num_kv_heads group n_tiles n_docs n_items head_dim")
+             int="seqlen_q seqlen_k num_kv_heads group head_dim n_tiles n_docs n_items")
     class _BwdConfig:
         """The backward's tiling and problem: BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup (two
         an item), NUM_STAGES Q/dO slots, DQ_COLS the dQ columns a warpgroup makes; DKV_TMA: full dK/dV tiles leave
@@ -1320,15 +1317,12 @@ if gluon is not None:
         zeroed fp32 dQ buffer; tensors: (dK, dV, L, Delta, cu_seqlens_q, counter); out_strides: dK's and dV's (b, h,
         s), L's (b, h); dims: (seqlen_q, seqlen_k, num_kv_heads, group, head_dim)."""
         DK, DV, LSE, DELTA, cu_seqlens_q, counter = tensors
-        stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs, stride_lb, stride_lh = out_strides
-        seqlen_q, seqlen_k, num_kv_heads, group, head_dim = dims
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         BLOCK_M: gl.constexpr = _gl_rows(q_desc)
         BLOCK_N: gl.constexpr = _gl_rows(k_desc)
         cfg = _BwdConfig(HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, NUM_STAGES, dq_desc.block_type.shape[-1], CAUSAL,
-                         _gl_packed(q_desc), DKV_TMA, cu_seqlens_q, qk_scale, sm_scale, seqlen_q, seqlen_k,
-                         num_kv_heads, group, n_tiles, n_docs, n_items, head_dim)
+                         _gl_packed(q_desc), DKV_TMA, cu_seqlens_q, qk_scale, sm_scale, *dims, n_tiles, n_docs, n_items)
         live = True
         if not DYNAMIC:  # one CTA per item: an empty one (packed, past its document) returns before allocating
             _, _, _, _, seqlen_k_b, start_n, _, _ = cfg.item(gl.program_id(0), DYNAMIC)
@@ -1362,8 +1356,7 @@ if gluon is not None:
                               dqt_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty, ds_ready, dq_full,
                               dq_empty)
             glob = _BwdGlobal(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
-                              dk_desc, dv_desc, DK, DV, LSE, DELTA, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-                              stride_dvh, stride_dvs, stride_lb, stride_lh)
+                              dk_desc, dv_desc, DK, DV, LSE, DELTA, *out_strides)
             gl.warp_specialize([(_gl_bwd_consumer, (0, cfg, glob, smem, sched)),
                                 (_gl_bwd_consumer, (gl.constexpr(1), cfg, glob, smem, sched)),
                                 (_gl_bwd_loader, (cfg, glob, smem, sched)),
