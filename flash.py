@@ -759,9 +759,8 @@ if gluon is not None:
     def _gl_packed(desc):  # VARLEN: packed descriptors are (total, H, D), dense ones (B, H, S, D)
         return len(desc.block_type.shape) == 3
 
-    # The work counts (documents, batch x heads, tiles, items) change from batch to batch and are not specialized on
-    # (do_not_specialize), or batches of a varying number of rows or documents would compile the kernels again in
-    # the middle of a run; they only steer the schedule. Lengths and L's strides stay specialized.
+    # The work counts (documents, batch x heads, tiles, items) change from batch to batch: not specialized on, so that
+    # a new number of rows or documents compiles nothing (they only steer the schedule)
     _GL_COUNTS = ["n_docs", "n_items"]
 
     # ---- the forward ----
@@ -770,17 +769,15 @@ if gluon is not None:
              tensor="cu_seqlens_q qk_scale",
              int="head_dim seqlen_q seqlen_k num_heads group m_tiles n_bh n_docs n_items")
     class _FwdConfig:
-        """The forward's tiling and problem: HEAD_DIM main + TAIL columns (tiles of their own); BLOCK_M query rows
-        per consumer warpgroup (two an item), BLOCK_N keys per tile, NUM_STAGES K/V slots, Q_BUFS Q tiles per
-        warpgroup; HEAD_MAJOR: consecutive items are one head's (sharing K, V in L2); O_TMA: full O tiles leave by
-        TMA; group: query heads per K/V head; m_tiles: items per batch x head (packed: slots per head)."""
+        """The forward's tiling (as GLUON_FWD_CONFIGS; HEAD_DIM + TAIL columns) and problem. HEAD_MAJOR: consecutive
+        items are one head's (sharing K, V in L2); O_TMA: full O tiles leave by TMA; group: query heads per K/V head;
+        m_tiles: items per batch x head (packed: slots per head)."""
 
         @gluon.jit
         def item(self, t):
-            """Work item t (2 x BLOCK_M query rows of one batch x head) -> (b, h, q_start, seqlen_q, seqlen_k,
-            start_m, n_tiles, n_full): key tiles to visit, n_full of them without compares. Longest tiles first,
-            one head's in a row (HEAD_MAJOR) or one of every head; packed: m_tiles slots per head (_gl_doc_slot).
-            Empty items have start_m >= seqlen_q."""
+            """Work item t (2 x BLOCK_M query rows of one batch x head, longest first, one head's in a row or one of
+            every head) -> (b, h, q_start, seqlen_q, seqlen_k, start_m, key tiles to visit, n_full of them without
+            compares); packed: m_tiles slots per head (_gl_doc_slot). Empty items have start_m >= seqlen_q."""
             if self.HEAD_MAJOR:
                 bh, pid_m = t // self.m_tiles, self.m_tiles - 1 - t % self.m_tiles
             else:
@@ -981,14 +978,13 @@ if gluon is not None:
                      out_strides, dims, m_tiles, n_bh, n_docs, n_items, qk_scale, NUM_STAGES: gl.constexpr,
                      Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
                      O_TMA: gl.constexpr):
-        """n_items = m_tiles * n_bh work items (_FwdConfig.item): a CTA each, or DYNAMIC a persistent grid taking them
-        from `counter` (_Schedule). The descriptors' blocks give the tiling; out_strides: O's (b, h, s), L's (b, h);
-        dims: (head_dim, seqlen_q, seqlen_k, num_heads, group)."""
+        """n_items = m_tiles * n_bh work items (_FwdConfig.item): a CTA each, or DYNAMIC a persistent grid (_Schedule).
+        The descriptors' blocks give the tiling; out_strides: O's (b, h, s), L's (b, h); dims: _FwdConfig's ints."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         q_smem = _gl_tiles(q_desc, 2 * Q_BUFS)
         k_smem, v_smem = _gl_tiles(k_desc, NUM_STAGES), _gl_tiles(v_desc, NUM_STAGES)
-        # the last TAIL columns of the head dim (without a tail the tail descriptors and tiles are never used)
+        # the head dim's last TAIL columns (without a tail, the tail descriptors and tiles are never used)
         qt_smem = _gl_tiles(qt_desc, 2 * Q_BUFS) if TAIL > 0 else q_smem
         kt_smem = _gl_tiles(kt_desc, NUM_STAGES) if TAIL > 0 else k_smem
         vt_smem = _gl_tiles(vt_desc, NUM_STAGES) if TAIL > 0 else v_smem
@@ -1055,8 +1051,7 @@ if gluon is not None:
     @_bundle(desc="q k v do dq qt kt vt dot dqt dk dv", tensor="DK DV LSE DELTA",
              int="stride_dkb stride_dkh stride_dks stride_dvb stride_dvh stride_dvs stride_lb stride_lh")
     class _BwdGlobal:
-        """The backward's TMA descriptors (tails: the main ones again where there are none); dK, dV, L, Delta as
-        pointers."""
+        """The backward's TMA descriptors (tails: the main ones again where there are none); dK, dV, L, Delta."""
 
     @_bundle(smem="q do k v ds dq qt dot kt vt dqt lse delta kv_ready kv_empty ready empty ds_ready dq_full dq_empty")
     class _BwdShared:
@@ -1066,8 +1061,7 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_bwd_put_dq(smem, dq, dq_t, tile, WG: gl.constexpr, TAIL: gl.constexpr):
-        """A consumer's dQ share of query tile `tile` (scaled; dq_t: its last TAIL columns, read only when TAIL > 0)
-        into its shared-memory buffers for the dQ warp."""
+        """A consumer's dQ share of query tile `tile` (scaled; dq_t: its TAIL columns) to the dQ warp's buffers."""
         buf = tile % 2
         mbarrier.wait(smem.dq_empty.index(2 * buf + WG), ((tile // 2) & 1) ^ 1)  # the dQ warp is done with it
         smem.dq.index(2 * buf + WG).reshape(dq.type.shape).store(dq)
@@ -1095,9 +1089,7 @@ if gluon is not None:
         TAIL: gl.constexpr = cfg.TAIL
         BLOCK_M: gl.constexpr = cfg.BLOCK_M
         BLOCK_N: gl.constexpr = cfg.BLOCK_N
-        NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
         DQ_COLS: gl.constexpr = cfg.DQ_COLS
-        CAUSAL: gl.constexpr = cfg.CAUSAL
         SPLIT: gl.constexpr = DQ_COLS < HEAD_DIM  # (never with a tail: the configs say so)
         N_MM: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one product over the head dim
         st_layout: gl.constexpr = _gl_mma_layout(BLOCK_M)
@@ -1132,11 +1124,11 @@ if gluon is not None:
                 # mainloop: one query tile (of every query head of the group in turn) per step
                 for i in range(cfg.group * n_iter):
                     tile = t + i
-                    slot = tile % NUM_STAGES
+                    slot = tile % cfg.NUM_STAGES
                     buf = tile % 2
                     start_m = (m_lo + i % n_iter) * BLOCK_M
                     rows = start_m + offs_q
-                    mbarrier.wait(smem.ready.index(slot), (tile // NUM_STAGES) & 1)
+                    mbarrier.wait(smem.ready.index(slot), (tile // cfg.NUM_STAGES) & 1)
                     lse_row = smem.lse.index(slot).load(col_st)  # read before the matmuls: its latency hides there
                     q = smem.q.index(slot).reshape([BLOCK_M, HEAD_DIM])
                     do = smem.do.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -1157,11 +1149,11 @@ if gluon is not None:
                     st = warpgroup_mma_wait(num_outstanding=N_MM, deps=(st,))
                     pt = gl.exp2(st * cfg.qk_scale - lse_row[None, :])
                     masked = key_ragged | (start_m + BLOCK_M > seqlen_q_b)
-                    if CAUSAL:
+                    if cfg.CAUSAL:
                         masked = masked | (start_m < key_lo + BLOCK_N)
                     if masked:  # ragged ends and, when causal, tiles that cross the diagonal
                         keep = (keys[:, None] < seqlen_k_b) & (rows[None, :] < seqlen_q_b)
-                        if CAUSAL:
+                        if cfg.CAUSAL:
                             keep = keep & (keys[:, None] <= rows[None, :])
                         pt = gl.where(keep, pt, 0.0)
                     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -1212,9 +1204,8 @@ if gluon is not None:
                         _gl_bwd_put_dq(smem, dq_prev, dq_prev, t + cfg.group * n_iter - 1, WG, 0)
 
                 # epilogue: dK and dV. kv_empty: on the persistent grid the producer loads the next item's K and V
-                # once both consumers have arrived (after this item's last matmul, or after the dK/dV stores have
-                # read the tiles back); with one CTA per item and dQ split over both warpgroups' K tiles, the dK
-                # store waits on it
+                # once both consumers have arrived (after their last matmul, or once the dK/dV stores read the tiles
+                # back); with one CTA per item and the dQ split, the dK store waits on it
                 if (sched.DYNAMIC and not cfg.DKV_TMA) or (cfg.DKV_TMA and SPLIT):
                     mbarrier.arrive(smem.kv_empty.index(0), count=1)
                 # full tiles (a packed one reaching past its document would write the next one's; dense, rows past
@@ -1264,8 +1255,7 @@ if gluon is not None:
                     mbarrier.wait(smem.empty.index(slot), (((t + i) // cfg.NUM_STAGES) & 1) ^ 1)
                     rows = start_m + offs
                     l_off = b.to(gl.int64) * glob.stride_lb + h * glob.stride_lh + q_start + rows
-                    # the TMA loads first, so that L's and Delta's load latency runs under theirs; the slot is ready
-                    # after the bytes and a second arrival
+                    # the TMA loads first, so that L's and Delta's latency hides under theirs; a second arrival below
                     _gl_load_tile(glob.q, glob.qt, smem.ready, smem.q, smem.qt, slot, b, h, q_start + start_m, 2)
                     _gl_load_tile(glob.do, glob.dot, smem.ready, smem.do, smem.dot, slot, b, h, q_start + start_m, 0)
                     smem.lse.index(slot).store(gl.load(glob.LSE + l_off, mask=rows < seqlen_q_b, other=0.0)
@@ -1280,8 +1270,7 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_bwd_dq_writer(cfg, glob, smem, sched):
-        """The dQ warp: each warpgroup's dQ share from shared memory added to the fp32 dQ buffer with a TMA bulk
-        reduce-add; a buffer is given back once its reduce has read it, one query tile later."""
+        """The dQ warp: each dQ share added to the fp32 dQ buffer by a TMA reduce-add, its buffer freed once read."""
         t, n_seen = 0, 0  # so far: query tiles, over all items (the dQ buffers' count), items taken
         item = sched.first()
         while item < cfg.n_items:
@@ -1313,9 +1302,8 @@ if gluon is not None:
     def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
                      dv_desc, tensors, out_strides, dims, n_tiles, n_docs, n_items, qk_scale, sm_scale,
                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
-        """Work items (_BwdConfig.item): a CTA each or, DYNAMIC, a persistent grid as the forward's. dq_desc: the
-        zeroed fp32 dQ buffer; tensors: (dK, dV, L, Delta, cu_seqlens_q, counter); out_strides: dK's and dV's (b, h,
-        s), L's (b, h); dims: (seqlen_q, seqlen_k, num_kv_heads, group, head_dim)."""
+        """Work items (_BwdConfig.item) as the forward's. dq_desc: the zeroed fp32 dQ buffer; tensors: (dK, dV, L,
+        Delta, cu_seqlens_q, counter); out_strides: dK's and dV's (b, h, s), L's (b, h); dims: _BwdConfig's ints."""
         DK, DV, LSE, DELTA, cu_seqlens_q, counter = tensors
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
