@@ -479,8 +479,8 @@ def _empty_out(x):  # x's own layout when dense (a transposed (B, S, H, D) view 
     return torch.empty_like(x) if x.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def _padded(x, width):  # x zero-padded to `width` columns, with the unit stride along them that the kernels read
-    x = x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+def _unit_stride(x, width=None):  # x (zero-padded to `width` columns) with the unit last stride the kernels read
+    x = x if width in (None, x.shape[-1]) else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -528,7 +528,7 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     d, d_pad = q.shape[-1], _pow2(q.shape[-1])
-    qp, kp, vp = (_padded(x, d_pad) for x in (q, k, v))
+    qp, kp, vp = (_unit_stride(x, d_pad) for x in (q, k, v))
     op = o if d_pad == d else _empty_out(qp)
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
     grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
@@ -553,7 +553,7 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     d, d_pad = q.shape[-1], _pow2(q.shape[-1])
-    dop, qp, kp, vp, op = (_padded(x, d_pad) for x in (do, q, k, v, o))
+    dop, qp, kp, vp, op = (_unit_stride(x, d_pad) for x in (do, q, k, v, o))
     dqp, dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dq, qp), (dk, kp), (dv, vp)))
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     delta, scale = torch.empty_like(lse), 1.0 / math.sqrt(d)
@@ -1471,7 +1471,7 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
 
 def _tma_operand(x, width):
     """x itself where TMA can read it (tiles past its head dim read zeros), else a copy zero-padded to `width`."""
-    return x if _tma_ready(x) else _padded(x, width).contiguous()
+    return x if _tma_ready(x) else _unit_stride(x, width).contiguous()
 
 
 def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
@@ -1484,7 +1484,7 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     dop, qp, kp, vp = (_tma_operand(x, main + tail) for x in (do, q, k, v))
-    o, delta = _padded(o, d), torch.empty_like(lse)
+    o, delta = _unit_stride(o), torch.empty_like(lse)
     # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
     dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q if varlen else lse
@@ -1517,10 +1517,9 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Attention entry points. One autograd Function serves dense and packed calls. Eagerly it calls the kernels'
-#    launchers directly; under torch.compile, and when a dispatch mode is active (selective recomputation's, a
-#    FLOP counter's), it calls them through two torch.library operators with fake kernels, so a model that calls
-#    them compiles without graph breaks.
+# 4. Attention entry points. One autograd Function serves dense and packed calls: eagerly it calls the launchers,
+#    under torch.compile or a dispatch mode (selective recomputation's, a FLOP counter's) two torch.library
+#    operators with fake kernels, so a model that calls them compiles without graph breaks.
 # ---------------------------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
@@ -1542,8 +1541,7 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     return _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
 
 
-# The operators are registered with torch.library.Library rather than torch.library.custom_op, whose checks add
-# host time to every call; the schema, the implementation and the fake kernel are the same.
+# torch.library.Library rather than torch.library.custom_op, whose checks add host time to every call
 _LIB = torch.library.Library("flash", "FRAGMENT")
 _LIB.define("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
             "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, str backend) -> (Tensor, Tensor)")
@@ -1559,8 +1557,7 @@ torch.library.register_fake("flash::attention_bwd", lambda do, q, k, v, *_: tupl
 
 
 def _through_ops():
-    """Whether to call the kernels through the operators: when compiling, and when a dispatch mode is active
-    (those see only operators). Plain eager calls skip the layer: its dispatch costs host time."""
+    """Whether to call the kernels through the operators (compiling, or a dispatch mode, which sees only operators)."""
     return torch.compiler.is_compiling() or _current_dispatch_mode() is not None
 
 
@@ -1758,11 +1755,10 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
 
 
 class AdamW(torch.optim.Optimizer):
-    """AdamW with decoupled weight decay (the formulas above). m and v are fp32 (fp64 for fp64 parameters); bf16
-    and fp16 parameters are updated in fp32 and rounded once. fused=None steps CUDA parameters with the fused
-    kernel and others with torch._foreach_* ops; True insists on the kernel (the interpreter on CPU), False never.
-    capturable=True lets step() be captured in a CUDA graph (train.capture_step): the kernel reads its step size
-    and decay from a device tensor, written by step() eagerly and by advance() before each replay."""
+    """AdamW with decoupled weight decay (the formulas above), m and v in fp32 (fp64 for fp64 parameters); bf16/fp16
+    parameters are updated in fp32 and rounded once. fused=None: the kernel on CUDA, torch._foreach_* ops elsewhere;
+    True: the kernel always (the interpreter on CPU); False: never. capturable=True: step() can be captured in a CUDA
+    graph (train.capture_step), the kernel reading its step size and decay from a device tensor (advance())."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None,
                  capturable=False):
@@ -1785,8 +1781,8 @@ class AdamW(torch.optim.Optimizer):
         return dense and (p.is_cuda or self.fused)
 
     def _buckets(self, count):
-        """{(group index, fused, device, dtype, grad dtype): (t, [params], [grads], [exp_avgs], [exp_avg_sqs])} over
-        the parameters with a gradient, their state made first; count: add this step to every t."""
+        """{(group, fused, device, dtype, grad dtype): (t, params, grads, exp_avgs, exp_avg_sqs)} over the parameters
+        with a gradient, their state made first; count: add this step to every t."""
         buckets = {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -1825,12 +1821,12 @@ class AdamW(torch.optim.Optimizer):
         return -lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t), lr * group["weight_decay"]
 
     def _write_scalars(self, key, neg_step, lr_wd):
-        """The kernel's (neg_step, decay) of a bucket into its device tensor; returns the tensor."""
+        """The kernel's (neg_step, decay) of a bucket into its device tensor, by a pinned copy the host need not wait
+        for; returns the tensor."""
         scalars = self._scalars.get(key)
         if scalars is None:
             scalars = self._scalars[key] = torch.empty(2, dtype=torch.float32, device=key[2])
         host = torch.tensor([neg_step, 1 - lr_wd], dtype=torch.float32)
-        # pinned, so that the copy is queued without the host waiting for the GPU
         scalars.copy_(host.pin_memory() if scalars.is_cuda else host, non_blocking=True)
         return scalars
 
@@ -1868,8 +1864,8 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def advance(self):
-        """The host's part of a captured step(), before each replay of its graph: add this step to every t and
-        write each bucket's step size and decay (from the groups' lr now) where the captured kernels read them."""
+        """The host's part of a captured step(), before each replay: every t + 1, and each bucket's step size and decay
+        (the groups' lr now) written where the captured kernels read them."""
         if not self._captured:
             raise RuntimeError("AdamW.advance() is the host's part of a replayed step: capture step() first, with "
                                "capturable=True")
@@ -2059,18 +2055,12 @@ def _rms_norm_bwd_kernel(X, W, DY, RSTD, DH, DX, DW_PARTIAL, n_rows, d, stride_x
     tl.store(DW_PARTIAL + pid * d + cols, tl.sum(dw, axis=0), mask=cols < d)
 
 
-def _as_rows(t, d):
-    """t as (rows, d) with unit stride along d (a copy only when the last dim is strided)."""
-    t2 = t.reshape(-1, d)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def _rms_norm_forward(x, weight, eps, r=None, y_dtype=None):
     """(y, rstd fp32 x.shape[:-1], h) through _rms_norm_fwd_kernel: y = rms_norm(h) * weight in y_dtype (default
     h's), h = x + r in their promoted dtype (r None: h is x itself)."""
     d = x.shape[-1]
-    x2, weight = _as_rows(x, d), weight.contiguous()
-    r2 = None if r is None else _as_rows(r, d)
+    x2, weight = _unit_stride(x.reshape(-1, d)), weight.contiguous()
+    r2 = None if r is None else _unit_stride(r.reshape(-1, d))
     h = x if r is None else torch.empty(x.shape, dtype=torch.promote_types(x.dtype, r.dtype), device=x.device)
     y = torch.empty(x.shape, dtype=y_dtype or h.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -2087,8 +2077,8 @@ def _rms_norm_backward(dy, x, weight, rstd, dh=None):
     """(dx like x, dweight like weight) through _rms_norm_bwd_kernel and a sum of its per-program dg rows; dh, a
     gradient of x from elsewhere, is added to dx in the same pass."""
     d = x.shape[-1]
-    x2, dy2, w = _as_rows(x, d), _as_rows(dy, d), weight.contiguous()
-    dh2 = None if dh is None else _as_rows(dh, d)
+    x2, dy2, w = _unit_stride(x.reshape(-1, d)), _unit_stride(dy.reshape(-1, d)), weight.contiguous()
+    dh2 = None if dh is None else _unit_stride(dh.reshape(-1, d))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[0]
     if not n:
