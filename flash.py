@@ -147,19 +147,15 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 #    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch].
 #    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes its operands' (b, h, s) strides as
 #    one tuple, the query and key cu_seqlens as a pair. Autotuning picks among two configs per head-dim class and
-#    element size; few integers are specialized (compiling is the cold start). The interpreter's smaller tiles run
-#    every path at the test lengths.
+#    element size; few integers are specialized (compiling is the cold start).
 # ---------------------------------------------------------------------------------------------------------------
 
-TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC"]
-INTERPRET_BLOCKS = {"fwd": (32, 16), "dq": (32, 16), "dkdv": (16, 32)}
-
-
-def _autotuned(table):
-    """triton.autotune among table[(head-dim class, element size)], its pick cached on disk; as is if interpreted."""
+def _autotuned(table, interpreted):
+    """triton.autotune among table[(head-dim class, element size)], its pick cached on disk; in the interpreter the
+    tiles `interpreted` (BLOCK_M, BLOCK_N), smaller than the test lengths, so that every path runs."""
     def wrap(kernel):
         if INTERPRET:
-            return kernel
+            return triton.heuristics({"BLOCK_M": lambda _: interpreted[0], "BLOCK_N": lambda _: interpreted[1]})(kernel)
         every = sorted({cfg for cfgs in table.values() for cfg in cfgs})
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
 
@@ -169,8 +165,8 @@ def _autotuned(table):
             return [c for c in configs
                     if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
-        return triton.autotune(configs, key=TUNE_KEY, prune_configs_by={"early_config_prune": prune},
-                               cache_results=True)(kernel)
+        return triton.autotune(configs, key=["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC"], cache_results=True,
+                               prune_configs_by={"early_config_prune": prune})(kernel)
     return wrap
 
 
@@ -235,7 +231,7 @@ FWD_CONFIGS = {  # (head-dim class, element size): (BLOCK_M, BLOCK_N, warps, sta
     (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
 
 
-@_autotuned(FWD_CONFIGS)
+@_autotuned(FWD_CONFIGS, (32, 16))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "SEQ_BUCKET"])
 def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen_q, seqlen_k, num_heads, group,
               qk_scale, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
@@ -331,7 +327,7 @@ DQ_CONFIGS = {
     (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
 
 
-@_autotuned(DQ_CONFIGS)
+@_autotuned(DQ_CONFIGS, (32, 16))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SEQ_BUCKET"])
 def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb, stride_lh, seqlens, num_heads,
                  group, scales, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
@@ -409,7 +405,7 @@ DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in re
     (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)]}
 
 
-@_autotuned(DKDV_CONFIGS)
+@_autotuned(DKDV_CONFIGS, (16, 32))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SEQ_BUCKET"])
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_lb, stride_lh, seqlens,
                    num_kv_heads, scales, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
@@ -471,10 +467,6 @@ def _pow2(n):  # SEQ_BUCKET (the tuning key's length class), and the kernels' ti
     return max(16, triton.next_power_of_2(n))
 
 
-def _blocks(name):
-    return dict(zip(("BLOCK_M", "BLOCK_N"), INTERPRET_BLOCKS[name])) if INTERPRET else {}
-
-
 def _empty_out(x):  # x's own layout when dense (a transposed (B, S, H, D) view stays one: its transpose back is free)
     return torch.empty_like(x) if x.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
@@ -534,7 +526,7 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
     _attn_fwd[grid](qp, kp, vp, op, lse, cu, _strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
                     heads // kv_heads, LOG2E / math.sqrt(d), _pow2(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal,
-                    VARLEN=varlen, PREC=_precision(q.dtype), **_blocks("fwd"))
+                    VARLEN=varlen, PREC=_precision(q.dtype))
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
@@ -561,11 +553,11 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
                   PREC=_precision(q.dtype))
     _attn_bwd_dq[lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))](
         qp, kp, vp, op, dop, dqp, lse, delta, cu, _strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
-        (seqlen_q, seqlen_k), heads, heads // kv_heads, (LOG2E * scale, scale), **common, **_blocks("dq"))
+        (seqlen_q, seqlen_k), heads, heads // kv_heads, (LOG2E * scale, scale), **common)
     _attn_bwd_dkdv[lambda meta: (batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"]))](
         qp, kp, vp, dop, dkp, dvp, lse, delta, cu, _strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
         (seqlen_q, seqlen_k), kv_heads, (LOG2E * scale, scale), **common, GROUP=heads // kv_heads,
-        EVEN_Q=not varlen and seqlen_q % 128 == 0, **_blocks("dkdv"))
+        EVEN_Q=not varlen and seqlen_q % 128 == 0)
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
             g.copy_(gp[..., :d])
