@@ -1354,9 +1354,7 @@ def _gluon_head_tiles(d):
 def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
     """Whether the Gluon backward stores full dK/dV tiles by TMA (before the alignment checks): not with the dQ split
     (2) on the persistent grid, which does not wait until both warpgroups are done with a K tile."""
-    if tail or (dynamic and split > 1):
-        return False
-    return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
+    return not tail and not (dynamic and split > 1) and (split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN)
 
 
 @functools.cache
@@ -1421,14 +1419,13 @@ def _smem_layout(block, dtype, swizzle=None):
 
 
 def _descriptor(x, rows, varlen, cols, swizzle=None):
-    """A TMA descriptor over x for tiles of `rows` rows and `cols` columns of one head: (rows, 1, cols) packed,
-    (1, 1, rows, cols) dense. Tiles reaching past x's rows or columns read zeros there; stores there are dropped."""
+    """A TMA descriptor over x for tiles of `rows` x `cols` of one head (past x's edges: zeros read, stores dropped)."""
     block = (rows, 1, cols) if varlen else (1, 1, rows, cols)
     return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), _smem_layout(block, x.dtype, swizzle))
 
 
 def _head_descriptors(x, rows, varlen, main, tail, swizzle=None):
-    """The descriptors of x's main tiles and of its tail tiles (the main ones again where there is no tail)."""
+    """The descriptors of x's main tiles and of its tail tiles (the main ones again without a tail)."""
     desc = _descriptor(x, rows, varlen, main, swizzle)
     return desc, _descriptor(x, rows, varlen, tail) if tail else desc
 
@@ -1442,7 +1439,8 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     o, lse = _fwd_outputs(q, cu_seqlens_q)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
-    qp, kp, vp = (_tma_operand(x, main + tail) for x in (q, k, v))
+    # read in place where TMA can (tiles past the head dim read zeros), else from copies zero-padded to the tiles
+    qp, kp, vp = (x if _tma_ready(x) else _unit_stride(x, main + tail).contiguous() for x in (q, k, v))
     # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
     m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
     n_bh = heads if varlen else batch * heads
@@ -1461,11 +1459,6 @@ def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
     return o, lse
 
 
-def _tma_operand(x, width):
-    """x itself where TMA can read it (tiles past its head dim read zeros), else a copy zero-padded to `width`."""
-    return x if _tma_ready(x) else _unit_stride(x, width).contiguous()
-
-
 def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     """(dQ, dK, dV) with the Gluon backward: the Triton Delta pre-pass, then one kernel for all three (dQ in fp32)."""
     varlen, d = cu_seqlens_q is not None, q.shape[-1]
@@ -1475,7 +1468,7 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    dop, qp, kp, vp = (_tma_operand(x, main + tail) for x in (do, q, k, v))
+    dop, qp, kp, vp = (x if _tma_ready(x) else _unit_stride(x, main + tail).contiguous() for x in (do, q, k, v))
     o, delta = _unit_stride(o), torch.empty_like(lse)
     # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
     dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
