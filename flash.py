@@ -146,9 +146,21 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 #      base + batch * stride_b + head * stride_h + (seq_start + row) * stride_s + dim
 #    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch].
 #    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes its operands' (b, h, s) strides as
-#    one tuple, the query and key cu_seqlens as a pair. Autotuning picks among two configs per head-dim class and
-#    element size; few integers are specialized (compiling is the cold start).
+#    one tuple, the query and key cu_seqlens as a pair; few integers are specialized (compiling is the cold start).
 # ---------------------------------------------------------------------------------------------------------------
+
+# the tuning space: (head-dim class, element size) -> [(BLOCK_M, BLOCK_N, warps, stages), ...], the best first (in
+# the dK/dV pass BLOCK_N is the key tile held in registers)
+FWD_CONFIGS = {(64, 2): [(128, 64, 8, 3), (128, 64, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
+               (128, 2): [(128, 64, 8, 3), (128, 128, 8, 2)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
+               (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
+DQ_CONFIGS = {(64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
+              (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
+              (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
+DKDV_CONFIGS = {(64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)], (64, 4): [(32, 64, 4, 2), (64, 64, 4, 2)],
+                (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)], (128, 4): [(32, 64, 4, 2), (32, 32, 4, 2)],
+                (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)]}
+
 
 def _autotuned(table, interpreted):
     """triton.autotune among table[(head-dim class, element size)], its pick cached on disk; in the interpreter the
@@ -223,12 +235,6 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, off
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
-
-
-FWD_CONFIGS = {  # (head-dim class, element size): (BLOCK_M, BLOCK_N, warps, stages), the best first
-    (64, 2): [(128, 64, 8, 3), (128, 64, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
-    (128, 2): [(128, 64, 8, 3), (128, 128, 8, 2)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
 
 
 @_autotuned(FWD_CONFIGS, (32, 16))
@@ -321,12 +327,6 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi
     return dq
 
 
-DQ_CONFIGS = {
-    (64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
-    (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
-
-
 @_autotuned(DQ_CONFIGS, (32, 16))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SEQ_BUCKET"])
 def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb, stride_lh, seqlens, num_heads,
@@ -397,12 +397,6 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
     return dk, dv
-
-
-DKDV_CONFIGS = {  # (BLOCK_M, BLOCK_N, ...) with BLOCK_N the key tile held in registers
-    (64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)], (64, 4): [(32, 64, 4, 2), (64, 64, 4, 2)],
-    (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)], (128, 4): [(32, 64, 4, 2), (32, 32, 4, 2)],
-    (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)]}
 
 
 @_autotuned(DKDV_CONFIGS, (16, 32))
