@@ -931,8 +931,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_fwd_loader(cfg, glob, smem, sched):
-        """The producer warp: per work item both halves of Q into their warpgroups' Q tiles, then K_j and V_j into
-        ring slots once both consumers have released them (the empty barriers start as if released)."""
+        """The producer warp: per work item both warpgroups' Q tiles, then K_j and V_j into ring slots once both
+        consumers have released them (the empty barriers start as if released)."""
         it, n_done, item, n_seen = 0, 0, gl.program_id(0), 0  # n_seen: items taken (the schedule ring's position)
         while item < cfg.n_items:
             if sched.DYNAMIC:
@@ -1336,19 +1336,105 @@ if gluon is not None:
                                 (_gl_bwd_loader, (cfg, glob, smem, sched)),
                                 (_gl_bwd_dq_writer, (cfg, glob, smem, sched))], [4, 1, 1], [240, 24, 24])
 
+    def _gluon_head_tiles(d):
+        """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and tail 0, 16 or 32 more in
+        tiles of their own (80 = 64 + 16: 5/8 of a 128-wide tile's work); None where the kernels do not apply."""
+        if not 32 < d <= 128:
+            return None
+        return (64, 0) if d <= 64 else (64, 16 if d <= 80 else 32) if d <= 96 else (128, 0)
 
-def _gluon_head_tiles(d):
-    """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and tail 0, 16 or 32 more in
-    tiles of their own (80 = 64 + 16: 5/8 of a 128-wide tile's work); None where the kernels do not apply."""
-    if not 32 < d <= 128:
-        return None
-    return (64, 0) if d <= 64 else (64, 16 if d <= 80 else 32) if d <= 96 else (128, 0)
+    def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
+        """Whether the Gluon backward stores full dK/dV tiles by TMA (before the alignment checks): not with the dQ
+        split (2) on the persistent grid, which does not wait until both warpgroups are done with a K tile."""
+        return not tail and not (dynamic and split > 1) and (split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN)
 
+    @functools.cache
+    def _smem_layout(block, dtype, swizzle=None):
+        """A TMA tile's shared-memory layout, swizzled `swizzle` bytes (default: the widest its rows allow)."""
+        gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+        if swizzle is not None:
+            return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=gl_dtype.primitive_bitwidth,
+                                        rank=len(block))
+        return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
-def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
-    """Whether the Gluon backward stores full dK/dV tiles by TMA (before the alignment checks): not with the dQ split
-    (2) on the persistent grid, which does not wait until both warpgroups are done with a K tile."""
-    return not tail and not (dynamic and split > 1) and (split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN)
+    def _descriptor(x, rows, varlen, cols, swizzle=None):
+        """A TMA descriptor over x, tiles of rows x cols of one head (past its edges: zeros read, stores dropped)."""
+        block = (rows, 1, cols) if varlen else (1, 1, rows, cols)
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), _smem_layout(block, x.dtype, swizzle))
+
+    def _head_descriptors(x, rows, varlen, main, tail, swizzle=None):
+        """The descriptors of x's main tiles and of its tail tiles (the main ones again without a tail)."""
+        desc = _descriptor(x, rows, varlen, main, swizzle)
+        return desc, _descriptor(x, rows, varlen, tail) if tail else desc
+
+    def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
+        """(O, L) with the Gluon forward on a persistent grid: one CTA per SM takes work items from a counter."""
+        varlen, d = cu_seqlens_q is not None, q.shape[-1]
+        main, tail = _gluon_head_tiles(d)
+        block_m, block_n, stages, q_bufs = GLUON_FWD_CONFIGS[main + tail]
+        batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
+        o, lse = _fwd_outputs(q, cu_seqlens_q)
+        if batch * heads * seqlen_q == 0:
+            return o.zero_(), lse.fill_(float("-inf"))
+        # read in place where TMA can (tiles past the head dim read zeros), else from copies zero-padded to the tiles
+        qp, kp, vp = (x if _tma_ready(x) else _unit_stride(x, main + tail).contiguous() for x in (q, k, v))
+        # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
+        m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
+        n_bh = heads if varlen else batch * heads
+        n_items, ctas = m_tiles * n_bh, _sm_count(q.device.index)
+        dynamic = ctas < n_items
+        o_tma = tail == 0 and _tma_ready(o)
+        (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
+            _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
+        o_desc = _descriptor(o, block_m, varlen, main) if o_tma else q_desc
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+        _gl_attn_fwd[(ctas if dynamic else n_items,)](
+            q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, o, lse, cu_seqlens_q if varlen else lse, counter,
+            _strides(varlen, o) + (lb, lh), (d, seqlen_q, seqlen_k, heads, heads // kv_heads), m_tiles, n_bh, batch,
+            n_items, LOG2E / math.sqrt(d), NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal,
+            HEAD_MAJOR=not (varlen and dynamic), DYNAMIC=dynamic, O_TMA=o_tma, num_warps=4, maxnreg=168)
+        return o, lse
+
+    def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
+        """(dQ, dK, dV) by the Gluon backward: the Triton Delta pre-pass, then one kernel for all three (dQ in fp32)."""
+        varlen, d = cu_seqlens_q is not None, q.shape[-1]
+        main, tail = _gluon_head_tiles(d)
+        block_m, block_n, stages, dq_split, persistent, dq_swizzle = GLUON_BWD_CONFIGS[main + tail]
+        batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
+        dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
+        if batch * heads * seqlen_q == 0 or seqlen_k == 0:
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        dop, qp, kp, vp = (x if _tma_ready(x) else _unit_stride(x, main + tail).contiguous() for x in (do, q, k, v))
+        o, delta = _unit_stride(o), torch.empty_like(lse)
+        # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
+        dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
+        cu = cu_seqlens_q if varlen else lse
+        _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
+            o, dop, delta, dq_acc, cu, _strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
+            HEAD_DIM=_pow2(main + tail), VARLEN=varlen, BLOCK_M=64)
+        # work items: key tiles x batch x K/V heads (persistent and packed: slots (_gl_doc_slot) x K/V heads)
+        scale = 1.0 / math.sqrt(d)
+        n_tiles, n_bh = triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads
+        ctas = _sm_count(q.device.index) if persistent else 0
+        dynamic = 0 < ctas < n_tiles * n_bh
+        if varlen and dynamic:
+            n_tiles, n_bh = k.shape[0] // (2 * block_n) + batch, kv_heads
+        n_items = n_tiles * n_bh
+        dkv_tma = _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, dq_split) and _tma_ready(dk) and _tma_ready(dv)
+        (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
+            _head_descriptors(x, rows, varlen, main, tail) for x, rows in (
+                (qp, block_m), (dop, block_m), (kp, block_n), (vp, block_n)))
+        dq_desc, dqt_desc = _head_descriptors(dq_acc, block_m, varlen, main // dq_split, tail, dq_swizzle)
+        dk_desc, dv_desc = ((_descriptor(dk, block_n, varlen, main), _descriptor(dv, block_n, varlen, main))
+                            if dkv_tma else (k_desc, v_desc))
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+        _gl_attn_bwd[(ctas if dynamic else n_items,)](
+            q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc,
+            (dk, dv, lse, delta, cu, counter), _strides(varlen, dk, dv) + (lb, lh),
+            (seqlen_q, seqlen_k, kv_heads, heads // kv_heads, d), n_tiles, batch, n_items, LOG2E * scale, scale,
+            NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=dynamic, DKV_TMA=dkv_tma, num_warps=4, maxnreg=168)
+        dq.copy_(dq_acc[..., :d])
+        return dq, dk, dv
 
 
 @functools.cache
@@ -1402,99 +1488,6 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
     return aligned and (packed or k.shape[2] > 0)
 
 
-@functools.cache
-def _smem_layout(block, dtype, swizzle=None):
-    """A TMA tile's shared-memory layout, swizzled `swizzle` bytes (default: the widest its rows allow)."""
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-    if swizzle is not None:
-        return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=gl_dtype.primitive_bitwidth,
-                                    rank=len(block))
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
-
-
-def _descriptor(x, rows, varlen, cols, swizzle=None):
-    """A TMA descriptor over x for tiles of `rows` x `cols` of one head (past x's edges: zeros read, stores dropped)."""
-    block = (rows, 1, cols) if varlen else (1, 1, rows, cols)
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), _smem_layout(block, x.dtype, swizzle))
-
-
-def _head_descriptors(x, rows, varlen, main, tail, swizzle=None):
-    """The descriptors of x's main tiles and of its tail tiles (the main ones again without a tail)."""
-    desc = _descriptor(x, rows, varlen, main, swizzle)
-    return desc, _descriptor(x, rows, varlen, tail) if tail else desc
-
-
-def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
-    """(O, L) with the Gluon forward on a persistent grid: one CTA per SM takes work items from a counter."""
-    varlen, d = cu_seqlens_q is not None, q.shape[-1]
-    main, tail = _gluon_head_tiles(d)
-    block_m, block_n, stages, q_bufs = GLUON_FWD_CONFIGS[main + tail]
-    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
-    o, lse = _fwd_outputs(q, cu_seqlens_q)
-    if batch * heads * seqlen_q == 0:
-        return o.zero_(), lse.fill_(float("-inf"))
-    # read in place where TMA can (tiles past the head dim read zeros), else from copies zero-padded to the tiles
-    qp, kp, vp = (x if _tma_ready(x) else _unit_stride(x, main + tail).contiguous() for x in (q, k, v))
-    # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
-    m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
-    n_bh = heads if varlen else batch * heads
-    n_items, ctas = m_tiles * n_bh, _sm_count(q.device.index)
-    dynamic = ctas < n_items
-    o_tma = tail == 0 and _tma_ready(o)
-    (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
-        _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
-    o_desc = _descriptor(o, block_m, varlen, main) if o_tma else q_desc
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    _gl_attn_fwd[(ctas if dynamic else n_items,)](
-        q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, o, lse, cu_seqlens_q if varlen else lse, counter,
-        _strides(varlen, o) + (lb, lh), (d, seqlen_q, seqlen_k, heads, heads // kv_heads), m_tiles, n_bh, batch,
-        n_items, LOG2E / math.sqrt(d), NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal,
-        HEAD_MAJOR=not (varlen and dynamic), DYNAMIC=dynamic, O_TMA=o_tma, num_warps=4, maxnreg=168)
-    return o, lse
-
-
-def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
-    """(dQ, dK, dV) with the Gluon backward: the Triton Delta pre-pass, then one kernel for all three (dQ in fp32)."""
-    varlen, d = cu_seqlens_q is not None, q.shape[-1]
-    main, tail = _gluon_head_tiles(d)
-    block_m, block_n, stages, dq_split, persistent, dq_swizzle = GLUON_BWD_CONFIGS[main + tail]
-    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
-    dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
-    if batch * heads * seqlen_q == 0 or seqlen_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    dop, qp, kp, vp = (x if _tma_ready(x) else _unit_stride(x, main + tail).contiguous() for x in (do, q, k, v))
-    o, delta = _unit_stride(o), torch.empty_like(lse)
-    # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
-    dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
-    cu = cu_seqlens_q if varlen else lse
-    _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
-        o, dop, delta, dq_acc, cu, _strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
-        HEAD_DIM=_pow2(main + tail), VARLEN=varlen, BLOCK_M=64)
-    # work items: key tiles x batch x K/V heads (persistent and packed: slots (_gl_doc_slot) x K/V heads)
-    scale = 1.0 / math.sqrt(d)
-    n_tiles, n_bh = triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads
-    ctas = _sm_count(q.device.index) if persistent else 0
-    dynamic = 0 < ctas < n_tiles * n_bh
-    if varlen and dynamic:
-        n_tiles, n_bh = k.shape[0] // (2 * block_n) + batch, kv_heads
-    n_items = n_tiles * n_bh
-    dkv_tma = _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, dq_split) and _tma_ready(dk) and _tma_ready(dv)
-    (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
-        _head_descriptors(x, rows, varlen, main, tail) for x, rows in (
-            (qp, block_m), (dop, block_m), (kp, block_n), (vp, block_n)))
-    dq_desc, dqt_desc = _head_descriptors(dq_acc, block_m, varlen, main // dq_split, tail, dq_swizzle)
-    dk_desc, dv_desc = ((_descriptor(dk, block_n, varlen, main), _descriptor(dv, block_n, varlen, main))
-                        if dkv_tma else (k_desc, v_desc))
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    _gl_attn_bwd[(ctas if dynamic else n_items,)](
-        q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc,
-        (dk, dv, lse, delta, cu, counter), _strides(varlen, dk, dv) + (lb, lh),
-        (seqlen_q, seqlen_k, kv_heads, heads // kv_heads, d), n_tiles, batch, n_items, LOG2E * scale, scale,
-        NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=dynamic, DKV_TMA=dkv_tma, num_warps=4, maxnreg=168)
-    dq.copy_(dq_acc[..., :d])
-    return dq, dk, dv
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # 4. Attention entry points. One autograd Function serves dense and packed calls: eagerly it calls the launchers,
 #    under torch.compile or a dispatch mode (selective recomputation's, a FLOP counter's) two torch.library
@@ -1502,8 +1495,8 @@ def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
-    """(O, L): the one place that picks the forward kernels (backend: BACKEND when the call began; 'auto' takes the
-    Gluon kernel wherever it applies, 'triton' never, 'gluon' always or raises)."""
+    """(O, L): the one place that picks the forward kernels (backend, BACKEND at the call: 'auto' takes the Gluon
+    kernel wherever it applies, 'triton' never, 'gluon' always or raises)."""
     if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
         return _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal)
     if backend == "gluon":
@@ -1687,8 +1680,8 @@ def _offsets(tensors):
 
 
 def _chunk_table(columns, block):
-    """columns: [params, exp_avgs, exp_avg_sqs], lists of contiguous tensors -> (bases, table int64 (6, n_chunks),
-    unit), the table's rows: p/m/v offsets in units, tensor index, chunk index in the tensor, length."""
+    """[params, exp_avgs, exp_avg_sqs] -> (bases, int64 table (6, n_chunks), unit); its rows: p/m/v offsets in
+    units, tensor index, chunk index in the tensor, length."""
     numels = np.array([t.numel() for t in columns[0]], dtype=np.int64)
     n_chunks = -(-numels // block)
     chunk = np.concatenate([np.arange(n, dtype=np.int64) for n in n_chunks])
@@ -2035,8 +2028,7 @@ def _rms_norm_bwd_kernel(X, W, DY, RSTD, DH, DX, DW_PARTIAL, n_rows, d, stride_x
 
 
 def _rms_norm_forward(x, weight, eps, r=None, y_dtype=None):
-    """(y, rstd fp32 x.shape[:-1], h) through _rms_norm_fwd_kernel: y = rms_norm(h) * weight in y_dtype (default
-    h's), h = x + r in their promoted dtype (r None: h is x itself)."""
+    """(y in y_dtype (default h's), rstd fp32, h = x + r in their promoted dtype; r None: h is x itself)."""
     d = x.shape[-1]
     x2, weight = _unit_stride(x.reshape(-1, d)), weight.contiguous()
     r2 = None if r is None else _unit_stride(r.reshape(-1, d))
@@ -2053,8 +2045,7 @@ def _rms_norm_forward(x, weight, eps, r=None, y_dtype=None):
 
 
 def _rms_norm_backward(dy, x, weight, rstd, dh=None):
-    """(dx like x, dweight like weight) through _rms_norm_bwd_kernel and a sum of its per-program dg rows; dh, a
-    gradient of x from elsewhere, is added to dx in the same pass."""
+    """(dx like x, dweight like weight) through _rms_norm_bwd_kernel; dh (x's gradient from elsewhere) joins dx."""
     d = x.shape[-1]
     x2, dy2, w = _unit_stride(x.reshape(-1, d)), _unit_stride(dy.reshape(-1, d)), weight.contiguous()
     dh2 = None if dh is None else _unit_stride(dh.reshape(-1, d))
