@@ -965,7 +965,7 @@ if gluon is not None:
                      Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
                      O_TMA: gl.constexpr):
         """n_items = m_tiles * n_bh work items (_FwdConfig.item): a CTA each, or DYNAMIC a persistent grid (_Schedule).
-        The descriptors' blocks give the tiling; out_strides: O's (b, h, s), L's (b, h); dims: _FwdConfig's ints."""
+        Descriptors' blocks: the tiling; out_strides: O's (b, h, s), L's (b, h); dims: _FwdConfig's first 5 ints."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         q_smem = _gl_tiles(q_desc, 2 * Q_BUFS)
@@ -1288,8 +1288,8 @@ if gluon is not None:
     def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
                      dv_desc, tensors, out_strides, dims, n_tiles, n_docs, n_items, qk_scale, sm_scale,
                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
-        """Work items (_BwdConfig.item) as the forward's. dq_desc: the zeroed fp32 dQ buffer; tensors: (dK, dV, L,
-        Delta, cu_seqlens_q, counter); out_strides: dK's and dV's (b, h, s), L's (b, h); dims: _BwdConfig's ints."""
+        """Work items (_BwdConfig.item) as the forward's. dq_desc: the zeroed fp32 dQ buffer; tensors: dK, dV, L,
+        Delta, cu_seqlens_q, counter; out_strides: dK's, dV's (b, h, s), L's (b, h); dims: _BwdConfig's first 5 ints."""
         DK, DV, LSE, DELTA, cu_seqlens_q, counter = tensors
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
