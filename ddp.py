@@ -658,12 +658,15 @@ def _torch_ddp(module):
 
 
 def _torch_fsdp(model, compute_dtype):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     _broadcast_from_rank0(model)  # fully_shard keeps each rank's own values: start them all from rank 0's
+    # the model's device, not fully_shard's default (the GPU whenever there is one, even for a gloo run on CPU)
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 class Parallel:
