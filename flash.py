@@ -5,14 +5,9 @@
   3. Attention on Hopper in Gluon (FlashAttention-3's design: TMA, warp specialization, async wgmma)
   4. Attention entry points: the one place that picks the kernels, one autograd Function, flash_attention,
      flash_attn_varlen, FlashAttentionTriton (the (batch, seq, d) interface)
-  5. AdamW: the optimizer and its fused step kernel
+  5. AdamW's fused step kernel and its launcher (train.AdamW is the optimizer)
   6. Cross-entropy rows with their gradient in place (the fused LM head's inner step)
   7. RMSNorm, with and without the residual add: one forward kernel, one backward kernel
-
-    flash_attention(q, k, v, causal=True)          q (B, H, S, D), k/v (B, H_kv, S_k, D), any strides -> (B, H, S, D)
-    flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True)   packed (total_tokens, H, D) -> same
-    FlashAttentionPyTorch.apply(q, k, v, causal)                      (batch, seq, d): the readable twin
-    FlashAttentionTriton.apply(q, k, v, causal)                       (batch, seq, d): the kernels
 
 Attention: S = Q K^T / sqrt(d); P = softmax(S) row by row (causal: key j is masked for query i when j > i, the
 top-left alignment of SDPA's is_causal); O = P V; L = logsumexp of each row of S, saved for backward. The kernels
@@ -32,8 +27,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-# no GPU, and triton imported already (by torch.compile, say) with no TRITON_INTERPRET set: setting it below is too
-# late for triton's own language helpers, so the kernels cannot run (_require_triton_device)
+# no GPU and triton imported already (by torch.compile, say): setting TRITON_INTERPRET below comes too late for it
 _INTERPRET_TOO_LATE = not torch.cuda.is_available() and "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -42,13 +36,12 @@ import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BACKEND = os.environ.get("FLASH_BACKEND", "auto")  # 'auto' | 'triton' | 'gluon'; read at each call
-LOG2E = 1.4426950408889634  # the kernels keep scores in base 2 so that they can use exp2; inside kernels log2(e) and
-# ln(2) are spelled as literals because Triton reads only constexpr globals
+LOG2E = 1.4426950408889634  # scores in base 2 for exp2; kernels write it as a literal (Triton: constexpr globals only)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. Attention references: naive attention and the tiled PyTorch twin of the kernels
-# ---------------------------------------------------------------------------------------------------------------
+
 def attention_reference(q, k, v, causal=False):
     """Naive attention on (..., H, S, D) with k/v (..., H_kv, S_k, D): returns (O, L), L = logsumexp of the scores
     Materializes the (S, S_k) scores: for tests and as the naive baseline only."""
@@ -147,7 +140,6 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 #    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch].
 #    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes its operands' (b, h, s) strides as
 #    one tuple, the query and key cu_seqlens as a pair; few integers are specialized (compiling is the cold start).
-# ---------------------------------------------------------------------------------------------------------------
 
 # the tuning space: (head-dim class, element size) -> [(BLOCK_M, BLOCK_N, warps, stages), ...], the best first (in
 # the dK/dV pass BLOCK_N is the key tile held in registers)
@@ -566,7 +558,6 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
 #    per key tile, the query tiles streamed, dQ added up with TMA reduce-adds. State travels in a few aggregates
 #    (config, global tensors, shared memory, schedule); a partition reads schedule -> mainloop -> epilogue. Head
 #    dims 33 to 128 in tiles 64 or 128 wide, 65 to 96 as 64 plus a tail of 16 or 32 columns (_gluon_head_tiles).
-# ---------------------------------------------------------------------------------------------------------------
 
 try:
     from triton.experimental import gluon
@@ -1492,7 +1483,6 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
 # 4. Attention entry points. One autograd Function serves dense and packed calls: eagerly it calls the launchers,
 #    under torch.compile or a dispatch mode (selective recomputation's, a FLOP counter's) two torch.library
 #    operators with fake kernels, so a model that calls them compiles without graph breaks.
-# ---------------------------------------------------------------------------------------------------------------
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
     """(O, L): the one place that picks the forward kernels (backend, BACKEND at the call: 'auto' takes the Gluon
@@ -1568,8 +1558,7 @@ def _check_qkv(q, k, v, ndim):
         raise ValueError(f"flash: head dim {q.shape[-1]} > 256 is not supported")
 
 
-def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None,
-                       max_seqlen_k=None):
+def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
     """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning the logsumexp L
     ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
     _check_qkv(q, k, v, 4 if cu_seqlens is None else 3)
@@ -1582,11 +1571,9 @@ def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, c
     elif max_seqlen_k is None:
         raise ValueError("flash: cu_seqlens_k needs max_seqlen_k")
     for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu is not None and (cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device):
-            raise ValueError(f"flash: {name} must be a 1-D int32 tensor on {q.device}, got {cu.dtype} "
-                             f"{tuple(cu.shape)} on {cu.device}")
-    if cu_seqlens_k is not None and cu_seqlens.shape != cu_seqlens_k.shape:
-        raise ValueError("flash: cu_seqlens and cu_seqlens_k must have the same number of sequences")
+        if cu is not None and (cu.dtype, cu.dim(), cu.shape, cu.device) != (torch.int32, 1, cu_seqlens.shape, q.device):
+            raise ValueError(f"flash: {name} must be a 1-D int32 tensor on {q.device}, as long as cu_seqlens, got "
+                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
     return _FlashAttention.apply(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal)
 
 
@@ -1623,13 +1610,11 @@ class FlashAttentionTriton(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. AdamW, t counted per parameter: m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
-#    p <- p - a_t m / (sqrt(v) + eps) with a_t = lr sqrt(1 - b2^t) / (1 - b1^t); then p <- p (1 - lr wd).
-#    On CUDA one launch steps every parameter of a (group, dtype) bucket, chunk by chunk through a table built once
-#    (each chunk's offsets from a base tensor, its tensor, its length). Gradients are new tensors after every
-#    backward, so their offsets are an array of their own, re-sent only when they move. Offsets count 16 elements
-#    at a time where they can, so full chunks load and store 16 bytes a thread.
-# ---------------------------------------------------------------------------------------------------------------
+# 5. AdamW's fused step (train.AdamW is the optimizer and states the formulas). On CUDA one launch steps every
+#    parameter of a (group, dtype) bucket, chunk by chunk through a table built once (each chunk's offsets from a
+#    base tensor, its tensor, its length). Gradients are new tensors after every backward, so their offsets are an
+#    array of their own, re-sent only when they move. Offsets count 16 elements at a time where they can, so full
+#    chunks load and store 16 bytes a thread.
 
 ADAMW_BLOCK = 2048
 
@@ -1726,150 +1711,11 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
                                DEVICE_SCALARS=scalars is not None, num_warps=8)
 
 
-class AdamW(torch.optim.Optimizer):
-    """AdamW with decoupled weight decay (the formulas above), m and v in fp32 (fp64 for fp64 parameters); bf16/fp16
-    parameters are updated in fp32 and rounded once. fused=None: the kernel on CUDA, torch._foreach_* ops elsewhere;
-    True: the kernel always (the interpreter on CPU); False: never. capturable=True: step() can be captured in a CUDA
-    graph (train.capture_step), the kernel reading its step size and decay from a device tensor (advance())."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None,
-                 capturable=False):
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"AdamW: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"AdamW: betas must lie in [0, 1) (got {betas})")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.fused, self.capturable = fused, capturable
-        self._tables = {}  # bucket -> flash.adamw_step's cache (chunk table, gradient offsets)
-        self._scalars = {}  # bucket -> (neg_step, decay) on the device (capturable)
-        self._captured = set()  # the buckets a captured step() launches for
-
-    def _use_kernel(self, p):
-        if self.fused is False or p.dtype == torch.float64:
-            return False
-        dense = p.is_contiguous() and p.grad.is_contiguous()
-        if self.fused and not dense:
-            raise ValueError("AdamW(fused=True) needs contiguous parameters and gradients")
-        return dense and (p.is_cuda or self.fused)
-
-    def _buckets(self, count):
-        """{(group, fused, device, dtype, grad dtype): (t, params, grads, exp_avgs, exp_avg_sqs)} over the parameters
-        with a gradient, their state made first; count: add this step to every t."""
-        buckets = {}
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    if not count:
-                        raise RuntimeError("AdamW: capturing step() needs the optimizer state first; take one eager "
-                                           "step before the capture")
-                    dtype = torch.promote_types(p.dtype, torch.float32)  # fp32, fp64 for fp64 parameters
-                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=dtype),
-                                 exp_avg_sq=torch.zeros_like(p, dtype=dtype))
-                state["step"] += count
-                key = (gi, self._use_kernel(p), p.device, p.dtype, p.grad.dtype, state["step"])
-                b = buckets.setdefault(key, ([], [], [], []))
-                for lst, t in zip(b, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
-                    lst.append(t)
-        by_bucket = {}
-        for (*key, t), columns in buckets.items():
-            if tuple(key) in by_bucket:
-                if self.capturable:
-                    raise RuntimeError(f"AdamW(capturable=True): parameters of group {key[0]} are at different "
-                                       f"step counts ({by_bucket[tuple(key)][0]} and {t}); one kernel launch reads "
-                                       f"one step size")
-                key = (*key, t)  # eager: its own launch
-            by_bucket[tuple(key)] = (t, *columns)
-        return by_bucket
-
-    @staticmethod
-    def _step_size(group, t):
-        """(-α_t, α·λ) of a group at step t: -α_t = -lr sqrt(1 - β2^t) / (1 - β1^t)."""
-        lr, (beta1, beta2) = group["lr"], group["betas"]
-        return -lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t), lr * group["weight_decay"]
-
-    def _write_scalars(self, key, neg_step, lr_wd):
-        """The kernel's (neg_step, decay) of a bucket into its device tensor, by a pinned copy the host need not wait
-        for; returns the tensor."""
-        scalars = self._scalars.get(key)
-        if scalars is None:
-            scalars = self._scalars[key] = torch.empty(2, dtype=torch.float32, device=key[2])
-        host = torch.tensor([neg_step, 1 - lr_wd], dtype=torch.float32)
-        scalars.copy_(host.pin_memory() if scalars.is_cuda else host, non_blocking=True)
-        return scalars
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if capturing and not self.capturable:
-            raise RuntimeError("AdamW.step() is being captured in a CUDA graph: make the optimizer with "
-                               "capturable=True (its step size then comes from the device)")
-        for key, (t, *columns) in self._buckets(count=0 if capturing else 1).items():
-            group = self.param_groups[key[0]]
-            fused, beta1, beta2, eps = key[1], *group["betas"], group["eps"]
-            neg_step, lr_wd = self._step_size(group, t)
-            if not fused:
-                if capturing:
-                    raise RuntimeError(f"AdamW(capturable=True) captures the fused kernel only; group {key[0]} has "
-                                       f"{key[3]} parameters on {key[2]} that take the foreach path")
-                self._foreach_step(*columns, neg_step, beta1, beta2, eps, lr_wd)
-                continue
-            scalars = None
-            if capturing:
-                scalars = self._scalars.get(key)
-                if scalars is None:
-                    raise RuntimeError("AdamW: capturing step() needs one eager step with capturable=True first")
-                self._captured.add(key)
-            elif self.capturable:
-                scalars = self._write_scalars(key, neg_step, lr_wd)
-            cache = self._tables.setdefault(key, {})  # the kernel's chunk table kept between steps
-            adamw_step(cache, *columns, neg_step, beta1, beta2, eps, 1 - lr_wd, scalars=scalars)
-        return loss
-
-    @torch.no_grad()
-    def advance(self):
-        """The host's part of a captured step(), before each replay: every t + 1, and each bucket's step size and decay
-        (the groups' lr now) written where the captured kernels read them."""
-        if not self._captured:
-            raise RuntimeError("AdamW.advance() is the host's part of a replayed step: capture step() first, with "
-                               "capturable=True")
-        for key, (t, *_) in self._buckets(count=1).items():
-            if key not in self._captured:
-                raise RuntimeError(f"AdamW.advance(): the captured step() does not step group {key[0]}'s "
-                                   f"{key[3]} parameters on {key[2]}")
-            self._write_scalars(key, *self._step_size(self.param_groups[key[0]], t))
-
-    @staticmethod
-    def _foreach_step(params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, lr_wd):
-        work = params if params[0].dtype == exp_avgs[0].dtype else [p.float() for p in params]
-        if grads[0].dtype != exp_avgs[0].dtype:
-            grads = [g.to(exp_avgs[0].dtype) for g in grads]
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)                 # m ← β1·m + (1−β1)·g
-        torch._foreach_mul_(exp_avg_sqs, beta2)                          # v ← β2·v + (1−β2)·g²
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(work, exp_avgs, denom, neg_step)         # θ ← θ − α_t·m/(sqrt(v)+ε)
-        if lr_wd != 0:
-            torch._foreach_mul_(work, 1 - lr_wd)                         # θ ← θ − α·λ·θ
-        if work is not params:
-            torch._foreach_copy_(params, work)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # 6. Cross-entropy over rows of logits, gradient in place (model.linear_cross_entropy runs it chunk by chunk).
 #    For each row x with target t (t == ignore_index: no loss, zero gradient): loss = logsumexp(x) - x[t] in fp32
 #    by an online max/sum, then x is overwritten with scale * (softmax(x) - onehot(t)), scale = dL/dloss_row read
 #    from a one-element tensor (so the host never waits for the count of targets).
-# ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
 def _cross_entropy_rows_kernel(LOGITS, TARGETS, LOSS, SCALE, stride_row, n_cols, ignore_index,
@@ -1942,7 +1788,6 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
 #    summing dy x_hat into its row of a buffer that a torch sum turns into dg. add_rms_norm also adds the residual
 #    (h = x + r) and, backward, the gradient reaching h from the residual path: one kernel each way per pre-norm.
 #    As with attention: custom ops with fake kernels under torch.compile, the launchers directly when eager.
-# ---------------------------------------------------------------------------------------------------------------
 
 RMS_MAX_D = 8192  # the backward spills past it (rows live in registers): wider rows are refused
 
@@ -2100,9 +1945,9 @@ class _AddRMSNorm(torch.autograd.Function):
         y, rstd, h = fwd(x, weight, eps, r, y_dtype)
         h = x if r is None else h
         ctx.save_for_backward(h, weight, rstd)
-        ctx.has_r, ctx.r_dtype = r is not None, None if r is None else r.dtype
-        ctx.set_materialize_grads(False)  # an output nothing used gets None, not a tensor of zeros (rms_norm's h:
-        return h, y  # the backward kernel would read them)
+        ctx.r_dtype = None if r is None else r.dtype
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not zeros the kernel would read
+        return h, y
 
     @staticmethod
     def backward(ctx, dh, dy):
@@ -2113,7 +1958,7 @@ class _AddRMSNorm(torch.autograd.Function):
             dy = torch.zeros(h.shape, dtype=h.dtype, device=h.device)
         bwd = _rms_norm_bwd_op if torch.compiler.is_compiling() else _rms_norm_backward
         dx, dw = bwd(dy, h, weight, rstd, dh)
-        dr = dx.to(ctx.r_dtype) if ctx.has_r else None
+        dr = None if ctx.r_dtype is None else dx.to(ctx.r_dtype)
         return dx, dr, dw, None, None
 
 
@@ -2122,14 +1967,10 @@ RMS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _check_rms(who, x, weight, r=None, y_dtype=None):
     """One-line errors for what the RMSNorm kernels cannot take."""
-    if not all(torch.is_tensor(t) for t in (x, weight) + (() if r is None else (r,))):
-        raise ValueError(f"flash.{who}: x, weight (and residual) must be tensors, got {type(x).__name__}, "
-                         f"{type(weight).__name__}" + ("" if r is None else f", {type(r).__name__}"))
-    for name, t in (("x", x), ("weight", weight)) + (() if r is None else (("residual", r),)):
-        if t.dtype not in RMS_DTYPES:
-            raise ValueError(f"flash.{who}: {name} must be fp16, bf16 or fp32, got {t.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"flash.{who}: x on {x.device} but {name} on {t.device}")
+    for name, t in [("x", x), ("weight", weight)] + ([("residual", r)] if r is not None else []):
+        got = f"{t.dtype} on {t.device}" if torch.is_tensor(t) else type(t).__name__
+        if not torch.is_tensor(t) or t.dtype not in RMS_DTYPES or t.device != x.device:
+            raise ValueError(f"flash.{who}: {name} must be an fp16, bf16 or fp32 tensor on x's device, got {got}")
     if y_dtype is not None and y_dtype not in RMS_DTYPES:
         raise ValueError(f"flash.{who}: out_dtype must be fp16, bf16 or fp32, got {y_dtype}")
     if x.dim() < 1 or weight.shape != x.shape[-1:]:

@@ -738,7 +738,7 @@ def test_flash_gpu_mixed_kernel_families_match_reference():
     torch._dynamo.reset()
 
 
-# --- AdamW: flash.AdamW (train.AdamW) and its fused kernel ---
+# --- AdamW: train.AdamW and its fused kernel (flash.adamw_step) ---
 
 def _spec_adamw_step(params, grads, states, lr, betas, eps, wd):
     """The AdamW algorithm written plainly, one tensor at a time: bias-corrected step size α_t, ε added after
@@ -767,7 +767,7 @@ def test_adamw_matches_spec_algorithm(fused):
     ours += [torch.nn.Parameter(torch.randn(33, device=device).to(torch.bfloat16))]  # updated in fp32
     ref = [p.detach().double().clone() for p in ours]
     betas, eps = (0.9, 0.95), 1e-8
-    opt = flash.AdamW([{"params": ours[:3] + ours[5:], "weight_decay": 0.1}, {"params": ours[3:5],
+    opt = train.AdamW([{"params": ours[:3] + ours[5:], "weight_decay": 0.1}, {"params": ours[3:5],
                        "weight_decay": 0.0}], lr=1e-2, betas=betas, eps=eps, fused=fused)
     states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ref]
     for step in range(4):
@@ -797,7 +797,7 @@ def test_adamw_matches_spec_algorithm(fused):
     if fused:
         bad = torch.nn.Parameter(torch.randn(4, 6, device=device).t())
         bad.grad = torch.randn(6, 4, device=device)
-        _expect(ValueError, ["contiguous"], flash.AdamW([bad], fused=True).step)
+        _expect(ValueError, ["contiguous"], train.AdamW([bad], fused=True).step)
 
 
 def test_adamw_close_to_torch_adamw_and_keeps_state_per_parameter():
@@ -810,7 +810,7 @@ def test_adamw_close_to_torch_adamw_and_keeps_state_per_parameter():
     kw = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     for _ in range(20):
         x, y = torch.randn(11, 9), torch.randn(11, 3)
-        for m, o in ((net, flash.AdamW), (net_ref, torch.optim.AdamW)):
+        for m, o in ((net, train.AdamW), (net_ref, torch.optim.AdamW)):
             opt = m.__dict__.setdefault("opt", o(m.parameters(), **kw))
             opt.zero_grad()
             F.mse_loss(m(x), y).backward()
@@ -818,7 +818,7 @@ def test_adamw_close_to_torch_adamw_and_keeps_state_per_parameter():
     for p, r in zip(net.parameters(), net_ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-3, atol=5e-5)
     a, b, frozen = (torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3))
-    opt = flash.AdamW([a, frozen], lr=1e-2, weight_decay=0.1)
+    opt = train.AdamW([a, frozen], lr=1e-2, weight_decay=0.1)
     frozen_before = frozen.detach().clone()
     for _ in range(3):
         a.grad = torch.randn(5, 3)
@@ -826,7 +826,7 @@ def test_adamw_close_to_torch_adamw_and_keeps_state_per_parameter():
     assert frozen not in opt.state and torch.equal(frozen, frozen_before)
     b_ref = torch.nn.Parameter(b.detach().clone())
     opt.add_param_group({"params": [b], "lr": 5e-3})
-    opt_ref = flash.AdamW([b_ref], lr=5e-3, weight_decay=0.1)
+    opt_ref = train.AdamW([b_ref], lr=5e-3, weight_decay=0.1)
     for _ in range(2):
         g = torch.randn(5, 3)
         a.grad, b.grad, b_ref.grad = torch.randn(5, 3), g.clone(), g.clone()
@@ -845,7 +845,7 @@ def test_adamw_capturable_eager_matches_plain():
     runs = []
     for capturable in (False, True):
         ps = [torch.nn.Parameter(t.clone()) for t in start]
-        opt = flash.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
+        opt = train.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
                           lr=1e-2, betas=(0.9, 0.95), fused=True, capturable=capturable)
         gen = torch.Generator().manual_seed(0)
         for step in range(3):
@@ -861,9 +861,9 @@ def test_adamw_capturable_eager_matches_plain():
         assert torch.equal(cap_opt.state[b]["exp_avg_sq"], plain_opt.state[a]["exp_avg_sq"])
     p = torch.nn.Parameter(torch.ones(2))
     p.grad = torch.ones(2)
-    for opt in (flash.AdamW([p], capturable=True), cap_opt, flash.AdamW([p])):
+    for opt in (train.AdamW([p], capturable=True), cap_opt, train.AdamW([p])):
         _expect(RuntimeError, ["capture step() first"], opt.advance)
-    _expect(ValueError, ["capturable=True"], train.capture_step, lambda: None, flash.AdamW([p]))
+    _expect(ValueError, ["capturable=True"], train.capture_step, lambda: None, train.AdamW([p]))
 
 
 # --- RMSNorm: flash.rms_norm and add_rms_norm (model.RMSNorm with impl="triton") ---
@@ -1010,9 +1010,9 @@ def test_flash_rms_norm_rejects_bad_input():
         (lambda: flash.rms_norm(torch.randn(2, 9000, device=DEVICE), torch.ones(9000, device=DEVICE)), ["9000 >"]),
         (lambda: RMSNorm(16, impl="cuda")(x), ["impl='cuda'", "'triton'"]),
         (lambda: flash.add_rms_norm(x, x[:2], w), ["add_rms_norm", "residual (2, 16)", "(4, 16)"]),
-        (lambda: flash.add_rms_norm(x, x.long(), w), ["residual must be fp16, bf16 or fp32", "torch.int64"]),
+        (lambda: flash.add_rms_norm(x, x.long(), w), ["residual must be an fp16, bf16 or fp32 tensor", "torch.int64"]),
         (lambda: flash.add_rms_norm(x, x, w, out_dtype=torch.int8), ["out_dtype", "torch.int8"]),
-        (lambda: flash.add_rms_norm(x, x.tolist(), w), ["must be tensors", "list"]),
+        (lambda: flash.add_rms_norm(x, x.tolist(), w), ["residual must be an fp16", "got list"]),
     ]
     for fn, words in cases:
         _expect(ValueError, words, fn)

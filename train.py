@@ -9,8 +9,8 @@ Train a TransformerLM on a tokenized dataset.
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py  # on each host
 
 The file: the config globals and the command line (main, cli: judged before torch is imported); the library,
-importable without side effects (schedule, clipping, data and batches, checkpoints, make_step: one training step,
-eager or as CUDA graphs); the run (setup, then train: the loop). SIGINT (Ctrl-C) or SIGTERM end a run after the
+importable without side effects (AdamW, schedule, clipping, data and batches, checkpoints, make_step: one training
+step, eager or as CUDA graphs); the run (setup, then train: the loop). SIGINT (Ctrl-C) or SIGTERM end a run after the
 step in progress, with a checkpoint and the command that continues it.
 """
 import ast
@@ -235,14 +235,154 @@ import numpy as np
 import torch
 
 import ddp
-from flash import AdamW  # noqa: F401  (train.AdamW: the optimizer lives beside its kernel)
+from flash import adamw_step
 from hf import llama_init
 from model import TransformerLM, auto_attn_impl, count_params, flops_per_token
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
 
 # -----------------------------------------------------------------------------------------------------------------
-# schedule and clipping
+# AdamW (its fused step: flash.adamw_step), schedule and clipping
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with decoupled weight decay, t counted per parameter: m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
+    p <- p - a_t m / (sqrt(v) + eps) with a_t = lr sqrt(1 - b2^t) / (1 - b1^t); then p <- p (1 - lr wd). m and v in
+    fp32 (fp64 for fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded once. fused=None: the kernel
+    on CUDA, torch._foreach_* ops elsewhere; True: the kernel always (the interpreter on CPU); False: never.
+    capturable=True: step() can be captured in a CUDA graph (capture_step), the kernel reading its step size and
+    decay from a device tensor (advance())."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None,
+                 capturable=False):
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"AdamW: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"AdamW: betas must lie in [0, 1) (got {betas})")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.fused, self.capturable = fused, capturable
+        self._tables = {}  # bucket -> adamw_step's cache (chunk table, gradient offsets)
+        self._scalars = {}  # bucket -> (neg_step, decay) on the device (capturable)
+        self._captured = set()  # the buckets a captured step() launches for
+
+    def _use_kernel(self, p):
+        if self.fused is False or p.dtype == torch.float64:
+            return False
+        dense = p.is_contiguous() and p.grad.is_contiguous()
+        if self.fused and not dense:
+            raise ValueError("AdamW(fused=True) needs contiguous parameters and gradients")
+        return dense and (p.is_cuda or self.fused)
+
+    def _buckets(self, count):
+        """{(group, fused, device, dtype, grad dtype): (t, params, grads, exp_avgs, exp_avg_sqs)} over the parameters
+        with a gradient, their state made first; count: add this step to every t."""
+        buckets = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    if not count:
+                        raise RuntimeError("AdamW: capturing step() needs the optimizer state first; take one eager "
+                                           "step before the capture")
+                    dtype = torch.promote_types(p.dtype, torch.float32)  # fp32, fp64 for fp64 parameters
+                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=dtype),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=dtype))
+                state["step"] += count
+                key = (gi, self._use_kernel(p), p.device, p.dtype, p.grad.dtype, state["step"])
+                b = buckets.setdefault(key, ([], [], [], []))
+                for lst, t in zip(b, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+                    lst.append(t)
+        by_bucket = {}
+        for (*key, t), columns in buckets.items():
+            if tuple(key) in by_bucket:
+                if self.capturable:
+                    raise RuntimeError(f"AdamW(capturable=True): parameters of group {key[0]} are at different "
+                                       f"step counts ({by_bucket[tuple(key)][0]} and {t}); one kernel launch reads "
+                                       f"one step size")
+                key = (*key, t)  # eager: its own launch
+            by_bucket[tuple(key)] = (t, *columns)
+        return by_bucket
+
+    @staticmethod
+    def _step_size(group, t):
+        """(-α_t, α·λ) of a group at step t: -α_t = -lr sqrt(1 - β2^t) / (1 - β1^t)."""
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        return -lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t), lr * group["weight_decay"]
+
+    def _write_scalars(self, key, neg_step, lr_wd):
+        """The kernel's (neg_step, decay) of a bucket into its device tensor, by a pinned copy the host need not wait
+        for; returns the tensor."""
+        scalars = self._scalars.get(key)
+        if scalars is None:
+            scalars = self._scalars[key] = torch.empty(2, dtype=torch.float32, device=key[2])
+        host = torch.tensor([neg_step, 1 - lr_wd], dtype=torch.float32)
+        scalars.copy_(host.pin_memory() if scalars.is_cuda else host, non_blocking=True)
+        return scalars
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing and not self.capturable:
+            raise RuntimeError("AdamW.step() is being captured in a CUDA graph: make the optimizer with "
+                               "capturable=True (its step size then comes from the device)")
+        for key, (t, *columns) in self._buckets(count=0 if capturing else 1).items():
+            group = self.param_groups[key[0]]
+            fused, beta1, beta2, eps = key[1], *group["betas"], group["eps"]
+            neg_step, lr_wd = self._step_size(group, t)
+            if not fused:
+                if capturing:
+                    raise RuntimeError(f"AdamW(capturable=True) captures the fused kernel only; group {key[0]} has "
+                                       f"{key[3]} parameters on {key[2]} that take the foreach path")
+                self._foreach_step(*columns, neg_step, beta1, beta2, eps, lr_wd)
+                continue
+            scalars = None
+            if capturing:
+                scalars = self._scalars.get(key)
+                if scalars is None:
+                    raise RuntimeError("AdamW: capturing step() needs one eager step with capturable=True first")
+                self._captured.add(key)
+            elif self.capturable:
+                scalars = self._write_scalars(key, neg_step, lr_wd)
+            cache = self._tables.setdefault(key, {})  # the kernel's chunk table kept between steps
+            adamw_step(cache, *columns, neg_step, beta1, beta2, eps, 1 - lr_wd, scalars=scalars)
+        return loss
+
+    @torch.no_grad()
+    def advance(self):
+        """The host's part of a captured step(), before each replay: every t + 1, and each bucket's step size and decay
+        (the groups' lr now) written where the captured kernels read them."""
+        if not self._captured:
+            raise RuntimeError("AdamW.advance() is the host's part of a replayed step: capture step() first, with "
+                               "capturable=True")
+        for key, (t, *_) in self._buckets(count=1).items():
+            if key not in self._captured:
+                raise RuntimeError(f"AdamW.advance(): the captured step() does not step group {key[0]}'s "
+                                   f"{key[3]} parameters on {key[2]}")
+            self._write_scalars(key, *self._step_size(self.param_groups[key[0]], t))
+
+    @staticmethod
+    def _foreach_step(params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, lr_wd):
+        work = params if params[0].dtype == exp_avgs[0].dtype else [p.float() for p in params]
+        if grads[0].dtype != exp_avgs[0].dtype:
+            grads = [g.to(exp_avgs[0].dtype) for g in grads]
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)                 # m ← β1·m + (1−β1)·g
+        torch._foreach_mul_(exp_avg_sqs, beta2)                          # v ← β2·v + (1−β2)·g²
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(work, exp_avgs, denom, neg_step)         # θ ← θ − α_t·m/(sqrt(v)+ε)
+        if lr_wd != 0:
+            torch._foreach_mul_(work, 1 - lr_wd)                         # θ ← θ − α·λ·θ
+        if work is not params:
+            torch._foreach_copy_(params, work)
+
 
 def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iters, cosine_cycle_iters):
     """Linear warm-up to max over warmup_iters, cosine down to min at cosine_cycle_iters, then min."""
