@@ -2838,6 +2838,100 @@ def test_nanogpt_peer_reads_the_checkouts_time_and_refuses_bad_paths(tmp_path):
     assert "usage: python gpu/nanogpt_peer.py PATH_TO_NANOGPT" in out.stderr
 
 
+def _goal_files(tmp_path):
+    """The files of `PART=goals` as its steps write them: rows from bench.py's own code with GPU figures set in,
+    train.py's log lines, nanoGPT's; one step cut, one failed, one not run, one unreadable. -> (prefix, steps.txt)"""
+    _, payload, _ = run_bench(["model"] + BENCH_TINY + ["--peer", "native"], tmp_path)
+    ours, native = payload["rows"]
+
+    def save(step, rows):
+        (tmp_path / f"goals.{step}.json").write_text(json.dumps(dict(payload, rows=rows)))
+    add = bench.made(lambda q, k, v: q + k + v)
+    (template,) = bench.attention_rows("anchors", "?", {"ours": add}, (1, 1, 8, 4), torch.float32, 1.0)
+    tflops = {"ours": (600.0, 500.0), "sdpa-cudnn": (540.0, 500.0), "flex": (400.0, 400.0)}
+    first, second = [], []  # S=32768 missing: the step was cut before it
+    for b, h, s, d in [(4, 16, 4096, 128), (1, 16, 16384, 128), (16, 32, 1024, 64), (4, 32, 4096, 64),
+                       (1, 32, 16384, 64)]:
+        for method, (fwd, both) in tflops.items():
+            r = dict(template, case=f"B={b} H={h} S={s} D={d} bfloat16", method=method, fwd_tflops=fwd,
+                     fwd_bwd_tflops=both)
+            second += [r] * (method != "flex")  # the second round: ours and cuDNN
+            if (s, method) == (4096, "sdpa-cudnn"):
+                r = dict(r, fwd_bwd_tflops=490.0)  # the noise: 500 / 490 in round 1, 500 / 500 in round 2
+            first.append(r)
+    packed = dict(template, case="docs=33 max=1939 tokens=16384 H=32 D=64")
+    save("attention", first + [dict(packed, method="ours", fwd_tflops=225.0, fwd_bwd_tflops=200.0),
+                               dict(packed, method="flex", fwd_tflops=94.0, fwd_bwd_tflops=100.0)])
+    save("attention_2", second)
+    save("gpt2", [dict(ours, tokens_per_s=443144.0, peak_mib=6889.0)])
+    save("bare_small", [dict(ours, tokens_per_s=520000.0)])
+    save("xl", [dict(ours, mfu=0.513, mean_ms=343.7, tokens_per_s=23836.0),
+                dict(native, tokens_per_s=22438.0)])
+    timed = ("mean_ms", "std_ms", "tokens_per_s", "mfu")
+    oom = {k: v for k, v in native.items() if k not in timed} | {"status": "OOM"}
+    save("leaderboard", [dict(ours, mean_ms=739.8, peak_mib=51200.0, mfu=0.529), oom])
+    save("hf", [{"strategy": "ours:pack:compiled", "phase": "train", "status": "ok"}])  # no times
+    (tmp_path / "goals.log").write_text(
+        "-- nanogpt (at most 110 s): python gpu/nanogpt_peer.py .nanogpt\n"
+        "nanoGPT: batch 12 x 1024, compile True, bfloat16, random data: 32.94 ms/step, peak 9,287 MiB\n"
+        "nanoGPT tokens/s 373022\n")
+    log, clock = [{"step": 0, "val_loss": 7.6, "time_s": 30.0}], 30.0  # 120 ms a step
+    for step in range(10, 151, 10):
+        clock += 1.2 + 0.6 * (step in (60, 110))  # the evaluations at steps 50 and 100: 0.6 s each
+        log.append({"step": step, "loss": 4.0, "lr": 6e-4, "grad_norm": 0.5, "tokens_per_s": 65536 / 0.12,
+                    "mfu": 0.4, "ms_per_step": 120.0, "eta_s": 1.0, "time_s": clock})
+    (tmp_path / "goals.train_small.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    ended = ["xl: exit 1 after 2 s", "attention: exit 124 after 170 s", "attention_2: exit 0 after 31 s",
+             "nanogpt: exit 0 after 61 s", "gpt2: exit 0 after 50 s", "train_small: exit 0 after 99 s",
+             "bare_small: exit 0 after 40 s", "xl: exit 0 after 150 s", "leaderboard: exit 0 after 90 s",
+             "hf: exit 0 after 80 s", "rmsnorm: not run (part time limit)"]  # adamw: never reached
+    (tmp_path / "steps.txt").write_text("".join(f"goals/{line}\n" for line in ended))
+    return tmp_path / "goals", tmp_path / "steps.txt"
+
+
+def test_goals_table_from_the_steps_says_what_did_not_run(tmp_path):
+    # gpu/goals.py (stdlib only, as the runner calls it): a row per goal, ours over its peer, or why none
+    prefix, steps = _goal_files(tmp_path)
+    header = ["--machine", "1 x NVIDIA H100 80GB HBM3", "--commit", "abc123", "--versions", "torch 2.11, triton 3.6"]
+    out = subprocess.run([sys.executable, str(ROOT / "gpu" / "goals.py"), str(prefix), str(steps)] + header,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for line in ("- machine: 1 x NVIDIA H100 80GB HBM3", "- git commit: abc123", "- torch 2.11, triton 3.6"):
+        assert line + "\n" in out.stdout
+    assert "moved by at most 0.02 (median 0.00) between two rounds" in out.stdout  # S=4096 alone moved
+    ((columns, table),) = _md_tables(out.stdout)
+    assert columns == ["goal", "ours", "peer", "ratio", "noise", "met"]
+    rows = {r[0]: r[1:] for r in table}
+    assert len(rows) == len(table) == 26
+    d128, d64 = "attention B=4 H=16 S=4096 D=128", "attention B=16 H=32 S=1024 D=64"
+    assert rows[f"{d128}: fwd ≥ 1.10x, fwd+bwd ≥ 1.05x cuDNN"] == [
+        "600 / 500 TFLOP/s", "cuDNN 540 / 490", "1.11x / 1.02x", "0.00 / 0.02", "yes / no"]
+    assert rows[f"{d128}: fwd+bwd ≥ 1.3x Flex"][2:] == ["1.50x / 1.25x", "—", "— / no"]
+    assert rows[f"{d64}: fwd+bwd ≥ 1.00x cuDNN"][2:] == ["1.11x / 1.00x", "0.00 / 0.00", "— / yes"]
+    cut = "cut at its time limit (attention)"
+    assert rows["attention B=1 H=32 S=32768 D=128: fwd ≥ 1.10x, fwd+bwd ≥ 1.05x cuDNN"][0] == cut
+    packed = "packed documents, D={}: fwd+bwd ≥ 2x Flex's document mask"
+    assert rows[packed.format(64)][2:] == ["2.39x / 2.00x", "—", "— / yes"]
+    assert rows[packed.format(128)][0] == cut
+    speed = rows["GPT-2 small: tokens/s ≥ 1.25x nanoGPT's"]
+    assert speed[:3] == ["443,144 tok/s", "nanoGPT 373,022 tok/s", "1.19x"]
+    assert speed[4] == "no"
+    assert rows["GPT-2 small: peak memory ≤ nanoGPT's"] == ["6,889 MiB", "nanoGPT 9,287 MiB", "0.74x", "—", "yes"]
+    loop = 110 * 65536 / 14.4  # steps 41-150: 11 intervals of 1.2 s and two evaluations of 0.6 s
+    mfu = rows["`train.py config/small.py`, one GPU: ≥ 45% MFU, evaluation included"]
+    assert mfu[0] == f"{40 * loop / (65536 / 0.12):.1f}%; between evaluations 40.0%"
+    assert mfu[3:] == ["±0.0%", "no"]
+    bare = rows["same run: tokens/s ≥ 0.95x the bare step's (`bench.py model`, batch 16 x 1024)"]
+    assert bare == [f"{loop:,.0f} tok/s", "bare step 520,000 tok/s", f"{loop / 520000:.2f}x", "±0.0%", "yes"]
+    assert rows["2.7B (xl, ctx 2048, batch 4): ≥ 55% MFU"][0] == "51.3% (343.7 ms)"  # xl's last line wins
+    assert rows["2.7B: tokens/s ≥ the PyTorch-native peer's"][2::2] == ["1.06x", "yes"]
+    board = rows["8B proxy (4 layers, 32k tokens), one GPU: ms ≤ 0.77x the native step's"]
+    assert board[:2] == ["739.8 ms", "native: OOM: does not fit this GPU (leaderboard)"]
+    assert rows["hf"][0] == "unreadable result: KeyError('tokens_per_s')"
+    assert rows["AdamW step (gpt2): ≤ 1.2x torch's fused"][0] == "not run"
+    assert rows["RMSNorm (32768, 4096) bf16: fwd / fwd+bwd ≥ inductor"][0] == "not run (time)"
+
+
 def test_gpu_bench_model_cuda_graphs_and_host_ahead(tmp_path):
     """On a GPU: ours and the peer each as one captured step; time_ms's host_ahead times the GPU's work alone."""
     if not torch.cuda.is_available():
