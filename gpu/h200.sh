@@ -3,6 +3,8 @@
 #     PART=attention bash gpu/h200.sh    # one part; PART=train,varlen: several in order; PART=all: every part
 # Run from the repository root; each step runs under `timeout`, so a part cut short keeps what it wrote. Output
 # under ${OUT:-bench_out}: BENCH.md and results.tar.gz (gpu/common.sh). The parts, by BENCHMARKS.md section:
+#   goals                                            The goal table: every one-GPU goal, ours beside its peer in
+#                                                    one call (GOALS=xl,hf: some), the table printed last
 #   attention, attention_sustained, attention_work   Attention: dense and packed, then the batch-1 sweep; at the
 #                                                    power limit; D=64, each kernel family by the work per SM
 #   train, nanogpt                                   GPT-2-small shape: ours beside a torch.nn GPT-2; beside
@@ -16,16 +18,70 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
-ALL_PARTS=(attention attention_sustained attention_work train nanogpt xl xl_graphs xl_memory adamw train_small
+ALL_PARTS=(goals attention attention_sustained attention_work train nanogpt xl xl_graphs xl_memory adamw train_small
            train_pack train_graphs varlen hf leaderboard sweep sweep_compiled suite tests_triton tests_gluon
            tests_model)
 source gpu/common.sh
-LIMITS+=([attention_sustained]=300 [attention_work]=400 [xl_memory]=400 [adamw]=120 [train_graphs]=400)
+LIMITS+=([goals]=530 [attention_sustained]=300 [attention_work]=400 [xl_memory]=400 [adamw]=120 [train_graphs]=400)
 
 GPT2=(model --size gpt2 --vocab_size 50304 --context_length 1024 --batch_size 12 --dtype bf16 --tie_embeddings
       --warmup 10 --steps 20)
 XL=(model --size xl --context_length 2048 --batch_size 4 --compile blocks --dtype bf16 --warmup 2 --steps 5)
+EIGHT_B=("$TORCHRUN" --standalone --nproc_per_node=1 bench.py model --size 8B --num_layers 4 --vocab_size 151936
+         --context_length 32768 --batch_size 1 --dtype bf16 --attn flash --compile blocks --peer native --warmup 2
+         --steps 5)
 SWEEP=(model --sweep --context_length 256,512,1024 --dtype bf16,fp32 --mode fwd,fwd_bwd,train --warmup 1 --steps 2)
+
+# goals: a group of steps per goal, most important first (GOALS=xl,hf: those alone), each step capped so that one
+# slow step leaves time to the next; then the table from what finished (gpu/goals.py, stdlib only: python3)
+GOALS_ALL=attention,nanogpt,train,xl,adamw,rmsnorm,leaderboard,hf GOALS=${GOALS:-}
+part_goals() {
+    local goal goals=${GOALS:-$GOALS_ALL}
+    rm -f "$OUT/goals.md"
+    for goal in ${goals//,/ }; do "goal_$goal"; done
+    python3 gpu/goals.py "$P" "$PARTS/steps.txt" --machine "${GPUS:-no GPU seen by nvidia-smi}" --commit "$COMMIT" \
+        --versions "$VERSIONS" >"$OUT/goals.md"
+    cat "$OUT/goals.md" >>"$P.md"
+}
+skip() {  # skip STEP WHY: a step that cannot run, said in the part's .md and steps.txt
+    printf '\n**%s: not run, %s.**\n' "$1" "$2" >>"$P.md"
+    echo "$PART_NAME/$1: not run ($2)" | tee -a "$PARTS/steps.txt"
+}
+goal_attention() {  # then the same code again, ours and cuDNN only: the noise
+    run_md attention 170 "$PY" bench.py attention --parts anchors,varlen --methods ours,sdpa-cudnn,flex --rep 25 \
+        --json @JSON@
+    run_md attention_2 70 "$PY" bench.py attention --parts anchors --methods ours,sdpa-cudnn --rep 25 --json @JSON@
+}
+goal_nanogpt() {  # nanoGPT's own bench.py, then ours (its tokens/s the reference: a ratio in ours's table too)
+    local ref=""
+    if [ -f "${NANOGPT_DIR:-}/bench.py" ]; then
+        run_log nanogpt 110 "$PY" gpu/nanogpt_peer.py "$NANOGPT_DIR"
+        grep '^nanoGPT: ' "$P.log" >>"$P.md"
+        ref=$(sed -n 's|^nanoGPT tokens/s \([0-9]*\)$|\1|p' "$P.log")
+    else
+        skip nanogpt "NANOGPT_DIR names no nanoGPT checkout"
+    fi
+    run_md gpt2 100 "$PY" bench.py "${GPT2[@]}" --attn flash --compile model --cuda_graphs \
+        ${ref:+--reference_tokens_per_s "$ref"} --json @JSON@
+}
+goal_train() {  # train.py's loop (data, logging, evaluation), then the bare step at its micro-batch's shape
+    local vocab
+    if [ ! -f data/shakespeare/meta.json ]; then
+        skip train_small "data/shakespeare is missing: run \`python data/prepare.py shakespeare\` and carry it"
+        return
+    fi
+    train_runs "train_small 1"
+    vocab=$(python3 -c 'import json; print(json.load(open("data/shakespeare/meta.json"))["vocab_size"])')
+    run_md bare_small 80 "$PY" bench.py model --size small --vocab_size "${vocab:-2048}" --context_length 1024 \
+        --batch_size 16 --dtype bf16 --attn sdpa --compile model --warmup 5 --steps 20 --json @JSON@
+}
+goal_xl() { run_md xl 200 "$PY" bench.py "${XL[@]}" --attn flash --peer native --json @JSON@; }
+goal_adamw() { run_md adamw 60 "$PY" bench.py adamw --json @JSON@; }
+goal_rmsnorm() { run_md rmsnorm 45 "$PY" bench.py rmsnorm --shapes 32768x4096 --methods ours,inductor,copy \
+    --json @JSON@; }
+goal_leaderboard() { run_md leaderboard 150 "${EIGHT_B[@]}" --json @JSON@; }
+goal_hf() { run_md hf 130 "$PY" bench.py hf --strategies sdpa:pad,sdpa:pad:compiled,ours:pack:compiled --warmup 2 \
+    --steps 5 --json @JSON@; }
 
 part_attention() { run_md attention 560 "$PY" bench.py attention --rep 25 --methods ours,ours-triton,sdpa-cudnn,flex \
     --time_budget 400 --json @JSON@; }
@@ -81,9 +137,7 @@ part_varlen() {
 }
 part_hf() { run_md hf 560 "$PY" bench.py hf --json @JSON@ --plot @PNG@; }
 # 4 layers fit one GPU without recomputation (the 34-layer run on two GPUs needs it: gpu/h200x2.sh)
-part_leaderboard() { run_md leaderboard 560 "$TORCHRUN" --standalone --nproc_per_node=1 bench.py model --size 8B \
-    --num_layers 4 --vocab_size 151936 --context_length 32768 --batch_size 1 --dtype bf16 --attn flash \
-    --compile blocks --peer native --warmup 2 --steps 5 --json @JSON@; }
+part_leaderboard() { run_md leaderboard 560 "${EIGHT_B[@]}" --json @JSON@; }
 part_sweep() { run_md sweep 560 "$PY" bench.py "${SWEEP[@]}" --size small,medium,large,gpt2-xl,xl,10B --compile none \
     --time_budget @BUDGET@ --json @JSON@ --plot @PNG@; }
 part_sweep_compiled() { run_md sweep_compiled 560 "$PY" bench.py "${SWEEP[@]}" --size small,medium,large,gpt2-xl,xl \
@@ -113,4 +167,10 @@ part_tests_model() { tests_part 'flash_gpu_kernels_match_reference[triton]' flas
     flash_gpu_mixed rms_norm attention_impls_match gpu_flash_model gpu_whole_step gpu_cuda_graphs \
     gpu_bench triton_norm_block loss_curves; }
 
+for goal in ${GOALS//,/ }; do
+    declare -F "goal_$goal" >/dev/null || { echo "unknown goal '$goal'; the goals: $GOALS_ALL" >&2; exit 2; }
+done
 run_parts
+if [[ ,${PART:-all}, == *,goals,* && -f $OUT/goals.md ]]; then  # last, where a device call's output ends
+    cat "$OUT/goals.md"
+fi
