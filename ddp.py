@@ -1,26 +1,33 @@
 """Data parallelism from scratch. Sections:
 
-    process group   init_distributed, cleanup_distributed, the averaging collectives
-    DDP             DDPNaive, DDPFlat (after backward), DDPIndividualParameters, DDPBucketed (overlapped), DDP()
-    ZeRO-1          ShardedOptimizer: each rank keeps and steps the optimizer state of 1/N of the parameters
-    FSDP (ZeRO-3)   FSDP, clip_grad_norm, gather_full_params / load_full_params and the optimizer-state pair
-    one factory     wrap() -> Parallel, the one interface train.py and bench.py use (IMPLS: its choices)
+    process group   init_distributed, cleanup_distributed, the averaging
+                    collectives
+    DDP             DDPNaive, DDPFlat (after backward), DDPIndividualParameters,
+                    DDPBucketed (overlapped), DDP()
+    ZeRO-1          ShardedOptimizer: each rank keeps and steps the optimizer
+                    state of 1/N of the parameters
+    FSDP (ZeRO-3)   FSDP, clip_grad_norm, gather_full_params / load_full_params
+                    and the optimizer-state pair
+    one factory     wrap() -> Parallel, the one interface train.py and bench.py
+                    use (IMPLS: its choices)
 
 Launch one process per GPU with torchrun:
 
     rank, local_rank, world_size, device = init_distributed()
-    w = wrap(TransformerLM(...).to(device), "bucketed")             # or naive, flat, overlap, fsdp, torch, ...
-    optimizer = w.make_optimizer(AdamW, zero1=True, lr=3e-4)        # ZeRO-1 (ShardedOptimizer), or plain
-    for micro in range(grad_accum):                                 # gradient accumulation
-        with w.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext():
+    w = wrap(TransformerLM(...).to(device), "bucketed")  # or naive, fsdp, ...
+    optimizer = w.make_optimizer(AdamW, zero1=True, lr=3e-4)  # ZeRO-1 or not
+    for micro in range(grad_accum):  # gradient accumulation
+        last = micro == grad_accum - 1
+        with contextlib.nullcontext() if last else w.no_sync():
             cross_entropy(w(x), y).backward()
-    w.finish()                                                      # gradients now averaged over ranks
+    w.finish()  # gradients now averaged over ranks
     w.clip_grad_norm(1.0)
     optimizer.step()
     cleanup_distributed()
 
-The classes also work alone. Each broadcasts rank 0's parameters and buffers when it wraps, so all replicas start
-identical, and averages gradients. Every rank must run the same model code: collectives are issued in its order.
+The classes also work alone; each starts every replica from rank 0's
+parameters and buffers. Every rank must run the same model code: collectives
+are issued in its order.
 """
 import collections
 import contextlib
@@ -32,31 +39,37 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# newer torch renamed the single-tensor collectives (same signatures); older builds have only the old names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# newer torch renamed the single-tensor collectives (same signatures)
+_all_gather = (getattr(dist, "all_gather_single", None)
+               or dist.all_gather_into_tensor)
+_reduce_scatter = (getattr(dist, "reduce_scatter_single", None)
+                   or dist.reduce_scatter_tensor)
 
 
-# ---- process group --------------------------------------------------------------------------------------------
+# ---- process group -----------------------------------------------------------
 
 def init_distributed():
-    """(rank, local_rank, world_size, device) from torchrun's environment: NCCL with a GPU per process on CUDA, gloo
-    on CPU; without torchrun, one process and no process group. NCCL_* settings in the environment stay."""
+    """(rank, local_rank, world_size, device) from torchrun's environment: NCCL
+    with a GPU per process on CUDA, gloo on CPU; without torchrun, one process
+    and no process group. NCCL_* settings in the environment stay."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 0, 1, torch.device("cuda" if cuda else "cpu")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    backend, device, device_id = "gloo", torch.device("cpu"), None
     if cuda:
+        backend = "nccl"
+        device = device_id = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        dist.init_process_group(backend, device_id=device_id)
     return rank, local_rank, world_size, device
 
 
 def cleanup_distributed():
-    """Barrier, then tear the process group down (nothing to do without one)."""
+    """Barrier, then tear the process group down (if there is one)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -64,11 +77,13 @@ def cleanup_distributed():
 
 def _rank_and_world():
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: launch with torchrun and call init_distributed()")
+        raise RuntimeError("torch.distributed is not initialized: launch with "
+                           "torchrun and call init_distributed()")
     return dist.get_rank(), dist.get_world_size()
 
 
-def _avg_op():  # NCCL averages inside the collective; gloo sums, then _finish_average divides by N
+def _avg_op():
+    # NCCL averages inside the collective; gloo sums, _finish_average divides
     return dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
 
 
@@ -82,12 +97,13 @@ def _all_reduce_mean(t):
     _finish_average(t)
 
 
-def _all_reduce_flat(grads):  # one all-reduce per dtype, over a flattened copy
+def _all_reduce_flat(grads):  # one all-reduce per dtype, over a flat copy
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in same])
         _all_reduce_mean(flat)
-        for g, f in zip(same, flat.split([g.numel() for g in same])):
+        sizes = [g.numel() for g in same]
+        for g, f in zip(same, flat.split(sizes)):
             g.copy_(f.view_as(g))
 
 
@@ -96,11 +112,12 @@ def _broadcast_from_rank0(module):
         dist.broadcast(t.data, src=0)
 
 
-# ---- DDP, four ways -------------------------------------------------------------------------------------------
+# ---- DDP, four ways ----------------------------------------------------------
 
 def weak_hook(method):
-    """A gradient hook holding its wrapper weakly: tensor hooks live in C++, out of reach of the cycle collector,
-    so a strong one (parameter -> hook -> wrapper -> module -> parameter) would leak a dropped wrapper."""
+    """A gradient hook holding its wrapper weakly: tensor hooks live in C++,
+    out of reach of the cycle collector, so a strong one (parameter -> hook ->
+    wrapper -> module -> parameter) would leak a dropped wrapper."""
     ref = weakref.WeakMethod(method)
 
     def hook(*args):
@@ -110,13 +127,15 @@ def weak_hook(method):
 
 
 class _DataParallel(nn.Module):
-    """What the DDP wrappers share: .module, forward, the rank-0 broadcast at wrap time, no_sync(). Parameters come
-    once from module.parameters(), so tied weights count once; frozen ones are skipped."""
+    """What the DDP wrappers share: .module, forward, the rank-0 broadcast at
+    wrap time, no_sync(). Parameters come once from module.parameters(), so
+    tied weights count once; frozen ones are skipped."""
 
     def __init__(self, module):
         super().__init__()
         self.rank, self.world_size = _rank_and_world()
-        self.module, self.require_sync = module, True  # require_sync False inside no_sync(): hooks stay quiet
+        self.module = module
+        self.require_sync = True  # False inside no_sync(): the hooks stay quiet
         _broadcast_from_rank0(module)
         self.params = [p for p in module.parameters() if p.requires_grad]
 
@@ -125,7 +144,8 @@ class _DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside communicate nothing (and finish is a no-op); the next synced one sends the sum."""
+        """Backward passes inside communicate nothing (finish is a no-op); the
+        next synced one sends the sum."""
         previous, self.require_sync = self.require_sync, False
         try:
             yield
@@ -144,7 +164,8 @@ class DDPNaive(_DataParallel):
 
 
 class DDPFlat(_DataParallel):
-    """After backward: the gradients flattened into one buffer per dtype, one all-reduce each, copied back."""
+    """After backward: the gradients flattened into one buffer per dtype, one
+    all-reduce each, copied back."""
 
     def finish_gradient_synchronization(self):
         if self.require_sync:
@@ -152,19 +173,22 @@ class DDPFlat(_DataParallel):
 
 
 class DDPIndividualParameters(_DataParallel):
-    """Overlap per parameter: a post-accumulate-grad hook starts an async all-reduce of each gradient once autograd
-    has accumulated it (tied weights: after both uses), while backward goes on. A parameter without gradient fires
-    no hook, which must hold on every rank; one accumulated under no_sync() only is all-reduced in finish."""
+    """Overlap per parameter: once autograd has accumulated a gradient (a tied
+    weight's after both uses), a hook starts its async all-reduce while
+    backward goes on. A parameter without gradient fires no hook, which must
+    hold on every rank; one accumulated under no_sync() only is all-reduced in
+    finish."""
 
     def __init__(self, module):
         super().__init__(module)
-        self.pending = {}  # parameter -> its all-reduce in flight, in launch order
+        self.pending = {}  # parameter -> its all-reduce in flight, in order
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_hook(self._hook))
 
     def _hook(self, p):
         if self.require_sync:
-            self.pending[p] = dist.all_reduce(p.grad, op=_avg_op(), async_op=True)
+            self.pending[p] = dist.all_reduce(p.grad, op=_avg_op(),
+                                              async_op=True)
 
     def finish_gradient_synchronization(self):
         if not self.require_sync:
@@ -179,16 +203,21 @@ class DDPIndividualParameters(_DataParallel):
 
 
 class _Bucket:
-    """Parameters sharing one flat gradient buffer (p.grad a view into it) and a "had a gradient" flag per parameter."""
+    """Parameters sharing one flat gradient buffer (p.grad a view into it),
+    then a "had a gradient" flag per parameter."""
 
     def __init__(self, params):
-        self.params, sizes = params, [p.numel() for p in params]
-        self.buffer = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.params = params
+        sizes = [p.numel() for p in params]
+        self.buffer = torch.zeros(sum(sizes) + len(params),
+                                  dtype=params[0].dtype, device=params[0].device)
         *chunks, self.flags = self.buffer.split(sizes + [len(params)])
         self.views = [c.view_as(p) for c, p in zip(chunks, params)]
         self.ready, self.work = [False] * len(params), None
 
-    def grad_into_view(self, j):  # a fresh gradient is copied in; one kept by zero_grad() is the view already
+    def grad_into_view(self, j):
+        """A fresh gradient is copied in; one kept by zero_grad() is the view
+        already."""
         p, view = self.params[j], self.views[j]
         if p.grad is None:
             view.zero_()
@@ -204,23 +233,26 @@ class _Bucket:
 
 
 class DDPBucketed(_DataParallel):
-    """Overlap per bucket: buckets of at most bucket_size_mb MiB in reverse registration order (about backward's),
-    each one's async all-reduce started in bucket order once its gradients are ready, the rest in finish, so every
-    rank issues the same collectives even where a parameter is unused on some (its gradient counts as zeros)."""
+    """Overlap per bucket: buckets of at most bucket_size_mb MiB in reverse
+    registration order (about backward's), each one's async all-reduce started
+    in bucket order once its gradients are ready, the rest in finish, so every
+    rank issues the same collectives even where a parameter is unused on
+    some."""
 
     def __init__(self, module, bucket_size_mb):
         super().__init__(module)
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb={bucket_size_mb} must be > 0")
-        groups, size = [[]], 0
+        limit = bucket_size_mb * 2**20
+        groups, size, kind = [], 0, None
         for p in reversed(self.params):
             nbytes = p.numel() * p.element_size()
-            if groups[-1] and (size + nbytes > bucket_size_mb * 2**20 or p.dtype != groups[-1][0].dtype
-                               or p.device != groups[-1][0].device):
-                groups, size = groups + [[]], 0
+            if not groups or size + nbytes > limit or (p.dtype, p.device) != kind:
+                groups.append([])
+                size, kind = 0, (p.dtype, p.device)
             groups[-1].append(p)
             size += nbytes
-        self.buckets = [_Bucket(g) for g in groups if g]
+        self.buckets = [_Bucket(g) for g in groups]
         self.next_bucket = 0  # the first bucket not launched yet in this step
         hook = weak_hook(self._hook)
         for b, bucket in enumerate(self.buckets):
@@ -232,144 +264,202 @@ class DDPBucketed(_DataParallel):
             return
         bucket = self.buckets[b]
         if bucket.ready[j]:
-            raise RuntimeError("a gradient became ready twice before finish_gradient_synchronization(): run all "
-                               "but the last backward of an accumulation inside no_sync()")
+            raise RuntimeError("a gradient became ready twice before "
+                               "finish_gradient_synchronization(): run all but "
+                               "the last backward of an accumulation inside "
+                               "no_sync()")
         bucket.grad_into_view(j)
         bucket.ready[j] = True
-        while self.next_bucket < len(self.buckets) and all(self.buckets[self.next_bucket].ready):
-            self.buckets[self.next_bucket].launch()
+        while self.next_bucket < len(self.buckets):
+            first_waiting = self.buckets[self.next_bucket]
+            if not all(first_waiting.ready):
+                break
+            first_waiting.launch()
             self.next_bucket += 1
 
     def finish_gradient_synchronization(self):
         if not self.require_sync:
             return
-        for bucket in self.buckets[self.next_bucket:]:  # incomplete on this rank: missing gradients are zeros
+        # incomplete on this rank: a missing gradient counts as zeros
+        for bucket in self.buckets[self.next_bucket:]:
             for j, p in enumerate(bucket.params):
                 if not bucket.ready[j]:
-                    bucket.ready[j] = p.grad is not None  # accumulated under no_sync(), unused in this backward
+                    # accumulated under no_sync(), unused in this backward
+                    bucket.ready[j] = p.grad is not None
                     bucket.grad_into_view(j)
             bucket.launch()
         for bucket in self.buckets:
             bucket.work.wait()
             _finish_average(bucket.buffer)
-            if not all(bucket.ready):  # unused parameters: one host read tells which were used on any rank
-                for p, view, used in zip(bucket.params, bucket.views, bucket.flags.tolist()):
-                    p.grad = view if used > 0 else None
+            if not all(bucket.ready):  # one host read: which were used anywhere
+                used = bucket.flags.tolist()
+                for p, view, flag in zip(bucket.params, bucket.views, used):
+                    p.grad = view if flag > 0 else None
             bucket.ready, bucket.work = [False] * len(bucket.params), None
         self.next_bucket = 0
 
 
 def DDP(module, bucket_size_mb=None):
-    """The public entry: per-parameter overlap when bucket_size_mb is None, else bucketed overlap."""
-    return DDPIndividualParameters(module) if bucket_size_mb is None else DDPBucketed(module, bucket_size_mb)
+    """The public entry: per-parameter overlap when bucket_size_mb is None,
+    else bucketed overlap."""
+    if bucket_size_mb is None:
+        return DDPIndividualParameters(module)
+    return DDPBucketed(module, bucket_size_mb)
 
 
-# ---- ZeRO-1: optimizer-state sharding -------------------------------------------------------------------------
+# ---- ZeRO-1: optimizer-state sharding ----------------------------------------
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Each rank owns about 1/N of the parameter elements (largest first, to the rank with the fewest so far) and
-    keeps and steps their state with an inner optimizer_cls; gradients come averaged (by a DDP wrapper). A group's
-    parameters become views into a flat buffer per dtype of N equal segments (rank r's parameters in segment r),
-    so one in-place all-gather per buffer after the inner step brings every rank's updates everywhere."""
+    """Each rank owns about 1/N of the parameter elements (largest first, to
+    the rank with the fewest so far) and keeps and steps their state with an
+    inner optimizer_cls; gradients come averaged (by a DDP wrapper). A group's
+    parameters become views into a flat buffer per dtype of N equal segments
+    (rank r's parameters in segment r), so one in-place all-gather per buffer
+    after the inner step brings every rank's updates everywhere."""
 
     def __init__(self, params, optimizer_cls, **kwargs):
         self.rank, self.world_size = _rank_and_world()
         self.optimizer_cls, self.inner_kwargs = optimizer_cls, kwargs
-        self.optimizer = None        # the inner optimizer: group k holds this rank's parameters of group k
-        self.owner, self.owned_numel = {}, [0] * self.world_size  # parameter -> owning rank; elements per rank
-        self.flat_buffers = []       # (buffer, segment length) per group and dtype, all-gathered after step
-        params = list(params)  # defaults from the inner class (betas, eps, ...): our groups look unsharded
-        first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
-        probe = torch.zeros(1, dtype=first.dtype, device=first.device, requires_grad=True)
-        super().__init__(params, optimizer_cls([probe], **kwargs).defaults)  # calls add_param_group per group
+        self.optimizer = None  # its group k: this rank's part of our group k
+        self.owner = {}  # parameter -> its owning rank
+        self.owned_numel = [0] * self.world_size
+        self.flat_buffers = []  # (buffer, segment length), gathered after step
+        params = list(params)
+        first = params[0]
+        if isinstance(first, dict):
+            first = first["params"][0]
+        # the inner class's defaults (betas, eps, ...): ours look unsharded
+        probe = torch.zeros(1, dtype=first.dtype, device=first.device,
+                            requires_grad=True)
+        defaults = optimizer_cls([probe], **kwargs).defaults
+        super().__init__(params, defaults)  # calls add_param_group per group
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for p in sorted(group["params"], key=lambda p: -p.numel()):  # stable: equal sizes keep their order
+        # a stable sort: equal sizes keep their order
+        for p in sorted(group["params"], key=lambda p: -p.numel()):
             r = self.owned_numel.index(min(self.owned_numel))
             self.owner[p] = r
             self.owned_numel[r] += p.numel()
         self._flatten(group["params"])
-        owned = {**group, "params": [p for p in group["params"] if self.owner[p] == self.rank]}  # maybe none
+        mine = [p for p in group["params"] if self.owner[p] == self.rank]
+        owned = {**group, "params": mine}  # maybe no parameters
         if self.optimizer is None:
             self.optimizer = self.optimizer_cls([owned], **self.inner_kwargs)
         else:
             self.optimizer.add_param_group(owned)
 
     def _flatten(self, params):
-        for key in dict.fromkeys((p.dtype, p.device) for p in params):
-            segments = [[p for p in params if (p.dtype, p.device) == key and self.owner[p] == r]
-                        for r in range(self.world_size)]
-            seg_len = max(sum(p.numel() for p in seg) for seg in segments)
-            buffer = torch.zeros(self.world_size * seg_len, dtype=key[0], device=key[1])
-            for r, seg in enumerate(segments):
-                sizes = [p.numel() for p in seg]
-                for p, view in zip(seg, buffer[r * seg_len:(r + 1) * seg_len].split(sizes + [seg_len - sum(sizes)])):
+        for dtype, device in dict.fromkeys((p.dtype, p.device) for p in params):
+            same = [p for p in params if (p.dtype, p.device) == (dtype, device)]
+            by_rank = [[p for p in same if self.owner[p] == r]
+                       for r in range(self.world_size)]
+            seg_len = max(sum(p.numel() for p in owned) for owned in by_rank)
+            buffer = torch.zeros(self.world_size * seg_len, dtype=dtype,
+                                 device=device)
+            for r, owned in enumerate(by_rank):
+                segment = buffer[r * seg_len:(r + 1) * seg_len]
+                sizes = [p.numel() for p in owned]
+                views = segment.split(sizes + [seg_len - sum(sizes)])
+                for p, view in zip(owned, views):
                     view.copy_(p.data.reshape(-1))
                     p.data = view.view_as(p)
             self.flat_buffers.append((buffer, seg_len))
 
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
-        with torch.enable_grad():
-            loss = closure() if closure is not None else None
-        for group, inner in zip(self.param_groups, self.optimizer.param_groups):  # the schedule writes ours
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # the schedule writes our groups
+        for group, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in group.items() if k != "params"})
         self.optimizer.step(**kwargs)
         for buffer, seg_len in self.flat_buffers:
-            _all_gather(buffer, buffer[self.rank * seg_len:(self.rank + 1) * seg_len])
+            own = buffer[self.rank * seg_len:(self.rank + 1) * seg_len]
+            _all_gather(buffer, own)
         return loss
 
     def state_dict(self):
-        """The consolidated state in torch.optim's format on every rank, tensors on CPU (collective: owners send)."""
-        full = super().state_dict()  # the groups, parameters numbered as torch.optim does; the state comes next
+        """The consolidated state in torch.optim's format on every rank,
+        tensors on CPU (collective: the owners send)."""
+        full = super().state_dict()  # the groups; the state comes next
         params = [p for group in self.param_groups for p in group["params"]]
         index = {p: i for i, p in enumerate(params)}
         local = self.optimizer.state
-        device = self.flat_buffers[0][0].device if dist.get_backend() == "nccl" else torch.device("cpu")
-        owned = [None] * self.world_size  # every rank's state, its tensors as shape-only "meta" tensors
-        dist.all_gather_object(owned, {index[p]: {k: v.to("meta") if torch.is_tensor(v) else v for k, v in s.items()}
-                                       for p, s in local.items()})
-        for r, entries in enumerate(owned):  # then each owner broadcasts its tensors
+        device = torch.device("cpu")
+        if dist.get_backend() == "nccl":
+            device = self.flat_buffers[0][0].device
+        # every rank's state, tensors as shape-only "meta" ones
+        shapes = {index[p]: _map_tensors(s, lambda v: v.to("meta"))
+                  for p, s in local.items()}
+        owned = [None] * self.world_size
+        dist.all_gather_object(owned, shapes)
+        for r, entries in enumerate(owned):  # then each owner broadcasts
             for i, entry in sorted(entries.items()):
                 full["state"][i] = entry
                 for k, v in [(k, v) for k, v in entry.items() if torch.is_tensor(v)]:
-                    t = local[params[i]][k].to(device) if r == self.rank else torch.empty_like(v, device=device)
+                    if r == self.rank:
+                        t = local[params[i]][k].to(device)
+                    else:
+                        t = torch.empty_like(v, device=device)
                     dist.broadcast(t, src=r)
-                    entry[k] = t.to("cpu", copy=True)  # a snapshot, never the live state tensor
+                    entry[k] = t.to("cpu", copy=True)  # never the live tensor
         return full
 
     def load_state_dict(self, state_dict):
-        """Load a consolidated state (state_dict()'s or a checkpoint's); each rank keeps its own parameters'."""
+        """Load a consolidated state (state_dict()'s or a checkpoint's); each
+        rank keeps its own parameters'."""
         saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("state dict and optimizer disagree on the parameter groups or their sizes")
+        saved_sizes = [len(g["params"]) for g in saved_groups]
+        if saved_sizes != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("state dict and optimizer disagree on the "
+                             "parameter groups or their sizes")
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         params = [p for group in self.param_groups for p in group["params"]]
-        position = {p: j for j, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-        inner_groups = [{**inner, **group, "params": [position[p] for p in inner["params"]]}  # inner's extra keys stay
-                        for group, inner in zip(self.param_groups, self.optimizer.param_groups)]
-        self.optimizer.load_state_dict({"param_groups": inner_groups, "state": {
-            position[params[int(i)]]: s for i, s in state_dict["state"].items() if params[int(i)] in position}})
+        inner_groups = self.optimizer.param_groups
+        inner_params = [p for g in inner_groups for p in g["params"]]
+        position = {p: j for j, p in enumerate(inner_params)}
+        loaded_groups = [{**inner, **group,  # inner's extra keys stay
+                          "params": [position[p] for p in inner["params"]]}
+                         for group, inner in zip(self.param_groups, inner_groups)]
+        state = {position[params[int(i)]]: s
+                 for i, s in state_dict["state"].items()
+                 if params[int(i)] in position}
+        self.optimizer.load_state_dict({"param_groups": loaded_groups,
+                                        "state": state})
 
 
-# ---- FSDP / ZeRO-3 --------------------------------------------------------------------------------------------
+def _map_tensors(state, fn):  # one parameter's optimizer state
+    return {k: fn(v) if torch.is_tensor(v) else v for k, v in state.items()}
 
-# A weight under FSDP: `rows` rows padded to `padded_shape`, rank r keeping row block r as `shard` (2-D for decay)
-_ShardedLayer = collections.namedtuple("_ShardedLayer", "shard rows padded_shape is_embedding")
+
+# ---- FSDP / ZeRO-3 -----------------------------------------------------------
+
+# A weight under FSDP: `rows` rows padded to `padded_shape`, rank r keeping row
+# block r as `shard` (2-D for decay)
+_ShardedLayer = collections.namedtuple(
+    "_ShardedLayer", "shard rows padded_shape is_embedding")
 
 
 class _FSDPLinear(torch.autograd.Function):
-    """y = x W^T with W all-gathered for this call only (again in backward); saves x, never W. The products are
-    model.Linear's (mm(x2, W^T), mm(g2, W), model.weight_grad), so a sharded step computes what one process does."""
+    """y = x W^T with W all-gathered for this call only (again in backward);
+    saves x, never W. The products are model.Linear's (mm(x2, W^T), mm(g2, W),
+    model.weight_grad), so a sharded step computes what one process does."""
 
     @staticmethod
     def forward(ctx, x, shard, fsdp, i):
         import model
-        w = fsdp._before_forward(i)  # in compute_dtype, else fp32 promoted with x; autocast's dtype when it is on
-        dtype = model.autocast_dtype(x) or (w.dtype if fsdp.compute_dtype else torch.promote_types(x.dtype, w.dtype))
+        w = fsdp._before_forward(i)
+        # autocast's dtype when it is on, else w's or fp32 promoted with x
+        dtype = model.autocast_dtype(x)
+        if dtype is None and fsdp.compute_dtype:
+            dtype = w.dtype
+        elif dtype is None:
+            dtype = torch.promote_types(x.dtype, w.dtype)
         x2 = x.to(dtype).reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             y = x2.mm(w.to(dtype).t())
@@ -383,15 +473,19 @@ class _FSDPLinear(torch.autograd.Function):
         (x2,), fsdp, i = ctx.saved_tensors, ctx.fsdp, ctx.i
         fsdp._before_backward(i)
         g2 = grad_y.to(x2.dtype).reshape(-1, grad_y.shape[-1])
-        grad_x = (g2.mm(fsdp._full_weight(i).to(x2.dtype)).to(ctx.x_dtype).view(ctx.x_shape)
-                  if ctx.needs_input_grad[0] else None)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            w = fsdp._full_weight(i).to(x2.dtype)
+            grad_x = g2.mm(w).to(ctx.x_dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            fsdp._reduce_scatter(i, model.weight_grad(g2, x2, fsdp.layers[i].shard.dtype))
+            grad_w = model.weight_grad(g2, x2, fsdp.layers[i].shard.dtype)
+            fsdp._reduce_scatter(i, grad_w)
         return grad_x, None, None, None
 
 
 class _FSDPLinearCrossEntropy(torch.autograd.Function):
-    """The fused LM head (model.fused_head, both gradients made in forward) on W all-gathered for this call only."""
+    """The fused LM head (model.fused_head, both gradients made in forward) on
+    W all-gathered for this call only."""
 
     @staticmethod
     def forward(ctx, x, targets, shard, fsdp, i, ignore_index, need_grad):
@@ -399,9 +493,12 @@ class _FSDPLinearCrossEntropy(torch.autograd.Function):
         w = fsdp._before_forward(i)
         dtype = model.head_dtype(x, w)
         x2 = x.reshape(-1, x.shape[-1])
+        flat_targets = targets.reshape(-1).contiguous()
+        chunk = model.head_chunk(w.shape[0])
         with torch.autocast(x.device.type, enabled=False):
-            loss, dx, dw = model.fused_head(x2.to(dtype), w.to(dtype), targets.reshape(-1).contiguous(),
-                                            ignore_index, model.head_chunk(w.shape[0]), need_grad)
+            loss, dx, dw = model.fused_head(
+                x2.to(dtype), w.to(dtype), flat_targets, ignore_index, chunk,
+                need_grad)
         ctx.save_for_backward(dx, dw)
         ctx.fsdp, ctx.i, ctx.x_dtype, ctx.x_shape = fsdp, i, x.dtype, x.shape
         return loss
@@ -412,12 +509,14 @@ class _FSDPLinearCrossEntropy(torch.autograd.Function):
         ctx.fsdp._before_backward(ctx.i)
         if ctx.needs_input_grad[2]:
             ctx.fsdp._reduce_scatter(ctx.i, dw * grad)
-        return (dx * grad).to(ctx.x_dtype).view(ctx.x_shape), None, None, None, None, None, None
+        grad_x = (dx * grad).to(ctx.x_dtype).view(ctx.x_shape)
+        return grad_x, None, None, None, None, None, None
 
 
 class _FSDPEmbedding(torch.autograd.Function):
-    """out = W[ids] with W all-gathered for this call only. Backward needs no W: the gradient rows are summed into a
-    dense fp32 buffer as autograd does for `weight[ids]` (index_put_ with accumulate), then reduce-scattered."""
+    """out = W[ids] with W all-gathered for this call only. Backward needs no
+    W: the gradient rows are summed into a dense fp32 buffer as autograd does
+    for `weight[ids]` (index_put_ with accumulate), then reduce-scattered."""
 
     @staticmethod
     def forward(ctx, ids, shard, fsdp, i):
@@ -433,67 +532,95 @@ class _FSDPEmbedding(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             layer = fsdp.layers[i]
             grad_w = grad_out.new_zeros(layer.padded_shape, dtype=layer.shard.dtype)
-            grad_w.index_put_((ids,), grad_out.to(grad_w.dtype), accumulate=True)  # bf16 rows summed in fp32
+            rows = grad_out.to(grad_w.dtype)  # bf16 rows summed in fp32
+            grad_w.index_put_((ids,), rows, accumulate=True)
             fsdp._reduce_scatter(i, grad_w)
         return None, None, None, None
 
 
 class FSDP(nn.Module):
-    """ZeRO-3 for any model built from model.py's Linear and Embedding: their weights become fp32 shards (tied ones
-    once), all-gathered in compute_dtype for each use; the rest is replicated, its gradients averaged in finish.
-    Build a plain optimizer over module.parameters() after wrapping. The first forward records the layer order;
-    then the next layer's gather is queued before each layer's compute (two gathered weights alive at most), and
-    backward mirrors it, reduce-scattering weight gradients asynchronously into fp32 shard gradients (two in flight
-    at most). Backward passes add up the shard gradients: accumulation needs no no_sync()."""
+    """ZeRO-3 for any model built from model.py's Linear and Embedding: their
+    weights become fp32 shards (tied ones once), all-gathered in compute_dtype
+    for each use; the rest is replicated, its gradients averaged in finish.
+    Build a plain optimizer over module.parameters() after wrapping. The first
+    forward records the layer order; then each layer's compute overlaps the
+    next one's gather, and backward mirrors it with async reduce-scatters into
+    fp32 shard gradients (two of either in flight at most). Backward passes
+    add up the shard gradients: accumulation needs no no_sync()."""
 
     def __init__(self, module, compute_dtype=None):
         super().__init__()
-        import model  # Linear and Embedding found by type, so any model built from them works
+        import model
         self.rank, self.world_size = _rank_and_world()
         self.module, self.compute_dtype = module, compute_dtype
         _broadcast_from_rank0(module)
-        self.layers, shards = [], {}  # shards: original weight -> its shard (a tied weight is sharded once)
-        for m in [m for m in module.modules() if isinstance(m, (model.Linear, model.Embedding))]:
-            w, i, is_embedding = m.weight, len(self.layers), isinstance(m, model.Embedding)
-            if w not in shards:  # this rank's rows of w, fp32 master weights (fp64 stays fp64 for tests)
-                own = _own_rows(model.upcast(w.detach()), (-(-w.shape[0] // self.world_size), w.shape[1]))
+        self.layers = []
+        shards = {}  # original weight -> its shard (a tied weight sharded once)
+        kinds = (model.Linear, model.Embedding)
+        for m in [m for m in module.modules() if isinstance(m, kinds)]:
+            w = m.weight
+            if w not in shards:  # this rank's rows, fp32 (fp64 stays fp64)
+                rows = -(-w.shape[0] // self.world_size)
+                own = _own_rows(model.upcast(w.detach()), (rows, w.shape[1]))
                 shards[w] = nn.Parameter(own, requires_grad=w.requires_grad)
-                shards[w]._fsdp_full_shape = tuple(w.shape)  # marks a shard for gather_full_params / load_full_params
-            m.weight = shard = shards[w]
-            self.layers.append(_ShardedLayer(shard, w.shape[0], (self.world_size * shard.shape[0], w.shape[1]),
-                                             is_embedding))
-            fn = _FSDPEmbedding if is_embedding else _FSDPLinear
-            m.forward = lambda x, fn=fn, i=i: fn.apply(x, self.layers[i].shard, self, i)
-            if not is_embedding:  # the fused LM head (model.Linear.cross_entropy) on the gathered weight
-                m.cross_entropy = lambda x, targets, ignore_index=-100, i=i: _FSDPLinearCrossEntropy.apply(
-                    x, targets, self.layers[i].shard, self, i, ignore_index, torch.is_grad_enabled())
+                # marks a shard for gather_full_params / load_full_params
+                shards[w]._fsdp_full_shape = tuple(w.shape)
+            self._wrap_layer(m, shards[w])
         self.shards = list(shards.values())
-        self.replicated = [p for p in module.parameters() if not hasattr(p, "_fsdp_full_shape")]
-        self._gathered = {}         # layer index -> (full weight buffer, all-gather work) in flight or done
-        self._pending = []          # (reduce-scatter work, shard gradient, shard) not yet accumulated
-        self._order, self._order_recorded = [], False  # layer indices in forward order, recorded once
+        self.replicated = [p for p in module.parameters()
+                           if not hasattr(p, "_fsdp_full_shape")]
+        # layer index -> (full weight, all-gather work), in flight or done
+        self._gathered = {}
+        # (reduce-scatter work, shard gradient, shard) not yet accumulated
+        self._pending = []
+        # layer indices in forward order, recorded once
+        self._order, self._order_recorded = [], False
         self._fwd_pos, self._bwd_pos, self._in_backward = 0, -1, False
 
+    def _wrap_layer(self, m, shard):  # m computes on W gathered from shard
+        import model
+        i, rows = len(self.layers), m.weight.shape[0]
+        is_embedding = isinstance(m, model.Embedding)
+        padded_shape = (self.world_size * shard.shape[0], m.weight.shape[1])
+        m.weight = shard
+        self.layers.append(_ShardedLayer(shard, rows, padded_shape, is_embedding))
+        fn = _FSDPEmbedding if is_embedding else _FSDPLinear
+        m.forward = lambda x: fn.apply(x, self.layers[i].shard, self, i)
+        if is_embedding:
+            return
+
+        def cross_entropy(x, targets, ignore_index=-100):  # the fused LM head
+            return _FSDPLinearCrossEntropy.apply(
+                x, targets, self.layers[i].shard, self, i, ignore_index,
+                torch.is_grad_enabled())
+        m.cross_entropy = cross_entropy
+
     def forward(self, *inputs, **kwargs):
-        self._drop_gathered()  # gathered before an optimizer step they would be stale
+        self._drop_gathered()  # gathered before an optimizer step: stale
         self._fwd_pos, self._bwd_pos, self._in_backward = 0, -1, False
         if self._order_recorded and self._order:
             self._gather(self._order[0])
         out = self.module(*inputs, **kwargs)
         self._order_recorded = True
-        if torch.is_grad_enabled() and self._order and self._fwd_pos == len(self._order):
+        ran_every_layer = self._order and self._fwd_pos == len(self._order)
+        if torch.is_grad_enabled() and ran_every_layer:
             self._bwd_pos = len(self._order) - 1
             self._prefetch_for_backward(self._bwd_pos)
         return out
 
     def _gather(self, i):
-        """Start the async all-gather of layer i's full weight (in compute_dtype) unless it is already underway."""
-        if i not in self._gathered:
-            shard = self.layers[i].shard.detach().to(self.compute_dtype or self.layers[i].shard.dtype)
-            full = shard.new_empty(self.layers[i].padded_shape)
-            self._gathered[i] = (full, _all_gather(full, shard, async_op=True))
+        """Start the async all-gather of layer i's full weight (in
+        compute_dtype) unless it is already underway."""
+        if i in self._gathered:
+            return
+        layer = self.layers[i]
+        shard = layer.shard.detach().to(self.compute_dtype or layer.shard.dtype)
+        full = shard.new_empty(layer.padded_shape)
+        self._gathered[i] = (full, _all_gather(full, shard, async_op=True))
 
-    def _full_weight(self, i):  # gathered now unless prefetched; forgotten here, so freed when the caller is done
+    def _full_weight(self, i):
+        """Layer i's full weight; forgotten here, so freed once the caller is
+        done."""
         self._gather(i)
         full, work = self._gathered.pop(i)
         work.wait()
@@ -510,7 +637,8 @@ class FSDP(nn.Module):
             if not self._order_recorded:
                 self._order.append(i)
             elif pos + 1 < len(self._order) and self._order[pos] == i:
-                self._gather(self._order[pos + 1])  # queued before this layer's compute: they overlap
+                # queued before this layer's compute: they overlap
+                self._gather(self._order[pos + 1])
         return self._full_weight(i)
 
     def _before_backward(self, i):
@@ -520,176 +648,253 @@ class FSDP(nn.Module):
             self._prefetch_for_backward(pos - 1)
 
     def _prefetch_for_backward(self, pos):
-        if not self.layers[self._order[pos]].is_embedding:  # an Embedding's backward needs no weight
+        # an Embedding's backward needs no weight
+        if not self.layers[self._order[pos]].is_embedding:
             self._gather(self._order[pos])
 
     def _reduce_scatter(self, i, grad_w):
-        """Reduce-scatter layer i's full weight gradient, in fp32 and zero-padded, into this rank's shard gradient."""
+        """Reduce-scatter layer i's full weight gradient, in fp32 and
+        zero-padded, into this rank's shard gradient."""
         layer = self.layers[i]
         if grad_w.shape != layer.padded_shape:
-            grad_w = torch.cat([grad_w, grad_w.new_zeros(layer.padded_shape[0] - layer.rows, grad_w.shape[1])])
-        grad_w = grad_w.to(layer.shard.dtype)  # reduce in fp32, like the master weights (no-op when already)
+            missing_rows = layer.padded_shape[0] - layer.rows
+            padding = grad_w.new_zeros(missing_rows, grad_w.shape[1])
+            grad_w = torch.cat([grad_w, padding])
+        grad_w = grad_w.to(layer.shard.dtype)  # in fp32, like the master weights
         shard_grad = torch.empty_like(layer.shard)
         work = _reduce_scatter(shard_grad, grad_w, op=_avg_op(), async_op=True)
         self._pending.append((work, shard_grad, layer.shard))
         self._settle(keep=2)
 
-    def _settle(self, keep=0):  # wait for all but the last `keep` reduce-scatters, add them to the shard gradients
+    def _settle(self, keep=0):
+        """Add all but the last `keep` reduce-scatters to the shard gradients."""
         while len(self._pending) > keep:
             work, shard_grad, shard = self._pending.pop(0)
             work.wait()
             _finish_average(shard_grad)
-            shard.grad = shard_grad if shard.grad is None else shard.grad.add_(shard_grad)
+            if shard.grad is None:
+                shard.grad = shard_grad
+            else:
+                shard.grad.add_(shard_grad)
 
     def finish_gradient_synchronization(self):
-        """Wait for the reduce-scatters (fp32 shard gradients), average the replicated gradients, free gathers."""
+        """Wait for the reduce-scatters (fp32 shard gradients), average the
+        replicated gradients, free the gathered weights."""
         self._settle()
         _all_reduce_flat([p.grad for p in self.replicated if p.grad is not None])
         self._drop_gathered()
         self._in_backward = False
 
     def clip_grad_norm(self, max_l2_norm):
-        """Clip all gradients as one vector to the global norm (see clip_grad_norm) and return that norm."""
+        """Clip all gradients as one vector to the global norm (see
+        clip_grad_norm) and return that norm."""
         return clip_grad_norm(self.replicated, max_l2_norm, sharded=self.shards)
+
+
+def _squared_norm(grads, device):  # of all grads as one vector, in fp32
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = [n.to(device) for n in torch._foreach_norm(grads)]
+    return torch.stack(norms).float().square().sum()
 
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_l2_norm, sharded=()):
-    """Scale every gradient by clamp(max_l2_norm / (norm + 1e-6), max=1) (exactly 1 when not clipping: no host sync)
-    and return the global L2 norm as a 0-dim fp32 tensor, over `parameters` (replicated) and `sharded` (disjoint
-    parts on each rank: their squares are summed over ranks). Parameters without a gradient are skipped."""
+    """Scale every gradient by clamp(max_l2_norm / (norm + 1e-6), max=1)
+    (exactly 1 when not clipping: no host sync) and return the global L2 norm
+    as a 0-dim fp32 tensor, over `parameters` (replicated) and `sharded`
+    (disjoint parts on each rank: their squares are summed over ranks)."""
     sharded = list(sharded)
     grads = [p.grad for p in parameters if p.grad is not None]
     shard_grads = [p.grad for p in sharded if p.grad is not None]
     if not grads and not sharded:
         return torch.zeros(())
     device = (grads or sharded)[0].device
-    squares, shard_squares = (torch.stack([n.to(device) for n in torch._foreach_norm(gs)]).float().square().sum()
-                              if gs else torch.zeros((), device=device) for gs in (grads, shard_grads))  # fp32
+    squares = _squared_norm(grads, device)
+    shard_squares = _squared_norm(shard_grads, device)
     if sharded:  # every rank takes part, also one whose shards got no gradient
         dist.all_reduce(shard_squares)
     norm = (squares + shard_squares).sqrt()
     scale = (max_l2_norm / (norm + 1e-6)).clamp(max=1.0)
-    for key in dict.fromkeys((g.device, g.dtype) for g in grads + shard_grads):  # one multiply per device and dtype
-        torch._foreach_mul_([g for g in grads + shard_grads if (g.device, g.dtype) == key], scale.to(*key))
+    every = grads + shard_grads
+    for key in dict.fromkeys((g.device, g.dtype) for g in every):
+        same = [g for g in every if (g.device, g.dtype) == key]
+        torch._foreach_mul_(same, scale.to(*key))
     return norm
 
 
 def _own_rows(full, shape):
-    """This rank's row block of `full`, zero-padded to `shape` (a shard's shape)."""
+    """This rank's row block of `full`, zero-padded to `shape` (a shard's)."""
     start = _rank_and_world()[0] * shape[0]
     rows = full[start:start + shape[0]]
-    return torch.cat([rows, rows.new_zeros(shape[0] - rows.shape[0], *shape[1:])])
+    padding = rows.new_zeros(shape[0] - rows.shape[0], *shape[1:])
+    return torch.cat([rows, padding])
 
 
 def _full(t, p):
-    """Tensor t shaped like parameter p (p itself, or its optimizer state) made full on every rank: rows gathered
-    under FSDP, the full tensor of a torch_fsdp DTensor; t as it is where p is not sharded."""
+    """Tensor t shaped like parameter p (p itself, or its optimizer state)
+    made full on every rank: rows gathered under FSDP, the full tensor of a
+    torch_fsdp DTensor; t as it is where p is not sharded."""
     if hasattr(t, "full_tensor"):
         return t.full_tensor()
     if not hasattr(p, "_fsdp_full_shape") or t.shape != p.shape:
         return t
-    full = t.new_empty((_rank_and_world()[1] * t.shape[0], *t.shape[1:]))  # every rank's row block, padded
+    world_size = _rank_and_world()[1]
+    # every rank's row block, padded
+    full = t.new_empty((world_size * t.shape[0], *t.shape[1:]))
     _all_gather(full, t.detach().contiguous())
     return full[:p._fsdp_full_shape[0]]
 
 
 def _shard(t, p):
-    """The reverse of _full: this rank's part of the full tensor t, sharded like parameter p."""
-    if hasattr(p, "device_mesh") and tuple(t.shape) == tuple(p.shape):  # a torch_fsdp DTensor
+    """The reverse of _full: this rank's part of the full tensor t, sharded
+    like parameter p."""
+    same_shape = tuple(t.shape) == tuple(p.shape)
+    if hasattr(p, "device_mesh") and same_shape:  # a torch_fsdp DTensor
         from torch.distributed.tensor import distribute_tensor
         return distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
-    return _own_rows(t, p.shape) if tuple(t.shape) == getattr(p, "_fsdp_full_shape", None) else t
+    if tuple(t.shape) == getattr(p, "_fsdp_full_shape", None):  # under FSDP
+        return _own_rows(t, p.shape)
+    return t
+
+
+def _unwrapped(model):
+    return model.module if isinstance(model, FSDP) else model
 
 
 def gather_full_params(model):
-    """The unwrapped model's state dict (on CPU) from a model under FSDP (or its .module) or torch_fsdp (collective)."""
-    state = (model.module if isinstance(model, FSDP) else model).state_dict(keep_vars=True)
+    """The unwrapped model's state dict (on CPU) from a model under FSDP (or
+    its .module) or torch_fsdp (collective)."""
+    state = _unwrapped(model).state_dict(keep_vars=True)
     unique = {id(t): t for t in state.values()}  # a tied weight is gathered once
-    full = {k: _full(t, t).detach().to("cpu", copy=True) for k, t in unique.items()}
+    full = {k: _full(t, t).detach().to("cpu", copy=True)
+            for k, t in unique.items()}
     return {name: full[id(t)] for name, t in state.items()}
 
 
 def load_full_params(model, state_dict):
-    """Load a full state dict into a model under FSDP or torch_fsdp: each rank keeps its own part of each tensor."""
-    own = (model.module if isinstance(model, FSDP) else model).state_dict(keep_vars=True)
-    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+    """Load a full state dict into a model under FSDP or torch_fsdp: each rank
+    keeps its own part of each tensor."""
+    own = _unwrapped(model).state_dict(keep_vars=True)
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
-        raise ValueError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        raise ValueError(f"state dict mismatch: missing {missing}, "
+                         f"unexpected {unexpected}")
     with torch.no_grad():
         for name, t in own.items():
             shape = getattr(t, "_fsdp_full_shape", tuple(t.shape))
-            if tuple(state_dict[name].shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(state_dict[name].shape)}, expected {shape}")
+            given = tuple(state_dict[name].shape)
+            if given != shape:
+                raise ValueError(f"{name}: shape {given}, expected {shape}")
             t.copy_(_shard(state_dict[name], t))
 
 
 def gather_full_optimizer_state(model, optimizer):
-    """An optimizer's state dict over a model under FSDP or torch_fsdp: sharded tensors full, on CPU (collective)."""
+    """An optimizer's state dict over a model under FSDP or torch_fsdp:
+    sharded tensors full, on CPU (collective)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved = optimizer.state_dict()
-    state = {i: {k: _full(v, params[i]).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
-             for i, s in sorted(saved["state"].items())}  # in the same order on every rank
+    state = {}
+    for i, s in sorted(saved["state"].items()):  # the same order on every rank
+        state[i] = _map_tensors(
+            s, lambda v: _full(v, params[i]).to("cpu", copy=True))
     return {"state": state, "param_groups": saved["param_groups"]}
 
 
 def load_full_optimizer_state(model, optimizer, state_dict):
-    """Load a full optimizer state into an optimizer over a model under FSDP or torch_fsdp (each rank its part)."""
+    """Load a full optimizer state into an optimizer over a model under FSDP
+    or torch_fsdp (each rank its part)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(params) != sum(len(g["params"]) for g in state_dict["param_groups"]):
-        raise ValueError("optimizer state and optimizer disagree on the number of parameters")
-    state = {i: {k: _shard(v, params[int(i)]) if torch.is_tensor(v) else v for k, v in s.items()}
+    saved_count = sum(len(g["params"]) for g in state_dict["param_groups"])
+    if len(params) != saved_count:
+        raise ValueError("optimizer state and optimizer disagree on the number "
+                         "of parameters")
+    state = {i: _map_tensors(s, lambda v: _shard(v, params[int(i)]))
              for i, s in state_dict["state"].items()}
-    optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+    optimizer.load_state_dict({"state": state,
+                               "param_groups": state_dict["param_groups"]})
 
 
-# ---- one factory for every data-parallel setup (train.py and bench.py build through it) -----------------------
+# ---- one factory for every data-parallel setup (train.py and bench.py) -------
 
-IMPLS = ("none", "naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")
+IMPLS = ("none", "naive", "flat", "overlap", "bucketed", "fsdp", "torch",
+         "torch_fsdp")
 
 
 def _torch_ddp(module):
     device = next(module.parameters()).device
     ddp_cls = nn.parallel.DistributedDataParallel
-    # no buffer broadcast before every forward (the RoPE tables are equal everywhere); newer torch renamed the flag
-    no_resync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp_cls).parameters
-                 else "broadcast_buffers")
-    return ddp_cls(module, device_ids=[device.index] if device.type == "cuda" else None, **{no_resync: False})
+    # no buffer broadcast before every forward (the RoPE tables are equal
+    # everywhere); newer torch renamed the flag
+    no_resync = "broadcast_buffers"
+    if "forward_sync_buffers" in inspect.signature(ddp_cls).parameters:
+        no_resync = "forward_sync_buffers"
+    device_ids = [device.index] if device.type == "cuda" else None
+    return ddp_cls(module, device_ids=device_ids, **{no_resync: False})
 
 
 def _torch_fsdp(model, compute_dtype):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    _broadcast_from_rank0(model)  # fully_shard keeps each rank's own values: start them all from rank 0's
-    # the model's device, not fully_shard's default (the GPU whenever there is one, even for a gloo run on CPU)
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # fully_shard keeps each rank's own values: start them all from rank 0's
+    _broadcast_from_rank0(model)
+    # the model's device, not fully_shard's default (the GPU whenever there is
+    # one, even for a gloo run on CPU)
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                  reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 class Parallel:
-    """wrap(model, impl, ...): `model` (on its device) under one data-parallel impl, with the operations a training
-    loop needs, the same for every impl (the module docstring shows the loop). impl: none (one process, the plain
-    model); naive, flat, overlap, bucketed (DDPNaive, DDPFlat, DDPIndividualParameters, DDPBucketed); fsdp (FSDP,
-    weights gathered in compute_dtype, None: fp32); torch (DistributedDataParallel); torch_fsdp (FSDP2 on each block
-    of model.layers and the model). compile=True: torch.compile(**compile_kwargs) inside the DDP wrappers (hooks stay
-    eager), around the FSDP ones. .module is the unwrapped model, .model what is called. state_dict() and
-    optimizer_state_dict() and their load_ twins move full states under every impl (collective under the FSDP
-    variants, the optimizer's under ZeRO-1 too), so a checkpoint of one impl and world size loads into any other."""
+    """wrap(model, impl, ...): `model` (on its device) under one data-parallel
+    impl, with the operations a training loop needs. impl:
+        none                 one process, the plain model
+        naive, flat, overlap, bucketed
+                             DDPNaive, DDPFlat, DDPIndividualParameters,
+                             DDPBucketed
+        fsdp                 FSDP, weights gathered in compute_dtype (None: fp32)
+        torch                DistributedDataParallel
+        torch_fsdp           FSDP2 on each block of model.layers and the model
+    compile=True: torch.compile(**compile_kwargs) inside the DDP wrappers
+    (hooks stay eager), around the FSDP ones. .module is the unwrapped model,
+    .model what is called. state_dict(), optimizer_state_dict() and their
+    load_ twins move full states (collectives under FSDP and ZeRO-1), so a
+    checkpoint of one impl and world size loads into any other."""
 
-    def __init__(self, model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, compile_kwargs=None):
+    def __init__(self, model, impl, bucket_size_mb=25.0, compute_dtype=None,
+                 compile=False, compile_kwargs=None):
         if impl not in IMPLS:
-            raise ValueError(f"unknown data-parallel impl {impl!r}; expected one of {IMPLS}")
-        self.impl, self.module, self.sharded = impl, model, impl in ("fsdp", "torch_fsdp")
-        self.rank, self.world_size = (0, 1) if impl == "none" else _rank_and_world()
-        build = {"none": lambda m: m, "naive": DDPNaive, "flat": DDPFlat, "overlap": DDPIndividualParameters,
-                 "bucketed": lambda m: DDPBucketed(m, bucket_size_mb), "torch": _torch_ddp,
-                 "fsdp": lambda m: FSDP(m, compute_dtype), "torch_fsdp": lambda m: _torch_fsdp(m, compute_dtype)}
-        compiled = (lambda m: torch.compile(m, **(compile_kwargs or {}))) if compile else (lambda m: m)
-        self.model = compiled(build[impl](model)) if self.sharded else build[impl](compiled(model))
-        self._ours = getattr(self.model, "_orig_mod", self.model)  # our wrapper (DDP* or FSDP), also if compiled
+            raise ValueError(f"unknown data-parallel impl {impl!r}; expected "
+                             f"one of {IMPLS}")
+        self.impl, self.module = impl, model
+        self.sharded = impl in ("fsdp", "torch_fsdp")
+        self.rank, self.world_size = 0, 1
+        if impl != "none":
+            self.rank, self.world_size = _rank_and_world()
+        build = {"none": lambda m: m,
+                 "naive": DDPNaive,
+                 "flat": DDPFlat,
+                 "overlap": DDPIndividualParameters,
+                 "bucketed": lambda m: DDPBucketed(m, bucket_size_mb),
+                 "torch": _torch_ddp,
+                 "fsdp": lambda m: FSDP(m, compute_dtype),
+                 "torch_fsdp": lambda m: _torch_fsdp(m, compute_dtype)}[impl]
+
+        def compiled(m):
+            if not compile:
+                return m
+            return torch.compile(m, **(compile_kwargs or {}))
+        if self.sharded:
+            self.model = compiled(build(model))
+        else:
+            self.model = build(compiled(model))
+        # our wrapper (DDP* or FSDP), also when compiled
+        self._ours = getattr(self.model, "_orig_mod", self.model)
 
     def __call__(self, *inputs, **kwargs):
         return self.model(*inputs, **kwargs)
@@ -702,51 +907,72 @@ class Parallel:
         return self.train(False)
 
     def named_parameters(self):
-        """The trainable parameters under their unwrapped names (the shards under the FSDP variants)."""
-        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        """The trainable parameters under their unwrapped names (the shards
+        under the FSDP variants)."""
+        return [(n, p) for n, p in self.module.named_parameters()
+                if p.requires_grad]
 
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 
-    def make_optimizer(self, optimizer_cls, param_groups=None, zero1=False, **kwargs):
-        """optimizer_cls(param_groups(named_parameters) or all parameters, **kwargs); zero1=True shards its state
-        (ShardedOptimizer; plain under impl none; the FSDP variants shard it already and refuse)."""
-        groups = param_groups(self.named_parameters()) if param_groups is not None else self.parameters()
+    def make_optimizer(self, optimizer_cls, param_groups=None, zero1=False,
+                       **kwargs):
+        """optimizer_cls(param_groups(named_parameters) or all parameters,
+        **kwargs); zero1=True shards its state (ShardedOptimizer; plain under
+        impl none; the FSDP variants shard it already and refuse)."""
+        if param_groups is None:
+            groups = self.parameters()
+        else:
+            groups = param_groups(self.named_parameters())
         if zero1 and self.sharded:
-            raise ValueError(f"zero1 shards optimizer state on top of replicated DDP; impl {self.impl!r} shards "
-                             f"it already")
-        return (ShardedOptimizer(groups, optimizer_cls, **kwargs) if zero1 and self.impl != "none"
-                else optimizer_cls(groups, **kwargs))
+            raise ValueError(f"zero1 shards optimizer state on top of "
+                             f"replicated DDP; impl {self.impl!r} shards it "
+                             f"already")
+        if zero1 and self.impl != "none":
+            return ShardedOptimizer(groups, optimizer_cls, **kwargs)
+        return optimizer_cls(groups, **kwargs)
 
     def no_sync(self):
-        """Backward passes inside accumulate gradients locally (a null context where gradients are sharded)."""
-        return contextlib.nullcontext() if self.sharded or self.impl == "none" else self.model.no_sync()
+        """Backward passes inside accumulate gradients locally (a null context
+        where gradients are sharded)."""
+        if self.sharded or self.impl == "none":
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def finish(self):
-        """Finish the gradient synchronization of the last backward (torch's impls finish inside backward)."""
+        """Finish the gradient synchronization of the last backward (torch's
+        impls finish inside backward)."""
         if self.impl in ("naive", "flat", "overlap", "bucketed", "fsdp"):
             self._ours.finish_gradient_synchronization()
 
     def clip_grad_norm(self, max_norm):
-        """Clip to the global gradient norm (max_norm = inf: only measure) and return it, without a host sync."""
+        """Clip to the global gradient norm (max_norm = inf: only measure) and
+        return it, without a host sync."""
         if self.impl == "fsdp":
             return self._ours.clip_grad_norm(max_norm)
-        if self.impl == "torch_fsdp":  # DTensor gradients: torch reduces the norm over the mesh
+        if self.impl == "torch_fsdp":  # DTensor gradients: torch reduces it
             return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
         return clip_grad_norm(self.parameters(), max_norm)
 
     def state_dict(self):
-        return gather_full_params(self.module) if self.sharded else self.module.state_dict()
+        if self.sharded:
+            return gather_full_params(self.module)
+        return self.module.state_dict()
 
     def load_state_dict(self, state_dict):
-        return load_full_params(self.module, state_dict) if self.sharded else self.module.load_state_dict(state_dict)
+        if self.sharded:
+            return load_full_params(self.module, state_dict)
+        return self.module.load_state_dict(state_dict)
 
     def optimizer_state_dict(self, optimizer):
-        return gather_full_optimizer_state(self.module, optimizer) if self.sharded else optimizer.state_dict()
+        if self.sharded:
+            return gather_full_optimizer_state(self.module, optimizer)
+        return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer, state_dict):
-        return (load_full_optimizer_state(self.module, optimizer, state_dict) if self.sharded
-                else optimizer.load_state_dict(state_dict))
+        if self.sharded:
+            return load_full_optimizer_state(self.module, optimizer, state_dict)
+        return optimizer.load_state_dict(state_dict)
 
 
-wrap = Parallel  # the factory: wrap(model, impl, bucket_size_mb=25.0, compute_dtype=None, compile=False, ...)
+wrap = Parallel
