@@ -1,10 +1,12 @@
-"""Benchmarks: where the time and memory of training go, ours beside what a user would otherwise pick. One
-harness, a subcommand per question (`python bench.py -h`; under torchrun: ddp, allreduce): a header line (command,
-date, device, versions) and Markdown tables on stdout, a progress line on stderr, every row in --json FILE, a chart in
---plot FILE.png. BENCHMARKS.md lists the commands behind its tables.
+"""Benchmarks: where the time and memory of training go, ours beside what a
+user would otherwise pick. A subcommand per question (`python bench.py -h`;
+under torchrun: ddp, allreduce): a header line (command, date, device,
+versions) and Markdown tables on stdout, progress on stderr, every row in
+--json FILE, a chart in --plot FILE.png. BENCHMARKS.md lists the commands
+behind its tables.
 
-Sections: command line (read before torch is imported) · harness (Report, time_ms) · model · attention · varlen, hf ·
-rmsnorm, adamw · ddp · bpe · sass
+Sections: command line (read before torch is imported) · harness (Report,
+time_ms) · model · attention · varlen, hf · rmsnorm, adamw · ddp · bpe · sass
 """
 import argparse
 import collections
@@ -30,40 +32,52 @@ T_START = time.time()  # a row's cold start counts from the process start
 
 
 def bpe_train_child(which, path, vocab_size, special, workers, out_dir):
-    """One training of `bench.py bpe`, ours (saved to out_dir) or hf's, in a process without torch so its peak RSS
-    is the trainer's own; prints seconds, RSS and vocab size as JSON."""
+    """One training of `bench.py bpe`, ours (saved to out_dir) or HF's, in a
+    process without torch so that its peak RSS is the trainer's own; prints
+    seconds, RSS and vocab size as JSON."""
     from bpe import Tokenizer, peak_rss_mb, train_bpe
     t0 = time.perf_counter()
     if which == "ours":
-        vocab, merges = train_bpe(path, int(vocab_size), [special], num_workers=int(workers), verbose=False)
+        vocab, merges = train_bpe(path, int(vocab_size), [special],
+                                  num_workers=int(workers), verbose=False)
         Tokenizer(vocab, merges, [special]).save(out_dir)
         n = len(vocab)
     else:
-        os.environ["RAYON_NUM_THREADS"] = workers  # HF's thread pool, on as many cores as ours
-        from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+        os.environ["RAYON_NUM_THREADS"] = workers  # HF's threads: as many as ours
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models, pre_tokenizers, trainers
         tok = HFTokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                     use_regex=True)
 
-        def documents():  # streamed in blocks and split at the special token: no merge crosses one
+        def documents():  # split at the special token: no merge crosses one
             buf = ""
             with open(path, encoding="utf-8", newline="") as f:
                 for block in iter(lambda: f.read(1 << 20), ""):
                     *done, buf = (buf + block).split(special)
                     yield from done
             yield buf
-        tok.train_from_iterator(documents(), trainers.BpeTrainer(vocab_size=int(vocab_size), special_tokens=[special],
-                                show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+
+        trainer = trainers.BpeTrainer(
+            vocab_size=int(vocab_size),
+            special_tokens=[special],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(documents(), trainer)
         n = tok.get_vocab_size()
-    seconds, (rss, worker_rss) = time.perf_counter() - t0, peak_rss_mb()
-    print(json.dumps(dict(seconds=seconds, rss_mb=rss, worker_rss_mb=worker_rss, vocab=n)))
+    seconds = time.perf_counter() - t0
+    rss, worker_rss = peak_rss_mb()
+    print(json.dumps(dict(seconds=seconds, rss_mb=rss,
+                          worker_rss_mb=worker_rss, vocab=n)))
 
 
-# ---- the command line: a subparser per subcommand, read before torch is imported (-h and a mistake answer at once)
-# and again by main(), which then also checks model.py's names; what needs the device, the subcommand checks --------
+# ---- command line ---------------------------------------------------------
+# Parsed before torch is imported (-h and mistakes answer at once), and again
+# by main() once model.py's names are known; the subcommand checks the device.
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose mistakes are one line on stderr, exit status 2; the subcommand's rules(args) -> [(bad, why)]
-    (checks across options) made as soon as they are parsed."""
+    """argparse whose mistakes are one line on stderr, exit status 2; then
+    the subcommand's rules(args) -> [(bad, why)], checks across options."""
 
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -77,157 +91,303 @@ class Parser(argparse.ArgumentParser):
         return args
 
 
-def fail(args, message):  # a mistake found after parsing: as one the parser finds
+def fail(args, message):  # a mistake found after parsing: as the parser's
     Parser(prog=f"bench.py {args.command}").error(message)
 
 
 def listed(choices=None, cast=str):
-    """An argparse type: 'a,b,c' -> [a, b, c], each item cast and checked against choices."""
+    """An argparse type: 'a,b,c' -> [a, b, c], each cast, checked against
+    choices."""
     def parse_list(text):
         try:
             items = [cast(t) for t in text.split(",") if t]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {'int' if cast is int else 'TOKENSxD'}")
+            kind = "int" if cast is int else "TOKENSxD"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma list of {kind}")
         if not items or (choices and set(items) - set(choices)):
-            raise argparse.ArgumentTypeError(f"unknown value in {text!r}: expected {', '.join(map(str, choices))}")
+            expected = ", ".join(map(str, choices))
+            raise argparse.ArgumentTypeError(
+                f"unknown value in {text!r}: expected {expected}")
         return items
     return parse_list
 
 
-MODEL_NAMES = {}  # size: model.py's PRESETS and ours, attn: ATTN_IMPLS; known once torch is imported (before: any name)
-PHASES, DTYPES = ("forward", "backward", "optimizer_step"), ("fp32", "bf16")
-KEYS = dict(model="model", size="size", context_length="ctx", batch_size="batch", dtype="dtype", compile="compile",
-            attn="attn", recompute="recompute", mode="mode")  # a row's configuration, and its column names
+# size: model.py's PRESETS and ours; attn: ATTN_IMPLS. Filled once torch is
+# imported; before that, any name passes.
+MODEL_NAMES = {}
+PHASES = ("forward", "backward", "optimizer_step")
+DTYPES = ("fp32", "bf16")
+KEYS = dict(  # a row's configuration: its column names
+    model="model",
+    size="size",
+    context_length="ctx",
+    batch_size="batch",
+    dtype="dtype",
+    compile="compile",
+    attn="attn",
+    recompute="recompute",
+    mode="mode",
+)
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
-ATTN_METHODS = ("ours", "ours-triton", "ours-gluon", "naive", "naive-compiled", "sdpa-cudnn", "sdpa-flash",
-                "sdpa-efficient", "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")  # those a device lacks: left out
-VARLEN_DEFAULTS = dict(  # (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
-    d_model=(768, 64), num_layers=(12, 2), num_heads=(12, 4), d_ff=(3072, 192), vocab_size=(10000, 512),
-    context_length=(1024, 256), median_len=(200.0, 40.0), sigma=(0.8, 0.8), batch_size=(32, 2), dtype=("bf16", "fp32"),
-    attn=("flash", "naive"), num_docs=(20000, 400), warmup=(2, 1), steps=(10, 2), compile=("dynamic", "none"),
-    phases=("eval,train",) * 2, strategies=("pad,dynamic_pad,pack,pack_static",) * 2, backend=("inductor", "aot_eager"))
-HF_DEFAULTS = dict(VARLEN_DEFAULTS, vocab_size=(50257, 257), context_length=(1024, 32), median_len=(200.0, 20.0),
-                   batch_size=(16, 2), warmup=(3, 1), steps=(10, 1), phases=("train",) * 2, strategies=(
-                       "sdpa:pad,sdpa:pad:compiled,sdpa:dynamic_pad,ours:pad,ours:pack,ours:pack:compiled,"
-                       "flex_attention:pack",) * 2)  # GPT2Config's shape on the GPU
+ATTN_METHODS = (  # those a device lacks are left out
+    "ours", "ours-triton", "ours-gluon",
+    "naive", "naive-compiled",
+    "sdpa-cudnn", "sdpa-flash", "sdpa-efficient",
+    "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen",
+)
+# (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
+VARLEN_DEFAULTS = dict(
+    d_model=(768, 64),
+    num_layers=(12, 2),
+    num_heads=(12, 4),
+    d_ff=(3072, 192),
+    vocab_size=(10000, 512),
+    context_length=(1024, 256),
+    median_len=(200.0, 40.0),
+    sigma=(0.8, 0.8),
+    batch_size=(32, 2),
+    dtype=("bf16", "fp32"),
+    attn=("flash", "naive"),
+    num_docs=(20000, 400),
+    warmup=(2, 1),
+    steps=(10, 2),
+    compile=("dynamic", "none"),
+    phases=("eval,train",) * 2,
+    strategies=("pad,dynamic_pad,pack,pack_static",) * 2,
+    backend=("inductor", "aot_eager"),
+)
+HF_DEFAULTS = dict(  # GPT2Config's shape on the GPU
+    VARLEN_DEFAULTS,
+    vocab_size=(50257, 257),
+    context_length=(1024, 32),
+    median_len=(200.0, 20.0),
+    batch_size=(16, 2),
+    warmup=(3, 1),
+    steps=(10, 1),
+    phases=("train",) * 2,
+    strategies=("sdpa:pad,sdpa:pad:compiled,sdpa:dynamic_pad,ours:pad,"
+                "ours:pack,ours:pack:compiled,flex_attention:pack",) * 2,
+)
 LAYOUTS = ("pad", "dynamic_pad", "pack", "pack_static")
-STRATEGIES = dict(varlen=LAYOUTS, hf=tuple(f"{attn}:{layout}{c}" for attn in ("sdpa", "ours", "flex_attention")
-                                           for layout in LAYOUTS[:3] for c in ("", ":compiled")))
+STRATEGIES = dict(
+    varlen=LAYOUTS,
+    hf=tuple(f"{attn}:{layout}{compiled}"
+             for attn in ("sdpa", "ours", "flex_attention")
+             for layout in LAYOUTS[:3]
+             for compiled in ("", ":compiled")),
+)
 RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
-# impl[-bucket MiB][+zero1][+bf16]: the names of ddp.wrap (train.py's ddp_impl); "none" = no wrapper, no
-# communication (the per-GPU compute baseline); torch+zero_redundancy = torch DDP with torch's ZeroRedundancyOptimizer
-DDP_VARIANTS = ("none", "naive", "flat", "overlap", *(f"bucketed-{mb}" for mb in (1, 10, 25, 100, 1000)),
-                "bucketed-25+zero1", "fsdp", "fsdp+bf16", "torch", "torch+zero_redundancy", "torch_fsdp+bf16")
+# impl[-bucket MiB][+zero1][+bf16]: ddp.wrap's names (train.py's ddp_impl);
+# none: no wrapper, no communication (the per-GPU compute baseline);
+# torch+zero_redundancy: torch DDP with torch's ZeroRedundancyOptimizer
+DDP_VARIANTS = (
+    "none", "naive", "flat", "overlap",
+    *(f"bucketed-{mb}" for mb in (1, 10, 25, 100, 1000)),
+    "bucketed-25+zero1", "fsdp", "fsdp+bf16",
+    "torch", "torch+zero_redundancy", "torch_fsdp+bf16",
+)
+
+
+def model_rules(a):
+    tracing = a.nvtx or a.profile or a.memory_snapshot
+    lists = (a.attn, a.size, a.compile, a.dtype, a.context_length, a.mode)
+    several = a.peer or math.prod(map(len, lists)) > 1
+    not_graphable = (a.mode != ["train"] or a.warmup < 3 or tracing
+                     or "graphs" in a.compile)
+    sharded_compile = not set(a.compile) <= {"none", "blocks"}
+    return [
+        (a.steps < 1 or a.warmup < 0,
+         "--steps must be >= 1 and --warmup >= 0"),
+        (tracing and several,
+         "--nvtx, --profile and --memory_snapshot are for a single "
+         "configuration of ours"),
+        (a.cuda_graphs and not_graphable,
+         "--cuda_graphs captures a training step: it needs --mode train and "
+         "--warmup >= 3, without --nvtx, --profile, --memory_snapshot, "
+         "--compile graphs"),
+        ("WORLD_SIZE" in os.environ and sharded_compile,
+         "under torchrun --compile is none or blocks (the models are sharded "
+         "after compiling)"),
+    ]
+
+
+def varlen_rules(a):
+    known = STRATEGIES[a.command]
+    bad_strategy = (a.strategies
+                    and not set(a.strategies.split(",")) <= set(known))
+    bad_dtype = a.dtype not in (None, *DTYPES)
+    bad_phase = (a.phases
+                 and not set(a.phases.split(",")) <= {"eval", "train"})
+    why = (f"--strategies, --dtype or --phases: not {','.join(known)}; "
+           f"{'|'.join(DTYPES)}; eval,train")
+    return [(bad_strategy or bad_dtype or bad_phase, why)]
+
+
+def bpe_rules(a):
+    empty = not os.path.isfile(a.input) or os.path.getsize(a.input) == 0
+    bad = empty or a.repeats < 1 or a.num_workers < 1 or not a.special
+    return [(bad, f"--input {a.input} is missing or empty, or --repeats or "
+                  "--num_workers < 1, or --special empty")]
+
+
+def shape(text):  # 'TOKENSxD' -> (TOKENS, D)
+    return tuple(map(int, text.split("x", 1)))
 
 
 def cli():
-    top = Parser(prog="bench.py", description="Benchmarks: a subcommand per question (bench.py SUBCOMMAND -h: its "
-                 "options). Markdown on stdout, progress on stderr, every row in --json FILE.")
-    sub = top.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND", parser_class=Parser)
+    top = Parser(prog="bench.py", description=(
+        "Benchmarks: a subcommand per question (bench.py SUBCOMMAND -h: its "
+        "options). Markdown on stdout, progress on stderr, every row in "
+        "--json FILE."))
+    sub = top.add_subparsers(dest="command", required=True,
+                             metavar="SUBCOMMAND", parser_class=Parser)
 
-    def parser(name, summary, details, device=True, plot=False, defaults=None, rules=lambda a: (), **plain):
-        p = sub.add_parser(name, help=summary, description=f"{summary}. {details}")
+    def parser(name, summary, details, device=True, plot=False,
+               defaults=None, rules=lambda a: (), **plain):
+        p = sub.add_parser(name, help=summary,
+                           description=f"{summary}. {details}")
         p.set_defaults(by_device=defaults or {}, rules=rules)
-        p.add_argument("--json", metavar="FILE", help="every row, and the header's facts, as JSON")
+        p.add_argument("--json", metavar="FILE",
+                       help="every row, and the header's facts, as JSON")
         if plot:
-            p.add_argument("--plot", metavar="FILE.png", help="a chart of the rows (needs matplotlib)")
+            p.add_argument("--plot", metavar="FILE.png",
+                           help="a chart of the rows (needs matplotlib)")
         for key, (gpu, cpu) in (defaults or {}).items():  # set by on_device
-            p.add_argument(f"--{key}", type=type(gpu), help=f"default {gpu} on CUDA, {cpu} on the CPU")
-        for key, value in ((dict(device="auto", seed=0) if device else {}) | plain).items():  # typed as the default
+            p.add_argument(f"--{key}", type=type(gpu),
+                           help=f"default {gpu} on CUDA, {cpu} on the CPU")
+        if device:
+            plain = dict(device="auto", seed=0) | plain
+        for key, value in plain.items():  # typed as the default
             p.add_argument(f"--{key}", type=type(value), default=value)
         return p
 
-    p = parser("model", "The training step: time per phase, memory, throughput; sweeps, comparisons, peers",
-               "A row per combination of the comma lists.", plot=True, vocab_size=10000, warmup=5, steps=10,
-               rules=lambda a: [
-                   (a.steps < 1 or a.warmup < 0, "--steps must be >= 1 and --warmup >= 0"),
-                   ((a.nvtx or a.profile or a.memory_snapshot) and (a.peer or math.prod(map(len, (
-                       a.attn, a.size, a.compile, a.dtype, a.context_length, a.mode))) > 1),
-                    "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
-                   (a.cuda_graphs and (a.mode != ["train"] or a.warmup < 3 or a.nvtx or a.profile or a.memory_snapshot
-                                       or "graphs" in a.compile), "--cuda_graphs captures a training step: it needs "
-                    "--mode train and --warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
-                   ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
-                    "under torchrun --compile is none or blocks (the models are sharded after compiling)")])
-    p.add_argument("--size", type=listed(MODEL_NAMES.get("size")), default="small", help="PRESETS, tiny, gpt2, 8B")
-    p.add_argument("--num_layers", type=int, help="the preset's, or this many")
+    p = parser("model", "The training step: time per phase, memory, "
+               "throughput; sweeps, comparisons, peers",
+               "A row per combination of the comma lists.", plot=True,
+               vocab_size=10000, warmup=5, steps=10, rules=model_rules)
+    p.add_argument("--size", type=listed(MODEL_NAMES.get("size")),
+                   default="small", help="PRESETS, tiny, gpt2, 8B")
+    p.add_argument("--num_layers", type=int,
+                   help="the preset's, or this many")
     p.add_argument("--context_length", type=listed(cast=int), default="512")
-    p.add_argument("--batch_size", type=int, default=4, help="per rank under torchrun")
-    p.add_argument("--dtype", type=listed(DTYPES), default="fp32", help="bf16: autocast")
-    p.add_argument("--mode", type=listed(("fwd", "fwd_bwd", "train")), default="train", help="fwd: inference")
-    p.add_argument("--compile", type=listed(("none", "model", "blocks", "graphs")), default="none",
-                   help="blocks: each block compiled in place; graphs: torch.compile(mode='reduce-overhead')")
-    p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")), default="naive")
+    p.add_argument("--batch_size", type=int, default=4,
+                   help="per rank under torchrun")
+    p.add_argument("--dtype", type=listed(DTYPES), default="fp32",
+                   help="bf16: autocast")
+    p.add_argument("--mode", type=listed(("fwd", "fwd_bwd", "train")),
+                   default="train", help="fwd: inference")
+    p.add_argument("--compile",
+                   type=listed(("none", "model", "blocks", "graphs")),
+                   default="none", help="blocks: each block compiled in "
+                   "place; graphs: torch.compile(mode='reduce-overhead')")
+    p.add_argument("--attn", type=listed(MODEL_NAMES.get("attn")),
+                   default="naive")
     p.add_argument("--tie_embeddings", action="store_true")
-    p.add_argument("--peer", nargs="?", const="native", choices=("gpt2", "native"), help="GPT-2 or ours in torch.nn")
-    p.add_argument("--cuda_graphs", action="store_true", help="the whole step one CUDA graph (mode train, CUDA)")
-    p.add_argument("--compare", choices=tuple(KEYS), help="a table with this option's values side by side")
-    p.add_argument("--sweep", action="store_const", dest="compare", const="mode", help="--compare mode")
-    p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later rows are skipped")
-    p.add_argument("--reference_tokens_per_s", type=float, help="nanoGPT's, say: a 'vs reference' column")
-    p.add_argument("--act_ckpt_every", type=int, default=0, help="recompute segments of k blocks in backward")
-    p.add_argument("--act_ckpt_layers", type=int, default=-1, help="... over the first n blocks only (-1: all)")
+    p.add_argument("--peer", nargs="?", const="native",
+                   choices=("gpt2", "native"),
+                   help="GPT-2 or ours in torch.nn")
+    p.add_argument("--cuda_graphs", action="store_true",
+                   help="the whole step one CUDA graph (mode train, CUDA)")
+    p.add_argument("--compare", choices=tuple(KEYS),
+                   help="a table with this option's values side by side")
+    p.add_argument("--sweep", action="store_const", dest="compare",
+                   const="mode", help="--compare mode")
+    p.add_argument("--time_budget", type=float, default=float("inf"),
+                   help="seconds; later rows are skipped")
+    p.add_argument("--reference_tokens_per_s", type=float,
+                   help="nanoGPT's, say: a 'vs reference' column")
+    p.add_argument("--act_ckpt_every", type=int, default=0,
+                   help="recompute segments of k blocks in backward")
+    p.add_argument("--act_ckpt_layers", type=int, default=-1,
+                   help="... over the first n blocks only (-1: all)")
     p.add_argument("--selective_recompute", action="store_true")
-    p.add_argument("--nvtx", action="store_true", help="NVTX ranges of the timed steps' ops and phases, for nsys")
-    p.add_argument("--profile", metavar="TRACE.json", help="torch.profiler: top kernels and a Chrome trace")
-    p.add_argument("--memory_snapshot", metavar="FILE.pickle", help="CUDA: the memory history, for memory_viz")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges of the "
+                   "timed steps' ops and phases, for nsys")
+    p.add_argument("--profile", metavar="TRACE.json",
+                   help="torch.profiler: top kernels and a Chrome trace")
+    p.add_argument("--memory_snapshot", metavar="FILE.pickle",
+                   help="CUDA: the memory history, for memory_viz")
 
-    p = parser("attention", "Our FlashAttention vs SDPA's backends, FlexAttention, naive: dense and packed", "Causal, "
-               "forward, backward and both (on the CPU: tiny stand-ins in the Triton interpreter).", device=False,
+    p = parser("attention", "Our FlashAttention vs SDPA's backends, "
+               "FlexAttention, naive: dense and packed",
+               "Causal, forward, backward and both (on the CPU: tiny "
+               "stand-ins in the Triton interpreter).", device=False,
                rep=50, sustain=1.0, time_budget=0.0)
-    p.add_argument("--parts", type=listed(ATTN_PARTS), default="anchors,varlen,sweep", help="see the section")
-    p.add_argument("--methods", type=listed(ATTN_METHODS), help="default: all but ours-gluon, naive-compiled, "
+    p.add_argument("--parts", type=listed(ATTN_PARTS),
+                   default="anchors,varlen,sweep", help="see the section")
+    p.add_argument("--methods", type=listed(ATTN_METHODS),
+                   help="default: all but ours-gluon, naive-compiled, "
                    "packed sdpa-*, fa2")
 
-    for name, summary in (("varlen", "pad vs dynamic_pad vs pack on the same documents, our model"),
-                          ("hf", "varlen on a Hugging Face GPT-2 (dropout 0): sdpa, ours (hf.register_hf_attention), "
-                           "flex_attention, a row per document or packed, compiled or not")):
-        parser(name, summary, "Training (and eval), every row from the same weights.", plot=True, defaults=dict(
-            varlen=VARLEN_DEFAULTS, hf=HF_DEFAULTS)[name], rules=lambda a: [(
-                a.strategies and not set(a.strategies.split(",")) <= set(STRATEGIES[a.command])
-                or a.dtype not in (None, *DTYPES) or a.phases and not set(a.phases.split(",")) <= {"eval", "train"},
-                f"--strategies, --dtype or --phases: not {','.join(STRATEGIES[a.command])}; {'|'.join(DTYPES)}; "
-                "eval,train")])
+    summaries = {
+        "varlen": "pad vs dynamic_pad vs pack on the same documents, "
+                  "our model",
+        "hf": "varlen on a Hugging Face GPT-2 (dropout 0): sdpa, ours "
+              "(hf.register_hf_attention), flex_attention, a row per "
+              "document or packed, compiled or not",
+    }
+    defaults = dict(varlen=VARLEN_DEFAULTS, hf=HF_DEFAULTS)
+    for name, summary in summaries.items():
+        parser(name, summary,
+               "Training (and eval), every row from the same weights.",
+               plot=True, defaults=defaults[name], rules=varlen_rules)
 
-    p = parser("rmsnorm", "Our RMSNorm kernels vs inductor, F.rms_norm and a copy: ms, GB/s", "copy: x.clone(), the "
-               "bandwidth a norm can at best reach. bf16 on CUDA, fp32 on the CPU.", rep=50)
-    p.add_argument("--shapes", type=listed(cast=lambda t: tuple(map(int, t.split("x", 1)))),
+    p = parser("rmsnorm", "Our RMSNorm kernels vs inductor, F.rms_norm and "
+               "a copy: ms, GB/s", "copy: x.clone(), the bandwidth a norm "
+               "can at best reach. bf16 on CUDA, fp32 on the CPU.", rep=50)
+    p.add_argument("--shapes", type=listed(cast=shape),
                    default="32768x4096,12288x768", help="TOKENSxD,...")
-    p.add_argument("--methods", type=listed(RMSNORM_METHODS), default=",".join(RMSNORM_METHODS))
-    parser("adamw", "One optimizer step: our AdamW (fused, foreach) vs torch's", "Every optimizer on the same tensors "
-           "and gradients of a TransformerLM: gpt2 and xl on CUDA, tiny on the CPU.", rep=100)
+    p.add_argument("--methods", type=listed(RMSNORM_METHODS),
+                   default=",".join(RMSNORM_METHODS))
+    parser("adamw", "One optimizer step: our AdamW (fused, foreach) vs "
+           "torch's", "Every optimizer on the same tensors and gradients of "
+           "a TransformerLM: gpt2 and xl on CUDA, tiny on the CPU.", rep=100)
 
-    for name in ("ddp", "allreduce"):
-        p = parser(name, "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)" if name == "allreduce" else
-                   "Our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce bandwidth (under torchrun)", "Then a "
-                   "TransformerLM step, our AdamW, under each variant (none: no communication, the baseline).",
-                   device=False, context_length=1024, warmup=3, steps=10)
-        p.add_argument("--allreduce_mb", type=float, nargs="*", default=[], help="MiB per all-reduced fp32 tensor")
-        p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS), choices=DDP_VARIANTS)
-        p.add_argument("--preset", default="gpt2-xl", choices=MODEL_NAMES.get("size"), help="tiny: vocab 512")
+    summaries = {
+        "ddp": "Our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce "
+               "bandwidth (under torchrun)",
+        "allreduce": "ddp's all-reduce table alone, 1 to 1000 MiB (under "
+                     "torchrun)",
+    }
+    for name, summary in summaries.items():
+        p = parser(name, summary, "Then a TransformerLM step, our AdamW, "
+                   "under each variant (none: no communication, the "
+                   "baseline).", device=False, context_length=1024,
+                   warmup=3, steps=10)
+        p.add_argument("--allreduce_mb", type=float, nargs="*", default=[],
+                       help="MiB per all-reduced fp32 tensor")
+        p.add_argument("--variants", nargs="*", default=list(DDP_VARIANTS),
+                       choices=DDP_VARIANTS)
+        p.add_argument("--preset", default="gpt2-xl",
+                       choices=MODEL_NAMES.get("size"), help="tiny: vocab 512")
         p.add_argument("--batch_size", type=int, default=8, help="per rank")
     p.set_defaults(variants=[], allreduce_mb=[1.0, 10.0, 100.0, 1000.0])
 
-    p = parser("bpe", "Our BPE tokenizer: training vs HF tokenizers, encoding vs tiktoken", "Each training in a fresh "
-               "process; the encodings' ids checked equal; medians of --repeats.", device=False, vocab_size=10000,
-               special="<|endoftext|>", num_workers=os.cpu_count(), repeats=3, rules=lambda a: [
-                   (not os.path.isfile(a.input) or os.path.getsize(a.input) == 0 or a.repeats < 1 or a.num_workers < 1
-                    or not a.special, f"--input {a.input} is missing or empty, or --repeats or --num_workers < 1, or "
-                    "--special empty")])
-    p.add_argument("--input", required=True, help="UTF-8 corpus, documents joined by --special (bench_corpus.py)")
+    p = parser("bpe", "Our BPE tokenizer: training vs HF tokenizers, "
+               "encoding vs tiktoken", "Each training in a fresh process; "
+               "the encodings' ids checked equal; medians of --repeats.",
+               device=False, vocab_size=10000, special="<|endoftext|>",
+               num_workers=os.cpu_count(), repeats=3, rules=bpe_rules)
+    p.add_argument("--input", required=True, help="UTF-8 corpus, documents "
+                   "joined by --special (bench_corpus.py)")
 
-    p = parser("sass", "Registers, spills, shared memory, wgmma serialization of the attention kernels (sm_90)",
-               "Compiled for sm_90 without a GPU (cmd_sass tells how and why).", device=False)
+    p = parser("sass", "Registers, spills, shared memory, wgmma "
+               "serialization of the attention kernels (sm_90)",
+               "Compiled for sm_90 without a GPU (cmd_sass tells how and "
+               "why).", device=False)
     p.add_argument("--head_dims", default="128,64")
-    p.add_argument("--varlen", action="store_true", help="the packed (variable-length) kernels instead of dense")
-    p.add_argument("--full", action="store_true", help="non-causal instead of causal")
+    p.add_argument("--varlen", action="store_true",
+                   help="the packed (variable-length) kernels instead of dense")
+    p.add_argument("--full", action="store_true",
+                   help="non-causal instead of causal")
     return top
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["_bpe_train"]:  # before torch is imported: see bpe_train_child
+    if sys.argv[1:2] == ["_bpe_train"]:  # before torch: see bpe_train_child
         sys.exit(bpe_train_child(*sys.argv[2:]))
-    cli().parse_args(sys.argv[1:])  # -h and mistakes: answered before torch loads
+    cli().parse_args(sys.argv[1:])  # -h and mistakes: before torch loads
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -237,19 +397,25 @@ import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 
 import ddp  # noqa: E402
-import flash  # noqa: E402  (before triton: on a CPU it sets TRITON_INTERPRET first)
+import flash  # noqa: E402  (before triton: on a CPU it sets TRITON_INTERPRET)
 import hf  # noqa: E402
 import model as model_py  # noqa: E402
-from model import ATTN_IMPLS, PRESETS, TransformerLM, count_params, flops_per_token  # noqa: E402
-from train import AdamW, PEAK_FLOPS, pack_batch, pad_batch, pad_packed, sample_documents, whole_step_graph  # noqa: E402
+from model import (ATTN_IMPLS, PRESETS, TransformerLM,  # noqa: E402
+                   count_params, flops_per_token)
+from train import (AdamW, PEAK_FLOPS, pack_batch,  # noqa: E402
+                   pad_batch, pad_packed, sample_documents, whole_step_graph)
 import triton  # noqa: E402
 
-SIZES = dict(PRESETS, tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4),  # tiny: CPU runs and tests
-             gpt2=dict(d_model=768, d_ff=2048, num_layers=12, num_heads=12),  # GPT-2 small's parameters in SwiGLU
-             **{"8B": dict(d_model=4096, d_ff=11008, num_layers=34, num_heads=32)})  # the leaderboard's model
+SIZES = dict(
+    PRESETS,
+    # CPU runs and tests
+    tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4),
+    # GPT-2 small's parameter count, in SwiGLU
+    gpt2=dict(d_model=768, d_ff=2048, num_layers=12, num_heads=12),
+    # the leaderboard's model
+    **{"8B": dict(d_model=4096, d_ff=11008, num_layers=34, num_heads=32)},
+)
 MODEL_NAMES.update(size=tuple(SIZES), attn=ATTN_IMPLS)
-
-
 # ---- the harness: the device, printing and saving, progress, timing ------------------------------------------------
 
 def on_device(args):
