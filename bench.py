@@ -416,54 +416,93 @@ SIZES = dict(
     **{"8B": dict(d_model=4096, d_ff=11008, num_layers=34, num_heads=32)},
 )
 MODEL_NAMES.update(size=tuple(SIZES), attn=ATTN_IMPLS)
-# ---- the harness: the device, printing and saving, progress, timing ------------------------------------------------
+# ---- harness: the device, printing and saving, progress, timing -----------
 
 def on_device(args):
-    """The device --device names, the options of args.by_device not given set for it, the seed set."""
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    """The device --device names; the by_device options not given set for
+    it; the seed set."""
+    if args.device == "auto":
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda" if cuda else "cpu")
+    else:
+        device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         fail(args, "--device cuda: CUDA is not available on this machine")
-    for key, both in args.by_device.items():
-        setattr(args, key, both[device.type != "cuda"] if getattr(args, key) is None else getattr(args, key))
+    for key, (gpu, cpu) in args.by_device.items():
+        if getattr(args, key) is None:
+            setattr(args, key, gpu if device.type == "cuda" else cpu)
     torch.manual_seed(args.seed)
-    torch._dynamo.config.cache_size_limit = 64  # one function compiled at many shapes: past 8 it would run eagerly
+    # one function compiled at many shapes: past 8 it would run eagerly
+    torch._dynamo.config.cache_size_limit = 64
     return device
 
 
 def fmt(x, digits=2):
-    """Table cell: numbers rounded, None as a dash, strings (OOM, skipped) as they are."""
+    """A table cell: numbers rounded, None a dash, strings as they are."""
+    if x is None:
+        return "—"
     if not isinstance(x, float):
-        return "—" if x is None else str(x)
-    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.2g}" if 0 < abs(x) < 0.1 else f"{x:.{digits}f}"
+        return str(x)
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if 0 < abs(x) < 0.1:
+        return f"{x:.2g}"
+    return f"{x:.{digits}f}"
 
 
 def ratio(a, b):
-    """a / b as '<ratio>x' (two decimals) when both are numbers, else a dash."""
-    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
-    return f"{a / b:.2f}x" if numbers and b else "—"
+    """a / b as '<ratio>x' where both are numbers, else a dash."""
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                  for x in (a, b))
+    if numbers and b:
+        return f"{a / b:.2f}x"
+    return "—"
 
 
 class Report:
-    """A subcommand's output: a header line, Markdown tables and notes on stdout; save(): what it is given, every row
-    so far, to --json (atomically: a run cut short keeps its rows); plot(): --plot. Only rank 0 prints and saves."""
+    """A subcommand's output: a header line, Markdown tables and notes on
+    stdout; save(): every row so far to --json, atomically (a run cut short
+    keeps its rows); plot(): --plot. Only rank 0 prints and saves."""
 
     def __init__(self, args, device, rank=0):
         cuda = device.type == "cuda"
-        self.data = dict(command=("torchrun ... " if "WORLD_SIZE" in os.environ else "python ") + " ".join(
-            ["bench.py", args.command] + args.argv), date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-            device=torch.cuda.get_device_name(device) if cuda else f"CPU {platform.machine()}, "
-            f"{torch.get_num_threads()} threads", versions=f"torch {torch.__version__}, triton {triton.__version__}"
-            + f", CUDA {torch.version.cuda}" * cuda)
-        self.json, self.png, self.quiet = getattr(args, "json", None), getattr(args, "plot", None), rank != 0
-        self.t0, self.elapsed = time.perf_counter(), lambda: time.perf_counter() - self.t0
-        self.say(" · ".join([f"`{self.data['command']}`", *list(self.data.values())[1:]]) + "\n")
+        launcher = "python "
+        if "WORLD_SIZE" in os.environ:
+            launcher = "torchrun ... "
+        if cuda:
+            name = torch.cuda.get_device_name(device)
+        else:
+            threads = torch.get_num_threads()
+            name = f"CPU {platform.machine()}, {threads} threads"
+        versions = f"torch {torch.__version__}, triton {triton.__version__}"
+        if cuda:
+            versions += f", CUDA {torch.version.cuda}"
+        command = " ".join(["bench.py", args.command] + args.argv)
+        self.data = dict(
+            command=launcher + command,
+            date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            device=name,
+            versions=versions)
+        self.json = getattr(args, "json", None)
+        self.png = getattr(args, "plot", None)
+        self.quiet = rank != 0
+        self.t0 = time.perf_counter()
+        facts = list(self.data.values())[1:]
+        self.say(" · ".join([f"`{self.data['command']}`", *facts]) + "\n")
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
 
     def progress(self, done, total, text, **data):
-        """A line on stderr per finished item of a long loop, with its rate and an ETA; then save(**data)."""
-        rate = done / max(self.elapsed(), 1e-9)
+        """A line on stderr per item of a long loop: its rate and an ETA;
+        then save(**data)."""
+        elapsed = self.elapsed()
+        rate = done / max(elapsed, 1e-9)
         if not self.quiet:
-            print(f"[{done}/{total}] {text} | {self.elapsed():.0f}s, {60 * rate:.1f}/min, ETA "
-                  f"{(total - done) / rate:.0f}s", file=sys.stderr, flush=True)
+            eta = (total - done) / rate
+            print(f"[{done}/{total}] {text} | {elapsed:.0f}s, "
+                  f"{60 * rate:.1f}/min, ETA {eta:.0f}s",
+                  file=sys.stderr, flush=True)
         self.save(**data)
 
     def say(self, text=""):
@@ -471,15 +510,25 @@ class Report:
             print(text, flush=True)
 
     def table(self, header, cells, digits=2, fold=(), **data):
-        """The one table printer: every cell through fmt (digits: float decimals, for all or per column); a column
-        of `fold` whose cells are all equal becomes a caption line above it. Then save(**data)."""
-        digits = list(digits) + [2] * len(header) if isinstance(digits, (list, tuple)) else [digits] * len(header)
-        same = [i for i in fold if cells and len({fmt(r[i]) for r in cells}) == 1]
+        """Every cell through fmt (digits: the decimals, for all or a list
+        per column); a `fold` column whose cells are all equal becomes a
+        caption line. Then save(**data)."""
+        if isinstance(digits, (list, tuple)):
+            digits = list(digits) + [2] * len(header)
+        else:
+            digits = [digits] * len(header)
+        same = [i for i in fold
+                if cells and len({fmt(r[i]) for r in cells}) == 1]
         keep = [i for i in range(len(header)) if i not in same]
         if same:
-            self.say(", ".join(f"{header[i]} {fmt(cells[0][i])}" for i in same) + "\n")
-        self.say("\n".join(["| " + " | ".join(header[i] for i in keep) + " |", "|" + "---|" * len(keep)] + [
-            "| " + " | ".join(fmt(r[i], digits[i]).replace("|", "\\|") for i in keep) + " |" for r in cells]) + "\n")
+            caption = [f"{header[i]} {fmt(cells[0][i])}" for i in same]
+            self.say(", ".join(caption) + "\n")
+        lines = ["| " + " | ".join(header[i] for i in keep) + " |",
+                 "|" + "---|" * len(keep)]
+        for r in cells:
+            row = [fmt(r[i], digits[i]).replace("|", "\\|") for i in keep]
+            lines.append("| " + " | ".join(row) + " |")
+        self.say("\n".join(lines) + "\n")
         self.save(**data)
 
     def save(self, **data):
@@ -490,7 +539,8 @@ class Report:
             os.replace(self.json + ".tmp", self.json)
 
     def plot(self, panels, xlabel, ylabel, log=False):
-        """panels = {title: {series: [(x, y), ...]}}, a line per series (x a number, or a label)."""
+        """panels = {title: {series: [(x, y), ...]}}, a line per series (x a
+        number, or a label)."""
         if not self.png or self.quiet:
             return
         try:
@@ -498,12 +548,16 @@ class Report:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            return print(f"matplotlib is not installed: {self.png} not written", file=sys.stderr)
-        fig, axes = plt.subplots(1, len(panels) or 1, figsize=(5 * (len(panels) or 1), 4), squeeze=False)
+            print(f"matplotlib is not installed: {self.png} not written",
+                  file=sys.stderr)
+            return
+        n = len(panels) or 1
+        fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
         for ax, (title, series) in zip(axes[0], panels.items()):
             for name, points in series.items():
                 ax.plot(*zip(*points), marker="o", label=name)
-            ax.set(title=title, xlabel=xlabel, ylabel=ylabel, yscale="log" if log else "linear")
+            ax.set(title=title, xlabel=xlabel, ylabel=ylabel,
+                   yscale="log" if log else "linear")
             ax.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(self.png, dpi=120)
@@ -517,35 +571,44 @@ def free_memory(device):
         torch.cuda.empty_cache()
 
 
-def is_oom(error):  # the allocator's torch.OutOfMemoryError, or a RuntimeError of cuBLAS or cuDNN saying so
-    return isinstance(error, torch.OutOfMemoryError) or any(w in str(error) for w in ("out of memory", "ALLOC_FAILED"))
+def is_oom(error):  # the allocator's error, or cuBLAS's or cuDNN's saying so
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return any(w in str(error) for w in ("out of memory", "ALLOC_FAILED"))
 
 
 def failure(error, short=False):
-    """A failed row's status, so one failure does not end a long run: 'OOM'; else 'error', the traceback on stderr
-    (short: the exception's first sentence)."""
-    if is_oom(error) or short:
-        print(f"{type(error).__name__}: {error}", file=sys.stderr)
-        return "OOM" if is_oom(error) else f"{type(error).__name__}: {str(error).split('. ')[0][:140]}"
-    traceback.print_exception(error, file=sys.stderr)
-    return "error"
+    """A failed row's status, so that one failure does not end a long run:
+    'OOM'; else 'error' and the traceback on stderr (short: the exception's
+    first sentence)."""
+    if not is_oom(error) and not short:
+        traceback.print_exception(error, file=sys.stderr)
+        return "error"
+    print(f"{type(error).__name__}: {error}", file=sys.stderr)
+    if is_oom(error):
+        return "OOM"
+    first = str(error).split(". ")[0][:140]
+    return f"{type(error).__name__}: {first}"
 
 
-def autocast(dtype, device):  # bf16: around forward and loss (parameters, gradients, optimizer state stay fp32)
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+def autocast(dtype, device):  # bf16 around forward and loss, the rest fp32
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                          enabled=dtype == "bf16")
 
 
-_L2_FLUSH = {}  # device -> 2**28 bytes, more than any L2 cache, zeroed before a call to evict it
+_L2_FLUSH = {}  # device -> 2**28 bytes, more than any L2, zeroed to evict it
 
 
-def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, flush_l2=False, host_ahead=False,
-            host_ms=None):
-    """The one timer: a list of `steps` samples (or as many as fit in budget_ms), each the ms per call of `reps` calls
-    of fn() after `warmup` untimed ones and setup(), timed by CUDA events (CPU: perf_counter). flush_l2: a cold L2
-    per sample; host_ahead: the GPU kept busy until the host has issued the calls (the GPU's time alone; host_ms, a
-    list, gets the host's)."""
+def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None,
+            budget_ms=None, flush_l2=False, host_ahead=False, host_ms=None):
+    """The one timer: `steps` samples (or as many as fit in budget_ms), each
+    the ms per call of `reps` calls of fn() after `warmup` untimed ones and
+    setup(), timed by CUDA events (CPU: perf_counter). flush_l2: a cold L2
+    per sample; host_ahead: the GPU kept busy until the host has issued the
+    calls (the GPU's time alone; host_ms, a list, gets the host's)."""
     device = torch.device(device)
-    cuda, sleep_ms = device.type == "cuda", 1.0  # host_ahead's sleep: twice the host's time for a sample, or more
+    cuda = device.type == "cuda"
+    sleep_ms = 1.0  # host_ahead's: twice the host's time for a sample, or more
     for _ in range(warmup):
         t0 = time.perf_counter()
         fn()
@@ -561,9 +624,10 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
             torch.cuda.synchronize(device)
             if flush_l2:
                 _L2_FLUSH[device].zero_()
-            if host_ahead:
-                torch.cuda._sleep(int(sleep_ms * 2e6))  # ~2e6 cycles per ms at the H100/H200 clock
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if host_ahead:  # ~2e6 cycles per ms at the H100/H200 clock
+                torch.cuda._sleep(int(sleep_ms * 2e6))
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -579,54 +643,79 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None, budget_ms=None, f
         torch.cuda.synchronize(device)
         return start.elapsed_time(end) / reps
 
-    samples = [sample() for _ in range(min(steps, 1) if budget_ms else steps)]
+    if budget_ms:  # one sample first, to see how many fit
+        samples = [sample() for _ in range(min(steps, 1))]
+    else:
+        samples = [sample() for _ in range(steps)]
     if budget_ms and samples:
-        cost = samples[0] + sleep_ms * host_ahead  # the GPU's sleeps are spent too
-        steps = max(steps, min(int(budget_ms / max(cost, 1e-3)), 10_000))
+        cost = samples[0] + sleep_ms * host_ahead  # the GPU's sleeps count
+        fit = int(budget_ms / max(cost, 1e-3))
+        steps = max(steps, min(fit, 10_000))
     return samples + [sample() for _ in range(steps - len(samples))]
 
 
 def kernel_ms(fn, device, rep, host_ms=None):
-    """The median ms of as many calls as fit in `rep` ms (CPU: 3), each from a cold L2, the GPU's work alone."""
-    cuda = torch.device(device).type == "cuda"
-    return statistics.median(time_ms(fn, device, warmup=5 if cuda else 1, steps=3, budget_ms=rep if cuda else None,
-                                     flush_l2=cuda, host_ahead=True, host_ms=host_ms))
+    """The median ms of as many calls as fit in `rep` ms (CPU: 3), each from
+    a cold L2, the GPU's work alone."""
+    if torch.device(device).type == "cuda":
+        samples = time_ms(fn, device, warmup=5, steps=3, budget_ms=rep,
+                          flush_l2=True, host_ahead=True, host_ms=host_ms)
+    else:
+        samples = time_ms(fn, device, warmup=1, steps=3, host_ahead=True,
+                          host_ms=host_ms)
+    return statistics.median(samples)
 
 
 def summary(samples):
-    return dict(mean_ms=statistics.fmean(samples), std_ms=statistics.stdev(samples) if len(samples) > 1 else 0.0,
+    std = statistics.stdev(samples) if len(samples) > 1 else 0.0
+    return dict(mean_ms=statistics.fmean(samples), std_ms=std,
                 median_ms=statistics.median(samples))
 
 
 def sustained_ms(fn, device, seconds, readings):
-    """ms per call as a long run sees it: `seconds` of calls untimed (the clock settles under the power limit), then
-    `seconds` of ~0.2 s samples, their median; readings gets NVML's mean (SM MHz, board W) between samples."""
-    per_call, seen = time_ms(fn, device, warmup=2, steps=1)[0], []
+    """ms per call as a long run sees it: `seconds` of calls untimed (the
+    clock settles under the power limit), then `seconds` of ~0.2 s samples,
+    their median; readings gets NVML's mean (SM MHz, board W) meanwhile."""
+    per_call = time_ms(fn, device, warmup=2, steps=1)[0]
     reps = max(1, round(200 / per_call))
+    seen = []
 
     def read():
-        with contextlib.suppress(Exception):  # no pynvml, no NVML library, or a GPU it does not report
-            seen.append((float(torch.cuda.clock_rate(device)), torch.cuda.power_draw(device) / 1e3))
-    samples = time_ms(fn, device, warmup=max(1, round(seconds * 1e3 / per_call)),
-                      steps=max(3, round(seconds * 1e3 / (reps * per_call))), reps=reps, setup=read)
-    readings.extend([tuple(statistics.mean(r[i] for r in seen) for i in (0, 1))] if seen else [])
+        # no pynvml, no NVML library, or a GPU it does not report
+        with contextlib.suppress(Exception):
+            mhz = float(torch.cuda.clock_rate(device))
+            seen.append((mhz, torch.cuda.power_draw(device) / 1e3))
+
+    warmup = max(1, round(seconds * 1e3 / per_call))
+    steps = max(3, round(seconds * 1e3 / (reps * per_call)))
+    samples = time_ms(fn, device, warmup=warmup, steps=steps, reps=reps,
+                      setup=read)
+    if seen:
+        readings.append(tuple(statistics.mean(r[i] for r in seen)
+                              for i in (0, 1)))
     return statistics.median(samples)
 
 
-def document_lengths(num_docs, median_len, sigma, max_len, generator, total_tokens=None, min_len=16):
-    """Long-tailed document lengths like real corpora: log-normal of median median_len, rounded and clipped to
-    [min_len, max_len]; num_docs of them, or (num_docs None) as many as fill total_tokens exactly, the last cut."""
-    draw = lambda n: (median_len * torch.exp(sigma * torch.randn(n, generator=generator, dtype=torch.float64))) \
-        .round().clamp(min_len, max_len).long()
+def document_lengths(num_docs, median_len, sigma, max_len, generator,
+                     total_tokens=None, min_len=16):
+    """Long-tailed lengths as in real corpora: log-normal of median
+    median_len, rounded, clipped to [min_len, max_len]; num_docs of them, or
+    (num_docs None) as many as fill total_tokens exactly, the last cut."""
+    def draw(n):
+        noise = torch.randn(n, generator=generator, dtype=torch.float64)
+        lengths = (median_len * torch.exp(sigma * noise)).round()
+        return lengths.clamp(min_len, max_len).long()
+
     lengths = draw(num_docs or 0)
-    while num_docs is None and int(lengths.sum()) < total_tokens:
-        lengths = torch.cat([lengths, draw(max(1, int(total_tokens / median_len)))])
-    if num_docs is None:
-        lengths = lengths[:int(torch.searchsorted(lengths.cumsum(0), total_tokens)) + 1].clone()
-        lengths[-1] -= int(lengths.sum()) - total_tokens
+    if num_docs is not None:
+        return lengths
+    while int(lengths.sum()) < total_tokens:
+        more = draw(max(1, int(total_tokens / median_len)))
+        lengths = torch.cat([lengths, more])
+    end = int(torch.searchsorted(lengths.cumsum(0), total_tokens)) + 1
+    lengths = lengths[:end].clone()
+    lengths[-1] -= int(lengths.sum()) - total_tokens
     return lengths
-
-
 # ---- model: the training step, ours beside a peer; every combination of the listed options is a row -----------------
 
 class PeerBlock(nn.Module):
