@@ -716,80 +716,120 @@ def document_lengths(num_docs, median_len, sigma, max_len, generator,
     lengths = lengths[:end].clone()
     lengths[-1] -= int(lengths.sum()) - total_tokens
     return lengths
-# ---- model: the training step, ours beside a peer; every combination of the listed options is a row -----------------
+# ---- model: the training step, ours beside a peer ---------------------------
+# Every combination of the listed options is a row.
+
+def rotate_pairs(t, cos, sin):
+    """RoPE on adjacent pairs: (a, b) -> (a cos - b sin, a sin + b cos)."""
+    a, b = t[..., 0::2].float(), t[..., 1::2].float()
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
 
 class PeerBlock(nn.Module):
-    """A block as a PyTorch user writes it: GPT-2's (LayerNorm, qkv with bias, a GELU MLP of width 4 d), or ours
-    (nn.RMSNorm, RoPE on adjacent pairs, SDPA on cuDNN, a fused w1/w3 SwiGLU, no biases)."""
+    """A block as a PyTorch user writes it: GPT-2's (LayerNorm, qkv with
+    bias, a GELU MLP of width 4 d), or ours (nn.RMSNorm, RoPE on adjacent
+    pairs, SDPA on cuDNN, a fused w1/w3 SwiGLU, no biases)."""
 
     def __init__(self, d_model, num_heads, d_ff, gpt2):
         super().__init__()
-        self.num_heads, self.d_ff, self.gpt2 = num_heads, 4 * d_model if gpt2 else d_ff, gpt2
-        self.ln1, self.ln2 = ((nn.LayerNorm(d_model) if gpt2 else nn.RMSNorm(d_model, eps=1e-5)) for _ in range(2))
-        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model, bias=gpt2), nn.Linear(d_model, d_model, bias=gpt2)
-        self.up = nn.Linear(d_model, self.d_ff * (1 if gpt2 else 2), bias=gpt2)
+        self.num_heads, self.gpt2 = num_heads, gpt2
+        self.d_ff = 4 * d_model if gpt2 else d_ff
+        if gpt2:
+            self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        else:
+            self.ln1 = nn.RMSNorm(d_model, eps=1e-5)
+            self.ln2 = nn.RMSNorm(d_model, eps=1e-5)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=gpt2)
+        self.proj = nn.Linear(d_model, d_model, bias=gpt2)
+        up_width = self.d_ff if gpt2 else 2 * self.d_ff  # ours: w1 and w3
+        self.up = nn.Linear(d_model, up_width, bias=gpt2)
         self.down = nn.Linear(self.d_ff, d_model, bias=gpt2)
 
     def forward(self, x, cos, sin):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         B, T, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(self.ln1(x))
+        qkv = qkv.view(B, T, 3, self.num_heads, d // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        backends = contextlib.nullcontext()
         if not self.gpt2:
-            rot = lambda t: torch.stack((t[..., 0::2].float() * cos - t[..., 1::2].float() * sin,
-                                         t[..., 0::2].float() * sin + t[..., 1::2].float() * cos), -1).flatten(-2)
-            q, k = rot(q).to(v.dtype), rot(k).to(v.dtype)
-        with contextlib.nullcontext() if self.gpt2 or not x.is_cuda else sdpa_kernel(
-                [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-            x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, d))
+            q = rotate_pairs(q, cos, sin).to(v.dtype)
+            k = rotate_pairs(k, cos, sin).to(v.dtype)
+        if not self.gpt2 and x.is_cuda:
+            backends = sdpa_kernel([SDPBackend.CUDNN_ATTENTION,
+                                    SDPBackend.FLASH_ATTENTION])
+        with backends:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(B, T, d))
         h = self.up(self.ln2(x))
-        return x + self.down(F.gelu(h, approximate="tanh") if self.gpt2 else
-                             F.silu(h[..., :self.d_ff]) * h[..., self.d_ff:])
+        if self.gpt2:
+            return x + self.down(F.gelu(h, approximate="tanh"))
+        return x + self.down(F.silu(h[..., :self.d_ff]) * h[..., self.d_ff:])
 
 
 class PeerLM(nn.Module):
-    """A peer of TransformerLM from torch.nn layers, with torch's fused AdamW: gpt2, GPT-2 as nanoGPT builds it
-    (learned positions, tied embeddings); else ours (RoPE, untied); fp32 logits; act_ckpt: every block recomputed."""
+    """A peer of TransformerLM from torch.nn layers, with torch's fused
+    AdamW: gpt2, GPT-2 as nanoGPT builds it (learned positions, tied
+    embeddings); else ours (RoPE, untied); fp32 logits; act_ckpt: every
+    block recomputed."""
 
-    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, gpt2=False, act_ckpt=False):
+    def __init__(self, vocab_size, context_length, d_model, num_layers,
+                 num_heads, d_ff, gpt2=False, act_ckpt=False):
         super().__init__()
-        self.act_ckpt, self.emb = act_ckpt, nn.Embedding(vocab_size, d_model)
+        self.act_ckpt = act_ckpt
+        self.emb = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(context_length, d_model) if gpt2 else None
-        self.layers = nn.ModuleList(PeerBlock(d_model, num_heads, d_ff, gpt2) for _ in range(num_layers))
+        self.layers = nn.ModuleList(PeerBlock(d_model, num_heads, d_ff, gpt2)
+                                    for _ in range(num_layers))
         self.ln = nn.LayerNorm(d_model) if gpt2 else nn.RMSNorm(d_model, eps=1e-5)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         if gpt2:
             self.head.weight = self.emb.weight
         d_k = d_model // num_heads
-        angles = torch.arange(context_length).float()[:, None] * 10000.0 ** (-torch.arange(0, d_k, 2).float() / d_k)
+        freqs = 10000.0 ** (-torch.arange(0, d_k, 2).float() / d_k)
+        angles = torch.arange(context_length).float()[:, None] * freqs
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, idx, targets):
-        x = self.emb(idx) + (self.pos(torch.arange(idx.shape[1], device=idx.device)) if self.pos is not None else 0)
-        # the tables in the activations' dtype: FSDP2 casts a block's inputs, but not when it recomputes the block
-        cos, sin = self.cos[:idx.shape[1]].to(x.dtype), self.sin[:idx.shape[1]].to(x.dtype)
+        T = idx.shape[1]
+        x = self.emb(idx)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(T, device=idx.device))
+        # in the activations' dtype: FSDP2 casts a block's inputs, but not
+        # when it recomputes the block
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
         for block in self.layers:
-            x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False) if self.act_ckpt \
-                else block(x, cos, sin)
-        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1).float(), targets.flatten())
+            if self.act_ckpt:
+                x = torch.utils.checkpoint.checkpoint(
+                    block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        logits = self.head(self.ln(x)).flatten(0, 1).float()
+        return F.cross_entropy(logits, targets.flatten())
 
 
 class Phases:
-    """The phases of the step time_ms times whole, each a profiler label: on CUDA events read after the step (nothing
-    synchronizes inside it) and the allocator's peak. off: a step captured as one CUDA graph has no phases."""
+    """The phases of a step that time_ms times whole, each a profiler label;
+    on CUDA, events read after the step (nothing synchronizes inside it) and
+    the allocator's peak. off: a step captured as one CUDA graph."""
 
     def __init__(self, device, off=False):
         self.cuda, self.off = device.type == "cuda", off
+        self.clear()
+
+    def clear(self):
         self.ms, self.peak, self.events = collections.defaultdict(list), {}, []
 
     def read(self):
-        """The mean ms of each phase over the steps since the last read, and their peaks."""
+        """The mean ms of each phase since the last read, and their peaks."""
         for name, start, end in self.events:
             end.synchronize()
             self.ms[name].append(start.elapsed_time(end))
-        out = {p: statistics.fmean(self.ms[p]) for p in PHASES if self.ms[p]}, self.peak
-        self.ms, self.peak, self.events = collections.defaultdict(list), {}, []
-        return out
+        ms = {p: statistics.fmean(self.ms[p]) for p in PHASES if self.ms[p]}
+        peak = self.peak
+        self.clear()
+        return ms, peak
 
     @contextlib.contextmanager
     def __call__(self, name):
@@ -799,26 +839,30 @@ class Phases:
         t0 = time.perf_counter()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
             start.record()
         with torch.profiler.record_function(name):
             yield
-        if self.cuda:
-            end.record()
-            self.events.append((name, start, end))
-            self.peak[name] = max(self.peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
-        else:
+        if not self.cuda:
             self.ms[name].append((time.perf_counter() - t0) * 1e3)
+            return
+        end.record()
+        self.events.append((name, start, end))
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        self.peak[name] = max(self.peak.get(name, 0.0), peak)
 
 
 def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
-    """One step: fwd = inference forward and loss (no_grad), fwd_bwd adds backward, train the optimizer step."""
-    if mark_step:  # reduce-overhead: a new step, so the last replay's outputs may be overwritten
+    """One step: fwd = inference forward and loss (no_grad), fwd_bwd adds
+    backward, train the optimizer step."""
+    if mark_step:  # reduce-overhead: the last replay's outputs may go
         torch.compiler.cudagraph_mark_step_begin()
     if mode != "fwd":
         par.module.zero_grad(set_to_none=True)
-    with phases("forward"), torch.set_grad_enabled(mode != "fwd"), autocast(dtype, x.device):
-        loss = par(x, targets=y)  # ours: the fused head, the logits never whole
+    with phases("forward"):
+        with torch.set_grad_enabled(mode != "fwd"), autocast(dtype, x.device):
+            loss = par(x, targets=y)  # ours: a fused head, no whole logits
     if mode != "fwd":
         with phases("backward"):
             loss.backward()
@@ -829,171 +873,301 @@ def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
 
 
 def build(who, size, attn, how, args, device, world):
-    """A row group's model, compiled as `how` says; under torchrun sharded: ours by our FSDP, a peer by FSDP2."""
-    dims, ctx = dict(SIZES[size], num_layers=args.num_layers or SIZES[size]["num_layers"]), max(args.context_length)
+    """A row group's model, compiled as `how` says; under torchrun sharded:
+    ours by our FSDP, a peer by FSDP2."""
+    num_layers = args.num_layers or SIZES[size]["num_layers"]
+    dims = dict(SIZES[size], num_layers=num_layers)
+    ctx = max(args.context_length)
     if who == "ours":
-        net = TransformerLM(args.vocab_size, ctx, **dims, attn_impl=attn, tie_embeddings=args.tie_embeddings,
-                            act_ckpt_every=args.act_ckpt_every, selective_recompute=args.selective_recompute,
-                            act_ckpt_layers=None if args.act_ckpt_layers < 0 else args.act_ckpt_layers, device=device)
+        ckpt_layers = args.act_ckpt_layers
+        if ckpt_layers < 0:
+            ckpt_layers = None
+        net = TransformerLM(args.vocab_size, ctx, **dims, attn_impl=attn,
+                            tie_embeddings=args.tie_embeddings,
+                            act_ckpt_every=args.act_ckpt_every,
+                            selective_recompute=args.selective_recompute,
+                            act_ckpt_layers=ckpt_layers, device=device)
     else:
         with torch.device(device):
-            net = PeerLM(args.vocab_size, ctx, **dims, gpt2=who == "gpt2", act_ckpt=world is not None)
+            net = PeerLM(args.vocab_size, ctx, **dims, gpt2=who == "gpt2",
+                         act_ckpt=world is not None)
     params = count_params(net)
-    if how == "blocks":  # regional compilation: one code for every block, so compiling does not grow with depth
+    # blocks: one code for every block, so compiling does not grow with depth
+    if how == "blocks":
         for layer in net.layers:
             layer.compile()
+    elif how == "graphs":
+        net = torch.compile(net, mode="reduce-overhead")
     elif how != "none":
-        net = torch.compile(net, mode="reduce-overhead" if how == "graphs" else None)
-    impl = "none" if world is None or (who == "ours" and world == 1) else "fsdp" if who == "ours" else "torch_fsdp"
-    par = ddp.wrap(net, impl, compute_dtype=None if impl == "none" else torch.bfloat16)
-    opt = AdamW if who == "ours" else functools.partial(torch.optim.AdamW, fused=device.type == "cuda")
-    # training FLOPs per token; the GPT-2 peer's MLP, two d x 4d matrices, costs what our SwiGLU costs at d_ff = 8d/3
+        net = torch.compile(net)
+    if world is None or (who == "ours" and world == 1):
+        par = ddp.wrap(net, "none", compute_dtype=None)
+    else:
+        impl = "fsdp" if who == "ours" else "torch_fsdp"
+        par = ddp.wrap(net, impl, compute_dtype=torch.bfloat16)
+    if who == "ours":
+        opt = AdamW
+    else:
+        opt = functools.partial(torch.optim.AdamW, fused=device.type == "cuda")
+    # the GPT-2 peer's MLP, two d x 4d matrices, costs our SwiGLU's at d_ff 8d/3
     d_ff = 8 / 3 * dims["d_model"] if who == "gpt2" else dims["d_ff"]
-    return dict(par=par, params=params, flops=lambda ctx: flops_per_token(
-        args.vocab_size, ctx, dims["d_model"], dims["num_layers"], d_ff, causal=attn != "naive"), make_optimizer=lambda
-        capturable: par.make_optimizer(opt, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, capturable=capturable))
+
+    def flops(ctx):  # training FLOPs per token
+        return flops_per_token(args.vocab_size, ctx, dims["d_model"],
+                               dims["num_layers"], d_ff, causal=attn != "naive")
+
+    def make_optimizer(capturable):
+        return par.make_optimizer(opt, lr=6e-4, betas=(0.9, 0.95),
+                                  weight_decay=0.1, capturable=capturable)
+    return dict(par=par, params=params, flops=flops,
+                make_optimizer=make_optimizer)
 
 
 def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
-    """One configuration's row: warm-up steps (the first one's time kept), then timed ones; or "OOM" or "error"."""
-    row, cuda = dict(cfg, params=built["params"], status="ok"), device.type == "cuda"
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    seq = torch.randint(args.vocab_size, (cfg["batch_size"], cfg["context_length"] + 1),
-                        generator=torch.Generator().manual_seed(args.seed + rank))
-    optimizer = built["make_optimizer"](args.cuda_graphs) if cfg["mode"] == "train" else None
+    """One configuration's row: warm-up steps (the first one's time kept),
+    then timed ones; or "OOM" or "error"."""
+    row = dict(cfg, params=built["params"], status="ok")
+    cuda = device.type == "cuda"
+    world, rank = 1, 0
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(args.seed + rank)
+    B, T = cfg["batch_size"], cfg["context_length"]
+    seq = torch.randint(args.vocab_size, (B, T + 1), generator=g)
+    optimizer = None
+    if cfg["mode"] == "train":
+        optimizer = built["make_optimizer"](args.cuda_graphs)
     phases = Phases(device, off=args.cuda_graphs)
-    step = functools.partial(training_step, built["par"], optimizer, seq[:, :-1].to(device), seq[:, 1:].to(device),
-                             cfg["mode"], cfg["dtype"], phases, cfg["compile"] == "graphs")
-    if args.cuda_graphs:  # two eager warm-up steps, the third captures the whole step, every later one replays it
+    x, y = seq[:, :-1].to(device), seq[:, 1:].to(device)
+    step = functools.partial(training_step, built["par"], optimizer, x, y,
+                             cfg["mode"], cfg["dtype"], phases,
+                             cfg["compile"] == "graphs")
+    # two eager warm-up steps, the third captures the step, later ones replay
+    if args.cuda_graphs:
         step = whole_step_graph(step, optimizer, device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         if args.warmup:
-            row.update(first_step_ms=time_ms(step, device)[0], cold_start_s=time.time() - T_START)
+            row["first_step_ms"] = time_ms(step, device)[0]
+            row["cold_start_s"] = time.time() - T_START
             time_ms(step, device, warmup=args.warmup - 1, steps=0)
         phases.read()
-        if args.memory_snapshot:  # Python frames only: symbolizing C++ frames takes minutes on a large model
-            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
-        with profiler or contextlib.nullcontext(), torch.autograd.profiler.emit_nvtx(enabled=args.nvtx):
+        # Python frames only: C++ frames take minutes to symbolize
+        if args.memory_snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=200_000,
+                                                     stacks="python")
+        nvtx = torch.autograd.profiler.emit_nvtx(enabled=args.nvtx)
+        with profiler or contextlib.nullcontext(), nvtx:
             row.update(summary(time_ms(step, device, steps=args.steps)))
         if args.memory_snapshot:
             torch.cuda.memory._dump_snapshot(args.memory_snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
         row["phase_ms"], row["phase_peak_mib"] = phases.read()
-        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if args.cuda_graphs else \
-            max(row["phase_peak_mib"].values(), default=None)  # a captured step has no phases: the run's peak
-        if gpu_ms:  # the GPU's own time per step, the host's launch cost left out
-            row["gpu_ms"] = statistics.median(time_ms(step, device, warmup=1, steps=10, host_ahead=True))
+        if args.cuda_graphs:  # no phases in a captured step: the run's peak
+            peak = torch.cuda.max_memory_allocated(device) / 2**20
+        else:
+            peak = max(row["phase_peak_mib"].values(), default=None)
+        row["peak_mib"] = peak
+        if gpu_ms:  # the GPU's own time per step, without the host's launches
+            samples = time_ms(step, device, warmup=1, steps=10, host_ahead=True)
+            row["gpu_ms"] = statistics.median(samples)
     except Exception as e:
         row["status"] = failure(e)
-    optimizer = seq = step = None
+    optimizer = seq = x = y = step = None
     built["par"].module.zero_grad(set_to_none=True)
-    free_memory(device)  # after the except block: the traceback no longer holds the step's tensors
-    if row["status"] == "ok":
-        row["tokens_per_s"] = cfg["batch_size"] * cfg["context_length"] * world / (row["mean_ms"] / 1e3)
-        row["tflops"] = built["flops"](cfg["context_length"]) / (3 if cfg["mode"] == "fwd" else 1) \
-            * row["tokens_per_s"] / 1e12
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) if cuda else 0
-        row["mfu"] = row["tflops"] * 1e12 / (peak * world) if peak else None
+    free_memory(device)  # here, where no traceback holds the step's tensors
+    if row["status"] != "ok":
+        return row
+    row["tokens_per_s"] = B * T * world / (row["mean_ms"] / 1e3)
+    flops = built["flops"](T)
+    if cfg["mode"] == "fwd":  # a third of a training step
+        flops /= 3
+    row["tflops"] = flops * row["tokens_per_s"] / 1e12
+    peak = 0
+    if cuda:
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    row["mfu"] = row["tflops"] * 1e12 / (peak * world) if peak else None
     return row
 
 
 def millions(n):
-    return None if n is None else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+    if n is None:
+        return None
+    if n >= 1e5:
+        return f"{n / 1e6:.1f}M"
+    return f"{n / 1e3:.1f}K"
+
+
+def peer_key(r):  # what a peer's row shares with ours
+    keys = ("size", "context_length", "batch_size", "dtype", "compile", "mode")
+    return tuple(r[k] for k in keys)
 
 
 def print_rows(rep, rows, reference=None):
-    """One line per configuration: ms per step (mean ± std), its parts, memory, throughput and the ratios."""
-    same = lambda r: tuple(r[k] for k in ("size", "context_length", "batch_size", "dtype", "compile", "mode"))
-    peers = {same(r): r for r in rows if r["model"] != "ours" and r["status"] == "ok"}
+    """One line per configuration: ms per step (mean ± std), its parts,
+    memory, throughput and the ratios."""
+    peers = {peer_key(r): r for r in rows
+             if r["model"] != "ours" and r["status"] == "ok"}
     gpu = any(r.get("gpu_ms") for r in rows)
-    header = list(KEYS.values()) + ["params", "ms/step", "median ms"] + ["GPU ms"] * gpu + [
-        "first step ms", "cold start s", "fwd / bwd / opt ms", "peak MiB", "tokens/s", "TFLOP/s", "MFU"] + \
-        ["vs peer"] * bool(peers) + ["vs reference"] * bool(reference)
+    header = list(KEYS.values()) + ["params", "ms/step", "median ms"]
+    header += ["GPU ms"] * gpu
+    header += ["first step ms", "cold start s", "fwd / bwd / opt ms",
+               "peak MiB", "tokens/s", "TFLOP/s", "MFU"]
+    header += ["vs peer"] * bool(peers)
+    header += ["vs reference"] * bool(reference)
     body = []
     for r in rows:
-        cells, ok = [r[k] for k in KEYS] + [millions(r["params"])], r["status"] == "ok"
-        peer = peers.get(same(r), {}).get("tokens_per_s") if r["model"] == "ours" else None
-        body.append(cells + ([r["status"]] * (len(header) - len(cells)) if not ok else [
-            f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}", r["median_ms"]] + [r.get("gpu_ms")] * gpu + [
-            r.get("first_step_ms"), r.get("cold_start_s"), " / ".join(fmt(ms) for ms in r["phase_ms"].values()) or
-            "(one graph)", r["peak_mib"], r["tokens_per_s"], r["tflops"], r["mfu"] and f"{100 * r['mfu']:.1f}%"] +
-            [ratio(r["tokens_per_s"], peer)] * bool(peers) + [ratio(r["tokens_per_s"], reference)] * bool(reference)))
+        cells = [r[k] for k in KEYS] + [millions(r["params"])]
+        if r["status"] != "ok":
+            body.append(cells + [r["status"]] * (len(header) - len(cells)))
+            continue
+        peer = None
+        if r["model"] == "ours":
+            peer = peers.get(peer_key(r), {}).get("tokens_per_s")
+        phase_ms = " / ".join(fmt(ms) for ms in r["phase_ms"].values())
+        mfu = r["mfu"] and f"{100 * r['mfu']:.1f}%"
+        cells += [f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}", r["median_ms"]]
+        cells += [r.get("gpu_ms")] * gpu
+        cells += [r.get("first_step_ms"), r.get("cold_start_s"),
+                  phase_ms or "(one graph)", r["peak_mib"],
+                  r["tokens_per_s"], r["tflops"], mfu]
+        cells += [ratio(r["tokens_per_s"], peer)] * bool(peers)
+        cells += [ratio(r["tokens_per_s"], reference)] * bool(reference)
+        body.append(cells)
     rep.table(header, body, fold=range(len(KEYS)))
 
 
+def compared(rows, value, field):
+    """A cell of print_compare: the row's field, its status, or empty."""
+    if value not in rows:
+        return ""
+    if rows[value]["status"] != "ok":
+        return rows[value]["status"]
+    return rows[value].get(field)
+
+
 def print_compare(rep, rows, axis):
-    """One line per configuration, the values of `axis` side by side: their ms and peaks, the last one's rates."""
-    values, keys, lines = list(dict.fromkeys(r[axis] for r in rows)), [k for k in KEYS if k != axis], {}
+    """One line per configuration, the values of `axis` side by side: their
+    ms and peaks, the last one's rates."""
+    values = list(dict.fromkeys(r[axis] for r in rows))
+    keys = [k for k in KEYS if k != axis]
+    lines = {}
     for r in rows:
         lines.setdefault(tuple(r[k] for k in keys), {})[r[axis]] = r
     first, last = values[0], values[-1]
-    header = [KEYS[k] for k in keys] + ["params"] + [f"{v} ms" for v in values] + [f"{v} peak MiB" for v in values] + \
-        [f"{last} first step ms", f"{last} tokens/s", f"{last} TFLOP/s"] + [f"{last} vs {first}"] * (len(values) == 2)
+    pair = len(values) == 2
+    header = [KEYS[k] for k in keys] + ["params"]
+    header += [f"{v} ms" for v in values]
+    header += [f"{v} peak MiB" for v in values]
+    header += [f"{last} first step ms", f"{last} tokens/s", f"{last} TFLOP/s"]
+    header += [f"{last} vs {first}"] * pair
     body = []
     for key, by in lines.items():
-        get = lambda v, f: "" if v not in by else by[v].get(f) if by[v]["status"] == "ok" else by[v]["status"]
-        body.append(list(key) + [millions(next((r["params"] for r in by.values() if r["params"]), None))]
-                    + [get(v, "mean_ms") for v in values] + [get(v, "peak_mib") for v in values]
-                    + [get(last, f) for f in ("first_step_ms", "tokens_per_s", "tflops")]
-                    + [ratio(get(first, "mean_ms"), get(last, "mean_ms"))] * (len(values) == 2))
+        params = next((r["params"] for r in by.values() if r["params"]), None)
+        cells = list(key) + [millions(params)]
+        cells += [compared(by, v, "mean_ms") for v in values]
+        cells += [compared(by, v, "peak_mib") for v in values]
+        cells += [compared(by, last, f)
+                  for f in ("first_step_ms", "tokens_per_s", "tflops")]
+        speedup = ratio(compared(by, first, "mean_ms"),
+                        compared(by, last, "mean_ms"))
+        body.append(cells + [speedup] * pair)
     rep.table(header, body, fold=range(len(keys)))
 
 
 def cmd_model(args):
-    device, distributed = on_device(args), "WORLD_SIZE" in os.environ  # torchrun: the models sharded, a batch a rank
-    rank, _, world, device = ddp.init_distributed() if distributed else (0, 0, None, device)
-    if (args.cuda_graphs or args.memory_snapshot or args.nvtx) and device.type != "cuda":
+    device = on_device(args)
+    # torchrun: the models sharded, a batch a rank
+    distributed = "WORLD_SIZE" in os.environ
+    rank, world = 0, None
+    if distributed:
+        rank, _, world, device = ddp.init_distributed()
+    cuda_only = args.cuda_graphs or args.memory_snapshot or args.nvtx
+    if cuda_only and device.type != "cuda":
         fail(args, "--cuda_graphs, --memory_snapshot and --nvtx need CUDA")
-    combos = list(itertools.product(args.dtype, args.context_length, args.mode))
-    groups = [("ours", s, c, a) for s in args.size for c in args.compile for a in args.attn]
-    groups += [(args.peer, s, c, "sdpa") for s in args.size for c in args.compile] if args.peer else []
+    combos = list(itertools.product(args.dtype, args.context_length,
+                                    args.mode))
+    groups = [("ours", s, c, a)
+              for s in args.size for c in args.compile for a in args.attn]
+    if args.peer:
+        groups += [(args.peer, s, c, "sdpa")
+                   for s in args.size for c in args.compile]
     rep, rows = Report(args, device, rank), []
-    profiler = torch.profiler.profile() if args.profile else None  # (the CPU's activity, and the GPU's if any)
-    recompute = " + ".join([f"full {'all' if args.act_ckpt_layers < 0 else args.act_ckpt_layers}"] * bool(
-        args.act_ckpt_every) + ["selective"] * args.selective_recompute) or "none"
+    profiler = None
+    if args.profile:  # the CPU's activity, and the GPU's if any
+        profiler = torch.profiler.profile()
+    recompute = []
+    if args.act_ckpt_every:
+        layers = args.act_ckpt_layers
+        recompute.append(f"full {'all' if layers < 0 else layers}")
+    if args.selective_recompute:
+        recompute.append("selective")
+    ours_recompute = " + ".join(recompute) or "none"
+    peer_recompute = "every block" if distributed else "none"
     for who, size, how, attn in groups:
         built, status = None, "skipped"
         if rep.elapsed() <= args.time_budget:
-            torch._dynamo.reset()  # the last model's compiled code and guards go before compiling anew
+            torch._dynamo.reset()  # the last model's code and guards go
             try:
                 built = build(who, size, attn, how, args, device, world)
-            except Exception as e:  # the weights alone do not fit: every row of the group says so
+            except Exception as e:  # the weights do not fit: every row says so
                 status = failure(e)
             free_memory(device)
         for dtype, ctx, mode in combos:
-            cfg = dict(model=who, size=size, context_length=ctx, batch_size=args.batch_size, dtype=dtype,
-                       compile=how + " + step graph" * args.cuda_graphs, attn=attn, mode=mode, recompute=recompute
-                       if who == "ours" else "every block" if distributed else "none")
-            row = dict(cfg, params=built and built["params"], status=status if built is None else "skipped") if \
-                built is None or rep.elapsed() > args.time_budget else run_config(
-                    cfg, built, device, args, device.type == "cuda" and not args.compare and not distributed, profiler)
+            cfg = dict(
+                model=who, size=size, context_length=ctx,
+                batch_size=args.batch_size, dtype=dtype,
+                compile=how + " + step graph" * args.cuda_graphs, attn=attn,
+                mode=mode,
+                recompute=ours_recompute if who == "ours" else peer_recompute)
+            if built is None:
+                row = dict(cfg, params=None, status=status)
+            elif rep.elapsed() > args.time_budget:
+                row = dict(cfg, params=built["params"], status="skipped")
+            else:
+                gpu_ms = (device.type == "cuda" and not args.compare
+                          and not distributed)
+                row = run_config(cfg, built, device, args, gpu_ms, profiler)
             rows.append(row)
-            rep.progress(len(rows), len(groups) * len(combos), f"{who} {size} {how} {attn} {dtype} ctx {ctx} {mode}: "
-                         f"{fmt(row.get('mean_ms', row['status']))}", rows=rows)
+            result = fmt(row.get("mean_ms", row["status"]))
+            text = f"{who} {size} {how} {attn} {dtype} ctx {ctx} {mode}"
+            rep.progress(len(rows), len(groups) * len(combos),
+                         f"{text}: {result}", rows=rows)
         built = None
         free_memory(device)
-    rep.say(f"vocab {args.vocab_size}, {args.warmup} warm-up and {args.steps} timed steps; fwd: inference forward and "
-            f"loss under no_grad; TFLOP/s by model.flops_per_token (the causal half; naive attention in full)\n")
-    print_compare(rep, rows, args.compare) if args.compare else print_rows(rep, rows, args.reference_tokens_per_s)
-    if args.profile and rows[0]["status"] == "ok":  # the top kernels (CUDA) or ops (CPU) of the timed steps
+    rep.say(f"vocab {args.vocab_size}, {args.warmup} warm-up and "
+            f"{args.steps} timed steps; fwd: inference forward and loss "
+            "under no_grad; TFLOP/s by model.flops_per_token (the causal "
+            "half; naive attention in full)\n")
+    if args.compare:
+        print_compare(rep, rows, args.compare)
+    else:
+        print_rows(rep, rows, args.reference_tokens_per_s)
+    ok = rows[0]["status"] == "ok"
+    if args.profile and ok:  # the top kernels (CUDA) or ops (CPU)
         profiler.export_chrome_trace(args.profile)
-        rep.say(f"torch.profiler over the timed steps (Chrome trace: {args.profile})\n\n```\n" + profiler.key_averages(
-        ).table(sort_by=f"self_{device.type}_time_total", row_limit=12) + "```\n")
-    if args.memory_snapshot and rows[0]["status"] == "ok":
-        rep.say(f"Peak allocated per phase of the timed steps (their memory history: {args.memory_snapshot})\n")
+        top = profiler.key_averages().table(
+            sort_by=f"self_{device.type}_time_total", row_limit=12)
+        rep.say("torch.profiler over the timed steps (Chrome trace: "
+                f"{args.profile})\n\n```\n{top}```\n")
+    if args.memory_snapshot and ok:
+        rep.say("Peak allocated per phase of the timed steps (their memory "
+                f"history: {args.memory_snapshot})\n")
         rep.table(["phase", "peak MiB"], list(rows[0]["phase_peak_mib"].items()))
+    # ms per step against context length, a panel per value compared
     panels = collections.defaultdict(lambda: collections.defaultdict(list))
-    for r in (r for r in rows if r["status"] == "ok"):  # ms per step against context length, a panel per value
-        panels[f"{r[args.compare] if args.compare else ''} ms per step"][" ".join(
-            str(r[k]) for k in KEYS if k != args.compare)].append((r["context_length"], r["mean_ms"]))
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        title = f"{r[args.compare] if args.compare else ''} ms per step"
+        series = " ".join(str(r[k]) for k in KEYS if k != args.compare)
+        panels[title][series].append((r["context_length"], r["mean_ms"]))
     rep.plot(panels, "context length", "ms per step", log=True)
     if distributed:
         ddp.cleanup_distributed()
     return rows
-
-
 # ---- attention: our FlashAttention beside PyTorch's attention, dense and on packed documents ------------------------
 # Parts, most important first (a time budget cuts the last): anchors, dense causal bf16 at B·S = 16384, H·D = 2048,
 # the 8B model's S and the 2.7B's D; varlen, packed documents; sweep, one head over S and D; work, D=64 over B·H, each
