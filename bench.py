@@ -1168,17 +1168,26 @@ def cmd_model(args):
     if distributed:
         ddp.cleanup_distributed()
     return rows
-# ---- attention: our FlashAttention beside PyTorch's attention, dense and on packed documents ------------------------
-# Parts, most important first (a time budget cuts the last): anchors, dense causal bf16 at B·S = 16384, H·D = 2048,
-# the 8B model's S and the 2.7B's D; varlen, packed documents; sweep, one head over S and D; work, D=64 over B·H, each
-# kernel family forced; sustained, at the GPU's power limit; compile, naive eager vs torch.compile.
+# ---- attention: our FlashAttention beside PyTorch's, dense and packed ------
+# Parts, most important first (a time budget cuts the last): anchors, dense
+# causal bf16 at B·S = 16384, H·D = 2048, the 8B model's S and the 2.7B's D;
+# varlen, packed documents; sweep, one head over S and D; work, D=64 over
+# B·H, each kernel family forced; sustained, at the GPU's power limit;
+# compile, naive eager vs torch.compile.
 
-BWD_FLOPS, FWD_BWD_FLOPS = 2.5, 3.5  # attention's backward and forward+backward, in forward FLOPs
-MAX_SEQ = {"naive": 16384, "naive-compiled": 16384, "flex": 65536, "sdpa-efficient": 65536}  # costly ones capped
+BWD_FLOPS = 2.5  # attention's backward, in forward FLOPs
+FWD_BWD_FLOPS = 3.5
+MAX_SEQ = {  # the costly ones capped
+    "naive": 16384,
+    "naive-compiled": 16384,
+    "flex": 65536,
+    "sdpa-efficient": 65536,
+}
 
 
 def attention_flops(lengths, num_heads, head_dim):
-    """Useful forward FLOPs of causal attention over these lengths: Q K^T and P V 2 L^2 D each per head, half."""
+    """Useful forward FLOPs of causal attention: Q K^T and P V, 2 L^2 D
+    each per head, halved."""
     return sum(4 * num_heads * float(n) ** 2 * head_dim / 2 for n in lengths)
 
 
@@ -1189,171 +1198,319 @@ def flex_attention(dynamic):
 
 
 def flex(n, device, doc_ids=None, dynamic=False):
-    """FlexAttention over n tokens, causal (inside documents where doc_ids is given), its block mask made here."""
+    """FlexAttention over n tokens, causal (inside documents where doc_ids
+    is given), its block mask made here."""
     from torch.nn.attention.flex_attention import create_block_mask
-    mask = (lambda b, h, qi, ki: qi >= ki) if doc_ids is None else \
-        (lambda b, h, qi, ki: (qi >= ki) & (doc_ids[qi] == doc_ids[ki]))
+
+    def causal(b, h, qi, ki):
+        return qi >= ki
+
+    def causal_in_documents(b, h, qi, ki):
+        return (qi >= ki) & (doc_ids[qi] == doc_ids[ki])
+
+    mask = causal if doc_ids is None else causal_in_documents
     block_mask = create_block_mask(mask, None, None, n, n, device=device)
     return lambda q, k, v: flex_attention(dynamic)(q, k, v, block_mask=block_mask)
 
 
-made = lambda fn: lambda q, k, v: fn  # a make(q, k, v) with nothing to set up
-sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # on SDPA's own choice of backend
-on_backend = lambda backend, fn: unittest.mock.patch.object(flash, "BACKEND", backend)(fn)  # flash.BACKEND per call
+def made(fn):  # a make(q, k, v) with nothing to set up
+    return lambda q, k, v: fn
+
+
+def sdpa(q, k, v):  # on SDPA's own choice of backend
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def on_backend(backend, fn):  # fn with flash.BACKEND set for each call
+    return unittest.mock.patch.object(flash, "BACKEND", backend)(fn)
 
 
 def dense_methods(cuda):
-    """name -> make(q, k, v) -> fn(q, k, v): causal attention on (B, H, S, D), make doing the per-shape setup outside
-    the timed calls; ours-triton / ours-gluon force a kernel family, naive is model.py's (eager or compiled)."""
-    ours = lambda q, k, v: flash.flash_attention(q, k, v, causal=True)
-    naive = lambda fn: lambda q, k, v: functools.partial(fn, mask=model_py.causal_mask(q.shape[-2], q.device))
-    methods = {"ours": made(ours), "naive": naive(model_py.scaled_dot_product_attention),
-               "naive-compiled": naive(torch.compile(model_py.scaled_dot_product_attention))}
-    for backend in ("triton", "gluon") if cuda and flash.gluon and flash._is_sm90(torch.cuda.current_device()) else ():
-        methods[f"ours-{backend}"] = made(on_backend(backend, ours))
+    """name -> make(q, k, v) -> fn(q, k, v): causal attention on (B, H, S,
+    D), make doing the per-shape setup outside the timed calls;
+    ours-triton, ours-gluon force a kernel family; naive is model.py's."""
+    def ours(q, k, v):
+        return flash.flash_attention(q, k, v, causal=True)
+
+    def naive(fn):
+        def make(q, k, v):
+            mask = model_py.causal_mask(q.shape[-2], q.device)
+            return functools.partial(fn, mask=mask)
+        return make
+
+    reference = model_py.scaled_dot_product_attention
+    methods = {
+        "ours": made(ours),
+        "naive": naive(reference),
+        "naive-compiled": naive(torch.compile(reference)),
+    }
+    if cuda and flash.gluon and flash._is_sm90(torch.cuda.current_device()):
+        methods["ours-triton"] = made(on_backend("triton", ours))
+        methods["ours-gluon"] = made(on_backend("gluon", ours))
     if cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        for name in ("cudnn", "flash", "efficient"):  # (a context manager made by contextmanager decorates too)
-            methods[f"sdpa-{name}"] = made(sdpa_kernel(getattr(SDPBackend, f"{name.upper()}_ATTENTION"))(sdpa))
+        # (a context manager made by contextmanager decorates too)
+        for name in ("cudnn", "flash", "efficient"):
+            backend = getattr(SDPBackend, f"{name.upper()}_ATTENTION")
+            methods[f"sdpa-{name}"] = made(sdpa_kernel(backend)(sdpa))
         methods["flex"] = lambda q, k, v: flex(q.shape[-2], q.device)
     return methods
 
 
 def padded(cu, length, num_heads):
-    """SDPA (is_causal) on packed (N, H, D) q, k, v laid out as right-padded (documents, H, length, D), and back."""
+    """SDPA (is_causal) on packed (N, H, D) q, k, v laid out as
+    right-padded (documents, H, length, D), and back."""
     lens = (cu[1:] - cu[:-1]).long()
-    doc = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), lens)
-    index = doc * length + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1].long()[doc]
-    pad = lambda t: t.new_zeros(len(lens) * length, num_heads, t.shape[-1]).index_copy(0, index, t).view(
-        len(lens), length, num_heads, -1).transpose(1, 2)
-    return lambda q, k, v: sdpa(pad(q), pad(k), pad(v)).transpose(1, 2).reshape(len(lens) * length, num_heads,
-                                                                                 -1)[index]
+    docs = len(lens)
+    doc = torch.repeat_interleave(torch.arange(docs, device=cu.device), lens)
+    position = torch.arange(int(cu[-1]), device=cu.device) - cu[:-1].long()[doc]
+    index = doc * length + position
+
+    def pad(t):
+        rows = t.new_zeros(docs * length, num_heads, t.shape[-1])
+        rows = rows.index_copy(0, index, t)
+        return rows.view(docs, length, num_heads, -1).transpose(1, 2)
+
+    def attend(q, k, v):
+        o = sdpa(pad(q), pad(k), pad(v)).transpose(1, 2)
+        return o.reshape(docs * length, num_heads, -1)[index]
+    return attend
 
 
 def packed_methods(cu, max_seqlen, num_heads, pad_length):
-    """dense_methods for packed documents (N, H, D), causal inside each: sdpa-pad / -dynamic pad them to pad_length /
-    the longest; fa2-varlen is PyTorch's internal FA2 varlen kernel."""
-    N, heads = int(cu[-1]), lambda t: t.transpose(0, 1)[None]  # (N, H, D) -> (1, H, N, D)
-    ours, doc_mask = lambda q, k, v: flash.flash_attn_varlen(q, k, v, cu, max_seqlen), flex(
-        N, cu.device, model_py.document_ids(cu, N), None)
-    methods = {"ours": ours, "flex": lambda q, k, v: doc_mask(heads(q), heads(k), heads(v))[0].transpose(0, 1),
-               "sdpa-pad": padded(cu, pad_length, num_heads), "sdpa-dynamic": padded(cu, max_seqlen, num_heads)}
-    if cu.is_cuda and flash.gluon and flash._is_sm90(cu.device.index):  # where the Gluon kernels run
+    """dense_methods for packed documents (N, H, D), causal inside each:
+    sdpa-pad and sdpa-dynamic pad them to pad_length and to the longest;
+    fa2-varlen is PyTorch's internal FA2 varlen kernel."""
+    N = int(cu[-1])
+    in_documents = flex(N, cu.device, model_py.document_ids(cu, N), None)
+
+    def ours(q, k, v):
+        return flash.flash_attn_varlen(q, k, v, cu, max_seqlen)
+
+    def flex_packed(q, k, v):  # as (1, H, N, D)
+        o = in_documents(*(t.transpose(0, 1)[None] for t in (q, k, v)))
+        return o[0].transpose(0, 1)
+
+    def fa2_varlen(q, k, v):  # an aten op with an autograd formula
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False,
+            scale=q.shape[-1] ** -0.5)[0]
+
+    methods = {
+        "ours": ours,
+        "flex": flex_packed,
+        "sdpa-pad": padded(cu, pad_length, num_heads),
+        "sdpa-dynamic": padded(cu, max_seqlen, num_heads),
+    }
+    if cu.is_cuda and flash.gluon and flash._is_sm90(cu.device.index):
         methods["ours-triton"] = on_backend("triton", ours)
-    if cu.is_cuda:  # an aten op with an autograd formula
-        methods["fa2-varlen"] = lambda q, k, v: torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=q.shape[-1] ** -0.5)[0]
+    if cu.is_cuda:
+        methods["fa2-varlen"] = fa2_varlen
     return {name: made(fn) for name, fn in methods.items()}
 
 
 def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
-    """fwd, bwd and fwd+bwd ms of make(q, k, v) (kernel_ms; sustain: sustained_ms), the host's ms per fwd+bwd, the
-    memory after the forward; "OOM" or "n/a" (this dtype, head dim or device not taken) in place of times."""
-    cuda, readings, out = q.is_cuda, [], dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms", "host_ms", "mib_after_fwd"))
-    median_ms = lambda fn, host=None: sustained_ms(fn, q.device, sustain, readings) if sustain and cuda else \
-        kernel_ms(fn, q.device, rep, host)
+    """fwd, bwd and fwd+bwd ms of make(q, k, v) (by kernel_ms; sustain: by
+    sustained_ms), the host's ms per fwd+bwd, the memory after the forward;
+    "OOM" or "n/a" (a dtype, head dim or device not taken) for times."""
+    cuda, readings = q.is_cuda, []
+    out = dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms", "host_ms",
+                         "mib_after_fwd"))
+
+    def median_ms(fn, host=None):
+        if sustain and cuda:
+            return sustained_ms(fn, q.device, sustain, readings)
+        return kernel_ms(fn, q.device, rep, host)
+
     try:
         fn = make(q, k, v)
-        o = fn(q, k, v)  # compiles, plans and autotunes for this shape, untimed
+        o = fn(q, k, v)  # compiles, plans and autotunes for the shape
         out["fwd_ms"] = median_ms(lambda: fn(q, k, v))
-        out["mib_after_fwd"] = torch.cuda.memory_allocated(q.device) / 2**20 if cuda else None
-        grad = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-        grad()
-        out["bwd_ms"], host = median_ms(grad), []
-        out["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), host)
+        if cuda:
+            out["mib_after_fwd"] = torch.cuda.memory_allocated(q.device) / 2**20
+
+        def bwd():
+            return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+        def fwd_bwd():
+            return torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+
+        bwd()
+        out["bwd_ms"] = median_ms(bwd)
+        host = []
+        out["fwd_bwd_ms"] = median_ms(fwd_bwd, host)
         out["host_ms"] = statistics.median(host) if host else None
-    except (RuntimeError, NotImplementedError) as e:  # OOM included; or a forward-only kernel (FlexAttention on CPUs)
-        out.update({k: "OOM" if is_oom(e) else "n/a" for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms") if out[k] is None})
+    except (RuntimeError, NotImplementedError) as e:
+        # OOM, or a kernel without a backward (FlexAttention on CPUs)
+        status = "OOM" if is_oom(e) else "n/a"
+        for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"):
+            if out[key] is None:
+                out[key] = status
     o = fn = None
     free_memory(q.device)
     return dict(out, gpu=readings or None)
 
 
-def attention_rows(part, case, methods, shape, dtype, flops, rep=50, sustain=0):
-    """A row per method (make, or a status) of one case on random q, k, v, do of this shape: times and TFLOP/s."""
+def attention_rows(part, case, methods, shape, dtype, flops, rep=50,
+                   sustain=0):
+    """A row per method (make, or a status) of one case on random q, k, v,
+    do of this shape: times and TFLOP/s."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(sum(shape))
-    q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(i < 3) for i in range(4))
-    rows, tf = [], lambda f, ms: f / ms / 1e9 if isinstance(ms, float) else ms
+    q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=g)
+                   .requires_grad_(i < 3) for i in range(4))
+
+    def tflops(f, ms):  # a status stays
+        return f / ms / 1e9 if isinstance(ms, float) else ms
+
+    rows = []
     for name, make in methods.items():
-        times = dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms"), make) if isinstance(make, str) else \
-            time_fwd_bwd(make, q, k, v, do, rep, sustain)
-        rows.append(dict(part=part, case=case, method=name, **times, fwd_tflops=tf(flops, times["fwd_ms"]),
-                         bwd_tflops=tf(BWD_FLOPS * flops, times["bwd_ms"]),
-                         fwd_bwd_tflops=tf(FWD_BWD_FLOPS * flops, times["fwd_bwd_ms"])))
+        if isinstance(make, str):
+            times = dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms"), make)
+        else:
+            times = time_fwd_bwd(make, q, k, v, do, rep, sustain)
+        rows.append(dict(
+            part=part, case=case, method=name, **times,
+            fwd_tflops=tflops(flops, times["fwd_ms"]),
+            bwd_tflops=tflops(BWD_FLOPS * flops, times["bwd_ms"]),
+            fwd_bwd_tflops=tflops(FWD_BWD_FLOPS * flops, times["fwd_bwd_ms"])))
     return rows
 
 
 def print_attention(rep, rows):
-    """One line per (case, method): ms, TFLOP/s, the case's first ours row (or first row) over it, host ms, clock."""
-    ours, gpu = {}, any(r.get("gpu") for r in rows)
-    for r in sorted(rows, key=lambda r: not r["method"].startswith("ours")):  # (a stable sort: ours rows first)
+    """One line per (case, method): ms, TFLOP/s, the case's first ours row
+    (or first row) over it, host ms, clock."""
+    gpu = any(r.get("gpu") for r in rows)
+    ours = {}
+    # a stable sort: ours rows first
+    for r in sorted(rows, key=lambda r: not r["method"].startswith("ours")):
         ours.setdefault(r["case"], r)
     body = []
     for r in rows:
         o = ours.get(r["case"])
-        vs = "—" if o is None or o is r else " / ".join(ratio(o[k], r[k]) for k in ("fwd_tflops", "fwd_bwd_tflops"))
-        body.append([r["case"], r["method"], r["fwd_ms"], r["bwd_ms"], r["fwd_bwd_ms"], r["fwd_tflops"],
-                     r["fwd_bwd_tflops"], vs, r.get("host_ms"), r.get("mib_after_fwd")]
-                    + [" / ".join(f"{mhz:.0f} MHz {w:.0f} W" for mhz, w in r.get("gpu") or ()) or None] * gpu)
-    rep.table(["case", "method", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
-               "ours (or the first) vs it, fwd / fwd+bwd", "host ms per fwd+bwd", "MiB after fwd"]
-              + ["GPU clock and power (fwd / bwd / fwd+bwd)"] * gpu, body, digits=[2, 2, 3, 3, 3, 0, 0, 2, 3, 0, 0])
+        vs = "—"
+        if o is not None and o is not r:
+            vs = " / ".join(ratio(o[k], r[k])
+                            for k in ("fwd_tflops", "fwd_bwd_tflops"))
+        clock = " / ".join(f"{mhz:.0f} MHz {w:.0f} W"
+                           for mhz, w in r.get("gpu") or ())
+        body.append([r["case"], r["method"], r["fwd_ms"], r["bwd_ms"],
+                     r["fwd_bwd_ms"], r["fwd_tflops"], r["fwd_bwd_tflops"], vs,
+                     r.get("host_ms"), r.get("mib_after_fwd")]
+                    + [clock or None] * gpu)
+    header = ["case", "method", "fwd ms", "bwd ms", "fwd+bwd ms",
+              "fwd TFLOP/s", "fwd+bwd TFLOP/s",
+              "ours (or the first) vs it, fwd / fwd+bwd",
+              "host ms per fwd+bwd", "MiB after fwd"]
+    header += ["GPU clock and power (fwd / bwd / fwd+bwd)"] * gpu
+    rep.table(header, body, digits=[2, 2, 3, 3, 3, 0, 0, 2, 3, 0, 0])
+
+
+def attention_cases(cuda):
+    """part -> its cases: (B, H, S, D, dtype), or varlen's head dims."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    if not cuda:  # the Triton interpreter: a tiny stand-in for each kind
+        cases = dict.fromkeys(ATTN_PARTS, [(1, 2, 40, 16, fp32)])
+        return dict(cases, varlen=[16], compile=[(2, 1, 24, 8, fp32)])
+    anchors = [(16384 // s, 2048 // d, s, d, bf16)
+               for d in (64, 128) for s in (1024, 4096, 16384)]
+    anchors += [(1, 32, 32768, 128, bf16),  # the 8B model's sequence
+                (4, 32, 2048, 80, bf16)]  # the 2.7B model's head dim
+    return {
+        "anchors": anchors,
+        "varlen": [64, 128],
+        "sweep": [(1, 1, 2 ** i, d, t) for d in (16, 32, 64, 128)
+                  for i in range(7, 17) for t in (bf16, fp32)],
+        "work": [(b, h, s, 64, bf16) for s in (512, 1024, 2048)
+                 for b, h in ((4, 12), (12, 12), (16, 16), (16, 32), (32, 32))],
+        "sustained": [(1, 32, 16384, 64, bf16), (1, 16, 16384, 128, bf16),
+                      (1, 32, 32768, 128, bf16)],
+        "compile": [(8, 1, s, d, fp32)
+                    for d in (16, 64, 128) for s in (256, 1024, 4096, 16384)],
+    }
+
+
+def packed_case(d, wanted, device, gen, rep):
+    """The rows of packed documents at head dim d. CUDA: 16384 tokens in
+    lengths log-normal of median e^6 ~ 403, sigma 1, in [16, 4096]."""
+    if device.type == "cuda":
+        h, pad_length, dtype = 2048 // d, 4096, torch.bfloat16
+        lens = document_lengths(None, math.exp(6.0), 1.0, 4096, gen,
+                                total_tokens=16384).tolist()
+    else:
+        h, pad_length, dtype = 2, 24, torch.float32
+        lens = [1, 5, 17, 9]
+    cu = torch.tensor([0] + lens).cumsum(0).to(device, torch.int32)
+    methods = packed_methods(cu, max(lens), h, pad_length)
+    chosen = {n: m for n, m in methods.items() if n in wanted}
+    case = f"docs={len(lens)} max={max(lens)} tokens={sum(lens)} H={h} D={d}"
+    return attention_rows("varlen", case, chosen, (sum(lens), h, d), dtype,
+                          attention_flops(lens, h, d), rep)
+
+
+def dense_case(part, case, methods, wanted, args):
+    """The rows of one dense case, of the methods the part times; a status
+    for the costly ones at long sequences, and cuDNN and flash in fp32."""
+    b, h, s, d, dtype = case
+    fp32 = dtype == torch.float32
+    names = wanted
+    if part == "work":
+        names = ["ours", "ours-gluon", "ours-triton", "sdpa-cudnn"]
+    if part == "compile":
+        names = ["naive", "naive-compiled"]
+    flex_ok = (not fp32 and d >= 64
+               and (part in ("anchors", "sustained") or s in (1024, 16384)))
+    chosen = {}
+    for n in names:
+        if n not in methods or (n == "flex" and not flex_ok):
+            continue
+        if s > MAX_SEQ.get(n, s):
+            chosen[n] = "skipped"
+        elif fp32 and n in ("sdpa-cudnn", "sdpa-flash"):
+            chosen[n] = "n/a"
+        else:
+            chosen[n] = methods[n]
+    sustain = args.sustain if part == "sustained" else 0
+    name = f"B={b} H={h} S={s} D={d} {str(dtype)[6:]}"
+    return attention_rows(part, name, chosen, (b, h, s, d), dtype,
+                          b * attention_flops([s], h, d), args.rep, sustain)
 
 
 def cmd_attention(args):
-    cuda, bf16, fp32 = torch.cuda.is_available(), torch.bfloat16, torch.float32
-    device, methods = torch.device("cuda" if cuda else "cpu"), dense_methods(cuda)
-    wanted = args.methods or [m for m in methods if m not in ("ours-gluon", "naive-compiled")]
-    torch._dynamo.config.cache_size_limit = 64  # FlexAttention compiles once per shape
-    torch._functorch.config.donated_buffer = False  # the timed backward reuses one compiled graph (retain_graph)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    methods = dense_methods(cuda)
+    wanted = args.methods or [m for m in methods
+                              if m not in ("ours-gluon", "naive-compiled")]
+    torch._dynamo.config.cache_size_limit = 64  # Flex compiles once a shape
+    # the timed backward reuses one compiled graph (retain_graph)
+    torch._functorch.config.donated_buffer = False
+    table = attention_cases(cuda)
     parts = [part for part in ATTN_PARTS if part in args.parts]
-    if cuda:
-        table = {"anchors": [(16384 // s, 2048 // d, s, d, bf16) for d in (64, 128) for s in (1024, 4096, 16384)]
-                 + [(1, 32, 32768, 128, bf16), (4, 32, 2048, 80, bf16)],  # the 8B model's sequence, the 2.7B's D
-                 "varlen": [64, 128],
-                 "sweep": [(1, 1, 2 ** i, d, t) for d in (16, 32, 64, 128) for i in range(7, 17) for t in (bf16, fp32)],
-                 "work": [(b, h, s, 64, bf16) for s in (512, 1024, 2048) for b, h in ((4, 12), (12, 12), (16, 16),
-                                                                                       (16, 32), (32, 32))],
-                 "sustained": [(1, 32, 16384, 64, bf16), (1, 16, 16384, 128, bf16), (1, 32, 32768, 128, bf16)],
-                 "compile": [(8, 1, s, d, fp32) for d in (16, 64, 128) for s in (256, 1024, 4096, 16384)]}
-    else:  # the Triton interpreter: a tiny stand-in for each kind of part
-        table = dict(dict.fromkeys(ATTN_PARTS, [(1, 2, 40, 16, fp32)]), varlen=[16], compile=[(2, 1, 24, 8, fp32)])
+    if not cuda:  # one dense part stands for all
         dense = [p for p in parts if p not in ("varlen", "compile")]
         parts = dense[:1] + [p for p in parts if p in ("varlen", "compile")]
     jobs = [(part, case) for part in parts for case in table[part]]
-    rows, rep, gen = [], Report(args, device), torch.Generator().manual_seed(1)
+    rows, rep = [], Report(args, device)
+    gen = torch.Generator().manual_seed(1)
     for i, (part, case) in enumerate(jobs):
         if args.time_budget and rep.elapsed() > args.time_budget:
             rep.say(f"time budget reached: {len(jobs) - i} cases left out\n")
             break
-        if part == "varlen":  # CUDA: log-normal lengths of median e^6 ~ 403, sigma 1, in [16, 4096], 16384 tokens
-            d, h = case, 2048 // case if cuda else 2
-            lens = document_lengths(None, math.exp(6.0), 1.0, 4096, gen, total_tokens=16384).tolist() if cuda \
-                else [1, 5, 17, 9]
-            cu = torch.tensor([0] + lens).cumsum(0).to(device=device, dtype=torch.int32)
-            new = attention_rows(part, f"docs={len(lens)} max={max(lens)} tokens={sum(lens)} H={h} D={d}", {
-                n: m for n, m in packed_methods(cu, max(lens), h, 4096 if cuda else 24).items() if n in wanted},
-                (sum(lens), h, d), bf16 if cuda else fp32, attention_flops(lens, h, d), args.rep)
+        if part == "varlen":
+            new = packed_case(case, wanted, device, gen, args.rep)
         else:
-            b, h, s, d, dt = case
-            names = {"work": ["ours", "ours-gluon", "ours-triton", "sdpa-cudnn"],
-                     "compile": ["naive", "naive-compiled"]}.get(part, wanted)
-            flex_ok = dt != fp32 and d >= 64 and (part in ("anchors", "sustained") or s in (1024, 16384))
-            # no row of numbers for the costly ones at long sequences, nor for cuDNN and flash in fp32
-            chosen = {n: "skipped" if s > MAX_SEQ.get(n, s) else "n/a" if n in ("sdpa-cudnn", "sdpa-flash") and
-                      dt == fp32 else methods[n] for n in names if n in methods and (n != "flex" or flex_ok)}
-            new = attention_rows(part, f"B={b} H={h} S={s} D={d} {str(dt)[6:]}", chosen, (b, h, s, d), dt,
-                                 b * attention_flops([s], h, d), args.rep, args.sustain if part == "sustained" else 0)
+            new = dense_case(part, case, methods, wanted, args)
         rows += new
-        rep.progress(i + 1, len(jobs), f"{part} {new[0]['case'] if new else case}", rows=rows)
-    rep.say("Causal. FLOPs: 4·B·H·S²·D/2 forward (the causal half), x2.5 backward, x3.5 forward+backward; packed "
-            "cases count the work inside documents only. Times: medians of calls each with a cold L2 cache and the "
-            "GPU kept busy until the host has issued the call (the GPU's work; the host's is its own column).\n")
+        name = new[0]["case"] if new else case
+        rep.progress(i + 1, len(jobs), f"{part} {name}", rows=rows)
+    rep.say("Causal. FLOPs: 4·B·H·S²·D/2 forward (the causal half), x2.5 "
+            "backward, x3.5 forward+backward; packed cases count the work "
+            "inside documents only. Times: medians of calls each with a cold "
+            "L2 cache and the GPU kept busy until the host has issued the "
+            "call (the GPU's work; the host's is its own column).\n")
     print_attention(rep, rows)
     return rows
-
-
 # ---- varlen, hf: padding strategies on the same documents, our model's or a Hugging Face GPT-2's step ---------------
 
 def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
