@@ -1511,52 +1511,111 @@ def cmd_attention(args):
             "call (the GPU's work; the host's is its own column).\n")
     print_attention(rep, rows)
     return rows
-# ---- varlen, hf: padding strategies on the same documents, our model's or a Hugging Face GPT-2's step ---------------
+# ---- varlen, hf: padding strategies on the same documents -----------------
+# Our model's training step, or a Hugging Face GPT-2's.
 
 def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
-    """One batch of documents (token ranges) laid out as `strategy` says: ours as train.py does; Hugging Face's a row
-    per document, or one row by DataCollatorWithFlattening (compiled: a constant max_length, so it compiles once)."""
+    """One batch of documents (token ranges) laid out as `strategy` says:
+    ours as train.py does; Hugging Face's a row per document, or one row by
+    DataCollatorWithFlattening (compiled: a constant max_length)."""
     layout = strategy.split(":")[1] if hf_model else strategy
+    lengths = [e - s for s, e in spans]
     if hf_model and layout == "pack":
         from transformers import DataCollatorWithFlattening
-        batch = dict(DataCollatorWithFlattening(return_flash_attn_kwargs=True)([
-            {"input_ids": tokens[s:e].tolist(), "labels": tokens[s:e].tolist()} for s, e in spans]))
-        batch.update(dict(max_length_q=ctx, max_length_k=ctx) if strategy.endswith(":compiled") else {})
+        collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        features = [dict(input_ids=tokens[s:e].tolist(),
+                         labels=tokens[s:e].tolist()) for s, e in spans]
+        batch = dict(collate(features))
+        if strategy.endswith(":compiled"):  # so that it compiles once
+            batch.update(max_length_q=ctx, max_length_k=ctx)
     elif layout.startswith("pack"):
         x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
         if layout == "pack_static":
-            (x, y, cu_seqlens), max_seqlen = pad_packed(x, y, cu_seqlens, budget + ctx, 0), ctx
-        batch = dict(idx=x, targets=y, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
+            x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, budget + ctx, 0)
+            max_seqlen = ctx
+        batch = dict(idx=x, targets=y, cu_seqlens=cu_seqlens,
+                     max_seqlen=int(max_seqlen))
     else:
-        x, y = pad_batch(tokens, spans, ctx if layout == "pad" else max(e - s for s, e in spans), 0)
-        mask = (torch.arange(x.shape[1]) < torch.tensor([e - s for s, e in spans])[:, None]).long()
-        batch = dict(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100)) if hf_model else \
-            dict(idx=x, targets=y)
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        width = ctx if layout == "pad" else max(lengths)
+        x, y = pad_batch(tokens, spans, width, 0)
+        real = torch.arange(x.shape[1]) < torch.tensor(lengths)[:, None]
+        mask = real.long()
+        if hf_model:
+            labels = x.masked_fill(mask == 0, -100)
+            batch = dict(input_ids=x, attention_mask=mask, labels=labels)
+        else:
+            batch = dict(idx=x, targets=y)
+    return {k: v.to(device) if torch.is_tensor(v) else v
+            for k, v in batch.items()}
+
+
+def varlen_model(args, device, hf_model):
+    """make(attn) -> a new model, our TransformerLM or a GPT-2."""
+    def ours(attn):
+        return TransformerLM(args.vocab_size, args.context_length,
+                             args.d_model, args.num_layers, args.num_heads,
+                             args.d_ff, attn_impl=attn, device=device)
+    if not hf_model:
+        return ours
+    from transformers import AutoModelForCausalLM, GPT2Config
+    hf.register_hf_attention("ours")
+    cfg = GPT2Config(vocab_size=args.vocab_size,
+                     n_positions=args.context_length, n_embd=args.d_model,
+                     n_layer=args.num_layers, n_head=args.num_heads,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     use_cache=False)
+
+    def make(attn):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+        return model.to(device)
+    return make
+
+
+def print_varlen(rep, rows, strategies):
+    # phase -> the first strategy's rate
+    base = {r["phase"]: r.get("tokens_per_s") for r in reversed(rows)}
+    body = []
+    for r in rows:
+        ms = r["status"]
+        if r["status"] == "ok":
+            ms = f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}"
+        real = None
+        if "token_slots" in r:
+            real = f"{100 * r['real_tokens'] / r['token_slots']:.0f}%"
+        rate = r.get("tokens_per_s")
+        body.append([r["phase"], r["strategy"], ms, rate,
+                     ratio(rate, base[r["phase"]]), real, r.get("peak_mib"),
+                     fmt(r.get("loss_first_batch"), 5)])
+    rep.table(["phase", "strategy", "ms/step", "real tokens/s",
+               f"speedup vs {strategies[0]}", "real / slots", "peak MiB",
+               "loss, batch 1 (same weights and targets)"], body, fold=[0])
 
 
 def cmd_varlen(args):
     device, hf_model = on_device(args), args.command == "hf"
     strategies, phases = args.strategies.split(","), args.phases.split(",")
-    rep, ctx, g = Report(args, device), args.context_length, torch.Generator().manual_seed(args.seed)
-    lengths = document_lengths(args.num_docs, args.median_len, args.sigma, ctx, g)  # random tokens, long-tailed lengths
+    rep, ctx = Report(args, device), args.context_length
+    cuda = device.type == "cuda"
+    g = torch.Generator().manual_seed(args.seed)
+    # random tokens in documents of long-tailed lengths
+    lengths = document_lengths(args.num_docs, args.median_len, args.sigma,
+                               ctx, g)
     docs = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int64)
-    tokens = torch.randint(args.vocab_size, (int(docs[-1]),), generator=g).numpy().astype(np.int64)
-    batches = [sample_documents(docs, args.batch_size * ctx, ctx, g) for _ in range(args.warmup + args.steps)]
-    if hf_model:
-        from transformers import AutoModelForCausalLM, GPT2Config
-        hf.register_hf_attention("ours")
-        cfg = GPT2Config(vocab_size=args.vocab_size, n_positions=ctx, n_embd=args.d_model, n_layer=args.num_layers,
-                         n_head=args.num_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-        make = lambda attn: AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(device)
-    else:
-        make = lambda attn: TransformerLM(args.vocab_size, ctx, args.d_model, args.num_layers, args.num_heads,
-                                          args.d_ff, attn_impl=attn, device=device)
-    init = {k: v.clone() for k, v in make("eager" if hf_model else args.attn).state_dict().items()}
-    rep.say(f"Documents: {args.num_docs}, log-normal lengths of median {args.median_len:g}, sigma {args.sigma:g} "
-            f"(mean {lengths.float().mean():.0f}, max {int(lengths.max())}), in batches up to {args.batch_size * ctx} "
-            f"real tokens. Model: d_model {args.d_model}, {args.num_layers} layers, {args.num_heads} heads, vocab "
-            f"{args.vocab_size}, {args.dtype}; compile {args.compile} (backend {args.backend}).\n")
+    tokens = torch.randint(args.vocab_size, (int(docs[-1]),), generator=g)
+    tokens = tokens.numpy().astype(np.int64)
+    budget = args.batch_size * ctx
+    batches = [sample_documents(docs, budget, ctx, g)
+               for _ in range(args.warmup + args.steps)]
+    make = varlen_model(args, device, hf_model)
+    first = make("eager" if hf_model else args.attn)
+    init = {k: v.clone() for k, v in first.state_dict().items()}
+    rep.say(f"Documents: {args.num_docs}, log-normal lengths of median "
+            f"{args.median_len:g}, sigma {args.sigma:g} (mean "
+            f"{lengths.float().mean():.0f}, max {int(lengths.max())}), in "
+            f"batches up to {budget} real tokens. Model: d_model "
+            f"{args.d_model}, {args.num_layers} layers, {args.num_heads} "
+            f"heads, vocab {args.vocab_size}, {args.dtype}; compile "
+            f"{args.compile} (backend {args.backend}).\n")
     rows = []
     for phase, strategy in itertools.product(phases, strategies):
         row, out = dict(strategy=strategy, phase=phase, status="ok"), {}
@@ -1564,59 +1623,73 @@ def cmd_varlen(args):
             torch._dynamo.reset()
             net = make(strategy.split(":")[0] if hf_model else args.attn)
             net.load_state_dict(init)
-            net.loss_type = "ForCausalLM"  # (transformers) GPT-2 names no loss type: a warning and a graph break
-            compiled = strategy.endswith(":compiled") or not hf_model and args.compile != "none"
-            run = torch.compile(net, backend=args.backend, dynamic=None if hf_model else strategy != "pack_static") \
-                if compiled else net
-            optimizer = torch.optim.AdamW(net.parameters(), lr=6e-4, fused=device.type == "cuda") if hf_model \
-                else AdamW(net.parameters(), lr=1e-4)
-            data = [varlen_inputs(strategy, spans, tokens, ctx, args.batch_size * ctx, device, hf_model)
-                    for spans in batches]
-            for kw in data if hf_model and compiled and ":pack" in strategy else ():
-                for name in ("input_ids", "labels", "position_ids"):  # the row's length changes every step
-                    torch._dynamo.mark_dynamic(kw[name], 1)
+            # (transformers) GPT-2 names no loss type: a warning, a graph break
+            net.loss_type = "ForCausalLM"
+            compiled = strategy.endswith(":compiled")
+            if not hf_model and args.compile != "none":
+                compiled = True
+            run = net
+            if compiled:
+                dynamic = None if hf_model else strategy != "pack_static"
+                run = torch.compile(net, backend=args.backend, dynamic=dynamic)
+            if hf_model:
+                optimizer = torch.optim.AdamW(net.parameters(), lr=6e-4,
+                                              fused=cuda)
+            else:
+                optimizer = AdamW(net.parameters(), lr=1e-4)
+            data = [varlen_inputs(strategy, spans, tokens, ctx, budget,
+                                  device, hf_model) for spans in batches]
+            if hf_model and compiled and ":pack" in strategy:
+                for kw in data:  # the row's length changes every step
+                    for name in ("input_ids", "labels", "position_ids"):
+                        torch._dynamo.mark_dynamic(kw[name], 1)
 
             def step(batch):
                 net.zero_grad(set_to_none=True)
-                with torch.set_grad_enabled(phase == "train"), autocast(args.dtype, device):
+                grad = phase == "train"
+                with torch.set_grad_enabled(grad), autocast(args.dtype, device):
                     loss = run(**batch)
-                    loss = getattr(loss, "loss", loss)  # (transformers: an output holding it)
+                    # (transformers: an output holding it)
+                    loss = getattr(loss, "loss", loss)
                 if batch is data[0]:  # (a warm-up step: untimed)
                     out["loss"] = float(loss)
                 if phase == "train":
                     loss.backward()
                     optimizer.step()
-            if strategy == "pack_static":  # its few shapes compiled before the timed batches
+
+            if strategy == "pack_static":  # its few shapes compiled first
                 for batch in {b["cu_seqlens"].shape: b for b in data}.values():
                     step(batch)
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             it = iter(data)
-            times = time_ms(lambda: step(next(it)), device, warmup=args.warmup, steps=args.steps)
+            times = time_ms(lambda: step(next(it)), device,
+                            warmup=args.warmup, steps=args.steps)
+            timed = data[args.warmup:]
+            real = sum(e - s - 1 for spans in batches[args.warmup:]
+                       for s, e in spans)
+            slots = sum(b["idx" if "idx" in b else "input_ids"].numel()
+                        for b in timed)
+            peak = None
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(device) / 2**20
             row.update(summary(times), loss_first_batch=out["loss"],
-                       peak_mib=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-                       real_tokens=sum(e - s - 1 for spans in batches[args.warmup:] for s, e in spans),
-                       token_slots=sum(b["idx" if "idx" in b else "input_ids"].numel() for b in data[args.warmup:]))
-            row["tokens_per_s"] = row["real_tokens"] / sum(times) * 1e3
-        except Exception as e:
-            row["status"] = failure(e, short=True)  # (transformers' refusals are paragraphs)
+                       peak_mib=peak, real_tokens=real, token_slots=slots)
+            row["tokens_per_s"] = real / sum(times) * 1e3
+        except Exception as e:  # (transformers' refusals are paragraphs)
+            row["status"] = failure(e, short=True)
         net = run = optimizer = data = None
         free_memory(device)
         rows.append(row)
-        rep.progress(len(rows), len(phases) * len(strategies), f"{strategy} {phase}: {fmt(row.get('tokens_per_s'))} "
-                     "real tokens/s", rows=rows)
-    base = {r["phase"]: r.get("tokens_per_s") for r in reversed(rows)}  # the first strategy's
-    rep.table(["phase", "strategy", "ms/step", "real tokens/s", f"speedup vs {strategies[0]}", "real / slots",
-               "peak MiB", "loss, batch 1 (same weights and targets)"],
-              [[r["phase"], r["strategy"], f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" if r["status"] == "ok" else
-                r["status"], r.get("tokens_per_s"), ratio(r.get("tokens_per_s"), base[r["phase"]]),
-                f"{100 * r['real_tokens'] / r['token_slots']:.0f}%" if "token_slots" in r else None, r.get("peak_mib"),
-                fmt(r.get("loss_first_batch"), 5)] for r in rows], fold=[0])
-    rep.plot({"real tokens/s": {phase: [(r["strategy"], r["tokens_per_s"]) for r in rows if r["phase"] == phase and
-                                        r["status"] == "ok"] for phase in phases}}, "strategy", "real tokens/s")
+        rate = fmt(row.get("tokens_per_s"))
+        rep.progress(len(rows), len(phases) * len(strategies),
+                     f"{strategy} {phase}: {rate} real tokens/s", rows=rows)
+    print_varlen(rep, rows, strategies)
+    series = {phase: [(r["strategy"], r["tokens_per_s"]) for r in rows
+                      if r["phase"] == phase and r["status"] == "ok"]
+              for phase in phases}
+    rep.plot({"real tokens/s": series}, "strategy", "real tokens/s")
     return rows
-
-
 # ---- rmsnorm, adamw: our kernels against PyTorch's ------------------------------------------------------------------
 
 ADAMW = {"ours fused (the Triton kernel)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
