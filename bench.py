@@ -1690,45 +1690,72 @@ def cmd_varlen(args):
               for phase in phases}
     rep.plot({"real tokens/s": series}, "strategy", "real tokens/s")
     return rows
-# ---- rmsnorm, adamw: our kernels against PyTorch's ------------------------------------------------------------------
+# ---- rmsnorm, adamw: our kernels against PyTorch's -------------------------
 
-ADAMW = {"ours fused (the Triton kernel)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
-         "ours foreach (fused=False)": lambda ps: AdamW(ps, lr=1e-4, weight_decay=0.1, fused=False),
-         "torch fused=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
-         "torch foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)}
+def make_adamw(cls, **option):  # each at lr 1e-4, weight decay 0.1
+    return lambda params: cls(params, lr=1e-4, weight_decay=0.1, **option)
+
+
+ADAMW = {
+    "ours fused (the Triton kernel)": make_adamw(AdamW, fused=True),
+    "ours foreach (fused=False)": make_adamw(AdamW, fused=False),
+    "torch fused=True": make_adamw(torch.optim.AdamW, fused=True),
+    "torch foreach=True": make_adamw(torch.optim.AdamW, foreach=True),
+}
 
 
 def cmd_rmsnorm(args):
     device = on_device(args)
-    dtype, rep, rows = torch.bfloat16 if device.type == "cuda" else torch.float32, Report(args, device), []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rep, rows = Report(args, device), []
     for n, d in args.shapes:
         g = torch.Generator(device=device).manual_seed(n + d)
-        x, dy = (torch.randn(n, d, device=device, dtype=dtype, generator=g).requires_grad_(i == 0) for i in range(2))
+        x, dy = (torch.randn(n, d, device=device, dtype=dtype, generator=g)
+                 .requires_grad_(i == 0) for i in range(2))
         norm = model_py.RMSNorm(d, eps=1e-5, device=device, dtype=dtype)
-        weight = norm.weight = nn.Parameter((1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype))
-        methods = {"ours": lambda x: flash.rms_norm(x, weight, 1e-5), "inductor": torch.compile(norm, dynamic=False),
-                   "F.rms_norm": lambda x: F.rms_norm(x, (d,), weight, 1e-5), "copy": lambda x: x.clone()}
+        gain = 1 + 0.1 * torch.randn(d, device=device, generator=g)
+        weight = norm.weight = nn.Parameter(gain.to(dtype))
+        methods = {
+            "ours": lambda x: flash.rms_norm(x, weight, 1e-5),
+            "inductor": torch.compile(norm, dynamic=False),
+            "F.rms_norm": lambda x: F.rms_norm(x, (d,), weight, 1e-5),
+            "copy": lambda x: x.clone(),
+        }
         act, w = n * d * x.element_size(), d * weight.element_size()
-        fwd_bytes, bwd_bytes = 2 * act + w, 3 * act + w  # forward: x read, y written; backward: x, dy read, dx written
+        fwd_bytes = 2 * act + w  # x read, y written
+        bwd_bytes = 3 * act + w  # x and dy read, dx written
         for name in args.methods:
             fn = methods[name]
             fn(x)  # compiles (inductor) or warms the kernels up
             fwd = kernel_ms(lambda: fn(x), device, args.rep)
-            both = None if name == "copy" else kernel_ms(lambda: torch.autograd.grad(fn(x), [x, weight], dy), device,
-                                                         args.rep)
-            rows.append(dict(shape=f"{n} x {d}", method=name, fwd_ms=fwd, fwd_bwd_ms=both,
-                             fwd_gb_s=fwd_bytes / fwd / 1e6, fwd_bwd_gb_s=both and (fwd_bytes + bwd_bytes) / both / 1e6,
-                             bwd_gb_s=both and both > fwd and bwd_bytes / (both - fwd) / 1e6 or None))
+            both = fwd_bwd_gb_s = bwd_gb_s = None
+            if name != "copy":
+                both = kernel_ms(
+                    lambda: torch.autograd.grad(fn(x), [x, weight], dy),
+                    device, args.rep)
+            if both:
+                fwd_bwd_gb_s = (fwd_bytes + bwd_bytes) / both / 1e6
+            if both and both > fwd:
+                bwd_gb_s = bwd_bytes / (both - fwd) / 1e6
+            rows.append(dict(shape=f"{n} x {d}", method=name, fwd_ms=fwd,
+                             fwd_bwd_ms=both, fwd_gb_s=fwd_bytes / fwd / 1e6,
+                             fwd_bwd_gb_s=fwd_bwd_gb_s, bwd_gb_s=bwd_gb_s))
         free_memory(device)
     copy = {r["shape"]: r["fwd_gb_s"] for r in rows if r["method"] == "copy"}
-    pct = lambda r, key: r[key] and copy.get(r["shape"]) and f"{100 * r[key] / copy[r['shape']]:.0f}%"
-    rep.say("GB/s: the bytes each direction must move over its time (the backward's: over fwd+bwd less fwd); % of "
-            "copy: that over the copy's GB/s at the same shape.\n")
-    rep.table(["shape", "method", "fwd ms", "fwd GB/s", "fwd % of copy", "fwd+bwd ms", "fwd+bwd GB/s",
-               "fwd+bwd % of copy", "bwd % of copy"],
-              [[r["shape"], r["method"], r["fwd_ms"], r["fwd_gb_s"], pct(r, "fwd_gb_s"), r["fwd_bwd_ms"],
-                r["fwd_bwd_gb_s"], pct(r, "fwd_bwd_gb_s"), pct(r, "bwd_gb_s")] for r in rows], [0, 0, 3, 0, 0, 3, 0],
-              rows=rows)
+
+    def pct(r, key):  # of the copy's GB/s at the same shape
+        base = copy.get(r["shape"])
+        return r[key] and base and f"{100 * r[key] / base:.0f}%"
+
+    rep.say("GB/s: the bytes each direction must move over its time (the "
+            "backward's: over fwd+bwd less fwd); % of copy: that over the "
+            "copy's GB/s at the same shape.\n")
+    body = [[r["shape"], r["method"], r["fwd_ms"], r["fwd_gb_s"],
+             pct(r, "fwd_gb_s"), r["fwd_bwd_ms"], r["fwd_bwd_gb_s"],
+             pct(r, "fwd_bwd_gb_s"), pct(r, "bwd_gb_s")] for r in rows]
+    rep.table(["shape", "method", "fwd ms", "fwd GB/s", "fwd % of copy",
+               "fwd+bwd ms", "fwd+bwd GB/s", "fwd+bwd % of copy",
+               "bwd % of copy"], body, [0, 0, 3, 0, 0, 3, 0], rows=rows)
     return rows
 
 
@@ -1737,184 +1764,299 @@ def cmd_adamw(args):
     sizes = ["gpt2", "xl"] if device.type == "cuda" else ["tiny"]
     rep, rows = Report(args, device), []
     for size in sizes:
-        net = TransformerLM(dict(gpt2=50304, tiny=512).get(size, 10000), 16, **SIZES[size], device=device)
-        ps, times = [nn.Parameter(t.detach()) for t in net.parameters()], {}
+        vocab = dict(gpt2=50304, tiny=512).get(size, 10000)
+        net = TransformerLM(vocab, 16, **SIZES[size], device=device)
+        ps = [nn.Parameter(t.detach()) for t in net.parameters()]
         for t in ps:
             t.grad = torch.randn_like(t) * 1e-2
+        times = {}
         for name, make in ADAMW.items():
             opt = make(ps)
             opt.step()  # makes the state, untimed
             times[name] = kernel_ms(opt.step, device, args.rep)
-            rep.progress(len(rows) + len(times), len(sizes) * len(ADAMW), f"{size} {name}: {times[name]:.3f} ms")
-        n = sum(t.numel() for t in ps)  # a step reads p, g, m, v and writes p, m, v: 28 bytes a parameter
-        rows += [dict(size=size, params=n, optimizer=name, ms=ms, tb_s=28 * n / ms / 1e9,
-                      vs_torch_fused=ratio(ms, times["torch fused=True"])) for name, ms in times.items()]
+            rep.progress(len(rows) + len(times), len(sizes) * len(ADAMW),
+                         f"{size} {name}: {times[name]:.3f} ms")
+        # a step reads p, g, m, v and writes p, m, v: 28 bytes a parameter
+        n = sum(t.numel() for t in ps)
+        fused = times["torch fused=True"]
+        rows += [dict(size=size, params=n, optimizer=name, ms=ms,
+                      tb_s=28 * n / ms / 1e9, vs_torch_fused=ratio(ms, fused))
+                 for name, ms in times.items()]
         net = ps = opt = None
         free_memory(device)
-    rep.table(["size", "parameters", "optimizer", "ms/step", "TB/s (28 bytes a parameter)", "vs torch fused"],
-              [[r["size"], millions(r["params"]), r["optimizer"], r["ms"], r["tb_s"], r["vs_torch_fused"]]
-               for r in rows], digits=[0, 0, 0, 3], rows=rows)
+    body = [[r["size"], millions(r["params"]), r["optimizer"], r["ms"],
+             r["tb_s"], r["vs_torch_fused"]] for r in rows]
+    rep.table(["size", "parameters", "optimizer", "ms/step",
+               "TB/s (28 bytes a parameter)", "vs torch fused"], body,
+              digits=[0, 0, 0, 3], rows=rows)
     return rows
 
 
-# ---- ddp: all-reduce bandwidth and the data-parallel variants, under torchrun (`allreduce`: the first table) ------
+# ---- ddp: all-reduce bandwidth and the data-parallel variants --------------
+# Under torchrun; `allreduce` is the first table alone.
 
 def _build_variant(variant, net, opt_cls, lr):
-    """(ddp.Parallel, optimizer) for one variant name (see DDP_VARIANTS); net is already on its device."""
+    """(ddp.Parallel, optimizer) for a variant name (see DDP_VARIANTS); net
+    is already on its device."""
     impl, *options = variant.split("+")
     impl, _, size = impl.partition("-")
-    if impl not in ddp.IMPLS or set(options) - {"zero1", "bf16", "zero_redundancy"} or (size and impl != "bucketed"):
-        raise ValueError(f"unknown variant {variant!r}; expected impl[-MiB][+zero1][+bf16] with impl one of "
+    unknown = set(options) - {"zero1", "bf16", "zero_redundancy"}
+    if impl not in ddp.IMPLS or unknown or (size and impl != "bucketed"):
+        raise ValueError(f"unknown variant {variant!r}; expected "
+                         "impl[-MiB][+zero1][+bf16] with impl one of "
                          f"{ddp.IMPLS}, e.g. {DDP_VARIANTS}")
-    w = ddp.wrap(net, impl, bucket_size_mb=float(size or 25), compute_dtype=torch.bfloat16 if "bf16" in options
-                 else None)
+    dtype = torch.bfloat16 if "bf16" in options else None
+    w = ddp.wrap(net, impl, bucket_size_mb=float(size or 25),
+                 compute_dtype=dtype)
     if "zero_redundancy" in options:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        return w, ZeroRedundancyOptimizer(w.parameters(), optimizer_class=opt_cls, lr=lr, weight_decay=0.1)
-    return w, w.make_optimizer(opt_cls, zero1="zero1" in options, lr=lr, weight_decay=0.1)
+        return w, ZeroRedundancyOptimizer(w.parameters(), lr=lr,
+                                          optimizer_class=opt_cls,
+                                          weight_decay=0.1)
+    return w, w.make_optimizer(opt_cls, zero1="zero1" in options, lr=lr,
+                               weight_decay=0.1)
 
 
 def slowest(times):
-    """Per timed step, the slowest rank's ms (a step ends when every rank has ended it)."""
+    """Per timed step, the slowest rank's ms (a step ends when every rank
+    has ended it)."""
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, times)
     return [max(ts[i] for ts in per_rank) for i in range(len(times))]
 
 
+def allreduce_rows(args, device, world):
+    """A row per --allreduce_mb: a call's bytes over its median time,
+    algbw; busbw = algbw * 2 (N - 1) / N."""
+    rows = []
+    for size in args.allreduce_mb:
+        x = torch.ones(int(size * 2**20) // 4, device=device)
+
+        def refill():  # so that the sum stays finite
+            x.fill_(1.0)
+            dist.barrier()
+
+        times = slowest(time_ms(lambda: dist.all_reduce(x), device,
+                                warmup=args.warmup, steps=args.steps,
+                                setup=refill))
+        algbw = x.numel() * 4 / (statistics.median(times) / 1e3) / 2**30
+        rows.append(dict(size_mib=size, ranks=world, **summary(times),
+                         algbw_gib_s=algbw,
+                         busbw_gib_s=algbw * 2 * (world - 1) / world))
+    return rows
+
+
+def variant_row(variant, args, device, x, y, vocab):
+    """One variant's step: ms (the slowest rank's median), peaks, optimizer
+    state, loss; or its error."""
+    cuda = device.type == "cuda"
+
+    def memory():  # the peak so far, GiB
+        if cuda:
+            return torch.cuda.max_memory_allocated(device) / 2**30
+        return float("nan")
+
+    free_memory(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    r, before, after = dict(variant=variant), [], []  # filled by each step
+    try:
+        torch.manual_seed(0)
+        net = TransformerLM(vocab, args.context_length, **SIZES[args.preset],
+                            device=device, attn_impl="flash" if cuda else "naive")
+        wrapped, optimizer = _build_variant(variant, net, AdamW, 1e-4)
+        r["peak_after_init_gib"] = memory()
+
+        def step():
+            with autocast("bf16" if cuda else "fp32", device):
+                loss = wrapped(x, targets=y)
+            loss.backward()
+            wrapped.finish()
+            before.append(memory())
+            optimizer.step()
+            after.append(memory())
+            optimizer.zero_grad(set_to_none=True)
+            r["loss"] = loss.detach()
+
+        times = time_ms(step, device, warmup=args.warmup, steps=args.steps,
+                        setup=dist.barrier)
+        r["ms_per_step"] = statistics.median(slowest(times))
+        # ZeroRedundancyOptimizer's local optimizer; DTensors: their shards
+        state = getattr(optimizer, "optim", optimizer).state.values()
+        state_bytes = sum(getattr(v, "_local_tensor", v).numel()
+                          * v.element_size() for s in state
+                          for v in s.values() if torch.is_tensor(v))
+        r.update(peak_before_step_gib=max(before),
+                 peak_after_step_gib=max(after), loss=r["loss"].item(),
+                 optimizer_state_gib=state_bytes / 2**30)
+    # a baseline missing from this torch build must not sink the other rows
+    except Exception as e:
+        r["error"] = failure(e, short=True)
+    return r
+
+
+def ddp_cells(r, none):
+    """A variant's line; none: the ms of the variant without communication."""
+    if "error" in r:
+        return [r["variant"], r["error"]] + [""] * 7
+    ms = r["ms_per_step"]
+    comm = None
+    if none and r["variant"] != "none":
+        comm = ms - none
+    return [r["variant"], ms, none and f"{100 * none / ms:.1f}%", comm,
+            r["peak_after_init_gib"], r["peak_before_step_gib"],
+            r["peak_after_step_gib"], f"{r['optimizer_state_gib']:.3g}",
+            r["loss"]]
+
+
 def cmd_ddp(args):
     rank, _, world, device = ddp.init_distributed()
     if not dist.is_initialized():
-        fail(args, "needs several processes: run it under torchrun --nproc_per_node=N")
-    cuda, rep, allreduce, results = device.type == "cuda", Report(args, device, rank), [], []
-    for size in args.allreduce_mb:  # a call's bytes over its median time: algbw; busbw = algbw * 2 (N - 1) / N
-        x = torch.ones(int(size * 2**20) // 4, device=device)
-        times = slowest(time_ms(lambda: dist.all_reduce(x), device, warmup=args.warmup, steps=args.steps,
-                                setup=lambda: (x.fill_(1.0), dist.barrier())))  # the sum stays finite
-        algbw = x.numel() * 4 / (statistics.median(times) / 1e3) / 2**30
-        allreduce.append(dict(size_mib=size, ranks=world, **summary(times), algbw_gib_s=algbw,
-                              busbw_gib_s=algbw * 2 * (world - 1) / world))
+        fail(args, "needs several processes: run it under torchrun "
+             "--nproc_per_node=N")
+    rep, results = Report(args, device, rank), []
+    allreduce = allreduce_rows(args, device, world)
     if allreduce:
-        rep.say(f"All-reduce of fp32 tensors, {dist.get_backend()}; each call's time is the slowest rank's\n")
-        rep.table(["MiB", "ranks", "median ms", "mean ms", "algbw GiB/s", "busbw GiB/s"],
-                  [[f"{r['size_mib']:g}", r["ranks"], r["median_ms"], r["mean_ms"], r["algbw_gib_s"], r["busbw_gib_s"]]
-                   for r in allreduce], digits=[0, 0, 3, 3, 1, 1])
+        rep.say(f"All-reduce of fp32 tensors, {dist.get_backend()}; each "
+                "call's time is the slowest rank's\n")
+        body = [[f"{r['size_mib']:g}", r["ranks"], r["median_ms"],
+                 r["mean_ms"], r["algbw_gib_s"], r["busbw_gib_s"]]
+                for r in allreduce]
+        rep.table(["MiB", "ranks", "median ms", "mean ms", "algbw GiB/s",
+                   "busbw GiB/s"], body, digits=[0, 0, 3, 3, 1, 1])
     vocab = 512 if args.preset == "tiny" else 50304
-    g = torch.Generator(device=device).manual_seed(1234 + rank)  # each rank its own slice of the global batch
-    x, y = (torch.randint(0, vocab, (args.batch_size, args.context_length), device=device, generator=g)
-            for _ in range(2))
-    mem = (lambda: torch.cuda.max_memory_allocated(device) / 2**30) if cuda else (lambda: float("nan"))
+    # each rank its own slice of the global batch
+    g = torch.Generator(device=device).manual_seed(1234 + rank)
+    x, y = (torch.randint(0, vocab, (args.batch_size, args.context_length),
+                          device=device, generator=g) for _ in range(2))
     for variant in args.variants:
-        free_memory(device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        r, before, after = dict(variant=variant), [], []  # filled by every step
-        try:
-            torch.manual_seed(0)
-            net = TransformerLM(vocab, args.context_length, **SIZES[args.preset], device=device,
-                                attn_impl="flash" if cuda else "naive")
-            wrapped, optimizer = _build_variant(variant, net, AdamW, 1e-4)
-            r["peak_after_init_gib"] = mem()
-
-            def step():
-                with autocast("bf16" if cuda else "fp32", device):
-                    loss = wrapped(x, targets=y)
-                loss.backward()
-                wrapped.finish()
-                before.append(mem())
-                optimizer.step()
-                after.append(mem())
-                optimizer.zero_grad(set_to_none=True)
-                r["loss"] = loss.detach()
-            r["ms_per_step"] = statistics.median(slowest(time_ms(step, device, warmup=args.warmup, steps=args.steps,
-                                                                 setup=dist.barrier)))
-            state = getattr(optimizer, "optim", optimizer).state.values()  # ZeroRedundancyOptimizer's local one
-            r.update(peak_before_step_gib=max(before), peak_after_step_gib=max(after), loss=r["loss"].item(),
-                     optimizer_state_gib=sum(getattr(v, "_local_tensor", v).numel() * v.element_size() for s in state
-                                             for v in s.values() if torch.is_tensor(v)) / 2**30)  # DTensors: shards
-        except Exception as e:  # a baseline missing from this torch build must not sink the other rows
-            r["error"] = failure(e, short=True)
-        wrapped = optimizer = net = None
+        r = variant_row(variant, args, device, x, y, vocab)
         errors = [None] * world
         dist.all_gather_object(errors, r.get("error"))
-        results.append(dict(variant=variant, error=next(e for e in errors if e)) if any(errors) else r)
-        rep.progress(len(results), len(args.variants), f"{variant}: {results[-1].get('error') or r['ms_per_step']} ms")
-    none = next((r["ms_per_step"] for r in results if r["variant"] == "none" and "error" not in r), None)
+        if any(errors):
+            r = dict(variant=variant, error=next(e for e in errors if e))
+        results.append(r)
+        rep.progress(len(results), len(args.variants),
+                     f"{variant}: {r.get('error') or r['ms_per_step']} ms")
+    none = next((r["ms_per_step"] for r in results
+                 if r["variant"] == "none" and "error" not in r), None)
     if results:
-        rep.say(f"Data parallel: {args.preset}, vocab {vocab}, batch {args.batch_size}/rank x {world} ranks, T "
-                f"{args.context_length}; ms/step: the median of the slowest rank's; comm ms: step - none, the "
-                f"communication not hidden behind compute\n")
-        rep.table(["variant", "ms/step", "scaling vs none", "comm ms", "peak init GiB", "peak before step GiB",
+        rep.say(f"Data parallel: {args.preset}, vocab {vocab}, batch "
+                f"{args.batch_size}/rank x {world} ranks, T "
+                f"{args.context_length}; ms/step: the median of the slowest "
+                "rank's; comm ms: step - none, the communication not hidden "
+                "behind compute\n")
+        rep.table(["variant", "ms/step", "scaling vs none", "comm ms",
+                   "peak init GiB", "peak before step GiB",
                    "peak after step GiB", "opt state GiB/rank", "loss"],
-                  [[r["variant"], r["error"]] + [""] * 7 if "error" in r else [
-                      r["variant"], r["ms_per_step"], none and f"{100 * none / r['ms_per_step']:.1f}%",
-                      r["ms_per_step"] - none if none and r["variant"] != "none" else None, r["peak_after_init_gib"],
-                      r["peak_before_step_gib"], r["peak_after_step_gib"], f"{r['optimizer_state_gib']:.3g}",
-                      r["loss"]] for r in results], digits=[0, 1, 0, 1, 2, 2, 2, 0, 3])
+                  [ddp_cells(r, none) for r in results],
+                  digits=[0, 1, 0, 1, 2, 2, 2, 0, 3])
     rep.save(allreduce=allreduce, results=results)
     ddp.cleanup_distributed()
 
 
-# ---- bpe: our tokenizer's training against HF tokenizers, its encoding against tiktoken (CPU) -----------------------
+# ---- bpe: our tokenizer against HF tokenizers and tiktoken (CPU) -----------
 
 def cmd_bpe(args):
     import tiktoken
     from bpe import Tokenizer, peak_rss_mb
-    path, special, workers, repeats = args.input, args.special, args.num_workers, args.repeats
-    cpu, size, train = torch.device("cpu"), os.path.getsize(path), {"ours": [], "hf": []}
-    rep = Report(args, cpu)
-    rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, {workers} workers of {os.cpu_count()} CPUs, "
-            f"python {platform.python_version()}, tiktoken {tiktoken.__version__}\n")
+    path, special = args.input, args.special
+    workers, repeats = args.num_workers, args.repeats
+    cpu, size = torch.device("cpu"), os.path.getsize(path)
+    rep, train = Report(args, cpu), {"ours": [], "hf": []}
+    rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, "
+            f"{workers} workers of {os.cpu_count()} CPUs, python "
+            f"{platform.python_version()}, tiktoken {tiktoken.__version__}\n")
     with tempfile.TemporaryDirectory(prefix="bench_bpe_") as tok_dir:
         for which in ("ours", "hf") * repeats:
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "_bpe_train", which, path,
-                                str(args.vocab_size), special, str(workers), tok_dir], capture_output=True, text=True,
+            command = [sys.executable, os.path.abspath(__file__), "_bpe_train",
+                       which, path, str(args.vocab_size), special,
+                       str(workers), tok_dir]
+            r = subprocess.run(command, capture_output=True, text=True,
                                stdin=subprocess.DEVNULL)
             if r.returncode != 0:
-                fail(args, f"the {which} training run failed: {r.stderr.strip().splitlines()[-1:]}")
+                last = r.stderr.strip().splitlines()[-1:]
+                fail(args, f"the {which} training run failed: {last}")
             train[which].append(json.loads(r.stdout.strip().splitlines()[-1]))
-            print(f"train {which}: {train[which][-1]}", file=sys.stderr, flush=True)
-        tok = Tokenizer.from_files(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"), [special])
-    median_s = {w: statistics.median(x["seconds"] for x in runs) if runs else None for w, runs in train.items()}
-    rep.table([f"train, vocab {args.vocab_size}, {workers} workers", f"wall s (median of {repeats})", "all runs",
-               "peak RSS main MB", "peak RSS largest worker MB"],
-              [[label, median_s[w], ", ".join(fmt(x["seconds"], 1) for x in train[w]) or None] + [
-                  max((x[k] for x in train[w]), default=None) for k in ("rss_mb", "worker_rss_mb")]
-               for w, label in (("ours", "bpe.train_bpe"), ("hf", "HF tokenizers BpeTrainer (ByteLevel)"))],
-              digits=[2, 1, 2, 0, 0])
-    vs_hf = median_s["ours"] / median_s["hf"] if median_s["hf"] else None
+            print(f"train {which}: {train[which][-1]}", file=sys.stderr,
+                  flush=True)
+        tok = Tokenizer.from_files(os.path.join(tok_dir, "vocab.json"),
+                                   os.path.join(tok_dir, "merges.txt"),
+                                   [special])
+    median_s = {w: statistics.median(x["seconds"] for x in runs) if runs
+                else None for w, runs in train.items()}
+    body = []
+    for which, label in (("ours", "bpe.train_bpe"),
+                         ("hf", "HF tokenizers BpeTrainer (ByteLevel)")):
+        runs = train[which]
+        seconds = ", ".join(fmt(x["seconds"], 1) for x in runs) or None
+        body.append([label, median_s[which], seconds]
+                    + [max((x[k] for x in runs), default=None)
+                       for k in ("rss_mb", "worker_rss_mb")])
+    rep.table([f"train, vocab {args.vocab_size}, {workers} workers",
+               f"wall s (median of {repeats})", "all runs", "peak RSS main MB",
+               "peak RSS largest worker MB"], body, digits=[2, 1, 2, 0, 0])
+    vs_hf = None
+    if median_s["hf"]:
+        vs_hf = median_s["ours"] / median_s["hf"]
     rep.say(f"ratio ours / HF: {fmt(vs_hf)}x\n")
     peer = tok._tiktoken  # tiktoken's own Encoding of our ranks
     with open(path, encoding="utf-8", newline="") as f:
         text = f.read()
-    docs = text.split(special)  # ~1 MB pieces of whole documents for the batch APIs
+    docs = text.split(special)  # ~1 MB pieces of whole documents
     k = max(1, len(docs) * 2**20 // max(len(text), 1))
-    pieces = [special.join(docs[i:i + k]) + special * (i + k < len(docs)) for i in range(0, len(docs), k)]
+    pieces = [special.join(docs[i:i + k]) + special * (i + k < len(docs))
+              for i in range(0, len(docs), k)]
 
-    def timed(fn, what, want=None):  # (median seconds over --repeats calls, the ids), checked against tiktoken's
+    def timed(fn, what, want=None):
+        """(median seconds over --repeats calls, the ids), the ids checked
+        against tiktoken's."""
         out = {}
-        seconds = statistics.median(time_ms(lambda: out.__setitem__("ids", fn()), cpu, steps=repeats)) / 1e3
+
+        def call():
+            out["ids"] = fn()
+        seconds = statistics.median(time_ms(call, cpu, steps=repeats)) / 1e3
         if want is not None and out["ids"] != want:
             fail(args, f"{what} gives other ids than tiktoken on {path}")
         return seconds, out["ids"]
-    t_peer, ids = timed(lambda: peer.encode(text, allowed_special="all"), "tiktoken")
-    t_batch, batch_ids = timed(lambda: peer.encode_batch(pieces, num_threads=workers, allowed_special="all"), "")
-    cases = [("1 thread: Tokenizer.encode(text) vs tiktoken encode(text, allowed_special='all')",
-              timed(lambda: tok.encode(text), "Tokenizer.encode", ids)[0], t_peer),
-             (f"{workers} threads: Tokenizer.encode_batch(1 MB pieces) vs tiktoken encode_batch",
-              timed(lambda: tok.encode_batch(pieces, workers), "Tokenizer.encode_batch", batch_ids)[0], t_batch),
-             (f"{workers} threads: Tokenizer.encode_file(path) (reads the file) vs tiktoken encode_batch",
-              timed(lambda: np.concatenate(list(tok.encode_file(path, workers, verbose=False))).tolist(),
-                    "Tokenizer.encode_file", ids)[0], t_batch)]
-    encode = [dict(case=c, ours_s=o, tiktoken_s=t, ours_mb_s=size / o / 1e6, tiktoken_mb_s=size / t / 1e6,
-                   ours_vs_tiktoken=t / o) for c, o, t in cases]
-    rep.table([f"encode {size / 1e6:.1f} MB, {len(ids):,} tokens ({size / len(ids):.2f} bytes/token)", "ours MB/s",
-               "tiktoken MB/s", "ours / tiktoken"],
-              [[e["case"], e["ours_mb_s"], e["tiktoken_mb_s"], e["ours_vs_tiktoken"]] for e in encode], [2, 1, 1, 2])
-    rep.say(f"peak RSS of this process (encode side, torch imported): {peak_rss_mb()[0]:.0f} MB")
-    rep.save(bytes=size, tokens=len(ids), train=train, train_median_s=median_s, ours_vs_hf=vs_hf, encode=encode)
+
+    t_peer, ids = timed(lambda: peer.encode(text, allowed_special="all"),
+                        "tiktoken")
+
+    def tiktoken_batch():
+        return peer.encode_batch(pieces, num_threads=workers,
+                                 allowed_special="all")
+    t_batch, batch_ids = timed(tiktoken_batch, "")
+
+    def encode_file():
+        chunks = tok.encode_file(path, workers, verbose=False)
+        return np.concatenate(list(chunks)).tolist()
+
+    cases = [
+        ("1 thread: Tokenizer.encode(text) vs tiktoken encode(text, "
+         "allowed_special='all')",
+         timed(lambda: tok.encode(text), "Tokenizer.encode", ids)[0], t_peer),
+        (f"{workers} threads: Tokenizer.encode_batch(1 MB pieces) vs "
+         "tiktoken encode_batch",
+         timed(lambda: tok.encode_batch(pieces, workers),
+               "Tokenizer.encode_batch", batch_ids)[0], t_batch),
+        (f"{workers} threads: Tokenizer.encode_file(path) (reads the file) "
+         "vs tiktoken encode_batch",
+         timed(encode_file, "Tokenizer.encode_file", ids)[0], t_batch),
+    ]
+    encode = [dict(case=c, ours_s=o, tiktoken_s=t, ours_mb_s=size / o / 1e6,
+                   tiktoken_mb_s=size / t / 1e6, ours_vs_tiktoken=t / o)
+              for c, o, t in cases]
+    body = [[e["case"], e["ours_mb_s"], e["tiktoken_mb_s"],
+             e["ours_vs_tiktoken"]] for e in encode]
+    rep.table([f"encode {size / 1e6:.1f} MB, {len(ids):,} tokens "
+               f"({size / len(ids):.2f} bytes/token)", "ours MB/s",
+               "tiktoken MB/s", "ours / tiktoken"], body, [2, 1, 1, 2])
+    rep.say("peak RSS of this process (encode side, torch imported): "
+            f"{peak_rss_mb()[0]:.0f} MB")
+    rep.save(bytes=size, tokens=len(ids), train=train, train_median_s=median_s,
+             ours_vs_hf=vs_hf, encode=encode)
     return rep.data
-
-
 # ---- sass: what the compiler made of flash.py's attention kernels for an H100/H200 (sm_90), on any machine ----------
 
 SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens": ("*i32", "*i32"), "cu_seqlens_q": "*i32",
@@ -2035,8 +2177,18 @@ def cmd_sass(args):
 
 # ---- dispatch -------------------------------------------------------------------------------------------------------
 
-RUN = dict(model=cmd_model, attention=cmd_attention, varlen=cmd_varlen, hf=cmd_varlen, rmsnorm=cmd_rmsnorm,
-           adamw=cmd_adamw, ddp=cmd_ddp, allreduce=cmd_ddp, bpe=cmd_bpe, sass=cmd_sass)
+RUN = dict(
+    model=cmd_model,
+    attention=cmd_attention,
+    varlen=cmd_varlen,
+    hf=cmd_varlen,
+    rmsnorm=cmd_rmsnorm,
+    adamw=cmd_adamw,
+    ddp=cmd_ddp,
+    allreduce=cmd_ddp,
+    bpe=cmd_bpe,
+    sass=cmd_sass,
+)
 
 
 def main(argv=None):
