@@ -1,9 +1,6 @@
-"""Benchmarks: where the time and memory of training go, ours beside what a
-user would otherwise pick. A subcommand per question (`python bench.py -h`;
-under torchrun: ddp, allreduce): a header line (command, date, device,
-versions) and Markdown tables on stdout, progress on stderr, every row in
---json FILE, a chart in --plot FILE.png. BENCHMARKS.md lists the commands
-behind its tables.
+"""Benchmarks: where training's time and memory go, ours beside what a user
+would otherwise pick. A subcommand per question (`python bench.py -h`) prints
+Markdown tables, saves its rows in --json FILE and a chart in --plot FILE.png.
 
 Sections: command line (read before torch is imported) · harness (Report,
 time_ms) · model · attention · varlen, hf · rmsnorm, adamw · ddp · bpe · sass
@@ -28,13 +25,12 @@ import time
 import traceback
 import unittest.mock
 
-T_START = time.time()  # a row's cold start counts from the process start
+T_START = time.time()  # cold starts count from here
 
 
 def bpe_train_child(which, path, vocab_size, special, workers, out_dir):
-    """One training of `bench.py bpe`, ours (saved to out_dir) or HF's, in a
-    process without torch so that its peak RSS is the trainer's own; prints
-    seconds, RSS and vocab size as JSON."""
+    """`bench.py bpe`'s training run, ours or HF's, in a process without torch
+    (its peak RSS the trainer's); prints JSON."""
     from bpe import Tokenizer, peak_rss_mb, train_bpe
     t0 = time.perf_counter()
     if which == "ours":
@@ -71,13 +67,12 @@ def bpe_train_child(which, path, vocab_size, special, workers, out_dir):
                           worker_rss_mb=worker_rss, vocab=n)))
 
 
-# ---- command line ---------------------------------------------------------
-# Parsed before torch is imported (-h and mistakes answer at once), and again
-# by main() once model.py's names are known; the subcommand checks the device.
+# ---- command line
+# Parsed before torch is imported: -h and mistakes answer at once.
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose mistakes are one line on stderr, exit status 2; then
-    the subcommand's rules(args) -> [(bad, why)], checks across options."""
+    """One-line mistakes, exit status 2; then the subcommand's rules(args) ->
+    [(bad, why)]."""
 
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -91,20 +86,18 @@ class Parser(argparse.ArgumentParser):
         return args
 
 
-def fail(args, message):  # a mistake found after parsing: as the parser's
+def fail(args, message):
     Parser(prog=f"bench.py {args.command}").error(message)
 
 
 def listed(choices=None, cast=str):
-    """An argparse type: 'a,b,c' -> [a, b, c], each cast, checked against
-    choices."""
+    """An argparse type: 'a,b,c' -> [a, b, c], cast and checked."""
     def parse_list(text):
         try:
             items = [cast(t) for t in text.split(",") if t]
         except ValueError:
             kind = "int" if cast is int else "TOKENSxD"
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a comma list of {kind}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {kind}")
         if not items or (choices and set(items) - set(choices)):
             expected = ", ".join(map(str, choices))
             raise argparse.ArgumentTypeError(
@@ -113,8 +106,7 @@ def listed(choices=None, cast=str):
     return parse_list
 
 
-# size: model.py's PRESETS and ours; attn: ATTN_IMPLS. Filled once torch is
-# imported; before that, any name passes.
+# size and attn names, known once torch is imported (before: any name)
 MODEL_NAMES = {}
 PHASES = ("forward", "backward", "optimizer_step")
 DTYPES = ("fp32", "bf16")
@@ -127,16 +119,14 @@ KEYS = dict(  # a row's configuration: its column names
     compile="compile",
     attn="attn",
     recompute="recompute",
-    mode="mode",
-)
+    mode="mode")
 ATTN_PARTS = ("anchors", "varlen", "sweep", "work", "sustained", "compile")
 ATTN_METHODS = (  # those a device lacks are left out
     "ours", "ours-triton", "ours-gluon",
     "naive", "naive-compiled",
     "sdpa-cudnn", "sdpa-flash", "sdpa-efficient",
-    "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen",
-)
-# (CUDA, CPU): a GPT-2-small-ish model in bf16 on the GPU, a tiny one on the CPU
+    "flex", "sdpa-pad", "sdpa-dynamic", "fa2-varlen")
+# (CUDA, CPU): a GPT-2-small-ish model in bf16, a tiny one
 VARLEN_DEFAULTS = dict(
     d_model=(768, 64),
     num_layers=(12, 2),
@@ -155,8 +145,7 @@ VARLEN_DEFAULTS = dict(
     compile=("dynamic", "none"),
     phases=("eval,train",) * 2,
     strategies=("pad,dynamic_pad,pack,pack_static",) * 2,
-    backend=("inductor", "aot_eager"),
-)
+    backend=("inductor", "aot_eager"))
 HF_DEFAULTS = dict(  # GPT2Config's shape on the GPU
     VARLEN_DEFAULTS,
     vocab_size=(50257, 257),
@@ -167,26 +156,21 @@ HF_DEFAULTS = dict(  # GPT2Config's shape on the GPU
     steps=(10, 1),
     phases=("train",) * 2,
     strategies=("sdpa:pad,sdpa:pad:compiled,sdpa:dynamic_pad,ours:pad,"
-                "ours:pack,ours:pack:compiled,flex_attention:pack",) * 2,
-)
+                "ours:pack,ours:pack:compiled,flex_attention:pack",) * 2)
 LAYOUTS = ("pad", "dynamic_pad", "pack", "pack_static")
 STRATEGIES = dict(
     varlen=LAYOUTS,
     hf=tuple(f"{attn}:{layout}{compiled}"
              for attn in ("sdpa", "ours", "flex_attention")
              for layout in LAYOUTS[:3]
-             for compiled in ("", ":compiled")),
-)
+             for compiled in ("", ":compiled")))
 RMSNORM_METHODS = ("ours", "inductor", "F.rms_norm", "copy")
-# impl[-bucket MiB][+zero1][+bf16]: ddp.wrap's names (train.py's ddp_impl);
-# none: no wrapper, no communication (the per-GPU compute baseline);
-# torch+zero_redundancy: torch DDP with torch's ZeroRedundancyOptimizer
+# ddp.wrap's impl[-bucket MiB][+zero1][+bf16]; none: no communication
 DDP_VARIANTS = (
     "none", "naive", "flat", "overlap",
     *(f"bucketed-{mb}" for mb in (1, 10, 25, 100, 1000)),
     "bucketed-25+zero1", "fsdp", "fsdp+bf16",
-    "torch", "torch+zero_redundancy", "torch_fsdp+bf16",
-)
+    "torch", "torch+zero_redundancy", "torch_fsdp+bf16")
 
 
 def model_rules(a):
@@ -195,18 +179,15 @@ def model_rules(a):
     several = a.peer or math.prod(map(len, lists)) > 1
     not_graphable = (a.mode != ["train"] or a.warmup < 3 or tracing
                      or "graphs" in a.compile)
-    sharded_compile = not set(a.compile) <= {"none", "blocks"}
     return [
         (a.steps < 1 or a.warmup < 0,
          "--steps must be >= 1 and --warmup >= 0"),
         (tracing and several,
-         "--nvtx, --profile and --memory_snapshot are for a single "
-         "configuration of ours"),
+         "--nvtx, --profile and --memory_snapshot are for a single configuration of ours"),
         (a.cuda_graphs and not_graphable,
          "--cuda_graphs captures a training step: it needs --mode train and "
-         "--warmup >= 3, without --nvtx, --profile, --memory_snapshot, "
-         "--compile graphs"),
-        ("WORLD_SIZE" in os.environ and sharded_compile,
+         "--warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
+        ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
          "under torchrun --compile is none or blocks (the models are sharded "
          "after compiling)"),
     ]
@@ -238,8 +219,7 @@ def shape(text):  # 'TOKENSxD' -> (TOKENS, D)
 def cli():
     top = Parser(prog="bench.py", description=(
         "Benchmarks: a subcommand per question (bench.py SUBCOMMAND -h: its "
-        "options). Markdown on stdout, progress on stderr, every row in "
-        "--json FILE."))
+        "options). Markdown on stdout, progress on stderr, every row in --json FILE."))
     sub = top.add_subparsers(dest="command", required=True,
                              metavar="SUBCOMMAND", parser_class=Parser)
 
@@ -317,12 +297,10 @@ def cli():
     p.add_argument("--parts", type=listed(ATTN_PARTS),
                    default="anchors,varlen,sweep", help="see the section")
     p.add_argument("--methods", type=listed(ATTN_METHODS),
-                   help="default: all but ours-gluon, naive-compiled, "
-                   "packed sdpa-*, fa2")
+                   help="default: all but ours-gluon, naive-compiled, packed sdpa-*, fa2")
 
     summaries = {
-        "varlen": "pad vs dynamic_pad vs pack on the same documents, "
-                  "our model",
+        "varlen": "pad vs dynamic_pad vs pack on the same documents, our model",
         "hf": "varlen on a Hugging Face GPT-2 (dropout 0): sdpa, ours "
               "(hf.register_hf_attention), flex_attention, a row per "
               "document or packed, compiled or not",
@@ -347,8 +325,7 @@ def cli():
     summaries = {
         "ddp": "Our DDP / ZeRO-1 / FSDP variants vs torch's, all-reduce "
                "bandwidth (under torchrun)",
-        "allreduce": "ddp's all-reduce table alone, 1 to 1000 MiB (under "
-                     "torchrun)",
+        "allreduce": "ddp's all-reduce table alone, 1 to 1000 MiB (under torchrun)",
     }
     for name, summary in summaries.items():
         p = parser(name, summary, "Then a TransformerLM step, our AdamW, "
@@ -374,8 +351,7 @@ def cli():
 
     p = parser("sass", "Registers, spills, shared memory, wgmma "
                "serialization of the attention kernels (sm_90)",
-               "Compiled for sm_90 without a GPU (cmd_sass tells how and "
-               "why).", device=False)
+               "Compiled for sm_90 without a GPU (cmd_sass tells how and why).", device=False)
     p.add_argument("--head_dims", default="128,64")
     p.add_argument("--varlen", action="store_true",
                    help="the packed (variable-length) kernels instead of dense")
@@ -387,7 +363,7 @@ def cli():
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_bpe_train"]:  # before torch: see bpe_train_child
         sys.exit(bpe_train_child(*sys.argv[2:]))
-    cli().parse_args(sys.argv[1:])  # -h and mistakes: before torch loads
+    cli().parse_args(sys.argv[1:])
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -408,19 +384,18 @@ import triton  # noqa: E402
 
 SIZES = dict(
     PRESETS,
-    # CPU runs and tests
     tiny=dict(d_model=64, d_ff=192, num_layers=2, num_heads=4),
     # GPT-2 small's parameter count, in SwiGLU
     gpt2=dict(d_model=768, d_ff=2048, num_layers=12, num_heads=12),
     # the leaderboard's model
-    **{"8B": dict(d_model=4096, d_ff=11008, num_layers=34, num_heads=32)},
-)
+    **{"8B": dict(d_model=4096, d_ff=11008, num_layers=34, num_heads=32)})
 MODEL_NAMES.update(size=tuple(SIZES), attn=ATTN_IMPLS)
-# ---- harness: the device, printing and saving, progress, timing -----------
+
+
+# ---- harness: the device, output, timing
 
 def on_device(args):
-    """The device --device names; the by_device options not given set for
-    it; the seed set."""
+    """--device's device; the unset by_device options set for it."""
     if args.device == "auto":
         cuda = torch.cuda.is_available()
         device = torch.device("cuda" if cuda else "cpu")
@@ -438,7 +413,6 @@ def on_device(args):
 
 
 def fmt(x, digits=2):
-    """A table cell: numbers rounded, None a dash, strings as they are."""
     if x is None:
         return "—"
     if not isinstance(x, float):
@@ -451,7 +425,6 @@ def fmt(x, digits=2):
 
 
 def ratio(a, b):
-    """a / b as '<ratio>x' where both are numbers, else a dash."""
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool)
                   for x in (a, b))
     if numbers and b:
@@ -460,20 +433,15 @@ def ratio(a, b):
 
 
 class Report:
-    """A subcommand's output: a header line, Markdown tables and notes on
-    stdout; save(): every row so far to --json, atomically (a run cut short
-    keeps its rows); plot(): --plot. Only rank 0 prints and saves."""
+    """Markdown on stdout; every row so far in --json, atomically (a run cut
+    short keeps its rows); --plot."""
 
     def __init__(self, args, device, rank=0):
         cuda = device.type == "cuda"
-        launcher = "python "
-        if "WORLD_SIZE" in os.environ:
-            launcher = "torchrun ... "
+        launcher = "torchrun ... " if "WORLD_SIZE" in os.environ else "python "
+        name = f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
         if cuda:
             name = torch.cuda.get_device_name(device)
-        else:
-            threads = torch.get_num_threads()
-            name = f"CPU {platform.machine()}, {threads} threads"
         versions = f"torch {torch.__version__}, triton {triton.__version__}"
         if cuda:
             versions += f", CUDA {torch.version.cuda}"
@@ -487,15 +455,13 @@ class Report:
         self.png = getattr(args, "plot", None)
         self.quiet = rank != 0
         self.t0 = time.perf_counter()
-        facts = list(self.data.values())[1:]
-        self.say(" · ".join([f"`{self.data['command']}`", *facts]) + "\n")
+        facts = [f"`{self.data['command']}`", *list(self.data.values())[1:]]
+        self.say(" · ".join(facts) + "\n")
 
     def elapsed(self):
         return time.perf_counter() - self.t0
 
-    def progress(self, done, total, text, **data):
-        """A line on stderr per item of a long loop: its rate and an ETA;
-        then save(**data)."""
+    def progress(self, done, total, text, **data):  # with an ETA
         elapsed = self.elapsed()
         rate = done / max(elapsed, 1e-9)
         if not self.quiet:
@@ -510,9 +476,8 @@ class Report:
             print(text, flush=True)
 
     def table(self, header, cells, digits=2, fold=(), **data):
-        """Every cell through fmt (digits: the decimals, for all or a list
-        per column); a `fold` column whose cells are all equal becomes a
-        caption line. Then save(**data)."""
+        """Cells through fmt (digits: decimals, one or a list per column); a
+        `fold` column of equal cells becomes a caption."""
         if isinstance(digits, (list, tuple)):
             digits = list(digits) + [2] * len(header)
         else:
@@ -539,8 +504,7 @@ class Report:
             os.replace(self.json + ".tmp", self.json)
 
     def plot(self, panels, xlabel, ylabel, log=False):
-        """panels = {title: {series: [(x, y), ...]}}, a line per series (x a
-        number, or a label)."""
+        """panels = {title: {series: [(x, y), ...]}}, x a number or a label."""
         if not self.png or self.quiet:
             return
         try:
@@ -578,9 +542,8 @@ def is_oom(error):  # the allocator's error, or cuBLAS's or cuDNN's saying so
 
 
 def failure(error, short=False):
-    """A failed row's status, so that one failure does not end a long run:
-    'OOM'; else 'error' and the traceback on stderr (short: the exception's
-    first sentence)."""
+    """A failed row's status ('OOM', else 'error'; short: the error's first
+    sentence): one failure does not end a run."""
     if not is_oom(error) and not short:
         traceback.print_exception(error, file=sys.stderr)
         return "error"
@@ -601,11 +564,10 @@ _L2_FLUSH = {}  # device -> 2**28 bytes, more than any L2, zeroed to evict it
 
 def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None,
             budget_ms=None, flush_l2=False, host_ahead=False, host_ms=None):
-    """The one timer: `steps` samples (or as many as fit in budget_ms), each
-    the ms per call of `reps` calls of fn() after `warmup` untimed ones and
-    setup(), timed by CUDA events (CPU: perf_counter). flush_l2: a cold L2
-    per sample; host_ahead: the GPU kept busy until the host has issued the
-    calls (the GPU's time alone; host_ms, a list, gets the host's)."""
+    """`steps` samples (or as many as fit in budget_ms), each the ms per call
+    over `reps` calls after setup(), `warmup` calls first. flush_l2: a cold L2
+    per sample; host_ahead: the GPU kept busy while the host issues the calls,
+    to time the GPU alone (host_ms, a list, gets the host's)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     sleep_ms = 1.0  # host_ahead's: twice the host's time for a sample, or more
@@ -643,10 +605,8 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None,
         torch.cuda.synchronize(device)
         return start.elapsed_time(end) / reps
 
-    if budget_ms:  # one sample first, to see how many fit
-        samples = [sample() for _ in range(min(steps, 1))]
-    else:
-        samples = [sample() for _ in range(steps)]
+    first = min(steps, 1) if budget_ms else steps  # one, to see how many fit
+    samples = [sample() for _ in range(first)]
     if budget_ms and samples:
         cost = samples[0] + sleep_ms * host_ahead  # the GPU's sleeps count
         fit = int(budget_ms / max(cost, 1e-3))
@@ -655,14 +615,12 @@ def time_ms(fn, device, warmup=0, steps=1, reps=1, setup=None,
 
 
 def kernel_ms(fn, device, rep, host_ms=None):
-    """The median ms of as many calls as fit in `rep` ms (CPU: 3), each from
-    a cold L2, the GPU's work alone."""
-    if torch.device(device).type == "cuda":
-        samples = time_ms(fn, device, warmup=5, steps=3, budget_ms=rep,
-                          flush_l2=True, host_ahead=True, host_ms=host_ms)
-    else:
-        samples = time_ms(fn, device, warmup=1, steps=3, host_ahead=True,
-                          host_ms=host_ms)
+    """The median ms of as many calls as fit in `rep` ms (CPU: 3), each from a
+    cold L2, the GPU's work alone."""
+    cuda = torch.device(device).type == "cuda"
+    samples = time_ms(fn, device, warmup=5 if cuda else 1, steps=3,
+                      budget_ms=rep if cuda else None, flush_l2=cuda,
+                      host_ahead=True, host_ms=host_ms)
     return statistics.median(samples)
 
 
@@ -673,9 +631,9 @@ def summary(samples):
 
 
 def sustained_ms(fn, device, seconds, readings):
-    """ms per call as a long run sees it: `seconds` of calls untimed (the
-    clock settles under the power limit), then `seconds` of ~0.2 s samples,
-    their median; readings gets NVML's mean (SM MHz, board W) meanwhile."""
+    """ms per call at the power limit: `seconds` of untimed calls for the clock
+    to settle, then the median of `seconds` of ~0.2 s samples; readings gets
+    NVML's mean SM MHz and board W."""
     per_call = time_ms(fn, device, warmup=2, steps=1)[0]
     reps = max(1, round(200 / per_call))
     seen = []
@@ -698,9 +656,8 @@ def sustained_ms(fn, device, seconds, readings):
 
 def document_lengths(num_docs, median_len, sigma, max_len, generator,
                      total_tokens=None, min_len=16):
-    """Long-tailed lengths as in real corpora: log-normal of median
-    median_len, rounded, clipped to [min_len, max_len]; num_docs of them, or
-    (num_docs None) as many as fill total_tokens exactly, the last cut."""
+    """Log-normal (long-tailed) lengths in [min_len, max_len]: num_docs of
+    them, or as many as fill total_tokens exactly."""
     def draw(n):
         noise = torch.randn(n, generator=generator, dtype=torch.float64)
         lengths = (median_len * torch.exp(sigma * noise)).round()
@@ -710,14 +667,14 @@ def document_lengths(num_docs, median_len, sigma, max_len, generator,
     if num_docs is not None:
         return lengths
     while int(lengths.sum()) < total_tokens:
-        more = draw(max(1, int(total_tokens / median_len)))
-        lengths = torch.cat([lengths, more])
+        lengths = torch.cat([lengths, draw(max(1, int(total_tokens / median_len)))])
     end = int(torch.searchsorted(lengths.cumsum(0), total_tokens)) + 1
     lengths = lengths[:end].clone()
     lengths[-1] -= int(lengths.sum()) - total_tokens
     return lengths
-# ---- model: the training step, ours beside a peer ---------------------------
-# Every combination of the listed options is a row.
+
+
+# ---- model: the training step, ours beside a peer
 
 def rotate_pairs(t, cos, sin):
     """RoPE on adjacent pairs: (a, b) -> (a cos - b sin, a sin + b cos)."""
@@ -726,19 +683,15 @@ def rotate_pairs(t, cos, sin):
 
 
 class PeerBlock(nn.Module):
-    """A block as a PyTorch user writes it: GPT-2's (LayerNorm, qkv with
-    bias, a GELU MLP of width 4 d), or ours (nn.RMSNorm, RoPE on adjacent
-    pairs, SDPA on cuDNN, a fused w1/w3 SwiGLU, no biases)."""
+    """GPT-2's block (LayerNorm, biases, a GELU MLP of width 4 d) or ours
+    (RMSNorm, RoPE, a fused w1/w3 SwiGLU), as a PyTorch user writes it."""
 
     def __init__(self, d_model, num_heads, d_ff, gpt2):
         super().__init__()
         self.num_heads, self.gpt2 = num_heads, gpt2
         self.d_ff = 4 * d_model if gpt2 else d_ff
-        if gpt2:
-            self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        else:
-            self.ln1 = nn.RMSNorm(d_model, eps=1e-5)
-            self.ln2 = nn.RMSNorm(d_model, eps=1e-5)
+        norm = nn.LayerNorm if gpt2 else functools.partial(nn.RMSNorm, eps=1e-5)
+        self.ln1, self.ln2 = norm(d_model), norm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=gpt2)
         self.proj = nn.Linear(d_model, d_model, bias=gpt2)
         up_width = self.d_ff if gpt2 else 2 * self.d_ff  # ours: w1 and w3
@@ -768,10 +721,9 @@ class PeerBlock(nn.Module):
 
 
 class PeerLM(nn.Module):
-    """A peer of TransformerLM from torch.nn layers, with torch's fused
-    AdamW: gpt2, GPT-2 as nanoGPT builds it (learned positions, tied
-    embeddings); else ours (RoPE, untied); fp32 logits; act_ckpt: every
-    block recomputed."""
+    """TransformerLM's peer in torch.nn: gpt2, GPT-2 as nanoGPT builds it
+    (learned positions, tied embeddings); else ours. act_ckpt: every block
+    recomputed."""
 
     def __init__(self, vocab_size, context_length, d_model, num_layers,
                  num_heads, d_ff, gpt2=False, act_ckpt=False):
@@ -796,8 +748,7 @@ class PeerLM(nn.Module):
         x = self.emb(idx)
         if self.pos is not None:
             x = x + self.pos(torch.arange(T, device=idx.device))
-        # in the activations' dtype: FSDP2 casts a block's inputs, but not
-        # when it recomputes the block
+        # FSDP2 casts a block's inputs, but not when it recomputes the block
         cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
         for block in self.layers:
             if self.act_ckpt:
@@ -810,9 +761,8 @@ class PeerLM(nn.Module):
 
 
 class Phases:
-    """The phases of a step that time_ms times whole, each a profiler label;
-    on CUDA, events read after the step (nothing synchronizes inside it) and
-    the allocator's peak. off: a step captured as one CUDA graph."""
+    """A step's phases as profiler labels; on CUDA, events read after the step
+    (nothing synchronizes inside it) and peaks. off: one CUDA graph."""
 
     def __init__(self, device, off=False):
         self.cuda, self.off = device.type == "cuda", off
@@ -822,7 +772,6 @@ class Phases:
         self.ms, self.peak, self.events = collections.defaultdict(list), {}, []
 
     def read(self):
-        """The mean ms of each phase since the last read, and their peaks."""
         for name, start, end in self.events:
             end.synchronize()
             self.ms[name].append(start.elapsed_time(end))
@@ -854,15 +803,13 @@ class Phases:
 
 
 def training_step(par, optimizer, x, y, mode, dtype, phases, mark_step=False):
-    """One step: fwd = inference forward and loss (no_grad), fwd_bwd adds
-    backward, train the optimizer step."""
     if mark_step:  # reduce-overhead: the last replay's outputs may go
         torch.compiler.cudagraph_mark_step_begin()
     if mode != "fwd":
         par.module.zero_grad(set_to_none=True)
     with phases("forward"):
         with torch.set_grad_enabled(mode != "fwd"), autocast(dtype, x.device):
-            loss = par(x, targets=y)  # ours: a fused head, no whole logits
+            loss = par(x, targets=y)
     if mode != "fwd":
         with phases("backward"):
             loss.backward()
@@ -879,9 +826,7 @@ def build(who, size, attn, how, args, device, world):
     dims = dict(SIZES[size], num_layers=num_layers)
     ctx = max(args.context_length)
     if who == "ours":
-        ckpt_layers = args.act_ckpt_layers
-        if ckpt_layers < 0:
-            ckpt_layers = None
+        ckpt_layers = None if args.act_ckpt_layers < 0 else args.act_ckpt_layers
         net = TransformerLM(args.vocab_size, ctx, **dims, attn_impl=attn,
                             tie_embeddings=args.tie_embeddings,
                             act_ckpt_every=args.act_ckpt_every,
@@ -924,8 +869,7 @@ def build(who, size, attn, how, args, device, world):
 
 
 def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
-    """One configuration's row: warm-up steps (the first one's time kept),
-    then timed ones; or "OOM" or "error"."""
+    """A configuration's row: warm-up, then timed steps; or "OOM" or "error"."""
     row = dict(cfg, params=built["params"], status="ok")
     cuda = device.type == "cuda"
     world, rank = 1, 0
@@ -965,10 +909,9 @@ def run_config(cfg, built, device, args, gpu_ms=False, profiler=None):
             torch.cuda.memory._record_memory_history(enabled=None)
         row["phase_ms"], row["phase_peak_mib"] = phases.read()
         if args.cuda_graphs:  # no phases in a captured step: the run's peak
-            peak = torch.cuda.max_memory_allocated(device) / 2**20
+            row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         else:
-            peak = max(row["phase_peak_mib"].values(), default=None)
-        row["peak_mib"] = peak
+            row["peak_mib"] = max(row["phase_peak_mib"].values(), default=None)
         if gpu_ms:  # the GPU's own time per step, without the host's launches
             samples = time_ms(step, device, warmup=1, steps=10, host_ahead=True)
             row["gpu_ms"] = statistics.median(samples)
@@ -1001,13 +944,10 @@ def millions(n):
 
 
 def peer_key(r):  # what a peer's row shares with ours
-    keys = ("size", "context_length", "batch_size", "dtype", "compile", "mode")
-    return tuple(r[k] for k in keys)
+    return tuple(r[k] for k in KEYS if k not in ("model", "attn", "recompute"))
 
 
 def print_rows(rep, rows, reference=None):
-    """One line per configuration: ms per step (mean ± std), its parts,
-    memory, throughput and the ratios."""
     peers = {peer_key(r): r for r in rows
              if r["model"] != "ours" and r["status"] == "ok"}
     gpu = any(r.get("gpu_ms") for r in rows)
@@ -1039,18 +979,14 @@ def print_rows(rep, rows, reference=None):
     rep.table(header, body, fold=range(len(KEYS)))
 
 
-def compared(rows, value, field):
-    """A cell of print_compare: the row's field, its status, or empty."""
-    if value not in rows:
+def compared(by, value, field):
+    if value not in by:
         return ""
-    if rows[value]["status"] != "ok":
-        return rows[value]["status"]
-    return rows[value].get(field)
+    row = by[value]
+    return row.get(field) if row["status"] == "ok" else row["status"]
 
 
-def print_compare(rep, rows, axis):
-    """One line per configuration, the values of `axis` side by side: their
-    ms and peaks, the last one's rates."""
+def print_compare(rep, rows, axis):  # the values of `axis` side by side
     values = list(dict.fromkeys(r[axis] for r in rows))
     keys = [k for k in KEYS if k != axis]
     lines = {}
@@ -1084,8 +1020,7 @@ def cmd_model(args):
     rank, world = 0, None
     if distributed:
         rank, _, world, device = ddp.init_distributed()
-    cuda_only = args.cuda_graphs or args.memory_snapshot or args.nvtx
-    if cuda_only and device.type != "cuda":
+    if (args.cuda_graphs or args.memory_snapshot or args.nvtx) and device.type != "cuda":
         fail(args, "--cuda_graphs, --memory_snapshot and --nvtx need CUDA")
     combos = list(itertools.product(args.dtype, args.context_length,
                                     args.mode))
@@ -1096,7 +1031,7 @@ def cmd_model(args):
                    for s in args.size for c in args.compile]
     rep, rows = Report(args, device, rank), []
     profiler = None
-    if args.profile:  # the CPU's activity, and the GPU's if any
+    if args.profile:
         profiler = torch.profiler.profile()
     recompute = []
     if args.act_ckpt_every:
@@ -1137,26 +1072,24 @@ def cmd_model(args):
                          f"{text}: {result}", rows=rows)
         built = None
         free_memory(device)
-    rep.say(f"vocab {args.vocab_size}, {args.warmup} warm-up and "
-            f"{args.steps} timed steps; fwd: inference forward and loss "
-            "under no_grad; TFLOP/s by model.flops_per_token (the causal "
-            "half; naive attention in full)\n")
+    rep.say(f"vocab {args.vocab_size}, {args.warmup} warm-up and {args.steps} timed steps; "
+            f"fwd: inference forward and loss under no_grad; TFLOP/s by "
+            f"model.flops_per_token (the causal half; naive attention in full)\n")
     if args.compare:
         print_compare(rep, rows, args.compare)
     else:
         print_rows(rep, rows, args.reference_tokens_per_s)
     ok = rows[0]["status"] == "ok"
-    if args.profile and ok:  # the top kernels (CUDA) or ops (CPU)
+    if args.profile and ok:
         profiler.export_chrome_trace(args.profile)
         top = profiler.key_averages().table(
             sort_by=f"self_{device.type}_time_total", row_limit=12)
-        rep.say("torch.profiler over the timed steps (Chrome trace: "
+        rep.say(f"torch.profiler over the timed steps (Chrome trace: "
                 f"{args.profile})\n\n```\n{top}```\n")
     if args.memory_snapshot and ok:
-        rep.say("Peak allocated per phase of the timed steps (their memory "
-                f"history: {args.memory_snapshot})\n")
+        rep.say(f"Peak allocated per phase of the timed steps (their memory history: "
+                f"{args.memory_snapshot})\n")
         rep.table(["phase", "peak MiB"], list(rows[0]["phase_peak_mib"].items()))
-    # ms per step against context length, a panel per value compared
     panels = collections.defaultdict(lambda: collections.defaultdict(list))
     for r in rows:
         if r["status"] != "ok":
@@ -1168,12 +1101,14 @@ def cmd_model(args):
     if distributed:
         ddp.cleanup_distributed()
     return rows
-# ---- attention: our FlashAttention beside PyTorch's, dense and packed ------
-# Parts, most important first (a time budget cuts the last): anchors, dense
-# causal bf16 at B·S = 16384, H·D = 2048, the 8B model's S and the 2.7B's D;
-# varlen, packed documents; sweep, one head over S and D; work, D=64 over
-# B·H, each kernel family forced; sustained, at the GPU's power limit;
-# compile, naive eager vs torch.compile.
+
+
+# ---- attention: our FlashAttention beside PyTorch's
+# Parts, most important first (a time budget cuts the last): anchors (dense
+# causal bf16, B·S = 16384, H·D = 2048; the 8B model's S, the 2.7B's D);
+# varlen (packed documents); sweep (one head over S and D); work (D=64 over
+# B·H, each kernel family); sustained (at the power limit); compile (naive
+# eager vs compiled).
 
 BWD_FLOPS = 2.5  # attention's backward, in forward FLOPs
 FWD_BWD_FLOPS = 3.5
@@ -1186,8 +1121,8 @@ MAX_SEQ = {  # the costly ones capped
 
 
 def attention_flops(lengths, num_heads, head_dim):
-    """Useful forward FLOPs of causal attention: Q K^T and P V, 2 L^2 D
-    each per head, halved."""
+    """Useful forward FLOPs of causal attention: Q K^T and P V, 2 L^2 D each
+    per head, halved."""
     return sum(4 * num_heads * float(n) ** 2 * head_dim / 2 for n in lengths)
 
 
@@ -1198,8 +1133,7 @@ def flex_attention(dynamic):
 
 
 def flex(n, device, doc_ids=None, dynamic=False):
-    """FlexAttention over n tokens, causal (inside documents where doc_ids
-    is given), its block mask made here."""
+    """Causal FlexAttention over n tokens (inside documents, given doc_ids)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def causal(b, h, qi, ki):
@@ -1226,9 +1160,8 @@ def on_backend(backend, fn):  # fn with flash.BACKEND set for each call
 
 
 def dense_methods(cuda):
-    """name -> make(q, k, v) -> fn(q, k, v): causal attention on (B, H, S,
-    D), make doing the per-shape setup outside the timed calls;
-    ours-triton, ours-gluon force a kernel family; naive is model.py's."""
+    """name -> make(q, k, v) -> fn(q, k, v) on (B, H, S, D); make does the
+    per-shape setup, untimed."""
     def ours(q, k, v):
         return flash.flash_attention(q, k, v, causal=True)
 
@@ -1258,8 +1191,8 @@ def dense_methods(cuda):
 
 
 def padded(cu, length, num_heads):
-    """SDPA (is_causal) on packed (N, H, D) q, k, v laid out as
-    right-padded (documents, H, length, D), and back."""
+    """SDPA on packed (N, H, D) q, k, v laid out as right-padded (documents, H,
+    length, D), and back."""
     lens = (cu[1:] - cu[:-1]).long()
     docs = len(lens)
     doc = torch.repeat_interleave(torch.arange(docs, device=cu.device), lens)
@@ -1267,8 +1200,7 @@ def padded(cu, length, num_heads):
     index = doc * length + position
 
     def pad(t):
-        rows = t.new_zeros(docs * length, num_heads, t.shape[-1])
-        rows = rows.index_copy(0, index, t)
+        rows = t.new_zeros(docs * length, num_heads, t.shape[-1]).index_copy(0, index, t)
         return rows.view(docs, length, num_heads, -1).transpose(1, 2)
 
     def attend(q, k, v):
@@ -1278,9 +1210,8 @@ def padded(cu, length, num_heads):
 
 
 def packed_methods(cu, max_seqlen, num_heads, pad_length):
-    """dense_methods for packed documents (N, H, D), causal inside each:
-    sdpa-pad and sdpa-dynamic pad them to pad_length and to the longest;
-    fa2-varlen is PyTorch's internal FA2 varlen kernel."""
+    """dense_methods on packed (N, H, D): sdpa-pad and sdpa-dynamic pad to
+    pad_length and to the longest; fa2-varlen: PyTorch's internal FA2."""
     N = int(cu[-1])
     in_documents = flex(N, cu.device, model_py.document_ids(cu, N), None)
 
@@ -1310,9 +1241,8 @@ def packed_methods(cu, max_seqlen, num_heads, pad_length):
 
 
 def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
-    """fwd, bwd and fwd+bwd ms of make(q, k, v) (by kernel_ms; sustain: by
-    sustained_ms), the host's ms per fwd+bwd, the memory after the forward;
-    "OOM" or "n/a" (a dtype, head dim or device not taken) for times."""
+    """fwd, bwd and fwd+bwd ms (sustain: sustained_ms), the host's ms per
+    fwd+bwd, the memory after fwd; "OOM" or "n/a" (not taken here) for times."""
     cuda, readings = q.is_cuda, []
     out = dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms", "host_ms",
                          "mib_after_fwd"))
@@ -1353,8 +1283,7 @@ def time_fwd_bwd(make, q, k, v, do, rep, sustain=0):
 
 def attention_rows(part, case, methods, shape, dtype, flops, rep=50,
                    sustain=0):
-    """A row per method (make, or a status) of one case on random q, k, v,
-    do of this shape: times and TFLOP/s."""
+    """A row per method (make, or a status) on random q, k, v, do."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(sum(shape))
     q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=g)
@@ -1378,8 +1307,6 @@ def attention_rows(part, case, methods, shape, dtype, flops, rep=50,
 
 
 def print_attention(rep, rows):
-    """One line per (case, method): ms, TFLOP/s, the case's first ours row
-    (or first row) over it, host ms, clock."""
     gpu = any(r.get("gpu") for r in rows)
     ours = {}
     # a stable sort: ours rows first
@@ -1407,7 +1334,6 @@ def print_attention(rep, rows):
 
 
 def attention_cases(cuda):
-    """part -> its cases: (B, H, S, D, dtype), or varlen's head dims."""
     bf16, fp32 = torch.bfloat16, torch.float32
     if not cuda:  # the Triton interpreter: a tiny stand-in for each kind
         cases = dict.fromkeys(ATTN_PARTS, [(1, 2, 40, 16, fp32)])
@@ -1431,8 +1357,8 @@ def attention_cases(cuda):
 
 
 def packed_case(d, wanted, device, gen, rep):
-    """The rows of packed documents at head dim d. CUDA: 16384 tokens in
-    lengths log-normal of median e^6 ~ 403, sigma 1, in [16, 4096]."""
+    """CUDA: 16384 tokens in lengths log-normal of median e^6 ~ 403, sigma 1,
+    in [16, 4096]."""
     if device.type == "cuda":
         h, pad_length, dtype = 2048 // d, 4096, torch.bfloat16
         lens = document_lengths(None, math.exp(6.0), 1.0, 4096, gen,
@@ -1449,8 +1375,6 @@ def packed_case(d, wanted, device, gen, rep):
 
 
 def dense_case(part, case, methods, wanted, args):
-    """The rows of one dense case, of the methods the part times; a status
-    for the costly ones at long sequences, and cuDNN and flash in fp32."""
     b, h, s, d, dtype = case
     fp32 = dtype == torch.float32
     names = wanted
@@ -1482,7 +1406,7 @@ def cmd_attention(args):
     methods = dense_methods(cuda)
     wanted = args.methods or [m for m in methods
                               if m not in ("ours-gluon", "naive-compiled")]
-    torch._dynamo.config.cache_size_limit = 64  # Flex compiles once a shape
+    torch._dynamo.config.cache_size_limit = 64  # Flex compiles per shape
     # the timed backward reuses one compiled graph (retain_graph)
     torch._functorch.config.donated_buffer = False
     table = attention_cases(cuda)
@@ -1504,20 +1428,20 @@ def cmd_attention(args):
         rows += new
         name = new[0]["case"] if new else case
         rep.progress(i + 1, len(jobs), f"{part} {name}", rows=rows)
-    rep.say("Causal. FLOPs: 4·B·H·S²·D/2 forward (the causal half), x2.5 "
-            "backward, x3.5 forward+backward; packed cases count the work "
-            "inside documents only. Times: medians of calls each with a cold "
-            "L2 cache and the GPU kept busy until the host has issued the "
-            "call (the GPU's work; the host's is its own column).\n")
+    rep.say("Causal. FLOPs: 4·B·H·S²·D/2 forward (the causal half), x2.5 backward, x3.5 "
+            "forward+backward; packed cases count the work inside documents only. Times: "
+            "medians of calls each with a cold L2 cache and the GPU kept busy until the "
+            "host has issued the call (the GPU's work; the host's is its own column).\n")
     print_attention(rep, rows)
     return rows
-# ---- varlen, hf: padding strategies on the same documents -----------------
-# Our model's training step, or a Hugging Face GPT-2's.
+
+
+# ---- varlen, hf: padding strategies, our model or GPT-2
 
 def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
-    """One batch of documents (token ranges) laid out as `strategy` says:
-    ours as train.py does; Hugging Face's a row per document, or one row by
-    DataCollatorWithFlattening (compiled: a constant max_length)."""
+    """A batch of documents (token ranges) in `strategy`'s layout: ours as
+    train.py makes it; Hugging Face's a row per document, or
+    DataCollatorWithFlattening's."""
     layout = strategy.split(":")[1] if hf_model else strategy
     lengths = [e - s for s, e in spans]
     if hf_model and layout == "pack":
@@ -1550,7 +1474,6 @@ def varlen_inputs(strategy, spans, tokens, ctx, budget, device, hf_model):
 
 
 def varlen_model(args, device, hf_model):
-    """make(attn) -> a new model, our TransformerLM or a GPT-2."""
     def ours(attn):
         return TransformerLM(args.vocab_size, args.context_length,
                              args.d_model, args.num_layers, args.num_heads,
@@ -1597,7 +1520,6 @@ def cmd_varlen(args):
     rep, ctx = Report(args, device), args.context_length
     cuda = device.type == "cuda"
     g = torch.Generator().manual_seed(args.seed)
-    # random tokens in documents of long-tailed lengths
     lengths = document_lengths(args.num_docs, args.median_len, args.sigma,
                                ctx, g)
     docs = np.concatenate([[0], np.cumsum(lengths.numpy())]).astype(np.int64)
@@ -1611,11 +1533,10 @@ def cmd_varlen(args):
     init = {k: v.clone() for k, v in first.state_dict().items()}
     rep.say(f"Documents: {args.num_docs}, log-normal lengths of median "
             f"{args.median_len:g}, sigma {args.sigma:g} (mean "
-            f"{lengths.float().mean():.0f}, max {int(lengths.max())}), in "
-            f"batches up to {budget} real tokens. Model: d_model "
-            f"{args.d_model}, {args.num_layers} layers, {args.num_heads} "
-            f"heads, vocab {args.vocab_size}, {args.dtype}; compile "
-            f"{args.compile} (backend {args.backend}).\n")
+            f"{lengths.float().mean():.0f}, max {int(lengths.max())}), in batches up to "
+            f"{budget} real tokens. Model: d_model {args.d_model}, {args.num_layers} "
+            f"layers, {args.num_heads} heads, vocab {args.vocab_size}, {args.dtype}; "
+            f"compile {args.compile} (backend {args.backend}).\n")
     rows = []
     for phase, strategy in itertools.product(phases, strategies):
         row, out = dict(strategy=strategy, phase=phase, status="ok"), {}
@@ -1625,9 +1546,8 @@ def cmd_varlen(args):
             net.load_state_dict(init)
             # (transformers) GPT-2 names no loss type: a warning, a graph break
             net.loss_type = "ForCausalLM"
-            compiled = strategy.endswith(":compiled")
-            if not hf_model and args.compile != "none":
-                compiled = True
+            compiled = (strategy.endswith(":compiled")
+                        or not hf_model and args.compile != "none")
             run = net
             if compiled:
                 dynamic = None if hf_model else strategy != "pack_static"
@@ -1665,14 +1585,11 @@ def cmd_varlen(args):
             it = iter(data)
             times = time_ms(lambda: step(next(it)), device,
                             warmup=args.warmup, steps=args.steps)
-            timed = data[args.warmup:]
             real = sum(e - s - 1 for spans in batches[args.warmup:]
                        for s, e in spans)
             slots = sum(b["idx" if "idx" in b else "input_ids"].numel()
-                        for b in timed)
-            peak = None
-            if cuda:
-                peak = torch.cuda.max_memory_allocated(device) / 2**20
+                        for b in data[args.warmup:])
+            peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
             row.update(summary(times), loss_first_batch=out["loss"],
                        peak_mib=peak, real_tokens=real, token_slots=slots)
             row["tokens_per_s"] = real / sum(times) * 1e3
@@ -1690,7 +1607,9 @@ def cmd_varlen(args):
               for phase in phases}
     rep.plot({"real tokens/s": series}, "strategy", "real tokens/s")
     return rows
-# ---- rmsnorm, adamw: our kernels against PyTorch's -------------------------
+
+
+# ---- rmsnorm, adamw: our kernels against PyTorch's
 
 def make_adamw(cls, **option):  # each at lr 1e-4, weight decay 0.1
     return lambda params: cls(params, lr=1e-4, weight_decay=0.1, **option)
@@ -1733,7 +1652,6 @@ def cmd_rmsnorm(args):
                 both = kernel_ms(
                     lambda: torch.autograd.grad(fn(x), [x, weight], dy),
                     device, args.rep)
-            if both:
                 fwd_bwd_gb_s = (fwd_bytes + bwd_bytes) / both / 1e6
             if both and both > fwd:
                 bwd_gb_s = bwd_bytes / (both - fwd) / 1e6
@@ -1747,9 +1665,8 @@ def cmd_rmsnorm(args):
         base = copy.get(r["shape"])
         return r[key] and base and f"{100 * r[key] / base:.0f}%"
 
-    rep.say("GB/s: the bytes each direction must move over its time (the "
-            "backward's: over fwd+bwd less fwd); % of copy: that over the "
-            "copy's GB/s at the same shape.\n")
+    rep.say("GB/s: the bytes each direction must move over its time (the backward's: over "
+            "fwd+bwd less fwd); % of copy: that over the copy's GB/s at the same shape.\n")
     body = [[r["shape"], r["method"], r["fwd_ms"], r["fwd_gb_s"],
              pct(r, "fwd_gb_s"), r["fwd_bwd_ms"], r["fwd_bwd_gb_s"],
              pct(r, "fwd_bwd_gb_s"), pct(r, "bwd_gb_s")] for r in rows]
@@ -1792,12 +1709,10 @@ def cmd_adamw(args):
     return rows
 
 
-# ---- ddp: all-reduce bandwidth and the data-parallel variants --------------
-# Under torchrun; `allreduce` is the first table alone.
+# ---- ddp: all-reduce, data-parallel variants (under torchrun)
 
 def _build_variant(variant, net, opt_cls, lr):
-    """(ddp.Parallel, optimizer) for a variant name (see DDP_VARIANTS); net
-    is already on its device."""
+    """(ddp.Parallel, optimizer) of a DDP_VARIANTS name; net on its device."""
     impl, *options = variant.split("+")
     impl, _, size = impl.partition("-")
     unknown = set(options) - {"zero1", "bf16", "zero_redundancy"}
@@ -1818,16 +1733,15 @@ def _build_variant(variant, net, opt_cls, lr):
 
 
 def slowest(times):
-    """Per timed step, the slowest rank's ms (a step ends when every rank
-    has ended it)."""
+    """Per step, the slowest rank's ms (a step ends when every rank has)."""
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, times)
     return [max(ts[i] for ts in per_rank) for i in range(len(times))]
 
 
 def allreduce_rows(args, device, world):
-    """A row per --allreduce_mb: a call's bytes over its median time,
-    algbw; busbw = algbw * 2 (N - 1) / N."""
+    """algbw: a call's bytes over its median time; busbw = algbw * 2 (N - 1) /
+    N"""
     rows = []
     for size in args.allreduce_mb:
         x = torch.ones(int(size * 2**20) // 4, device=device)
@@ -1847,14 +1761,10 @@ def allreduce_rows(args, device, world):
 
 
 def variant_row(variant, args, device, x, y, vocab):
-    """One variant's step: ms (the slowest rank's median), peaks, optimizer
-    state, loss; or its error."""
     cuda = device.type == "cuda"
 
     def memory():  # the peak so far, GiB
-        if cuda:
-            return torch.cuda.max_memory_allocated(device) / 2**30
-        return float("nan")
+        return torch.cuda.max_memory_allocated(device) / 2**30 if cuda else math.nan
 
     free_memory(device)
     if cuda:
@@ -1889,20 +1799,16 @@ def variant_row(variant, args, device, x, y, vocab):
         r.update(peak_before_step_gib=max(before),
                  peak_after_step_gib=max(after), loss=r["loss"].item(),
                  optimizer_state_gib=state_bytes / 2**30)
-    # a baseline missing from this torch build must not sink the other rows
-    except Exception as e:
+    except Exception as e:  # (a baseline missing from this torch build)
         r["error"] = failure(e, short=True)
     return r
 
 
-def ddp_cells(r, none):
-    """A variant's line; none: the ms of the variant without communication."""
+def ddp_cells(r, none):  # none: the ms of the variant "none"
     if "error" in r:
         return [r["variant"], r["error"]] + [""] * 7
     ms = r["ms_per_step"]
-    comm = None
-    if none and r["variant"] != "none":
-        comm = ms - none
+    comm = ms - none if none and r["variant"] != "none" else None
     return [r["variant"], ms, none and f"{100 * none / ms:.1f}%", comm,
             r["peak_after_init_gib"], r["peak_before_step_gib"],
             r["peak_after_step_gib"], f"{r['optimizer_state_gib']:.3g}",
@@ -1912,20 +1818,19 @@ def ddp_cells(r, none):
 def cmd_ddp(args):
     rank, _, world, device = ddp.init_distributed()
     if not dist.is_initialized():
-        fail(args, "needs several processes: run it under torchrun "
-             "--nproc_per_node=N")
+        fail(args, "needs several processes: run it under torchrun --nproc_per_node=N")
     rep, results = Report(args, device, rank), []
     allreduce = allreduce_rows(args, device, world)
     if allreduce:
-        rep.say(f"All-reduce of fp32 tensors, {dist.get_backend()}; each "
-                "call's time is the slowest rank's\n")
+        rep.say(f"All-reduce of fp32 tensors, {dist.get_backend()}; each call's time is "
+                f"the slowest rank's\n")
         body = [[f"{r['size_mib']:g}", r["ranks"], r["median_ms"],
                  r["mean_ms"], r["algbw_gib_s"], r["busbw_gib_s"]]
                 for r in allreduce]
         rep.table(["MiB", "ranks", "median ms", "mean ms", "algbw GiB/s",
                    "busbw GiB/s"], body, digits=[0, 0, 3, 3, 1, 1])
     vocab = 512 if args.preset == "tiny" else 50304
-    # each rank its own slice of the global batch
+    # each rank its slice of the global batch
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     x, y = (torch.randint(0, vocab, (args.batch_size, args.context_length),
                           device=device, generator=g) for _ in range(2))
@@ -1942,10 +1847,9 @@ def cmd_ddp(args):
                  if r["variant"] == "none" and "error" not in r), None)
     if results:
         rep.say(f"Data parallel: {args.preset}, vocab {vocab}, batch "
-                f"{args.batch_size}/rank x {world} ranks, T "
-                f"{args.context_length}; ms/step: the median of the slowest "
-                "rank's; comm ms: step - none, the communication not hidden "
-                "behind compute\n")
+                f"{args.batch_size}/rank x {world} ranks, T {args.context_length}; "
+                f"ms/step: the median of the slowest rank's; comm ms: step - none, the "
+                f"communication not hidden behind compute\n")
         rep.table(["variant", "ms/step", "scaling vs none", "comm ms",
                    "peak init GiB", "peak before step GiB",
                    "peak after step GiB", "opt state GiB/rank", "loss"],
@@ -1955,7 +1859,7 @@ def cmd_ddp(args):
     ddp.cleanup_distributed()
 
 
-# ---- bpe: our tokenizer against HF tokenizers and tiktoken (CPU) -----------
+# ---- bpe: our tokenizer against HF tokenizers and tiktoken (CPU)
 
 def cmd_bpe(args):
     import tiktoken
@@ -1964,9 +1868,9 @@ def cmd_bpe(args):
     workers, repeats = args.num_workers, args.repeats
     cpu, size = torch.device("cpu"), os.path.getsize(path)
     rep, train = Report(args, cpu), {"ours": [], "hf": []}
-    rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, "
-            f"{workers} workers of {os.cpu_count()} CPUs, python "
-            f"{platform.python_version()}, tiktoken {tiktoken.__version__}\n")
+    rep.say(f"{path}: {size / 1e6:.1f} MB, vocab_size {args.vocab_size}, {workers} workers "
+            f"of {os.cpu_count()} CPUs, python {platform.python_version()}, tiktoken "
+            f"{tiktoken.__version__}\n")
     with tempfile.TemporaryDirectory(prefix="bench_bpe_") as tok_dir:
         for which in ("ours", "hf") * repeats:
             command = [sys.executable, os.path.abspath(__file__), "_bpe_train",
@@ -1996,9 +1900,7 @@ def cmd_bpe(args):
     rep.table([f"train, vocab {args.vocab_size}, {workers} workers",
                f"wall s (median of {repeats})", "all runs", "peak RSS main MB",
                "peak RSS largest worker MB"], body, digits=[2, 1, 2, 0, 0])
-    vs_hf = None
-    if median_s["hf"]:
-        vs_hf = median_s["ours"] / median_s["hf"]
+    vs_hf = median_s["ours"] / median_s["hf"] if median_s["hf"] else None
     rep.say(f"ratio ours / HF: {fmt(vs_hf)}x\n")
     peer = tok._tiktoken  # tiktoken's own Encoding of our ranks
     with open(path, encoding="utf-8", newline="") as f:
@@ -2009,8 +1911,7 @@ def cmd_bpe(args):
               for i in range(0, len(docs), k)]
 
     def timed(fn, what, want=None):
-        """(median seconds over --repeats calls, the ids), the ids checked
-        against tiktoken's."""
+        """(median seconds over --repeats calls, the ids); the ids checked."""
         out = {}
 
         def call():
@@ -2033,8 +1934,7 @@ def cmd_bpe(args):
         return np.concatenate(list(chunks)).tolist()
 
     cases = [
-        ("1 thread: Tokenizer.encode(text) vs tiktoken encode(text, "
-         "allowed_special='all')",
+        ("1 thread: Tokenizer.encode(text) vs tiktoken encode(text, allowed_special='all')",
          timed(lambda: tok.encode(text), "Tokenizer.encode", ids)[0], t_peer),
         (f"{workers} threads: Tokenizer.encode_batch(1 MB pieces) vs "
          "tiktoken encode_batch",
@@ -2052,11 +1952,13 @@ def cmd_bpe(args):
     rep.table([f"encode {size / 1e6:.1f} MB, {len(ids):,} tokens "
                f"({size / len(ids):.2f} bytes/token)", "ours MB/s",
                "tiktoken MB/s", "ours / tiktoken"], body, [2, 1, 1, 2])
-    rep.say("peak RSS of this process (encode side, torch imported): "
+    rep.say(f"peak RSS of this process (encode side, torch imported): "
             f"{peak_rss_mb()[0]:.0f} MB")
     rep.save(bytes=size, tokens=len(ids), train=train, train_median_s=median_s,
              ours_vs_hf=vs_hf, encode=encode)
     return rep.data
+
+
 # ---- sass: what the compiler made of flash.py's attention kernels for an H100/H200 (sm_90), on any machine ----------
 
 SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens": ("*i32", "*i32"), "cu_seqlens_q": "*i32",
