@@ -188,8 +188,7 @@ def model_rules(a):
          "--cuda_graphs captures a training step: it needs --mode train and "
          "--warmup >= 3, without --nvtx, --profile, --memory_snapshot, --compile graphs"),
         ("WORLD_SIZE" in os.environ and not set(a.compile) <= {"none", "blocks"},
-         "under torchrun --compile is none or blocks (the models are sharded "
-         "after compiling)"),
+         "under torchrun --compile is none or blocks (the models are sharded after compiling)"),
     ]
 
 
@@ -396,11 +395,10 @@ MODEL_NAMES.update(size=tuple(SIZES), attn=ATTN_IMPLS)
 
 def on_device(args):
     """--device's device; the unset by_device options set for it."""
-    if args.device == "auto":
-        cuda = torch.cuda.is_available()
-        device = torch.device("cuda" if cuda else "cpu")
-    else:
-        device = torch.device(args.device)
+    name = args.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         fail(args, "--device cuda: CUDA is not available on this machine")
     for key, (gpu, cpu) in args.by_device.items():
@@ -440,10 +438,9 @@ class Report:
         cuda = device.type == "cuda"
         launcher = "torchrun ... " if "WORLD_SIZE" in os.environ else "python "
         name = f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
-        if cuda:
-            name = torch.cuda.get_device_name(device)
         versions = f"torch {torch.__version__}, triton {triton.__version__}"
         if cuda:
+            name = torch.cuda.get_device_name(device)
             versions += f", CUDA {torch.version.cuda}"
         command = " ".join(["bench.py", args.command] + args.argv)
         self.data = dict(
@@ -711,9 +708,10 @@ class PeerBlock(nn.Module):
         if not self.gpt2 and x.is_cuda:
             backends = sdpa_kernel([SDPBackend.CUDNN_ATTENTION,
                                     SDPBackend.FLASH_ATTENTION])
-        with backends:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(B, T, d))
+        with backends:  # (unnamed: freed before the MLP)
+            x = x + self.proj(
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                .transpose(1, 2).reshape(B, T, d))
         h = self.up(self.ln2(x))
         if self.gpt2:
             return x + self.down(F.gelu(h, approximate="tanh"))
@@ -1335,7 +1333,7 @@ def print_attention(rep, rows):
 
 def attention_cases(cuda):
     bf16, fp32 = torch.bfloat16, torch.float32
-    if not cuda:  # the Triton interpreter: a tiny stand-in for each kind
+    if not cuda:  # the Triton interpreter: tiny stand-ins
         cases = dict.fromkeys(ATTN_PARTS, [(1, 2, 40, 16, fp32)])
         return dict(cases, varlen=[16], compile=[(2, 1, 24, 8, fp32)])
     anchors = [(16384 // s, 2048 // d, s, d, bf16)
@@ -1529,8 +1527,8 @@ def cmd_varlen(args):
     batches = [sample_documents(docs, budget, ctx, g)
                for _ in range(args.warmup + args.steps)]
     make = varlen_model(args, device, hf_model)
-    first = make("eager" if hf_model else args.attn)
-    init = {k: v.clone() for k, v in first.state_dict().items()}
+    attn = "eager" if hf_model else args.attn
+    init = {k: v.clone() for k, v in make(attn).state_dict().items()}
     rep.say(f"Documents: {args.num_docs}, log-normal lengths of median "
             f"{args.median_len:g}, sigma {args.sigma:g} (mean "
             f"{lengths.float().mean():.0f}, max {int(lengths.max())}), in batches up to "
