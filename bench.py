@@ -2020,9 +2020,8 @@ def sass_rows(flash, d, varlen, causal):
             fn = getattr(tuned, "fn", tuned)  # the JITFunction under the autotuner
             m, n, w, s = table[(d, 2)][0]
             cx = dict(common, BLOCK_M=m, BLOCK_N=n, **extra)
-            n_strides = 3 * sum(a in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") for a in fn.arg_names)
-            types = dict(SASS_TYPES, strides=("i32",) * n_strides)
-            rows.append([d, name, str((m, n, w, s))] + sass_stats(fn, types, cx, {"num_warps": w, "num_stages": s}))
+            options = {"num_warps": w, "num_stages": s}
+            rows.append([d, name, str((m, n, w, s))] + sass_stats(fn, SASS_TYPES, cx, options))
     tiles = flash._gluon_head_tiles(d) if flash.gluon is not None else None
     if tiles is None:
         return rows

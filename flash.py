@@ -138,8 +138,8 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 # 2. Attention in Triton (FlashAttention-2). One layout serves dense and packed inputs: a tensor is addressed as
 #      base + batch * stride_b + head * stride_h + (seq_start + row) * stride_s + dim
 #    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch].
-#    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes its operands' (b, h, s) strides as
-#    one tuple, the query and key cu_seqlens as a pair; few integers are specialized (compiling is the cold start).
+#    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes each operand's (b, h, s) strides,
+#    the query and key cu_seqlens as a pair; few integers are specialized (compiling is the cold start).
 
 # the tuning space: (head-dim class, element size) -> [(BLOCK_M, BLOCK_N, warps, stages), ...], the best first (in
 # the dK/dV pass BLOCK_N is the key tile held in registers)
@@ -231,14 +231,19 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, off
 
 @_autotuned(FWD_CONFIGS, (32, 16))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "SEQ_BUCKET"])
-def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen_q, seqlen_k, num_heads, group,
-              qk_scale, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-              PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_fwd(Q, K, V, O, LSE, cu_seqlens,
+              stride_qb, stride_qh, stride_qs,
+              stride_kb, stride_kh, stride_ks,
+              stride_vb, stride_vh, stride_vs,
+              stride_ob, stride_oh, stride_os,
+              stride_lb, stride_lh,
+              seqlen_q, seqlen_k, num_heads, group, qk_scale, SEQ_BUCKET,
+              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+              VARLEN: tl.constexpr, PREC: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch x head): O and L of BLOCK_M rows. Key tiles left of the diagonal need no
     index compare; the diagonal tile and a ragged end do; tiles right of it are never visited."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
-    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
-        stride_ob, stride_oh, stride_os = strides
     qk_scale = tl.cast(qk_scale, tl.float32)  # a Python float may come typed fp64
     b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens, num_heads, seqlen_q, seqlen_k, VARLEN)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest causal tiles launch first
@@ -271,11 +276,16 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens, strides, stride_lb, stride_lh, seqlen
 
 
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q"])
-def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q, strides, stride_lb, stride_lh, seqlen_q, num_heads, head_dim,
-                    dq_cols, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q,
+                    stride_ob, stride_oh, stride_os,
+                    stride_dob, stride_doh, stride_dos,
+                    stride_dqb, stride_dqh, stride_dqs,
+                    stride_lb, stride_lh,
+                    seqlen_q, num_heads, head_dim, dq_cols,
+                    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
     """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns, and the same rows
     of DQ (its first dq_cols columns), the fp32 buffer the Gluon backward adds dQ into, zeroed."""
-    stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = strides
     b, h, q_start, seqlen_q, _, _ = _sequence((cu_seqlens_q, cu_seqlens_q), num_heads, seqlen_q, seqlen_q, VARLEN)
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= seqlen_q:
@@ -321,15 +331,21 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi
 
 @_autotuned(DQ_CONFIGS, (32, 16))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SEQ_BUCKET"])
-def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens, strides, stride_lb, stride_lh, seqlens, num_heads,
-                 group, scales, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-                 PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens,
+                 stride_qb, stride_qh, stride_qs,
+                 stride_kb, stride_kh, stride_ks,
+                 stride_vb, stride_vh, stride_vs,
+                 stride_ob, stride_oh, stride_os,
+                 stride_dob, stride_doh, stride_dos,
+                 stride_dqb, stride_dqh, stride_dqs,
+                 stride_lb, stride_lh,
+                 seqlens, num_heads, group, scales, SEQ_BUCKET,
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                 VARLEN: tl.constexpr, PREC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once, and Delta =
     rowsum(dO * O) of its rows for pass 2. scales: (log2(e) / sqrt(d), 1 / sqrt(d)); the lengths specialized."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
-    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
-        stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs = \
-            strides
     seqlen_q, seqlen_k = seqlens
     qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
     b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens, num_heads, seqlen_q, seqlen_k, VARLEN)
@@ -393,17 +409,23 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
 
 @_autotuned(DKDV_CONFIGS, (16, 32))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SEQ_BUCKET"])
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens, strides, stride_lb, stride_lh, seqlens,
-                   num_kv_heads, scales, SEQ_BUCKET, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                   VARLEN: tl.constexpr, PREC: tl.constexpr, GROUP: tl.constexpr, EVEN_Q: tl.constexpr,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
+                   stride_qb, stride_qh, stride_qs,
+                   stride_kb, stride_kh, stride_ks,
+                   stride_vb, stride_vh, stride_vs,
+                   stride_dob, stride_doh, stride_dos,
+                   stride_dkb, stride_dkh, stride_dks,
+                   stride_dvb, stride_dvh, stride_dvs,
+                   stride_lb, stride_lh,
+                   seqlens, num_kv_heads, scales, SEQ_BUCKET,
+                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                   VARLEN: tl.constexpr, PREC: tl.constexpr,
+                   GROUP: tl.constexpr, EVEN_Q: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pass 2: one program per key tile and K/V head, K_j and V_j held in registers, a loop over the query heads
     of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
     tl.static_assert(128 % BLOCK_N == 0)  # EVEN_Q (no ragged query tile) is decided on the host for 128 rows
-    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, \
-        stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs = \
-            strides
     seqlen_q, seqlen_k = seqlens
     qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
     b, hk, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens, num_kv_heads, seqlen_q, seqlen_k, VARLEN)
@@ -462,7 +484,7 @@ def _unit_stride(x, width=None):  # x (zero-padded to `width` columns) with the 
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _strides(varlen, *xs):  # the (b, h, s) strides of each tensor in one tuple (packed: no batch stride)
+def _strides(varlen, *xs):  # the (b, h, s) strides of each tensor in turn (packed: no batch stride)
     return tuple(s for x in xs for s in ((0, x.stride(1), x.stride(0)) if varlen else x.stride()[:3]))
 
 
@@ -510,7 +532,7 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     op = o if d_pad == d else _empty_out(qp)
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
     grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
-    _attn_fwd[grid](qp, kp, vp, op, lse, cu, _strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
+    _attn_fwd[grid](qp, kp, vp, op, lse, cu, *_strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
                     heads // kv_heads, LOG2E / math.sqrt(d), _pow2(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal,
                     VARLEN=varlen, PREC=_precision(q.dtype))
     if op is not o:
@@ -538,10 +560,10 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     common = dict(SEQ_BUCKET=_pow2(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
                   PREC=_precision(q.dtype))
     _attn_bwd_dq[lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))](
-        qp, kp, vp, op, dop, dqp, lse, delta, cu, _strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
+        qp, kp, vp, op, dop, dqp, lse, delta, cu, *_strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
         (seqlen_q, seqlen_k), heads, heads // kv_heads, (LOG2E * scale, scale), **common)
     _attn_bwd_dkdv[lambda meta: (batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"]))](
-        qp, kp, vp, dop, dkp, dvp, lse, delta, cu, _strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
+        qp, kp, vp, dop, dkp, dvp, lse, delta, cu, *_strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
         (seqlen_q, seqlen_k), kv_heads, (LOG2E * scale, scale), **common, GROUP=heads // kv_heads,
         EVEN_Q=not varlen and seqlen_q % 128 == 0)
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
@@ -1401,7 +1423,7 @@ if gluon is not None:
         dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
         cu = cu_seqlens_q if varlen else lse
         _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
-            o, dop, delta, dq_acc, cu, _strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
+            o, dop, delta, dq_acc, cu, *_strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
             HEAD_DIM=_pow2(main + tail), VARLEN=varlen, BLOCK_M=64)
         # work items: key tiles x batch x K/V heads (persistent and packed: slots (_gl_doc_slot) x K/V heads)
         scale = 1.0 / math.sqrt(d)
