@@ -1959,9 +1959,9 @@ def cmd_bpe(args):
 
 # ---- sass: what the compiler made of flash.py's attention kernels for an H100/H200 (sm_90), on any machine ----------
 
-SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens": ("*i32", "*i32"), "cu_seqlens_q": "*i32",
-              "counter": "*i32", "seqlens": ("i32", "i32"), "scales": ("fp32", "fp32"), "qk_scale": "fp32",
-              "sm_scale": "fp32", **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}
+SASS_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
+              "counter": "*i32", "qk_scale": "fp32", "sm_scale": "fp32",
+              **{t: "*bf16" for t in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}}
 
 
 def sass_stats(kernel_fn, types, constexprs, options, gluon_source=False):

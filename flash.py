@@ -193,15 +193,15 @@ def _store_rows(dst, start, stride, seqlen, offs, x):
 
 
 @triton.jit
-def _sequence(cu_seqlens, num_heads, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+def _sequence(cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     """(b, h, first query row, seqlen_q, first key row, seqlen_k) of program_id(0) = batch b x head h; packed, the
     rows of sequence b's queries and keys (64-bit starts: start * stride may pass 2^31)."""
     pid_bh = tl.program_id(0)
     b, h = pid_bh // num_heads, pid_bh % num_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:
-        cu_q, cu_k = cu_seqlens
-        q0, q1, k0, k1 = tl.load(cu_q + b), tl.load(cu_q + b + 1), tl.load(cu_k + b), tl.load(cu_k + b + 1)
+        q0, q1 = tl.load(cu_seqlens_q + b), tl.load(cu_seqlens_q + b + 1)
+        k0, k1 = tl.load(cu_seqlens_k + b), tl.load(cu_seqlens_k + b + 1)
         q_start, seqlen_q, k_start, seqlen_k = q0.to(tl.int64), q1 - q0, k0.to(tl.int64), k1 - k0
     return b, h, q_start, seqlen_q, k_start, seqlen_k
 
@@ -231,7 +231,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, off
 
 @_autotuned(FWD_CONFIGS, (32, 16))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "SEQ_BUCKET"])
-def _attn_fwd(Q, K, V, O, LSE, cu_seqlens,
+def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
               stride_qb, stride_qh, stride_qs,
               stride_kb, stride_kh, stride_ks,
               stride_vb, stride_vh, stride_vs,
@@ -245,7 +245,8 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens,
     index compare; the diagonal tile and a ragged end do; tiles right of it are never visited."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
     qk_scale = tl.cast(qk_scale, tl.float32)  # a Python float may come typed fp64
-    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens, num_heads, seqlen_q, seqlen_k, VARLEN)
+    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q,
+                                                           seqlen_k, VARLEN)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest causal tiles launch first
     if start_m >= seqlen_q:  # a tile past its sequence's end exits at once
         return
@@ -286,7 +287,7 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q,
                     BLOCK_M: tl.constexpr):
     """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns, and the same rows
     of DQ (its first dq_cols columns), the fp32 buffer the Gluon backward adds dQ into, zeroed."""
-    b, h, q_start, seqlen_q, _, _ = _sequence((cu_seqlens_q, cu_seqlens_q), num_heads, seqlen_q, seqlen_q, VARLEN)
+    b, h, q_start, seqlen_q, _, _ = _sequence(cu_seqlens_q, cu_seqlens_q, num_heads, seqlen_q, seqlen_q, VARLEN)
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -331,7 +332,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi
 
 @_autotuned(DQ_CONFIGS, (32, 16))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SEQ_BUCKET"])
-def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens,
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                  stride_qb, stride_qh, stride_qs,
                  stride_kb, stride_kh, stride_ks,
                  stride_vb, stride_vh, stride_vs,
@@ -339,16 +340,17 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens,
                  stride_dob, stride_doh, stride_dos,
                  stride_dqb, stride_dqh, stride_dqs,
                  stride_lb, stride_lh,
-                 seqlens, num_heads, group, scales, SEQ_BUCKET,
+                 seqlen_q, seqlen_k, num_heads, group, qk_scale, sm_scale, SEQ_BUCKET,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                  VARLEN: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once, and Delta =
-    rowsum(dO * O) of its rows for pass 2. scales: (log2(e) / sqrt(d), 1 / sqrt(d)); the lengths specialized."""
+    rowsum(dO * O) of its rows for pass 2. qk_scale = log2(e) / sqrt(d), sm_scale = 1 / sqrt(d)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
-    seqlen_q, seqlen_k = seqlens
-    qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
-    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens, num_heads, seqlen_q, seqlen_k, VARLEN)
+    qk_scale = tl.cast(qk_scale, tl.float32)  # as in _attn_fwd
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q,
+                                                           seqlen_k, VARLEN)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -409,7 +411,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
 
 @_autotuned(DKDV_CONFIGS, (16, 32))
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SEQ_BUCKET"])
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    stride_qb, stride_qh, stride_qs,
                    stride_kb, stride_kh, stride_ks,
                    stride_vb, stride_vh, stride_vs,
@@ -417,7 +419,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
                    stride_dkb, stride_dkh, stride_dks,
                    stride_dvb, stride_dvh, stride_dvs,
                    stride_lb, stride_lh,
-                   seqlens, num_kv_heads, scales, SEQ_BUCKET,
+                   seqlen_q, seqlen_k, num_kv_heads, qk_scale, sm_scale, SEQ_BUCKET,
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                    VARLEN: tl.constexpr, PREC: tl.constexpr,
                    GROUP: tl.constexpr, EVEN_Q: tl.constexpr,
@@ -426,9 +428,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
     of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
     tl.static_assert(128 % BLOCK_N == 0)  # EVEN_Q (no ragged query tile) is decided on the host for 128 rows
-    seqlen_q, seqlen_k = seqlens
-    qk_scale, sm_scale = tl.cast(scales[0], tl.float32), tl.cast(scales[1], tl.float32)  # as in _attn_fwd
-    b, hk, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens, num_kv_heads, seqlen_q, seqlen_k, VARLEN)
+    qk_scale = tl.cast(qk_scale, tl.float32)  # as in _attn_fwd
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    b, hk, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, num_kv_heads, seqlen_q,
+                                                            seqlen_k, VARLEN)
     start_n = tl.program_id(1) * BLOCK_N  # causal: the first key tiles have the most query rows, so they launch first
     if start_n >= seqlen_k:
         return
@@ -532,7 +535,7 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     op = o if d_pad == d else _empty_out(qp)
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
     grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
-    _attn_fwd[grid](qp, kp, vp, op, lse, cu, *_strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
+    _attn_fwd[grid](qp, kp, vp, op, lse, *cu, *_strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
                     heads // kv_heads, LOG2E / math.sqrt(d), _pow2(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal,
                     VARLEN=varlen, PREC=_precision(q.dtype))
     if op is not o:
@@ -560,11 +563,11 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     common = dict(SEQ_BUCKET=_pow2(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
                   PREC=_precision(q.dtype))
     _attn_bwd_dq[lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))](
-        qp, kp, vp, op, dop, dqp, lse, delta, cu, *_strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
-        (seqlen_q, seqlen_k), heads, heads // kv_heads, (LOG2E * scale, scale), **common)
+        qp, kp, vp, op, dop, dqp, lse, delta, *cu, *_strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
+        seqlen_q, seqlen_k, heads, heads // kv_heads, LOG2E * scale, scale, **common)
     _attn_bwd_dkdv[lambda meta: (batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"]))](
-        qp, kp, vp, dop, dkp, dvp, lse, delta, cu, *_strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
-        (seqlen_q, seqlen_k), kv_heads, (LOG2E * scale, scale), **common, GROUP=heads // kv_heads,
+        qp, kp, vp, dop, dkp, dvp, lse, delta, *cu, *_strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
+        seqlen_q, seqlen_k, kv_heads, LOG2E * scale, scale, **common, GROUP=heads // kv_heads,
         EVEN_Q=not varlen and seqlen_q % 128 == 0)
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
