@@ -2034,7 +2034,7 @@ def sass_rows(flash, d, varlen, causal):
 
     m, n, stages, q_bufs = flash.GLUON_FWD_CONFIGS[main + tail]
     cx = dict(NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal, HEAD_MAJOR=not varlen, DYNAMIC=True, O_TMA=tail == 0)
-    types = dict(SASS_TYPES, out_strides=("i32",) * 5, dims=("i32",) * 5, q_desc=desc(m, main), k_desc=desc(n, main),
+    types = dict(SASS_TYPES, q_desc=desc(m, main), k_desc=desc(n, main),
                  v_desc=desc(n, main), qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main),
                  vt_desc=desc(n, tail or main), o_desc=desc(m, main))
     rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
@@ -2043,8 +2043,7 @@ def sass_rows(flash, d, varlen, causal):
     cx = dict(NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=persistent,
               DKV_TMA=flash._gluon_bwd_dkv_tma(tail, persistent, 1024, split))
     dq = desc(m, main // split, "fp32", dq_swizzle)  # (a tail's dQ tiles: the default swizzle)
-    types = dict(SASS_TYPES, out_strides=("i32",) * 8, dims=("i32",) * 5,
-                 tensors=("*bf16", "*bf16", "*fp32", "*fp32", "*i32", "*i32"), q_desc=desc(m, main),
+    types = dict(SASS_TYPES, q_desc=desc(m, main),
                  k_desc=desc(n, main), v_desc=desc(n, main), do_desc=desc(m, main), dq_desc=dq,
                  qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main), vt_desc=desc(n, tail or main),
                  dot_desc=desc(m, tail or main), dqt_desc=desc(m, tail, "fp32") if tail else dq, dk_desc=desc(n, main),

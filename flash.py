@@ -591,7 +591,7 @@ try:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.experimental.gluon.language._core import builtin as _gl_builtin
-    from triton.language.core import _aggregate
+    from triton.language.core import _aggregate as aggregate
     from triton._C.libtriton import ir as _ir
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # the names of Triton > 3.6
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -618,31 +618,30 @@ GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True, 128), 80: (64, 64, 3, 1, True, 128
 GLUON_BWD_DKV_TMA_MAX_SEQLEN = 4096
 
 if gluon is not None:
-    _KINDS = {"constexpr": gl.constexpr, "int": (gl.tensor, gl.constexpr), "tensor": gl.tensor,
-              "smem": gl.shared_memory_descriptor, "desc": tma.tensor_descriptor}
+    # an integer argument as a field: a tensor, or a constexpr where Triton specialized it (a 1)
+    _GL_INT = (gl.tensor, gl.constexpr)
 
-    def _bundle(**fields):
-        """A Gluon aggregate of fields named by kind (kind="name name ...", built positionally in that order; an int
-        may come as a constexpr, as Triton passes ints equal to 1): one argument instead of many."""
-        names = [(name, kind) for kind, group in fields.items() for name in group.split()]
+    @gluon.constexpr_function
+    def _gl_int(x):
+        return x if isinstance(x, gl.tensor) else gl.constexpr(x)
 
-        def wrap(cls):
-            cls.__annotations__ = {name: _KINDS[kind] for name, kind in names}
-
-            @gluon.constexpr_function
-            def __init__(self, *values):
-                for field, value in zip(names, values):
-                    if field[1] in ("constexpr", "int") and not isinstance(value, (gl.tensor, gl.constexpr)):
-                        value = gl.constexpr(value)
-                    setattr(self, field[0], value)
-            cls.__init__ = __init__
-            return _aggregate(cls)
-        return wrap
-
-    @_bundle(smem="ring ready empty", tensor="counter", constexpr="DYNAMIC")
+    @aggregate
     class _Schedule:
         """A persistent CTA's work items (DYNAMIC): its producer claims the next untaken item from `counter` (the
         first G went one to each of the G CTAs) and hands it to the other partitions through a two-slot ring."""
+        ring: gl.shared_memory_descriptor
+        ready: gl.shared_memory_descriptor
+        empty: gl.shared_memory_descriptor
+        counter: gl.tensor
+        DYNAMIC: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, *, ring, ready, empty, counter, DYNAMIC):
+            self.ring = ring
+            self.ready = ready
+            self.empty = empty
+            self.counter = counter
+            self.DYNAMIC = gl.constexpr(DYNAMIC)
 
         @gluon.jit
         def publish(self, n, item):
@@ -689,7 +688,7 @@ if gluon is not None:
     @gluon.jit
     def _gl_schedule(counter, DYNAMIC: gl.constexpr):  # a _Schedule, its barriers not yet initialized
         ring = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        return _Schedule(ring, _gl_bars(2), _gl_bars(2), counter, DYNAMIC)
+        return _Schedule(ring=ring, ready=_gl_bars(2), empty=_gl_bars(2), counter=counter, DYNAMIC=DYNAMIC)
 
     @gluon.jit
     def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
@@ -767,13 +766,58 @@ if gluon is not None:
 
     # ---- the forward ----
 
-    @_bundle(constexpr="HEAD_DIM TAIL BLOCK_M BLOCK_N NUM_STAGES Q_BUFS CAUSAL VARLEN HEAD_MAJOR O_TMA",
-             tensor="cu_seqlens_q qk_scale",
-             int="head_dim seqlen_q seqlen_k num_heads group m_tiles n_bh n_docs n_items")
+    @aggregate
     class _FwdConfig:
         """The forward's tiling (as GLUON_FWD_CONFIGS; HEAD_DIM + TAIL columns) and problem. HEAD_MAJOR: consecutive
         items are one head's (sharing K, V in L2); O_TMA: full O tiles leave by TMA; group: query heads per K/V head;
         m_tiles: items per batch x head (packed: slots per head)."""
+        HEAD_DIM: gl.constexpr
+        TAIL: gl.constexpr
+        BLOCK_M: gl.constexpr
+        BLOCK_N: gl.constexpr
+        NUM_STAGES: gl.constexpr
+        Q_BUFS: gl.constexpr
+        CAUSAL: gl.constexpr
+        VARLEN: gl.constexpr
+        HEAD_MAJOR: gl.constexpr
+        O_TMA: gl.constexpr
+        cu_seqlens_q: gl.tensor
+        qk_scale: gl.tensor
+        head_dim: _GL_INT
+        seqlen_q: _GL_INT
+        seqlen_k: _GL_INT
+        num_heads: _GL_INT
+        group: _GL_INT
+        m_tiles: _GL_INT
+        n_bh: _GL_INT
+        n_docs: _GL_INT
+        n_items: _GL_INT
+
+        @gluon.constexpr_function
+        def __init__(self, *, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, CAUSAL, VARLEN,
+                     HEAD_MAJOR, O_TMA, cu_seqlens_q, qk_scale, head_dim, seqlen_q, seqlen_k,
+                     num_heads, group, m_tiles, n_bh, n_docs, n_items):
+            self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+            self.TAIL = gl.constexpr(TAIL)
+            self.BLOCK_M = gl.constexpr(BLOCK_M)
+            self.BLOCK_N = gl.constexpr(BLOCK_N)
+            self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+            self.Q_BUFS = gl.constexpr(Q_BUFS)
+            self.CAUSAL = gl.constexpr(CAUSAL)
+            self.VARLEN = gl.constexpr(VARLEN)
+            self.HEAD_MAJOR = gl.constexpr(HEAD_MAJOR)
+            self.O_TMA = gl.constexpr(O_TMA)
+            self.cu_seqlens_q = cu_seqlens_q
+            self.qk_scale = qk_scale
+            self.head_dim = _gl_int(head_dim)
+            self.seqlen_q = _gl_int(seqlen_q)
+            self.seqlen_k = _gl_int(seqlen_k)
+            self.num_heads = _gl_int(num_heads)
+            self.group = _gl_int(group)
+            self.m_tiles = _gl_int(m_tiles)
+            self.n_bh = _gl_int(n_bh)
+            self.n_docs = _gl_int(n_docs)
+            self.n_items = _gl_int(n_items)
 
         @gluon.jit
         def item(self, t):
@@ -797,14 +841,78 @@ if gluon is not None:
             n_full = gl.minimum(start_m, n_full * self.BLOCK_N) // self.BLOCK_N if self.CAUSAL else n_full
             return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, self.BLOCK_N), n_full
 
-    @_bundle(desc="q k v qt kt vt o", tensor="O LSE", int="stride_ob stride_oh stride_os stride_lb stride_lh")
+    @aggregate
     class _FwdGlobal:
         """The forward's TMA descriptors (tails: the main ones again where there are none); O and L as pointers."""
+        q: tma.tensor_descriptor
+        k: tma.tensor_descriptor
+        v: tma.tensor_descriptor
+        qt: tma.tensor_descriptor
+        kt: tma.tensor_descriptor
+        vt: tma.tensor_descriptor
+        o: tma.tensor_descriptor
+        O: gl.tensor
+        LSE: gl.tensor
+        stride_ob: _GL_INT
+        stride_oh: _GL_INT
+        stride_os: _GL_INT
+        stride_lb: _GL_INT
+        stride_lh: _GL_INT
 
-    @_bundle(smem="q k v qt kt vt o q_ready q_empty k_ready k_empty v_ready v_empty turn")
+        @gluon.constexpr_function
+        def __init__(self, *, q, k, v, qt, kt, vt, o, O, LSE, stride_ob, stride_oh, stride_os,
+                     stride_lb, stride_lh):
+            self.q = q
+            self.k = k
+            self.v = v
+            self.qt = qt
+            self.kt = kt
+            self.vt = vt
+            self.o = o
+            self.O = O
+            self.LSE = LSE
+            self.stride_ob = _gl_int(stride_ob)
+            self.stride_oh = _gl_int(stride_oh)
+            self.stride_os = _gl_int(stride_os)
+            self.stride_lb = _gl_int(stride_lb)
+            self.stride_lh = _gl_int(stride_lh)
+
+    @aggregate
     class _FwdShared:
         """The forward's tiles and barriers: q/qt 2 x Q_BUFS tiles (warpgroup wg's of item n at 2 * (n % Q_BUFS) +
         wg), k/v (and tails) a ring of NUM_STAGES, o one per warpgroup; turn: the warpgroups' turns at the MMAs."""
+        q: gl.shared_memory_descriptor
+        k: gl.shared_memory_descriptor
+        v: gl.shared_memory_descriptor
+        qt: gl.shared_memory_descriptor
+        kt: gl.shared_memory_descriptor
+        vt: gl.shared_memory_descriptor
+        o: gl.shared_memory_descriptor
+        q_ready: gl.shared_memory_descriptor
+        q_empty: gl.shared_memory_descriptor
+        k_ready: gl.shared_memory_descriptor
+        k_empty: gl.shared_memory_descriptor
+        v_ready: gl.shared_memory_descriptor
+        v_empty: gl.shared_memory_descriptor
+        turn: gl.shared_memory_descriptor
+
+        @gluon.constexpr_function
+        def __init__(self, *, q, k, v, qt, kt, vt, o, q_ready, q_empty, k_ready, k_empty, v_ready,
+                     v_empty, turn):
+            self.q = q
+            self.k = k
+            self.v = v
+            self.qt = qt
+            self.kt = kt
+            self.vt = vt
+            self.o = o
+            self.q_ready = q_ready
+            self.q_empty = q_empty
+            self.k_ready = k_ready
+            self.k_empty = k_empty
+            self.v_ready = v_ready
+            self.v_empty = v_empty
+            self.turn = turn
 
     @gluon.jit
     def _gl_fwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
@@ -976,12 +1084,17 @@ if gluon is not None:
             sched.publish(n_seen, item)  # past the last: the consumers stop
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["m_tiles", "n_bh"])
-    def _gl_attn_fwd(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, O, LSE, cu_seqlens_q, counter,
-                     out_strides, dims, m_tiles, n_bh, n_docs, n_items, qk_scale, NUM_STAGES: gl.constexpr,
-                     Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
-                     O_TMA: gl.constexpr):
+    def _gl_attn_fwd(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc,
+                     O, LSE, cu_seqlens_q, counter,
+                     stride_ob, stride_oh, stride_os,
+                     stride_lb, stride_lh,
+                     head_dim, seqlen_q, seqlen_k, num_heads, group,
+                     m_tiles, n_bh, n_docs, n_items, qk_scale,
+                     NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                     CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr,
+                     DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
         """n_items = m_tiles * n_bh work items (_FwdConfig.item): a CTA each, or DYNAMIC a persistent grid (_Schedule).
-        Descriptors' blocks: the tiling; out_strides: O's (b, h, s), L's (b, h); dims: _FwdConfig's first 5 ints."""
+        The descriptors' blocks give the tiling."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         q_smem = _gl_tiles(q_desc, 2 * Q_BUFS)
@@ -1000,12 +1113,17 @@ if gluon is not None:
         _gl_init_bars(2, (turn, sched.ready, sched.empty), (1, 1, 2))
         _gl_init_bars(2 * Q_BUFS, (q_ready, q_empty), (1, 1))
         _gl_init_bars(NUM_STAGES, (k_ready, k_empty, v_ready, v_empty), (1, 2, 1, 2))
-        smem = _FwdShared(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, q_ready, q_empty, k_ready,
-                          k_empty, v_ready, v_empty, turn)
-        cfg = _FwdConfig(HEAD_DIM, TAIL, _gl_rows(q_desc), _gl_rows(k_desc), NUM_STAGES, Q_BUFS, CAUSAL,
-                         _gl_packed(q_desc), HEAD_MAJOR, O_TMA, cu_seqlens_q, qk_scale, *dims, m_tiles, n_bh, n_docs,
-                         n_items)
-        glob = _FwdGlobal(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, O, LSE, *out_strides)
+        smem = _FwdShared(q=q_smem, k=k_smem, v=v_smem, qt=qt_smem, kt=kt_smem, vt=vt_smem, o=o_smem,
+                          q_ready=q_ready, q_empty=q_empty, k_ready=k_ready, k_empty=k_empty,
+                          v_ready=v_ready, v_empty=v_empty, turn=turn)
+        cfg = _FwdConfig(HEAD_DIM=HEAD_DIM, TAIL=TAIL, BLOCK_M=_gl_rows(q_desc), BLOCK_N=_gl_rows(k_desc),
+                         NUM_STAGES=NUM_STAGES, Q_BUFS=Q_BUFS, CAUSAL=CAUSAL, VARLEN=_gl_packed(q_desc),
+                         HEAD_MAJOR=HEAD_MAJOR, O_TMA=O_TMA, cu_seqlens_q=cu_seqlens_q, qk_scale=qk_scale,
+                         head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads,
+                         group=group, m_tiles=m_tiles, n_bh=n_bh, n_docs=n_docs, n_items=n_items)
+        glob = _FwdGlobal(q=q_desc, k=k_desc, v=v_desc, qt=qt_desc, kt=kt_desc, vt=vt_desc, o=o_desc,
+                          O=O, LSE=LSE, stride_ob=stride_ob, stride_oh=stride_oh, stride_os=stride_os,
+                          stride_lb=stride_lb, stride_lh=stride_lh)
         gl.warp_specialize([(_gl_fwd_consumer, (0, cfg, glob, smem, sched)),
                             (_gl_fwd_consumer, (gl.constexpr(1), cfg, glob, smem, sched)),
                             (_gl_fwd_loader, (cfg, glob, smem, sched))], [4, 1], [240, 24])
@@ -1019,13 +1137,56 @@ if gluon is not None:
     # A dQ warp adds each dQ share into an fp32 buffer with TMA reduce-adds. With the dQ split (D=128) each
     # warpgroup makes half of dQ_i's columns over both K tiles, stored under the next tile's S^T.
 
-    @_bundle(constexpr="HEAD_DIM TAIL BLOCK_M BLOCK_N NUM_STAGES DQ_COLS CAUSAL VARLEN DKV_TMA",
-             tensor="cu_seqlens_q qk_scale sm_scale",
-             int="seqlen_q seqlen_k num_kv_heads group head_dim n_tiles n_docs n_items")
+    @aggregate
     class _BwdConfig:
         """The backward's tiling and problem: BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup (two
         an item), NUM_STAGES Q/dO slots, DQ_COLS the dQ columns a warpgroup makes; DKV_TMA: full dK/dV tiles leave
         by TMA; n_tiles: items per batch x K/V head (packed on the persistent grid: slots per K/V head)."""
+        HEAD_DIM: gl.constexpr
+        TAIL: gl.constexpr
+        BLOCK_M: gl.constexpr
+        BLOCK_N: gl.constexpr
+        NUM_STAGES: gl.constexpr
+        DQ_COLS: gl.constexpr
+        CAUSAL: gl.constexpr
+        VARLEN: gl.constexpr
+        DKV_TMA: gl.constexpr
+        cu_seqlens_q: gl.tensor
+        qk_scale: gl.tensor
+        sm_scale: gl.tensor
+        seqlen_q: _GL_INT
+        seqlen_k: _GL_INT
+        num_kv_heads: _GL_INT
+        group: _GL_INT
+        head_dim: _GL_INT
+        n_tiles: _GL_INT
+        n_docs: _GL_INT
+        n_items: _GL_INT
+
+        @gluon.constexpr_function
+        def __init__(self, *, HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_COLS, CAUSAL, VARLEN,
+                     DKV_TMA, cu_seqlens_q, qk_scale, sm_scale, seqlen_q, seqlen_k, num_kv_heads, group,
+                     head_dim, n_tiles, n_docs, n_items):
+            self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+            self.TAIL = gl.constexpr(TAIL)
+            self.BLOCK_M = gl.constexpr(BLOCK_M)
+            self.BLOCK_N = gl.constexpr(BLOCK_N)
+            self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+            self.DQ_COLS = gl.constexpr(DQ_COLS)
+            self.CAUSAL = gl.constexpr(CAUSAL)
+            self.VARLEN = gl.constexpr(VARLEN)
+            self.DKV_TMA = gl.constexpr(DKV_TMA)
+            self.cu_seqlens_q = cu_seqlens_q
+            self.qk_scale = qk_scale
+            self.sm_scale = sm_scale
+            self.seqlen_q = _gl_int(seqlen_q)
+            self.seqlen_k = _gl_int(seqlen_k)
+            self.num_kv_heads = _gl_int(num_kv_heads)
+            self.group = _gl_int(group)
+            self.head_dim = _gl_int(head_dim)
+            self.n_tiles = _gl_int(n_tiles)
+            self.n_docs = _gl_int(n_docs)
+            self.n_items = _gl_int(n_items)
 
         @gluon.jit
         def item(self, t, SLOTS: gl.constexpr):
@@ -1050,16 +1211,112 @@ if gluon is not None:
             n_iter = gl.maximum(gl.cdiv(seqlen_q, self.BLOCK_M) - m_lo, 0)
             return b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter
 
-    @_bundle(desc="q k v do dq qt kt vt dot dqt dk dv", tensor="DK DV LSE DELTA",
-             int="stride_dkb stride_dkh stride_dks stride_dvb stride_dvh stride_dvs stride_lb stride_lh")
+    @aggregate
     class _BwdGlobal:
         """The backward's TMA descriptors (tails: the main ones again where there are none); dK, dV, L, Delta."""
+        q: tma.tensor_descriptor
+        k: tma.tensor_descriptor
+        v: tma.tensor_descriptor
+        do: tma.tensor_descriptor
+        dq: tma.tensor_descriptor
+        qt: tma.tensor_descriptor
+        kt: tma.tensor_descriptor
+        vt: tma.tensor_descriptor
+        dot: tma.tensor_descriptor
+        dqt: tma.tensor_descriptor
+        dk: tma.tensor_descriptor
+        dv: tma.tensor_descriptor
+        DK: gl.tensor
+        DV: gl.tensor
+        LSE: gl.tensor
+        DELTA: gl.tensor
+        stride_dkb: _GL_INT
+        stride_dkh: _GL_INT
+        stride_dks: _GL_INT
+        stride_dvb: _GL_INT
+        stride_dvh: _GL_INT
+        stride_dvs: _GL_INT
+        stride_lb: _GL_INT
+        stride_lh: _GL_INT
 
-    @_bundle(smem="q do k v ds dq qt dot kt vt dqt lse delta kv_ready kv_empty ready empty ds_ready dq_full dq_empty")
+        @gluon.constexpr_function
+        def __init__(self, *, q, k, v, do, dq, qt, kt, vt, dot, dqt, dk, dv, DK, DV, LSE, DELTA,
+                     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+                     stride_lb, stride_lh):
+            self.q = q
+            self.k = k
+            self.v = v
+            self.do = do
+            self.dq = dq
+            self.qt = qt
+            self.kt = kt
+            self.vt = vt
+            self.dot = dot
+            self.dqt = dqt
+            self.dk = dk
+            self.dv = dv
+            self.DK = DK
+            self.DV = DV
+            self.LSE = LSE
+            self.DELTA = DELTA
+            self.stride_dkb = _gl_int(stride_dkb)
+            self.stride_dkh = _gl_int(stride_dkh)
+            self.stride_dks = _gl_int(stride_dks)
+            self.stride_dvb = _gl_int(stride_dvb)
+            self.stride_dvh = _gl_int(stride_dvh)
+            self.stride_dvs = _gl_int(stride_dvs)
+            self.stride_lb = _gl_int(stride_lb)
+            self.stride_lh = _gl_int(stride_lh)
+
+    @aggregate
     class _BwdShared:
         """The backward's tiles and barriers: q/do (and tails), lse, delta a ring of NUM_STAGES query tiles; k/v
         (and tails) each warpgroup's keys; ds and dq buffer b of warpgroup wg at 2 * b + wg (ds_ready: both dS
         stored; dq_full / dq_empty: a dQ share handed to the dQ warp / given back)."""
+        q: gl.shared_memory_descriptor
+        do: gl.shared_memory_descriptor
+        k: gl.shared_memory_descriptor
+        v: gl.shared_memory_descriptor
+        ds: gl.shared_memory_descriptor
+        dq: gl.shared_memory_descriptor
+        qt: gl.shared_memory_descriptor
+        dot: gl.shared_memory_descriptor
+        kt: gl.shared_memory_descriptor
+        vt: gl.shared_memory_descriptor
+        dqt: gl.shared_memory_descriptor
+        lse: gl.shared_memory_descriptor
+        delta: gl.shared_memory_descriptor
+        kv_ready: gl.shared_memory_descriptor
+        kv_empty: gl.shared_memory_descriptor
+        ready: gl.shared_memory_descriptor
+        empty: gl.shared_memory_descriptor
+        ds_ready: gl.shared_memory_descriptor
+        dq_full: gl.shared_memory_descriptor
+        dq_empty: gl.shared_memory_descriptor
+
+        @gluon.constexpr_function
+        def __init__(self, *, q, do, k, v, ds, dq, qt, dot, kt, vt, dqt, lse, delta, kv_ready, kv_empty,
+                     ready, empty, ds_ready, dq_full, dq_empty):
+            self.q = q
+            self.do = do
+            self.k = k
+            self.v = v
+            self.ds = ds
+            self.dq = dq
+            self.qt = qt
+            self.dot = dot
+            self.kt = kt
+            self.vt = vt
+            self.dqt = dqt
+            self.lse = lse
+            self.delta = delta
+            self.kv_ready = kv_ready
+            self.kv_empty = kv_empty
+            self.ready = ready
+            self.empty = empty
+            self.ds_ready = ds_ready
+            self.dq_full = dq_full
+            self.dq_empty = dq_empty
 
     @gluon.jit
     def _gl_bwd_put_dq(smem, dq, dq_t, tile, WG: gl.constexpr, TAIL: gl.constexpr):
@@ -1301,18 +1558,27 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["n_tiles"])
-    def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc,
-                     dv_desc, tensors, out_strides, dims, n_tiles, n_docs, n_items, qk_scale, sm_scale,
-                     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
-        """Work items (_BwdConfig.item) as the forward's. dq_desc: the zeroed fp32 dQ buffer; tensors: dK, dV, L,
-        Delta, cu_seqlens_q, counter; out_strides: dK's, dV's (b, h, s), L's (b, h); dims: _BwdConfig's first 5 ints."""
-        DK, DV, LSE, DELTA, cu_seqlens_q, counter = tensors
+    def _gl_attn_bwd(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc,
+                     dqt_desc, dk_desc, dv_desc,
+                     DK, DV, LSE, DELTA, cu_seqlens_q, counter,
+                     stride_dkb, stride_dkh, stride_dks,
+                     stride_dvb, stride_dvh, stride_dvs,
+                     stride_lb, stride_lh,
+                     seqlen_q, seqlen_k, num_kv_heads, group, head_dim,
+                     n_tiles, n_docs, n_items, qk_scale, sm_scale,
+                     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     DYNAMIC: gl.constexpr, DKV_TMA: gl.constexpr):
+        """Work items (_BwdConfig.item) as the forward's. dq_desc: the zeroed fp32 dQ buffer."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         BLOCK_M: gl.constexpr = _gl_rows(q_desc)
         BLOCK_N: gl.constexpr = _gl_rows(k_desc)
-        cfg = _BwdConfig(HEAD_DIM, TAIL, BLOCK_M, BLOCK_N, NUM_STAGES, dq_desc.block_type.shape[-1], CAUSAL,
-                         _gl_packed(q_desc), DKV_TMA, cu_seqlens_q, qk_scale, sm_scale, *dims, n_tiles, n_docs, n_items)
+        cfg = _BwdConfig(HEAD_DIM=HEAD_DIM, TAIL=TAIL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                         NUM_STAGES=NUM_STAGES, DQ_COLS=dq_desc.block_type.shape[-1], CAUSAL=CAUSAL,
+                         VARLEN=_gl_packed(q_desc), DKV_TMA=DKV_TMA, cu_seqlens_q=cu_seqlens_q,
+                         qk_scale=qk_scale, sm_scale=sm_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                         num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, n_tiles=n_tiles,
+                         n_docs=n_docs, n_items=n_items)
         live = True
         if not DYNAMIC:  # one CTA per item: an empty one (packed, past its document) returns before allocating
             _, _, _, _, seqlen_k_b, start_n, _, _ = cfg.item(gl.program_id(0), DYNAMIC)
@@ -1342,11 +1608,17 @@ if gluon is not None:
             _gl_init_bars(2, (kv_ready, ds_ready, sched.ready, sched.empty), (1, 2, 1, 3))
             _gl_init_bars(4, (dq_full, dq_empty), (1, 1))
             _gl_init_bars(NUM_STAGES, (ready, empty), (2, 2))
-            smem = _BwdShared(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, qt_smem, dot_smem, kt_smem, vt_smem,
-                              dqt_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty, ds_ready, dq_full,
-                              dq_empty)
-            glob = _BwdGlobal(q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc,
-                              dk_desc, dv_desc, DK, DV, LSE, DELTA, *out_strides)
+            smem = _BwdShared(q=q_smem, do=do_smem, k=k_smem, v=v_smem, ds=ds_smem, dq=dq_smem,
+                              qt=qt_smem, dot=dot_smem, kt=kt_smem, vt=vt_smem, dqt=dqt_smem,
+                              lse=lse_smem, delta=delta_smem, kv_ready=kv_ready, kv_empty=kv_empty,
+                              ready=ready, empty=empty, ds_ready=ds_ready, dq_full=dq_full,
+                              dq_empty=dq_empty)
+            glob = _BwdGlobal(q=q_desc, k=k_desc, v=v_desc, do=do_desc, dq=dq_desc, qt=qt_desc, kt=kt_desc,
+                              vt=vt_desc, dot=dot_desc, dqt=dqt_desc, dk=dk_desc, dv=dv_desc,
+                              DK=DK, DV=DV, LSE=LSE, DELTA=DELTA,
+                              stride_dkb=stride_dkb, stride_dkh=stride_dkh, stride_dks=stride_dks,
+                              stride_dvb=stride_dvb, stride_dvh=stride_dvh, stride_dvs=stride_dvs,
+                              stride_lb=stride_lb, stride_lh=stride_lh)
             gl.warp_specialize([(_gl_bwd_consumer, (0, cfg, glob, smem, sched)),
                                 (_gl_bwd_consumer, (gl.constexpr(1), cfg, glob, smem, sched)),
                                 (_gl_bwd_loader, (cfg, glob, smem, sched)),
@@ -1406,7 +1678,7 @@ if gluon is not None:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
         _gl_attn_fwd[(ctas if dynamic else n_items,)](
             q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, o, lse, cu_seqlens_q if varlen else lse, counter,
-            _strides(varlen, o) + (lb, lh), (d, seqlen_q, seqlen_k, heads, heads // kv_heads), m_tiles, n_bh, batch,
+            *_strides(varlen, o), lb, lh, d, seqlen_q, seqlen_k, heads, heads // kv_heads, m_tiles, n_bh, batch,
             n_items, LOG2E / math.sqrt(d), NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal,
             HEAD_MAJOR=not (varlen and dynamic), DYNAMIC=dynamic, O_TMA=o_tma, num_warps=4, maxnreg=168)
         return o, lse
@@ -1446,8 +1718,8 @@ if gluon is not None:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
         _gl_attn_bwd[(ctas if dynamic else n_items,)](
             q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc,
-            (dk, dv, lse, delta, cu, counter), _strides(varlen, dk, dv) + (lb, lh),
-            (seqlen_q, seqlen_k, kv_heads, heads // kv_heads, d), n_tiles, batch, n_items, LOG2E * scale, scale,
+            dk, dv, lse, delta, cu, counter, *_strides(varlen, dk, dv), lb, lh,
+            seqlen_q, seqlen_k, kv_heads, heads // kv_heads, d, n_tiles, batch, n_items, LOG2E * scale, scale,
             NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=dynamic, DKV_TMA=dkv_tma, num_warps=4, maxnreg=168)
         dq.copy_(dq_acc[..., :d])
         return dq, dk, dv
