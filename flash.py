@@ -625,6 +625,12 @@ if gluon is not None:
     def _gl_int(x):
         return x if isinstance(x, gl.tensor) else gl.constexpr(x)
 
+    @gluon.jit
+    def _gl_ring(n, SLOTS: gl.constexpr):
+        """Use n of a ring of SLOTS buffers: (its slot, the phase its barriers wait for). A producer waits for
+        phase ^ 1 on the empty barriers, which start as if released."""
+        return n % SLOTS, (n // SLOTS) & 1
+
     @aggregate
     class _Schedule:
         """A persistent CTA's work items (DYNAMIC): its producer claims the next untaken item from `counter` (the
@@ -646,16 +652,16 @@ if gluon is not None:
         @gluon.jit
         def publish(self, n, item):
             """The producer: item into slot n % 2, once every reader has taken what the slot held before."""
-            s = n % 2
-            mbarrier.wait(self.empty.index(s), ((n // 2) & 1) ^ 1)
+            s, phase = _gl_ring(n, 2)
+            mbarrier.wait(self.empty.index(s), phase ^ 1)
             layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             self.ring.index(s).store(gl.full([1], item, gl.int32, layout))
             mbarrier.arrive(self.ready.index(s), count=1)
 
         @gluon.jit
         def read(self, n):  # a reader: the CTA's n-th work item
-            s = n % 2
-            mbarrier.wait(self.ready.index(s), (n // 2) & 1)
+            s, phase = _gl_ring(n, 2)
+            mbarrier.wait(self.ready.index(s), phase)
             layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             item = gl.max(self.ring.index(s).load(layout), 0)
             mbarrier.arrive(self.empty.index(s), count=1)
@@ -949,16 +955,17 @@ if gluon is not None:
                 if TAIL > 0:
                     acc_t = gl.zeros([BLOCK_M, TAIL], gl.float32, layout=ot_layout)
                 s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-                qi = 2 * (n_done % cfg.Q_BUFS) + WG
+                q_slot, q_phase = _gl_ring(n_done, cfg.Q_BUFS)
+                qi = 2 * q_slot + WG
                 q = smem.q.index(qi).reshape([BLOCK_M, HEAD_DIM])
                 if TAIL > 0:
                     qt = smem.qt.index(qi).reshape([BLOCK_M, TAIL])
-                mbarrier.wait(smem.q_ready.index(qi), (n_done // cfg.Q_BUFS) & 1)
+                mbarrier.wait(smem.q_ready.index(qi), q_phase)
 
                 # mainloop: S_0 and its softmax, then per key tile j: S_j and P_(j-1) V_(j-1) issued, S_j's softmax
                 # under the second matmul
-                slot = it % NUM_STAGES
-                mbarrier.wait(smem.k_ready.index(slot), (it // NUM_STAGES) & 1)
+                slot, phase = _gl_ring(it, NUM_STAGES)
+                mbarrier.wait(smem.k_ready.index(slot), phase)
                 k = smem.k.index(slot).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(smem.turn.index(WG), (w & 1) ^ 1 ^ WG)
                 s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
@@ -974,11 +981,11 @@ if gluon is not None:
                 if TAIL > 0:
                     p_t = gl.convert_layout(p, pt_layout)
                 for j in range(1, n_tiles):
-                    slot = (it + j) % NUM_STAGES
-                    prev = (it + j - 1) % NUM_STAGES
-                    mbarrier.wait(smem.k_ready.index(slot), ((it + j) // NUM_STAGES) & 1)
+                    slot, phase = _gl_ring(it + j, NUM_STAGES)
+                    prev, prev_phase = _gl_ring(it + j - 1, NUM_STAGES)
+                    mbarrier.wait(smem.k_ready.index(slot), phase)
                     k = smem.k.index(slot).reshape([BLOCK_N, HEAD_DIM])
-                    mbarrier.wait(smem.v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
+                    mbarrier.wait(smem.v_ready.index(prev), prev_phase)
                     v = smem.v.index(prev).reshape([BLOCK_N, HEAD_DIM])
                     mbarrier.wait(smem.turn.index(WG), ((w + j) & 1) ^ 1 ^ WG)
                     s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)  # S_j = Q K_j^T
@@ -1005,8 +1012,8 @@ if gluon is not None:
                     if TAIL > 0:
                         p_t = gl.convert_layout(p, pt_layout)
                 mbarrier.arrive(smem.q_empty.index(qi), count=1)  # every S of this item is made: Q's slot is free
-                last = (it + n_tiles - 1) % NUM_STAGES
-                mbarrier.wait(smem.v_ready.index(last), ((it + n_tiles - 1) // NUM_STAGES) & 1)
+                last, phase = _gl_ring(it + n_tiles - 1, NUM_STAGES)
+                mbarrier.wait(smem.v_ready.index(last), phase)
                 v = smem.v.index(last).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(smem.turn.index(WG), ((w + n_tiles) & 1) ^ 1 ^ WG)
                 acc = warpgroup_mma(p, v, acc, is_async=True)
@@ -1065,13 +1072,13 @@ if gluon is not None:
             if start_m < seqlen_q_b:
                 kv_h = h // cfg.group
                 for wg in gl.static_range(2):
-                    qi = 2 * (n_done % cfg.Q_BUFS) + wg
-                    mbarrier.wait(smem.q_empty.index(qi), ((n_done // cfg.Q_BUFS) & 1) ^ 1)
+                    q_slot, q_phase = _gl_ring(n_done, cfg.Q_BUFS)
+                    qi = 2 * q_slot + wg
+                    mbarrier.wait(smem.q_empty.index(qi), q_phase ^ 1)
                     _gl_load_tile(glob.q, glob.qt, smem.q_ready, smem.q, smem.qt, qi, b, h,
                                   q_start + start_m + wg * cfg.BLOCK_M, 1)
                 for j in range(n_tiles):
-                    slot = (it + j) % cfg.NUM_STAGES
-                    phase = ((it + j) // cfg.NUM_STAGES) & 1
+                    slot, phase = _gl_ring(it + j, cfg.NUM_STAGES)
                     row = q_start + j * cfg.BLOCK_N
                     mbarrier.wait(smem.k_empty.index(slot), phase ^ 1)
                     _gl_load_tile(glob.k, glob.kt, smem.k_ready, smem.k, smem.kt, slot, b, kv_h, row, 1)
@@ -1321,8 +1328,8 @@ if gluon is not None:
     @gluon.jit
     def _gl_bwd_put_dq(smem, dq, dq_t, tile, WG: gl.constexpr, TAIL: gl.constexpr):
         """A consumer's dQ share of query tile `tile` (scaled; dq_t: its TAIL columns) to the dQ warp's buffers."""
-        buf = tile % 2
-        mbarrier.wait(smem.dq_empty.index(2 * buf + WG), ((tile // 2) & 1) ^ 1)  # the dQ warp is done with it
+        buf, phase = _gl_ring(tile, 2)
+        mbarrier.wait(smem.dq_empty.index(2 * buf + WG), phase ^ 1)  # the dQ warp is done with it
         smem.dq.index(2 * buf + WG).reshape(dq.type.shape).store(dq)
         if TAIL > 0:
             smem.dqt.index(2 * buf + WG).reshape(dq_t.type.shape).store(dq_t)
@@ -1383,11 +1390,11 @@ if gluon is not None:
                 # mainloop: one query tile (of every query head of the group in turn) per step
                 for i in range(cfg.group * n_iter):
                     tile = t + i
-                    slot = tile % cfg.NUM_STAGES
-                    buf = tile % 2
+                    slot, phase = _gl_ring(tile, cfg.NUM_STAGES)
+                    buf, buf_phase = _gl_ring(tile, 2)
                     start_m = (m_lo + i % n_iter) * BLOCK_M
                     rows = start_m + offs_q
-                    mbarrier.wait(smem.ready.index(slot), (tile // cfg.NUM_STAGES) & 1)
+                    mbarrier.wait(smem.ready.index(slot), phase)
                     lse_row = smem.lse.index(slot).load(col_st)  # read before the matmuls: its latency hides there
                     q = smem.q.index(slot).reshape([BLOCK_M, HEAD_DIM])
                     do = smem.do.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -1435,7 +1442,7 @@ if gluon is not None:
                         fence_async_shared()
                     dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
                     if SPLIT:  # this warpgroup's columns of dQ_i, over both warpgroups' keys
-                        mbarrier.wait(smem.ds_ready.index(buf), (tile // 2) & 1)
+                        mbarrier.wait(smem.ds_ready.index(buf), buf_phase)
                         for w in gl.static_range(2):
                             k_cols = smem.k.index(w).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
                             dq = warpgroup_mma(smem.ds.index(2 * buf + w).permute((1, 0)), k_cols, dq,
@@ -1508,10 +1515,10 @@ if gluon is not None:
                     _gl_load_tile(glob.k, glob.kt, smem.kv_ready, smem.k, smem.kt, wg, b, hk, row, 2)  # K and V
                     _gl_load_tile(glob.v, glob.vt, smem.kv_ready, smem.v, smem.vt, wg, b, hk, row, 0)
                 for i in range(cfg.group * n_iter):
-                    slot = (t + i) % cfg.NUM_STAGES
+                    slot, phase = _gl_ring(t + i, cfg.NUM_STAGES)
                     h = hk * cfg.group + i // n_iter
                     start_m = (m_lo + i % n_iter) * cfg.BLOCK_M
-                    mbarrier.wait(smem.empty.index(slot), (((t + i) // cfg.NUM_STAGES) & 1) ^ 1)
+                    mbarrier.wait(smem.empty.index(slot), phase ^ 1)
                     rows = start_m + offs
                     l_off = b.to(gl.int64) * glob.stride_lb + h * glob.stride_lh + q_start + rows
                     # the TMA loads first, so that L's and Delta's latency hides under theirs; a second arrival below
@@ -1539,10 +1546,10 @@ if gluon is not None:
                     tile = t + i
                     h = hk * cfg.group + i // n_iter
                     start_m = (m_lo + i % n_iter) * cfg.BLOCK_M
-                    buf = tile % 2
+                    buf, phase = _gl_ring(tile, 2)
                     for wg in gl.static_range(2):
                         col = wg * cfg.DQ_COLS if cfg.DQ_COLS < cfg.HEAD_DIM else 0
-                        mbarrier.wait(smem.dq_full.index(2 * buf + wg), (tile // 2) & 1)
+                        mbarrier.wait(smem.dq_full.index(2 * buf + wg), phase)
                         _tma_reduce_add(glob.dq, [q_start + start_m, h, col] if cfg.VARLEN else [b, h, start_m, col],
                                         smem.dq.index(2 * buf + wg))
                         if cfg.TAIL > 0:
