@@ -3,8 +3,8 @@
   1. Attention references: naive attention (dense, packed) and the tiled PyTorch twin of the kernels
   2. Attention in Triton (FlashAttention-2): forward, dQ pass, dK/dV pass, their launchers
   3. Attention on Hopper in Gluon (FlashAttention-3's design: TMA, warp specialization, async wgmma)
-  4. Attention entry points: the one place that picks the kernels, one autograd Function, flash_attention,
-     flash_attn_varlen, FlashAttentionTriton (the (batch, seq, d) interface)
+  4. Attention entry points: _launcher, the one choice between the Triton and Gluon kernels; one autograd
+     Function; flash_attention, flash_attn_varlen, FlashAttentionTriton (the (batch, seq, d) interface)
   5. AdamW's fused step kernel and its launcher (train.AdamW is the optimizer)
   6. Cross-entropy rows with their gradient in place (the fused LM head's inner step)
   7. RMSNorm, with and without the residual add: one forward kernel, one backward kernel
@@ -1662,8 +1662,9 @@ if gluon is not None:
         desc = _descriptor(x, rows, varlen, main, swizzle)
         return desc, _descriptor(x, rows, varlen, tail) if tail else desc
 
-    def _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal):
-        """(O, L) with the Gluon forward on a persistent grid: one CTA per SM takes work items from a counter."""
+    def _gluon_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+        """(O, L) with the Gluon forward on a persistent grid: one CTA per SM takes work items from a counter.
+        Keys share the queries' documents (_gluon_supported): cu_seqlens_k and max_seqlen_k go unread."""
         varlen, d = cu_seqlens_q is not None, q.shape[-1]
         main, tail = _gluon_head_tiles(d)
         block_m, block_n, stages, q_bufs = GLUON_FWD_CONFIGS[main + tail]
@@ -1690,8 +1691,9 @@ if gluon is not None:
             HEAD_MAJOR=not (varlen and dynamic), DYNAMIC=dynamic, O_TMA=o_tma, num_warps=4, maxnreg=168)
         return o, lse
 
-    def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal):
-        """(dQ, dK, dV) by the Gluon backward: the Triton Delta pre-pass, then one kernel for all three (dQ in fp32)."""
+    def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+        """(dQ, dK, dV) by the Gluon backward: the Triton Delta pre-pass, then one kernel for all three (dQ in fp32);
+        cu_seqlens_k and max_seqlen_k go unread, as in _gluon_forward."""
         varlen, d = cu_seqlens_q is not None, q.shape[-1]
         main, tail = _gluon_head_tiles(d)
         block_m, block_n, stages, dq_split, persistent, dq_swizzle = GLUON_BWD_CONFIGS[main + tail]
@@ -1784,27 +1786,35 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Attention entry points. One autograd Function serves dense and packed calls: eagerly it calls the launchers,
-#    under torch.compile or a dispatch mode (selective recomputation's, a FLOP counter's) two torch.library
-#    operators with fake kernels, so a model that calls them compiles without graph breaks.
+# 4. Attention entry points. One autograd Function serves dense and packed calls: eagerly it calls
+#    the launchers, under torch.compile or a dispatch mode (selective recomputation's, a FLOP
+#    counter's) two torch.library operators with fake kernels, so a model compiles whole.
+
+def _launcher(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
+    """The one choice between the kernel families: the launcher of a forward call, or with `more`
+    (dO, O) of a backward one. backend: 'auto' takes the Gluon kernels wherever they apply,
+    'triton' never, 'gluon' always (a forward they cannot take raises)."""
+    backward = len(more) > 0
+    if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                *more, backward=backward):
+        return _gluon_backward if backward else _gluon_forward
+    if backend == "gluon" and not backward:
+        raise RuntimeError("flash: FLASH_BACKEND=gluon but the Gluon kernels need an sm90 GPU, "
+                           "bf16/fp16, head dim <= 128 and TMA-aligned strides (got "
+                           f"{q.dtype}, {tuple(q.shape)}, {q.stride()})")
+    return _triton_backward if backward else _triton_forward
+
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
-    """(O, L): the one place that picks the forward kernels (backend, BACKEND at the call: 'auto' takes the Gluon
-    kernel wherever it applies, 'triton' never, 'gluon' always or raises)."""
-    if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
-        return _gluon_forward(q, k, v, cu_seqlens_q, max_seqlen_q, causal)
-    if backend == "gluon":
-        raise RuntimeError("flash: FLASH_BACKEND=gluon but the Gluon kernels need an sm90 GPU, bf16/fp16, head dim "
-                           f"<= 128 and TMA-aligned strides (got {q.dtype}, {tuple(q.shape)}, {q.stride()})")
-    return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+    launch = _launcher(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
 
 
-def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, backend):
-    """(dQ, dK, dV): the one place that picks the backward kernels (as the forward's backend says)."""
-    if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o,
-                                                backward=True):
-        return _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, max_seqlen_q, causal)
-    return _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              causal, backend):
+    launch = _launcher(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o)
+    return launch(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  causal)
 
 
 # torch.library.Library rather than torch.library.custom_op, whose checks add host time to every call
@@ -1833,8 +1843,12 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-        fwd = _attention_fwd_op if _through_ops() else _forward
-        o, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, BACKEND)
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        if _through_ops():
+            o, lse = _attention_fwd_op(*args, BACKEND)
+        else:
+            launch = _launcher(BACKEND, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+            o, lse = launch(*args)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros made for L's gradient (it has none)
@@ -1845,8 +1859,15 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         if do is None:  # O took no part in what is differentiated
             return (None,) * 8
-        bwd = _attention_bwd_op if _through_ops() else _backward
-        return tuple(bwd(do, *ctx.saved_tensors, *ctx.args)) + (None,) * 5
+        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, causal, backend = ctx.args
+        args = (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        if _through_ops():
+            grads = _attention_bwd_op(*args, backend)
+        else:
+            launch = _launcher(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, do, o)
+            grads = launch(*args)
+        return tuple(grads) + (None,) * 5
 
 
 def _check_qkv(q, k, v, ndim):
@@ -1862,14 +1883,14 @@ def _check_qkv(q, k, v, ndim):
         raise ValueError(f"flash: head dim {q.shape[-1]} > 256 is not supported")
 
 
-def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
-    """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning the logsumexp L
-    ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
+def _packing(q, k, v, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
+    """One-line errors for a call the kernels cannot take; else _FlashAttention's (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k): None, None, 0, 0 when dense."""
     _check_qkv(q, k, v, 4 if cu_seqlens is None else 3)
     if (cu_seqlens is None and q.shape[0] != k.shape[0]) or q.shape[1] % k.shape[1] != 0:  # dim 1: heads either way
         raise ValueError(f"flash: batch must match and H_kv divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if cu_seqlens is None:
-        return _FlashAttention.apply(q, k, v, None, None, 0, 0, causal)
+        return None, None, 0, 0
     if cu_seqlens_k is None:  # passed on as None: the autograd Function may not take one tensor twice
         max_seqlen_k = max_seqlen
     elif max_seqlen_k is None:
@@ -1878,19 +1899,27 @@ def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, c
         if cu is not None and (cu.dtype, cu.dim(), cu.shape, cu.device) != (torch.int32, 1, cu_seqlens.shape, q.device):
             raise ValueError(f"flash: {name} must be a 1-D int32 tensor on {q.device}, as long as cu_seqlens, got "
                              f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
-    return _FlashAttention.apply(q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k), causal)
+    return cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k)
+
+
+def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
+    """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning the logsumexp L
+    ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
+    packing = _packing(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
+    return _FlashAttention.apply(q, k, v, *packing, causal)
 
 
 def flash_attention(q, k, v, causal=True):
     """q (B, H, S, D), k/v (B, H_kv, S_k, D) with H % H_kv == 0, any strides -> O (B, H, S, D); differentiable."""
-    return attention_with_lse(q, k, v, causal)[0]
+    return _FlashAttention.apply(q, k, v, *_packing(q, k, v), causal)[0]
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None, max_seqlen_k=None):
     """Packed documents: q (total_q, H, D), k/v (total_k, H_kv, D), int32 cu_seqlens (num_seqs + 1) -> O like q.
     Each query attends only inside its own document; max_seqlen is a Python int >= the longest document (it sizes
     the grid and is not checked on the device, to avoid a host sync per call)."""
-    return attention_with_lse(q, k, v, causal, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)[0]
+    packing = _packing(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
+    return _FlashAttention.apply(q, k, v, *packing, causal)[0]
 
 
 class FlashAttentionTriton(torch.autograd.Function):
