@@ -1,21 +1,23 @@
-"""Every GPU kernel of the stack, each beside the plain PyTorch it must equal. Map, in file order:
+"""Every GPU kernel of the stack, each beside the plain PyTorch it must equal. Map:
 
-  1. Attention references: naive attention (dense, packed) and the tiled PyTorch twin of the kernels
+  1. Attention references: naive attention (dense, packed), the kernels' tiled PyTorch twin
   2. Attention in Triton (FlashAttention-2): forward, dQ pass, dK/dV pass, their launchers
-  3. Attention on Hopper in Gluon (FlashAttention-3's design: TMA, warp specialization, async wgmma)
-  4. Attention entry points: _launcher, the one choice between the Triton and Gluon kernels; one autograd
-     Function; flash_attention, flash_attn_varlen, FlashAttentionTriton (the (batch, seq, d) interface)
+  3. Attention on Hopper in Gluon (FlashAttention-3's design: TMA, warp specialization,
+     async wgmma)
+  4. Attention entry points: _launcher, the one choice between the Triton and Gluon kernels;
+     one autograd Function; flash_attention, flash_attn_varlen, FlashAttentionTriton
   5. AdamW's fused step kernel and its launcher (train.AdamW is the optimizer)
   6. Cross-entropy rows with their gradient in place (the fused LM head's inner step)
-  7. RMSNorm, with and without the residual add: one forward kernel, one backward kernel
+  7. RMSNorm, with and without the residual add: one kernel each way
 
-Attention: S = Q K^T / sqrt(d); P = softmax(S) row by row (causal: key j is masked for query i when j > i, the
-top-left alignment of SDPA's is_causal); O = P V; L = logsumexp of each row of S, saved for backward. The kernels
-never store S or P: the forward keeps a running max m_i and sum l_i (online softmax), the backward recomputes
-P = exp(S - L) tile by tile and uses Delta = rowsum(dO * O) (which equals rowsum(P * dP)), so
+Attention: S = Q K^T / sqrt(d); P = softmax(S) by rows (causal: key j is masked for query i
+when j > i, SDPA's top-left alignment); O = P V; L = logsumexp of each row of S. The kernels
+never store S or P: the forward keeps a running max m_i and sum l_i (online softmax), the
+backward recomputes P = exp(S - L) tile by tile and uses Delta = rowsum(dO * O), so
 dS = P * (dP - Delta), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), dV = P^T dO.
-FLASH_BACKEND=triton forces the Triton kernels, FLASH_BACKEND=gluon insists on the Hopper ones (default: auto).
-Without CUDA the Triton kernels run in Triton's (slow) interpreter: importing this file sets TRITON_INTERPRET=1.
+FLASH_BACKEND=triton forces the Triton kernels, =gluon the Hopper ones (default: auto).
+Without CUDA the Triton kernels run in Triton's interpreter: importing this file sets
+TRITON_INTERPRET=1.
 """
 import functools
 import math
@@ -27,24 +29,25 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-# no GPU and triton imported already (by torch.compile, say): setting TRITON_INTERPRET below comes too late for it
-_INTERPRET_TOO_LATE = not torch.cuda.is_available() and "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
-if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
+# no GPU and triton imported already (by torch.compile, say): too late to set TRITON_INTERPRET
+_INTERPRET_TOO_LATE = (not torch.cuda.is_available() and "triton" in sys.modules
+                       and "TRITON_INTERPRET" not in os.environ)
+if not torch.cuda.is_available():  # must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BACKEND = os.environ.get("FLASH_BACKEND", "auto")  # 'auto' | 'triton' | 'gluon'; read at each call
-LOG2E = 1.4426950408889634  # scores in base 2 for exp2; kernels write it as a literal (Triton: constexpr globals only)
+LOG2E = 1.4426950408889634  # scores in base 2 for exp2 (kernels write it as a literal)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 # 1. Attention references: naive attention and the tiled PyTorch twin of the kernels
 
 def attention_reference(q, k, v, causal=False):
-    """Naive attention on (..., H, S, D) with k/v (..., H_kv, S_k, D): returns (O, L), L = logsumexp of the scores
-    Materializes the (S, S_k) scores: for tests and as the naive baseline only."""
+    """Naive attention on (..., H, S, D) with k/v (..., H_kv, S_k, D) -> (O, L), L the
+    logsumexp of the scores. Materializes the (S, S_k) scores: for tests and as a baseline."""
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
@@ -57,16 +60,18 @@ def attention_reference(q, k, v, causal=False):
 
 
 def attention_varlen_reference(q, k, v, cu_seqlens, causal=True, cu_seqlens_k=None):
-    """Packed (total_tokens, H, D) attention, one document at a time (query t sees key s only inside its own
-    document): returns (O, L) with L of shape (H, total_tokens), the flash-attn varlen layout."""
+    """Packed (total_tokens, H, D) attention, one document at a time -> (O, L), L of shape
+    (H, total_tokens) as flash-attn's varlen kernels lay it out."""
     cu_q = cu_seqlens.tolist()
     cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.tolist()
-    o, lse = q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), float("-inf"))
+    o = q.new_zeros(q.shape)
+    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"))
     for i in range(len(cu_q) - 1):
         (a, b), (c, d) = cu_q[i:i + 2], cu_k[i:i + 2]
         if b == a or d == c:
             continue
-        o_i, lse_i = attention_reference(q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1), causal)
+        q_i, k_i, v_i = q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)
+        o_i, lse_i = attention_reference(q_i, k_i, v_i, causal)
         o[a:b], lse[:, a:b] = o_i.transpose(0, 1), lse_i
     return o, lse
 
@@ -75,8 +80,9 @@ TWIN_TILE = 64
 
 
 class FlashAttentionPyTorch(torch.autograd.Function):
-    """Tiled FlashAttention-2 in plain PyTorch on (..., seq, d), the readable twin of the kernels: their online
-    softmax and recomputing backward, one query tile and one key tile at a time; saves L of shape (..., seq_q)."""
+    """Tiled FlashAttention-2 in plain PyTorch on (..., seq, d), the readable twin of the
+    kernels: their online softmax and recomputing backward, one query tile and one key tile at
+    a time; saves L of shape (..., seq_q)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):
@@ -90,13 +96,17 @@ class FlashAttentionPyTorch(torch.autograd.Function):
             m_i = torch.full(q_i.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
             l_i = torch.zeros_like(m_i)
             acc = torch.zeros(q_i.shape[:-1] + (v.shape[-1],), dtype=acc_dtype, device=q.device)
-            n_end = min(n_k, i0 + q_i.shape[-2]) if causal else n_k  # key tiles right of the diagonal: never visited
+            n_end = n_k
+            if causal:  # key tiles right of the diagonal: never visited
+                n_end = min(n_k, i0 + q_i.shape[-2])
             for j0 in range(0, n_end, TWIN_TILE):
-                k_j, v_j = k[..., j0:j0 + TWIN_TILE, :].to(acc_dtype), v[..., j0:j0 + TWIN_TILE, :].to(acc_dtype)
+                k_j = k[..., j0:j0 + TWIN_TILE, :].to(acc_dtype)
+                v_j = v[..., j0:j0 + TWIN_TILE, :].to(acc_dtype)
                 s = (q_i @ k_j.transpose(-1, -2)) * scale
-                if causal and j0 + k_j.shape[-2] - 1 > i0:  # diagonal tile: the one place with a compare
+                if causal and j0 + k_j.shape[-2] - 1 > i0:  # the diagonal tile: compares
                     cols = torch.arange(j0, j0 + k_j.shape[-2], device=q.device)
-                    s = s.masked_fill(cols[None, :] > rows[:, None], -1e6)  # finite: no inf - inf in a masked row
+                    # finite: no inf - inf in a masked row
+                    s = s.masked_fill(cols[None, :] > rows[:, None], -1e6)
                 m_new = torch.maximum(m_i, s.amax(-1))
                 p = torch.exp(s - m_new[..., None])
                 alpha = torch.exp(m_i - m_new)
@@ -118,13 +128,15 @@ class FlashAttentionPyTorch(torch.autograd.Function):
         delta = (do.to(acc_dtype) * o.to(acc_dtype)).sum(-1)  # Delta = rowsum(dO * O)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype, device=q.device) for x in (q, k, v))
         for j0 in range(0, n_k, TWIN_TILE):
-            k_j, v_j = k[..., j0:j0 + TWIN_TILE, :].to(acc_dtype), v[..., j0:j0 + TWIN_TILE, :].to(acc_dtype)
+            k_j = k[..., j0:j0 + TWIN_TILE, :].to(acc_dtype)
+            v_j = v[..., j0:j0 + TWIN_TILE, :].to(acc_dtype)
             cols = torch.arange(j0, j0 + k_j.shape[-2], device=q.device)
-            for i0 in range(j0 if causal else 0, n_q, TWIN_TILE):  # causal: start at the diagonal
+            for i0 in range(j0 if causal else 0, n_q, TWIN_TILE):  # causal: from the diagonal
                 sl = slice(i0, i0 + TWIN_TILE)
                 q_i, do_i = q[..., sl, :].to(acc_dtype), do[..., sl, :].to(acc_dtype)
                 rows = torch.arange(i0, i0 + q_i.shape[-2], device=q.device)
-                p = torch.exp((q_i @ k_j.transpose(-1, -2)) * scale - lse[..., sl, None])
+                s = (q_i @ k_j.transpose(-1, -2)) * scale
+                p = torch.exp(s - lse[..., sl, None])
                 if causal:
                     p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
                 dv[..., j0:j0 + TWIN_TILE, :] += p.transpose(-1, -2) @ do_i
@@ -134,50 +146,59 @@ class FlashAttentionPyTorch(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 2. Attention in Triton (FlashAttention-2). One layout serves dense and packed inputs: a tensor is addressed as
+# ------------------------------------------------------------------------------------------
+# 2. Attention in Triton (FlashAttention-2). One layout serves dense and packed inputs:
 #      base + batch * stride_b + head * stride_h + (seq_start + row) * stride_s + dim
-#    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0, seq_start = cu_seqlens[batch].
-#    L and Delta are fp32, (B, H, S) dense and (H, total) packed. A kernel takes each operand's (b, h, s) strides,
-#    the query and key cu_seqlens as a pair; few integers are specialized (compiling is the cold start).
+#    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0 and
+#    seq_start = cu_seqlens[batch]. L and Delta are fp32, (B, H, S) dense, (H, total) packed.
+#    Few integers are specialized: compiling is the cold start.
 
-# the tuning space: (head-dim class, element size) -> [(BLOCK_M, BLOCK_N, warps, stages), ...], the best first (in
-# the dK/dV pass BLOCK_N is the key tile held in registers)
-FWD_CONFIGS = {(64, 2): [(128, 64, 8, 3), (128, 64, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
-               (128, 2): [(128, 64, 8, 3), (128, 128, 8, 2)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
-               (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
-DQ_CONFIGS = {(64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
-              (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
-              (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
-DKDV_CONFIGS = {(64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)], (64, 4): [(32, 64, 4, 2), (64, 64, 4, 2)],
-                (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)], (128, 4): [(32, 64, 4, 2), (32, 32, 4, 2)],
-                (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)]}
+# the tuning space: (head-dim class, element size) -> [(BLOCK_M, BLOCK_N, warps, stages)], best
+# first (in the dK/dV pass BLOCK_N is the key tile held in registers)
+FWD_CONFIGS = {
+    (64, 2): [(128, 64, 8, 3), (128, 64, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
+    (128, 2): [(128, 64, 8, 3), (128, 128, 8, 2)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    (256, 2): [(64, 32, 4, 2), (64, 64, 8, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
+DQ_CONFIGS = {
+    (64, 2): [(128, 64, 8, 3), (128, 32, 4, 3)], (64, 4): [(64, 32, 4, 2), (64, 64, 4, 2)],
+    (128, 2): [(128, 64, 8, 3), (64, 64, 4, 3)], (128, 4): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    (256, 2): [(64, 32, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (32, 16, 4, 1)]}
+DKDV_CONFIGS = {
+    (64, 2): [(32, 128, 4, 3), (64, 64, 4, 3)], (64, 4): [(32, 64, 4, 2), (64, 64, 4, 2)],
+    (128, 2): [(64, 128, 8, 3), (64, 64, 4, 3)], (128, 4): [(32, 64, 4, 2), (32, 32, 4, 2)],
+    (256, 2): [(32, 64, 4, 2), (32, 32, 4, 2)], (256, 4): [(32, 32, 4, 2), (16, 32, 4, 1)]}
+TUNING_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC"]
 
 
 def _autotuned(table, interpreted):
-    """triton.autotune among table[(head-dim class, element size)], its pick cached on disk; in the interpreter the
-    tiles `interpreted` (BLOCK_M, BLOCK_N), smaller than the test lengths, so that every path runs."""
+    """triton.autotune among table[(head-dim class, element size)], its pick cached on disk;
+    in the interpreter the tiles `interpreted` (BLOCK_M, BLOCK_N), below the test lengths."""
     def wrap(kernel):
         if INTERPRET:
-            return triton.heuristics({"BLOCK_M": lambda _: interpreted[0], "BLOCK_N": lambda _: interpreted[1]})(kernel)
+            tiles = {"BLOCK_M": lambda _: interpreted[0], "BLOCK_N": lambda _: interpreted[1]}
+            return triton.heuristics(tiles)(kernel)
         every = sorted({cfg for cfgs in table.values() for cfg in cfgs})
-        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                   for m, n, w, s in every]
 
         def prune(configs, named_args, **kwargs):
             d, dtype = kwargs["HEAD_DIM"], named_args["Q"].dtype
             wanted = table[(64 if d <= 64 else d, 4 if dtype == torch.float32 else 2)]
             return [c for c in configs
-                    if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+                    if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                    in wanted]
 
-        return triton.autotune(configs, key=["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "VARLEN", "PREC"], cache_results=True,
-                               prune_configs_by={"early_config_prune": prune})(kernel)
+        tune = triton.autotune(configs, key=TUNING_KEY, cache_results=True,
+                               prune_configs_by={"early_config_prune": prune})
+        return tune(kernel)
     return wrap
 
 
 @triton.jit
 def _rows(base, stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """A BLOCK x HEAD_DIM tile of pointers at row 0 of one head of one sequence."""
-    return base + tl.arange(0, BLOCK)[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
+    rows = tl.arange(0, BLOCK)[:, None] * stride
+    return base + rows + tl.arange(0, HEAD_DIM)[None, :]
 
 
 @triton.jit
@@ -189,31 +210,36 @@ def _load_rows(src, start, stride, seqlen, offs, MASKED: tl.constexpr):
 
 @triton.jit
 def _store_rows(dst, start, stride, seqlen, offs, x):
-    tl.store(dst + start * stride, x.to(dst.dtype.element_ty), mask=(start + offs)[:, None] < seqlen)
+    mask = (start + offs)[:, None] < seqlen
+    tl.store(dst + start * stride, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _sequence(cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    """(b, h, first query row, seqlen_q, first key row, seqlen_k) of program_id(0) = batch b x head h; packed, the
-    rows of sequence b's queries and keys (64-bit starts: start * stride may pass 2^31)."""
+    """(b, h, first query row, seqlen_q, first key row, seqlen_k) of program_id(0) = b x h;
+    packed, sequence b's rows (starts in 64 bits: start * stride may pass 2^31)."""
     pid_bh = tl.program_id(0)
     b, h = pid_bh // num_heads, pid_bh % num_heads
     q_start, k_start = tl.full([], 0, tl.int64), tl.full([], 0, tl.int64)
     if VARLEN:
         q0, q1 = tl.load(cu_seqlens_q + b), tl.load(cu_seqlens_q + b + 1)
         k0, k1 = tl.load(cu_seqlens_k + b), tl.load(cu_seqlens_k + b + 1)
-        q_start, seqlen_q, k_start, seqlen_k = q0.to(tl.int64), q1 - q0, k0.to(tl.int64), k1 - k0
+        q_start, seqlen_q = q0.to(tl.int64), q1 - q0
+        k_start, seqlen_k = k0.to(tl.int64), k1 - k0
     return b, h, q_start, seqlen_q, k_start, seqlen_k
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    """The online softmax over key tiles [lo, hi): m_i running max, l_i running sum, acc = unnormalized P V."""
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
+               offs_m, offs_n, seqlen_k, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """The online softmax over key tiles [lo, hi): m_i running max, l_i running sum,
+    acc = unnormalized P V."""
     for start_n in range(lo, hi, BLOCK_N):
         k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if MASKED:  # ragged end and, when causal, the diagonal: the only tiles that compare indices
+        if MASKED:  # ragged end and, when causal, the diagonal: the only tiles that compare
             cols = start_n + offs_n
             keep = cols[None, :] < seqlen_k
             if CAUSAL:
@@ -241,13 +267,15 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
               VARLEN: tl.constexpr, PREC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query tile, batch x head): O and L of BLOCK_M rows. Key tiles left of the diagonal need no
-    index compare; the diagonal tile and a ragged end do; tiles right of it are never visited."""
+    """One program per (query tile, batch x head): O and L of BLOCK_M rows. Key tiles left of
+    the diagonal compare no indices; the diagonal tile and a ragged end do; tiles right of it
+    are never visited."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
     qk_scale = tl.cast(qk_scale, tl.float32)  # a Python float may come typed fp64
-    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q,
-                                                           seqlen_k, VARLEN)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest causal tiles launch first
+    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(
+        cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q, seqlen_k, VARLEN)
+    # longest causal tiles launch first
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     if start_m >= seqlen_q:  # a tile past its sequence's end exits at once
         return
     b64 = b.to(tl.int64)
@@ -255,25 +283,34 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
     offs_m = start_m + offs_m0
     offs_n = tl.arange(0, BLOCK_N)
     kv_h = h // group
-    q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, stride_qs, HEAD_DIM, BLOCK_M)
-    k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
-    v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
+    q_base = Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs
+    k_base = K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks
+    v_base = V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs
+    q_src = _rows(q_base, stride_qs, HEAD_DIM, BLOCK_M)
+    k_src = _rows(k_base, stride_ks, HEAD_DIM, BLOCK_N)
+    v_src = _rows(v_base, stride_vs, HEAD_DIM, BLOCK_N)
     q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # causal: no key tile right of the diagonal
+    hi = seqlen_k
     full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # key tiles below it need no index compare
-    full_hi = tl.minimum(start_m, full_hi) if CAUSAL else full_hi
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                               seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys (empty key sequence) writes O = 0
-    o_dst = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M)
+    if CAUSAL:  # no key tile right of the diagonal
+        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+        full_hi = tl.minimum(start_m, full_hi)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
+                               0, full_hi, offs_m, offs_n, seqlen_k, qk_scale,
+                               MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
+                               full_hi, hi, offs_m, offs_n, seqlen_k, qk_scale,
+                               MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no keys writes O = 0
+    o_base = O + b64 * stride_ob + h * stride_oh + q_start * stride_os
+    o_dst = _rows(o_base, stride_os, HEAD_DIM, BLOCK_M)
     _store_rows(o_dst, start_m, stride_os, seqlen_q, offs_m0, acc * (1.0 / l_safe)[:, None])
-    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453  # back to natural log: L = m + log(l)
-    tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
+    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453  # natural log: L = m + log(l)
+    l_base = LSE + b64 * stride_lb + h * stride_lh + q_start
+    tl.store(l_base + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q"])
@@ -285,9 +322,11 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q,
                     seqlen_q, num_heads, head_dim, dq_cols,
                     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
                     BLOCK_M: tl.constexpr):
-    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 over the head_dim columns, and the same rows
-    of DQ (its first dq_cols columns), the fp32 buffer the Gluon backward adds dQ into, zeroed."""
-    b, h, q_start, seqlen_q, _, _ = _sequence(cu_seqlens_q, cu_seqlens_q, num_heads, seqlen_q, seqlen_q, VARLEN)
+    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 over head_dim columns,
+    and the first dq_cols columns of the same rows of DQ (the fp32 buffer the Gluon backward
+    adds dQ into) zeroed."""
+    b, h, q_start, seqlen_q, _, _ = _sequence(cu_seqlens_q, cu_seqlens_q, num_heads,
+                                              seqlen_q, seqlen_q, VARLEN)
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -296,26 +335,32 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q,
     offs_m = start_m + offs_m0
     offs_d = tl.arange(0, HEAD_DIM)
     keep = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
-    o = tl.load(O + b64 * stride_ob + h * stride_oh + (q_start + offs_m)[:, None] * stride_os + offs_d[None, :],
-                mask=keep, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h * stride_doh + (q_start + offs_m)[:, None] * stride_dos + offs_d[None, :],
-                 mask=keep, other=0.0)
+    o_ptr = (O + b64 * stride_ob + h * stride_oh
+             + (q_start + offs_m)[:, None] * stride_os + offs_d[None, :])
+    o = tl.load(o_ptr, mask=keep, other=0.0)
+    do_ptr = (DO + b64 * stride_dob + h * stride_doh
+              + (q_start + offs_m)[:, None] * stride_dos + offs_d[None, :])
+    do = tl.load(do_ptr, mask=keep, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < seqlen_q)
-    tl.store(DQ + b64 * stride_dqb + h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqs + offs_d[None, :],
+    l_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
+    tl.store(l_base + offs_m, delta, mask=offs_m < seqlen_q)
+    tl.store(DQ + b64 * stride_dqb + h * stride_dqh
+             + (q_start + offs_m)[:, None] * stride_dqs + offs_d[None, :],
              tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32),
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < dq_cols))
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi, offs_m, offs_n, seqlen_k,
-              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-              HEAD_DIM: tl.constexpr):
+def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, hi,
+              offs_m, offs_n, seqlen_k, qk_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+              PREC: tl.constexpr, HEAD_DIM: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n, MASKED)
-        if HEAD_DIM > 64:  # where V is loaded is tuned per head dim: beside K here, after P below
+        if HEAD_DIM > 64:  # where V loads is tuned per head dim: beside K here, after P below
             v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n, MASKED)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
             cols = start_n + offs_n
             keep = cols[None, :] < seqlen_k
@@ -344,13 +389,14 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                  VARLEN: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ stored once, and Delta =
-    rowsum(dO * O) of its rows for pass 2. qk_scale = log2(e) / sqrt(d), sm_scale = 1 / sqrt(d)."""
+    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ
+    stored once, and Delta = rowsum(dO * O) of its rows for pass 2.
+    qk_scale = log2(e) / sqrt(d), sm_scale = 1 / sqrt(d)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     qk_scale = tl.cast(qk_scale, tl.float32)  # as in _attn_fwd
     sm_scale = tl.cast(sm_scale, tl.float32)
-    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q,
-                                                           seqlen_k, VARLEN)
+    b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(
+        cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q, seqlen_k, VARLEN)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -359,41 +405,57 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
     offs_m = start_m + offs_m0
     offs_n = tl.arange(0, BLOCK_N)
     kv_h = h // group
-    q = _load_rows(_rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, stride_qs, HEAD_DIM, BLOCK_M),
-                   start_m, stride_qs, seqlen_q, offs_m0, True)
-    do = _load_rows(_rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM,
-                          BLOCK_M), start_m, stride_dos, seqlen_q, offs_m0, True)
-    o = _load_rows(_rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os, stride_os, HEAD_DIM, BLOCK_M),
-                   start_m, stride_os, seqlen_q, offs_m0, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rows past seqlen_q load as zeros: Delta 0 there
+    q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs,
+                  stride_qs, HEAD_DIM, BLOCK_M)
+    q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, True)
+    do_src = _rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos,
+                   stride_dos, HEAD_DIM, BLOCK_M)
+    do = _load_rows(do_src, start_m, stride_dos, seqlen_q, offs_m0, True)
+    o_src = _rows(O + b64 * stride_ob + h * stride_oh + q_start * stride_os,
+                  stride_os, HEAD_DIM, BLOCK_M)
+    o = _load_rows(o_src, start_m, stride_os, seqlen_q, offs_m0, True)
+    # rows past seqlen_q load as zeros: Delta 0 there
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     row_ok = offs_m < seqlen_q
     l_off = b64 * stride_lb + h * stride_lh + q_start + offs_m
     tl.store(DELTA + l_off, delta, mask=row_ok)
     lse2 = tl.load(LSE + l_off, mask=row_ok, other=0.0) * 1.4426950408889634
-    k_src = _rows(K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N)
-    v_src = _rows(V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N)
+    k_base = K + b64 * stride_kb + kv_h * stride_kh + k_start * stride_ks
+    v_base = V + b64 * stride_vb + kv_h * stride_vh + k_start * stride_vs
+    k_src = _rows(k_base, stride_ks, HEAD_DIM, BLOCK_N)
+    v_src = _rows(v_base, stride_vs, HEAD_DIM, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    hi = tl.minimum(seqlen_k, start_m + BLOCK_M) if CAUSAL else seqlen_k  # causal: no key tile right of the diagonal
+    hi = seqlen_k
     full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # key tiles below it need no index compare
-    full_hi = tl.minimum(start_m, full_hi) if CAUSAL else full_hi
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, 0, full_hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, hi, offs_m, offs_n,
-                   seqlen_k, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
-    dq_dst = _rows(DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs, stride_dqs, HEAD_DIM, BLOCK_M)
+    if CAUSAL:  # no key tile right of the diagonal
+        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+        full_hi = tl.minimum(start_m, full_hi)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
+                   0, full_hi, offs_m, offs_n, seqlen_k, qk_scale, MASKED=False,
+                   CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
+                   full_hi, hi, offs_m, offs_n, seqlen_k, qk_scale, MASKED=True,
+                   CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, PREC=PREC, HEAD_DIM=HEAD_DIM)
+    dq_base = DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs
+    dq_dst = _rows(dq_base, stride_dqs, HEAD_DIM, BLOCK_M)
     _store_rows(dq_dst, start_m, stride_dqs, seqlen_q, offs_m0, dq * sm_scale)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, hi, offs_n, seqlen_q,
-                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
-    # On the transposed scores (keys x queries), so P^T, dP^T and dS^T need no transposes; each operand loaded
-    # just before the matmul that needs it. MASKED: rows may pass seqlen_q; CAUSAL: the tiles cross the diagonal.
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, hi,
+                offs_n, seqlen_q, qk_scale,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+    # On the transposed scores (keys x queries): P^T, dP^T and dS^T need no transposes. Each
+    # operand loads just before its matmul. MASKED: rows may pass seqlen_q (loaded as zeros,
+    # L = 0 too: they add nothing); CAUSAL: the tiles cross the diagonal.
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        # MASKED: rows past the end load as zeros (L = 0 too), so they add nothing to dK and dV
-        lse2 = tl.load(LSE_h + offs_m, mask=offs_m < seqlen_q, other=0.0) if MASKED else tl.load(LSE_h + offs_m)
+        if MASKED:
+            lse2 = tl.load(LSE_h + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        else:
+            lse2 = tl.load(LSE_h + offs_m)
         lse2 = lse2 * 1.4426950408889634
         q = _load_rows(q_src, start_m, stride_qs, seqlen_q, offs_m0, MASKED)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
@@ -402,7 +464,10 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_d
         p_t = tl.math.exp2(s_t - lse2[None, :])
         do = _load_rows(do_src, start_m, stride_dos, seqlen_q, offs_m0, MASKED)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
-        delta = tl.load(DELTA_h + offs_m, mask=offs_m < seqlen_q, other=0.0) if MASKED else tl.load(DELTA_h + offs_m)
+        if MASKED:
+            delta = tl.load(DELTA_h + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        else:
+            delta = tl.load(DELTA_h + offs_m)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
@@ -424,81 +489,108 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    VARLEN: tl.constexpr, PREC: tl.constexpr,
                    GROUP: tl.constexpr, EVEN_Q: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 2: one program per key tile and K/V head, K_j and V_j held in registers, a loop over the query heads
-    of its group and their query tiles from the diagonal on; dK and dV stored once (no atomics)."""
+    """Pass 2: one program per key tile and K/V head, K_j and V_j held in registers, a loop
+    over the query heads of its group and their query tiles from the diagonal on; dK and dV
+    stored once (no atomics)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
-    tl.static_assert(128 % BLOCK_N == 0)  # EVEN_Q (no ragged query tile) is decided on the host for 128 rows
+    tl.static_assert(128 % BLOCK_N == 0)  # the host decides EVEN_Q for 128 rows
     qk_scale = tl.cast(qk_scale, tl.float32)  # as in _attn_fwd
     sm_scale = tl.cast(sm_scale, tl.float32)
-    b, hk, q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, num_kv_heads, seqlen_q,
-                                                            seqlen_k, VARLEN)
-    start_n = tl.program_id(1) * BLOCK_N  # causal: the first key tiles have the most query rows, so they launch first
+    b, hk, q_start, seqlen_q, k_start, seqlen_k = _sequence(
+        cu_seqlens_q, cu_seqlens_k, num_kv_heads, seqlen_q, seqlen_k, VARLEN)
+    # causal: the first key tiles have the most query rows, so they launch first
+    start_n = tl.program_id(1) * BLOCK_N
     if start_n >= seqlen_k:
         return
     b64 = b.to(tl.int64)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_n0
-    k = _load_rows(_rows(K + b64 * stride_kb + hk * stride_kh + k_start * stride_ks, stride_ks, HEAD_DIM, BLOCK_N),
-                   start_n, stride_ks, seqlen_k, offs_n0, True)
-    v = _load_rows(_rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs, stride_vs, HEAD_DIM, BLOCK_N),
-                   start_n, stride_vs, seqlen_k, offs_n0, True)
-    dk, dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32), tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    k_src = _rows(K + b64 * stride_kb + hk * stride_kh + k_start * stride_ks,
+                  stride_ks, HEAD_DIM, BLOCK_N)
+    k = _load_rows(k_src, start_n, stride_ks, seqlen_k, offs_n0, True)
+    v_src = _rows(V + b64 * stride_vb + hk * stride_vh + k_start * stride_vs,
+                  stride_vs, HEAD_DIM, BLOCK_N)
+    v = _load_rows(v_src, start_n, stride_vs, seqlen_k, offs_n0, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dk_dst = DK + b64 * stride_dkb + hk * stride_dkh + k_start * stride_dks
     dv_dst = DV + b64 * stride_dvb + hk * stride_dvh + k_start * stride_dvs
-    if CAUSAL:  # query rows before start_n see none of these keys; rows past start_n + BLOCK_N see all of them
-        if start_n >= seqlen_q:  # keys that no query reaches (seqlen_k > seqlen_q): zero gradients
-            _store_rows(_rows(dk_dst, stride_dks, HEAD_DIM, BLOCK_N), start_n, stride_dks, seqlen_k, offs_n0, dk)
-            _store_rows(_rows(dv_dst, stride_dvs, HEAD_DIM, BLOCK_N), start_n, stride_dvs, seqlen_k, offs_n0, dv)
+    # causal: query rows before start_n see none of these keys, rows past the tile all of them
+    if CAUSAL:
+        if start_n >= seqlen_q:  # keys no query reaches (seqlen_k > seqlen_q): zero gradients
+            dk_tile = _rows(dk_dst, stride_dks, HEAD_DIM, BLOCK_N)
+            _store_rows(dk_tile, start_n, stride_dks, seqlen_k, offs_n0, dk)
+            dv_tile = _rows(dv_dst, stride_dvs, HEAD_DIM, BLOCK_N)
+            _store_rows(dv_tile, start_n, stride_dvs, seqlen_k, offs_n0, dv)
             return
-    lo = start_n + BLOCK_N if CAUSAL else 0
-    # A diagonal loop of fixed trip count, then the other rows as one loop masked only at a ragged end (EVEN_Q):
-    # other loop shapes make ptxas serialize the wgmma instructions (`bench.py sass` shows it). GROUP, query heads
-    # per K/V head, is a constexpr, so with one the compiler drops the outer loop.
+    lo = 0
+    if CAUSAL:
+        lo = start_n + BLOCK_N
+    # A diagonal loop of fixed trip count, then the other rows in one loop masked only at a
+    # ragged end (EVEN_Q): other loop shapes make ptxas serialize the wgmma instructions.
+    # GROUP (query heads per K/V head) is a constexpr: with one, the outer loop goes.
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_src = _rows(Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs, stride_qs, HEAD_DIM, BLOCK_M)
-        do_src = _rows(DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos, stride_dos, HEAD_DIM, BLOCK_M)
-        # EVEN_Q: the L strides are multiples of 128; written so, the L and Delta rows load with wide copies
-        l_off = (b64 * (stride_lb // 128) + h * (stride_lh // 128)) * 128 if EVEN_Q else \
-            b64 * stride_lb + h * stride_lh + q_start
+        q_base = Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs
+        do_base = DO + b64 * stride_dob + h * stride_doh + q_start * stride_dos
+        q_src = _rows(q_base, stride_qs, HEAD_DIM, BLOCK_M)
+        do_src = _rows(do_base, stride_dos, HEAD_DIM, BLOCK_M)
+        if EVEN_Q:  # the L strides are multiples of 128: so written, L loads in wide copies
+            l_off = (b64 * (stride_lb // 128) + h * (stride_lh // 128)) * 128
+        else:
+            l_off = b64 * stride_lb + h * stride_lh + q_start
         LSE_h, DELTA_h = LSE + l_off, DELTA + l_off
-        if CAUSAL:  # with EVEN_Q, a diagonal tile that starts before seqlen_q ends before it (BLOCK_N divides 128)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, start_n,
-                                 start_n + BLOCK_N, offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q, CAUSAL=True,
-                                 BLOCK_M=BLOCK_M, PREC=PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h, stride_qs, stride_dos, lo, seqlen_q,
-                             offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q, CAUSAL=False, BLOCK_M=BLOCK_M, PREC=PREC)
-    _store_rows(_rows(dk_dst, stride_dks, HEAD_DIM, BLOCK_N), start_n, stride_dks, seqlen_k, offs_n0, dk * sm_scale)
-    _store_rows(_rows(dv_dst, stride_dvs, HEAD_DIM, BLOCK_N), start_n, stride_dvs, seqlen_k, offs_n0, dv)
+        # with EVEN_Q, a diagonal tile that starts before seqlen_q ends before it
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h,
+                                 stride_qs, stride_dos, start_n, start_n + BLOCK_N,
+                                 offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q,
+                                 CAUSAL=True, BLOCK_M=BLOCK_M, PREC=PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE_h, DELTA_h,
+                             stride_qs, stride_dos, lo, seqlen_q,
+                             offs_n, seqlen_q, qk_scale, MASKED=not EVEN_Q,
+                             CAUSAL=False, BLOCK_M=BLOCK_M, PREC=PREC)
+    dk_tile = _rows(dk_dst, stride_dks, HEAD_DIM, BLOCK_N)
+    _store_rows(dk_tile, start_n, stride_dks, seqlen_k, offs_n0, dk * sm_scale)
+    dv_tile = _rows(dv_dst, stride_dvs, HEAD_DIM, BLOCK_N)
+    _store_rows(dv_tile, start_n, stride_dvs, seqlen_k, offs_n0, dv)
 
 
 # Launchers: dense (B, H, S, D) when cu_seqlens_q is None, packed (total, H, D) otherwise.
 
-def _pow2(n):  # SEQ_BUCKET (the tuning key's length class), and the kernels' tile width (others run zero-padded)
+def _pow2(n):  # SEQ_BUCKET (the tuning key's length class), and the kernels' tile width
     return max(16, triton.next_power_of_2(n))
 
 
-def _empty_out(x):  # x's own layout when dense (a transposed (B, S, H, D) view stays one: its transpose back is free)
-    return torch.empty_like(x) if x.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _empty_out(x):  # x's own layout when dense (a (B, S, H, D) view's transpose back is free)
+    if x.stride(-1) == 1:
+        return torch.empty_like(x)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def _unit_stride(x, width=None):  # x (zero-padded to `width` columns) with the unit last stride the kernels read
-    x = x if width in (None, x.shape[-1]) else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+def _unit_stride(x, width=None):  # x zero-padded to `width` columns, its last stride 1
+    if width not in (None, x.shape[-1]):
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _strides(varlen, *xs):  # the (b, h, s) strides of each tensor in turn (packed: no batch stride)
-    return tuple(s for x in xs for s in ((0, x.stride(1), x.stride(0)) if varlen else x.stride()[:3]))
+def _strides(varlen, *xs):  # the (b, h, s) strides of each tensor in turn (packed: no b)
+    if varlen:
+        return tuple(s for x in xs for s in (0, x.stride(1), x.stride(0)))
+    return tuple(s for x in xs for s in x.stride()[:3])
 
 
-def _precision(dtype):  # fp32 inputs follow PyTorch's own matmul setting: true fp32 unless TF32 is allowed
-    return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
+def _precision(dtype):  # fp32 inputs follow PyTorch's matmul setting: fp32 unless TF32 is allowed
+    if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
 
 
 def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-    """(batch, heads, kv_heads, seqlen_q, seqlen_k, L strides (b, h)) of a dense or a packed call."""
+    """(batch, heads, kv_heads, seqlen_q, seqlen_k, L's strides (b, h)) of a call."""
     if cu_seqlens_q is not None:
-        return cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k, (0, q.shape[0])
+        batch = cu_seqlens_q.shape[0] - 1
+        return batch, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k, (0, q.shape[0])
     b, heads, s = q.shape[:3]
     return b, heads, k.shape[1], s, k.shape[2], (heads * s, s)
 
@@ -510,72 +602,93 @@ def _fwd_outputs(q, cu_seqlens_q):  # O, and L: (B, H, S) dense, (H, total) pack
 
 def _require_triton_device(x, who="flash"):
     if x.device.type != "cuda" and not INTERPRET:
-        raise RuntimeError(f"{who}: the Triton kernels need CUDA tensors (got {x.device}); on CPU set "
-                           "TRITON_INTERPRET=1 before triton is imported")
+        raise RuntimeError(f"{who}: the Triton kernels need CUDA tensors (got {x.device}); "
+                           "on CPU set TRITON_INTERPRET=1 before triton is imported")
     if INTERPRET and _INTERPRET_TOO_LATE:
-        raise RuntimeError(f"{who}: triton was imported before flash.py could set TRITON_INTERPRET=1 (there is no "
-                           "GPU), so the kernels cannot run in the interpreter; import flash.py first (model.py and "
-                           "train.py do) or set TRITON_INTERPRET=1 before anything imports triton")
+        raise RuntimeError(f"{who}: triton was imported before flash.py could set "
+                           "TRITON_INTERPRET=1 (there is no GPU), so the kernels cannot run in "
+                           "the interpreter; import flash.py first (model.py and train.py do) "
+                           "or set TRITON_INTERPRET=1 before anything imports triton")
 
 
 def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
     """(O, L) of attention with the Triton kernel; dense, or packed when cu_seqlens_q is given."""
     _require_triton_device(q)
-    if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic: run on fp32 copies
-        o, lse = _triton_forward(q.float(), k.float(), v.float(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, causal)
+    if INTERPRET and q.dtype == torch.bfloat16:  # no bf16 arithmetic there: fp32 copies
+        o, lse = _triton_forward(q.float(), k.float(), v.float(), cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, causal)
         return o.to(q.dtype), lse
     varlen = cu_seqlens_q is not None
-    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(
+        q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     o, lse = _fwd_outputs(q, cu_seqlens_q)
     if batch * heads * seqlen_q == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     d, d_pad = q.shape[-1], _pow2(q.shape[-1])
     qp, kp, vp = (_unit_stride(x, d_pad) for x in (q, k, v))
     op = o if d_pad == d else _empty_out(qp)
-    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # unused when not VARLEN
-    grid = lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))  # noqa: E731
-    _attn_fwd[grid](qp, kp, vp, op, lse, *cu, *_strides(varlen, qp, kp, vp, op), lb, lh, seqlen_q, seqlen_k, heads,
-                    heads // kv_heads, LOG2E / math.sqrt(d), _pow2(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal,
-                    VARLEN=varlen, PREC=_precision(q.dtype))
+    if not varlen:  # (not read: any pointer)
+        cu_seqlens_q = cu_seqlens_k = lse
+
+    def grid(meta):
+        return batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"])
+    _attn_fwd[grid](qp, kp, vp, op, lse, cu_seqlens_q, cu_seqlens_k,
+                    *_strides(varlen, qp, kp, vp, op), lb, lh,
+                    seqlen_q, seqlen_k, heads, heads // kv_heads, LOG2E / math.sqrt(d),
+                    _pow2(seqlen_q), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
+                    PREC=_precision(q.dtype))
     if op is not o:
         o.copy_(op[..., :d])
     return o, lse
 
 
-def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-    """(dQ, dK, dV) with the Triton kernels: the dQ pass (which also works out Delta), then the dK/dV pass."""
+def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, causal):
+    """(dQ, dK, dV) with the Triton kernels: the dQ pass (which works out Delta too), then the
+    dK/dV pass."""
     _require_triton_device(q)
-    if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic: run on fp32 copies
-        grads = _triton_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, cu_seqlens_q,
-                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+    if INTERPRET and q.dtype == torch.bfloat16:  # no bf16 arithmetic there: fp32 copies
+        grads = _triton_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse,
+                                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 causal)
         return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     varlen = cu_seqlens_q is not None
-    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(
+        q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
     if batch * heads * seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     d, d_pad = q.shape[-1], _pow2(q.shape[-1])
     dop, qp, kp, vp, op = (_unit_stride(x, d_pad) for x in (do, q, k, v, o))
-    dqp, dkp, dvp = (g if d_pad == d else _empty_out(x) for g, x in ((dq, qp), (dk, kp), (dv, vp)))
-    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
+    dqp, dkp, dvp = (g if d_pad == d else _empty_out(x)
+                     for g, x in ((dq, qp), (dk, kp), (dv, vp)))
+    if not varlen:
+        cu_seqlens_q = cu_seqlens_k = lse
     delta, scale = torch.empty_like(lse), 1.0 / math.sqrt(d)
-    common = dict(SEQ_BUCKET=_pow2(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal, VARLEN=varlen,
-                  PREC=_precision(q.dtype))
-    _attn_bwd_dq[lambda meta: (batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"]))](
-        qp, kp, vp, op, dop, dqp, lse, delta, *cu, *_strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
+    common = dict(SEQ_BUCKET=_pow2(max(seqlen_q, seqlen_k)), HEAD_DIM=d_pad, CAUSAL=causal,
+                  VARLEN=varlen, PREC=_precision(q.dtype))
+
+    def dq_grid(meta):
+        return batch * heads, triton.cdiv(seqlen_q, meta["BLOCK_M"])
+
+    def dkdv_grid(meta):
+        return batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"])
+    _attn_bwd_dq[dq_grid](
+        qp, kp, vp, op, dop, dqp, lse, delta, cu_seqlens_q, cu_seqlens_k,
+        *_strides(varlen, qp, kp, vp, op, dop, dqp), lb, lh,
         seqlen_q, seqlen_k, heads, heads // kv_heads, LOG2E * scale, scale, **common)
-    _attn_bwd_dkdv[lambda meta: (batch * kv_heads, triton.cdiv(seqlen_k, meta["BLOCK_N"]))](
-        qp, kp, vp, dop, dkp, dvp, lse, delta, *cu, *_strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
-        seqlen_q, seqlen_k, kv_heads, LOG2E * scale, scale, **common, GROUP=heads // kv_heads,
-        EVEN_Q=not varlen and seqlen_q % 128 == 0)
+    _attn_bwd_dkdv[dkdv_grid](
+        qp, kp, vp, dop, dkp, dvp, lse, delta, cu_seqlens_q, cu_seqlens_k,
+        *_strides(varlen, qp, kp, vp, dop, dkp, dvp), lb, lh,
+        seqlen_q, seqlen_k, kv_heads, LOG2E * scale, scale, **common,
+        GROUP=heads // kv_heads, EVEN_Q=not varlen and seqlen_q % 128 == 0)
     for g, gp in ((dq, dqp), (dk, dkp), (dv, dvp)):
         if gp is not g:
             g.copy_(gp[..., :d])
     return dq, dk, dv
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 # 3. Attention on Hopper in Gluon (TMA, mbarriers, async wgmma, warp specialization): FlashAttention-3's design.
 #    Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item); a producer warp streams K_j and V_j through
 #    a ring of shared-memory slots with TMA, and two consumer warpgroups take turns on the tensor cores, so one's
@@ -1785,7 +1898,7 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
     return aligned and (packed or k.shape[2] > 0)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 # 4. Attention entry points. One autograd Function serves dense and packed calls: eagerly it calls
 #    the launchers, under torch.compile or a dispatch mode (selective recomputation's, a FLOP
 #    counter's) two torch.library operators with fake kernels, so a model compiles whole.
@@ -1942,7 +2055,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         return (*(g.reshape(x.shape) for g, x in zip(grads, (q, k, v))), None)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 # 5. AdamW's fused step (train.AdamW is the optimizer and states the formulas). On CUDA one launch steps every
 #    parameter of a (group, dtype) bucket, chunk by chunk through a table built once (each chunk's offsets from a
 #    base tensor, its tensor, its length). Gradients are new tensors after every backward, so their offsets are an
@@ -2044,7 +2157,7 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
                                DEVICE_SCALARS=scalars is not None, num_warps=8)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 # 6. Cross-entropy over rows of logits, gradient in place (model.linear_cross_entropy runs it chunk by chunk).
 #    For each row x with target t (t == ignore_index: no loss, zero gradient): loss = logsumexp(x) - x[t] in fp32
 #    by an online max/sum, then x is overwritten with scale * (softmax(x) - onehot(t)), scale = dL/dloss_row read
@@ -2114,7 +2227,7 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
                                                    ignore_index, BLOCK=64 if INTERPRET else 2048, num_warps=8)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 # 7. RMSNorm over the last dim, in fp32 whatever the dtype: r = 1 / sqrt(mean(x^2) + eps), y = (x r) g, r kept per
 #    row for the backward: with x_hat = x r and gy = g dy, dx = r (gy - x_hat mean(x_hat gy)) and dg = sum over rows
 #    of dy x_hat. Whole rows in registers (d <= RMS_MAX_D); the backward's programs stride over the row blocks, each
