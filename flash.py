@@ -689,49 +689,52 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 
 # ------------------------------------------------------------------------------------------
-# 3. Attention on Hopper in Gluon (TMA, mbarriers, async wgmma, warp specialization): FlashAttention-3's design.
-#    Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item); a producer warp streams K_j and V_j through
-#    a ring of shared-memory slots with TMA, and two consumer warpgroups take turns on the tensor cores, so one's
-#    softmax runs under the other's matmuls (and inside one, S_j's softmax under P_(j-1) V_(j-1)). Backward: a CTA
-#    per key tile, the query tiles streamed, dQ added up with TMA reduce-adds. State travels in a few aggregates
-#    (config, global tensors, shared memory, schedule); a partition reads schedule -> mainloop -> epilogue. Head
-#    dims 33 to 128 in tiles 64 or 128 wide, 65 to 96 as 64 plus a tail of 16 or 32 columns (_gluon_head_tiles).
+# 3. Attention on Hopper in Gluon (TMA, mbarriers, async wgmma, warp specialization), after
+#    FlashAttention-3. Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item); a
+#    producer warp streams K_j and V_j through a ring of shared-memory slots by TMA, and two
+#    consumer warpgroups take turns on the tensor cores, so one's softmax runs under the
+#    other's matmuls. Backward: a CTA per key tile, the query tiles streamed, dQ added up by
+#    TMA reduce-adds. The state travels in aggregates (config, global tensors, shared memory,
+#    schedule); a partition reads schedule -> mainloop -> epilogue. Head dims 33 to 128 in
+#    tiles 64 or 128 wide, 65 to 96 as 64 plus a tail of 16 or 32 columns.
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.experimental.gluon.language._core import builtin as _gl_builtin
     from triton.language.core import _aggregate as aggregate
     from triton._C.libtriton import ir as _ir
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # the names of Triton > 3.6
+    # (named async_load / async_store after Triton 3.6)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @_gl_builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-        """TMA bulk reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor): the
-        compiler has the operation, Triton 3.6's Gluon does not name it."""
+        """TMA reduce-add of a shared-memory tile into global memory: the compiler has the
+        operation, Triton 3.6's Gluon does not name it."""
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
+        _semantic.builder.create_async_tma_reduce(
+            _ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 except ImportError:  # a Triton without Gluon: the Triton kernels serve everything
     gluon = None
 
-# tile width (main + tail) -> (BLOCK_M per consumer warpgroup, BLOCK_N, K/V stages, Q tiles per warpgroup: with 2
-# the next item's Q loads under this item's last matmuls); D=128's one Q tile leaves room for O's staging tiles.
-GLUON_FWD_CONFIGS = {64: (64, 128, 3, 2), 80: (64, 128, 3, 2), 96: (64, 128, 3, 2), 128: (64, 128, 2, 1)}
-# head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages, dQ split (2: each
-# warpgroup makes half of dQ's columns), persistent grid (False: a CTA per item, so the compiler drops the item loop
-# at the register limit), the dQ tiles' swizzle bytes (32 at D=128: with 128 the 8-byte stores hit one bank)).
+# tile width (main + tail) -> (BLOCK_M per consumer warpgroup, BLOCK_N, K/V stages, Q tiles
+# per warpgroup: with 2 the next item's Q loads under this item's last matmuls)
+GLUON_FWD_CONFIGS = {64: (64, 128, 3, 2), 80: (64, 128, 3, 2), 96: (64, 128, 3, 2),
+                     128: (64, 128, 2, 1)}
+# head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages,
+# dQ split (2: each warpgroup makes half of dQ's columns), persistent grid (False: a CTA per
+# item), the dQ tiles' swizzle bytes (32 at D=128: with 128 its 8-byte stores hit one bank))
 GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True, 128), 80: (64, 64, 3, 1, True, 128),
                      96: (64, 64, 2, 1, True, 128), 128: (64, 64, 2, 2, False, 32)}
-# the backward stores full dK/dV tiles by TMA up to this many keys a sequence at D=128 (past it its inner loop spills)
+# up to this many keys a sequence the backward stores full dK/dV tiles by TMA at D=128
 GLUON_BWD_DKV_TMA_MAX_SEQLEN = 4096
 
 if gluon is not None:
-    # an integer argument as a field: a tensor, or a constexpr where Triton specialized it (a 1)
+    # an integer argument as a field: a tensor, or a constexpr where Triton specialized it
     _GL_INT = (gl.tensor, gl.constexpr)
 
     @gluon.constexpr_function
@@ -740,14 +743,14 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_ring(n, SLOTS: gl.constexpr):
-        """Use n of a ring of SLOTS buffers: (its slot, the phase its barriers wait for). A producer waits for
-        phase ^ 1 on the empty barriers, which start as if released."""
+        """Use n of a ring of SLOTS buffers: (its slot, the phase its barriers wait for). A
+        producer waits for phase ^ 1 on the empty barriers, which start as if released."""
         return n % SLOTS, (n // SLOTS) & 1
 
     @aggregate
     class _Schedule:
-        """A persistent CTA's work items (DYNAMIC): its producer claims the next untaken item from `counter` (the
-        first G went one to each of the G CTAs) and hands it to the other partitions through a two-slot ring."""
+        """A persistent CTA's work items (DYNAMIC): its producer claims the next untaken item
+        from `counter` and hands it to the other partitions through a two-slot ring."""
         ring: gl.shared_memory_descriptor
         ready: gl.shared_memory_descriptor
         empty: gl.shared_memory_descriptor
@@ -763,8 +766,7 @@ if gluon is not None:
             self.DYNAMIC = gl.constexpr(DYNAMIC)
 
         @gluon.jit
-        def publish(self, n, item):
-            """The producer: item into slot n % 2, once every reader has taken what the slot held before."""
+        def publish(self, n, item):  # the producer: item into the ring, once it is free
             s, phase = _gl_ring(n, 2)
             mbarrier.wait(self.empty.index(s), phase ^ 1)
             layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -778,12 +780,12 @@ if gluon is not None:
             layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             item = gl.max(self.ring.index(s).load(layout), 0)
             mbarrier.arrive(self.empty.index(s), count=1)
-            # lane 0's value (a shuffle; every lane holds the same): tells the compiler the item is warp-uniform
-            return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [item], dtype=gl.int32,
-                                             is_pure=True, pack=1)
+            # lane 0's value (every lane holds it): tells the compiler it is warp-uniform
+            return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r",
+                                             [item], dtype=gl.int32, is_pure=True, pack=1)
 
         @gluon.jit
-        def first(self):  # a reader's first item: from the ring, or with one CTA per item its own
+        def first(self):  # a reader's first item: from the ring, or a CTA per item: its own
             return self.read(0) if self.DYNAMIC else gl.program_id(0)
 
         @gluon.jit
@@ -799,25 +801,28 @@ if gluon is not None:
         return gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
 
     @gluon.jit
-    def _gl_init_bars(n: gl.constexpr, bars, arrivals: gl.constexpr):  # bars[j][i] for i < n: arrivals[j] arrivals
-        for i in gl.static_range(n):
+    def _gl_init_bars(n: gl.constexpr, bars, arrivals: gl.constexpr):
+        for i in gl.static_range(n):  # bars[j][i]: arrivals[j] arrivals
             for j in gl.static_range(len(bars)):
                 mbarrier.init(bars[j].index(i), count=arrivals[j])
 
     @gluon.jit
-    def _gl_schedule(counter, DYNAMIC: gl.constexpr):  # a _Schedule, its barriers not yet initialized
-        ring = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        return _Schedule(ring=ring, ready=_gl_bars(2), empty=_gl_bars(2), counter=counter, DYNAMIC=DYNAMIC)
+    def _gl_schedule(counter, DYNAMIC: gl.constexpr):  # its barriers not yet initialized
+        ring_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        ring = gl.allocate_shared_memory(gl.int32, [2, 1], ring_layout)
+        return _Schedule(ring=ring, ready=_gl_bars(2), empty=_gl_bars(2), counter=counter,
+                         DYNAMIC=DYNAMIC)
 
     @gluon.jit
     def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
-        """Packed batches, a work item per slot g of TILE rows: document b owns the slots [cu[b] // TILE + b,
-        cu[b + 1] // TILE + b + 1), so total // TILE + n_docs slots hold every tile, at most two a document empty
-        (max_seqlen / TILE tiles per document would be mostly empty). Returns (b, its first row, its length, b's
-        tile at slot g, past b's tiles if empty); b: the documents whose first slot is <= g, less one."""
+        """Packed, a work item per slot g of TILE rows: document b owns the slots
+        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), so total // TILE + n_docs slots hold
+        every tile, at most two a document empty. Returns (b, its first row, its length, b's
+        tile at slot g); b: the documents whose first slot is <= g, less one."""
         CHUNK: gl.constexpr = 256
         WARPS: gl.constexpr = gl.num_warps()
-        offs = gl.arange(0, CHUNK, layout=gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0]))
+        chunk_layout: gl.constexpr = gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0])
+        offs = gl.arange(0, CHUNK, layout=chunk_layout)
         count = gl.to_tensor(0)
         for c in range(0, n_docs, CHUNK):
             d = c + offs
@@ -829,44 +834,51 @@ if gluon is not None:
         return b, start, length, g - (start // TILE + b)
 
     @gluon.jit
-    def _gl_softmax(s, m_i, l_i, start_n, offs_m, offs_n, seqlen_k, qk_scale, masked, CAUSAL: gl.constexpr):
-        """One online-softmax step on one key tile's scores, in base 2: P, m_i, l_i and alpha (rescales acc)."""
-        if masked:  # ragged end and, when causal, the diagonal tile: the only tiles that compare indices
+    def _gl_softmax(s, m_i, l_i, start_n, offs_m, offs_n, seqlen_k, qk_scale, masked,
+                    CAUSAL: gl.constexpr):
+        """One online-softmax step on a key tile's scores, in base 2: P, m_i, l_i and alpha
+        (which rescales acc)."""
+        if masked:  # ragged end and, when causal, the diagonal tile
             cols = start_n + offs_n
             keep = cols[None, :] < seqlen_k
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
             s = gl.where(keep, s, -1.0e6)
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # the max of the scaled scores (qk_scale > 0)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # max of the scaled scores (scale > 0)
         p = gl.exp2(s * qk_scale - m_new[:, None])  # one FMA and one exp2 per score
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _gl_load_tile(desc, tail_desc, bars, tiles, tail_tiles, i, b, h, row, EXPECT: gl.constexpr):
-        """TMA loads of rows [row, row + tile) of head h (of sequence b when dense) into tiles[i], a tail's columns
-        into tail_tiles[i], onto barrier bars[i], which first expects EXPECT such loads (0: expected already)."""
+    def _gl_load_tile(desc, tail_desc, bars, tiles, tail_tiles, i, b, h, row,
+                      EXPECT: gl.constexpr):
+        """TMA loads of rows [row, row + tile) of head h (of sequence b, dense) into tiles[i],
+        the tail's columns into tail_tiles[i], onto bars[i], which first expects EXPECT such
+        loads (0: expected already)."""
         HEAD_DIM: gl.constexpr = desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(desc, tail_desc)
         if EXPECT > 0:
-            nbytes: gl.constexpr = desc.block_type.nbytes + (tail_desc.block_type.nbytes if TAIL > 0 else 0)
+            nbytes: gl.constexpr = desc.block_type.nbytes + (
+                tail_desc.block_type.nbytes if TAIL > 0 else 0)
             mbarrier.expect(bars.index(i), EXPECT * nbytes)
         bar, dst, tail_dst = bars.index(i), tiles.index(i), tail_tiles.index(i)
         _tma_load(desc, [row, h, 0] if _gl_packed(desc) else [b, h, row, 0], bar, dst)
         if TAIL > 0:
-            _tma_load(tail_desc, [row, h, HEAD_DIM] if _gl_packed(desc) else [b, h, row, HEAD_DIM], bar, tail_dst)
+            tail_at = [row, h, HEAD_DIM] if _gl_packed(desc) else [b, h, row, HEAD_DIM]
+            _tma_load(tail_desc, tail_at, bar, tail_dst)
 
     @gluon.jit
-    def _gl_store_tile(desc, tiles, i, b, h, row):  # tiles[i] (written and fenced) to rows [row, row + tile) by TMA
+    def _gl_store_tile(desc, tiles, i, b, h, row):  # tiles[i], written and fenced, by TMA
         _tma_store(desc, [row, h, 0] if _gl_packed(desc) else [b, h, row, 0], tiles.index(i))
 
     @gluon.constexpr_function
     def _gl_mma_layout(n):  # a warpgroup's wgmma accumulator layout for tiles n columns wide
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, n, 16])
 
     @gluon.constexpr_function
-    def _gl_tail(desc, tail_desc):  # the tail tiles' width: 0 where the tail descriptor is the main one again
+    def _gl_tail(desc, tail_desc):  # the tail tiles' width (0: no tail, the main descriptor)
         width = tail_desc.block_type.shape[-1]
         return 0 if width == desc.block_type.shape[-1] else width
 
@@ -876,20 +888,21 @@ if gluon is not None:
         return shape[0] if len(shape) == 3 else shape[2]
 
     @gluon.constexpr_function
-    def _gl_packed(desc):  # VARLEN: packed descriptors are (total, H, D), dense ones (B, H, S, D)
+    def _gl_packed(desc):  # VARLEN: packed descriptors are (total, H, D), dense (B, H, S, D)
         return len(desc.block_type.shape) == 3
 
-    # The work counts (documents, batch x heads, tiles, items) change from batch to batch: not specialized on, so that
-    # a new number of rows or documents compiles nothing (they only steer the schedule)
+    # The work counts change from batch to batch: not specialized on, so that a new number of
+    # rows or documents compiles nothing
     _GL_COUNTS = ["n_docs", "n_items"]
 
     # ---- the forward ----
 
     @aggregate
     class _FwdConfig:
-        """The forward's tiling (as GLUON_FWD_CONFIGS; HEAD_DIM + TAIL columns) and problem. HEAD_MAJOR: consecutive
-        items are one head's (sharing K, V in L2); O_TMA: full O tiles leave by TMA; group: query heads per K/V head;
-        m_tiles: items per batch x head (packed: slots per head)."""
+        """The forward's tiling (GLUON_FWD_CONFIGS; HEAD_DIM + TAIL columns) and problem.
+        HEAD_MAJOR: one head's items in a row (K, V shared in L2); O_TMA: full O tiles leave by
+        TMA; group: query heads per K/V head; m_tiles: items per batch x head (packed: slots
+        per head)."""
         HEAD_DIM: gl.constexpr
         TAIL: gl.constexpr
         BLOCK_M: gl.constexpr
@@ -940,9 +953,9 @@ if gluon is not None:
 
         @gluon.jit
         def item(self, t):
-            """Work item t (2 x BLOCK_M query rows of one batch x head, longest first, one head's in a row or one of
-            every head) -> (b, h, q_start, seqlen_q, seqlen_k, start_m, key tiles to visit, n_full of them without
-            compares); packed: m_tiles slots per head (_gl_doc_slot). Empty items have start_m >= seqlen_q."""
+            """Work item t (2 x BLOCK_M query rows of one batch x head, longest first) ->
+            (b, h, q_start, seqlen_q, seqlen_k, start_m, key tiles to visit, n_full of them
+            without compares). Empty items have start_m >= seqlen_q."""
             if self.HEAD_MAJOR:
                 bh, pid_m = t // self.m_tiles, self.m_tiles - 1 - t % self.m_tiles
             else:
@@ -950,19 +963,22 @@ if gluon is not None:
             q_start, seqlen_q, seqlen_k = 0, self.seqlen_q, self.seqlen_k
             if self.VARLEN:  # bh is the head, pid_m a slot
                 h = bh
-                b, q_start, seqlen_q, pid_m = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_m, 2 * self.BLOCK_M)
+                b, q_start, seqlen_q, pid_m = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_m,
+                                                           2 * self.BLOCK_M)
                 seqlen_k = seqlen_q
             else:
                 b, h = bh // self.num_heads, bh % self.num_heads
             start_m = pid_m * 2 * self.BLOCK_M
             hi = gl.minimum(seqlen_k, start_m + 2 * self.BLOCK_M) if self.CAUSAL else seqlen_k
             n_full = seqlen_k // self.BLOCK_N  # key tiles with no index compare
-            n_full = gl.minimum(start_m, n_full * self.BLOCK_N) // self.BLOCK_N if self.CAUSAL else n_full
+            if self.CAUSAL:
+                n_full = gl.minimum(start_m, n_full * self.BLOCK_N) // self.BLOCK_N
             return b, h, q_start, seqlen_q, seqlen_k, start_m, gl.cdiv(hi, self.BLOCK_N), n_full
 
     @aggregate
     class _FwdGlobal:
-        """The forward's TMA descriptors (tails: the main ones again where there are none); O and L as pointers."""
+        """The forward's TMA descriptors (tails: the main ones where there are none); O and L
+        as pointers."""
         q: tma.tensor_descriptor
         k: tma.tensor_descriptor
         v: tma.tensor_descriptor
@@ -998,8 +1014,9 @@ if gluon is not None:
 
     @aggregate
     class _FwdShared:
-        """The forward's tiles and barriers: q/qt 2 x Q_BUFS tiles (warpgroup wg's of item n at 2 * (n % Q_BUFS) +
-        wg), k/v (and tails) a ring of NUM_STAGES, o one per warpgroup; turn: the warpgroups' turns at the MMAs."""
+        """The forward's tiles and barriers: q/qt 2 x Q_BUFS tiles (warpgroup wg's of item n at
+        2 * (n % Q_BUFS) + wg), k/v (and tails) a ring of NUM_STAGES, o one per warpgroup;
+        turn: the warpgroups' turns at the MMAs."""
         q: gl.shared_memory_descriptor
         k: gl.shared_memory_descriptor
         v: gl.shared_memory_descriptor
@@ -1035,9 +1052,9 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_fwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
-        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the CTA's work items. The ring
-        position (it) and turn count (w) run on across items; warpgroup 0's first turn starts as if released. TAIL
-        > 0: the head dim's last TAIL columns in tiles of their own, one more matmul each for S and O."""
+        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each work item.
+        The ring position (it) and turn count (w) run on across items. TAIL > 0: the head
+        dim's last TAIL columns in tiles of their own, one more matmul each for S and O."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         TAIL: gl.constexpr = cfg.TAIL
         BLOCK_M: gl.constexpr = cfg.BLOCK_M
@@ -1054,7 +1071,8 @@ if gluon is not None:
             ot_layout: gl.constexpr = _gl_mma_layout(TAIL)
             pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ot_layout, k_width=2)
             row_ot: gl.constexpr = gl.SliceLayout(1, ot_layout)
-        it, w, n_done, n_seen = 0, 0, 0, 0  # so far: K/V tiles (ring position), turns, items done, items taken
+        # so far: K/V tiles (the ring's position), turns, items done, items taken
+        it, w, n_done, n_seen = 0, 0, 0, 0
         item = sched.first()
         while item < cfg.n_items:
             b, h, q_start, seqlen_q_b, seqlen_k_b, start_m, n_tiles, n_full = cfg.item(item)
@@ -1075,21 +1093,21 @@ if gluon is not None:
                     qt = smem.qt.index(qi).reshape([BLOCK_M, TAIL])
                 mbarrier.wait(smem.q_ready.index(qi), q_phase)
 
-                # mainloop: S_0 and its softmax, then per key tile j: S_j and P_(j-1) V_(j-1) issued, S_j's softmax
-                # under the second matmul
+                # mainloop: S_0 and its softmax, then per key tile j: S_j and P_(j-1) V_(j-1)
+                # issued, S_j's softmax under the second matmul
                 slot, phase = _gl_ring(it, NUM_STAGES)
                 mbarrier.wait(smem.k_ready.index(slot), phase)
                 k = smem.k.index(slot).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(smem.turn.index(WG), (w & 1) ^ 1 ^ WG)
                 s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
                 if TAIL > 0:
-                    s = warpgroup_mma(qt, smem.kt.index(slot).reshape([BLOCK_N, TAIL]).permute((1, 0)), s,
-                                      is_async=True)
+                    s = warpgroup_mma(qt, smem.kt.index(slot).reshape([BLOCK_N, TAIL]).permute(
+                        (1, 0)), s, is_async=True)
                 mbarrier.arrive(smem.turn.index(1 - WG), count=1)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 mbarrier.arrive(smem.k_empty.index(slot), count=1)
-                p, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, 0, offs_m, offs_n, seqlen_k_b, cfg.qk_scale,
-                                                 n_full == 0, cfg.CAUSAL)
+                p, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, 0, offs_m, offs_n, seqlen_k_b,
+                                                 cfg.qk_scale, n_full == 0, cfg.CAUSAL)
                 p = gl.convert_layout(p.to(dtype), p_layout)
                 if TAIL > 0:
                     p_t = gl.convert_layout(p, pt_layout)
@@ -1101,21 +1119,26 @@ if gluon is not None:
                     mbarrier.wait(smem.v_ready.index(prev), prev_phase)
                     v = smem.v.index(prev).reshape([BLOCK_N, HEAD_DIM])
                     mbarrier.wait(smem.turn.index(WG), ((w + j) & 1) ^ 1 ^ WG)
-                    s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)  # S_j = Q K_j^T
+                    # S_j = Q K_j^T
+                    s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
                     if TAIL > 0:
-                        s = warpgroup_mma(qt, smem.kt.index(slot).reshape([BLOCK_N, TAIL]).permute((1, 0)), s,
-                                          is_async=True)
-                    acc = warpgroup_mma(p, v, acc, is_async=True)                            # O += P_(j-1) V_(j-1)
+                        s = warpgroup_mma(qt, smem.kt.index(slot).reshape([BLOCK_N, TAIL]).permute(
+                            (1, 0)), s, is_async=True)
+                    # O += P_(j-1) V_(j-1)
+                    acc = warpgroup_mma(p, v, acc, is_async=True)
                     if TAIL > 0:
-                        acc_t = warpgroup_mma(p_t, smem.vt.index(prev).reshape([BLOCK_N, TAIL]), acc_t,
-                                              is_async=True)
+                        acc_t = warpgroup_mma(p_t, smem.vt.index(prev).reshape([BLOCK_N, TAIL]),
+                                              acc_t, is_async=True)
                     mbarrier.arrive(smem.turn.index(1 - WG), count=1)
-                    s = warpgroup_mma_wait(num_outstanding=N_PV, deps=(s,))                   # S_j ready; PV runs on
+                    # S_j ready; P V runs on
+                    s = warpgroup_mma_wait(num_outstanding=N_PV, deps=(s,))
                     mbarrier.arrive(smem.k_empty.index(slot), count=1)
-                    p_next, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, j * BLOCK_N, offs_m, offs_n, seqlen_k_b,
-                                                          cfg.qk_scale, j >= n_full, cfg.CAUSAL)
+                    p_next, m_i, l_i, alpha = _gl_softmax(s, m_i, l_i, j * BLOCK_N, offs_m, offs_n,
+                                                          seqlen_k_b, cfg.qk_scale, j >= n_full,
+                                                          cfg.CAUSAL)
                     if TAIL > 0:
-                        acc, acc_t, p, p_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t, p, p_t))
+                        acc, acc_t, p, p_t = warpgroup_mma_wait(num_outstanding=0,
+                                                                deps=(acc, acc_t, p, p_t))
                         acc_t = acc_t * gl.convert_layout(alpha, row_ot)[:, None]
                     else:
                         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
@@ -1124,14 +1147,16 @@ if gluon is not None:
                     p = gl.convert_layout(p_next.to(dtype), p_layout)
                     if TAIL > 0:
                         p_t = gl.convert_layout(p, pt_layout)
-                mbarrier.arrive(smem.q_empty.index(qi), count=1)  # every S of this item is made: Q's slot is free
+                # every S of this item is made: Q's slot is free
+                mbarrier.arrive(smem.q_empty.index(qi), count=1)
                 last, phase = _gl_ring(it + n_tiles - 1, NUM_STAGES)
                 mbarrier.wait(smem.v_ready.index(last), phase)
                 v = smem.v.index(last).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(smem.turn.index(WG), ((w + n_tiles) & 1) ^ 1 ^ WG)
                 acc = warpgroup_mma(p, v, acc, is_async=True)
                 if TAIL > 0:
-                    acc_t = warpgroup_mma(p_t, smem.vt.index(last).reshape([BLOCK_N, TAIL]), acc_t, is_async=True)
+                    acc_t = warpgroup_mma(p_t, smem.vt.index(last).reshape([BLOCK_N, TAIL]), acc_t,
+                                          is_async=True)
                 mbarrier.arrive(smem.turn.index(1 - WG), count=1)
                 if TAIL > 0:
                     acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
@@ -1142,12 +1167,15 @@ if gluon is not None:
                 # epilogue: O = acc / l and L = m + log(l)
                 l_safe = gl.where(l_i == 0.0, 1.0, l_i)
                 l_inv = 1.0 / l_safe  # one division per row, then a multiply per element
-                out = (acc * gl.convert_layout(l_inv, row_o)[:, None]).to(glob.O.dtype.element_ty)
-                o_base = b.to(gl.int64) * glob.stride_ob + h * glob.stride_oh + q_start.to(gl.int64) * glob.stride_os
-                # full tiles (one of a packed batch reaching past its document would write the next one's; a dense
-                # one is clipped by the descriptor, but Triton 3.6 fails to compile a kernel whose O goes unused)
+                out = (acc * gl.convert_layout(l_inv, row_o)[:, None]).to(
+                    glob.O.dtype.element_ty)
+                o_base = (b.to(gl.int64) * glob.stride_ob + h * glob.stride_oh
+                          + q_start.to(gl.int64) * glob.stride_os)
+                # full tiles (a packed one reaching past its document would write the next one's;
+                # a dense one is clipped by the descriptor, but Triton 3.6 fails to compile a
+                # kernel whose O goes unused)
                 staged = rows0 + BLOCK_M <= seqlen_q_b if cfg.O_TMA else False
-                if staged:  # staged in shared memory and stored by the TMA unit while this warpgroup goes on
+                if staged:  # through shared memory, stored by TMA while this warpgroup goes on
                     tma.store_wait(0)  # the previous item's store has read the buffer
                     smem.o.index(WG).reshape([BLOCK_M, HEAD_DIM]).store(out)
                     fence_async_shared()
@@ -1155,29 +1183,32 @@ if gluon is not None:
                 else:
                     rows = rows0 + gl.arange(0, BLOCK_M, layout=row_o)
                     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                    gl.store(glob.O + o_base + rows[:, None].to(gl.int64) * glob.stride_os + cols[None, :], out,
+                    gl.store(glob.O + o_base + rows[:, None].to(gl.int64) * glob.stride_os
+                             + cols[None, :], out,
                              mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < cfg.head_dim))
                 if TAIL > 0:
                     rows = rows0 + gl.arange(0, BLOCK_M, layout=row_ot)
                     cols = HEAD_DIM + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ot_layout))
                     out = acc_t * gl.convert_layout(l_inv, row_ot)[:, None]
-                    gl.store(glob.O + o_base + rows[:, None].to(gl.int64) * glob.stride_os + cols[None, :],
-                             out.to(glob.O.dtype.element_ty),
+                    gl.store(glob.O + o_base + rows[:, None].to(gl.int64) * glob.stride_os
+                             + cols[None, :], out.to(glob.O.dtype.element_ty),
                              mask=(rows[:, None] < seqlen_q_b) & (cols[None, :] < cfg.head_dim))
                 l_base = b.to(gl.int64) * glob.stride_lb + h * glob.stride_lh + q_start
-                gl.store(glob.LSE + l_base + offs_m, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
+                gl.store(glob.LSE + l_base + offs_m,
+                         (m_i + gl.log2(l_safe)) * 0.6931471805599453,
                          mask=offs_m < seqlen_q_b)
                 it, w, n_done = it + n_tiles, w + n_tiles + 1, n_done + 1
             n_seen += 1
             item = sched.read(n_seen) if sched.DYNAMIC else item + gl.num_programs(0)
         if cfg.O_TMA:
-            tma.store_wait(0)  # the last store has read its buffer before the CTA's shared memory goes
+            tma.store_wait(0)  # the last store has read its buffer before shared memory goes
 
     @gluon.jit
     def _gl_fwd_loader(cfg, glob, smem, sched):
-        """The producer warp: per work item both warpgroups' Q tiles, then K_j and V_j into ring slots once both
-        consumers have released them (the empty barriers start as if released)."""
-        it, n_done, item, n_seen = 0, 0, gl.program_id(0), 0  # n_seen: items taken (the schedule ring's position)
+        """The producer warp: per work item both warpgroups' Q tiles, then K_j and V_j into
+        ring slots once both consumers have released them."""
+        # n_seen: items taken (the schedule ring's position)
+        it, n_done, item, n_seen = 0, 0, gl.program_id(0), 0
         while item < cfg.n_items:
             if sched.DYNAMIC:
                 sched.publish(n_seen, item)
@@ -1194,9 +1225,11 @@ if gluon is not None:
                     slot, phase = _gl_ring(it + j, cfg.NUM_STAGES)
                     row = q_start + j * cfg.BLOCK_N
                     mbarrier.wait(smem.k_empty.index(slot), phase ^ 1)
-                    _gl_load_tile(glob.k, glob.kt, smem.k_ready, smem.k, smem.kt, slot, b, kv_h, row, 1)
+                    _gl_load_tile(glob.k, glob.kt, smem.k_ready, smem.k, smem.kt, slot, b, kv_h,
+                                  row, 1)
                     mbarrier.wait(smem.v_empty.index(slot), phase ^ 1)
-                    _gl_load_tile(glob.v, glob.vt, smem.v_ready, smem.v, smem.vt, slot, b, kv_h, row, 1)
+                    _gl_load_tile(glob.v, glob.vt, smem.v_ready, smem.v, smem.vt, slot, b, kv_h,
+                                  row, 1)
                 it, n_done = it + n_tiles, n_done + 1
             n_seen += 1
             item = sched.claim() if sched.DYNAMIC else item + gl.num_programs(0)
@@ -1213,55 +1246,60 @@ if gluon is not None:
                      NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                      CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr,
                      DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
-        """n_items = m_tiles * n_bh work items (_FwdConfig.item): a CTA each, or DYNAMIC a persistent grid (_Schedule).
-        The descriptors' blocks give the tiling."""
+        """n_items = m_tiles * n_bh work items (_FwdConfig.item): a CTA each, or DYNAMIC a
+        persistent grid (_Schedule). The descriptors' blocks give the tiling."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(q_desc, qt_desc)
         q_smem = _gl_tiles(q_desc, 2 * Q_BUFS)
         k_smem, v_smem = _gl_tiles(k_desc, NUM_STAGES), _gl_tiles(v_desc, NUM_STAGES)
-        # the head dim's last TAIL columns (without a tail, the tail descriptors and tiles are never used)
+        # the head dim's last TAIL columns (no tail: its descriptors and tiles go unused)
         qt_smem = _gl_tiles(qt_desc, 2 * Q_BUFS) if TAIL > 0 else q_smem
         kt_smem = _gl_tiles(kt_desc, NUM_STAGES) if TAIL > 0 else k_smem
         vt_smem = _gl_tiles(vt_desc, NUM_STAGES) if TAIL > 0 else v_smem
-        o_smem = _gl_tiles(o_desc, 2) if O_TMA else q_smem  # each warpgroup's O tile on its way to the TMA store
+        # each warpgroup's O tile on its way to the TMA store
+        o_smem = _gl_tiles(o_desc, 2) if O_TMA else q_smem
         q_ready, q_empty = _gl_bars(2 * Q_BUFS), _gl_bars(2 * Q_BUFS)
-        k_ready, k_empty, v_ready, v_empty = _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES), \
-            _gl_bars(NUM_STAGES)
+        k_ready, k_empty = _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES)
+        v_ready, v_empty = _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES)
         turn = _gl_bars(2)
         sched = _gl_schedule(counter, DYNAMIC)
-        # the schedule's slots are read, the K and V slots released, by both consumer warpgroups
+        # both consumers read the schedule's slots and release the K and V slots
         _gl_init_bars(2, (turn, sched.ready, sched.empty), (1, 1, 2))
         _gl_init_bars(2 * Q_BUFS, (q_ready, q_empty), (1, 1))
         _gl_init_bars(NUM_STAGES, (k_ready, k_empty, v_ready, v_empty), (1, 2, 1, 2))
-        smem = _FwdShared(q=q_smem, k=k_smem, v=v_smem, qt=qt_smem, kt=kt_smem, vt=vt_smem, o=o_smem,
-                          q_ready=q_ready, q_empty=q_empty, k_ready=k_ready, k_empty=k_empty,
-                          v_ready=v_ready, v_empty=v_empty, turn=turn)
-        cfg = _FwdConfig(HEAD_DIM=HEAD_DIM, TAIL=TAIL, BLOCK_M=_gl_rows(q_desc), BLOCK_N=_gl_rows(k_desc),
-                         NUM_STAGES=NUM_STAGES, Q_BUFS=Q_BUFS, CAUSAL=CAUSAL, VARLEN=_gl_packed(q_desc),
-                         HEAD_MAJOR=HEAD_MAJOR, O_TMA=O_TMA, cu_seqlens_q=cu_seqlens_q, qk_scale=qk_scale,
-                         head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads,
-                         group=group, m_tiles=m_tiles, n_bh=n_bh, n_docs=n_docs, n_items=n_items)
-        glob = _FwdGlobal(q=q_desc, k=k_desc, v=v_desc, qt=qt_desc, kt=kt_desc, vt=vt_desc, o=o_desc,
-                          O=O, LSE=LSE, stride_ob=stride_ob, stride_oh=stride_oh, stride_os=stride_os,
-                          stride_lb=stride_lb, stride_lh=stride_lh)
+        smem = _FwdShared(q=q_smem, k=k_smem, v=v_smem, qt=qt_smem, kt=kt_smem, vt=vt_smem,
+                          o=o_smem, q_ready=q_ready, q_empty=q_empty, k_ready=k_ready,
+                          k_empty=k_empty, v_ready=v_ready, v_empty=v_empty, turn=turn)
+        cfg = _FwdConfig(HEAD_DIM=HEAD_DIM, TAIL=TAIL, BLOCK_M=_gl_rows(q_desc),
+                         BLOCK_N=_gl_rows(k_desc), NUM_STAGES=NUM_STAGES, Q_BUFS=Q_BUFS,
+                         CAUSAL=CAUSAL, VARLEN=_gl_packed(q_desc), HEAD_MAJOR=HEAD_MAJOR,
+                         O_TMA=O_TMA, cu_seqlens_q=cu_seqlens_q, qk_scale=qk_scale,
+                         head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                         num_heads=num_heads, group=group, m_tiles=m_tiles, n_bh=n_bh,
+                         n_docs=n_docs, n_items=n_items)
+        glob = _FwdGlobal(q=q_desc, k=k_desc, v=v_desc, qt=qt_desc, kt=kt_desc, vt=vt_desc,
+                          o=o_desc, O=O, LSE=LSE, stride_ob=stride_ob, stride_oh=stride_oh,
+                          stride_os=stride_os, stride_lb=stride_lb, stride_lh=stride_lh)
         gl.warp_specialize([(_gl_fwd_consumer, (0, cfg, glob, smem, sched)),
                             (_gl_fwd_consumer, (gl.constexpr(1), cfg, glob, smem, sched)),
                             (_gl_fwd_loader, (cfg, glob, smem, sched))], [4, 1], [240, 24])
 
     # ---- the backward ----
-    # Work items of 2 x BLOCK_N keys of one K/V head, BLOCK_N per consumer warpgroup; the producer streams every
-    # query tile (Q_i, dO_i, L_i, Delta_i) of the group's heads. Per query tile a consumer makes five matmuls on
-    # transposed scores, so no register tile is transposed:
-    #   S^T = K Q_i^T,  dP^T = V dO_i^T,  P^T = exp2(S^T * scale - L_i),  dS^T = P^T * (dP^T - Delta_i),
-    #   dV += P^T dO_i,  dK += dS^T Q_i,  dQ_i = dS K  (dS^T through shared memory, read transposed).
-    # A dQ warp adds each dQ share into an fp32 buffer with TMA reduce-adds. With the dQ split (D=128) each
-    # warpgroup makes half of dQ_i's columns over both K tiles, stored under the next tile's S^T.
+    # Work items of 2 x BLOCK_N keys of one K/V head, BLOCK_N per consumer warpgroup; the
+    # producer streams every query tile (Q_i, dO_i, L_i, Delta_i) of the group's heads. Per
+    # query tile a consumer makes five matmuls on transposed scores:
+    #   S^T = K Q_i^T,  dP^T = V dO_i^T,  P^T = exp2(S^T * scale - L_i),
+    #   dS^T = P^T * (dP^T - Delta_i),  dV += P^T dO_i,  dK += dS^T Q_i,  dQ_i = dS K
+    # (dS^T through shared memory, read transposed). A dQ warp adds each dQ share into an fp32
+    # buffer by TMA reduce-adds. With the dQ split (D=128) each warpgroup makes half of dQ_i's
+    # columns over both K tiles.
 
     @aggregate
     class _BwdConfig:
-        """The backward's tiling and problem: BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup (two
-        an item), NUM_STAGES Q/dO slots, DQ_COLS the dQ columns a warpgroup makes; DKV_TMA: full dK/dV tiles leave
-        by TMA; n_tiles: items per batch x K/V head (packed on the persistent grid: slots per K/V head)."""
+        """The backward's tiling and problem: BLOCK_M query rows per step, BLOCK_N keys per
+        consumer warpgroup, NUM_STAGES Q/dO slots, DQ_COLS the dQ columns a warpgroup makes;
+        DKV_TMA: full dK/dV tiles leave by TMA; n_tiles: items per batch x K/V head (packed on
+        the persistent grid: slots per K/V head)."""
         HEAD_DIM: gl.constexpr
         TAIL: gl.constexpr
         BLOCK_M: gl.constexpr
@@ -1310,15 +1348,16 @@ if gluon is not None:
 
         @gluon.jit
         def item(self, t, SLOTS: gl.constexpr):
-            """Work item t -> (b, K/V head hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter): keys [start_n,
-            start_n + 2 x BLOCK_N) of one batch x K/V head, seen by query tiles m_lo .. m_lo + n_iter - 1 of each
-            head of its group; one head's key tiles in a row, the first first. Packed: n_tiles tiles per document,
-            or SLOTS, n_tiles slots per head (_gl_doc_slot). Empty items: start_n >= seqlen_k."""
+            """Work item t -> (b, K/V head hk, q_start, seqlen_q, seqlen_k, start_n, m_lo,
+            n_iter): keys [start_n, start_n + 2 x BLOCK_N) of one batch x K/V head, seen by query
+            tiles m_lo .. m_lo + n_iter - 1 of each head of its group. Packed: n_tiles tiles per
+            document, or SLOTS, slots per head. Empty items: start_n >= seqlen_k."""
             bh, pid_n = t // self.n_tiles, t % self.n_tiles
             q_start, seqlen_q, seqlen_k = 0, self.seqlen_q, self.seqlen_k
             if self.VARLEN and SLOTS:  # bh is the K/V head, pid_n a slot
                 hk = bh
-                b, q_start, seqlen_q, pid_n = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_n, 2 * self.BLOCK_N)
+                b, q_start, seqlen_q, pid_n = _gl_doc_slot(self.cu_seqlens_q, self.n_docs, pid_n,
+                                                           2 * self.BLOCK_N)
                 seqlen_k = seqlen_q
             else:
                 b, hk = bh // self.num_kv_heads, bh % self.num_kv_heads
@@ -1327,13 +1366,15 @@ if gluon is not None:
                     seqlen_q = gl.load(self.cu_seqlens_q + b + 1) - q_start
                     seqlen_k = seqlen_q
             start_n = pid_n * 2 * self.BLOCK_N
-            m_lo = start_n // self.BLOCK_M if self.CAUSAL else 0  # causal: query rows before start_n see none of them
+            # causal: query rows before start_n see none of these keys
+            m_lo = start_n // self.BLOCK_M if self.CAUSAL else 0
             n_iter = gl.maximum(gl.cdiv(seqlen_q, self.BLOCK_M) - m_lo, 0)
             return b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter
 
     @aggregate
     class _BwdGlobal:
-        """The backward's TMA descriptors (tails: the main ones again where there are none); dK, dV, L, Delta."""
+        """The backward's TMA descriptors (tails: the main ones where there are none); dK, dV,
+        L, Delta as pointers."""
         q: tma.tensor_descriptor
         k: tma.tensor_descriptor
         v: tma.tensor_descriptor
@@ -1390,9 +1431,10 @@ if gluon is not None:
 
     @aggregate
     class _BwdShared:
-        """The backward's tiles and barriers: q/do (and tails), lse, delta a ring of NUM_STAGES query tiles; k/v
-        (and tails) each warpgroup's keys; ds and dq buffer b of warpgroup wg at 2 * b + wg (ds_ready: both dS
-        stored; dq_full / dq_empty: a dQ share handed to the dQ warp / given back)."""
+        """The backward's tiles and barriers: q/do (and tails), lse, delta a ring of NUM_STAGES
+        query tiles; k/v (and tails) each warpgroup's keys; ds and dq buffer b of warpgroup wg
+        at 2 * b + wg (ds_ready: both dS stored; dq_full / dq_empty: a dQ share handed to the
+        dQ warp / given back)."""
         q: gl.shared_memory_descriptor
         do: gl.shared_memory_descriptor
         k: gl.shared_memory_descriptor
@@ -1440,37 +1482,43 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_bwd_put_dq(smem, dq, dq_t, tile, WG: gl.constexpr, TAIL: gl.constexpr):
-        """A consumer's dQ share of query tile `tile` (scaled; dq_t: its TAIL columns) to the dQ warp's buffers."""
+        """A consumer's dQ share of query tile `tile` (scaled; dq_t: its TAIL columns) to the
+        dQ warp's buffers, once the dQ warp is done with them."""
         buf, phase = _gl_ring(tile, 2)
-        mbarrier.wait(smem.dq_empty.index(2 * buf + WG), phase ^ 1)  # the dQ warp is done with it
+        mbarrier.wait(smem.dq_empty.index(2 * buf + WG), phase ^ 1)
         smem.dq.index(2 * buf + WG).reshape(dq.type.shape).store(dq)
         if TAIL > 0:
             smem.dqt.index(2 * buf + WG).reshape(dq_t.type.shape).store(dq_t)
-        fence_async_shared()  # the TMA unit (async proxy) reads what these threads wrote
+        fence_async_shared()  # the TMA unit (the async proxy) reads what these threads wrote
         mbarrier.arrive(smem.dq_full.index(2 * buf + WG), count=1)
 
     @gluon.jit
-    def _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k, col0: gl.constexpr, layout: gl.constexpr):
-        """A consumer's dK (scaled) and dV tiles, columns col0.. of keys key_lo.., stored from registers."""
+    def _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k, col0: gl.constexpr,
+                       layout: gl.constexpr):
+        """A consumer's dK (scaled) and dV tiles, columns col0.. of keys key_lo.., stored from
+        registers."""
         k_rows = key_lo + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
-        row_off = (q_start + k_rows[:, None]).to(gl.int64)  # packed: keys share the queries' offsets
+        # packed: keys share the queries' offsets
+        row_off = (q_start + k_rows[:, None]).to(gl.int64)
         cols = col0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
         keep = (k_rows[:, None] < seqlen_k) & (cols[None, :] < cfg.head_dim)
-        gl.store(glob.DK + b.to(gl.int64) * glob.stride_dkb + hk * glob.stride_dkh + row_off * glob.stride_dks
-                 + cols[None, :], (dk * cfg.sm_scale).to(glob.DK.dtype.element_ty), mask=keep)
-        gl.store(glob.DV + b.to(gl.int64) * glob.stride_dvb + hk * glob.stride_dvh + row_off * glob.stride_dvs
-                 + cols[None, :], dv.to(glob.DV.dtype.element_ty), mask=keep)
+        gl.store(glob.DK + b.to(gl.int64) * glob.stride_dkb + hk * glob.stride_dkh
+                 + row_off * glob.stride_dks + cols[None, :],
+                 (dk * cfg.sm_scale).to(glob.DK.dtype.element_ty), mask=keep)
+        gl.store(glob.DV + b.to(gl.int64) * glob.stride_dvb + hk * glob.stride_dvh
+                 + row_off * glob.stride_dvs + cols[None, :],
+                 dv.to(glob.DV.dtype.element_ty), mask=keep)
 
     @gluon.jit
     def _gl_bwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
-        """One consumer warpgroup: keys [start_n + WG * BLOCK_N, + BLOCK_N) of each of the CTA's work items."""
+        """One consumer warpgroup: keys [start_n + WG * BLOCK_N, + BLOCK_N) of each work item."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         TAIL: gl.constexpr = cfg.TAIL
         BLOCK_M: gl.constexpr = cfg.BLOCK_M
         BLOCK_N: gl.constexpr = cfg.BLOCK_N
         DQ_COLS: gl.constexpr = cfg.DQ_COLS
         SPLIT: gl.constexpr = DQ_COLS < HEAD_DIM  # (never with a tail: the configs say so)
-        N_MM: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one product over the head dim
+        N_MM: gl.constexpr = 2 if TAIL > 0 else 1  # wgmma groups of one product over D
         st_layout: gl.constexpr = _gl_mma_layout(BLOCK_M)
         acc_layout: gl.constexpr = _gl_mma_layout(HEAD_DIM)
         dq_layout: gl.constexpr = _gl_mma_layout(DQ_COLS)
@@ -1480,12 +1528,13 @@ if gluon is not None:
         offs_q = gl.arange(0, BLOCK_M, layout=col_st)
         k = smem.k.index(WG).reshape([BLOCK_N, HEAD_DIM])
         v = smem.v.index(WG).reshape([BLOCK_N, HEAD_DIM])
-        if TAIL > 0:  # the head dim's last TAIL columns: tiles, accumulators and dQ shares of their own
+        if TAIL > 0:  # the last TAIL columns: tiles, accumulators, dQ shares of their own
             tail_layout: gl.constexpr = _gl_mma_layout(TAIL)
             op_t_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=tail_layout, k_width=2)
             kt = smem.kt.index(WG).reshape([BLOCK_N, TAIL])
             vt = smem.vt.index(WG).reshape([BLOCK_N, TAIL])
-        t, n_done, n_seen = 0, 0, 0  # so far: query tiles (ring position, dQ buffers' count), items done, items taken
+        # so far: query tiles (the ring's position, the dQ buffers' count), items done, taken
+        t, n_done, n_seen = 0, 0, 0
         item = sched.first()
         while item < cfg.n_items:
             b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = cfg.item(item, sched.DYNAMIC)
@@ -1498,7 +1547,8 @@ if gluon is not None:
                     dk_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
                     dv_t = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=tail_layout)
                 key_ragged = key_lo + BLOCK_N > seqlen_k_b
-                dq_prev = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)  # SPLIT: the last dQ share
+                # SPLIT: the last dQ share
+                dq_prev = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
                 mbarrier.wait(smem.kv_ready.index(WG), n_done & 1)
                 # mainloop: one query tile (of every query head of the group in turn) per step
                 for i in range(cfg.group * n_iter):
@@ -1508,21 +1558,25 @@ if gluon is not None:
                     start_m = (m_lo + i % n_iter) * BLOCK_M
                     rows = start_m + offs_q
                     mbarrier.wait(smem.ready.index(slot), phase)
-                    lse_row = smem.lse.index(slot).load(col_st)  # read before the matmuls: its latency hides there
+                    # read before the matmuls: its latency hides there
+                    lse_row = smem.lse.index(slot).load(col_st)
                     q = smem.q.index(slot).reshape([BLOCK_M, HEAD_DIM])
                     do = smem.do.index(slot).reshape([BLOCK_M, HEAD_DIM])
-                    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)  # (not loop-carried)
-                    st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # S^T = K Q^T
+                    # (not loop-carried)
+                    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+                    # S^T = K Q^T
+                    st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
                     if TAIL > 0:
                         qt = smem.qt.index(slot).reshape([BLOCK_M, TAIL])
                         dot = smem.dot.index(slot).reshape([BLOCK_M, TAIL])
                         st = warpgroup_mma(kt, qt.permute((1, 0)), st, is_async=True)
                     if SPLIT:
-                        if i > 0:  # the last tile's dQ share goes to shared memory while S^T is being made
+                        if i > 0:  # the last tile's dQ share to shared memory while S^T is made
                             _gl_bwd_put_dq(smem, dq_prev, dq_prev, tile - 1, WG, 0)
                     # Delta as dP^T's starting value: the tensor cores subtract it
                     minus_delta = zero_st - smem.delta.index(slot).load(col_st)[None, :]
-                    dpt = warpgroup_mma(v, do.permute((1, 0)), minus_delta, is_async=True)  # dP^T - Delta
+                    # dP^T - Delta
+                    dpt = warpgroup_mma(v, do.permute((1, 0)), minus_delta, is_async=True)
                     if TAIL > 0:
                         dpt = warpgroup_mma(vt, dot.permute((1, 0)), dpt, is_async=True)
                     st = warpgroup_mma_wait(num_outstanding=N_MM, deps=(st,))
@@ -1530,92 +1584,108 @@ if gluon is not None:
                     masked = key_ragged | (start_m + BLOCK_M > seqlen_q_b)
                     if cfg.CAUSAL:
                         masked = masked | (start_m < key_lo + BLOCK_N)
-                    if masked:  # ragged ends and, when causal, tiles that cross the diagonal
+                    if masked:  # ragged ends and, when causal, tiles across the diagonal
                         keep = (keys[:, None] < seqlen_k_b) & (rows[None, :] < seqlen_q_b)
                         if cfg.CAUSAL:
                             keep = keep & (keys[:, None] <= rows[None, :])
                         pt = gl.where(keep, pt, 0.0)
                     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-                    dv = warpgroup_mma(pt_op, do, dv, is_async=True)                             # dV += P^T dO
+                    dv = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
                     if TAIL > 0:
                         pt_op_t = gl.convert_layout(pt_op, op_t_layout)
                         dv_t = warpgroup_mma(pt_op_t, dot, dv_t, is_async=True)
                     dpt = warpgroup_mma_wait(num_outstanding=N_MM, deps=(dpt,))
                     dst = (pt * dpt).to(dtype)
                     smem.ds.index(2 * buf + WG).store(dst)
-                    if SPLIT:  # at once: the other warpgroup's dQ products wait for this dS
+                    if SPLIT:  # at once: the other warpgroup's dQ waits for this dS
                         fence_async_shared()
                         mbarrier.arrive(smem.ds_ready.index(buf), count=1)
                     dst_op = gl.convert_layout(dst, op_layout)
-                    dk = warpgroup_mma(dst_op, q, dk, is_async=True)                             # dK += dS^T Q
+                    dk = warpgroup_mma(dst_op, q, dk, is_async=True)  # dK += dS^T Q
                     if TAIL > 0:
                         dst_op_t = gl.convert_layout(dst_op, op_t_layout)
                         dk_t = warpgroup_mma(dst_op_t, qt, dk_t, is_async=True)
-                    if not SPLIT:  # only this warpgroup reads its dS: the stores complete under dK's matmul
+                    if not SPLIT:  # only this warpgroup reads its dS: stored under dK's matmul
                         fence_async_shared()
                     dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
-                    if SPLIT:  # this warpgroup's columns of dQ_i, over both warpgroups' keys
+                    if SPLIT:  # this warpgroup's columns of dQ_i = dS K, over both K tiles
                         mbarrier.wait(smem.ds_ready.index(buf), buf_phase)
                         for w in gl.static_range(2):
-                            k_cols = smem.k.index(w).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
-                            dq = warpgroup_mma(smem.ds.index(2 * buf + w).permute((1, 0)), k_cols, dq,
-                                               use_acc=w > 0, is_async=True)                    # dQ = dS K
+                            k_cols = smem.k.index(w).reshape([BLOCK_N, HEAD_DIM]).slice(
+                                WG * DQ_COLS, DQ_COLS, dim=1)
+                            dq = warpgroup_mma(smem.ds.index(2 * buf + w).permute((1, 0)), k_cols,
+                                               dq, use_acc=w > 0, is_async=True)
                     else:
-                        dq = warpgroup_mma(smem.ds.index(2 * buf + WG).permute((1, 0)), k, dq, use_acc=False,
-                                           is_async=True)
+                        dq = warpgroup_mma(smem.ds.index(2 * buf + WG).permute((1, 0)), k, dq,
+                                           use_acc=False, is_async=True)
                     if TAIL > 0:
                         dq_t = warpgroup_mma(smem.ds.index(2 * buf + WG).permute((1, 0)), kt,
                                              gl.zeros([BLOCK_M, TAIL], gl.float32, layout=tail_layout),
                                              use_acc=False, is_async=True)
-                        dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t = warpgroup_mma_wait(
-                            num_outstanding=0, deps=(dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t))
+                        dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t = (
+                            warpgroup_mma_wait(num_outstanding=0, deps=(
+                                dv, dk, dq, pt_op, dst_op, dv_t, dk_t, dq_t, pt_op_t, dst_op_t)))
                     else:
                         dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0,
                                                                        deps=(dv, dk, dq, pt_op, dst_op))
                     mbarrier.arrive(smem.empty.index(slot), count=1)
-                    if SPLIT:  # stored under the next tile's S^T (scaled into new registers: stored from the
-                        dq_prev = dq * cfg.sm_scale  # wgmma accumulators themselves, ptxas waited for them first)
+                    # SPLIT: stored under the next tile's S^T, scaled into new registers (from the
+                    # accumulators themselves ptxas would wait for the wgmma first)
+                    if SPLIT:
+                        dq_prev = dq * cfg.sm_scale
                     else:
-                        _gl_bwd_put_dq(smem, dq * cfg.sm_scale, dq_t * cfg.sm_scale if TAIL > 0 else dq, tile, WG,
-                                       TAIL)
+                        _gl_bwd_put_dq(smem, dq * cfg.sm_scale,
+                                       dq_t * cfg.sm_scale if TAIL > 0 else dq, tile, WG, TAIL)
                 if SPLIT:
                     if cfg.group * n_iter > 0:  # the item's last dQ share
-                        _gl_bwd_put_dq(smem, dq_prev, dq_prev, t + cfg.group * n_iter - 1, WG, 0)
+                        _gl_bwd_put_dq(smem, dq_prev, dq_prev, t + cfg.group * n_iter - 1, WG,
+                                       0)
 
-                # epilogue: dK and dV. kv_empty: on the persistent grid the producer loads the next item's K and V
-                # once both consumers have arrived (after their last matmul, or once the dK/dV stores read the tiles
-                # back); with one CTA per item and the dQ split, the dK store waits on it
+                # epilogue: dK and dV. kv_empty: on the persistent grid the producer loads the
+                # next item's K and V once both consumers arrive (after their last matmul, or
+                # once the dK/dV stores read the tiles); a CTA per item with the dQ split: the
+                # dK store waits on it
                 if (sched.DYNAMIC and not cfg.DKV_TMA) or (cfg.DKV_TMA and SPLIT):
                     mbarrier.arrive(smem.kv_empty.index(0), count=1)
-                # full tiles (a packed one reaching past its document would write the next one's; dense, rows past
-                # the tensor's are dropped by the TMA unit: a condition, not True, see O_TMA)
-                staged = (key_lo + BLOCK_N <= seqlen_k_b if cfg.VARLEN else cfg.head_dim > 0) if cfg.DKV_TMA else False
+                # full tiles (a packed one reaching past its document would write the next
+                # one's; dense, TMA drops rows past the tensor: a condition, not True, see O_TMA)
+                staged = False
+                if cfg.DKV_TMA:
+                    staged = key_lo + BLOCK_N <= seqlen_k_b if cfg.VARLEN else cfg.head_dim > 0
                 if staged:  # through this warpgroup's K and V tiles and TMA stores
                     if SPLIT:  # (one CTA per item: the phase is 0)
-                        mbarrier.wait(smem.kv_empty.index(0), 0)  # the other warpgroup's dQ products have read this K
+                        # the other warpgroup's dQ products have read this K
+                        mbarrier.wait(smem.kv_empty.index(0), 0)
                     dk_out = (dk * cfg.sm_scale).to(glob.DK.dtype.element_ty)
                     smem.k.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dk_out)
-                    smem.v.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dv.to(glob.DV.dtype.element_ty))
+                    dv_out = dv.to(glob.DV.dtype.element_ty)
+                    smem.v.index(WG).reshape([BLOCK_N, HEAD_DIM]).store(dv_out)
                     fence_async_shared()
                     _gl_store_tile(glob.dk, smem.k, WG, b, hk, q_start + key_lo)
                     _gl_store_tile(glob.dv, smem.v, WG, b, hk, q_start + key_lo)
-                    tma.store_wait(0)  # the stores have read the tiles before the CTA's shared memory goes
+                    tma.store_wait(0)  # the stores have read the tiles before shared memory goes
                 else:
-                    _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k_b, 0, acc_layout)
+                    _gl_store_keys(glob, cfg, dk, dv, b, hk, q_start, key_lo, seqlen_k_b, 0,
+                                   acc_layout)
                 if sched.DYNAMIC and cfg.DKV_TMA:
                     mbarrier.arrive(smem.kv_empty.index(0), count=1)
                 if TAIL > 0:
-                    _gl_store_keys(glob, cfg, dk_t, dv_t, b, hk, q_start, key_lo, seqlen_k_b, HEAD_DIM, tail_layout)
+                    _gl_store_keys(glob, cfg, dk_t, dv_t, b, hk, q_start, key_lo, seqlen_k_b,
+                                   HEAD_DIM, tail_layout)
                 t, n_done = t + cfg.group * n_iter, n_done + 1
             n_seen += 1
-            item = sched.read(n_seen) if sched.DYNAMIC else cfg.n_items  # one CTA per item: one pass, no loop
+            # one CTA per item: one pass, no loop
+            item = sched.read(n_seen) if sched.DYNAMIC else cfg.n_items
 
     @gluon.jit
     def _gl_bwd_loader(cfg, glob, smem, sched):
-        """The producer warp: per work item each warpgroup's K and V (once both consumers are done with the last),
-        then Q_i, dO_i, L_i (in base 2) and Delta_i of every query tile of the group's heads into the ring."""
-        offs = gl.arange(0, cfg.BLOCK_M, layout=gl.BlockedLayout([cfg.BLOCK_M // 32], [32], [1], [0]))
-        t, n_done, n_seen, item = 0, 0, 0, gl.program_id(0)  # so far: query tiles, items done, items taken
+        """The producer warp: per work item each warpgroup's K and V (once both consumers are
+        done with the last), then Q_i, dO_i, L_i (base 2) and Delta_i of every query tile of
+        the group's heads into the ring."""
+        row_layout: gl.constexpr = gl.BlockedLayout([cfg.BLOCK_M // 32], [32], [1], [0])
+        offs = gl.arange(0, cfg.BLOCK_M, layout=row_layout)
+        # so far: query tiles, items done, items taken
+        t, n_done, n_seen, item = 0, 0, 0, gl.program_id(0)
         while item < cfg.n_items:
             if sched.DYNAMIC:
                 sched.publish(n_seen, item)
@@ -1625,8 +1695,11 @@ if gluon is not None:
                     mbarrier.wait(smem.kv_empty.index(0), (n_done & 1) ^ 1)
                 for wg in gl.static_range(2):
                     row = q_start + start_n + wg * cfg.BLOCK_N
-                    _gl_load_tile(glob.k, glob.kt, smem.kv_ready, smem.k, smem.kt, wg, b, hk, row, 2)  # K and V
-                    _gl_load_tile(glob.v, glob.vt, smem.kv_ready, smem.v, smem.vt, wg, b, hk, row, 0)
+                    # one barrier expects both K and V
+                    _gl_load_tile(glob.k, glob.kt, smem.kv_ready, smem.k, smem.kt, wg, b, hk,
+                                  row, 2)
+                    _gl_load_tile(glob.v, glob.vt, smem.kv_ready, smem.v, smem.vt, wg, b, hk,
+                                  row, 0)
                 for i in range(cfg.group * n_iter):
                     slot, phase = _gl_ring(t + i, cfg.NUM_STAGES)
                     h = hk * cfg.group + i // n_iter
@@ -1634,13 +1707,18 @@ if gluon is not None:
                     mbarrier.wait(smem.empty.index(slot), phase ^ 1)
                     rows = start_m + offs
                     l_off = b.to(gl.int64) * glob.stride_lb + h * glob.stride_lh + q_start + rows
-                    # the TMA loads first, so that L's and Delta's latency hides under theirs; a second arrival below
-                    _gl_load_tile(glob.q, glob.qt, smem.ready, smem.q, smem.qt, slot, b, h, q_start + start_m, 2)
-                    _gl_load_tile(glob.do, glob.dot, smem.ready, smem.do, smem.dot, slot, b, h, q_start + start_m, 0)
-                    smem.lse.index(slot).store(gl.load(glob.LSE + l_off, mask=rows < seqlen_q_b, other=0.0)
-                                               * 1.4426950408889634)
-                    smem.delta.index(slot).store(gl.load(glob.DELTA + l_off, mask=rows < seqlen_q_b, other=0.0))
-                    mbarrier.arrive(smem.ready.index(slot), count=1)  # (releases the two stores above)
+                    # the TMA loads first: L's and Delta's latency hides under theirs
+                    _gl_load_tile(glob.q, glob.qt, smem.ready, smem.q, smem.qt, slot, b, h,
+                                  q_start + start_m, 2)
+                    _gl_load_tile(glob.do, glob.dot, smem.ready, smem.do, smem.dot, slot, b, h,
+                                  q_start + start_m, 0)
+                    smem.lse.index(slot).store(
+                        gl.load(glob.LSE + l_off, mask=rows < seqlen_q_b, other=0.0)
+                        * 1.4426950408889634)
+                    smem.delta.index(slot).store(
+                        gl.load(glob.DELTA + l_off, mask=rows < seqlen_q_b, other=0.0))
+                    # a second arrival: releases the two stores above
+                    mbarrier.arrive(smem.ready.index(slot), count=1)
                 t, n_done = t + cfg.group * n_iter, n_done + 1
             n_seen += 1
             item = sched.claim() if sched.DYNAMIC else cfg.n_items
@@ -1649,8 +1727,9 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_bwd_dq_writer(cfg, glob, smem, sched):
-        """The dQ warp: each dQ share added to the fp32 dQ buffer by a TMA reduce-add, its buffer freed once read."""
-        t, n_seen = 0, 0  # so far: query tiles, over all items (the dQ buffers' count), items taken
+        """The dQ warp: each dQ share added to the fp32 dQ buffer by a TMA reduce-add, its
+        buffer freed once read."""
+        t, n_seen = 0, 0  # so far: query tiles over all items, items taken
         item = sched.first()
         while item < cfg.n_items:
             b, hk, q_start, seqlen_q_b, seqlen_k_b, start_n, m_lo, n_iter = cfg.item(item, sched.DYNAMIC)
@@ -1663,18 +1742,20 @@ if gluon is not None:
                     for wg in gl.static_range(2):
                         col = wg * cfg.DQ_COLS if cfg.DQ_COLS < cfg.HEAD_DIM else 0
                         mbarrier.wait(smem.dq_full.index(2 * buf + wg), phase)
-                        _tma_reduce_add(glob.dq, [q_start + start_m, h, col] if cfg.VARLEN else [b, h, start_m, col],
-                                        smem.dq.index(2 * buf + wg))
+                        _tma_reduce_add(glob.dq, [q_start + start_m, h, col] if cfg.VARLEN
+                                        else [b, h, start_m, col], smem.dq.index(2 * buf + wg))
                         if cfg.TAIL > 0:
-                            _tma_reduce_add(glob.dqt, [q_start + start_m, h, cfg.HEAD_DIM] if cfg.VARLEN else
-                                            [b, h, start_m, cfg.HEAD_DIM], smem.dqt.index(2 * buf + wg))
+                            _tma_reduce_add(glob.dqt, [q_start + start_m, h, cfg.HEAD_DIM]
+                                            if cfg.VARLEN else [b, h, start_m, cfg.HEAD_DIM],
+                                            smem.dqt.index(2 * buf + wg))
                     if tile > 0:
-                        tma.store_wait(4 if cfg.TAIL > 0 else 2)  # the previous tile's reduces have read their buffers
+                        # the previous tile's reduces have read their buffers
+                        tma.store_wait(4 if cfg.TAIL > 0 else 2)
                         mbarrier.arrive(smem.dq_empty.index(2 * (1 - buf)), count=1)
                         mbarrier.arrive(smem.dq_empty.index(2 * (1 - buf) + 1), count=1)
                 t += cfg.group * n_iter
             n_seen += 1
-            item = sched.read(n_seen) if sched.DYNAMIC else cfg.n_items  # one CTA per item: one pass, no loop
+            item = sched.read(n_seen) if sched.DYNAMIC else cfg.n_items
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=_GL_COUNTS + ["n_tiles"])
@@ -1694,36 +1775,42 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = _gl_rows(q_desc)
         BLOCK_N: gl.constexpr = _gl_rows(k_desc)
         cfg = _BwdConfig(HEAD_DIM=HEAD_DIM, TAIL=TAIL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                         NUM_STAGES=NUM_STAGES, DQ_COLS=dq_desc.block_type.shape[-1], CAUSAL=CAUSAL,
-                         VARLEN=_gl_packed(q_desc), DKV_TMA=DKV_TMA, cu_seqlens_q=cu_seqlens_q,
-                         qk_scale=qk_scale, sm_scale=sm_scale, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                         num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, n_tiles=n_tiles,
-                         n_docs=n_docs, n_items=n_items)
+                         NUM_STAGES=NUM_STAGES, DQ_COLS=dq_desc.block_type.shape[-1],
+                         CAUSAL=CAUSAL, VARLEN=_gl_packed(q_desc), DKV_TMA=DKV_TMA,
+                         cu_seqlens_q=cu_seqlens_q, qk_scale=qk_scale, sm_scale=sm_scale,
+                         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_kv_heads=num_kv_heads,
+                         group=group, head_dim=head_dim, n_tiles=n_tiles, n_docs=n_docs,
+                         n_items=n_items)
         live = True
-        if not DYNAMIC:  # one CTA per item: an empty one (packed, past its document) returns before allocating
+        # one CTA per item: an empty one (packed, past its document) returns before allocating
+        if not DYNAMIC:
             _, _, _, _, seqlen_k_b, start_n, _, _ = cfg.item(gl.program_id(0), DYNAMIC)
             live = start_n < seqlen_k_b
         if live:
             q_smem, do_smem = _gl_tiles(q_desc, NUM_STAGES), _gl_tiles(do_desc, NUM_STAGES)
             k_smem, v_smem = _gl_tiles(k_desc, 2), _gl_tiles(v_desc, 2)
             # dS and dQ tiles: (two buffers) x (two warpgroups)
-            ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_N, BLOCK_M],
-                                                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype))
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                          q_desc.dtype)
+            ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_N, BLOCK_M], ds_layout)
             dq_smem = _gl_tiles(dq_desc, 4)
-            if TAIL > 0:  # the last TAIL columns of the head dim (else the tail descriptors and tiles are unused)
+            if TAIL > 0:  # the last TAIL columns (no tail: its descriptors and tiles go unused)
                 qt_smem, dot_smem = _gl_tiles(qt_desc, NUM_STAGES), _gl_tiles(dot_desc, NUM_STAGES)
-                kt_smem, vt_smem, dqt_smem = _gl_tiles(kt_desc, 2), _gl_tiles(vt_desc, 2), _gl_tiles(dqt_desc, 4)
+                kt_smem, vt_smem = _gl_tiles(kt_desc, 2), _gl_tiles(vt_desc, 2)
+                dqt_smem = _gl_tiles(dqt_desc, 4)
             else:
-                qt_smem, dot_smem, kt_smem, vt_smem, dqt_smem = q_smem, do_smem, k_smem, v_smem, dq_smem
+                qt_smem, dot_smem, kt_smem, vt_smem = q_smem, do_smem, k_smem, v_smem
+                dqt_smem = dq_smem
             row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
             delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_layout)
             kv_ready, kv_empty, ds_ready = _gl_bars(2), _gl_bars(1), _gl_bars(2)
-            dq_full, dq_empty, ready, empty = _gl_bars(4), _gl_bars(4), _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES)
+            dq_full, dq_empty = _gl_bars(4), _gl_bars(4)
+            ready, empty = _gl_bars(NUM_STAGES), _gl_bars(NUM_STAGES)
             sched = _gl_schedule(counter, DYNAMIC)
-            # arrivals: kv_empty, both consumers' last matmul of an item; ds_ready, both warpgroups' dS tiles stored;
-            # the schedule's slots, read by both consumers and the dQ warp; ready, the TMA bytes' expect and the
-            # L/Delta stores; empty, both consumers' releases
+            # arrivals: kv_empty, both consumers' last matmul of an item; ds_ready, both dS
+            # tiles stored; the schedule's slots, read by both consumers and the dQ warp;
+            # ready, the TMA bytes' expect and the L/Delta stores; empty, both consumers
             mbarrier.init(kv_empty.index(0), count=2)
             _gl_init_bars(2, (kv_ready, ds_ready, sched.ready, sched.empty), (1, 2, 1, 3))
             _gl_init_bars(4, (dq_full, dq_empty), (1, 1))
@@ -1733,16 +1820,19 @@ if gluon is not None:
                               lse=lse_smem, delta=delta_smem, kv_ready=kv_ready, kv_empty=kv_empty,
                               ready=ready, empty=empty, ds_ready=ds_ready, dq_full=dq_full,
                               dq_empty=dq_empty)
-            glob = _BwdGlobal(q=q_desc, k=k_desc, v=v_desc, do=do_desc, dq=dq_desc, qt=qt_desc, kt=kt_desc,
-                              vt=vt_desc, dot=dot_desc, dqt=dqt_desc, dk=dk_desc, dv=dv_desc,
+            glob = _BwdGlobal(q=q_desc, k=k_desc, v=v_desc, do=do_desc, dq=dq_desc, qt=qt_desc,
+                              kt=kt_desc, vt=vt_desc, dot=dot_desc, dqt=dqt_desc, dk=dk_desc,
+                              dv=dv_desc,
                               DK=DK, DV=DV, LSE=LSE, DELTA=DELTA,
                               stride_dkb=stride_dkb, stride_dkh=stride_dkh, stride_dks=stride_dks,
                               stride_dvb=stride_dvb, stride_dvh=stride_dvh, stride_dvs=stride_dvs,
                               stride_lb=stride_lb, stride_lh=stride_lh)
-            gl.warp_specialize([(_gl_bwd_consumer, (0, cfg, glob, smem, sched)),
-                                (_gl_bwd_consumer, (gl.constexpr(1), cfg, glob, smem, sched)),
-                                (_gl_bwd_loader, (cfg, glob, smem, sched)),
-                                (_gl_bwd_dq_writer, (cfg, glob, smem, sched))], [4, 1, 1], [240, 24, 24])
+            gl.warp_specialize(
+                [(_gl_bwd_consumer, (0, cfg, glob, smem, sched)),
+                 (_gl_bwd_consumer, (gl.constexpr(1), cfg, glob, smem, sched)),
+                 (_gl_bwd_loader, (cfg, glob, smem, sched)),
+                 (_gl_bwd_dq_writer, (cfg, glob, smem, sched))],
+                [4, 1, 1], [240, 24, 24])
 
     def _gluon_head_tiles(d):
         """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and tail 0, 16 or 32 more in
