@@ -1835,84 +1835,114 @@ if gluon is not None:
                 [4, 1, 1], [240, 24, 24])
 
     def _gluon_head_tiles(d):
-        """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and tail 0, 16 or 32 more in
-        tiles of their own (80 = 64 + 16: 5/8 of a 128-wide tile's work); None where the kernels do not apply."""
+        """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and
+        tail 0, 16 or 32 more in tiles of their own (80 = 64 + 16: 5/8 of a 128-wide tile's
+        work); None where the kernels do not apply."""
         if not 32 < d <= 128:
             return None
-        return (64, 0) if d <= 64 else (64, 16 if d <= 80 else 32) if d <= 96 else (128, 0)
+        if d <= 64:
+            return 64, 0
+        if d <= 96:
+            return 64, 16 if d <= 80 else 32
+        return 128, 0
 
     def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
-        """Whether the Gluon backward stores full dK/dV tiles by TMA (before the alignment checks): not with the dQ
-        split (2) on the persistent grid, which does not wait until both warpgroups are done with a K tile."""
-        return not tail and not (dynamic and split > 1) and (split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN)
+        """Whether the Gluon backward stores full dK/dV tiles by TMA (before the alignment
+        checks): not with the dQ split on the persistent grid, which does not wait until both
+        warpgroups are done with a K tile."""
+        if tail or (dynamic and split > 1):
+            return False
+        return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
 
     @functools.cache
     def _smem_layout(block, dtype, swizzle=None):
-        """A TMA tile's shared-memory layout, swizzled `swizzle` bytes (default: the widest its rows allow)."""
-        gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+        """A TMA tile's shared-memory layout, swizzled `swizzle` bytes (default: the widest its
+        rows allow)."""
+        gl_dtypes = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                     torch.float32: gl.float32}
+        gl_dtype = gl_dtypes[dtype]
         if swizzle is not None:
-            return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=gl_dtype.primitive_bitwidth,
-                                        rank=len(block))
+            return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, rank=len(block),
+                                        element_bitwidth=gl_dtype.primitive_bitwidth)
         return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
     def _descriptor(x, rows, varlen, cols, swizzle=None):
-        """A TMA descriptor over x, tiles of rows x cols of one head (past its edges: zeros read, stores dropped)."""
+        """A TMA descriptor over x, tiles of rows x cols of one head (past its edges: zeros
+        read, stores dropped)."""
         block = (rows, 1, cols) if varlen else (1, 1, rows, cols)
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), _smem_layout(block, x.dtype, swizzle))
+        layout = _smem_layout(block, x.dtype, swizzle)
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), layout)
 
     def _head_descriptors(x, rows, varlen, main, tail, swizzle=None):
-        """The descriptors of x's main tiles and of its tail tiles (the main ones again without a tail)."""
+        """The descriptors of x's main tiles and of its tail tiles (no tail: the main one)."""
         desc = _descriptor(x, rows, varlen, main, swizzle)
         return desc, _descriptor(x, rows, varlen, tail) if tail else desc
 
+    def _tma_or_padded(x, width):  # x in place where TMA reads it, else a zero-padded copy
+        return x if _tma_ready(x) else _unit_stride(x, width).contiguous()
+
     def _gluon_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-        """(O, L) with the Gluon forward on a persistent grid: one CTA per SM takes work items from a counter.
-        Keys share the queries' documents (_gluon_supported): cu_seqlens_k and max_seqlen_k go unread."""
+        """(O, L) by the Gluon forward on a persistent grid: one CTA per SM takes work items
+        from a counter. Keys share the queries' documents: cu_seqlens_k, max_seqlen_k unread."""
         varlen, d = cu_seqlens_q is not None, q.shape[-1]
         main, tail = _gluon_head_tiles(d)
         block_m, block_n, stages, q_bufs = GLUON_FWD_CONFIGS[main + tail]
-        batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
+        batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(
+            q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
         o, lse = _fwd_outputs(q, cu_seqlens_q)
         if batch * heads * seqlen_q == 0:
             return o.zero_(), lse.fill_(float("-inf"))
-        # read in place where TMA can (tiles past the head dim read zeros), else from copies zero-padded to the tiles
-        qp, kp, vp = (x if _tma_ready(x) else _unit_stride(x, main + tail).contiguous() for x in (q, k, v))
+        qp, kp, vp = (_tma_or_padded(x, main + tail) for x in (q, k, v))
         # work items: dense, query tiles x batch x heads; packed, slots (_gl_doc_slot) x heads
-        m_tiles = q.shape[0] // (2 * block_m) + batch if varlen else triton.cdiv(seqlen_q, 2 * block_m)
-        n_bh = heads if varlen else batch * heads
+        if varlen:
+            m_tiles, n_bh = q.shape[0] // (2 * block_m) + batch, heads
+        else:
+            m_tiles, n_bh = triton.cdiv(seqlen_q, 2 * block_m), batch * heads
         n_items, ctas = m_tiles * n_bh, _sm_count(q.device.index)
         dynamic = ctas < n_items
         o_tma = tail == 0 and _tma_ready(o)
-        (q_desc, qt_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
-            _head_descriptors(x, rows, varlen, main, tail) for x, rows in ((qp, block_m), (kp, block_n), (vp, block_n)))
+        q_desc, qt_desc = _head_descriptors(qp, block_m, varlen, main, tail)
+        k_desc, kt_desc = _head_descriptors(kp, block_n, varlen, main, tail)
+        v_desc, vt_desc = _head_descriptors(vp, block_n, varlen, main, tail)
         o_desc = _descriptor(o, block_m, varlen, main) if o_tma else q_desc
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+        counter = lse  # (not read on a CTA per item)
+        if dynamic:
+            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         _gl_attn_fwd[(ctas if dynamic else n_items,)](
-            q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc, o, lse, cu_seqlens_q if varlen else lse, counter,
-            *_strides(varlen, o), lb, lh, d, seqlen_q, seqlen_k, heads, heads // kv_heads, m_tiles, n_bh, batch,
-            n_items, LOG2E / math.sqrt(d), NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal,
-            HEAD_MAJOR=not (varlen and dynamic), DYNAMIC=dynamic, O_TMA=o_tma, num_warps=4, maxnreg=168)
+            q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, o_desc,
+            o, lse, cu_seqlens_q if varlen else lse, counter,
+            *_strides(varlen, o), lb, lh,
+            d, seqlen_q, seqlen_k, heads, heads // kv_heads,
+            m_tiles, n_bh, batch, n_items, LOG2E / math.sqrt(d),
+            NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal,
+            HEAD_MAJOR=not (varlen and dynamic), DYNAMIC=dynamic, O_TMA=o_tma,
+            num_warps=4, maxnreg=168)
         return o, lse
 
-    def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-        """(dQ, dK, dV) by the Gluon backward: the Triton Delta pre-pass, then one kernel for all three (dQ in fp32);
-        cu_seqlens_k and max_seqlen_k go unread, as in _gluon_forward."""
+    def _gluon_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, causal):
+        """(dQ, dK, dV) by the Gluon backward: the Triton Delta pre-pass, then one kernel for
+        all three (dQ in fp32); cu_seqlens_k and max_seqlen_k unread, as in _gluon_forward."""
         varlen, d = cu_seqlens_q is not None, q.shape[-1]
         main, tail = _gluon_head_tiles(d)
-        block_m, block_n, stages, dq_split, persistent, dq_swizzle = GLUON_BWD_CONFIGS[main + tail]
-        batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
+        block_m, block_n, stages, dq_split, persistent, dq_swizzle = \
+            GLUON_BWD_CONFIGS[main + tail]
+        batch, heads, kv_heads, seqlen_q, seqlen_k, (lb, lh) = _layout(
+            q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
         dq, dk, dv = _empty_out(q), _empty_out(k), _empty_out(v)
         if batch * heads * seqlen_q == 0 or seqlen_k == 0:
             return dq.zero_(), dk.zero_(), dv.zero_()
-        dop, qp, kp, vp = (x if _tma_ready(x) else _unit_stride(x, main + tail).contiguous() for x in (do, q, k, v))
+        dop, qp, kp, vp = (_tma_or_padded(x, main + tail) for x in (do, q, k, v))
         o, delta = _unit_stride(o), torch.empty_like(lse)
         # fp32, main + tail wide (rows 16-byte aligned at any head dim), zeroed by the Delta pass
-        dq_acc = torch.empty(q.shape[:-1] + (main + tail,), dtype=torch.float32, device=q.device)
+        dq_shape = q.shape[:-1] + (main + tail,)
+        dq_acc = torch.empty(dq_shape, dtype=torch.float32, device=q.device)
         cu = cu_seqlens_q if varlen else lse
         _attn_bwd_delta[(batch * heads, triton.cdiv(seqlen_q, 64))](
-            o, dop, delta, dq_acc, cu, *_strides(varlen, o, dop, dq_acc), lb, lh, seqlen_q, heads, d, main + tail,
+            o, dop, delta, dq_acc, cu, *_strides(varlen, o, dop, dq_acc), lb, lh,
+            seqlen_q, heads, d, main + tail,
             HEAD_DIM=_pow2(main + tail), VARLEN=varlen, BLOCK_M=64)
-        # work items: key tiles x batch x K/V heads (persistent and packed: slots (_gl_doc_slot) x K/V heads)
+        # work items: key tiles x batch x K/V heads (persistent and packed: slots x K/V heads)
         scale = 1.0 / math.sqrt(d)
         n_tiles, n_bh = triton.cdiv(seqlen_k, 2 * block_n), batch * kv_heads
         ctas = _sm_count(q.device.index) if persistent else 0
@@ -1920,19 +1950,29 @@ if gluon is not None:
         if varlen and dynamic:
             n_tiles, n_bh = k.shape[0] // (2 * block_n) + batch, kv_heads
         n_items = n_tiles * n_bh
-        dkv_tma = _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, dq_split) and _tma_ready(dk) and _tma_ready(dv)
-        (q_desc, qt_desc), (do_desc, dot_desc), (k_desc, kt_desc), (v_desc, vt_desc) = (
-            _head_descriptors(x, rows, varlen, main, tail) for x, rows in (
-                (qp, block_m), (dop, block_m), (kp, block_n), (vp, block_n)))
-        dq_desc, dqt_desc = _head_descriptors(dq_acc, block_m, varlen, main // dq_split, tail, dq_swizzle)
-        dk_desc, dv_desc = ((_descriptor(dk, block_n, varlen, main), _descriptor(dv, block_n, varlen, main))
-                            if dkv_tma else (k_desc, v_desc))
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+        dkv_tma = _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, dq_split)
+        dkv_tma = dkv_tma and _tma_ready(dk) and _tma_ready(dv)
+        q_desc, qt_desc = _head_descriptors(qp, block_m, varlen, main, tail)
+        do_desc, dot_desc = _head_descriptors(dop, block_m, varlen, main, tail)
+        k_desc, kt_desc = _head_descriptors(kp, block_n, varlen, main, tail)
+        v_desc, vt_desc = _head_descriptors(vp, block_n, varlen, main, tail)
+        dq_desc, dqt_desc = _head_descriptors(dq_acc, block_m, varlen, main // dq_split, tail,
+                                              dq_swizzle)
+        dk_desc, dv_desc = k_desc, v_desc  # (not read without dkv_tma)
+        if dkv_tma:
+            dk_desc = _descriptor(dk, block_n, varlen, main)
+            dv_desc = _descriptor(dv, block_n, varlen, main)
+        counter = lse
+        if dynamic:
+            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         _gl_attn_bwd[(ctas if dynamic else n_items,)](
-            q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc, dqt_desc, dk_desc, dv_desc,
+            q_desc, k_desc, v_desc, do_desc, dq_desc, qt_desc, kt_desc, vt_desc, dot_desc,
+            dqt_desc, dk_desc, dv_desc,
             dk, dv, lse, delta, cu, counter, *_strides(varlen, dk, dv), lb, lh,
-            seqlen_q, seqlen_k, kv_heads, heads // kv_heads, d, n_tiles, batch, n_items, LOG2E * scale, scale,
-            NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=dynamic, DKV_TMA=dkv_tma, num_warps=4, maxnreg=168)
+            seqlen_q, seqlen_k, kv_heads, heads // kv_heads, d,
+            n_tiles, batch, n_items, LOG2E * scale, scale,
+            NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=dynamic, DKV_TMA=dkv_tma,
+            num_warps=4, maxnreg=168)
         dq.copy_(dq_acc[..., :d])
         return dq, dk, dv
 
@@ -1947,41 +1987,50 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# At D=64 the Triton kernels keep up where there is little work per SM, so the Gluon kernels take a call from these
-# many query tiles of 128 rows per SM (forward, backward) (bench.py attention --parts work measures both families)
+# At D=64 the Triton kernels keep up where there is little work per SM: the Gluon kernels take
+# a call from these many query tiles of 128 rows per SM (forward, backward)
 GLUON_D64_TILES_PER_SM = (15, 31)
 
 
 def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
-    """Whether the Gluon kernels take a D=64 call of `query_tiles` tiles of 128 query rows in all, its sequences
-    (packed: documents) up to `seqlen` long, on a GPU of `sms` SMs: dense from 1024 tokens (forward) or 2048
-    (backward) with enough tiles, always from 4096; packed from the forward's count or documents of 2048 tokens."""
+    """Whether the Gluon kernels take a D=64 call of `query_tiles` tiles of 128 query rows, its
+    sequences (packed: documents) up to `seqlen` long, on `sms` SMs: dense from 1024 tokens
+    (forward) or 2048 (backward) with enough tiles, always from 4096; packed from the forward's
+    count or documents of 2048 tokens."""
     if packed:
         return seqlen >= 2048 or query_tiles >= GLUON_D64_TILES_PER_SM[0] * sms
     enough = query_tiles >= GLUON_D64_TILES_PER_SM[backward] * sms
     return seqlen >= 4096 or seqlen >= (2048 if backward else 1024) and enough
 
 
-def _tma_ready(x):  # whether TMA reads x in place: unit last stride, other strides and the base 16-byte aligned
-    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0
-                                                                for st in x.stride()[:-1])
+def _tma_ready(x):  # whether TMA reads x in place: last stride 1, the rest 16-byte aligned
+    if x.stride(-1) != 1 or x.data_ptr() % 16 != 0:
+        return False
+    return all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
 
 
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, backward=False):
-    """Whether the Gluon kernels take the call (forward, or backward): sm90 bf16/fp16 inputs with D from 33 to 128
-    (at D=64 where _gluon_d64 says so, unless FLASH_BACKEND=gluon), keys sharing the queries' documents when packed,
-    and at D 64 or 128 TMA-ready tensors (`more`: dO and O; elsewhere the Triton kernels copy too, so both copy)."""
-    if gluon is None or INTERPRET or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+    """Whether the Gluon kernels take the call (forward, or backward): sm90 bf16/fp16 inputs
+    with D from 33 to 128 (at D=64 where _gluon_d64 says so, unless FLASH_BACKEND=gluon), keys
+    sharing the queries' documents when packed, and at D 64 or 128 TMA-ready tensors (`more`:
+    dO and O; at other head dims both families copy)."""
+    if gluon is None or INTERPRET or not q.is_cuda:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16):
         return False
     tiles = _gluon_head_tiles(q.shape[-1])
-    if tiles is None or not _is_sm90(q.device.index) or (cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q):
+    if tiles is None or not _is_sm90(q.device.index):
+        return False
+    if cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens_q:
         return False
     packed = cu_seqlens_q is not None
     if BACKEND == "auto" and tiles == (64, 0):
         seqlen = max_seqlen_q if packed else q.shape[2]
         # query tiles of 128 rows (packed: at most one more per document than the tokens fill)
-        query_tiles = q.shape[1] * ((q.shape[0] // 128 + cu_seqlens_q.shape[0] - 1) if packed
-                                    else q.shape[0] * triton.cdiv(seqlen, 128))
+        if packed:
+            query_tiles = q.shape[1] * (q.shape[0] // 128 + cu_seqlens_q.shape[0] - 1)
+        else:
+            query_tiles = q.shape[1] * q.shape[0] * triton.cdiv(seqlen, 128)
         if not _gluon_d64(seqlen, query_tiles, packed, backward, _sm_count(q.device.index)):
             return False
     aligned = _pow2(q.shape[-1]) != q.shape[-1] or all(_tma_ready(x) for x in (q, k, v, *more))
