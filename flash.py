@@ -2038,17 +2038,17 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
 
 
 # ------------------------------------------------------------------------------------------
-# 4. Attention entry points. One autograd Function serves dense and packed calls: eagerly it calls
-#    the launchers, under torch.compile or a dispatch mode (selective recomputation's, a FLOP
-#    counter's) two torch.library operators with fake kernels, so a model compiles whole.
+# 4. Attention entry points. One autograd Function serves dense and packed calls: eagerly it
+#    calls the launchers, under torch.compile or a dispatch mode (selective recomputation's, a
+#    FLOP counter's) two torch.library operators with fake kernels, so a model compiles whole.
 
 def _launcher(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
-    """The one choice between the kernel families: the launcher of a forward call, or with `more`
-    (dO, O) of a backward one. backend: 'auto' takes the Gluon kernels wherever they apply,
-    'triton' never, 'gluon' always (a forward they cannot take raises)."""
+    """The one choice between the kernel families: the launcher of a forward call, or with
+    `more` (dO, O) of a backward one. backend: 'auto' takes the Gluon kernels wherever they
+    apply, 'triton' never, 'gluon' always (a forward they cannot take raises)."""
     backward = len(more) > 0
-    if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                *more, backward=backward):
+    if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                max_seqlen_q, *more, backward=backward):
         return _gluon_backward if backward else _gluon_forward
     if backend == "gluon" and not backward:
         raise RuntimeError("flash: FLASH_BACKEND=gluon but the Gluon kernels need an sm90 GPU, "
@@ -2069,28 +2069,38 @@ def _backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                   causal)
 
 
-# torch.library.Library rather than torch.library.custom_op, whose checks add host time to every call
+def _fake_forward(q, k, v, cu_seqlens_q, *_):
+    return _fwd_outputs(q, cu_seqlens_q)
+
+
+def _fake_backward(do, q, k, v, *_):
+    return _empty_out(q), _empty_out(k), _empty_out(v)
+
+
+# torch.library.Library, not custom_op, whose checks add host time to every call
 _LIB = torch.library.Library("flash", "FRAGMENT")
-_LIB.define("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-            "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, str backend) -> (Tensor, Tensor)")
-_LIB.define("attention_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cu_seqlens_q, "
-            "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, str backend) "
-            "-> (Tensor, Tensor, Tensor)")
+_LIB.define("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, "
+            "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, "
+            "str backend) -> (Tensor, Tensor)")
+_LIB.define("attention_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+            "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+            "SymInt max_seqlen_k, bool causal, str backend) -> (Tensor, Tensor, Tensor)")
 _LIB.impl("attention_fwd", _forward, "CompositeExplicitAutograd")
 _LIB.impl("attention_bwd", _backward, "CompositeExplicitAutograd")
-_attention_fwd_op, _attention_bwd_op = torch.ops.flash.attention_fwd.default, torch.ops.flash.attention_bwd.default
-torch.library.register_fake("flash::attention_fwd", lambda q, k, v, cu_q, *_: _fwd_outputs(q, cu_q), lib=_LIB)
-torch.library.register_fake("flash::attention_bwd", lambda do, q, k, v, *_: tuple(map(_empty_out, (q, k, v))),
-                            lib=_LIB)
+_attention_fwd_op = torch.ops.flash.attention_fwd.default
+_attention_bwd_op = torch.ops.flash.attention_bwd.default
+torch.library.register_fake("flash::attention_fwd", _fake_forward, lib=_LIB)
+torch.library.register_fake("flash::attention_bwd", _fake_backward, lib=_LIB)
 
 
 def _through_ops():
-    """Whether to call the kernels through the operators (compiling, or a dispatch mode, which sees only operators)."""
+    """Whether to call the kernels through the operators (compiling, or a dispatch mode,
+    which sees only operators)."""
     return torch.compiler.is_compiling() or _current_dispatch_mode() is not None
 
 
 class _FlashAttention(torch.autograd.Function):
-    """(O, L) with gradients for q, k, v (L has none); dense when cu_seqlens_q is None, packed otherwise."""
+    """(O, L) with gradients for q, k, v (L has none); packed when cu_seqlens_q is given."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
@@ -2104,7 +2114,8 @@ class _FlashAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros made for L's gradient (it has none)
-        ctx.args = (max_seqlen_q, max_seqlen_k, causal, BACKEND)  # the backward follows the forward's backend
+        # the backward follows the forward's backend
+        ctx.args = (max_seqlen_q, max_seqlen_k, causal, BACKEND)
         return o, lse
 
     @staticmethod
@@ -2113,7 +2124,8 @@ class _FlashAttention(torch.autograd.Function):
             return (None,) * 8
         q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         max_seqlen_q, max_seqlen_k, causal, backend = ctx.args
-        args = (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        args = (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                causal)
         if _through_ops():
             grads = _attention_bwd_op(*args, backend)
         else:
@@ -2123,14 +2135,19 @@ class _FlashAttention(torch.autograd.Function):
 
 
 def _check_qkv(q, k, v, ndim):
+    shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     if q.dim() != ndim or k.dim() != ndim or v.dim() != ndim:
-        raise ValueError(f"flash: q, k, v must be {ndim}-D, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"flash: q, k, v need one dtype among fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"flash: q, k, v must be {ndim}-D, got {shapes}")
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in dtypes:
+        raise ValueError("flash: q, k, v need one dtype among fp16/bf16/fp32, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"flash: q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"flash: q, k, v on different devices: {q.device}, {k.device}, "
+                         f"{v.device}")
     if k.shape != v.shape or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"flash: k and v must share a shape with q's head dim, got {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError("flash: k and v must share a shape with q's head dim, got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[-1] > 256:
         raise ValueError(f"flash: head dim {q.shape[-1]} > 256 is not supported")
 
@@ -2139,48 +2156,59 @@ def _packing(q, k, v, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_s
     """One-line errors for a call the kernels cannot take; else _FlashAttention's (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k): None, None, 0, 0 when dense."""
     _check_qkv(q, k, v, 4 if cu_seqlens is None else 3)
-    if (cu_seqlens is None and q.shape[0] != k.shape[0]) or q.shape[1] % k.shape[1] != 0:  # dim 1: heads either way
-        raise ValueError(f"flash: batch must match and H_kv divide H: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    batch_differs = cu_seqlens is None and q.shape[0] != k.shape[0]
+    if batch_differs or q.shape[1] % k.shape[1] != 0:  # dim 1: heads either way
+        raise ValueError("flash: batch must match and H_kv divide H: "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
     if cu_seqlens is None:
         return None, None, 0, 0
-    if cu_seqlens_k is None:  # passed on as None: the autograd Function may not take one tensor twice
+    if cu_seqlens_k is None:  # passed on as None: the Function may not take a tensor twice
         max_seqlen_k = max_seqlen
     elif max_seqlen_k is None:
         raise ValueError("flash: cu_seqlens_k needs max_seqlen_k")
+    wanted = (torch.int32, 1, cu_seqlens.shape, q.device)
     for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu is not None and (cu.dtype, cu.dim(), cu.shape, cu.device) != (torch.int32, 1, cu_seqlens.shape, q.device):
-            raise ValueError(f"flash: {name} must be a 1-D int32 tensor on {q.device}, as long as cu_seqlens, got "
-                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
+        if cu is not None and (cu.dtype, cu.dim(), cu.shape, cu.device) != wanted:
+            raise ValueError(f"flash: {name} must be a 1-D int32 tensor on {q.device}, as long "
+                             f"as cu_seqlens, got {cu.dtype} {tuple(cu.shape)} on {cu.device}")
     return cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k)
 
 
-def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
-    """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning the logsumexp L
-    ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
+def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None,
+                       cu_seqlens_k=None, max_seqlen_k=None):
+    """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning
+    the logsumexp L ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
     packing = _packing(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     return _FlashAttention.apply(q, k, v, *packing, causal)
 
 
 def flash_attention(q, k, v, causal=True):
-    """q (B, H, S, D), k/v (B, H_kv, S_k, D) with H % H_kv == 0, any strides -> O (B, H, S, D); differentiable."""
+    """q (B, H, S, D), k/v (B, H_kv, S_k, D) with H % H_kv == 0, any strides -> O (B, H, S, D);
+    differentiable."""
     return _FlashAttention.apply(q, k, v, *_packing(q, k, v), causal)[0]
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None, max_seqlen_k=None):
-    """Packed documents: q (total_q, H, D), k/v (total_k, H_kv, D), int32 cu_seqlens (num_seqs + 1) -> O like q.
-    Each query attends only inside its own document; max_seqlen is a Python int >= the longest document (it sizes
-    the grid and is not checked on the device, to avoid a host sync per call)."""
+def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None,
+                      max_seqlen_k=None):
+    """Packed documents: q (total_q, H, D), k/v (total_k, H_kv, D), int32 cu_seqlens
+    (num_seqs + 1) -> O like q; a query attends only inside its document. max_seqlen: a Python
+    int >= the longest document (it sizes the grid, unchecked: no host sync per call)."""
     packing = _packing(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     return _FlashAttention.apply(q, k, v, *packing, causal)[0]
 
 
+def _heads_folded(x):  # (..., seq, d) -> (batch x heads, 1, seq, d)
+    return x.reshape(-1, 1, *x.shape[-2:])
+
+
 class FlashAttentionTriton(torch.autograd.Function):
-    """The Triton kernels on (..., seq, d) (heads folded into the leading dims); saves one L, (..., seq_q)."""
+    """The Triton kernels on (..., seq, d), heads folded into the leading dims; saves L."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):
-        _check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]), 3)
-        o, lse = _triton_forward(*(x.reshape(-1, 1, *x.shape[-2:]) for x in (q, k, v)), None, None, 0, 0, causal)
+        _check_qkv(*(x.reshape(-1, *x.shape[-2:]) for x in (q, k, v)), 3)
+        qkv = (_heads_folded(x) for x in (q, k, v))
+        o, lse = _triton_forward(*qkv, None, None, 0, 0, causal)
         o, lse = o.reshape(q.shape), lse.reshape(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
@@ -2189,17 +2217,18 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        grads = _triton_backward(*(x.reshape(-1, 1, *x.shape[-2:]) for x in (do, q, k, v, o)),
-                                 lse.reshape(-1, 1, q.shape[-2]), None, None, 0, 0, ctx.causal)
+        tensors = (_heads_folded(x) for x in (do, q, k, v, o))
+        lse = lse.reshape(-1, 1, q.shape[-2])
+        grads = _triton_backward(*tensors, lse, None, None, 0, 0, ctx.causal)
         return (*(g.reshape(x.shape) for g, x in zip(grads, (q, k, v))), None)
 
 
 # ------------------------------------------------------------------------------------------
-# 5. AdamW's fused step (train.AdamW is the optimizer and states the formulas). On CUDA one launch steps every
-#    parameter of a (group, dtype) bucket, chunk by chunk through a table built once (each chunk's offsets from a
-#    base tensor, its tensor, its length). Gradients are new tensors after every backward, so their offsets are an
-#    array of their own, re-sent only when they move. Offsets count 16 elements at a time where they can, so full
-#    chunks load and store 16 bytes a thread.
+# 5. AdamW's fused step (train.AdamW is the optimizer and states the formulas). One launch
+#    steps every parameter of a (group, dtype) bucket, chunk by chunk through a table built
+#    once (each chunk's offsets from a base tensor, its tensor, its length). Gradients are new
+#    tensors after every backward: their offsets are an array of their own, re-sent only when
+#    they move. Offsets count 16 elements where they can: full chunks move 16 bytes a thread.
 
 ADAMW_BLOCK = 2048
 
@@ -2213,35 +2242,40 @@ def _adamw_chunk(P, G, M, V, p_off, g_off, m_off, v_off, n, neg_step, beta1, bet
     g = tl.load(G + g_off + offs, mask=ok).to(tl.float32)
     m = tl.load(M + m_off + offs, mask=ok)
     v = tl.load(V + v_off + offs, mask=ok)
-    m = beta1 * m + (1.0 - beta1) * g                       # m <- b1 m + (1 - b1) g
-    v = beta2 * v + (1.0 - beta2) * g * g                   # v <- b2 v + (1 - b2) g^2
-    p = (p + neg_step * m / (tl.sqrt(v) + eps)) * decay     # p <- p - a_t m / (sqrt(v) + eps), then p <- p (1 - a l)
+    m = beta1 * m + (1.0 - beta1) * g  # m <- b1 m + (1 - b1) g
+    v = beta2 * v + (1.0 - beta2) * g * g  # v <- b2 v + (1 - b2) g^2
+    # p <- p - a_t m / (sqrt(v) + eps), then p <- p (1 - a l)
+    p = (p + neg_step * m / (tl.sqrt(v) + eps)) * decay
     tl.store(P + p_off + offs, p.to(P.dtype.element_ty), mask=ok)
     tl.store(M + m_off + offs, m, mask=ok)
     tl.store(V + v_off + offs, v, mask=ok)
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, table, g_offsets, n_chunks, neg_step, beta1, beta2, eps, decay, SCALARS,
-                  BLOCK: tl.constexpr, UNIT: tl.constexpr, G_UNIT: tl.constexpr, DEVICE_SCALARS: tl.constexpr):
+def _adamw_kernel(P, G, M, V, table, g_offsets, n_chunks,
+                  neg_step, beta1, beta2, eps, decay, SCALARS,
+                  BLOCK: tl.constexpr, UNIT: tl.constexpr, G_UNIT: tl.constexpr,
+                  DEVICE_SCALARS: tl.constexpr):
     c = tl.program_id(0)
-    if DEVICE_SCALARS:  # (neg_step, decay) written by the host before the launch: the launch can be a graph's
+    if DEVICE_SCALARS:  # written by the host before the launch: the launch can be a graph's
         neg_step = tl.load(SCALARS)
         decay = tl.load(SCALARS + 1)
-    start = tl.load(table + 4 * n_chunks + c) * BLOCK  # the chunk's first element inside its tensor
+    start = tl.load(table + 4 * n_chunks + c) * BLOCK  # the chunk's first element in its tensor
     p_off = tl.load(table + c) * UNIT + start
     m_off = tl.load(table + n_chunks + c) * UNIT + start
     v_off = tl.load(table + 2 * n_chunks + c) * UNIT + start
     g_off = tl.load(g_offsets + tl.load(table + 3 * n_chunks + c)) * G_UNIT + start
     n = tl.load(table + 5 * n_chunks + c)
     if n == BLOCK:  # a full chunk: no mask, so every load and store moves 16 bytes a thread
-        _adamw_chunk(P, G, M, V, p_off, g_off, m_off, v_off, n, neg_step, beta1, beta2, eps, decay, BLOCK, False)
+        _adamw_chunk(P, G, M, V, p_off, g_off, m_off, v_off, n, neg_step, beta1, beta2, eps,
+                     decay, BLOCK, False)
     else:  # a tensor's last chunk
-        _adamw_chunk(P, G, M, V, p_off, g_off, m_off, v_off, n, neg_step, beta1, beta2, eps, decay, BLOCK, True)
+        _adamw_chunk(P, G, M, V, p_off, g_off, m_off, v_off, n, neg_step, beta1, beta2, eps,
+                     decay, BLOCK, True)
 
 
 def _offsets(tensors):
-    """(base tensor, offsets of every tensor from it in units, unit): base = the lowest address."""
+    """(base tensor, every tensor's offset from it in units, unit): base at the lowest address."""
     ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
     base = int(np.argmin(ptrs))
     offsets = (ptrs - ptrs[base]) // tensors[0].element_size()
@@ -2250,8 +2284,8 @@ def _offsets(tensors):
 
 
 def _chunk_table(columns, block):
-    """[params, exp_avgs, exp_avg_sqs] -> (bases, int64 table (6, n_chunks), unit); its rows: p/m/v offsets in
-    units, tensor index, chunk index in the tensor, length."""
+    """[params, exp_avgs, exp_avg_sqs] -> (bases, int64 table (6, n_chunks), unit); its rows:
+    p/m/v offsets in units, tensor index, chunk index in the tensor, length."""
     numels = np.array([t.numel() for t in columns[0]], dtype=np.int64)
     n_chunks = -(-numels // block)
     chunk = np.concatenate([np.arange(n, dtype=np.int64) for n in n_chunks])
@@ -2263,44 +2297,54 @@ def _chunk_table(columns, block):
     return list(bases), torch.from_numpy(np.stack(table)), unit
 
 
-def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay, scalars=None):
-    """One fused AdamW update of equal-length lists of contiguous tensors (m, v fp32): p <- (p + neg_step m /
-    (sqrt(v) + eps)) * decay. `cache`: a dict the caller keeps per bucket (chunk table, gradient offsets). scalars:
-    None, or (neg_step, decay) as 2 fp32 values on the device, read there (a captured launch's replays)."""
+def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay,
+               scalars=None):
+    """One fused AdamW update of equal-length lists of contiguous tensors (m, v fp32):
+    p <- (p + neg_step m / (sqrt(v) + eps)) * decay. `cache`: a dict the caller keeps per
+    bucket. scalars: None, or (neg_step, decay) as 2 fp32 values read on the device."""
     live = [i for i, p in enumerate(params) if p.numel()]
     if not live:
         return
-    params, grads, exp_avgs, exp_avg_sqs = ([col[i] for i in live] for col in (params, grads, exp_avgs, exp_avg_sqs))
+    columns = (params, grads, exp_avgs, exp_avg_sqs)
+    params, grads, exp_avgs, exp_avg_sqs = ([col[i] for i in live] for col in columns)
     device = params[0].device
-    key = tuple(t.data_ptr() for col in (params, exp_avgs, exp_avg_sqs) for t in col) + tuple(t.numel() for t in params)
-    if cache.get("key") != key:  # built once (again only if a parameter or its state moved)
+    key = tuple(t.data_ptr() for col in (params, exp_avgs, exp_avg_sqs) for t in col)
+    key += tuple(t.numel() for t in params)
+    if cache.get("key") != key:  # built again only if a parameter or its state moved
         bases, table, unit = _chunk_table([params, exp_avgs, exp_avg_sqs], ADAMW_BLOCK)
         cache.clear()
         cache.update(key=key, bases=bases, table=table.to(device), unit=unit, g_key=None)
     g_key = tuple(g.data_ptr() for g in grads)
-    if cache["g_key"] != g_key:  # new gradient addresses: send their offsets, without waiting for the GPU
+    if cache["g_key"] != g_key:  # new gradient addresses: sent without waiting for the GPU
         g_base, g_offsets, g_unit = _offsets(grads)
-        host = torch.from_numpy(g_offsets)  # kept: a CUDA graph that captured the copy reads it at every replay
+        # kept: a CUDA graph that captured the copy reads it at every replay
+        host = torch.from_numpy(g_offsets)
         host = host.pin_memory() if device.type == "cuda" else host
-        cache.update(g_key=g_key, g_index=next(i for i, g in enumerate(grads) if g is g_base), g_host=host,
+        g_index = next(i for i, g in enumerate(grads) if g is g_base)
+        cache.update(g_key=g_key, g_index=g_index, g_host=host,
                      g_offsets=host.to(device, non_blocking=True), g_unit=g_unit)
-    g_base = grads[cache["g_index"]]  # this step's tensor at the base address (a CUDA graph hands out new ones)
+    # this step's tensor at the base address (a CUDA graph hands out new ones)
+    g_base = grads[cache["g_index"]]
     p, m, v = cache["bases"]
     n_chunks = cache["table"].shape[1]
-    if scalars is not None and (scalars.device != device or scalars.dtype != torch.float32 or scalars.numel() != 2):
-        raise ValueError(f"adamw_step: scalars must be 2 fp32 values on {device}, got {scalars.numel()} "
-                         f"{scalars.dtype} on {scalars.device}")
-    _adamw_kernel[(n_chunks,)](p, g_base, m, v, cache["table"], cache["g_offsets"], n_chunks, neg_step,
-                               beta1, beta2, eps, decay, cache["table"] if scalars is None else scalars,
+    if scalars is not None:
+        ok = (scalars.device, scalars.dtype, scalars.numel()) == (device, torch.float32, 2)
+        if not ok:
+            raise ValueError(f"adamw_step: scalars must be 2 fp32 values on {device}, got "
+                             f"{scalars.numel()} {scalars.dtype} on {scalars.device}")
+    _adamw_kernel[(n_chunks,)](p, g_base, m, v, cache["table"], cache["g_offsets"], n_chunks,
+                               neg_step, beta1, beta2, eps, decay,
+                               cache["table"] if scalars is None else scalars,
                                BLOCK=ADAMW_BLOCK, UNIT=cache["unit"], G_UNIT=cache["g_unit"],
                                DEVICE_SCALARS=scalars is not None, num_warps=8)
 
 
 # ------------------------------------------------------------------------------------------
-# 6. Cross-entropy over rows of logits, gradient in place (model.linear_cross_entropy runs it chunk by chunk).
-#    For each row x with target t (t == ignore_index: no loss, zero gradient): loss = logsumexp(x) - x[t] in fp32
-#    by an online max/sum, then x is overwritten with scale * (softmax(x) - onehot(t)), scale = dL/dloss_row read
-#    from a one-element tensor (so the host never waits for the count of targets).
+# 6. Cross-entropy over rows of logits, the gradient in place (model.linear_cross_entropy runs
+#    it chunk by chunk). Row x with target t (ignore_index: no loss, zero gradient):
+#    loss = logsumexp(x) - x[t] in fp32 by an online max and sum, then x is overwritten with
+#    scale * (softmax(x) - onehot(t)), scale = dL/dloss_row read from a one-element tensor (the
+#    host never waits for the count of targets).
 
 @triton.jit
 def _cross_entropy_rows_kernel(LOGITS, TARGETS, LOSS, SCALE, stride_row, n_cols, ignore_index,
@@ -2312,9 +2356,11 @@ def _cross_entropy_rows_kernel(LOGITS, TARGETS, LOSS, SCALE, stride_row, n_cols,
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_cols, BLOCK):  # per lane running max and sum, merged at the end
-        x = tl.load(ptr + start + offs, mask=start + offs < n_cols, other=float("-inf")).to(tl.float32)
+        x = tl.load(ptr + start + offs, mask=start + offs < n_cols, other=float("-inf"))
+        x = x.to(tl.float32)
         m_new = tl.maximum(m, x)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that saw only padding keeps s = 0
+        # a lane that saw only padding keeps s = 0
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - shift) + tl.exp(x - shift)
         m = m_new
     m_row = tl.max(m, 0)
@@ -2332,54 +2378,61 @@ def _cross_entropy_rows_kernel(LOGITS, TARGETS, LOSS, SCALE, stride_row, n_cols,
 
 
 def cross_entropy_rows_reference(logits, targets, ignore_index, scale):
-    """(loss per row, gradient) in fp32 (fp64 for fp64 logits): the PyTorch twin of _cross_entropy_rows_kernel."""
+    """(loss per row, gradient) in fp32 (fp64 for fp64 logits): the kernel's PyTorch twin."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0)
     lse = torch.logsumexp(x, dim=-1)
     loss = torch.where(valid, lse - x.gather(-1, safe[:, None])[:, 0], 0.0)
     onehot = torch.nn.functional.one_hot(safe, x.shape[-1]).to(x.dtype)
-    grad = (torch.exp(x - lse[:, None]) - onehot) * torch.where(valid, scale.to(x.dtype), 0.0)[:, None]
+    row_scale = torch.where(valid, scale.to(x.dtype), 0.0)
+    grad = (torch.exp(x - lse[:, None]) - onehot) * row_scale[:, None]
     return loss, grad
 
 
+# what torch.compile sees: opaque, mutating its two outputs
 @torch.library.custom_op("flash::cross_entropy_rows", mutates_args=("logits", "loss"))
-def _cross_entropy_rows_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, scale: torch.Tensor,
-                           loss: torch.Tensor) -> None:  # what torch.compile sees: opaque, mutating its two outputs
+def _cross_entropy_rows_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                           scale: torch.Tensor, loss: torch.Tensor) -> None:
     cross_entropy_rows(logits, targets, ignore_index, scale, loss)
 
 
 def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
-    """Loss per row into `loss` (fp32) and the gradient into `logits` itself (its dtype), for 2-D contiguous
-    logits; `scale` is a one-element fp32 tensor. The Triton kernel on CUDA (or when kernel=True: the interpreter
-    in tests), else the PyTorch twin."""
+    """Loss per row into `loss` (fp32) and the gradient into `logits` itself (its dtype), for
+    2-D contiguous logits; `scale` is a one-element fp32 tensor. The Triton kernel on CUDA (or
+    with kernel=True: the interpreter in tests), else the PyTorch twin."""
     if kernel is None:
         if torch.compiler.is_compiling():
             return _cross_entropy_rows_op(logits, targets, ignore_index, scale, loss)
         kernel = logits.is_cuda
     if not kernel:
-        for out, value in zip((loss, logits), cross_entropy_rows_reference(logits, targets, ignore_index, scale)):
+        reference = cross_entropy_rows_reference(logits, targets, ignore_index, scale)
+        for out, value in zip((loss, logits), reference):
             out.copy_(value)
         return
-    assert logits.stride(-1) == 1 and targets.is_contiguous() and loss.is_contiguous()
-    _cross_entropy_rows_kernel[(logits.shape[0],)](logits, targets, loss, scale, logits.stride(0), logits.shape[1],
-                                                   ignore_index, BLOCK=64 if INTERPRET else 2048, num_warps=8)
+    assert logits.stride(-1) == 1
+    assert targets.is_contiguous()
+    assert loss.is_contiguous()
+    _cross_entropy_rows_kernel[(logits.shape[0],)](
+        logits, targets, loss, scale, logits.stride(0), logits.shape[1], ignore_index,
+        BLOCK=64 if INTERPRET else 2048, num_warps=8)
 
 
 # ------------------------------------------------------------------------------------------
-# 7. RMSNorm over the last dim, in fp32 whatever the dtype: r = 1 / sqrt(mean(x^2) + eps), y = (x r) g, r kept per
-#    row for the backward: with x_hat = x r and gy = g dy, dx = r (gy - x_hat mean(x_hat gy)) and dg = sum over rows
-#    of dy x_hat. Whole rows in registers (d <= RMS_MAX_D); the backward's programs stride over the row blocks, each
-#    summing dy x_hat into its row of a buffer that a torch sum turns into dg. add_rms_norm also adds the residual
-#    (h = x + r) and, backward, the gradient reaching h from the residual path: one kernel each way per pre-norm.
-#    As with attention: custom ops with fake kernels under torch.compile, the launchers directly when eager.
+# 7. RMSNorm over the last dim, in fp32 whatever the dtype: r = 1 / sqrt(mean(x^2) + eps),
+#    y = (x r) g, r kept per row for the backward: with x_hat = x r and gy = g dy,
+#    dx = r (gy - x_hat mean(x_hat gy)) and dg = sum over rows of dy x_hat. Whole rows in
+#    registers (d <= RMS_MAX_D); the backward's programs stride over the row blocks, each
+#    summing dy x_hat into its row of a buffer that a torch sum turns into dg. add_rms_norm
+#    also adds the residual (h = x + r) and, backward, the gradient reaching h from the
+#    residual path. As with attention: custom ops with fake kernels under torch.compile.
 
 RMS_MAX_D = 8192  # the backward spills past it (rows live in registers): wider rows are refused
 
 
 def _rms_config(d, backward=False):
-    """(BLOCK_M, BLOCK_D, num_warps) for rows of d elements: tiles of 4096 elements forward, 2048 backward, 16 a
-    thread; 128 rows in the interpreter, whose time goes by programs and loop steps, not tile size."""
+    """(BLOCK_M, BLOCK_D, num_warps) for rows of d elements: tiles of 4096 elements forward,
+    2048 backward, 16 a thread; 128 rows in the interpreter (its time goes by programs)."""
     block_d = triton.next_power_of_2(d)
     if INTERPRET:
         return 128, block_d, 4
@@ -2395,20 +2448,23 @@ def _rms_norm_fwd_kernel(X, R, H, W, Y, RSTD, n_rows, d, stride_x, stride_r, eps
     ok = (rows[:, None] < n_rows) & (cols[None, :] < d)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     if HAS_R:  # h = x + r, stored (in H's dtype) and normalized as it was stored
-        x += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
+        x += r.to(tl.float32)
         x = x.to(H.dtype.element_ty)
         tl.store(H + rows[:, None] * d + cols[None, :], x, mask=ok)
         x = x.to(tl.float32)
     w = tl.load(W + cols, mask=cols < d, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)  # padding lanes are 0: the sum is over the row's d elements
+    # padding lanes are 0: the sum is over the row's d elements
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)
     y = x * rstd[:, None] * w[None, :]
     tl.store(Y + rows[:, None] * d + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
     tl.store(RSTD + rows, rstd, mask=rows < n_rows)
 
 
 @triton.jit
-def _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy, stride_dh, HAS_DH: tl.constexpr):
-    """A block's x, dy and (HAS_DH) dh as loaded (0 past the ends); dh is 0.0 without HAS_DH."""
+def _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy, stride_dh,
+                  HAS_DH: tl.constexpr):
+    """A block's x, dy and (HAS_DH) dh as loaded (0 past the ends); dh 0.0 without HAS_DH."""
     ok = (rows[:, None] < n_rows) & (cols[None, :] < d)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0)
@@ -2419,28 +2475,32 @@ def _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy, stride_
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(X, W, DY, RSTD, DH, DX, DW_PARTIAL, n_rows, d, stride_x, stride_dy, stride_dh, n_blocks,
-                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DH: tl.constexpr,
-                         PREFETCH: tl.constexpr):
-    # Each program strides over the row blocks. PREFETCH: it loads its next block before it works on the current
-    # one, so a load is always in flight; that doubles the registers they take, so rows past 4096 do without.
+def _rms_norm_bwd_kernel(X, W, DY, RSTD, DH, DX, DW_PARTIAL, n_rows, d,
+                         stride_x, stride_dy, stride_dh, n_blocks,
+                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                         HAS_DH: tl.constexpr, PREFETCH: tl.constexpr):
+    # Each program strides over the row blocks. PREFETCH: it loads its next block before it
+    # works on this one, so a load is always in flight (twice the registers: d <= 4096 only).
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
     w = tl.load(W + cols, mask=cols < d, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # summed over its rows once, at the end
     if PREFETCH:
-        rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: rows * stride may pass 2^31
-        x_next, dy_next, dh_next = _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy, stride_dh,
-                                                 HAS_DH)
+        # int64: rows * stride may pass 2^31
+        rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        x_next, dy_next, dh_next = _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x,
+                                                 stride_dy, stride_dh, HAS_DH)
     for blk in range(pid, n_blocks, step):
         rows = (blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         if PREFETCH:
             x, dy, dh = x_next, dy_next, dh_next
-            x_next, dy_next, dh_next = _rms_bwd_rows(X, DY, DH, rows + step * BLOCK_M, cols, n_rows, d, stride_x,
-                                                     stride_dy, stride_dh, HAS_DH)
-        else:  # (dh is loaded where it is added, so it is not live across the row sums)
-            x, dy, _ = _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy, stride_dh, False)
+            x_next, dy_next, dh_next = _rms_bwd_rows(X, DY, DH, rows + step * BLOCK_M, cols,
+                                                     n_rows, d, stride_x, stride_dy,
+                                                     stride_dh, HAS_DH)
+        else:  # (dh loads where it is added: not live across the row sums)
+            x, dy, _ = _rms_bwd_rows(X, DY, DH, rows, cols, n_rows, d, stride_x, stride_dy,
+                                     stride_dh, False)
         x, dy = x.to(tl.float32), dy.to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)
         x_hat = x * rstd[:, None]
@@ -2458,26 +2518,31 @@ def _rms_norm_bwd_kernel(X, W, DY, RSTD, DH, DX, DW_PARTIAL, n_rows, d, stride_x
 
 
 def _rms_norm_forward(x, weight, eps, r=None, y_dtype=None):
-    """(y in y_dtype (default h's), rstd fp32, h = x + r in their promoted dtype; r None: h is x itself)."""
+    """(y in y_dtype (default h's), rstd fp32, h = x + r in their promoted dtype; no r: x)."""
     d = x.shape[-1]
     x2, weight = _unit_stride(x.reshape(-1, d)), weight.contiguous()
     r2 = None if r is None else _unit_stride(r.reshape(-1, d))
-    h = x if r is None else torch.empty(x.shape, dtype=torch.promote_types(x.dtype, r.dtype), device=x.device)
+    h = x
+    if r is not None:
+        h_dtype = torch.promote_types(x.dtype, r.dtype)
+        h = torch.empty(x.shape, dtype=h_dtype, device=x.device)
     y = torch.empty(x.shape, dtype=y_dtype or h.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     n = x2.shape[0]
     if n:
         block_m, block_d, warps = _rms_config(d)
         _rms_norm_fwd_kernel[(triton.cdiv(n, block_m),)](
-            x2, x2 if r2 is None else r2, h, weight, y, rstd, n, d, x2.stride(0), 0 if r2 is None else r2.stride(0),
-            eps, BLOCK_M=block_m, BLOCK_D=block_d, HAS_R=r2 is not None, num_warps=warps)
+            x2, x2 if r2 is None else r2, h, weight, y, rstd, n, d, x2.stride(0),
+            0 if r2 is None else r2.stride(0), eps,
+            BLOCK_M=block_m, BLOCK_D=block_d, HAS_R=r2 is not None, num_warps=warps)
     return y, rstd, h
 
 
 def _rms_norm_backward(dy, x, weight, rstd, dh=None):
-    """(dx like x, dweight like weight) through _rms_norm_bwd_kernel; dh (x's gradient from elsewhere) joins dx."""
+    """(dx like x, dweight like weight); dh (x's gradient from elsewhere) joins dx."""
     d = x.shape[-1]
-    x2, dy2, w = _unit_stride(x.reshape(-1, d)), _unit_stride(dy.reshape(-1, d)), weight.contiguous()
+    x2, dy2 = _unit_stride(x.reshape(-1, d)), _unit_stride(dy.reshape(-1, d))
+    w = weight.contiguous()
     dh2 = None if dh is None else _unit_stride(dh.reshape(-1, d))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[0]
@@ -2485,44 +2550,55 @@ def _rms_norm_backward(dy, x, weight, rstd, dh=None):
         return dx, torch.zeros_like(weight)
     block_m, block_d, warps = _rms_config(d, backward=True)
     n_blocks = triton.cdiv(n, block_m)
-    # programs: 2 or 4 per SM on CUDA; 2 in the interpreter, so that a program steps over several blocks
-    programs = max(1, min(n_blocks, _sm_count(x.device.index) * (2 if block_d >= 2048 else 4) if x.is_cuda else 2))
-    partial = torch.empty(programs, d, dtype=torch.float32, device=x.device)  # every program writes its row
-    _rms_norm_bwd_kernel[(programs,)](x2, w, dy2, rstd, dy2 if dh2 is None else dh2, dx, partial, n, d,
-                                      x2.stride(0), dy2.stride(0), 0 if dh2 is None else dh2.stride(0), n_blocks,
-                                      BLOCK_M=block_m, BLOCK_D=block_d, HAS_DH=dh2 is not None,
-                                      PREFETCH=block_d <= 4096, num_warps=warps)
+    # programs: 2 or 4 per SM on CUDA; 2 in the interpreter (a program steps over blocks)
+    programs = 2
+    if x.is_cuda:
+        programs = _sm_count(x.device.index) * (2 if block_d >= 2048 else 4)
+    programs = max(1, min(n_blocks, programs))
+    # every program writes its row
+    partial = torch.empty(programs, d, dtype=torch.float32, device=x.device)
+    _rms_norm_bwd_kernel[(programs,)](
+        x2, w, dy2, rstd, dy2 if dh2 is None else dh2, dx, partial, n, d,
+        x2.stride(0), dy2.stride(0), 0 if dh2 is None else dh2.stride(0), n_blocks,
+        BLOCK_M=block_m, BLOCK_D=block_d, HAS_DH=dh2 is not None,
+        PREFETCH=block_d <= 4096, num_warps=warps)
     return dx, partial.sum(0).to(weight.dtype)
 
 
 @torch.library.custom_op("flash::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, r: Optional[torch.Tensor] = None,
-                     y_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     r: Optional[torch.Tensor] = None, y_dtype: Optional[torch.dtype] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, rstd, h = _rms_norm_forward(x, weight, eps, r, y_dtype)
-    return y, rstd, x.new_empty(0) if r is None else h  # (no residual: h is x, which an output may not alias)
+    # (no residual: h is x, which an output may not alias)
+    return y, rstd, x.new_empty(0) if r is None else h
 
 
 @_rms_norm_fwd_op.register_fake
 def _(x, weight, eps, r=None, y_dtype=None):
-    h = torch.empty_like(x, dtype=x.dtype if r is None else torch.promote_types(x.dtype, r.dtype),
-                         memory_format=torch.contiguous_format)
-    y, rstd = torch.empty_like(h, dtype=y_dtype or h.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    h_dtype = x.dtype if r is None else torch.promote_types(x.dtype, r.dtype)
+    h = torch.empty_like(x, dtype=h_dtype, memory_format=torch.contiguous_format)
+    y = torch.empty_like(h, dtype=y_dtype or h.dtype)
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
     return y, rstd, x.new_empty(0) if r is None else h
 
 
 @torch.library.custom_op("flash::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                     dh: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     rstd: torch.Tensor, dh: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     return _rms_norm_backward(dy, x, weight, rstd, dh)
 
 
-_rms_norm_bwd_op.register_fake(lambda dy, x, weight, rstd, dh=None: (
-    torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)))
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, dh=None):
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return dx, torch.empty_like(weight)
 
 
 class _AddRMSNorm(torch.autograd.Function):
-    """(h, y) = (x + r, rms_norm(x + r) * weight); r None: h is x itself, returned so that its gradient joins the
-    norm's in one backward kernel (rms_norm takes y alone). Saves h, weight, rstd."""
+    """(h, y) = (x + r, rms_norm(x + r) * weight); r None: h is x itself, returned so that its
+    gradient joins the norm's in one backward kernel. Saves h, weight, rstd."""
 
     @staticmethod
     def forward(ctx, x, r, weight, eps, y_dtype):
@@ -2531,7 +2607,8 @@ class _AddRMSNorm(torch.autograd.Function):
         h = x if r is None else h
         ctx.save_for_backward(h, weight, rstd)
         ctx.r_dtype = None if r is None else r.dtype
-        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not zeros the kernel would read
+        # an unused output's gradient comes as None, not zeros the kernel would read
+        ctx.set_materialize_grads(False)
         return h, y
 
     @staticmethod
@@ -2552,33 +2629,37 @@ RMS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _check_rms(who, x, weight, r=None, y_dtype=None):
     """One-line errors for what the RMSNorm kernels cannot take."""
-    for name, t in [("x", x), ("weight", weight)] + ([("residual", r)] if r is not None else []):
-        got = f"{t.dtype} on {t.device}" if torch.is_tensor(t) else type(t).__name__
+    named = [("x", x), ("weight", weight)] + ([("residual", r)] if r is not None else [])
+    for name, t in named:
         if not torch.is_tensor(t) or t.dtype not in RMS_DTYPES or t.device != x.device:
-            raise ValueError(f"flash.{who}: {name} must be an fp16, bf16 or fp32 tensor on x's device, got {got}")
+            got = f"{t.dtype} on {t.device}" if torch.is_tensor(t) else type(t).__name__
+            raise ValueError(f"flash.{who}: {name} must be an fp16, bf16 or fp32 tensor on "
+                             f"x's device, got {got}")
     if y_dtype is not None and y_dtype not in RMS_DTYPES:
         raise ValueError(f"flash.{who}: out_dtype must be fp16, bf16 or fp32, got {y_dtype}")
     if x.dim() < 1 or weight.shape != x.shape[-1:]:
-        raise ValueError(f"flash.{who}: weight must have shape ({x.shape[-1] if x.dim() else 'd'},) to match "
+        width = x.shape[-1] if x.dim() else "d"
+        raise ValueError(f"flash.{who}: weight must have shape ({width},) to match "
                          f"x {tuple(x.shape)}, got {tuple(weight.shape)}")
     if r is not None and r.shape != x.shape:
-        raise ValueError(f"flash.{who}: residual {tuple(r.shape)} must have x's shape {tuple(x.shape)}")
+        raise ValueError(f"flash.{who}: residual {tuple(r.shape)} must have x's shape "
+                         f"{tuple(x.shape)}")
     if x.shape[-1] > RMS_MAX_D:
         raise ValueError(f"flash.{who}: last dim {x.shape[-1]} > {RMS_MAX_D} is not supported")
     _require_triton_device(x, f"flash.{who}")
 
 
 def rms_norm(x, weight, eps=1e-5):
-    """x (..., d) fp16/bf16/fp32, weight (d,) -> x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32, in x's
-    dtype; differentiable in x and weight (dweight in weight's dtype). CUDA tensors (or any under the
+    """x (..., d) fp16/bf16/fp32, weight (d,) -> x / sqrt(mean(x^2, -1) + eps) * weight in x's
+    dtype, computed in fp32; differentiable in x and weight. CUDA tensors (or any under the
     interpreter); d <= RMS_MAX_D."""
     _check_rms("rms_norm", x, weight)
     return _AddRMSNorm.apply(x, None, weight, float(eps), None)[1]
 
 
 def add_rms_norm(x, residual, weight, eps=1e-5, out_dtype=None):
-    """(h, y) with h = x + residual (their promoted dtype; residual None: h is x) and y = rms_norm(h, weight, eps)
-    stored in out_dtype (default h's; under autocast the matmul dtype, so the next matmul reads it as it is). One
-    kernel each way; the backward takes both outputs' gradients (h's: the residual path's)."""
+    """(h, y) with h = x + residual (their promoted dtype; residual None: h is x) and
+    y = rms_norm(h, weight, eps) in out_dtype (default h's; under autocast the matmul dtype).
+    One kernel each way; the backward takes both outputs' gradients."""
     _check_rms("add_rms_norm", x, weight, residual, out_dtype)
     return _AddRMSNorm.apply(x, residual, weight, float(eps), out_dtype)
