@@ -2135,8 +2135,8 @@ class _FlashAttention(torch.autograd.Function):
 
 
 def _check_qkv(q, k, v, ndim):
-    shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     if q.dim() != ndim or k.dim() != ndim or v.dim() != ndim:
+        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         raise ValueError(f"flash: q, k, v must be {ndim}-D, got {shapes}")
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in dtypes:
