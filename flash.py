@@ -10,14 +10,12 @@
   6. Cross-entropy rows with their gradient in place (the fused LM head's inner step)
   7. RMSNorm, with and without the residual add: one kernel each way
 
-Attention: S = Q K^T / sqrt(d); P = softmax(S) by rows (causal: key j is masked for query i
-when j > i, SDPA's top-left alignment); O = P V; L = logsumexp of each row of S. The kernels
-never store S or P: the forward keeps a running max m_i and sum l_i (online softmax), the
-backward recomputes P = exp(S - L) tile by tile and uses Delta = rowsum(dO * O), so
-dS = P * (dP - Delta), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), dV = P^T dO.
-FLASH_BACKEND=triton forces the Triton kernels, =gluon the Hopper ones (default: auto).
-Without CUDA the Triton kernels run in Triton's interpreter: importing this file sets
-TRITON_INTERPRET=1.
+Attention: S = Q K^T / sqrt(d); P = softmax(S) by rows (causal: key j > i masked, SDPA's
+top-left alignment); O = P V; L = logsumexp of S's rows. The forward keeps a running max and
+sum (online softmax); the backward recomputes P = exp(S - L) tile by tile, with
+Delta = rowsum(dO * O): dS = P * (dP - Delta), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d),
+dV = P^T dO. FLASH_BACKEND=triton or =gluon forces a kernel family (default: auto). Without
+CUDA, importing this file sets TRITON_INTERPRET=1 (Triton's interpreter).
 """
 import functools
 import math
@@ -42,7 +40,7 @@ BACKEND = os.environ.get("FLASH_BACKEND", "auto")  # 'auto' | 'triton' | 'gluon'
 LOG2E = 1.4426950408889634  # scores in base 2 for exp2 (kernels write it as a literal)
 
 
-# ------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------
 # 1. Attention references: naive attention and the tiled PyTorch twin of the kernels
 
 def attention_reference(q, k, v, causal=False):
@@ -80,9 +78,8 @@ TWIN_TILE = 64
 
 
 class FlashAttentionPyTorch(torch.autograd.Function):
-    """Tiled FlashAttention-2 in plain PyTorch on (..., seq, d), the readable twin of the
-    kernels: their online softmax and recomputing backward, one query tile and one key tile at
-    a time; saves L of shape (..., seq_q)."""
+    """Tiled FlashAttention-2 in plain PyTorch on (..., seq, d), the kernels' readable twin:
+    online softmax, a recomputing backward; saves L, (..., seq_q)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):
@@ -146,7 +143,7 @@ class FlashAttentionPyTorch(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-# ------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------
 # 2. Attention in Triton (FlashAttention-2). One layout serves dense and packed inputs:
 #      base + batch * stride_b + head * stride_h + (seq_start + row) * stride_s + dim
 #    dense (B, H, S, D): seq_start 0; packed (total, H, D): stride_b 0 and
@@ -267,9 +264,8 @@ def _attn_fwd(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
               VARLEN: tl.constexpr, PREC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query tile, batch x head): O and L of BLOCK_M rows. Key tiles left of
-    the diagonal compare no indices; the diagonal tile and a ragged end do; tiles right of it
-    are never visited."""
+    """One program per (query tile, batch x head): O and L of BLOCK_M rows. Only the diagonal
+    tile and a ragged end compare indices."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a key-tile boundary
     qk_scale = tl.cast(qk_scale, tl.float32)  # a Python float may come typed fp64
     b, h, q_start, seqlen_q, k_start, seqlen_k = _sequence(
@@ -322,9 +318,8 @@ def _attn_bwd_delta(O, DO, DELTA, DQ, cu_seqlens_q,
                     seqlen_q, num_heads, head_dim, dq_cols,
                     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
                     BLOCK_M: tl.constexpr):
-    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 over head_dim columns,
-    and the first dq_cols columns of the same rows of DQ (the fp32 buffer the Gluon backward
-    adds dQ into) zeroed."""
+    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32, and the first dq_cols
+    columns of DQ (the fp32 buffer it adds dQ into) zeroed."""
     b, h, q_start, seqlen_q, _, _ = _sequence(cu_seqlens_q, cu_seqlens_q, num_heads,
                                               seqlen_q, seqlen_q, VARLEN)
     start_m = tl.program_id(1) * BLOCK_M
@@ -389,9 +384,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                  VARLEN: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 1: one program per query tile, a loop over key tiles up to the diagonal; dQ
-    stored once, and Delta = rowsum(dO * O) of its rows for pass 2.
-    qk_scale = log2(e) / sqrt(d), sm_scale = 1 / sqrt(d)."""
+    """Pass 1: one program per query tile, over key tiles up to the diagonal; dQ, and Delta
+    for pass 2. qk_scale = log2(e) / sqrt(d), sm_scale = 1 / sqrt(d)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     qk_scale = tl.cast(qk_scale, tl.float32)  # as in _attn_fwd
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -489,9 +483,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens_q, cu_seqlens_k,
                    VARLEN: tl.constexpr, PREC: tl.constexpr,
                    GROUP: tl.constexpr, EVEN_Q: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 2: one program per key tile and K/V head, K_j and V_j held in registers, a loop
-    over the query heads of its group and their query tiles from the diagonal on; dK and dV
-    stored once (no atomics)."""
+    """Pass 2: one program per key tile and K/V head, K_j and V_j in registers, over its
+    group's query tiles from the diagonal on; dK and dV stored once."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
     tl.static_assert(128 % BLOCK_N == 0)  # the host decides EVEN_Q for 128 rows
     qk_scale = tl.cast(qk_scale, tl.float32)  # as in _attn_fwd
@@ -688,15 +681,13 @@ def _triton_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     return dq, dk, dv
 
 
-# ------------------------------------------------------------------------------------------
-# 3. Attention on Hopper in Gluon (TMA, mbarriers, async wgmma, warp specialization), after
-#    FlashAttention-3. Forward: a CTA owns 2 x BLOCK_M query rows at a time (a work item); a
-#    producer warp streams K_j and V_j through a ring of shared-memory slots by TMA, and two
-#    consumer warpgroups take turns on the tensor cores, so one's softmax runs under the
-#    other's matmuls. Backward: a CTA per key tile, the query tiles streamed, dQ added up by
-#    TMA reduce-adds. The state travels in aggregates (config, global tensors, shared memory,
-#    schedule); a partition reads schedule -> mainloop -> epilogue. Head dims 33 to 128 in
-#    tiles 64 or 128 wide, 65 to 96 as 64 plus a tail of 16 or 32 columns.
+# ----------------------------------------------------------------------
+# 3. Attention on Hopper in Gluon, after FlashAttention-3. Forward: a work item is 2 x BLOCK_M
+#    query rows; a producer warp streams K_j, V_j through a ring of shared-memory slots by TMA,
+#    two consumer warpgroups take turns on the tensor cores (one's softmax under the other's
+#    matmuls). Backward: a CTA per key tile, dQ added up by TMA reduce-adds. The state travels
+#    in aggregates; a partition reads schedule -> mainloop -> epilogue. Head dims 65 to 96 run
+#    as 64 plus a tail of 16 or 32 columns.
 
 try:
     from triton.experimental import gluon
@@ -721,13 +712,12 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernels serve everything
     gluon = None
 
-# tile width (main + tail) -> (BLOCK_M per consumer warpgroup, BLOCK_N, K/V stages, Q tiles
-# per warpgroup: with 2 the next item's Q loads under this item's last matmuls)
+# tile width -> (BLOCK_M per consumer warpgroup, BLOCK_N, K/V stages, Q tiles per warpgroup)
 GLUON_FWD_CONFIGS = {64: (64, 128, 3, 2), 80: (64, 128, 3, 2), 96: (64, 128, 3, 2),
                      128: (64, 128, 2, 1)}
-# head dim -> (BLOCK_M query rows per step, BLOCK_N keys per consumer warpgroup, Q/dO stages,
-# dQ split (2: each warpgroup makes half of dQ's columns), persistent grid (False: a CTA per
-# item), the dQ tiles' swizzle bytes (32 at D=128: with 128 its 8-byte stores hit one bank))
+# tile width -> (BLOCK_M, BLOCK_N per consumer warpgroup, Q/dO stages, dQ split (2: each
+# warpgroup makes half of dQ's columns), persistent grid, the dQ tiles' swizzle bytes (32 at
+# D=128: with 128 its 8-byte stores hit one bank))
 GLUON_BWD_CONFIGS = {64: (64, 64, 3, 1, True, 128), 80: (64, 64, 3, 1, True, 128),
                      96: (64, 64, 2, 1, True, 128), 128: (64, 64, 2, 2, False, 32)}
 # up to this many keys a sequence the backward stores full dK/dV tiles by TMA at D=128
@@ -816,9 +806,8 @@ if gluon is not None:
     @gluon.jit
     def _gl_doc_slot(cu_seqlens, n_docs, g, TILE: gl.constexpr):
         """Packed, a work item per slot g of TILE rows: document b owns the slots
-        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1), so total // TILE + n_docs slots hold
-        every tile, at most two a document empty. Returns (b, its first row, its length, b's
-        tile at slot g); b: the documents whose first slot is <= g, less one."""
+        [cu[b] // TILE + b, cu[b + 1] // TILE + b + 1). Returns (b, its first row, its length,
+        b's tile at slot g)."""
         CHUNK: gl.constexpr = 256
         WARPS: gl.constexpr = gl.num_warps()
         chunk_layout: gl.constexpr = gl.BlockedLayout([CHUNK // (32 * WARPS)], [32], [WARPS], [0])
@@ -853,9 +842,8 @@ if gluon is not None:
     @gluon.jit
     def _gl_load_tile(desc, tail_desc, bars, tiles, tail_tiles, i, b, h, row,
                       EXPECT: gl.constexpr):
-        """TMA loads of rows [row, row + tile) of head h (of sequence b, dense) into tiles[i],
-        the tail's columns into tail_tiles[i], onto bars[i], which first expects EXPECT such
-        loads (0: expected already)."""
+        """TMA loads of a tile from `row` of head h (dense: of sequence b) into tiles[i] and
+        tail_tiles[i], onto bars[i], which first expects EXPECT such loads."""
         HEAD_DIM: gl.constexpr = desc.block_type.shape[-1]
         TAIL: gl.constexpr = _gl_tail(desc, tail_desc)
         if EXPECT > 0:
@@ -899,10 +887,9 @@ if gluon is not None:
 
     @aggregate
     class _FwdConfig:
-        """The forward's tiling (GLUON_FWD_CONFIGS; HEAD_DIM + TAIL columns) and problem.
-        HEAD_MAJOR: one head's items in a row (K, V shared in L2); O_TMA: full O tiles leave by
-        TMA; group: query heads per K/V head; m_tiles: items per batch x head (packed: slots
-        per head)."""
+        """The forward's tiling (GLUON_FWD_CONFIGS) and problem. HEAD_MAJOR: one head's items
+        in a row (K, V shared in L2); O_TMA: full O tiles leave by TMA; m_tiles: items per
+        batch x head (packed: slots)."""
         HEAD_DIM: gl.constexpr
         TAIL: gl.constexpr
         BLOCK_M: gl.constexpr
@@ -953,9 +940,8 @@ if gluon is not None:
 
         @gluon.jit
         def item(self, t):
-            """Work item t (2 x BLOCK_M query rows of one batch x head, longest first) ->
-            (b, h, q_start, seqlen_q, seqlen_k, start_m, key tiles to visit, n_full of them
-            without compares). Empty items have start_m >= seqlen_q."""
+            """Work item t (longest first) -> (b, h, q_start, seqlen_q, seqlen_k, start_m, key
+            tiles, n_full of them without compares). Empty items: start_m >= seqlen_q."""
             if self.HEAD_MAJOR:
                 bh, pid_m = t // self.m_tiles, self.m_tiles - 1 - t % self.m_tiles
             else:
@@ -1014,9 +1000,8 @@ if gluon is not None:
 
     @aggregate
     class _FwdShared:
-        """The forward's tiles and barriers: q/qt 2 x Q_BUFS tiles (warpgroup wg's of item n at
-        2 * (n % Q_BUFS) + wg), k/v (and tails) a ring of NUM_STAGES, o one per warpgroup;
-        turn: the warpgroups' turns at the MMAs."""
+        """The forward's tiles and barriers: q 2 x Q_BUFS tiles, k/v a ring of NUM_STAGES, o
+        one per warpgroup; turn: the warpgroups' turns at the MMAs."""
         q: gl.shared_memory_descriptor
         k: gl.shared_memory_descriptor
         v: gl.shared_memory_descriptor
@@ -1052,9 +1037,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_fwd_consumer(WG: gl.constexpr, cfg, glob, smem, sched):
-        """One consumer warpgroup: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each work item.
-        The ring position (it) and turn count (w) run on across items. TAIL > 0: the head
-        dim's last TAIL columns in tiles of their own, one more matmul each for S and O."""
+        """One consumer warpgroup: BLOCK_M rows of each work item. TAIL > 0: the last TAIL
+        columns in tiles of their own, one more matmul each for S and O."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         TAIL: gl.constexpr = cfg.TAIL
         BLOCK_M: gl.constexpr = cfg.BLOCK_M
@@ -1296,10 +1280,9 @@ if gluon is not None:
 
     @aggregate
     class _BwdConfig:
-        """The backward's tiling and problem: BLOCK_M query rows per step, BLOCK_N keys per
-        consumer warpgroup, NUM_STAGES Q/dO slots, DQ_COLS the dQ columns a warpgroup makes;
-        DKV_TMA: full dK/dV tiles leave by TMA; n_tiles: items per batch x K/V head (packed on
-        the persistent grid: slots per K/V head)."""
+        """The backward's tiling (GLUON_BWD_CONFIGS) and problem. DQ_COLS: the dQ columns a
+        warpgroup makes; DKV_TMA: full dK/dV tiles leave by TMA; n_tiles: items per batch x
+        K/V head (packed, persistent: slots)."""
         HEAD_DIM: gl.constexpr
         TAIL: gl.constexpr
         BLOCK_M: gl.constexpr
@@ -1348,10 +1331,9 @@ if gluon is not None:
 
         @gluon.jit
         def item(self, t, SLOTS: gl.constexpr):
-            """Work item t -> (b, K/V head hk, q_start, seqlen_q, seqlen_k, start_n, m_lo,
-            n_iter): keys [start_n, start_n + 2 x BLOCK_N) of one batch x K/V head, seen by query
-            tiles m_lo .. m_lo + n_iter - 1 of each head of its group. Packed: n_tiles tiles per
-            document, or SLOTS, slots per head. Empty items: start_n >= seqlen_k."""
+            """Work item t -> (b, hk, q_start, seqlen_q, seqlen_k, start_n, m_lo, n_iter): keys
+            from start_n of one batch x K/V head, seen by query tiles m_lo to m_lo + n_iter - 1
+            of its group's heads. Empty items: start_n >= seqlen_k."""
             bh, pid_n = t // self.n_tiles, t % self.n_tiles
             q_start, seqlen_q, seqlen_k = 0, self.seqlen_q, self.seqlen_k
             if self.VARLEN and SLOTS:  # bh is the K/V head, pid_n a slot
@@ -1431,10 +1413,8 @@ if gluon is not None:
 
     @aggregate
     class _BwdShared:
-        """The backward's tiles and barriers: q/do (and tails), lse, delta a ring of NUM_STAGES
-        query tiles; k/v (and tails) each warpgroup's keys; ds and dq buffer b of warpgroup wg
-        at 2 * b + wg (ds_ready: both dS stored; dq_full / dq_empty: a dQ share handed to the
-        dQ warp / given back)."""
+        """The backward's tiles and barriers: q/do, lse, delta a ring of NUM_STAGES query tiles;
+        k/v each warpgroup's keys; ds and dq buffer b of warpgroup wg at 2 * b + wg."""
         q: gl.shared_memory_descriptor
         do: gl.shared_memory_descriptor
         k: gl.shared_memory_descriptor
@@ -1679,9 +1659,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_bwd_loader(cfg, glob, smem, sched):
-        """The producer warp: per work item each warpgroup's K and V (once both consumers are
-        done with the last), then Q_i, dO_i, L_i (base 2) and Delta_i of every query tile of
-        the group's heads into the ring."""
+        """The producer warp: per work item each warpgroup's K and V, then Q_i, dO_i, L_i (base
+        2) and Delta_i of the group's query tiles into the ring."""
         row_layout: gl.constexpr = gl.BlockedLayout([cfg.BLOCK_M // 32], [32], [1], [0])
         offs = gl.arange(0, cfg.BLOCK_M, layout=row_layout)
         # so far: query tiles, items done, items taken
@@ -1835,9 +1814,8 @@ if gluon is not None:
                 [4, 1, 1], [240, 24, 24])
 
     def _gluon_head_tiles(d):
-        """The Gluon kernels' tiles along head dim d: (main, tail), main 64 or 128 columns and
-        tail 0, 16 or 32 more in tiles of their own (80 = 64 + 16: 5/8 of a 128-wide tile's
-        work); None where the kernels do not apply."""
+        """(main, tail) columns of the Gluon kernels' tiles at head dim d (80 = 64 + 16: 5/8 of
+        a 128-wide tile's work); None where they do not apply."""
         if not 32 < d <= 128:
             return None
         if d <= 64:
@@ -1847,9 +1825,8 @@ if gluon is not None:
         return 128, 0
 
     def _gluon_bwd_dkv_tma(tail, dynamic, seqlen_k, split):
-        """Whether the Gluon backward stores full dK/dV tiles by TMA (before the alignment
-        checks): not with the dQ split on the persistent grid, which does not wait until both
-        warpgroups are done with a K tile."""
+        """Whether the Gluon backward stores full dK/dV tiles by TMA: not with the dQ split on
+        the persistent grid, which does not wait for both warpgroups to finish a K tile."""
         if tail or (dynamic and split > 1):
             return False
         return split == 1 or seqlen_k <= GLUON_BWD_DKV_TMA_MAX_SEQLEN
@@ -1993,10 +1970,9 @@ GLUON_D64_TILES_PER_SM = (15, 31)
 
 
 def _gluon_d64(seqlen, query_tiles, packed, backward, sms):
-    """Whether the Gluon kernels take a D=64 call of `query_tiles` tiles of 128 query rows, its
-    sequences (packed: documents) up to `seqlen` long, on `sms` SMs: dense from 1024 tokens
-    (forward) or 2048 (backward) with enough tiles, always from 4096; packed from the forward's
-    count or documents of 2048 tokens."""
+    """Whether the Gluon kernels take a D=64 call of `query_tiles` tiles of 128 rows, sequences
+    up to `seqlen` long, on `sms` SMs: dense from 1024 (forward) or 2048 tokens with enough
+    tiles, always from 4096; packed from the forward's count or 2048 tokens."""
     if packed:
         return seqlen >= 2048 or query_tiles >= GLUON_D64_TILES_PER_SM[0] * sms
     enough = query_tiles >= GLUON_D64_TILES_PER_SM[backward] * sms
@@ -2010,10 +1986,9 @@ def _tma_ready(x):  # whether TMA reads x in place: last stride 1, the rest 16-b
 
 
 def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, backward=False):
-    """Whether the Gluon kernels take the call (forward, or backward): sm90 bf16/fp16 inputs
-    with D from 33 to 128 (at D=64 where _gluon_d64 says so, unless FLASH_BACKEND=gluon), keys
-    sharing the queries' documents when packed, and at D 64 or 128 TMA-ready tensors (`more`:
-    dO and O; at other head dims both families copy)."""
+    """Whether the Gluon kernels take the call: sm90 bf16/fp16 with D from 33 to 128 (at D=64
+    as _gluon_d64 says), packed keys in the queries' documents, at D 64 and 128 TMA-ready
+    tensors (`more`: dO and O)."""
     if gluon is None or INTERPRET or not q.is_cuda:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -2037,15 +2012,14 @@ def _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more, b
     return aligned and (packed or k.shape[2] > 0)
 
 
-# ------------------------------------------------------------------------------------------
-# 4. Attention entry points. One autograd Function serves dense and packed calls: eagerly it
-#    calls the launchers, under torch.compile or a dispatch mode (selective recomputation's, a
-#    FLOP counter's) two torch.library operators with fake kernels, so a model compiles whole.
+# ----------------------------------------------------------------------
+# 4. Attention entry points. One autograd Function serves dense and packed calls: it calls the
+#    launchers, or under torch.compile or a dispatch mode two operators with fake kernels.
 
 def _launcher(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *more):
     """The one choice between the kernel families: the launcher of a forward call, or with
-    `more` (dO, O) of a backward one. backend: 'auto' takes the Gluon kernels wherever they
-    apply, 'triton' never, 'gluon' always (a forward they cannot take raises)."""
+    `more` (dO, O) a backward one. backend 'auto': Gluon wherever it applies; 'gluon': a
+    forward it cannot take raises."""
     backward = len(more) > 0
     if backend != "triton" and _gluon_supported(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                 max_seqlen_q, *more, backward=backward):
@@ -2153,8 +2127,8 @@ def _check_qkv(q, k, v, ndim):
 
 
 def _packing(q, k, v, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
-    """One-line errors for a call the kernels cannot take; else _FlashAttention's (cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k): None, None, 0, 0 when dense."""
+    """One-line errors for a call the kernels cannot take; else _FlashAttention's
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     _check_qkv(q, k, v, 4 if cu_seqlens is None else 3)
     batch_differs = cu_seqlens is None and q.shape[0] != k.shape[0]
     if batch_differs or q.shape[1] % k.shape[1] != 0:  # dim 1: heads either way
@@ -2176,8 +2150,8 @@ def _packing(q, k, v, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_s
 
 def attention_with_lse(q, k, v, causal=True, cu_seqlens=None, max_seqlen=None,
                        cu_seqlens_k=None, max_seqlen_k=None):
-    """(O, L): flash_attention when cu_seqlens is None, else flash_attn_varlen, also returning
-    the logsumexp L ((B, H, S) dense, (H, total) packed; fp32, not differentiable)."""
+    """flash_attention, or with cu_seqlens flash_attn_varlen, also returning the logsumexp L
+    ((B, H, S) or (H, total), fp32, not differentiable)."""
     packing = _packing(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     return _FlashAttention.apply(q, k, v, *packing, causal)
 
@@ -2191,8 +2165,8 @@ def flash_attention(q, k, v, causal=True):
 def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, cu_seqlens_k=None,
                       max_seqlen_k=None):
     """Packed documents: q (total_q, H, D), k/v (total_k, H_kv, D), int32 cu_seqlens
-    (num_seqs + 1) -> O like q; a query attends only inside its document. max_seqlen: a Python
-    int >= the longest document (it sizes the grid, unchecked: no host sync per call)."""
+    (num_seqs + 1) -> O like q. max_seqlen: a Python int >= the longest document (unchecked:
+    no host sync)."""
     packing = _packing(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     return _FlashAttention.apply(q, k, v, *packing, causal)[0]
 
@@ -2223,12 +2197,10 @@ class FlashAttentionTriton(torch.autograd.Function):
         return (*(g.reshape(x.shape) for g, x in zip(grads, (q, k, v))), None)
 
 
-# ------------------------------------------------------------------------------------------
-# 5. AdamW's fused step (train.AdamW is the optimizer and states the formulas). One launch
-#    steps every parameter of a (group, dtype) bucket, chunk by chunk through a table built
-#    once (each chunk's offsets from a base tensor, its tensor, its length). Gradients are new
-#    tensors after every backward: their offsets are an array of their own, re-sent only when
-#    they move. Offsets count 16 elements where they can: full chunks move 16 bytes a thread.
+# ----------------------------------------------------------------------
+# 5. AdamW's fused step (train.AdamW states the formulas): one launch steps a bucket's
+#    parameters chunk by chunk through a table of offsets built once; the gradients' offsets,
+#    an array of their own, are re-sent only when they move.
 
 ADAMW_BLOCK = 2048
 
@@ -2299,9 +2271,8 @@ def _chunk_table(columns, block):
 
 def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, decay,
                scalars=None):
-    """One fused AdamW update of equal-length lists of contiguous tensors (m, v fp32):
-    p <- (p + neg_step m / (sqrt(v) + eps)) * decay. `cache`: a dict the caller keeps per
-    bucket. scalars: None, or (neg_step, decay) as 2 fp32 values read on the device."""
+    """p <- (p + neg_step m / (sqrt(v) + eps)) * decay over lists of contiguous tensors (m, v
+    fp32). `cache`: a dict kept per bucket; scalars: (neg_step, decay) on the device, or None."""
     live = [i for i, p in enumerate(params) if p.numel()]
     if not live:
         return
@@ -2339,12 +2310,10 @@ def adamw_step(cache, params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, bet
                                DEVICE_SCALARS=scalars is not None, num_warps=8)
 
 
-# ------------------------------------------------------------------------------------------
-# 6. Cross-entropy over rows of logits, the gradient in place (model.linear_cross_entropy runs
-#    it chunk by chunk). Row x with target t (ignore_index: no loss, zero gradient):
-#    loss = logsumexp(x) - x[t] in fp32 by an online max and sum, then x is overwritten with
-#    scale * (softmax(x) - onehot(t)), scale = dL/dloss_row read from a one-element tensor (the
-#    host never waits for the count of targets).
+# ----------------------------------------------------------------------
+# 6. Cross-entropy over rows of logits, the gradient in place. Row x with target t:
+#    loss = logsumexp(x) - x[t] in fp32, then x <- scale * (softmax(x) - onehot(t)), scale
+#    read from a one-element tensor (the host never waits for the count of targets).
 
 @triton.jit
 def _cross_entropy_rows_kernel(LOGITS, TARGETS, LOSS, SCALE, stride_row, n_cols, ignore_index,
@@ -2398,9 +2367,8 @@ def _cross_entropy_rows_op(logits: torch.Tensor, targets: torch.Tensor, ignore_i
 
 
 def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
-    """Loss per row into `loss` (fp32) and the gradient into `logits` itself (its dtype), for
-    2-D contiguous logits; `scale` is a one-element fp32 tensor. The Triton kernel on CUDA (or
-    with kernel=True: the interpreter in tests), else the PyTorch twin."""
+    """Loss per row into `loss` (fp32), the gradient into 2-D `logits` itself; `scale`: one
+    fp32 element. The kernel on CUDA (or with kernel=True), else the PyTorch twin."""
     if kernel is None:
         if torch.compiler.is_compiling():
             return _cross_entropy_rows_op(logits, targets, ignore_index, scale, loss)
@@ -2418,21 +2386,18 @@ def cross_entropy_rows(logits, targets, ignore_index, scale, loss, kernel=None):
         BLOCK=64 if INTERPRET else 2048, num_warps=8)
 
 
-# ------------------------------------------------------------------------------------------
-# 7. RMSNorm over the last dim, in fp32 whatever the dtype: r = 1 / sqrt(mean(x^2) + eps),
-#    y = (x r) g, r kept per row for the backward: with x_hat = x r and gy = g dy,
-#    dx = r (gy - x_hat mean(x_hat gy)) and dg = sum over rows of dy x_hat. Whole rows in
-#    registers (d <= RMS_MAX_D); the backward's programs stride over the row blocks, each
-#    summing dy x_hat into its row of a buffer that a torch sum turns into dg. add_rms_norm
-#    also adds the residual (h = x + r) and, backward, the gradient reaching h from the
-#    residual path. As with attention: custom ops with fake kernels under torch.compile.
+# ----------------------------------------------------------------------
+# 7. RMSNorm over the last dim in fp32: r = 1 / sqrt(mean(x^2) + eps), y = (x r) g; with
+#    x_hat = x r and gy = g dy, dx = r (gy - x_hat mean(x_hat gy)), dg = sum_rows dy x_hat.
+#    Whole rows in registers; the backward's programs stride over row blocks, each adding
+#    into its row of a buffer that a torch sum turns into dg. add_rms_norm adds a residual.
 
 RMS_MAX_D = 8192  # the backward spills past it (rows live in registers): wider rows are refused
 
 
 def _rms_config(d, backward=False):
-    """(BLOCK_M, BLOCK_D, num_warps) for rows of d elements: tiles of 4096 elements forward,
-    2048 backward, 16 a thread; 128 rows in the interpreter (its time goes by programs)."""
+    """(BLOCK_M, BLOCK_D, num_warps): tiles of 4096 elements forward, 2048 backward, 16 a
+    thread; 128 rows in the interpreter."""
     block_d = triton.next_power_of_2(d)
     if INTERPRET:
         return 128, block_d, 4
@@ -2650,16 +2615,14 @@ def _check_rms(who, x, weight, r=None, y_dtype=None):
 
 
 def rms_norm(x, weight, eps=1e-5):
-    """x (..., d) fp16/bf16/fp32, weight (d,) -> x / sqrt(mean(x^2, -1) + eps) * weight in x's
-    dtype, computed in fp32; differentiable in x and weight. CUDA tensors (or any under the
-    interpreter); d <= RMS_MAX_D."""
+    """x (..., d), weight (d,) -> x / sqrt(mean(x^2, -1) + eps) * weight in x's dtype (fp32
+    inside); d <= RMS_MAX_D."""
     _check_rms("rms_norm", x, weight)
     return _AddRMSNorm.apply(x, None, weight, float(eps), None)[1]
 
 
 def add_rms_norm(x, residual, weight, eps=1e-5, out_dtype=None):
-    """(h, y) with h = x + residual (their promoted dtype; residual None: h is x) and
-    y = rms_norm(h, weight, eps) in out_dtype (default h's; under autocast the matmul dtype).
-    One kernel each way; the backward takes both outputs' gradients."""
+    """(h, y): h = x + residual (promoted dtype; None: h is x), y = rms_norm(h, weight, eps) in
+    out_dtype (default h's). One kernel each way, both outputs differentiable."""
     _check_rms("add_rms_norm", x, weight, residual, out_dtype)
     return _AddRMSNorm.apply(x, residual, weight, float(eps), out_dtype)
