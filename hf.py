@@ -1,4 +1,4 @@
-"""The Hugging Face and Llama bridge, the one file that needs the optional extras (requirements-hf.txt; imported
+"""The Hugging Face and Llama bridge, the one file that needs the optional extras (requirements-extra.txt; imported
 inside the functions that use them, so this file imports without them).
 
   1. Llama-format checkpoints (needs safetensors): save_llama writes a directory LlamaForCausalLM.from_pretrained
@@ -41,7 +41,7 @@ def _safetensors():
         import safetensors.torch
         return safetensors.torch
     except ImportError as e:
-        raise ImportError("Llama-format checkpoints need safetensors: pip install -r requirements-hf.txt") from e
+        raise ImportError("Llama-format checkpoints need safetensors: pip install -r requirements-extra.txt") from e
 
 
 def llama_rope_rows(w, num_heads, to_llama=True):
@@ -388,7 +388,7 @@ HF_RESERVED = ("flash", "sdpa", "flex", "eager", "paged", "|", "/")
 def register_hf_attention(name="ours"):
     """Register hf_attention and its mask hook with transformers under `name`; returns the name. Then
     AutoModelForCausalLM.from_config(cfg, attn_implementation=name) (or model.set_attn_implementation(name)) uses
-    these kernels. Needs transformers (requirements-hf.txt)."""
+    these kernels. Needs transformers (requirements-extra.txt)."""
     clash = [word for word in HF_RESERVED if word in name]
     if clash or not name:
         raise ValueError(f"register_hf_attention: name {name!r} contains {clash or 'nothing'}; transformers reads "
@@ -397,7 +397,7 @@ def register_hf_attention(name="ours"):
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
-        raise ImportError("register_hf_attention needs transformers: pip install -r requirements-hf.txt") from e
+        raise ImportError("register_hf_attention needs transformers: pip install -r requirements-extra.txt") from e
     AttentionInterface.register(name, hf_attention)
     AttentionMaskInterface.register(name, hf_attention_mask)
     return name

@@ -46,6 +46,9 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
 if not torch.cuda.is_available():  # before anything imports triton (flash.py would also set it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the optional transformers: no warnings,
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars
+PLOTS = importlib.util.find_spec("matplotlib") is not None  # optional: loss.png and bench plots
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -65,6 +68,13 @@ from data.prepare import SHAKESPEARE_VAL, download, fetch_gpt2_tokenizer, prepar
 from model import (CausalSelfAttention, Embedding, Linear, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU,
                    TransformerBlock, TransformerLM, count_params, cross_entropy, flops_per_token,
                    scaled_dot_product_attention, silu, softmax)
+
+
+def _need(*packages):
+    """Skip the test unless the optional packages are installed."""
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise unittest.SkipTest(f"needs {' and '.join(missing)}: pip install -r requirements-extra.txt")
 
 
 def cases(names, values):
@@ -1379,21 +1389,12 @@ def test_compiles_without_graph_breaks():
 
 
 # --- hf.py: Llama-format checkpoints, and transformers models on our attention kernels ---
-# Optional extras (requirements-hf.txt), else these skip. Tiny GPT-2 and Llama on our attention against eager.
-
-def _need_hf(*modules):
-    """Skip unless the optional packages are installed; quiet transformers' progress bars when it is."""
-    if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
-        raise unittest.SkipTest(f"needs {' and '.join(missing)} (pip install -r requirements-hf.txt)")
-    if "transformers" in modules:
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
+# Optional extras, else these skip. Tiny GPT-2 and Llama on our attention against eager.
 
 
 def test_llama_export_and_load_agree_with_hf_llama_and_errors_name_the_problem(tmp_path):
     # ours -> save_llama -> LlamaForCausalLM and back bit for bit, tied and untied; a save_pretrained Llama loaded
-    _need_hf("safetensors", "transformers")
+    _need("safetensors", "transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
     idx = torch.randint(97, (2, 29), generator=torch.Generator().manual_seed(1))
     for tie, theta in ((True, 12345.0), (False, 500.0)):  # then the errors, on the untied one
@@ -1458,7 +1459,7 @@ HF_VOCAB = 53
 
 def _hf_pair(kind, **overrides):
     """(eager, ours) with the same weights: 'gpt2' (scaling by layer index) or 'llama' (GQA: 4 heads, 2 KV heads)."""
-    _need_hf("transformers")
+    _need("transformers")
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
     name = hf.register_hf_attention()
     if kind == "gpt2":
@@ -1624,7 +1625,7 @@ def test_load_model_strips_prefixes_reads_llama_directories_the_cli_samples_and_
                               (["--ckpt", "notok.pt"], ["gone/vocab.json", "data/prepare.py NAME", "--input FILE"]),
                               (["--out_dir", ".", "--prompt", "the cat " * 40], ["context_length", "--crop_prompt"]),
                               *[(["--out_dir", ".", "--device", "cuda"], ["CUDA is not"])] * no_cuda], tmp_path)
-    _need_hf("safetensors")  # a Llama directory (an optional extra) samples like the saved model
+    _need("safetensors")  # a Llama directory (an optional extra) samples like the saved model
     out = tmp_path / "llama"
     hf.save_llama(m, str(out), tokenizer=tok)
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.special_ids[EOT]
@@ -2078,7 +2079,7 @@ def test_short_training_run_logs_saves_and_learns(tmp_path, batching):
     assert set(ckpt["tokenizer"]) == {"vocab", "merges", "special_tokens"}
     if batching == "concat":  # the rule is learnable: loss far below the start (ln 97 = 4.6)
         assert losses[-1] < 0.6 * losses[0] and vals[-1] < 0.6 * vals[0], (losses, vals)
-        assert importlib.util.find_spec("matplotlib") is None or (out / "loss.png").stat().st_size > 0
+    assert (out / "loss.png").exists() == PLOTS
 
 
 @cases("batching", ["concat", "pack"])
@@ -2125,7 +2126,8 @@ def test_resume_restores_the_saved_config_and_force_keeps_every_earlier_run(tmp_
     c = torch.load(out / "ckpt.pt", weights_only=True)["config"]
     assert (c["max_iters"], c["batch_size"], c["save_interval"], c["learning_rate"]) == (3, 16, 1, 0.02)
     assert c["data_dir"] == str(tmp_path / "d")
-    first, printed = {n: (out / n).read_bytes() for n in ("ckpt.pt", "log.jsonl", "loss.png")}, io.StringIO()
+    run_files = ["ckpt.pt", "log.jsonl"] + ["loss.png"] * PLOTS
+    first, printed = {n: (out / n).read_bytes() for n in run_files}, io.StringIO()
     with contextlib.redirect_stdout(printed), unittest.mock.patch.dict(sys.modules, {"matplotlib": None}):
         train.main(base + ["--force=True", "--seed=2"])
         train.main(base + ["--force=True"])
@@ -2142,7 +2144,7 @@ def test_resume_restores_the_saved_config_and_force_keeps_every_earlier_run(tmp_
 def test_init_from_a_llama_directory_fine_tunes_the_exported_model(tmp_path):
     """Train, export to the Hugging Face Llama layout, fine-tune from that directory: the fine-tune starts from the
     exported weights (its step-0 validation loss is the first run's final one) and then trains on."""
-    _need_hf("safetensors")
+    _need("safetensors")
     common = _tiny(tmp_path, "--eval_interval=3", "--max_iters=3")
     first, llama, tuned = (tmp_path / n for n in ("first", "llama", "tuned"))
     train.main(common + [f"--out_dir={first}"])
@@ -2254,7 +2256,8 @@ def test_two_process_gloo_ddp_zero1_and_fsdp_train_save_and_resume_like_one_proc
         _run_ranks(2, common + [f"--out_dir={out}", f"--ddp_impl={impl}", f"--zero1={zero1}",
                                 f"--max_iters={2 if impl == 'fsdp' else 4}"])
         got = torch.load(out / "ckpt.pt", weights_only=True)
-        assert got["world_size"] == 2 and sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "loss.png"]
+        assert got["world_size"] == 2
+        assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"] + ["loss.png"] * PLOTS
         assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()  # full, as one process saves it
         assert all(got["optimizer"]["state"][i][k].shape == s[k].shape for i, s in want["optimizer"]["state"].items()
                    for k in ("exp_avg", "exp_avg_sq"))
@@ -2712,13 +2715,16 @@ BENCH_CASES = {  # a run of each subcommand at tiny CPU sizes, and what its tabl
 @cases("name", list(BENCH_CASES))
 def test_bench_subcommand_tables_follow_the_rows(name, tmp_path):
     argv, check = BENCH_CASES[name]
-    if name == "hf":
-        _need_hf("transformers")
-    files = dict(CORPUS=str(_write_text(tmp_path / "corpus.txt", _synthetic_text(30_000, seed=6))),
-                 PLOT=str(tmp_path / "p.png"))
+    peer_package = {"hf": "transformers", "bpe": "tokenizers"}.get(name)
+    if peer_package:
+        _need(peer_package)
+    plot = tmp_path / "p.png"
+    files = dict(CORPUS=str(_write_text(tmp_path / "corpus.txt", _synthetic_text(30_000, seed=6))), PLOT=str(plot))
     text, payload, _ = run_bench([files.get(a, a) for a in argv], tmp_path)
-    if "--plot" in argv and importlib.util.find_spec("matplotlib") is not None:
-        assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if "--plot" in argv:  # a chart exactly when matplotlib is installed
+        assert plot.exists() == PLOTS
+    if plot.exists():
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert text.startswith(f"`python bench.py {argv[0]} ") and payload["command"].startswith("python bench.py")
     assert payload["date"] and payload["device"] and "torch" in payload["versions"]
     check(text, payload)
