@@ -2953,12 +2953,25 @@ def test_gpu_bench_model_cuda_graphs_and_host_ahead(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_runner_names_and_runs_cases_and_fails_when_no_test_matches():
-    with contextlib.redirect_stdout(out := io.StringIO()), contextlib.redirect_stderr(err := io.StringIO()):
-        assert main(["test_transformer_lm_matches"]) == 0 and main(["no_test_is_named_like_this"]) == 2
+    def test_that_exits():
+        raise SystemExit(2)
+
+    def test_that_needs_a_missing_package():
+        _need("no_such_package")
+    fakes = dict(test_that_exits=test_that_exits, test_that_needs_a_missing_package=test_that_needs_a_missing_package)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), unittest.mock.patch.dict(globals(), fakes):
+        assert main(["test_transformer_lm_matches"]) == 0
+        assert main(["no_test_is_named_like_this"]) == 2
+        assert main(["test_that", "test_transformer_lm_matches"]) == 1
     assert "ok   test_transformer_lm_matches_functional_reference[None]" in out.getvalue()  # a case gets its args
     assert "ok   test_transformer_lm_matches_functional_reference[10000.0]" in out.getvalue()
-    assert "2 passed" in out.getvalue()
     assert "no test name contains any of: no_test_is_named_like_this" in err.getvalue()
+    assert "FAIL test_that_exits" in out.getvalue()
+    assert "SystemExit: 2" in out.getvalue()  # its traceback
+    assert "SKIP test_that_needs_a_missing_package: needs no_such_package: pip install -r requirements-extra.txt" \
+        in out.getvalue()
+    assert out.getvalue().endswith("failed: test_that_exits\n2 passed, 1 failed, 1 skipped\n")  # the run went on
 
 
 def main(argv):
@@ -2983,7 +2996,9 @@ def main(argv):
             skipped += 1
             print(f"SKIP {name}: {e}", flush=True)
             continue
-        except Exception:
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # SystemExit too: that test fails, the run goes on
             failed.append(name)
             print(f"FAIL {name} ({time.time() - t0:.1f}s)\n{traceback.format_exc()}", flush=True)
             continue
