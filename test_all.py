@@ -2770,12 +2770,18 @@ def test_bench_bad_input_is_one_line_and_status_2(tmp_path):
 
 
 def test_bench_time_ms_counts_calls_and_measures_milliseconds():
-    calls, setups = [], []
+    calls, setups, clock = [], [], [0.0]
     samples = bench.time_ms(lambda: calls.append(1), "cpu", warmup=2, steps=3, reps=4,
                             setup=lambda: setups.append(len(calls)))
-    assert len(samples) == 3 and len(calls) == 2 + 3 * 4 and setups == [2, 6, 10]  # setup before each sample
-    assert all(4.0 <= ms < 400 for ms in bench.time_ms(lambda: time.sleep(0.004), "cpu", steps=2, reps=2))  # ms/call
-    assert 2 < len(bench.time_ms(lambda: time.sleep(0.003), "cpu", steps=2, budget_ms=30)) <= 10  # as many as fit
+    assert len(samples) == 3
+    assert len(calls) == 2 + 3 * 4
+    assert setups == [2, 6, 10]  # setup before each sample
+
+    def half_a_second():  # on a clock of the test's own: no load on the machine changes what is measured
+        clock[0] += 0.5
+    with unittest.mock.patch.object(bench.time, "perf_counter", lambda: clock[0]):
+        assert bench.time_ms(half_a_second, "cpu", steps=2, reps=2) == [500.0, 500.0]  # ms per call
+        assert len(bench.time_ms(half_a_second, "cpu", steps=2, budget_ms=5000)) == 10  # as many as fit
 
 
 def test_bench_native_peer_computes_our_model():
