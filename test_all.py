@@ -22,7 +22,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -2210,8 +2209,9 @@ def test_two_nodes_train_as_one_stop_together_on_sigterm_and_resume_on_one(tmp_p
                 "--context_length=16", "--batch_size=2")
     env, out = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""), tmp_path / "two"
     _run_ranks(4, run + [f"--out_dir={tmp_path / 'one'}"])  # the reference: one node
+    store = _rendezvous_store()  # held until both nodes are done
     node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{_free_port()}"]
+            f"--rdzv_endpoint=127.0.0.1:{store.port}"]
     text, step = _interrupted([node + [f"--node_rank={i}", "train.py", *run, f"--out_dir={out}"] for i in (0, 1)],
                               signal.SIGTERM, out, env)
     assert text.count("received SIGTERM") == 2 and text.count(f"stopped by SIGTERM after step {step}:") == 1, text
@@ -2223,13 +2223,10 @@ def test_two_nodes_train_as_one_stop_together_on_sigterm_and_resume_on_one(tmp_p
     assert all(math.isclose(x, y, rel_tol=1e-4) for a, b in zip(_losses(out), one) for x, y in zip(a[1:], b[1:]))
 
 
-def _free_port():
-    try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    except OSError as e:
-        raise unittest.SkipTest(f"no local TCP port for the gloo rendezvous: {e}")
+def _rendezvous_store():
+    """A TCP store of this process on a port it bound itself, for torchrun's c10d rendezvous: each agent, failing to
+    bind that port, joins it. (A port found free and let go can be taken before an agent binds it.)"""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _run_ranks(world_size, args, timeout=300, script="train.py", cwd=ROOT):
@@ -2277,13 +2274,13 @@ def test_two_process_gloo_ddp_zero1_and_fsdp_train_save_and_resume_like_one_proc
 DDP_DEVICE = torch.device("cpu")  # set per worker process by _ddp_entry
 
 
-def _ddp_entry(rank, world_size, port, checks):
+def _ddp_entry(rank, world_size, store_file, checks):
     global DDP_DEVICE
     torch.set_num_threads(1)
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         DDP_DEVICE = torch.device("cuda", rank)
         torch.cuda.set_device(DDP_DEVICE)
-    dist.init_process_group("nccl" if DDP_DEVICE.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if DDP_DEVICE.type == "cuda" else "gloo", init_method=f"file://{store_file}",
                             rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90))  # hangs fail
     try:
         for check in checks:
@@ -2298,15 +2295,11 @@ def _ddp_entry(rank, world_size, port, checks):
 
 def _spawn(*checks, world_size=2):
     """Run check(rank, world_size) for each check, in order, on every rank of one new process group."""
-    for attempt in range(3):
-        try:
-            # fork starts in a blink (nothing to import again) but CUDA does not survive it: spawn on GPU machines
-            mp.start_processes(_ddp_entry, args=(world_size, _free_port(), checks), nprocs=world_size, join=True,
-                               start_method="spawn" if torch.cuda.is_available() else "fork")
-            return
-        except mp.ProcessRaisedException as e:  # another process took the free port before rank 0 bound it
-            if "address already in use" not in str(e).lower() or attempt == 2:
-                raise
+    # fork starts in a blink (nothing to import again) but CUDA does not survive it: spawn on GPU machines
+    start = "spawn" if torch.cuda.is_available() else "fork"
+    with tempfile.TemporaryDirectory() as d:  # the ranks meet in a file: no TCP port to find free
+        mp.start_processes(_ddp_entry, args=(world_size, os.path.join(d, "store"), checks), nprocs=world_size,
+                           join=True, start_method=start)
 
 
 class _ToyLM(nn.Module):
