@@ -2094,7 +2094,7 @@ def test_a_run_stopped_and_resumed_logs_the_uninterrupted_run_bit_for_bit(tmp_pa
     train.main([f"--out_dir={part}", "--max_iters=30", "--init_from=resume", "--selective_recompute=True",
                 "--act_ckpt_every=1", "--act_ckpt_layers=1"])
     text, step = _interrupted([[sys.executable, "train.py", *common, f"--out_dir={sig}"]], signal.SIGINT, sig)
-    assert 3 <= step < 30 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert step == 4 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert f"stopped by SIGINT after step {step}: checkpoint in {sig / 'ckpt.pt'}; continue with `python train.py " \
            f"--out_dir={sig} --init_from=resume`" in text, text[-3000:]
     train.main([f"--out_dir={sig}", "--init_from=resume"])
@@ -2178,20 +2178,57 @@ def test_gpu_cuda_graphs_train_like_the_compiled_step(tmp_path):
                     assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-3, (name, key, a, b)
 
 
+SIGNAL_IN_STEP_4 = '''"""train.py whose 4th step begins with the signal named by argv[1], sent to this process or, under
+torchrun, by the last rank to its node's agent; that rank waits until the signal reached it, so every rank stops
+after step 4 at any load."""
+import os, signal, sys, time
+sys.path.insert(0, os.getcwd())
+import train
+
+sig, stops, steps = signal.Signals[sys.argv.pop(1)], [], []
+install, make_step = train.StopSignals.install, train.make_step
+last_rank = os.environ.get("RANK", "0") == str(int(os.environ.get("WORLD_SIZE", "1")) - 1)
+
+
+def install_and_keep(self):
+    stops.append(self)
+    install(self)
+
+
+def make_signalling_step(*args):
+    step = make_step(*args)
+
+    def signalling_step(batches):
+        steps.append(len(steps) + 1)
+        if steps[-1] == 4 and last_rank:
+            os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), sig)
+            while not stops[0].signum:  # the handler runs in this thread, between two sleeps
+                time.sleep(0.01)
+        return step(batches)
+    return signalling_step
+
+
+train.StopSignals.install, train.make_step = install_and_keep, make_signalling_step
+sys.exit(train.cli(sys.argv[1:]))
+'''
+
+
 def _interrupted(cmds, sig, out, env=None):
-    """Start every command (all print to files), send sig to the last once one of them printed step 3, and return
-    (everything they printed, the step of out's checkpoint); none may hang."""
+    """Run every command (all print to files), its train.py one whose 4th step begins with sig (SIGNAL_IN_STEP_4),
+    and return (everything they printed, the step of out's checkpoint); none may hang."""
+    script = out.with_name("signal_in_step_4.py")
+    script.write_text(SIGNAL_IN_STEP_4)
     logs = [out.with_name(f"{out.name}.{i}.txt") for i in range(len(cmds))]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def signalling(cmd):  # train.py's arguments follow the script and the signal's name
+        i = cmd.index("train.py")
+        return cmd[:i] + [str(script), sig.name] + cmd[i + 1:]
+    procs = [subprocess.Popen(signalling(cmd), cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
              for cmd, log in zip(cmds, logs)]
-    text, deadline = lambda: "".join(log.read_text() for log in logs), time.time() + 120
+    text = lambda: "".join(log.read_text() for log in logs)
     try:
-        while "step 3/" not in text():
-            assert time.time() < deadline and all(p.poll() is None for p in procs), f"no step 3:\n{text()[-3000:]}"
-            time.sleep(0.05)
-        procs[-1].send_signal(sig)
         for p in procs:
-            p.wait(timeout=120)
+            p.wait(timeout=300)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"the signalled run did not end: a rank hangs\n{text()[-3000:]}")
     finally:
@@ -2217,7 +2254,7 @@ def test_two_nodes_train_as_one_stop_together_on_sigterm_and_resume_on_one(tmp_p
     assert text.count("received SIGTERM") == 2 and text.count(f"stopped by SIGTERM after step {step}:") == 1, text
     assert "torchrun --nproc_per_node=2 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=HOST0:PORT train.py" in text
     one, two = _losses(tmp_path / "one"), _losses(out)
-    assert 3 <= step < 40 and two == one[:step + 1], (one, two)  # step 0's evaluation, a record per step, once
+    assert step == 4 and two == one[:step + 1], (one, two)  # step 0's evaluation, a record per step, once
     train.main([f"--out_dir={out}", "--init_from=resume", "--device=cpu"])  # the CPU the 4 processes ran on
     assert [r[0] for r in _losses(out)] == [r[0] for r in one] and _losses(out)[:step + 1] == one[:step + 1]
     assert all(math.isclose(x, y, rel_tol=1e-4) for a, b in zip(_losses(out), one) for x, y in zip(a[1:], b[1:]))
