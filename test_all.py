@@ -2181,11 +2181,11 @@ def test_gpu_cuda_graphs_train_like_the_compiled_step(tmp_path):
 SIGNAL_IN_STEP_4 = '''"""train.py whose 4th step begins with the signal named by argv[1], sent to this process or, under
 torchrun, by the last rank to its node's agent; that rank waits until the signal reached it, so every rank stops
 after step 4 at any load."""
-import os, signal, sys, time
+import itertools, os, signal, sys, time
 sys.path.insert(0, os.getcwd())
 import train
 
-sig, stops, steps = signal.Signals[sys.argv.pop(1)], [], []
+sig, stops, step_number = signal.Signals[sys.argv.pop(1)], [], itertools.count(1)
 install, make_step = train.StopSignals.install, train.make_step
 last_rank = os.environ.get("RANK", "0") == str(int(os.environ.get("WORLD_SIZE", "1")) - 1)
 
@@ -2199,8 +2199,7 @@ def make_signalling_step(*args):
     step = make_step(*args)
 
     def signalling_step(batches):
-        steps.append(len(steps) + 1)
-        if steps[-1] == 4 and last_rank:
+        if next(step_number) == 4 and last_rank:
             os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), sig)
             while not stops[0].signum:  # the handler runs in this thread, between two sleeps
                 time.sleep(0.01)
