@@ -31,8 +31,9 @@ ATTN_IMPLS = ("naive", "sdpa", "flash", "flash_ref")
 
 
 def auto_attn_impl(device_type, packed):
-    """train.py's attn_impl="auto": on CUDA, flash for packed documents (sdpa would need a dense block-diagonal
-    mask) and sdpa for dense batches (where the two are level, LOG.md); naive elsewhere (the CPU reference)."""
+    """train.py's attn_impl="auto": on CUDA, flash for packed documents (sdpa would pad
+    each to the longest) and sdpa for dense batches (where the two are level, LOG.md);
+    naive elsewhere (the CPU reference)."""
     return "naive" if device_type != "cuda" else "flash" if packed else "sdpa"
 
 
@@ -288,8 +289,10 @@ class CausalSelfAttention(nn.Module):
             position_ids = position_ids.expand(B, T)
             k, v = (t.to(q.dtype) for t in kv_cache.update(self.layer_idx, k, v, position_ids))
             out = self._masked(q, k, v, torch.arange(k.shape[1], device=x.device) <= position_ids[:, None, :, None])
+        elif self.attn_impl in ("naive", "sdpa") and cu_seqlens is not None:
+            out = self._per_document(q, k, v, cu_seqlens, max_seqlen)
         elif self.attn_impl in ("naive", "sdpa"):
-            out = self._masked(q, k, v, None if cu_seqlens is None else block_diagonal_causal_mask(cu_seqlens, T))
+            out = self._masked(q, k, v)
         elif self.attn_impl == "flash_ref":
             out = self._flash_ref(q, k, v, cu_seqlens)
         elif cu_seqlens is not None:
@@ -307,6 +310,17 @@ class CausalSelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None).transpose(1, 2)
         mask = causal_mask(q.shape[2], q.device) if mask is None else mask
         return scaled_dot_product_attention(q, k, v, mask).transpose(1, 2)
+
+    def _per_document(self, q, k, v, cu_seqlens, max_seqlen):
+        """Packed documents as a right-padded (num_docs, max_seqlen) batch, one causal call,
+        gathered back: a document's attention costs its length squared, not the row's."""
+        n = q.shape[1]
+        where = document_ids(cu_seqlens, n), packed_positions(cu_seqlens, n)
+        shape = (len(cu_seqlens) - 1, max_seqlen, *q.shape[2:])
+
+        def padded(t):
+            return t.new_zeros(shape).index_put(where, t[0])
+        return self._masked(padded(q), padded(k), padded(v))[where][None]
 
     def _flash_ref(self, q, k, v, cu_seqlens):
         """The tiled PyTorch twin, one document at a time (packed: reads cu_seqlens on the host; a reference path)."""

@@ -1256,6 +1256,25 @@ def test_attention_impls_match_naive_and_packed_documents_each_alone(impl):
     _expect(ValueError, ["attn_impl"], setattr, m, "attn_impl", "fast")
 
 
+def test_packed_naive_attention_scores_each_document_not_the_row():
+    # the CPU path of packed batches: no (row x row) scores, so a step costs what the documents do
+    m = _tiny_lm(num_layers=1, context_length=32)
+    lens = [7, 1, 23, 0, 11]  # an empty document too, as pad_packed makes
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seen, reference = [], model.scaled_dot_product_attention
+
+    def recorded(q, k, v, mask=None):
+        seen.append(tuple(q.shape))
+        return reference(q, k, v, mask)
+    idx = torch.randint(0, 61, (1, sum(lens)))
+    with unittest.mock.patch.object(model, "scaled_dot_product_attention", recorded):
+        packed = m(idx, cu_seqlens=cu, max_seqlen=23)
+    assert seen == [(5, 4, 23, 8)], seen  # (documents, heads, longest document, head dim)
+    starts = cu[:-1].tolist()
+    alone = [m(idx[:, a:a + n]) for a, n in zip(starts, lens) if n]
+    torch.testing.assert_close(packed, torch.cat(alone, 1), atol=2e-5, rtol=0)
+
+
 def test_gpu_flash_model_matches_naive_fp32_bf16_packed_compiled_and_selective_recompute_keeps_less():
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA GPU (the CPU tests cover flash and what is recomputed)")
