@@ -11,6 +11,7 @@ import json
 import math
 import os
 import weakref
+import zlib
 
 import torch
 import torch.nn as nn
@@ -110,10 +111,11 @@ def llama_state_dict(model):
 
 
 def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False):
-    """Write out_dir/config.json and model.safetensors that LlamaForCausalLM.from_pretrained(out_dir) loads into the
-    same function as `model` (a TransformerLM, or a torch.compile / DDP wrapper of one). tokenizer (a bpe.Tokenizer):
-    its vocab.json and merges.txt go beside them, <|endoftext|> as bos/eos id. Existing files are an error unless
-    overwrite=True; each file is written to a temporary name and renamed, config.json last."""
+    """Write out_dir/config.json and model.safetensors (a CRC-32 per tensor in its metadata) that
+    LlamaForCausalLM.from_pretrained(out_dir) loads into the same function as `model` (a TransformerLM, or a
+    torch.compile / DDP wrapper of one). tokenizer (a bpe.Tokenizer): its vocab.json and merges.txt go beside
+    them, <|endoftext|> as bos/eos id. Existing files are an error unless overwrite=True; each file is written
+    to a temporary name and renamed, config.json last."""
     while hasattr(model, "_orig_mod") or isinstance(getattr(model, "module", None), nn.Module):
         model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
     if not isinstance(model, TransformerLM):
@@ -134,8 +136,9 @@ def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False)
             specials.update(bos_token="<|endoftext|>", eos_token="<|endoftext|>")
         with atomic_open(os.path.join(out_dir, "special_tokens_map.json")) as f:
             json.dump(specials, f, indent=1)
+    crcs = json.dumps({name: _crc32(t) for name, t in tensors.items()})
     with atomic_open(os.path.join(out_dir, LLAMA_WEIGHTS), "wb") as f:
-        f.write(st.save(tensors, metadata={"format": "pt"}))
+        f.write(st.save(tensors, metadata={"format": "pt", "crc32": crcs}))
     with atomic_open(os.path.join(out_dir, "config.json")) as f:  # last: its presence means the directory is done
         json.dump(config, f, indent=2)
     return out_dir
@@ -143,7 +146,6 @@ def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False)
 
 def _llama_tensors(path):
     """Every tensor of a Llama directory (model.safetensors, or the shards its index names), on the CPU."""
-    st = _safetensors()
     index = os.path.join(path, LLAMA_INDEX)
     if os.path.isfile(index):
         with open(index) as f:
@@ -155,10 +157,30 @@ def _llama_tensors(path):
                                 f"checkpoint (pytorch_model.bin is not read)")
     tensors = {}
     for name in files:
-        try:
-            tensors.update(st.load_file(os.path.join(path, name), device="cpu"))
-        except Exception as e:
-            raise RuntimeError(f"cannot read {os.path.join(path, name)}: truncated or corrupt ({e})") from e
+        tensors.update(_read_safetensors(os.path.join(path, name)))
+    return tensors
+
+
+def _crc32(tensor):
+    return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_safetensors(path):
+    """The tensors of a safetensors file, each checked against the CRC-32 save_llama
+    records in its metadata (safetensors itself keeps no checksum; other writers: none)."""
+    st = _safetensors()
+    try:
+        with st.safe_open(path, framework="pt") as f:
+            crcs = json.loads((f.metadata() or {}).get("crc32", "{}"))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RuntimeError(f"cannot read {path}: truncated or corrupt, or not a "
+                           f"safetensors file ({detail})") from None
+    for name, tensor in tensors.items():
+        if name in crcs and _crc32(tensor) != crcs[name]:
+            raise RuntimeError(f"{path} is damaged: tensor {name} does not match the "
+                               f"CRC-32 saved with it (a disk or copy error)")
     return tensors
 
 
@@ -170,7 +192,12 @@ def read_llama(path):
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in {path}: not a Llama checkpoint directory")
     with open(config_path) as f:
-        cfg = json.load(f)
+        try:
+            cfg = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{config_path} is not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{config_path} is not a JSON object")
     if cfg.get("model_type", "llama") != "llama":
         raise ValueError(f"{config_path}: model_type {cfg['model_type']!r}, expected 'llama'")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -5,6 +5,7 @@
   3. the model       CausalSelfAttention, TransformerBlock (recomputation policy), TransformerLM
   4. loss            cross_entropy, linear_cross_entropy (the fused LM head, never the whole logits)
   5. accounting      count_params, flops_per_token, PRESETS
+  6. checkpoints     read_checkpoint: a train.py checkpoint, checked, for every script
 
 The state dict uses the course's reference layout, so checkpoints move both ways:
 token_embeddings.weight, layers.{i}.ln1.weight, layers.{i}.attn.{q_proj,k_proj,v_proj,output_proj}.weight,
@@ -19,6 +20,9 @@ attn_impl picks the attention kernel (an attribute read at call time, so it can 
 import contextlib
 import math
 import numbers
+import os
+import pickle
+import zipfile
 
 import torch
 import torch.nn as nn
@@ -627,3 +631,58 @@ PRESETS = {
     "gpt2-xl": dict(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
     "10B": dict(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
 }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. checkpoints: one reader for train.py and sample.py
+
+def crc_failure(path):
+    """The first part of a zip (torch.save's format) whose bytes do not match their
+    CRC-32, or None. torch.load never checks these."""
+    with zipfile.ZipFile(path) as z:
+        return z.testzip()
+
+
+def _checked_archive(path):
+    """A one-line RuntimeError unless `path` is a whole, undamaged zip archive."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"PK\x03\x04":
+        raise RuntimeError(f"{path} is not a checkpoint: torch.save writes a zip archive, "
+                           f"this file starts with {head!r}")
+    if not zipfile.is_zipfile(path):
+        raise RuntimeError(f"checkpoint {path} is truncated or corrupt: its zip directory "
+                           f"is missing")
+    bad = crc_failure(path)
+    if bad:
+        raise RuntimeError(f"checkpoint {path} is damaged: its part {bad} does not match "
+                           f"the CRC-32 saved with it (a disk or copy error)")
+
+
+def read_checkpoint(src, needs=("model", "iteration")):
+    """torch.load (weights only) of a path or file object onto the CPU, checked first: a
+    missing, truncated or damaged file, or one that is not a train.py checkpoint holding
+    the keys `needs`, is an error of one line (FileNotFoundError or RuntimeError)."""
+    path = isinstance(src, (str, os.PathLike))
+    if path and not os.path.isfile(src):
+        raise FileNotFoundError(f"checkpoint {src} not found (train with `python train.py` "
+                                f"first)")
+    if path:
+        _checked_archive(src)
+    try:
+        ckpt = torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's message suggests the unsafe full unpickler
+        raise RuntimeError(f"checkpoint {src} holds Python objects other than tensors, "
+                           f"numbers, strings and containers: not a train.py checkpoint, "
+                           f"and it is not loaded") from None
+    except Exception as e:
+        detail = (str(e).strip().splitlines() or [""])[0]
+        if not detail or "weights_only" in detail:
+            detail = type(e).__name__
+        raise RuntimeError(f"checkpoint {src} is truncated or corrupt and cannot be loaded "
+                           f"({detail})") from None
+    missing = [key for key in needs if not isinstance(ckpt, dict) or key not in ckpt]
+    if missing:
+        raise RuntimeError(f"checkpoint {src} is not a train.py checkpoint (it has no "
+                           f"{', '.join(missing)})")
+    return ckpt

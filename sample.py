@@ -58,7 +58,7 @@ import torch  # noqa: E402
 
 from bpe import Tokenizer  # noqa: E402
 from hf import load_llama  # noqa: E402
-from model import TransformerLM, softmax  # noqa: E402
+from model import TransformerLM, read_checkpoint, softmax  # noqa: E402
 
 EOT = "<|endoftext|>"
 
@@ -194,21 +194,18 @@ def load_model(ckpt_path, device="cpu"):
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"no checkpoint at {ckpt_path}: train a model first with `python train.py` "
                                 f"(or point --out_dir / --ckpt at one)")
-    try:
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
-    except Exception as e:
-        raise RuntimeError(f"cannot read checkpoint {ckpt_path}: the file is corrupt or truncated ({e})") from e
-    if not isinstance(ckpt, dict) or any(key not in ckpt for key in ("model", "model_args", "tokenizer")):
-        raise RuntimeError(f"checkpoint {ckpt_path} lacks model, model_args or tokenizer: not written by train.py")
+    ckpt = read_checkpoint(ckpt_path, needs=("model", "model_args", "tokenizer"))
     # the prompt runs through the cache's masked attention anyway; flash only serves windows past the context
     attn_impl = "flash" if torch.device(device).type == "cuda" else "naive"
-    model = TransformerLM(**dict(ckpt["model_args"], attn_impl=attn_impl, act_ckpt_every=0))
     # names without the prefixes torch.compile and data-parallel wrappers add
     state = {re.sub(r"^((_orig_mod|module)\.)+", "", name): tensor for name, tensor in ckpt["model"].items()}
     try:
+        model = TransformerLM(**dict(ckpt["model_args"], attn_impl=attn_impl, act_ckpt_every=0))
         model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise RuntimeError(f"checkpoint {ckpt_path} does not match its model_args {ckpt['model_args']}: {e}") from e
+    except (TypeError, ValueError, RuntimeError) as e:
+        detail = " ".join(str(e).split())  # load_state_dict's report spans lines
+        raise RuntimeError(f"checkpoint {ckpt_path} does not match its model_args "
+                           f"{ckpt['model_args']}: {detail}") from None
     tok = ckpt["tokenizer"]
     tokenizer = _tokenizer(_find(tok["vocab"], ckpt_path), _find(tok["merges"], ckpt_path),
                            list(tok.get("special_tokens") or [EOT]), model.vocab_size, "the checkpoint")

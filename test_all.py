@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -1639,7 +1640,8 @@ def test_load_model_strips_prefixes_reads_llama_directories_the_cli_samples_and_
                               (["--temperature", "-1"], ["--temperature"]), (["--top_k", "x"], ["invalid int value"]),
                               (["--device", "gpu"], ["--device must be"]), (["--nope"], ["unrecognized arguments"]),
                               (["--out_dir", "empty"], ["no checkpoint at empty/ckpt.pt", "python train.py"]),
-                              (["--ckpt", "cut.pt"], ["corrupt or truncated"]), (["--ckpt", "vocab.pt"], ["mismatch"]),
+                              (["--ckpt", "cut.pt"], ["cut.pt is truncated or corrupt"]),
+                              (["--ckpt", "vocab.pt"], ["mismatch"]),
                               (["--ckpt", "notok.pt"], ["gone/vocab.json", "data/prepare.py NAME", "--input FILE"]),
                               (["--out_dir", ".", "--prompt", "the cat " * 40], ["context_length", "--crop_prompt"]),
                               *[(["--out_dir", ".", "--device", "cuda"], ["CUDA is not"])] * no_cuda], tmp_path)
@@ -1656,6 +1658,74 @@ def test_load_model_strips_prefixes_reads_llama_directories_the_cli_samples_and_
     assert out_text.getvalue().startswith("the dog")
     (out / "merges.txt").unlink()
     _expect(FileNotFoundError, ["has no merges.txt"], sample.load_model, str(out))
+
+
+def _flip_byte_inside(path, tensor):
+    """The bytes of `path` with one byte of `tensor` (a CPU tensor stored in it) inverted."""
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index(tensor.numpy().tobytes()) + 5
+    data[at] ^= 0xFF
+    return bytes(data)
+
+
+def _sample_refuses(cwd, table):
+    """sample.py --ckpt NAME for each (NAME, words) of table: status 2, one stderr line
+    holding the words, nothing sampled."""
+    runs = []
+    for name, words in table:
+        command = [sys.executable, str(ROOT / "sample.py"), "--ckpt", name, "--device=cpu"]
+        run = subprocess.Popen(command, cwd=cwd, text=True, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        runs.append((name, words, run))
+    for name, words, run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 2, (name, run.returncode, err)
+        assert err.count("\n") == 1, (name, err)
+        assert err.startswith("sample.py: error: "), (name, err)
+        assert all(w in err for w in words), (name, words, err)
+        assert out == "", (name, out)
+
+
+def test_sample_refuses_a_damaged_checkpoint_or_another_file_in_one_line(tmp_path):
+    # a checkpoint as train.py writes it; a byte flipped in a weight, cut short; other files
+    tok = _small_tokenizer()
+    vocab, merges = tok.save(str(tmp_path / "tok"))
+    torch.manual_seed(0)
+    model_args = dict(vocab_size=len(tok.vocab), context_length=32, d_model=32, num_layers=2,
+                      num_heads=4, d_ff=64)
+    m = TransformerLM(**model_args)
+    files = {"vocab": vocab, "merges": merges, "special_tokens": list(tok.special_tokens)}
+    good = tmp_path / "good.pt"
+    train.save_checkpoint(m, None, 1, good, model_args=model_args, tokenizer=files)
+    weight = m.layers[1].ffn.w2.weight.detach()
+    (tmp_path / "flip.pt").write_bytes(_flip_byte_inside(good, weight))
+    (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:good.stat().st_size // 2])
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"model": {}}))
+    loaded = sample.load_model(str(good))[0]  # undamaged, it loads
+    assert torch.equal(loaded.layers[1].ffn.w2.weight, weight)
+    _sample_refuses(tmp_path, [
+        ("flip.pt", ["flip.pt is damaged", "does not match the CRC-32"]),
+        ("cut.pt", ["cut.pt is truncated or corrupt"]),
+        ("notes.txt", ["notes.txt is not a checkpoint", "zip archive", "b'not '"]),
+        ("plain.pkl", ["plain.pkl is not a checkpoint"]),
+        ("list.pt", ["list.pt is not a train.py checkpoint", "no model, model_args, tokenizer"])])
+    _need_hf("safetensors")  # a Llama directory: our CRC-32s in the safetensors metadata
+    hf.save_llama(m, str(tmp_path / "llama"), tokenizer=tok)
+    for name in ("flip", "cut", "text"):
+        shutil.copytree(tmp_path / "llama", tmp_path / name)
+    weights = tmp_path / "llama" / "model.safetensors"
+    (tmp_path / "flip" / "model.safetensors").write_bytes(_flip_byte_inside(weights, weight))
+    half = weights.read_bytes()[:weights.stat().st_size // 2]
+    (tmp_path / "cut" / "model.safetensors").write_bytes(half)
+    (tmp_path / "text" / "model.safetensors").write_text("not a checkpoint\n")
+    cut_words = ["cut/model.safetensors", "truncated or corrupt", "incomplete metadata"]
+    _expect(RuntimeError, cut_words, hf.load_llama, str(tmp_path / "cut"))
+    text_words = ["text/model.safetensors", "not a safetensors file", "header too large"]
+    _expect(RuntimeError, text_words, hf.load_llama, str(tmp_path / "text"))
+    flip_words = ["flip/model.safetensors is damaged", "model.layers.1.mlp.down_proj.weight"]
+    _sample_refuses(tmp_path, [("flip", flip_words + ["CRC-32"])])
 
 
 # ---------------------------------------------------------------------------------------------------------------

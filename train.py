@@ -224,12 +224,10 @@ import contextlib
 import importlib.util
 import json
 import math
-import pickle
 import signal
 import subprocess
 import threading
 import time
-import zipfile
 
 import numpy as np
 import torch
@@ -237,7 +235,8 @@ import torch
 import ddp
 from flash import adamw_step
 from hf import llama_init
-from model import TransformerLM, auto_attn_impl, count_params, flops_per_token
+from model import (TransformerLM, auto_attn_impl, count_params, crc_failure, flops_per_token,
+                   read_checkpoint)
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
 
@@ -555,11 +554,6 @@ def _clean_state_dict(state_dict):
     return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}  # torch.compile's wrapper's names
 
 
-def _crc_failure(path):  # torch.save writes a zip whose records carry CRC-32s of their bytes; torch.load skips them
-    with zipfile.ZipFile(path) as z:
-        return z.testzip()  # the first record whose bytes do not match, or None
-
-
 def save_checkpoint(model, optimizer, iteration, out, **extra):
     """torch.save {"model", "optimizer", "iteration", **extra} to a path (a temp file, read back, then os.replace) or
     a file object. model: a module (wrappers unwrapped) or a state dict; optimizer: one, its state dict or None."""
@@ -571,32 +565,10 @@ def save_checkpoint(model, optimizer, iteration, out, **extra):
         return torch.save(ckpt, out)
     tmp = os.fspath(out) + ".tmp"
     torch.save(ckpt, tmp)
-    if _crc_failure(tmp):  # what reached the file does not read back as written: the old checkpoint stays
+    if crc_failure(tmp):  # what reached the file does not read back as written: the old checkpoint stays
         os.remove(tmp)
         raise RuntimeError(f"checkpoint {tmp} was damaged on its way to the disk; {out} is left as it was")
     os.replace(tmp, out)
-
-
-def read_checkpoint(src):
-    """torch.load (weights only) onto the CPU; a missing, truncated, corrupt or CRC-damaged file is a clear error."""
-    path = isinstance(src, (str, os.PathLike))
-    _require(not path or os.path.isfile(src), f"checkpoint {src} not found (train with `python train.py` first)",
-             FileNotFoundError)
-    try:
-        ckpt = torch.load(src, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # torch's message would suggest the unsafe full unpickler: we never use it
-        raise RuntimeError(f"checkpoint {src} holds Python objects other than tensors, numbers, strings and "
-                           f"containers: not a train.py checkpoint, and it is not loaded") from None
-    except Exception as e:
-        detail = (str(e).strip().splitlines() or [""])[0]
-        detail = type(e).__name__ if not detail or "weights_only" in detail else detail
-        raise RuntimeError(f"checkpoint {src} is truncated or corrupt and cannot be loaded ({detail})") from None
-    _require(isinstance(ckpt, dict) and "model" in ckpt and "iteration" in ckpt,
-             f"checkpoint {src} is not a train.py checkpoint (no 'model' / 'iteration')", RuntimeError)
-    bad = path and zipfile.is_zipfile(src) and _crc_failure(src)
-    _require(not bad, f"checkpoint {src} is damaged: its part {bad} does not match the CRC-32 saved with it (a disk "
-             f"or copy error)", RuntimeError)
-    return ckpt
 
 
 def load_checkpoint(src, model, optimizer):
