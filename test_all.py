@@ -2140,7 +2140,7 @@ def _log(out_dir):
 def _losses(out_dir):
     """The logged (step, train loss, grad norm) and (step, val loss): two runs log the same only if bit for bit."""
     return [(r["step"], r["loss"], r["grad_norm"]) if "loss" in r else (r["step"], r["val_loss"])
-            for r in _log(out_dir)]
+            for r in _log(out_dir) if "resumed_from" not in r]
 
 
 @cases("batching", ["concat", "pad", "dynamic_pad", "pack"])
@@ -2191,6 +2191,31 @@ def test_a_run_stopped_and_resumed_logs_the_uninterrupted_run_bit_for_bit(tmp_pa
     assert [r for r in _losses(part) if r[0] != 3 or len(r) == 3] == _losses(sig) == _losses(full)
     a, b, c = (torch.load(d / "ckpt.pt", weights_only=True)["model"] for d in (full, part, sig))
     assert len(_losses(full)) == 30 + 4 and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+
+
+def _train_losses(out_dir):
+    return {r["step"]: r["loss"] for r in _log(out_dir) if "loss" in r}
+
+
+def test_the_first_log_line_after_a_resume_is_the_uninterrupted_runs(tmp_path):
+    """log_interval 4: a run ended at step 6 (its last line averages steps 5-6) and resumed
+    logs steps 8 and 10 bit for bit as the uninterrupted run (the window 5-8 goes on from the
+    checkpoint); log.jsonl marks the resume."""
+    schedule = ["--log_interval=4", "--max_iters=10", "--lr_decay_iters=10"]
+    common = _tiny(tmp_path, "--eval_interval=100", *schedule)
+    full, part = tmp_path / "full", tmp_path / "part"
+    train.main(common + [f"--out_dir={full}"])
+    train.main(common + [f"--out_dir={part}", "--max_iters=6"])
+    train.main([f"--out_dir={part}", "--max_iters=10", "--init_from=resume"])
+    want, got = _train_losses(full), _train_losses(part)
+    assert sorted(want) == [4, 8, 10]
+    assert sorted(got) == [4, 6, 8, 10]
+    assert got[8] == want[8]
+    assert got[10] == want[10]
+    marks = [r for r in _log(part) if "resumed_from" in r]
+    assert marks == [{"step": 6, "resumed_from": str(part / "ckpt.pt")}]
+    steps = [r["step"] for r in _log(part)]
+    assert steps.index(6) < steps.index(8)  # the mark sits between the two runs' records
 
 
 def test_resume_restores_the_saved_config_and_force_keeps_every_earlier_run(tmp_path):

@@ -773,7 +773,7 @@ def setup(config, given, rank, world_size, dev, log):
                 for g in (False, True)]
     optimizer = w.make_optimizer(AdamW, decay_groups, zero1=c.zero1, lr=c.learning_rate,
                                  betas=(c.beta1, c.beta2), eps=c.eps, capturable=graphs == "whole")
-    start_iter = 0
+    start_iter, loss_window = 0, {"from": 0, "loss_sum": 0.0}
     if ckpt is not None:
         w.load_state_dict(_clean_state_dict(ckpt["model"]))
         w.load_optimizer_state_dict(optimizer, ckpt["optimizer"])
@@ -781,6 +781,8 @@ def setup(config, given, rank, world_size, dev, log):
         if dev.type == "cuda" and "cuda" in ckpt["rng"]:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"], dev)
         start_iter = ckpt["iteration"]
+        # the open log window's loss sum (older checkpoints have none: the window starts here)
+        loss_window = ckpt.get("loss_window", {"from": start_iter, "loss_sum": 0.0})
         log(f"resumed from {ckpt_path} at iteration {start_iter}")
 
     # fixed validation batches, every world_size-th one here; all ranks run as many (FSDP), the extras count 0 tokens
@@ -789,8 +791,11 @@ def setup(config, given, rank, world_size, dev, log):
         b = make_batch(val_tokens, val_docs, c, batch_generator(c.seed, -1 - (i % c.eval_iters), 0), dev,
                        meta["eot_id"])
         val_batches.append(b if i < c.eval_iters else b[:4] + (0,))
+    log_path = os.path.join(c.out_dir, "log.jsonl")
+    if rank == 0 and c.init_from == "resume":
+        log_record(log_path, {"step": start_iter, "resumed_from": ckpt_path})
     if rank == 0 and c.init_from != "resume":
-        open(os.path.join(c.out_dir, "log.jsonl"), "w").close()  # claim_out_dir made sure no run's log is here
+        open(log_path, "w").close()  # claim_out_dir made sure no run's log is here
         counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
         log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, vocab_size {vocab_size}; "
@@ -800,7 +805,7 @@ def setup(config, given, rank, world_size, dev, log):
     return SimpleNamespace(c=c, w=w, optimizer=optimizer, graphs=graphs, start_iter=start_iter, meta=meta,
                            data_dir=data_dir, train_tokens=train_tokens, train_docs=train_docs, peak=peak,
                            val_batches=val_batches, model_args=model_args, flops_tok=flops_tok, ptdtype=ptdtype,
-                           ckpt_path=ckpt_path, log_path=os.path.join(c.out_dir, "log.jsonl"))
+                           ckpt_path=ckpt_path, log_path=log_path, loss_window=loss_window)
 
 
 class StopSignals:
@@ -872,8 +877,11 @@ def train(config, given, rank, world_size, dev, stops):
     c, w, optimizer = r.c, r.w, r.optimizer
     autocast = torch.autocast(dev.type, dtype=r.ptdtype, enabled=r.ptdtype != torch.float32)
     local_accum = c.grad_accum // world_size
-    # fp64: every micro-batch loss enters the sum exactly, so the logged loss is the same on any number of ranks
-    loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+    # fp64: each micro-batch loss enters the sum exactly: any number of ranks logs the same loss.
+    # The sum runs from step loss_from: a resume continues its checkpoint's window (on rank 0).
+    loss_from = r.loss_window["from"]
+    carried = r.loss_window["loss_sum"] if master else 0.0
+    loss_sum = torch.full((), carried, dtype=torch.float64, device=dev)
 
     def micro_step(j, batch):  # forward and backward of one micro-batch; the gradients sync after the last
         x, y, cu_seqlens, max_seqlen = batch
@@ -907,13 +915,16 @@ def train(config, given, rank, world_size, dev, stops):
 
     def save(step):  # collective under sharding (every rank calls it); rank 0 writes the full state dicts
         state, opt_state = w.state_dict(), w.optimizer_state_dict(optimizer)
+        window_sum = sum_over_ranks(loss_sum.item())[0]
+        loss_window = {"from": loss_from, "loss_sum": window_sum}
         if master:
             tokenizer = {"vocab": os.path.join(r.data_dir, r.meta["vocab"]), "special_tokens":
                          list(r.meta["special_tokens"]), "merges": os.path.join(r.data_dir, r.meta["merges"])}
             rng = {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(dev)} if dev.type == "cuda"
                                                       else {})}
             save_checkpoint(state, opt_state, step, r.ckpt_path, model_args=r.model_args, config=vars(c),
-                            tokenizer=tokenizer, rng=rng, world_size=world_size)
+                            tokenizer=tokenizer, rng=rng, world_size=world_size,
+                            loss_window=loss_window)
 
     saved_at = r.start_iter if c.init_from == "resume" else None
     stops.install()
@@ -952,7 +963,8 @@ def train(config, given, rank, world_size, dev, stops):
                 # the loss of the whole global batch: every rank's micro-batch losses, summed in one all-reduce
                 loss_total, tokens = sum_over_ranks(loss_sum.item(), tokens_since)
                 now = time.time()
-                train_loss, dt = loss_total / c.grad_accum / (step - it_last), (now - t_last) / (step - it_last)
+                train_loss = loss_total / c.grad_accum / (step - loss_from)
+                dt = (now - t_last) / (step - it_last)
                 tok_s = tokens / (now - t_last)
                 mfu = r.flops_tok * tok_s / (r.peak * world_size) if r.peak else None
                 t0, step0 = eta_from or (t_last, it_last)  # the mean since this run's first log line (after warm-up)
@@ -965,7 +977,9 @@ def train(config, given, rank, world_size, dev, stops):
                                             "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1000 * dt,
                                             "eta_s": eta, "time_s": now - t_start})
                 t_last, it_last, tokens_since = now, step, 0
-                loss_sum.zero_()
+                if step % c.log_interval == 0:  # a last, shorter window stays open for a resume
+                    loss_sum.zero_()
+                    loss_from = step
             if step == c.max_iters:
                 evaluate(step)
             if step % c.save_interval == 0 or step == c.max_iters:
