@@ -1,8 +1,9 @@
 """The Hugging Face and Llama bridge, the one file that needs the optional extras (requirements-extra.txt; imported
 inside the functions that use them, so this file imports without them).
 
-  1. Llama-format checkpoints (needs safetensors): save_llama writes a directory LlamaForCausalLM.from_pretrained
-     reads; read_llama / load_llama read one back; llama_init is train.py's init_from=<directory>.
+  1. Llama-format checkpoints (needs safetensors): save_llama writes a directory that
+     LlamaForCausalLM and AutoTokenizer read; read_llama / load_llama read one back;
+     llama_init is train.py's init_from=<directory>.
   2. flash.py's kernels inside transformers: register_hf_attention() adds hf_attention and its mask hook, so
      AutoModelForCausalLM.from_config(cfg, attn_implementation="ours") runs them, padding-free where it can.
 """
@@ -16,7 +17,7 @@ import zlib
 import torch
 import torch.nn as nn
 
-from bpe import atomic_open
+from bpe import atomic_open, bytes_to_unicode
 from flash import flash_attention, flash_attn_varlen
 from model import RMSNorm, RotaryEmbedding, TransformerLM
 
@@ -111,19 +112,21 @@ def llama_state_dict(model):
 
 
 def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False):
-    """Write out_dir/config.json and model.safetensors (a CRC-32 per tensor in its metadata) that
-    LlamaForCausalLM.from_pretrained(out_dir) loads into the same function as `model` (a TransformerLM, or a
-    torch.compile / DDP wrapper of one). tokenizer (a bpe.Tokenizer): its vocab.json and merges.txt go beside
-    them, <|endoftext|> as bos/eos id. Existing files are an error unless overwrite=True; each file is written
-    to a temporary name and renamed, config.json last."""
+    """Write out_dir/config.json and model.safetensors (a CRC-32 per tensor in its metadata)
+    that LlamaForCausalLM.from_pretrained(out_dir) loads into the same function as `model` (a
+    TransformerLM, or a torch.compile / DDP wrapper of one). tokenizer (a bpe.Tokenizer): our
+    vocab.json and merges.txt beside them, and the tokenizer.json and tokenizer_config.json
+    AutoTokenizer reads; <|endoftext|> as bos/eos id. Existing files are an error unless
+    overwrite=True; each file is written to a temporary name and renamed, config.json last."""
     while hasattr(model, "_orig_mod") or isinstance(getattr(model, "module", None), nn.Module):
         model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
     if not isinstance(model, TransformerLM):
         raise TypeError(f"save_llama needs a TransformerLM, got {type(model).__name__}")
     st, config, tensors = _safetensors(), llama_config(model, rope_theta), llama_state_dict(model)
     os.makedirs(out_dir, exist_ok=True)
-    names = ["config.json", LLAMA_WEIGHTS] + (["vocab.json", "merges.txt", "special_tokens_map.json"]
-                                              if tokenizer is not None else [])
+    names = ["config.json", LLAMA_WEIGHTS]
+    if tokenizer is not None:
+        names += ["vocab.json", "merges.txt", "special_tokens_map.json", *HF_TOKENIZER_FILES]
     existing = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
     if existing and not overwrite:
         raise FileExistsError(f"save_llama: {out_dir} already holds {', '.join(existing)} (pass overwrite=True)")
@@ -136,12 +139,54 @@ def save_llama(model, out_dir, tokenizer=None, rope_theta=None, overwrite=False)
             specials.update(bos_token="<|endoftext|>", eos_token="<|endoftext|>")
         with atomic_open(os.path.join(out_dir, "special_tokens_map.json")) as f:
             json.dump(specials, f, indent=1)
+        hf_files = hf_tokenizer_files(tokenizer, model.context_length)
+        for name, content in zip(HF_TOKENIZER_FILES, hf_files):
+            with atomic_open(os.path.join(out_dir, name), encoding="utf-8") as f:
+                json.dump(content, f, indent=1, ensure_ascii=False)
     crcs = json.dumps({name: _crc32(t) for name, t in tensors.items()})
     with atomic_open(os.path.join(out_dir, LLAMA_WEIGHTS), "wb") as f:
         f.write(st.save(tensors, metadata={"format": "pt", "crc32": crcs}))
     with atomic_open(os.path.join(out_dir, "config.json")) as f:  # last: its presence means the directory is done
         json.dump(config, f, indent=2)
     return out_dir
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def hf_tokenizer_files(tokenizer, max_length):
+    """(tokenizer.json, tokenizer_config.json) as dicts: a bpe.Tokenizer in the format of
+    Hugging Face tokenizers, which AutoTokenizer.from_pretrained reads. GPT-2's byte-level
+    BPE: the regex pre-tokenizer, merges applied by rank, the special tokens matched first
+    (the longest wins) as added tokens."""
+    byte_char = bytes_to_unicode()
+
+    def text(token):
+        return "".join(byte_char[x] for x in token)
+    # as vocab.json: specials verbatim (an added token takes its text's id), the rest mapped
+    special_ids = set(tokenizer.special_ids.values())
+    ordinary = sorted(i for i in tokenizer.vocab if i not in special_ids)
+    vocab = {text(tokenizer.vocab[i]): i for i in ordinary}
+    vocab.update(tokenizer.special_ids)
+    merges = [f"{text(a)} {text(b)}" for a, b in tokenizer.merges]  # no mapped byte is a space
+    added = []
+    for content, i in sorted(tokenizer.special_ids.items(), key=lambda item: item[1]):
+        added.append(dict(id=i, content=content, single_word=False, lstrip=False,
+                          rstrip=False, normalized=False, special=True))
+    byte_level = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True,
+                      use_regex=True)
+    bpe = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None,
+               end_of_word_suffix=None, fuse_unk=False, byte_fallback=False,
+               ignore_merges=False, vocab=vocab, merges=merges)
+    tokenizer_json = dict(version="1.0", truncation=None, padding=None, added_tokens=added,
+                          normalizer=None, pre_tokenizer=byte_level, post_processor=None,
+                          decoder=byte_level, model=bpe)
+    eot = "<|endoftext|>"
+    if eot not in tokenizer.special_ids:
+        eot = None
+    config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_length,
+                  bos_token=eot, eos_token=eot, clean_up_tokenization_spaces=False)
+    return tokenizer_json, config
 
 
 def _llama_tensors(path):

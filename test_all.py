@@ -1473,6 +1473,25 @@ def test_llama_export_and_load_agree_with_hf_llama_and_errors_name_the_problem(t
     _expect(RuntimeError, ["truncated or corrupt"], hf.load_llama, str(out))
 
 
+def test_llama_export_tokenizer_loads_with_autotokenizer_and_encodes_as_ours(tmp_path):
+    # our BPE (specials EOT and EOT + EOT overlap) written as tokenizer.json, read by transformers
+    _need_hf("safetensors", "transformers")
+    from transformers import AutoTokenizer
+    tok = _small_tokenizer()
+    hf.save_llama(TransformerLM(len(tok.vocab), 32, 32, 1, 4, 64), str(tmp_path), tokenizer=tok)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert theirs.eos_token == EOT
+    assert theirs.convert_tokens_to_ids(EOT) == tok.special_ids[EOT]
+    edges = ["'s 'S 'll 'LL don't", "a   b\t\t c \n\n d  ", " \n \n", "x\u00a0y\u3000z",
+             "1,024 3.14 ½", "<|endoftext|", "a" + EOT + EOT + EOT + "b", "  " + EOT + "  ",
+             "caf\u00e9 cafe\u0301 👨‍👩‍👧"]
+    texts = edges + _adversarial_texts() + _synthetic_text(6_000, seed=5).split(EOT)[:20]
+    for text in texts:
+        ids = tok.encode(text)
+        assert theirs(text)["input_ids"] == ids, repr(text[:80])
+        assert theirs.decode(ids) == tok.decode(ids), repr(text[:80])
+
+
 HF_VOCAB = 53
 
 
