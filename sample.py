@@ -11,27 +11,61 @@ token runs the model on one position; prompts of different lengths decode togeth
 tokenizer (load_model), the command line (main).
 """
 import argparse
+import difflib
 import json
 import os
 import re
 import sys
 
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, but not an empty one (None, or off for a switch)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _did_you_mean(message, parser):
+    """argparse's message for unknown flags, with the closest known flag of each."""
+    if not message.startswith("unrecognized arguments: "):
+        return message
+    known = [flag[2:] for action in parser._actions for flag in action.option_strings]
+    hints = []
+    for arg in message.split(": ", 1)[1].split():
+        flag = arg.split("=")[0]
+        close = difflib.get_close_matches(flag[2:], known, n=1)
+        if flag.startswith("--") and close:
+            hints.append((flag, f"--{close[0]}"))
+    if len(hints) == 1:
+        return f"{message}; did you mean {hints[0][1]}?"
+    if hints:
+        named = ", ".join(f"{hint} (for {flag})" for flag, hint in hints)
+        return f"{message}; did you mean {named}?"
+    return message
+
+
 def cli(argv=None):
     """The command line, read and checked before torch is imported (--help and a mistake answer at once) ->
     (args, error): error(message) prints one line, `sample.py: error: ...`, and exits with status 2."""
-    p = argparse.ArgumentParser(description="Generate text from a train.py checkpoint.")
-    p.error = lambda message: p.exit(2, f"sample.py: error: {message}\n")  # one line: no usage block
+    p = argparse.ArgumentParser(description="Generate text from a train.py checkpoint.",
+                                formatter_class=_HelpFormatter)
+
+    def error(message):  # one line: no usage block
+        p.exit(2, f"sample.py: error: {_did_you_mean(str(message), p)}\n")
+    p.error = error
     p.add_argument("--out_dir", default="out", help="where train.py wrote ckpt.pt")
     p.add_argument("--ckpt", default=None, help="checkpoint path (default OUT_DIR/ckpt.pt), or a Llama-format "
                    "directory (config.json + model.safetensors + our vocab.json / merges.txt)")
     p.add_argument("--prompt", action="append", default=None, help="prompt text; repeat for a batch of prompts; "
                    "default: read stdin if piped, else start from <|endoftext|>")
     p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--max_new_tokens", type=int, default=256, help="new tokens per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_p", type=float, default=0.9, help="1 = off")
     p.add_argument("--top_k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, default=1337, help="of the sampling generator")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--crop_prompt", action="store_true", help="keep the last context_length tokens of a long prompt")
     p.add_argument("--no_kv_cache", action="store_true", help="rerun the whole window every step (slow; a check)")

@@ -1705,6 +1705,22 @@ def _sample_refuses(cwd, table):
         assert out == "", (name, out)
 
 
+def test_sample_help_shows_defaults_and_a_mistyped_flag_gets_a_suggestion(tmp_path):
+    command = [sys.executable, str(ROOT / "sample.py"), "--help"]
+    run = subprocess.run(command, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    flat = " ".join(run.stdout.split())  # argparse wraps the help column
+    defaults = {"--temperature": "0.8", "--top_p": "0.9", "--max_new_tokens": "256",
+                "--seed": "1337", "--out_dir": "out", "--device": "auto"}
+    for flag, default in defaults.items():
+        assert re.search(rf"{flag} \S+ [^-]*\(default: {default}\)", flat), (flag, flat)
+    assert "(default: None)" not in flat
+    _cli_errors("sample.py", [
+        (["--temprature=0.5"], ["unrecognized arguments", "did you mean --temperature?"]),
+        (["--max_tokens", "3"], ["did you mean --max_new_tokens?"]),
+        (["--nope"], ["unrecognized arguments: --nope"])], tmp_path)
+
+
 def test_sample_refuses_a_damaged_checkpoint_or_another_file_in_one_line(tmp_path):
     # a checkpoint as train.py writes it; a byte flipped in a weight, cut short; other files
     tok = _small_tokenizer()
@@ -2149,6 +2165,40 @@ def test_bad_input_to_the_command_line_is_one_line_and_touches_nothing(tmp_path)
     ] + [(run + ["--compile=True", "--cuda_graphs=True", "--out_dir=x"], ["cuda_graphs needs a CUDA device"])] * (
         not n_gpus), tmp_path)
     assert not (ROOT / "data" / "nosuch").exists()
+
+
+def test_config_file_errors_a_bare_bool_flag_and_help_through_the_command_line(tmp_path):
+    """A config file's syntax error or exception names its line (status 2); --force alone
+    means True (here it moves a run aside); --help shows each key's comment from the globals
+    at the top of train.py."""
+    (tmp_path / "syntax.py").write_text("batch_size = 3\nlearning_rate = 1e-3 +\n")
+    (tmp_path / "imports.py").write_text("batch_size = 3\n\nimport no_such_module\n")
+    (tmp_path / "name.py").write_text("batch_size = 2 * undefined_name\n")
+    _cli_errors("train.py", [
+        (["syntax.py"], ["config file syntax.py, line 2: invalid syntax"]),
+        (["imports.py"], ["config file imports.py, line 3", "No module named 'no_such_module'"]),
+        (["name.py"], ["config file name.py, line 1", "NameError", "undefined_name"]),
+        (["--force", "true"], ["'force' expects bool, got 'true'"]),
+        (["--forse"], ["unknown config key 'forse'", "did you mean 'force'?"])], tmp_path)
+    flags = ["--force", "--compile", "False", "--cuda_graphs"]
+    config = train.apply_config(flags, train.default_config())
+    assert config["force"] is True
+    assert config["compile"] is False
+    assert config["cuda_graphs"] is True
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "log.jsonl").write_text("")  # a run in the way
+    args = _tiny(tmp_path, "--out_dir=o", "--force", "--max_iters=1", "--eval_iters=1")
+    run = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "force: moved the run that was in o to o/old/1" in run.stdout
+    source = (ROOT / "train.py").read_text()
+    comments = dict(re.findall(r"^(\w+) = .+?  # (.+)$", source, re.M))
+    command = [sys.executable, str(ROOT / "train.py"), "--help"]
+    help_lines = subprocess.run(command, capture_output=True, text=True).stdout.splitlines()
+    for key, value in train.default_config().items():
+        line = next(line for line in help_lines if line.startswith(f"  --{key}="))
+        assert line.split() == [f"--{key}={value!r}", *comments[key].split()], line
 
 
 def _log(out_dir):

@@ -4,7 +4,7 @@ Train a TransformerLM on a tokenized dataset.
     python train.py                                    # CPU default: Shakespeare, vocab 2048, a few minutes on 2 cores
     python train.py config/pack.py --max_iters 200     # config files of overrides, then --key=value / --key value
     python train.py --init_from=resume                 # continue out_dir/ckpt.pt exactly, with its saved config
-    python train.py --force=True                       # start over in an out_dir that holds a run (kept in old/N)
+    python train.py --force                            # start over in an out_dir that holds a run (kept in old/N)
     torchrun --standalone --nproc_per_node=4 train.py config/small.py   # 4 GPUs; --ddp_impl=..., --zero1=True
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py  # on each host
 
@@ -16,8 +16,11 @@ step in progress, with a checkpoint and the command that continues it.
 import ast
 import builtins
 import difflib
+import io
 import os
 import sys
+import tokenize
+import traceback
 from types import SimpleNamespace
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -121,29 +124,50 @@ def apply_config(argv, config, given=None):
             given.add(key)
         return value
 
-    args = iter(argv)
-    for arg in args:
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
         if arg.startswith("--"):
             key, eq, text = arg[2:].partition("=")
-            text = text if eq else next(args, None)
-            _require(text is not None, f"{arg} needs a value: {arg}=VALUE or {arg} VALUE", ConfigError)
+            if key not in config:  # a bare --forse: the unknown key's error, not a missing value's
+                checked(key, text, arg)
+            takes_next = not eq
+            if takes_next and isinstance(config.get(key), bool):
+                text = "True"  # a bare flag, unless True or False follows
+                takes_next = bool(args) and args[0].lower() in ("true", "false")
+            if takes_next:
+                _require(args, f"{arg} needs a value: {arg}=VALUE or {arg} VALUE", ConfigError)
+                text = args.pop(0)
             try:
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text
-            config[key] = checked(key, text if isinstance(config.get(key), str) else value,
-                                  arg if eq else f"{arg} {text}")
+            source = f"{arg} {text}" if takes_next else arg
+            config[key] = checked(key, text if isinstance(config.get(key), str) else value, source)
             continue
         _require(os.path.isfile(arg), f"config file {arg!r} not found", ConfigError)
         scope = dict(config, __file__=os.path.abspath(arg))  # so a config file can build on a sibling
-        with open(arg) as f:
-            exec(builtins.compile(f.read(), arg, "exec"), scope)  # the config global `compile` shadows the builtin
+        run_config_file(arg, scope)
         for key, value in scope.items():
             if key.startswith("_") or type(value).__name__ == "module" or callable(value):
                 continue
             if key not in config or value is not config[key]:
                 config[key] = checked(key, value, arg)
     return config
+
+
+def run_config_file(path, scope):
+    """Run a config file in scope; an error in it is a ConfigError naming the line."""
+    with open(path) as f:
+        source = f.read()
+    try:  # (the config global `compile` shadows the builtin)
+        exec(builtins.compile(source, path, "exec"), scope)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: {e.msg}") from None
+    except Exception as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        where = f", line {frames[-1].lineno}" if frames else ""
+        raise ConfigError(f"config file {path}{where}: {type(e).__name__}: {e}") from None
 
 
 def check_config(c, world_size):
@@ -174,12 +198,37 @@ def check_config(c, world_size):
          f"scaling for float16), got {c.dtype!r}")
 
 
+def key_comments():
+    """{config key: the comment beside its global}, read from this file's source."""
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:
+        source = f.read()
+    comments = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("# ")
+    keys = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            key = node.targets[0].id
+            if key in config_keys and node.lineno in comments:
+                keys[key] = comments[node.lineno]
+    return keys
+
+
+def help_keys():
+    """--help's table: each config key, its default and its comment."""
+    comments, defaults = key_comments(), default_config()
+    rows = [(f"--{key}={value!r}", comments.get(key, "")) for key, value in defaults.items()]
+    width = max(len(flag) for flag, _ in rows)
+    header = "config keys (--key=value or --key value; a bool alone, --force, means True):"
+    return "\n".join([header] + [f"  {flag:<{width}}  {comment}" for flag, comment in rows])
+
+
 def main(argv, check_only=False):
     """Run train.py with command-line arguments; returns the exit status, raising ConfigError. check_only (before
     torch is imported): judge them as far as they can be without data and checkpoint, and return None."""
     if "-h" in argv or "--help" in argv:
-        keys = "\n".join(f"  --{k}={v!r}" for k, v in default_config().items())
-        print(f"{__doc__}\nconfig keys and defaults:\n{keys}")
+        print(f"{__doc__}\n{help_keys()}")
         return 0
     given = set()
     config = apply_config(argv, default_config(), given)
