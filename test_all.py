@@ -1475,7 +1475,7 @@ def test_llama_export_and_load_agree_with_hf_llama_and_errors_name_the_problem(t
 
 def test_llama_export_tokenizer_loads_with_autotokenizer_and_encodes_as_ours(tmp_path):
     # our BPE (specials EOT and EOT + EOT overlap) written as tokenizer.json, read by transformers
-    _need_hf("safetensors", "transformers")
+    _need("safetensors", "transformers")
     from transformers import AutoTokenizer
     tok = _small_tokenizer()
     hf.save_llama(TransformerLM(len(tok.vocab), 32, 32, 1, 4, 64), str(tmp_path), tokenizer=tok)
@@ -1746,7 +1746,7 @@ def test_sample_refuses_a_damaged_checkpoint_or_another_file_in_one_line(tmp_pat
         ("notes.txt", ["notes.txt is not a checkpoint", "zip archive", "b'not '"]),
         ("plain.pkl", ["plain.pkl is not a checkpoint"]),
         ("list.pt", ["list.pt is not a train.py checkpoint", "no model, model_args, tokenizer"])])
-    _need_hf("safetensors")  # a Llama directory: our CRC-32s in the safetensors metadata
+    _need("safetensors")  # a Llama directory: our CRC-32s in the safetensors metadata
     hf.save_llama(m, str(tmp_path / "llama"), tokenizer=tok)
     for name in ("flip", "cut", "text"):
         shutil.copytree(tmp_path / "llama", tmp_path / name)
