@@ -259,7 +259,10 @@ def main(argv=None):
     except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         error(e)
 
-    prompts = args.prompt or [sys.stdin.read() if not sys.stdin.isatty() else ""]
+    prompts = args.prompt
+    if not prompts:  # a piped prompt; none where stdin is a terminal or closed
+        piped = sys.stdin is not None and not sys.stdin.isatty()
+        prompts = [sys.stdin.read() if piped else ""]
     texts = [text for text in prompts for _ in range(args.num_samples)]
     batch = [tokenizer.encode(text) if text else [eot_id] for text in texts]
     generator = torch.Generator(device=device).manual_seed(args.seed)
