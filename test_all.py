@@ -1040,54 +1040,222 @@ def test_flash_gpu_rms_norm_at_model_widths():
 
 def _tiny_lm(attn_impl="naive", dtype=torch.float32, seed=0, **kw):
     torch.manual_seed(seed)
-    args = dict(vocab_size=61, context_length=40, d_model=32, num_layers=2, num_heads=4, d_ff=72)
-    return TransformerLM(**{**args, **kw}, attn_impl=attn_impl, dtype=dtype)
+    args = dict(vocab_size=61, context_length=40, d_model=32,
+                num_layers=2, num_heads=4, d_ff=72)
+    args.update(kw)
+    return TransformerLM(**args, attn_impl=attn_impl, dtype=dtype)
 
 
-def test_modules_and_attention_match_their_formulas():
+def _mismatches(gots, wants, atol):
+    """The indices where torch.allclose(got, want, atol) fails."""
+    pairs = enumerate(zip(gots, wants, strict=True))
+    return [i for i, (g, w) in pairs if not torch.allclose(g, w, atol=atol)]
+
+
+LINEAR_STD = math.sqrt(2 / (300 + 200))  # sqrt(2 / (d_in + d_out))
+
+
+def _linear():
     torch.manual_seed(0)
-    lin, std = Linear(300, 200), math.sqrt(2 / 500)  # no bias; truncated normal cut at 3 std
-    assert lin.weight.shape == (200, 300) and list(lin.state_dict()) == ["weight"]
-    assert lin.weight.abs().max() <= 3 * std + 1e-7 and abs(lin.weight.std().item() - std) < 0.1 * std
+    return Linear(300, 200)
+
+
+def test_linear_weight_is_out_by_in():
+    assert _linear().weight.shape == (200, 300)
+
+
+def test_linear_has_no_bias():
+    assert list(_linear().state_dict()) == ["weight"]
+
+
+def test_linear_init_is_cut_at_3_std():
+    largest = _linear().weight.abs().max().item()
+    assert largest <= 3 * LINEAR_STD + 1e-7, largest
+
+
+def test_linear_init_has_std_from_both_widths():
+    std = _linear().weight.std().item()
+    assert abs(std - LINEAR_STD) < 0.1 * LINEAR_STD, std
+
+
+def test_linear_multiplies_by_the_weight_transposed():
+    lin = _linear()
     x = torch.randn(2, 3, 300)
-    assert torch.allclose(lin(x), torch.einsum("...i,oi->...o", x, lin.weight), atol=1e-5)
-    lin.weight.data = torch.zeros_like(lin.weight)  # a swapped/cast weight must take effect
-    assert lin(x).abs().max() == 0
-    emb, ids = Embedding(1000, 64), torch.randint(0, 1000, (4, 7))
-    assert emb.weight.abs().max() <= 3 and abs(emb.weight.std().item() - 1) < 0.1
+    want = torch.einsum("...i,oi->...o", x, lin.weight)
+    assert torch.allclose(lin(x), want, atol=1e-5)
+
+
+def test_linear_uses_a_replaced_weight():
+    lin = _linear()  # a swapped or cast weight must take effect
+    lin.weight.data = torch.zeros_like(lin.weight)
+    assert lin(torch.randn(2, 3, 300)).abs().max() == 0
+
+
+def _embedding():
+    torch.manual_seed(0)
+    return Embedding(1000, 64)
+
+
+def test_embedding_init_is_cut_at_3():
+    largest = _embedding().weight.abs().max().item()
+    assert largest <= 3, largest
+
+
+def test_embedding_init_has_std_1():
+    std = _embedding().weight.std().item()
+    assert abs(std - 1) < 0.1, std
+
+
+def test_embedding_looks_up_rows():
+    emb = _embedding()
+    ids = torch.randint(0, 1000, (4, 7))
     assert torch.equal(emb(ids), emb.weight[ids])
-    norm, x = RMSNorm(37), torch.randn(3, 5, 37, dtype=torch.float64)  # RMSNorm in fp32 at least, input's dtype out
+
+
+def _rmsnorm():
+    torch.manual_seed(0)
+    norm = RMSNorm(37)
     norm.weight.data = torch.randn(37)
-    rms = lambda x: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
-    assert torch.allclose(norm(x), rms(x), atol=1e-6)
-    xb = (x * 300).bfloat16()  # squares of 300 overflow nothing in fp32, but the sum would lose bits in bf16
-    assert norm(xb).dtype == torch.bfloat16 and torch.allclose(norm(xb).double(), rms(xb.double()), 1e-2, 1e-2)
-    assert torch.isfinite(RMSNorm(37)(torch.full((1, 37), 300.0, dtype=torch.float16))).all()  # 300^2 > fp16 max
-    x, ffn = torch.randn(4, 9, 24, dtype=torch.float64), SwiGLU(24, 40, dtype=torch.float64)
+    return norm
+
+
+def _rms_formula(x, weight):
+    """x / sqrt(mean(x^2) + eps) * weight, in float64."""
+    x = x.double()
+    rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    return x / rms * weight.double()
+
+
+def _bf16_norm_input():
+    # 300^2 fits fp32, but a bf16 sum of squares would lose bits
+    torch.manual_seed(1)
+    return (torch.randn(3, 5, 37) * 300).bfloat16()
+
+
+def test_rmsnorm_module_matches_its_formula():
+    norm = _rmsnorm()
+    x = torch.randn(3, 5, 37, dtype=torch.float64)
+    want = _rms_formula(x, norm.weight)
+    assert torch.allclose(norm(x), want, atol=1e-6)
+
+
+def test_rmsnorm_module_returns_the_input_dtype():
+    out = _rmsnorm()(_bf16_norm_input())
+    assert out.dtype == torch.bfloat16, out.dtype
+
+
+def test_rmsnorm_module_normalises_bf16_in_fp32():
+    norm, x = _rmsnorm(), _bf16_norm_input()
+    want = _rms_formula(x, norm.weight)
+    assert torch.allclose(norm(x).double(), want, 1e-2, 1e-2)
+
+
+def test_rmsnorm_module_is_finite_past_the_fp16_range():
+    x = torch.full((1, 37), 300.0, dtype=torch.float16)  # 300^2 > 65504
+    assert torch.isfinite(RMSNorm(37)(x)).all()
+
+
+def test_silu_matches_torch():
+    torch.manual_seed(0)
+    x = torch.randn(4, 9, 24, dtype=torch.float64)
     assert torch.allclose(silu(x), F.silu(x))
-    assert torch.allclose(ffn(x), (F.silu(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T)
-    assert SwiGLU(200).w1.weight.shape == (512, 200)  # d_ff defaults to 64 * round(8d / 192)
-    # RoPE against complex rotation: pair j at position p turns by p * theta^(-2j/d_k), pairs stay interleaved
-    d_k, theta = 16, 10000.0
-    rope = RotaryEmbedding(theta, d_k, context_length=50)
-    x = torch.randn(2, 3, 7, d_k, dtype=torch.float64)
-    pos = torch.randint(0, 50, (2, 1, 7))  # broadcast over the middle (heads) dim
-    angle = pos[..., None].double() * theta ** (-2 * torch.arange(d_k // 2, dtype=torch.float64) / d_k)
-    z = torch.complex(x[..., 0::2], x[..., 1::2]) * torch.polar(torch.ones_like(angle), angle)
-    assert torch.allclose(rope(x, pos), torch.stack((z.real, z.imag), dim=-1).flatten(-2), atol=1e-5)
-    assert torch.allclose(rope(x), rope(x, torch.arange(7)))  # default positions 0..T-1
-    assert dict(rope.named_buffers()).keys() == {"cos", "sin"} and rope.state_dict() == {}  # tables: non-persistent
-    x = torch.randn(3, 11, dtype=torch.float64) * 1000  # huge logits: only a max-shift keeps softmax finite
-    assert torch.allclose(softmax(x, -1), torch.softmax(x, -1)) and torch.allclose(softmax(x, 0), torch.softmax(x, 0))
-    q, k, v = (torch.randn(2, 3, n, d, dtype=torch.float64) for n, d in ((5, 8), (9, 8), (9, 6)))
+
+
+def test_swiglu_matches_its_formula():
+    torch.manual_seed(0)
+    ffn = SwiGLU(24, 40, dtype=torch.float64)
+    x = torch.randn(4, 9, 24, dtype=torch.float64)
+    gate = F.silu(x @ ffn.w1.weight.T)
+    want = (gate * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T
+    assert torch.allclose(ffn(x), want)
+
+
+def test_swiglu_d_ff_defaults_to_a_multiple_of_64():
+    # d_ff = 64 * round(8 d / 192)
+    assert SwiGLU(200).w1.weight.shape == (512, 200)
+
+
+def _rope_by_complex_rotation(x, positions, theta):
+    """Pair j of x (pairs interleaved) at position p turned by
+    p * theta^(-2j/d) as a complex number."""
+    d = x.shape[-1]
+    j = torch.arange(d // 2, dtype=torch.float64)
+    angle = positions[..., None].double() * theta ** (-2 * j / d)
+    z = torch.complex(x[..., 0::2], x[..., 1::2])
+    z = z * torch.polar(torch.ones_like(angle), angle)
+    return torch.stack((z.real, z.imag), dim=-1).flatten(-2)
+
+
+def _rope_case():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(10000.0, 16, context_length=50)
+    x = torch.randn(2, 3, 7, 16, dtype=torch.float64)
+    return rope, x
+
+
+def test_rope_turns_each_pair_like_a_complex_rotation():
+    rope, x = _rope_case()
+    positions = torch.randint(0, 50, (2, 1, 7))  # broadcast over heads
+    want = _rope_by_complex_rotation(x, positions, 10000.0)
+    assert torch.allclose(rope(x, positions), want, atol=1e-5)
+
+
+def test_rope_positions_default_to_0_to_t():
+    rope, x = _rope_case()
+    assert torch.allclose(rope(x), rope(x, torch.arange(7)))
+
+
+def test_rope_tables_are_buffers_left_out_of_the_state_dict():
+    rope, _ = _rope_case()
+    assert dict(rope.named_buffers()).keys() == {"cos", "sin"}
+    assert rope.state_dict() == {}
+
+
+@cases("dim", [-1, 0])
+def test_softmax_matches_torch_on_huge_logits(dim):
+    torch.manual_seed(0)
+    x = torch.randn(3, 11, dtype=torch.float64) * 1000  # needs a max-shift
+    assert torch.allclose(softmax(x, dim), torch.softmax(x, dim))
+
+
+def _attention_case():
+    """q, k, v: 5 queries, 9 keys, values of width 6; a random
+    mask where every query sees key 0 and none sees the last."""
+    torch.manual_seed(0)
+    shapes = ((5, 8), (9, 8), (9, 6))
+    q, k, v = (torch.randn(2, 3, n, d, dtype=torch.float64)
+               for n, d in shapes)
     mask = torch.rand(5, 9) > 0.4
     mask[:, 0] = True
-    s = q @ k.transpose(-1, -2) / math.sqrt(8)
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
-    assert torch.allclose(scaled_dot_product_attention(q, k, v, mask), p @ v)
-    assert torch.allclose(scaled_dot_product_attention(q, k, v), torch.softmax(s, -1) @ v)
-    v[..., ~mask.any(0), :] = 1e9  # keys nobody may see get exactly zero weight
-    assert torch.allclose(scaled_dot_product_attention(q, k, v, mask), p @ v)
+    mask[:, -1] = False
+    return q, k, v, mask
+
+
+def _attention_formula(q, k, v, mask=None):
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+def test_attention_matches_the_masked_softmax_formula():
+    q, k, v, mask = _attention_case()
+    got = scaled_dot_product_attention(q, k, v, mask)
+    assert torch.allclose(got, _attention_formula(q, k, v, mask))
+
+
+def test_attention_without_a_mask_sees_every_key():
+    q, k, v, _ = _attention_case()
+    got = scaled_dot_product_attention(q, k, v)
+    assert torch.allclose(got, _attention_formula(q, k, v))
+
+
+def test_attention_gives_a_key_nobody_sees_zero_weight():
+    q, k, v, mask = _attention_case()
+    want = _attention_formula(q, k, v, mask)
+    v[..., ~mask.any(0), :] = 1e9
+    got = scaled_dot_product_attention(q, k, v, mask)
+    assert torch.allclose(got, want)
 
 
 def test_cross_entropy_and_the_fused_head_match_log_softmax_and_ignore_targets():
