@@ -1258,69 +1258,231 @@ def test_attention_gives_a_key_nobody_sees_zero_weight():
     assert torch.allclose(got, want)
 
 
-def test_cross_entropy_and_the_fused_head_match_log_softmax_and_ignore_targets():
+def _logits_and_targets():
+    """fp64 logits (3, 5, 17) of size ~50, targets with three ignored."""
     torch.manual_seed(0)
-    logits, targets = torch.randn(3, 5, 17, dtype=torch.float64) * 50, torch.randint(0, 17, (3, 5))
+    logits = torch.randn(3, 5, 17, dtype=torch.float64) * 50
+    targets = torch.randint(0, 17, (3, 5))
     targets[0, :3] = -100
-    keep = targets != -100
-    ref = -torch.log_softmax(logits, -1)[keep].gather(-1, targets[keep][:, None]).mean()
-    assert torch.allclose(cross_entropy(logits, targets), ref)
-    assert torch.allclose(cross_entropy(logits.view(15, 17), targets.view(15)), ref)
-    assert torch.isfinite(cross_entropy(torch.tensor([[1e4, 0.0, -1e4]]).bfloat16(), torch.tensor([2]))).all()
-    # the written-out backward against autograd through F.cross_entropy, with ignored targets, and numerically
-    x, y = logits.detach().requires_grad_(), logits.detach().requires_grad_()
-    cross_entropy(x, targets).mul(3.0).backward()
-    F.cross_entropy(y.flatten(0, 1), targets.flatten(), ignore_index=-100).mul(3.0).backward()
-    assert torch.allclose(x.grad, y.grad, atol=1e-12)
-    small = (torch.randn(4, 6, dtype=torch.float64) * 3).requires_grad_()
-    assert torch.autograd.gradcheck(lambda o: cross_entropy(o, torch.tensor([1, -100, 5, 0])), (small,))
-    x = logits.detach().requires_grad_()
-    none = cross_entropy(x, torch.full_like(targets, -100))
-    none.backward()
-    assert none.item() == 0 and x.grad.abs().max() == 0  # all padding: 0 and a zero gradient, not NaN
-    half = torch.randn(2, 7, dtype=torch.bfloat16, requires_grad=True)
-    cross_entropy(half, torch.tensor([3, 6])).backward()
-    assert half.grad.dtype == torch.bfloat16
+    return logits, targets
+
+
+def _mean_log_softmax_loss(logits, targets):
+    kept = targets != -100
+    log_p = torch.log_softmax(logits, -1)[kept]
+    return -log_p.gather(-1, targets[kept][:, None]).mean()
+
+
+@cases("shape", ["batched", "flat"])
+def test_cross_entropy_is_the_mean_log_softmax_of_kept_targets(shape):
+    logits, targets = _logits_and_targets()
+    want = _mean_log_softmax_loss(logits, targets)
+    if shape == "flat":
+        logits, targets = logits.view(15, 17), targets.view(15)
+    assert torch.allclose(cross_entropy(logits, targets), want)
+
+
+def test_cross_entropy_is_finite_on_huge_bf16_logits():
+    logits = torch.tensor([[1e4, 0.0, -1e4]]).bfloat16()
+    loss = cross_entropy(logits, torch.tensor([2]))
+    assert torch.isfinite(loss).all(), loss
+
+
+def test_cross_entropy_backward_matches_autograd_through_torch():
+    logits, targets = _logits_and_targets()
+    ours = logits.clone().requires_grad_()
+    theirs = logits.clone().requires_grad_()
+    cross_entropy(ours, targets).mul(3.0).backward()
+    flat = theirs.flatten(0, 1), targets.flatten()
+    F.cross_entropy(*flat, ignore_index=-100).mul(3.0).backward()
+    assert torch.allclose(ours.grad, theirs.grad, atol=1e-12)
+
+
+def test_cross_entropy_backward_passes_gradcheck():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, dtype=torch.float64) * 3
+    targets = torch.tensor([1, -100, 5, 0])
+    inputs = (logits.requires_grad_(),)
+    assert torch.autograd.gradcheck(lambda x: cross_entropy(x, targets), inputs)
+
+
+def _cross_entropy_of_padding_only():
+    logits, targets = _logits_and_targets()
+    logits.requires_grad_()
+    loss = cross_entropy(logits, torch.full_like(targets, -100))
+    loss.backward()
+    return loss, logits.grad
+
+
+def test_cross_entropy_of_padding_only_is_zero():
+    loss, _ = _cross_entropy_of_padding_only()
+    assert loss.item() == 0, loss  # not NaN
+
+
+def test_cross_entropy_of_padding_only_has_zero_gradient():
+    _, grad = _cross_entropy_of_padding_only()
+    assert grad.abs().max() == 0
+
+
+def test_cross_entropy_gradient_stays_bf16():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 7, dtype=torch.bfloat16, requires_grad=True)
+    cross_entropy(logits, torch.tensor([3, 6])).backward()
+    assert logits.grad.dtype == torch.bfloat16, logits.grad.dtype
+
+
+def test_cross_entropy_rejects_targets_of_another_shape():
+    logits, targets = _logits_and_targets()
     _expect(ValueError, ["targets"], cross_entropy, logits, targets[:, :4])
-    # fp64 chunked head against cross_entropy(x @ W^T); then model(idx, targets=y), tied or not, packed or not
+
+
+# the fused head (model.linear_cross_entropy): cross_entropy(x @ W^T) in chunks
+
+@functools.cache
+def _fused_head_case():
+    """fp64 x (2, 19, 24), W (57, 24), targets with 4 ignored."""
     gen = torch.Generator().manual_seed(22)
-    x = torch.randn(2, 19, 24, generator=gen, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(57, 24, generator=gen, dtype=torch.float64, requires_grad=True)
-    t = torch.randint(0, 57, (2, 19), generator=gen)
-    t[0, :4] = -100
-    ref = F.cross_entropy((x @ w.T).flatten(0, 1), t.flatten(), ignore_index=-100)
-    rgx, rgw = torch.autograd.grad(2.5 * ref, (x, w))
-    for chunk in (5, 38, 1000):
-        loss = model.linear_cross_entropy(x, w, t, chunk=chunk)
-        gx, gw = torch.autograd.grad(2.5 * loss, (x, w))
-        assert abs(loss.item() - ref.item()) < 1e-12 and _rel(gx, rgx) < 1e-12 and _rel(gw, rgw) < 1e-12, chunk
-    none = model.linear_cross_entropy(x, w, torch.full_like(t, -100), chunk=7)
-    gx, gw = torch.autograd.grad(none, (x, w))
-    assert none.item() == 0 and gx.abs().max() == 0 and gw.abs().max() == 0
-    _expect(ValueError, ["targets"], model.linear_cross_entropy, x, w, t[:, :5])
-    idx, y = torch.randint(0, 61, (2, 13), generator=gen), torch.randint(0, 61, (2, 13), generator=gen)
-    y[1, :6] = -100
-    for tie in (False, True):
-        m = _tiny_lm(tie_embeddings=tie, seed=3)
-        for i, t, kw in ((idx, y, {}), (idx[:1], y[:1], dict(cu_seqlens=torch.tensor([0, 4, 13]).int(), max_seqlen=9))):
-            fused, plain = m(i, targets=t, **kw), cross_entropy(m(i, **kw), t)
-            grads = [torch.autograd.grad(loss, list(m.parameters())) for loss in (fused, plain)]
-            assert abs(fused.item() - plain.item()) < 1e-6 and all(_rel(a, b) < 1e-5 for a, b in zip(*grads)), tie
+    x = torch.randn(2, 19, 24, generator=gen, dtype=torch.float64)
+    w = torch.randn(57, 24, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 57, (2, 19), generator=gen)
+    targets[0, :4] = -100
+    return x.requires_grad_(), w.requires_grad_(), targets
 
 
-@cases("vocab, dtype", [(7, torch.float32), (64, torch.float32), (333, torch.float32), (150, torch.bfloat16)])
-def test_cross_entropy_rows_kernel_matches_its_twin(vocab, dtype):
-    # the fused head's per-row kernel: loss and in-place gradient, ragged vocabularies, ignored rows, large logits
+@functools.cache
+def _head_loss_and_grads(chunk=None, padding_only=False):
+    """The loss and its gradients in x and W (the loss scaled by 2.5):
+    the fused head by chunks, or chunk=None: F.cross_entropy(x @ W^T)."""
+    x, w, targets = _fused_head_case()
+    if padding_only:
+        targets = torch.full_like(targets, -100)
+    if chunk is None:
+        flat = (x @ w.T).flatten(0, 1), targets.flatten()
+        loss = F.cross_entropy(*flat, ignore_index=-100)
+    else:
+        loss = model.linear_cross_entropy(x, w, targets, chunk=chunk)
+    return loss, *torch.autograd.grad(2.5 * loss, (x, w))
+
+
+@cases("chunk", [5, 38, 1000])
+def test_fused_head_loss_matches_the_full_matmul(chunk):
+    loss, want = _head_loss_and_grads(chunk)[0], _head_loss_and_grads()[0]
+    assert abs(loss.item() - want.item()) < 1e-12, (loss, want)
+
+
+@cases("chunk", [5, 38, 1000])
+def test_fused_head_input_gradient_matches_the_full_matmul(chunk):
+    grad, want = _head_loss_and_grads(chunk)[1], _head_loss_and_grads()[1]
+    assert _rel(grad, want) < 1e-12, _rel(grad, want)
+
+
+@cases("chunk", [5, 38, 1000])
+def test_fused_head_weight_gradient_matches_the_full_matmul(chunk):
+    grad, want = _head_loss_and_grads(chunk)[2], _head_loss_and_grads()[2]
+    assert _rel(grad, want) < 1e-12, _rel(grad, want)
+
+
+def test_fused_head_of_padding_only_is_zero():
+    loss = _head_loss_and_grads(7, padding_only=True)[0]
+    assert loss.item() == 0, loss
+
+
+def test_fused_head_of_padding_only_has_zero_gradients():
+    _, grad_x, grad_w = _head_loss_and_grads(7, padding_only=True)
+    assert grad_x.abs().max() == 0
+    assert grad_w.abs().max() == 0
+
+
+def test_fused_head_rejects_targets_of_another_shape():
+    x, w, targets = _fused_head_case()
+    fused = model.linear_cross_entropy
+    _expect(ValueError, ["targets"], fused, x, w, targets[:, :5])
+
+
+@functools.cache
+def _model_losses(tie, packed):
+    """model(idx, targets=y) (the fused head) and cross_entropy of
+    model(idx): each loss and its gradients in every parameter."""
+    gen = torch.Generator().manual_seed(23)
+    idx = torch.randint(0, 61, (2, 13), generator=gen)
+    targets = torch.randint(0, 61, (2, 13), generator=gen)
+    targets[1, :6] = -100
+    extra = {}
+    if packed:  # one row of two documents
+        idx, targets = idx[:1], targets[:1]
+        cu_seqlens = torch.tensor([0, 4, 13]).int()
+        extra = dict(cu_seqlens=cu_seqlens, max_seqlen=9)
+    m = _tiny_lm(tie_embeddings=tie, seed=3)
+    fused = m(idx, targets=targets, **extra)
+    plain = cross_entropy(m(idx, **extra), targets)
+    params = list(m.parameters())
+    grads = [torch.autograd.grad(loss, params) for loss in (fused, plain)]
+    return (fused, plain), grads
+
+
+TIED_AND_PACKED = [(False, False), (False, True), (True, False), (True, True)]
+
+
+@cases("tie, packed", TIED_AND_PACKED)
+def test_model_loss_from_targets_is_cross_entropy_of_logits(tie, packed):
+    fused, plain = _model_losses(tie, packed)[0]
+    assert abs(fused.item() - plain.item()) < 1e-6, (fused, plain)
+
+
+@cases("tie, packed", TIED_AND_PACKED)
+def test_model_loss_from_targets_has_its_gradients(tie, packed):
+    fused, plain = _model_losses(tie, packed)[1]
+    worst = max(_rel(a, b) for a, b in zip(fused, plain))
+    assert worst < 1e-5, worst
+
+
+@functools.cache
+def _cross_entropy_rows(vocab, dtype):
+    """The fused head's per-row kernel (loss, gradient in place) and
+    its twin, on logits of size ~20 with row 2 ignored."""
     gen = torch.Generator().manual_seed(21)
     x = (torch.randn(6, vocab, generator=gen) * 20).to(DEVICE, dtype)
-    t = torch.randint(0, vocab, (6,), generator=gen).to(DEVICE)
-    t[2] = -100
-    scale, loss, grad = torch.tensor([0.37], device=DEVICE), torch.empty(6, device=DEVICE), x.clone()
-    flash.cross_entropy_rows(grad, t, -100, scale, loss, kernel=True)
-    ref_loss, ref_grad = flash.cross_entropy_rows_reference(x, t, -100, scale)
-    assert loss[2] == 0 and grad[2].abs().max() == 0
-    assert _rel(loss, ref_loss) < 1e-6 and _rel(grad, ref_grad) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert _rel(loss, F.cross_entropy(x.double(), t, ignore_index=-100, reduction="none")) < 1e-6
+    targets = torch.randint(0, vocab, (6,), generator=gen).to(DEVICE)
+    targets[2] = -100
+    scale = torch.tensor([0.37], device=DEVICE)
+    loss, grad = torch.empty(6, device=DEVICE), x.clone()
+    flash.cross_entropy_rows(grad, targets, -100, scale, loss, kernel=True)
+    twin = flash.cross_entropy_rows_reference(x, targets, -100, scale)
+    return SimpleNamespace(x=x, targets=targets, loss=loss, grad=grad,
+                           twin_loss=twin[0], twin_grad=twin[1])
+
+
+ROWS_CASES = [(7, torch.float32), (64, torch.float32),
+              (333, torch.float32), (150, torch.bfloat16)]
+
+
+@cases("vocab, dtype", ROWS_CASES)
+def test_cross_entropy_rows_kernel_loss_matches_its_twin(vocab, dtype):
+    run = _cross_entropy_rows(vocab, dtype)
+    error = _rel(run.loss, run.twin_loss)
+    assert error < 1e-6, error
+
+
+@cases("vocab, dtype", ROWS_CASES)
+def test_cross_entropy_rows_kernel_gradient_matches_its_twin(vocab, dtype):
+    run = _cross_entropy_rows(vocab, dtype)
+    error = _rel(run.grad, run.twin_grad)
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
+
+
+@cases("vocab, dtype", ROWS_CASES)
+def test_cross_entropy_rows_kernel_zeroes_an_ignored_row(vocab, dtype):
+    run = _cross_entropy_rows(vocab, dtype)
+    assert run.loss[2] == 0, run.loss
+    assert run.grad[2].abs().max() == 0
+
+
+@cases("vocab, dtype", ROWS_CASES)
+def test_cross_entropy_rows_kernel_loss_matches_torch(vocab, dtype):
+    run = _cross_entropy_rows(vocab, dtype)
+    want = F.cross_entropy(run.x.double(), run.targets,
+                           ignore_index=-100, reduction="none")
+    assert _rel(run.loss, want) < 1e-6, _rel(run.loss, want)
 
 
 def test_state_dict_names_strict_loads_param_count_and_flops_match_spec():
