@@ -1485,63 +1485,174 @@ def test_cross_entropy_rows_kernel_loss_matches_torch(vocab, dtype):
     assert _rel(run.loss, want) < 1e-6, _rel(run.loss, want)
 
 
-def test_state_dict_names_strict_loads_param_count_and_flops_match_spec():
-    m, layer = _tiny_lm(), "ln1 attn.q_proj attn.k_proj attn.v_proj attn.output_proj ln2 ffn.w1 ffn.w2 ffn.w3".split()
-    names = [f"layers.{i}.{n}.weight" for i in range(2) for n in layer]
-    assert list(m.state_dict()) == ["token_embeddings.weight"] + names + ["ln_final.weight", "lm_head.weight"]
-    block = TransformerBlock(32, 4, 72, 40, 10000.0)  # standalone, as the reference tests build them
-    assert list(block.state_dict()) == [f"{n}.weight" for n in layer]
-    assert list(CausalSelfAttention(32, 4, 40).state_dict()) == [f"{n[5:]}.weight" for n in layer[1:5]]
-    shapes = {n: t.shape for n, t in m.state_dict().items()}
-    assert shapes["layers.0.ffn.w1.weight"] == (72, 32) and shapes["layers.0.ffn.w2.weight"] == (32, 72)
-    torch.manual_seed(1)
-    reference = {n: torch.randn(s) for n, s in shapes.items()}  # e.g. a checkpoint of the course's reference model
+LAYER_WEIGHTS = ["ln1", "attn.q_proj", "attn.k_proj", "attn.v_proj",
+                 "attn.output_proj", "ln2", "ffn.w1", "ffn.w2", "ffn.w3"]
+
+
+def test_state_dict_names_follow_the_reference_layout():
+    layers = [f"layers.{i}.{name}.weight"
+              for i in range(2) for name in LAYER_WEIGHTS]
+    want = ["token_embeddings.weight", *layers,
+            "ln_final.weight", "lm_head.weight"]
+    assert list(_tiny_lm().state_dict()) == want
+
+
+def test_standalone_block_state_dict_names():
+    # built alone, as the reference tests build it
+    block = TransformerBlock(32, 4, 72, 40, 10000.0)
+    want = [f"{name}.weight" for name in LAYER_WEIGHTS]
+    assert list(block.state_dict()) == want
+
+
+def test_standalone_attention_state_dict_names():
+    attention = CausalSelfAttention(32, 4, 40)
+    want = [f"{name.removeprefix('attn.')}.weight"
+            for name in LAYER_WEIGHTS[1:5]]
+    assert list(attention.state_dict()) == want
+
+
+@cases("name, shape", [("w1", (72, 32)), ("w2", (32, 72))])
+def test_ffn_weights_are_out_by_in(name, shape):
+    weight = _tiny_lm().state_dict()[f"layers.0.ffn.{name}.weight"]
+    assert weight.shape == shape, weight.shape
+
+
+def test_strict_load_takes_every_tensor_of_a_reference_state_dict():
+    m = _tiny_lm()
+    torch.manual_seed(1)  # e.g. a checkpoint of the reference model
+    reference = {name: torch.randn(t.shape)
+                 for name, t in m.state_dict().items()}
     m.load_state_dict(reference, strict=True)
-    assert all(torch.equal(t, reference[n]) for n, t in m.state_dict().items())
+    differ = [name for name, t in m.state_dict().items()
+              if not torch.equal(t, reference[name])]
+    assert not differ, differ
+
+
+def test_tied_embeddings_share_one_tensor():
     tied = _tiny_lm(tie_embeddings=True)
-    assert tied.lm_head.weight is tied.token_embeddings.weight and count_params(tied) == count_params(m) - 61 * 32
-    tied.load_state_dict(tied.state_dict(), strict=True)
-    V = 10_000
-    for name, want in {"small": 128.6e6, "medium": 423.2e6, "large": 969.4e6, "xl": 3.407e9, "gpt2-xl": 1.998e9,
-                       "10B": 12.83e9}.items():
-        d, L, d_ff, H = (PRESETS[name][k] for k in ("d_model", "num_layers", "d_ff", "num_heads"))
-        psi = 2 * V * d + L * (4 * d * d + 3 * d * d_ff + 2 * d) + d  # embeddings, lm_head, per layer, final norm
-        assert abs(psi - want) / want < 1e-3 and d % H == 0, name
-    m = TransformerLM(V, 16, 64, 3, 4, 96)
-    assert count_params(m) == 2 * V * 64 + 3 * (4 * 64 * 64 + 3 * 64 * 96 + 2 * 64) + 64
-    # GPT-2 XL shape check values: one 1,024-token forward = 4.51 TFLOP counting all T^2 terms
-    full = flops_per_token(50257, 1024, 1600, 48, 6400, causal=False)
-    assert abs(full / 3 * 1024 / 4.51e12 - 1) < 0.005
-    assert math.isclose(flops_per_token(50257, 1024, 1600, 48, 6400), full - 3 * 48 * 2 * 1024 * 1600)
+    assert tied.lm_head.weight is tied.token_embeddings.weight
+
+
+def test_tied_embeddings_count_once():
+    untied = count_params(_tiny_lm())
+    tied = count_params(_tiny_lm(tie_embeddings=True))
+    assert tied == untied - 61 * 32, (tied, untied)
+
+
+def test_tied_state_dict_loads_strictly():
+    tied = _tiny_lm(tie_embeddings=True)
+    keys = tied.load_state_dict(tied.state_dict(), strict=True)
+    assert tuple(keys) == ([], []), keys  # (missing, unexpected)
+
+
+PRESET_PARAMS = {"small": 128.6e6, "medium": 423.2e6, "large": 969.4e6,
+                 "xl": 3.407e9, "gpt2-xl": 1.998e9, "10B": 12.83e9}
+
+
+def _params_of_preset(name, vocab_size=10_000):
+    """Embeddings and lm_head; per layer attention, SwiGLU and two
+    norms; the final norm."""
+    d, d_ff = PRESETS[name]["d_model"], PRESETS[name]["d_ff"]
+    per_layer = 4 * d * d + 3 * d * d_ff + 2 * d
+    layers = PRESETS[name]["num_layers"] * per_layer
+    return 2 * vocab_size * d + layers + d
+
+
+@cases("preset", list(PRESET_PARAMS))
+def test_preset_parameter_count_matches_the_spec(preset):
+    got, want = _params_of_preset(preset), PRESET_PARAMS[preset]
+    assert abs(got - want) / want < 1e-3, got
+
+
+@cases("preset", list(PRESET_PARAMS))
+def test_preset_heads_divide_d_model(preset):
+    shape = PRESETS[preset]
+    assert shape["d_model"] % shape["num_heads"] == 0, shape
+
+
+def test_count_params_matches_the_formula():
+    m = TransformerLM(10_000, 16, 64, 3, 4, 96)
+    per_layer = 4 * 64 * 64 + 3 * 64 * 96 + 2 * 64
+    want = 2 * 10_000 * 64 + 3 * per_layer + 64
+    assert count_params(m) == want, count_params(m)
+
+
+GPT2_XL = (50257, 1024, 1600, 48, 6400)  # vocab, context, d, layers, d_ff
+
+
+def test_flops_of_a_gpt2_xl_forward_are_4_51_tflop():
+    # one 1,024-token forward, counting all T^2 terms
+    per_token = flops_per_token(*GPT2_XL, causal=False)
+    forward = per_token / 3 * 1024
+    assert abs(forward / 4.51e12 - 1) < 0.005, forward
+
+
+def test_causal_flops_drop_the_masked_half_of_the_scores():
+    full = flops_per_token(*GPT2_XL, causal=False)
+    masked = 3 * 48 * 2 * 1024 * 1600  # 3 passes, layers, 2 T d
+    assert math.isclose(flops_per_token(*GPT2_XL), full - masked)
+
+
+def _functional_lm(sd, idx, num_heads, rope):
+    """The whole LM written again from torch's own ops on the state
+    dict sd, in float64, RoPE as a complex rotation."""
+    x = sd["token_embeddings.weight"][idx]
+    B, T, d = x.shape
+    D = d // num_heads
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+
+    def heads(h, weight):  # (B, T, d) -> (B, H, T, D)
+        return F.linear(h, weight).view(B, T, num_heads, D).transpose(1, 2)
+
+    def turn(t):
+        if not rope:
+            return t
+        return _rope_by_complex_rotation(t, torch.arange(T), 10000.0)
+
+    for i in range(2):
+        w = {name: sd[f"layers.{i}.{name}.weight"] for name in LAYER_WEIGHTS}
+        h = F.rms_norm(x, (d,), w["ln1"], eps=1e-5)
+        q, k, v = (heads(h, w[f"attn.{n}_proj"]) for n in "qkv")
+        scores = turn(q) @ turn(k).transpose(-1, -2) / math.sqrt(D)
+        scores = scores.masked_fill(future, float("-inf"))
+        a = (torch.softmax(scores, -1) @ v).transpose(1, 2)
+        x = x + F.linear(a.reshape(B, T, d), w["attn.output_proj"])
+        h = F.rms_norm(x, (d,), w["ln2"], eps=1e-5)
+        gate = F.silu(F.linear(h, w["ffn.w1"]))
+        x = x + F.linear(gate * F.linear(h, w["ffn.w3"]), w["ffn.w2"])
+    h = F.rms_norm(x, (d,), sd["ln_final.weight"], eps=1e-5)
+    return F.linear(h, sd["lm_head.weight"])
+
+
+@functools.cache
+def _lm_and_functional_logits(rope_theta):
+    """fp64 logits of our LM and of the functional one, same weights;
+    rope_theta=None: no positional encoding."""
+    m = _tiny_lm(dtype=torch.float64, rope_theta=rope_theta)
+    for name, p in m.named_parameters():
+        if "ln" in name:  # norm gains away from 1, so that they count
+            p.data = 1 + 0.1 * torch.randn_like(p)
+    idx = torch.randint(0, 61, (3, 13))
+    want = _functional_lm(m.state_dict(), idx, 4, rope_theta is not None)
+    return m(idx), want
 
 
 @cases("rope_theta", [10000.0, None])
 def test_transformer_lm_matches_functional_reference(rope_theta):
-    m = _tiny_lm(dtype=torch.float64, rope_theta=rope_theta)  # rope_theta=None: no positional encoding
-    assert (m.layers[0].attn.rope is None) == (rope_theta is None)
-    for n, prm in m.named_parameters():
-        if "ln" in n:
-            prm.data = 1 + 0.1 * torch.randn_like(prm)  # norms away from 1 so their weights are exercised
-    # the reference: the whole LM written again from torch's own ops, float64, RoPE as a complex rotation
-    idx, sd, H = torch.randint(0, 61, (3, 13)), m.state_dict(), 4
-    x = sd["token_embeddings.weight"][idx]
-    B, T, d = x.shape
-    D, j = d // H, torch.arange(d // H // 2, dtype=torch.float64)
-    rot = torch.polar(torch.ones(T, D // 2, dtype=torch.float64),
-                      torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * j / D))
-    turn = lambda t: t if rope_theta is None else torch.view_as_real(  # t: (B, H, T, D)
-        torch.view_as_complex(t.unflatten(-1, (D // 2, 2)).contiguous()) * rot).flatten(-2)
-    for i in range(2):
-        p = lambda n: sd[f"layers.{i}.{n}.weight"]
-        h = F.rms_norm(x, (d,), p("ln1"), eps=1e-5)
-        q, k, v = (F.linear(h, p(f"attn.{n}")).view(B, T, H, D).transpose(1, 2) for n in ("q_proj", "k_proj", "v_proj"))
-        a = torch.softmax((turn(q) @ turn(k).transpose(-1, -2) / math.sqrt(D)).masked_fill(
-            torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
-        x = x + F.linear(a.transpose(1, 2).reshape(B, T, d), p("attn.output_proj"))
-        h = F.rms_norm(x, (d,), p("ln2"), eps=1e-5)
-        x = x + F.linear(F.silu(F.linear(h, p("ffn.w1"))) * F.linear(h, p("ffn.w3")), p("ffn.w2"))
-    ref = F.linear(F.rms_norm(x, (d,), sd["ln_final.weight"], eps=1e-5), sd["lm_head.weight"])
-    assert m(idx).shape == (3, 13, 61) and torch.allclose(m(idx), ref, atol=1e-5)
+    logits, want = _lm_and_functional_logits(rope_theta)
+    assert torch.allclose(logits, want, atol=1e-5)
+
+
+@cases("rope_theta", [10000.0, None])
+def test_lm_logits_are_batch_by_time_by_vocab(rope_theta):
+    logits, _ = _lm_and_functional_logits(rope_theta)
+    assert logits.shape == (3, 13, 61), logits.shape
+
+
+@cases("rope_theta", [10000.0, None])
+def test_rope_theta_none_builds_no_rotary_embedding(rope_theta):
+    rope = _tiny_lm(rope_theta=rope_theta).layers[0].attn.rope
+    assert (rope is None) == (rope_theta is None), rope
 
 
 def _check_impls_agree(m, idx, impls, atol):
