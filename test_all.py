@@ -1655,107 +1655,269 @@ def test_rope_theta_none_builds_no_rotary_embedding(rope_theta):
     assert (rope is None) == (rope_theta is None), rope
 
 
-def _check_impls_agree(m, idx, impls, atol):
-    """Logits and every parameter's gradient of each impl against naive."""
-    results = {}
-    for impl in ("naive",) + impls:
-        m.attn_impl = impl
-        logits = m(idx)
-        results[impl] = [logits.detach(), *torch.autograd.grad(cross_entropy(logits, torch.roll(idx, -1, 1)),
-                                                               list(m.parameters()))]
-    for impl in impls:
-        assert all(torch.allclose(got, want, atol=atol) for got, want in zip(results[impl], results["naive"])), impl
+def _logits_and_grads(m, idx):
+    """m(idx) and the gradients of its next-token loss."""
+    logits = m(idx)
+    loss = cross_entropy(logits, torch.roll(idx, -1, 1))
+    grads = torch.autograd.grad(loss, list(m.parameters()))
+    return logits.detach(), grads
 
-def _packed_matches_separate(impl, doc_lens, atol, device="cpu", **model_args):
-    """Packed documents (logits and gradients of the summed loss) against each document run alone."""
+
+def _impl_setup(impl):
+    """flash runs in the interpreter on CPU: fewer heads and tokens."""
+    if impl == "flash":
+        return SimpleNamespace(device=DEVICE, num_heads=2, batch=(1, 19),
+                               doc_lens=(5, 1, 13), atol=1e-4)
+    return SimpleNamespace(device="cpu", num_heads=4, batch=(2, 67),
+                           doc_lens=(7, 1, 23, 2, 11), atol=2e-5)
+
+
+@functools.cache
+def _impl_and_naive(impl):
+    """(logits, gradients) of impl and of naive on one dense batch;
+    67 tokens pass the twin's 64-row tile."""
+    s = _impl_setup(impl)
+    m = _tiny_lm(num_layers=1, context_length=80, num_heads=s.num_heads)
+    m = m.to(s.device)
+    idx = torch.randint(0, 61, s.batch, device=s.device)
+    m.attn_impl = impl
+    ours = _logits_and_grads(m, idx)
+    m.attn_impl = "naive"
+    return ours, _logits_and_grads(m, idx)
+
+
+def _summed_loss(logits, targets):
+    return cross_entropy(logits, targets) * (targets != -100).sum()
+
+
+@functools.cache
+def _packed_and_alone(impl, doc_lens, device="cpu", **model_args):
+    """Documents packed in one row, and each run alone: (logits,
+    gradients of the summed loss) both ways."""
     m = _tiny_lm(attn_impl=impl, **model_args).to(device)
     torch.manual_seed(3)
     docs = [torch.randint(0, 61, (n,), device=device) for n in doc_lens]
-    cu = torch.tensor([0] + doc_lens, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
-    # targets: next token inside each document, -100 on each document's last token (never cross a document)
-    targets = [torch.cat((d[1:], torch.tensor([-100], device=device))) for d in docs]
-    summed = lambda logits, t: cross_entropy(logits, t) * (t != -100).sum()
-    logits = m(torch.cat(docs)[None], cu_seqlens=cu, max_seqlen=max(doc_lens))
-    packed_grads = torch.autograd.grad(summed(logits, torch.cat(targets)[None]), list(m.parameters()))
-    alone = [m(d[None]) for d in docs]
-    grads = torch.autograd.grad(sum(summed(lg, t[None]) for lg, t in zip(alone, targets)), list(m.parameters()))
-    assert torch.allclose(logits, torch.cat(alone, 1), atol=atol), impl
-    assert all(torch.allclose(g, p, atol=atol) for g, p in zip(packed_grads, grads)), impl
+    lens = torch.tensor((0, *doc_lens), dtype=torch.int32, device=device)
+    cu_seqlens = lens.cumsum(0, dtype=torch.int32)
+    # the next token inside each document, -100 on its last
+    ignore = torch.tensor([-100], device=device)
+    targets = [torch.cat((doc[1:], ignore)) for doc in docs]
+    params = list(m.parameters())
+    row = torch.cat(docs)[None]
+    logits = m(row, cu_seqlens=cu_seqlens, max_seqlen=max(doc_lens))
+    loss = _summed_loss(logits, torch.cat(targets)[None])
+    packed = logits.detach(), torch.autograd.grad(loss, params)
+    alone = [m(doc[None]) for doc in docs]
+    losses = [_summed_loss(lg, t[None]) for lg, t in zip(alone, targets)]
+    alone = torch.cat(alone, 1).detach(), torch.autograd.grad(sum(losses), params)
+    return packed, alone
+
+
+def _packed_case(impl):
+    s = _impl_setup(impl)
+    return _packed_and_alone(impl, s.doc_lens, s.device,
+                             num_layers=1, num_heads=s.num_heads)
+
+
+@cases("impl", ["sdpa", "flash_ref", "flash"])
+def test_attention_impls_match_naive_logits(impl):
+    (logits, _), (want, _) = _impl_and_naive(impl)
+    assert torch.allclose(logits, want, atol=_impl_setup(impl).atol)
+
+
+@cases("impl", ["sdpa", "flash_ref", "flash"])
+def test_attention_impls_match_naive_gradients(impl):
+    (_, grads), (_, want) = _impl_and_naive(impl)
+    bad = _mismatches(grads, want, _impl_setup(impl).atol)
+    assert not bad, bad
 
 
 @cases("impl", ["naive", "sdpa", "flash_ref", "flash"])
-def test_attention_impls_match_naive_and_packed_documents_each_alone(impl):
-    # dense (67 tokens: past the twin's 64-row tile) against naive; packed documents against each alone
-    small, device = (True, DEVICE) if impl == "flash" else (False, "cpu")
-    m = _tiny_lm(num_layers=1, context_length=80, num_heads=2 if small else 4).to(device)
-    if impl != "naive":
-        _check_impls_agree(m, torch.randint(0, 61, (1, 19) if small else (2, 67), device=device), (impl,),
-                           atol=1e-4 if small else 2e-5)
-    _packed_matches_separate(impl, [5, 1, 13] if small else [7, 1, 23, 2, 11], atol=1e-4 if small else 2e-5,
-                             device=device, num_layers=1, num_heads=2 if small else 4)
-    m.attn_impl = "naive"
-    assert all(layer.attn.attn_impl == "naive" for layer in m.layers)  # set on the model, read by every layer
+def test_attention_impls_match_each_document_alone_when_packed(impl):
+    (logits, _), (want, _) = _packed_case(impl)
+    assert torch.allclose(logits, want, atol=_impl_setup(impl).atol)
+
+
+@cases("impl", ["naive", "sdpa", "flash_ref", "flash"])
+def test_attention_impls_match_the_gradients_of_documents_alone(impl):
+    (_, grads), (_, want) = _packed_case(impl)
+    bad = _mismatches(grads, want, _impl_setup(impl).atol)
+    assert not bad, bad
+
+
+@cases("impl", ["naive", "sdpa", "flash_ref", "flash"])
+def test_attn_impl_set_on_the_model_reaches_every_layer(impl):
+    m = _tiny_lm()
+    m.attn_impl = impl
+    seen = [layer.attn.attn_impl for layer in m.layers]
+    assert seen == [impl, impl], seen
+
+
+def test_attn_impl_refuses_an_unknown_name():
+    m = _tiny_lm()
     _expect(ValueError, ["attn_impl"], setattr, m, "attn_impl", "fast")
 
 
-def test_packed_naive_attention_scores_each_document_not_the_row():
-    # the CPU path of packed batches: no (row x row) scores, so a step costs what the documents do
+@functools.cache
+def _packed_naive_run():
+    """A packed row through naive attention, with the shapes the
+    scores were computed at; and each document alone."""
     m = _tiny_lm(num_layers=1, context_length=32)
     lens = [7, 1, 23, 0, 11]  # an empty document too, as pad_packed makes
-    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_seqlens = torch.tensor([0] + lens).cumsum(0, dtype=torch.int32)
     seen, reference = [], model.scaled_dot_product_attention
 
     def recorded(q, k, v, mask=None):
         seen.append(tuple(q.shape))
         return reference(q, k, v, mask)
     idx = torch.randint(0, 61, (1, sum(lens)))
-    with unittest.mock.patch.object(model, "scaled_dot_product_attention", recorded):
-        packed = m(idx, cu_seqlens=cu, max_seqlen=23)
-    assert seen == [(5, 4, 23, 8)], seen  # (documents, heads, longest document, head dim)
-    starts = cu[:-1].tolist()
+    patch = unittest.mock.patch.object
+    with patch(model, "scaled_dot_product_attention", recorded):
+        packed = m(idx, cu_seqlens=cu_seqlens, max_seqlen=23)
+    starts = cu_seqlens[:-1].tolist()
     alone = [m(idx[:, a:a + n]) for a, n in zip(starts, lens) if n]
-    torch.testing.assert_close(packed, torch.cat(alone, 1), atol=2e-5, rtol=0)
+    return seen, packed, torch.cat(alone, 1)
 
 
-def test_gpu_flash_model_matches_naive_fp32_bf16_packed_compiled_and_selective_recompute_keeps_less():
+def test_packed_naive_attention_scores_each_document_not_the_row():
+    # so that a packed step costs what its documents do
+    seen, _, _ = _packed_naive_run()
+    # (documents, heads, the longest document, head dim)
+    assert seen == [(5, 4, 23, 8)], seen
+
+
+def test_packed_naive_attention_matches_each_document_alone():
+    _, packed, alone = _packed_naive_run()
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=0)
+
+
+def _need_gpu():
     if not torch.cuda.is_available():
-        raise unittest.SkipTest("needs a CUDA GPU (the CPU tests cover flash and what is recomputed)")
-    shape = dict(d_model=128, num_heads=2, context_length=300)  # d_head 64; 257 tokens: ragged against every tile
-    m = _tiny_lm(**shape).cuda()
+        why = "the CPU tests cover flash and what is recomputed"
+        raise unittest.SkipTest(f"needs a CUDA GPU ({why})")
+
+
+# d_head 64; 257 tokens: ragged against every tile
+GPU_SHAPE = dict(d_model=128, num_heads=2, context_length=300)
+
+
+@functools.cache
+def _gpu_impl_runs():
+    """(logits, gradients) of each attention impl on one fp32 batch."""
+    m = _tiny_lm(**GPU_SHAPE).cuda()
     idx = torch.randint(0, 61, (2, 257), device="cuda")
-    _check_impls_agree(m, idx, ("sdpa", "flash", "flash_ref"), atol=1e-4)  # fp32 (flash uses IEEE fp32 dots)
-    _packed_matches_separate("flash", [100, 1, 257, 33], atol=1e-4, device="cuda", **shape)
+    runs = {}
+    for impl in ("naive", "sdpa", "flash", "flash_ref"):
+        m.attn_impl = impl
+        runs[impl] = _logits_and_grads(m, idx)
+    return runs
+
+
+@cases("impl", ["sdpa", "flash", "flash_ref"])
+def test_gpu_flash_model_impls_match_naive_logits_in_fp32(impl):
+    _need_gpu()  # flash's dots are IEEE fp32 here
+    runs = _gpu_impl_runs()
+    logits, want = runs[impl][0], runs["naive"][0]
+    assert torch.allclose(logits, want, atol=1e-4)
+
+
+@cases("impl", ["sdpa", "flash", "flash_ref"])
+def test_gpu_flash_model_impls_match_naive_gradients_in_fp32(impl):
+    _need_gpu()
+    runs = _gpu_impl_runs()
+    bad = _mismatches(runs[impl][1], runs["naive"][1], atol=1e-4)
+    assert not bad, bad
+
+
+def _gpu_packed_case():
+    _need_gpu()
+    doc_lens = (100, 1, 257, 33)
+    return _packed_and_alone("flash", doc_lens, "cuda", **GPU_SHAPE)
+
+
+def test_gpu_flash_model_matches_each_document_alone_when_packed():
+    (logits, _), (want, _) = _gpu_packed_case()
+    assert torch.allclose(logits, want, atol=1e-4)
+
+
+def test_gpu_flash_model_matches_the_gradients_of_documents_alone():
+    (_, grads), (_, want) = _gpu_packed_case()
+    bad = _mismatches(grads, want, atol=1e-4)
+    assert not bad, bad
+
+
+@functools.cache
+def _gpu_bf16_logits():
+    """Logits under bf16 autocast: naive, flash, flash compiled."""
+    m = _tiny_lm(**GPU_SHAPE).cuda()
+    idx = torch.randint(0, 61, (2, 257), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        m.attn_impl = "naive"
-        ref = m(idx).float()
+        naive = m(idx).float()
         m.attn_impl = "flash"
-        out = m(idx).float()
+        eager = m(idx).float()
         compiled = torch.compile(m)(idx).float()
-    scale = ref.abs().max()
-    assert (out - ref).abs().max() / scale < 2e-2 and (compiled - out).abs().max() / scale < 2e-2
-    # compiled blocks, bf16 autocast, flash: selective recompute peaks lower, same loss and gradients up to bf16
+    return naive, eager, compiled
+
+
+def test_gpu_flash_model_matches_naive_in_bf16():
+    _need_gpu()
+    naive, eager, _ = _gpu_bf16_logits()
+    error = (eager - naive).abs().max() / naive.abs().max()
+    assert error < 2e-2, error
+
+
+def test_gpu_flash_model_compiled_matches_eager_in_bf16():
+    _need_gpu()
+    naive, eager, compiled = _gpu_bf16_logits()
+    error = (compiled - eager).abs().max() / naive.abs().max()
+    assert error < 2e-2, error
+
+
+@functools.cache
+def _gpu_recompute_run(selective):
+    """Compiled blocks, bf16 autocast, flash: the forward's peak memory,
+    the loss and the gradients of the second step (compiled code only)."""
+    torch._dynamo.reset()
+    shape = dict(vocab_size=512, context_length=512, d_model=256,
+                 num_layers=4, num_heads=4, d_ff=768)
+    m = _tiny_lm("flash", selective_recompute=selective, **shape).cuda()
+    for layer in m.layers:
+        layer.compile()
     idx = torch.randint(0, 512, (8, 512), device="cuda")
-    results = []
-    for selective in (False, True):
-        torch._dynamo.reset()
-        m = _tiny_lm("flash", vocab_size=512, context_length=512, d_model=256, num_layers=4, num_heads=4, d_ff=768,
-                     selective_recompute=selective).cuda()
-        for layer in m.layers:
-            layer.compile()
-        for _ in range(2):  # the second step runs compiled code only
-            m.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = m(idx, targets=torch.roll(idx, -1, 1))
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
-            loss.backward()
-        results.append((peak, loss.item(), [p.grad.float() for p in m.parameters()]))
-    (peak0, loss0, grads0), (peak1, loss1, grads1) = results
-    assert peak1 < 0.8 * peak0 and abs(loss1 - loss0) < 1e-3 * abs(loss0), (peak0, peak1, loss0, loss1)
-    assert all((g1 - g0).norm() <= 2e-2 * g0.norm() + 1e-6 for g0, g1 in zip(grads0, grads1))
+    for _ in range(2):
+        m.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(idx, targets=torch.roll(idx, -1, 1))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        loss.backward()
+    grads = [p.grad.float() for p in m.parameters()]
+    return SimpleNamespace(peak=peak, loss=loss.item(), grads=grads)
+
+
+def test_gpu_flash_model_selective_recompute_peaks_lower():
+    _need_gpu()
+    full, selective = _gpu_recompute_run(False), _gpu_recompute_run(True)
+    assert selective.peak < 0.8 * full.peak, (full.peak, selective.peak)
+
+
+def test_gpu_flash_model_selective_recompute_keeps_the_loss():
+    _need_gpu()
+    full, selective = _gpu_recompute_run(False), _gpu_recompute_run(True)
+    change = abs(selective.loss - full.loss)
+    assert change < 1e-3 * abs(full.loss), (full.loss, selective.loss)
+
+
+def test_gpu_flash_model_selective_recompute_keeps_the_gradients():
+    _need_gpu()  # up to bf16
+    full, selective = _gpu_recompute_run(False), _gpu_recompute_run(True)
+    pairs = enumerate(zip(full.grads, selective.grads))
+    bad = [i for i, (g0, g1) in pairs
+           if (g1 - g0).norm() > 2e-2 * g0.norm() + 1e-6]
+    assert not bad, bad
 
 
 def test_positions_packed_documents_right_padding_kv_cache_and_bad_input():
