@@ -1920,94 +1920,268 @@ def test_gpu_flash_model_selective_recompute_keeps_the_gradients():
     assert not bad, bad
 
 
-def test_positions_packed_documents_right_padding_kv_cache_and_bad_input():
-    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
-    assert model.packed_positions(cu, 9).tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
-    assert model.block_diagonal_causal_mask(cu, 9)[5].tolist() == [False] * 4 + [True, True] + [False] * 3
+def test_packed_positions_restart_at_each_document():
+    cu_seqlens = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    positions = model.packed_positions(cu_seqlens, 9).tolist()
+    assert positions == [0, 1, 2, 0, 0, 1, 2, 3, 4], positions
+
+
+def test_block_diagonal_mask_sees_only_its_documents_past():
+    cu_seqlens = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    mask = model.block_diagonal_causal_mask(cu_seqlens, 9)
+    row = mask[5].tolist()  # the third document's second token
+    assert row == [False] * 4 + [True, True] + [False] * 3, row
+
+
+@functools.cache
+def _eval_lm_logits():
     m = _tiny_lm().eval()
     idx = torch.randint(0, 61, (3, 12))
-    full = m(idx)
-    assert torch.allclose(full, m(idx, position_ids=torch.arange(12)))
-    assert torch.allclose(full, m(idx, position_ids=torch.arange(12) + 5), atol=1e-5)  # RoPE is relative
-    padded = torch.cat((idx, torch.zeros(3, 5, dtype=torch.long)), 1)  # right padding needs no mask
-    assert torch.allclose(m(padded)[:, :12], full, atol=1e-6)
-    cache = m.make_kv_cache(3)  # decoding: a prompt, then one token at a time, equals the full forward
-    pre = m(idx[:, :7], position_ids=torch.arange(7), kv_cache=cache)
-    assert cache.length == 7 and torch.allclose(pre, full[:, :7], atol=1e-5)
+    return m, idx, m(idx)
+
+
+def test_positions_0_to_t_are_the_default():
+    m, idx, logits = _eval_lm_logits()
+    given = m(idx, position_ids=torch.arange(12))
+    assert torch.allclose(given, logits)
+
+
+def test_shifted_positions_change_no_logit():
+    m, idx, logits = _eval_lm_logits()  # RoPE is relative
+    shifted = m(idx, position_ids=torch.arange(12) + 5)
+    assert torch.allclose(shifted, logits, atol=1e-5)
+
+
+def test_right_padding_changes_no_logit_before_it():
+    m, idx, logits = _eval_lm_logits()  # so it needs no mask
+    padded = torch.cat((idx, torch.zeros(3, 5, dtype=torch.long)), 1)
+    assert torch.allclose(m(padded)[:, :12], logits, atol=1e-6)
+
+
+@functools.cache
+def _kv_cache_decoding():
+    """A 7-token prompt into a KV cache, then one token at a time:
+    the cache's length after the prompt, the prompt's logits, then
+    each step's."""
+    m, idx, _ = _eval_lm_logits()
+    cache = m.make_kv_cache(3)
+    prompt = idx[:, :7]
+    prefill = m(prompt, position_ids=torch.arange(7), kv_cache=cache)
+    length = cache.length
+    steps = []
     for t in range(7, 12):
-        step = m(idx[:, t:t + 1], position_ids=torch.full((3, 1), t), kv_cache=cache)
-        assert torch.allclose(step[:, 0], full[:, t], atol=1e-5)
-    ids, cu = torch.zeros(1, 5, dtype=torch.long), torch.tensor([0, 5], dtype=torch.int32)
-    for fn, words in [(lambda: m(torch.zeros(1, 41, dtype=torch.long)), "context_length"),
-                      (lambda: m(ids.expand(2, 5), cu_seqlens=cu, max_seqlen=5), "(1, N)"),
-                      (lambda: m(ids, cu_seqlens=cu.long(), max_seqlen=5), "int32"),
-                      (lambda: m(ids, cu_seqlens=cu, max_seqlen=torch.tensor(5)), "Python int"),
-                      (lambda: m(ids, cu_seqlens=cu, max_seqlen=41), "exceeds context_length"),
-                      (lambda: m(ids, kv_cache=m.make_kv_cache(1)), "needs position_ids"),
-                      (lambda: m(idx, position_ids=torch.arange(12), kv_cache=m.make_kv_cache(3, max_len=8)),
-                       "KV cache full"),
-                      (lambda: TransformerLM(10, 8, 30, 1, 4, 64), "divisible"),
-                      (lambda: TransformerLM(10, 8, 32, 1, 4, 64, attn_impl="flash2"), "attn_impl")]:
-        _expect(ValueError, [words], fn)
+        position = torch.full((3, 1), t)
+        step = m(idx[:, t:t + 1], position_ids=position, kv_cache=cache)
+        steps.append(step[:, 0])
+    return length, prefill, steps
 
 
-def test_activation_checkpointing_gives_same_loss_and_grads():
-    """Full and selective recomputation: bit-identical loss and gradients, and rerun (counted) only what they say."""
+def test_kv_cache_holds_the_prompt_after_prefill():
+    length, _, _ = _kv_cache_decoding()
+    assert length == 7, length
+
+
+def test_kv_cache_prefill_matches_the_full_forward():
+    _, prefill, _ = _kv_cache_decoding()
+    logits = _eval_lm_logits()[2]
+    assert torch.allclose(prefill, logits[:, :7], atol=1e-5)
+
+
+def test_kv_cache_decoding_matches_the_full_forward():
+    _, _, steps = _kv_cache_decoding()
+    logits = _eval_lm_logits()[2]
+    for t, step in enumerate(steps, start=7):
+        assert torch.allclose(step, logits[:, t], atol=1e-5), t
+
+
+def _bad_model_call(problem):
+    """A call of model.py that must raise ValueError, by problem."""
+    m = _tiny_lm()
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    idx, twelve = torch.zeros(3, 12, dtype=torch.long), torch.arange(12)
+    short_cache = m.make_kv_cache(3, max_len=8)
+    calls = {
+        "too_long": lambda: m(torch.zeros(1, 41, dtype=torch.long)),
+        "packed_batch": lambda: m(ids.expand(2, 5), cu_seqlens=cu, max_seqlen=5),
+        "int64_offsets": lambda: m(ids, cu_seqlens=cu.long(), max_seqlen=5),
+        "tensor_max": lambda: m(ids, cu_seqlens=cu, max_seqlen=torch.tensor(5)),
+        "long_max": lambda: m(ids, cu_seqlens=cu, max_seqlen=41),
+        "no_positions": lambda: m(ids, kv_cache=m.make_kv_cache(1)),
+        "full_cache": lambda: m(idx, position_ids=twelve, kv_cache=short_cache),
+        "heads": lambda: TransformerLM(10, 8, 30, 1, 4, 64),
+        "impl": lambda: TransformerLM(10, 8, 32, 1, 4, 64, attn_impl="flash2"),
+    }
+    return calls[problem]
+
+
+@cases("problem, words", [
+    ("too_long", "context_length"), ("packed_batch", "(1, N)"),
+    ("int64_offsets", "int32"), ("tensor_max", "Python int"),
+    ("long_max", "exceeds context_length"),
+    ("no_positions", "needs position_ids"), ("full_cache", "KV cache full"),
+    ("heads", "divisible"), ("impl", "attn_impl")])
+def test_model_input_errors_name_the_problem(problem, words):
+    _expect(ValueError, [words], _bad_model_call(problem))
+
+
+# activation checkpointing: whole blocks or selectively, by config
+RECOMPUTE = {
+    "plain": dict(),
+    "segments_of_1": dict(act_ckpt_every=1),
+    "segments_of_2": dict(act_ckpt_every=2),
+    "selective": dict(selective_recompute=True),
+    "first_block_then_selective": dict(
+        act_ckpt_every=1, act_ckpt_layers=1, selective_recompute=True),
+    "first_2_blocks_as_1_segment": dict(act_ckpt_every=2, act_ckpt_layers=2),
+}
+# flash in the interpreter: two blocks, one whole and one selective
+RECOMPUTE_CASES = [("naive", c) for c in list(RECOMPUTE)[1:]]
+RECOMPUTE_CASES += [("flash", "first_block_then_selective")]
+
+
+def _count_ops(fn):
+    """Runs fn, counting the aten ops it dispatches by name."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    ops = collections.Counter()
 
-    class Count(TorchDispatchMode):  # counts the ops run under it by name
+    class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[func.overloadpacket.__name__] += 1
+            ops[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
-
-    configs = [dict(), dict(act_ckpt_every=1), dict(act_ckpt_every=2), dict(selective_recompute=True),
-               dict(act_ckpt_every=1, act_ckpt_layers=1, selective_recompute=True),
-               dict(act_ckpt_every=2, act_ckpt_layers=2)]
-    idx = torch.randint(0, 61, (2, 15))
-    # flash in the interpreter: two blocks, one checkpointed whole and one selectively, against the plain run (with a
-    # GPU, flash needs CUDA tensors and test_gpu_flash_model_... checks what selective recomputation keeps)
-    runs = [("naive", configs, 3, idx)] + ([("flash", configs[::4], 2, idx[:1])] if flash.INTERPRET else [])
-    for impl, kws, L, batch in runs:
-        results = []
-        for kw in kws:
-            m = _tiny_lm(attn_impl=impl, num_layers=L, num_heads=2, **kw)
-            loss = cross_entropy(m(batch), torch.roll(batch, -1, 1))
-            with Count() as count:
-                count.ops = collections.Counter()
-                loss.backward()
-            results.append((loss.detach(), [p.grad for p in m.parameters()], count.ops))
-        want_loss, want_grads, plain = results[0]
-        for kw, (loss, grads, ops) in zip(kws[1:], results[1:]):
-            assert torch.equal(loss, want_loss), (impl, kw)
-            assert all(torch.equal(g, r) for g, r in zip(grads, want_grads)), (impl, kw)
-            n_full = L if kw.get("act_ckpt_every") and "act_ckpt_layers" not in kw else kw.get("act_ckpt_layers", 0)
-            recomputed = n_full + (L - n_full if kw.get("selective_recompute") else 0)
-            # each block recomputed reruns its two RMSNorms (an rsqrt each)
-            assert ops["rsqrt"] - plain["rsqrt"] == 2 * recomputed, (impl, kw, ops["rsqrt"])
-            # 7 matmuls a block but each segment's last w2 (not needed); attention only when fully recomputed
-            segments = -(-n_full // max(kw.get("act_ckpt_every", 1), 1))
-            assert ops["mm"] - plain["mm"] == 7 * n_full - segments, (impl, kw, ops["mm"])
-            assert ops["bmm"] - plain["bmm"] == (2 * n_full if impl == "naive" else 0), (impl, kw, ops["bmm"])
-            assert ops["attention_fwd"] == (n_full if impl == "flash" else 0), (impl, kw, ops["attention_fwd"])
-    _expect(ValueError, ["act_ckpt_layers=4"], lambda: _tiny_lm(num_layers=3, act_ckpt_every=1, act_ckpt_layers=4))
+    with Count():
+        fn()
+    return ops
 
 
-def test_compiles_without_graph_breaks():
-    # fullgraph=True: any graph break raises. The fused head's loss and gradients, and flash on packed documents
+@functools.cache
+def _recompute_run(impl, config):
+    """The loss, the gradients and the ops of the backward."""
+    if impl == "flash" and not flash.INTERPRET:
+        raise unittest.SkipTest("with a GPU, flash needs CUDA tensors: "
+                                "test_gpu_flash_model_... checks it there")
+    num_layers = 3 if impl == "naive" else 2
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, 61, (2, 15), generator=gen)
+    if impl == "flash":
+        batch = batch[:1]
+    m = _tiny_lm(attn_impl=impl, num_layers=num_layers, num_heads=2,
+                 **RECOMPUTE[config])
+    loss = cross_entropy(m(batch), torch.roll(batch, -1, 1))
+    ops = _count_ops(loss.backward)
+    grads = [p.grad for p in m.parameters()]
+    return SimpleNamespace(loss=loss.detach(), grads=grads, ops=ops,
+                           num_layers=num_layers)
+
+
+def _extra_ops(impl, config, op):
+    """How many more times op ran in the backward than without recomputing."""
+    ran = _recompute_run(impl, config).ops[op]
+    return ran - _recompute_run(impl, "plain").ops[op]
+
+
+def _whole_blocks(config, num_layers):
+    """Blocks checkpointed whole: act_ckpt_layers of them, else all."""
+    kw = RECOMPUTE[config]
+    if not kw.get("act_ckpt_every"):
+        return 0
+    return kw.get("act_ckpt_layers", num_layers)
+
+
+@cases("impl, config", RECOMPUTE_CASES)
+def test_recompute_keeps_the_loss_bit_for_bit(impl, config):
+    loss = _recompute_run(impl, config).loss
+    want = _recompute_run(impl, "plain").loss
+    assert torch.equal(loss, want), (loss, want)
+
+
+@cases("impl, config", RECOMPUTE_CASES)
+def test_recompute_keeps_the_gradients_bit_for_bit(impl, config):
+    grads = _recompute_run(impl, config).grads
+    want = _recompute_run(impl, "plain").grads
+    pairs = enumerate(zip(grads, want))
+    differ = [i for i, (g, w) in pairs if not torch.equal(g, w)]
+    assert not differ, differ
+
+
+@cases("impl, config", RECOMPUTE_CASES)
+def test_recompute_reruns_both_rmsnorms_of_recomputed_blocks(impl, config):
+    run = _recompute_run(impl, config)
+    whole = _whole_blocks(config, run.num_layers)
+    recomputed = whole
+    if RECOMPUTE[config].get("selective_recompute"):
+        recomputed = run.num_layers  # the others selectively
+    extra = _extra_ops(impl, config, "rsqrt")  # an rsqrt per RMSNorm
+    assert extra == 2 * recomputed, extra
+
+
+@cases("impl, config", RECOMPUTE_CASES)
+def test_recompute_reruns_the_matmuls_of_whole_blocks_but_the_last_w2(impl, config):
+    # 7 matmuls a block, but not a segment's last w2 (nothing needs it)
+    whole = _whole_blocks(config, _recompute_run(impl, config).num_layers)
+    segment = max(RECOMPUTE[config].get("act_ckpt_every", 1), 1)
+    segments = -(-whole // segment)
+    extra = _extra_ops(impl, config, "mm")
+    assert extra == 7 * whole - segments, extra
+
+
+@cases("impl, config", RECOMPUTE_CASES)
+def test_recompute_reruns_naive_attention_only_in_whole_blocks(impl, config):
+    whole = _whole_blocks(config, _recompute_run(impl, config).num_layers)
+    extra = _extra_ops(impl, config, "bmm")  # the scores and p @ v
+    assert extra == (2 * whole if impl == "naive" else 0), extra
+
+
+@cases("impl, config", RECOMPUTE_CASES)
+def test_recompute_reruns_flash_attention_only_in_whole_blocks(impl, config):
+    whole = _whole_blocks(config, _recompute_run(impl, config).num_layers)
+    ran = _recompute_run(impl, config).ops["attention_fwd"]
+    assert ran == (whole if impl == "flash" else 0), ran
+
+
+def test_act_ckpt_layers_past_num_layers_is_refused():
+    def build():
+        return _tiny_lm(num_layers=3, act_ckpt_every=1, act_ckpt_layers=4)
+    _expect(ValueError, ["act_ckpt_layers=4"], build)
+
+
+@functools.cache
+def _compiled_and_eager_losses():
+    """The fused head's loss, and its gradients, from the model
+    compiled with fullgraph=True (a graph break raises) and eager."""
     m = _tiny_lm(num_heads=2)
     idx, y = torch.randint(0, 61, (2, 11)), torch.randint(0, 61, (2, 11))
-    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
-    torch._dynamo.reset()
-    loss, want = torch.compile(m, backend="eager", fullgraph=True)(idx, targets=y), m(idx, targets=y)
-    grads = [torch.autograd.grad(x, list(m.parameters())) for x in (loss, want)]
-    assert abs(loss.item() - want.item()) < 1e-6 and all(_rel(a, b) < 1e-5 for a, b in zip(*grads))
-    if not flash.INTERPRET:  # with a GPU, flash needs CUDA tensors: test_gpu_flash_model_... compiles it there
-        return
-    m.attn_impl = "flash"
     torch._dynamo.reset()
     compiled = torch.compile(m, backend="eager", fullgraph=True)
-    assert torch.allclose(compiled(idx[:1], cu_seqlens=cu, max_seqlen=7), m(idx[:1], cu_seqlens=cu, max_seqlen=7))
+    losses = compiled(idx, targets=y), m(idx, targets=y)
+    params = list(m.parameters())
+    grads = [torch.autograd.grad(loss, params) for loss in losses]
     torch._dynamo.reset()
+    return losses, grads
+
+
+def test_model_compiles_whole_to_the_same_loss():
+    compiled, eager = _compiled_and_eager_losses()[0]
+    assert abs(compiled.item() - eager.item()) < 1e-6, (compiled, eager)
+
+
+def test_model_compiles_whole_to_the_same_gradients():
+    compiled, eager = _compiled_and_eager_losses()[1]
+    worst = max(_rel(a, b) for a, b in zip(compiled, eager))
+    assert worst < 1e-5, worst
+
+
+def test_packed_flash_model_compiles_whole_to_the_same_logits():
+    if not flash.INTERPRET:  # with a GPU, flash needs CUDA tensors
+        raise unittest.SkipTest("test_gpu_flash_model_... compiles it")
+    m = _tiny_lm("flash", num_heads=2)
+    idx = torch.randint(0, 61, (1, 11))
+    packing = dict(cu_seqlens=torch.tensor([0, 4, 11]).int(), max_seqlen=7)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="eager", fullgraph=True)
+    logits = compiled(idx, **packing)
+    torch._dynamo.reset()
+    assert torch.allclose(logits, m(idx, **packing))
 
 
 # --- hf.py: Llama-format checkpoints, and transformers models on our attention kernels ---
