@@ -2187,176 +2187,476 @@ def test_packed_flash_model_compiles_whole_to_the_same_logits():
 # --- hf.py: Llama-format checkpoints, and transformers models on our attention kernels ---
 # Optional extras, else these skip. Tiny GPT-2 and Llama on our attention against eager.
 
+LLAMA_ROPE_THETA = {True: 12345.0, False: 500.0}  # by tie_embeddings
 
-def test_llama_export_and_load_agree_with_hf_llama_and_errors_name_the_problem(tmp_path):
-    # ours -> save_llama -> LlamaForCausalLM and back bit for bit, tied and untied; a save_pretrained Llama loaded
+
+@functools.cache
+def _llama_export(tie):
+    """Ours saved by save_llama into a fresh directory; vocab 97 and
+    d_ff 48: nothing a multiple of a tile."""
+    _need("safetensors", "transformers")
+    theta = LLAMA_ROPE_THETA[tie]
+    torch.manual_seed(0)
+    m = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta,
+                      tie_embeddings=tie).eval()
+    gains = [p for p in m.parameters() if p.dim() == 1]
+    with torch.no_grad():  # RMSNorm gains away from 1: a lost one shows
+        for gain in gains:
+            gain.add_(0.3 * torch.randn_like(gain))
+    out = Path(tempfile.mkdtemp()) / "llama"
+    hf.save_llama(m, str(out))
+    return m, out
+
+
+@functools.cache
+def _llama_in_transformers(tie):
+    from transformers import LlamaForCausalLM
+    path = str(_llama_export(tie)[1])
+    theirs = LlamaForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32)
+    return theirs.eval()
+
+
+def _llama_tokens():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(97, (2, 29), generator=gen)
+
+
+@cases("tie", [True, False])
+def test_llama_export_config_describes_the_model(tie):
+    out = _llama_export(tie)[1]
+    config = json.loads((out / "config.json").read_text())
+    want = dict(tie_word_embeddings=tie, rope_theta=LLAMA_ROPE_THETA[tie],
+                num_key_value_heads=4, intermediate_size=48,
+                max_position_embeddings=32, rms_norm_eps=1e-5)
+    got = {key: config[key] for key in want}
+    assert got == want, got
+
+
+@cases("tie", [True, False])
+def test_llama_export_gives_transformers_our_logits(tie):
+    m, idx = _llama_export(tie)[0], _llama_tokens()
+    with torch.no_grad():
+        error = (m(idx) - _llama_in_transformers(tie)(idx).logits).abs()
+    assert error.max() <= 1e-5, error.max()
+
+
+@cases("tie", [True, False])
+def test_llama_export_ties_transformers_embeddings_as_ours(tie):
+    theirs = _llama_in_transformers(tie)
+    shared = theirs.lm_head.weight is theirs.model.embed_tokens.weight
+    assert shared is tie, shared
+
+
+@cases("tie", [True, False])
+def test_llama_export_needs_its_rope_row_order(tie):
+    # without reordering q and k's rows, the RoPE pairs differ
+    m, idx = _llama_export(tie)[0], _llama_tokens()
+    theirs = copy.deepcopy(_llama_in_transformers(tie))
+    with torch.no_grad():
+        for layer in theirs.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                rows = hf.llama_rope_rows(proj.weight, 4, to_llama=False)
+                proj.weight.copy_(rows)
+        error = (theirs(idx).logits - m(idx)).abs()
+    assert error.max() > 1e-3, error.max()
+
+
+@functools.cache
+def _llama_loaded_back(tie):
+    return hf.load_llama(str(_llama_export(tie)[1]))
+
+
+@cases("tie", [True, False])
+def test_load_llama_gives_back_every_tensor(tie):
+    saved = _llama_export(tie)[0].state_dict()
+    back = _llama_loaded_back(tie).state_dict()
+    assert list(back) == list(saved)
+    differ = [name for name in saved
+              if not torch.equal(back[name], saved[name])]
+    assert not differ, differ
+
+
+@cases("tie", [True, False])
+def test_load_llama_reads_rope_theta(tie):
+    theta = hf.rope_theta_of(_llama_loaded_back(tie))
+    assert theta == LLAMA_ROPE_THETA[tie], theta
+
+
+@cases("tie", [True, False])
+def test_load_llama_ties_embeddings_as_saved(tie):
+    back = _llama_loaded_back(tie)
+    shared = back.token_embeddings.weight is back.lm_head.weight
+    assert shared is tie, shared
+
+
+@cases("tie", [True, False])
+def test_load_llama_returns_an_eval_model(tie):
+    assert not _llama_loaded_back(tie).training
+
+
+@functools.cache
+def _llama_of_transformers():
+    """A tied Llama (eps 1e-6, 6 heads) built and saved by transformers,
+    and load_llama's model of it."""
     _need("safetensors", "transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
-    idx = torch.randint(97, (2, 29), generator=torch.Generator().manual_seed(1))
-    for tie, theta in ((True, 12345.0), (False, 500.0)):  # then the errors, on the untied one
-        torch.manual_seed(0)  # d_ff 48 and 29 tokens: nothing a multiple of a tile size
-        m, out = TransformerLM(97, 32, 32, 2, 4, 48, rope_theta=theta, tie_embeddings=tie).eval(), tmp_path / str(tie)
-        with torch.no_grad():  # RMSNorm gains away from 1, so a swapped or dropped gain would show
-            for p in [p for p in m.parameters() if p.dim() == 1]:
-                p.add_(0.3 * torch.randn_like(p))
-        hf.save_llama(m, str(out))
-        cfg = json.loads((out / "config.json").read_text())
-        assert cfg["tie_word_embeddings"] is tie and cfg["rope_theta"] == theta and cfg["num_key_value_heads"] == 4
-        assert cfg["intermediate_size"] == 48 and cfg["max_position_embeddings"] == 32 and cfg["rms_norm_eps"] == 1e-5
-        theirs = LlamaForCausalLM.from_pretrained(str(out), attn_implementation="eager", dtype=torch.float32).eval()
-        assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) is tie
-        with torch.no_grad():
-            ours = m(idx)
-            assert (ours - theirs(idx).logits).abs().max() <= 1e-5
-            for layer in theirs.model.layers:  # without the q/k row reordering the RoPE pairs differ
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-                    proj.weight.copy_(hf.llama_rope_rows(proj.weight, 4, to_llama=False))
-            assert (theirs(idx).logits - ours).abs().max() > 1e-3
-        back = hf.load_llama(str(out))
-        assert list(back.state_dict()) == list(m.state_dict()) and hf.rope_theta_of(back) == theta
-        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values()))
-        assert (back.token_embeddings.weight is back.lm_head.weight) is tie and not back.training
     torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
-                      max_position_embeddings=40, rms_norm_eps=1e-6, rope_theta=20000.0, tie_word_embeddings=True)
-    theirs = LlamaForCausalLM(cfg).eval()
-    theirs.save_pretrained(str(tmp_path / "hf"))
-    lm = hf.load_llama(str(tmp_path / "hf"))
-    assert (lm.ln_final.eps, lm.context_length) == (1e-6, 40) and lm.lm_head.weight is lm.token_embeddings.weight
+    config = LlamaConfig(
+        vocab_size=61, hidden_size=48, intermediate_size=72,
+        num_hidden_layers=2, num_attention_heads=6,
+        max_position_embeddings=40, rms_norm_eps=1e-6,
+        rope_theta=20000.0, tie_word_embeddings=True)
+    theirs = LlamaForCausalLM(config).eval()
+    out = Path(tempfile.mkdtemp()) / "hf"
+    theirs.save_pretrained(str(out))
+    return theirs, hf.load_llama(str(out))
+
+
+def test_load_llama_reads_a_transformers_llama_with_its_logits():
+    theirs, ours = _llama_of_transformers()
     idx = torch.randint(61, (3, 23), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert (lm(idx) - theirs(idx).logits).abs().max() <= 1e-5
-    model_args, state = hf.llama_init(str(out), vocab_size=97, context_length=32)
+        error = (ours(idx) - theirs(idx).logits).abs()
+    assert error.max() <= 1e-5, error.max()
+
+
+def test_load_llama_reads_eps_and_context_length():
+    ours = _llama_of_transformers()[1]
+    assert ours.ln_final.eps == 1e-6, ours.ln_final.eps
+    assert ours.context_length == 40, ours.context_length
+
+
+def test_load_llama_ties_a_tied_transformers_llama():
+    ours = _llama_of_transformers()[1]
+    assert ours.lm_head.weight is ours.token_embeddings.weight
+
+
+def test_llama_init_gives_train_the_model_args_and_weights():
+    # what train.py's init_from=<directory> does
+    m, out = _llama_export(False)
+    model_args, state = hf.llama_init(str(out), vocab_size=97,
+                                      context_length=32)
     fresh = TransformerLM(**model_args)
-    fresh.load_state_dict(state)  # what train.py's init_from=<directory> does
-    assert torch.equal(fresh.layers[1].attn.q_proj.weight, m.layers[1].attn.q_proj.weight)
-    for fn, exc, words in [(lambda: hf.save_llama(m, str(out)), FileExistsError, "overwrite=True"),
-                           (lambda: hf.load_llama(str(tmp_path / "none")), FileNotFoundError, "config.json"),
-                           (lambda: hf.llama_init(str(out), vocab_size=96), ValueError, "vocab_size 97"),
-                           (lambda: hf.llama_init(str(out), context_length=64), ValueError, "max_position_embeddings"),
-                           (lambda: hf.save_llama(TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None),
-                                                  str(tmp_path / "n")), ValueError, "RoPE")]:
-        _expect(exc, [words], fn)
-    cfg = json.loads((out / "config.json").read_text())  # then edits of config.json, each an error naming it
-    for change, words in ((dict(num_key_value_heads=2), "num_key_value_heads=2"),
-                          (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-                          (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}), "rope_type='llama3'"),
-                          (dict(num_hidden_layers=3), "missing ['model.layers.2")):
-        (out / "config.json").write_text(json.dumps(dict(cfg, **change)))
-        _expect(ValueError, [words], hf.load_llama, str(out))
-    (out / "config.json").write_text(json.dumps(cfg))
+    fresh.load_state_dict(state)
+    want = m.layers[1].attn.q_proj.weight
+    assert torch.equal(fresh.layers[1].attn.q_proj.weight, want)
+
+
+def _llama_misuse(tmp_path):
+    """{problem: (exception, words, call)} of hf.py's Llama functions."""
+    m, out = _llama_export(False)
+    no_rope = TransformerLM(97, 32, 32, 1, 4, 48, rope_theta=None)
+    return {
+        "existing_directory": (FileExistsError, "overwrite=True",
+                               lambda: hf.save_llama(m, str(out))),
+        "no_config": (FileNotFoundError, "config.json",
+                      lambda: hf.load_llama(str(tmp_path / "none"))),
+        "other_vocab": (ValueError, "vocab_size 97",
+                        lambda: hf.llama_init(str(out), vocab_size=96)),
+        "longer_context": (ValueError, "max_position_embeddings",
+                           lambda: hf.llama_init(str(out), context_length=64)),
+        "no_rope": (ValueError, "RoPE",
+                    lambda: hf.save_llama(no_rope, str(tmp_path / "n"))),
+    }
+
+
+@cases("problem", ["existing_directory", "no_config", "other_vocab",
+                   "longer_context", "no_rope"])
+def test_llama_misuse_errors_name_the_problem(problem, tmp_path):
+    exception, words, call = _llama_misuse(tmp_path)[problem]
+    _expect(exception, [words], call)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e4}
+
+
+@cases("key, value, words", [
+    ("num_key_value_heads", 2, "num_key_value_heads=2"),
+    ("hidden_act", "gelu", "hidden_act='gelu'"),
+    ("rope_parameters", LLAMA3_ROPE, "rope_type='llama3'"),
+    ("num_hidden_layers", 3, "missing ['model.layers.2")])
+def test_load_llama_names_an_edit_of_config_json(key, value, words, tmp_path):
+    out = shutil.copytree(_llama_export(False)[1], tmp_path / "llama")
+    config = json.loads((out / "config.json").read_text())
+    config[key] = value
+    (out / "config.json").write_text(json.dumps(config))
+    _expect(ValueError, [words], hf.load_llama, str(out))
+
+
+def test_load_llama_names_truncated_weights(tmp_path):
+    out = shutil.copytree(_llama_export(False)[1], tmp_path / "llama")
     weights = out / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    half = weights.read_bytes()[:weights.stat().st_size // 2]
+    weights.write_bytes(half)
     _expect(RuntimeError, ["truncated or corrupt"], hf.load_llama, str(out))
 
 
-def test_llama_export_tokenizer_loads_with_autotokenizer_and_encodes_as_ours(tmp_path):
-    # our BPE (specials EOT and EOT + EOT overlap) written as tokenizer.json, read by transformers
+@functools.cache
+def _exported_tokenizer():
+    """Our BPE (specials EOT and EOT + EOT overlap) saved as
+    tokenizer.json beside a Llama, and AutoTokenizer's reading of it."""
     _need("safetensors", "transformers")
     from transformers import AutoTokenizer
     tok = _small_tokenizer()
-    hf.save_llama(TransformerLM(len(tok.vocab), 32, 32, 1, 4, 64), str(tmp_path), tokenizer=tok)
-    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
-    assert theirs.eos_token == EOT
-    assert theirs.convert_tokens_to_ids(EOT) == tok.special_ids[EOT]
-    edges = ["'s 'S 'll 'LL don't", "a   b\t\t c \n\n d  ", " \n \n", "x\u00a0y\u3000z",
-             "1,024 3.14 ½", "<|endoftext|", "a" + EOT + EOT + EOT + "b", "  " + EOT + "  ",
+    out = tempfile.mkdtemp()
+    m = TransformerLM(len(tok.vocab), 32, 32, 1, 4, 64)
+    hf.save_llama(m, out, tokenizer=tok)
+    return tok, AutoTokenizer.from_pretrained(out)
+
+
+def _tokenizer_texts():
+    edges = ["'s 'S 'll 'LL don't", "a   b\t\t c \n\n d  ", " \n \n",
+             "x\u00a0y\u3000z", "1,024 3.14 ½", "<|endoftext|",
+             "a" + EOT + EOT + EOT + "b", "  " + EOT + "  ",
              "caf\u00e9 cafe\u0301 👨‍👩‍👧"]
-    texts = edges + _adversarial_texts() + _synthetic_text(6_000, seed=5).split(EOT)[:20]
-    for text in texts:
+    documents = _synthetic_text(6_000, seed=5).split(EOT)[:20]
+    return edges + _adversarial_texts() + documents
+
+
+def test_llama_export_tokenizer_ends_text_with_eot():
+    assert _exported_tokenizer()[1].eos_token == EOT
+
+
+def test_llama_export_tokenizer_gives_eot_our_id():
+    tok, theirs = _exported_tokenizer()
+    eot_id = theirs.convert_tokens_to_ids(EOT)
+    assert eot_id == tok.special_ids[EOT], eot_id
+
+
+def test_llama_export_tokenizer_encodes_as_ours():
+    tok, theirs = _exported_tokenizer()
+    for text in _tokenizer_texts():
+        ids = theirs(text)["input_ids"]
+        assert ids == tok.encode(text), repr(text[:80])
+
+
+def test_llama_export_tokenizer_decodes_as_ours():
+    tok, theirs = _exported_tokenizer()
+    for text in _tokenizer_texts():
         ids = tok.encode(text)
-        assert theirs(text)["input_ids"] == ids, repr(text[:80])
         assert theirs.decode(ids) == tok.decode(ids), repr(text[:80])
 
 
+# transformers models with attention by hf.register_hf_attention
 HF_VOCAB = 53
 
 
 def _hf_pair(kind, **overrides):
-    """(eager, ours) with the same weights: 'gpt2' (scaling by layer index) or 'llama' (GQA: 4 heads, 2 KV heads)."""
+    """(eager, ours) with the same weights: 'gpt2' (scaling by layer
+    index) or 'llama' (GQA: 4 heads, 2 KV heads)."""
     _need("transformers")
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
     name = hf.register_hf_attention()
     if kind == "gpt2":
-        cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=40, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0,
-                         resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False, scale_attn_by_inverse_layer_idx=True,
-                         bos_token_id=0, eos_token_id=0)
+        config = GPT2Config(
+            vocab_size=HF_VOCAB, n_positions=40, n_embd=32, n_layer=2,
+            n_head=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+            use_cache=False, scale_attn_by_inverse_layer_idx=True,
+            bos_token_id=0, eos_token_id=0)
     else:
-        cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40, use_cache=False,
-                          bos_token_id=0, eos_token_id=0)
-    cfg.update(overrides)
+        config = LlamaConfig(
+            vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=40,
+            num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=40,
+            use_cache=False, bos_token_id=0, eos_token_id=0)
+    config.update(overrides)
+    build = AutoModelForCausalLM.from_config
     torch.manual_seed(0)
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name)
+    eager = build(copy.deepcopy(config), attn_implementation="eager")
+    ours = build(copy.deepcopy(config), attn_implementation=name)
     ours.load_state_dict(eager.state_dict())
-    assert ours.config._attn_implementation == name and eager.config._attn_implementation == "eager"
+    assert ours.config._attn_implementation == name
+    assert eager.config._attn_implementation == "eager"
     return eager, ours
 
 
-def _assert_hf_close(ours, eager, batch, eager_batch=None, real=None, backward=True):
-    """ours(**batch) against eager(**eager_batch): (real) logits, loss and every gradient to 1e-4; returns the loss."""
-    results = []
-    for m, b in ((ours, batch), (eager, batch if eager_batch is None else eager_batch)):
-        m.zero_grad(set_to_none=True)
-        out = m(**b)
-        if backward:
-            out.loss.backward()
-        logits = out.logits.detach() if real is None else out.logits.detach()[real]
-        results.append((logits, out.loss.detach(), [p.grad for p in m.parameters() if p.grad is not None]))
-    (logits, loss, grads), (logits_ref, loss_ref, grads_ref) = results
-    assert _rel(logits, logits_ref) < 1e-4 and abs(loss - loss_ref) <= 1e-4 * loss_ref, _rel(logits, logits_ref)
-    assert len(grads) == len(grads_ref) == (len(list(eager.parameters())) if backward else 0)
-    assert all(_rel(g, r) < 1e-4 for g, r in zip(grads, grads_ref))
-    return loss
+def _need_hf_on_cpu():
+    if not flash.INTERPRET:  # only there do CPU tensors reach our kernels
+        raise unittest.SkipTest("runs without a GPU; with one, bench.py "
+                                "hf's test holds ours to sdpa's loss")
 
 
-@cases("kind, kwargs", [("gpt2", False), ("llama", True)])
-def test_hf_attention_padded_and_packed_batches_match_eager_and_compile_without_graph_breaks(kind, kwargs):
-    # padded; the collator's packed row, by position_ids (gpt2) or kwargs (llama), vs each alone; llama compiled
-    if not flash.INTERPRET:  # CPU tensors reach our kernels only in the interpreter
-        raise unittest.SkipTest("runs without a GPU; with one, bench.py hf's test holds ours to sdpa's loss")
-    eager, ours = _hf_pair(kind)
+def _hf_run(m, batch, real=None, backward=True):
+    """m(**batch): its logits (at the real tokens only, if given), its
+    loss and the gradients it leaves."""
+    m.zero_grad(set_to_none=True)
+    out = m(**batch)
+    if backward:
+        out.loss.backward()
+    logits = out.logits.detach()
+    if real is not None:
+        logits = logits[real]
+    grads = [p.grad for p in m.parameters() if p.grad is not None]
+    return SimpleNamespace(logits=logits, loss=out.loss.detach(),
+                           grads=grads)
+
+
+@functools.cache
+def _hf_batches(flash_kwargs):
+    """padded: right, left, both-sided and no padding; packed: the
+    collator's row of five documents; positions: the packed row's ids,
+    labels and position_ids, by which eager sees the packing."""
     from transformers import DataCollatorWithFlattening
     gen = torch.Generator().manual_seed(11)
-    ids, mask = torch.randint(HF_VOCAB, (4, 21), generator=gen), torch.zeros(4, 21, dtype=torch.long)
-    for r, (a, b) in enumerate(((0, 14), (18, 21), (4, 19), (0, 21))):  # right, left, both-sided padding, none
-        mask[r, a:b] = 1
+    ids = torch.randint(HF_VOCAB, (4, 21), generator=gen)
+    mask = torch.zeros(4, 21, dtype=torch.long)
+    for row, (a, b) in enumerate(((0, 14), (18, 21), (4, 19), (0, 21))):
+        mask[row, a:b] = 1
     labels = ids.masked_fill(mask == 0, -100)
-    labels[torch.arange(4), mask.argmax(-1)] = -100  # no pad's output in the loss
-    padded, real = dict(input_ids=ids, attention_mask=mask, labels=labels), mask.bool()
-    _assert_hf_close(ours, eager, padded, real=real)
-    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist() for n in (7, 1, 19, 4, 12)]
-    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs)([{"input_ids": d} for d in docs])
-    positions = {k: packed[k] for k in ("input_ids", "labels", "position_ids")}  # eager sees the packing by these
-    assert packed["input_ids"].shape == (1, 43) and ("cu_seq_lens_q" in packed) is kwargs
-    loss = _assert_hf_close(ours, eager, packed, positions)
-    with torch.no_grad():  # the packed row's loss is the token-weighted mean of each document's own loss
-        losses = [(len(d) - 1, eager(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss) for d in docs
-                  if len(d) > 1]
-    per_doc = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
-    assert abs(loss - per_doc) <= 1e-5 * per_doc, (loss, per_doc)
-    if kind == "llama":  # GPT-2's loss logs a warning inside transformers: a graph break, not ours
-        torch._dynamo.reset()
-        eager, ours = _hf_pair(kind, num_hidden_layers=1)  # one layer: compiling is slow
-        compiled = torch.compile(ours, backend="eager", fullgraph=True)
-        for batch, eager_batch, r in ((packed, positions, None), (padded, padded, real), (positions, positions, None)):
-            _assert_hf_close(compiled, eager, batch, eager_batch, r, backward=False)
-        torch._dynamo.reset()
+    labels[torch.arange(4), mask.argmax(-1)] = -100  # no pad's output
+    padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    docs = [torch.randint(HF_VOCAB, (n,), generator=gen).tolist()
+            for n in (7, 1, 19, 4, 12)]
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    packed = collate([{"input_ids": doc} for doc in docs])
+    keys = ("input_ids", "labels", "position_ids")
+    positions = {key: packed[key] for key in keys}
+    return SimpleNamespace(padded=padded, real=mask.bool(), docs=docs,
+                           packed=packed, positions=positions)
 
 
-def test_hf_attention_errors_name_the_problem():
-    eager, ours = _hf_pair("gpt2")
-    ids, holes = torch.randint(HF_VOCAB, (2, 9)), torch.ones(2, 9, dtype=torch.long)
-    holes[1, 4] = 0
+@functools.cache
+def _hf_runs(kind, flash_kwargs):
+    """(ours, eager) on the padded batch and on the packed row."""
+    eager, ours = _hf_pair(kind)
+    b = _hf_batches(flash_kwargs)
+    padded = _hf_run(ours, b.padded, b.real), _hf_run(eager, b.padded, b.real)
+    packed = _hf_run(ours, b.packed), _hf_run(eager, b.positions)
+    return {"padded": padded, "packed": packed}
+
+
+# gpt2 takes the packing by position_ids, llama by the flash kwargs
+HF_CASES = [(kind, flash_kwargs, batch)
+            for kind, flash_kwargs in (("gpt2", False), ("llama", True))
+            for batch in ("padded", "packed")]
+
+
+@cases("kind, flash_kwargs, batch", HF_CASES)
+def test_hf_attention_logits_match_eager(kind, flash_kwargs, batch):
+    _need_hf_on_cpu()
+    ours, eager = _hf_runs(kind, flash_kwargs)[batch]
+    error = _rel(ours.logits, eager.logits)
+    assert error < 1e-4, error
+
+
+@cases("kind, flash_kwargs, batch", HF_CASES)
+def test_hf_attention_loss_matches_eager(kind, flash_kwargs, batch):
+    _need_hf_on_cpu()
+    ours, eager = _hf_runs(kind, flash_kwargs)[batch]
+    error = abs(ours.loss - eager.loss)
+    assert error <= 1e-4 * eager.loss, (ours.loss, eager.loss)
+
+
+@cases("kind, flash_kwargs, batch", HF_CASES)
+def test_hf_attention_reaches_every_parameter(kind, flash_kwargs, batch):
+    _need_hf_on_cpu()
+    ours, eager = _hf_runs(kind, flash_kwargs)[batch]
+    params = len(list(_hf_pair(kind)[0].parameters()))
+    assert len(ours.grads) == params, len(ours.grads)
+    assert len(eager.grads) == params, len(eager.grads)
+
+
+@cases("kind, flash_kwargs, batch", HF_CASES)
+def test_hf_attention_gradients_match_eager(kind, flash_kwargs, batch):
+    _need_hf_on_cpu()
+    ours, eager = _hf_runs(kind, flash_kwargs)[batch]
+    worst = max(_rel(g, r) for g, r in zip(ours.grads, eager.grads))
+    assert worst < 1e-4, worst
+
+
+@cases("flash_kwargs", [False, True])
+def test_hf_collator_packs_the_documents_in_one_row(flash_kwargs):
+    _need("transformers")
+    shape = _hf_batches(flash_kwargs).packed["input_ids"].shape
+    assert shape == (1, 43), shape
+
+
+@cases("flash_kwargs", [False, True])
+def test_hf_collator_passes_flash_kwargs_when_asked(flash_kwargs):
+    _need("transformers")
+    packed = _hf_batches(flash_kwargs).packed
+    assert ("cu_seq_lens_q" in packed) is flash_kwargs, list(packed)
+
+
+@cases("kind, flash_kwargs", [("gpt2", False), ("llama", True)])
+def test_hf_packed_loss_is_the_token_weighted_mean_of_documents(kind, flash_kwargs):
+    _need_hf_on_cpu()
+    loss = _hf_runs(kind, flash_kwargs)["packed"][0].loss
+    eager = _hf_pair(kind)[0]
+    # a document of one token predicts nothing
+    docs = [d for d in _hf_batches(flash_kwargs).docs if len(d) > 1]
+    with torch.no_grad():
+        losses = [eager(input_ids=torch.tensor([d]),
+                        labels=torch.tensor([d])).loss for d in docs]
+    predicted = [len(d) - 1 for d in docs]
+    weighted = sum(n * doc_loss for n, doc_loss in zip(predicted, losses))
+    mean = weighted / sum(predicted)
+    assert abs(loss - mean) <= 1e-5 * mean, (loss, mean)
+
+
+@functools.cache
+def _hf_compiled_runs():
+    """A one-layer llama (compiling is slow) with our attention compiled
+    with fullgraph=True (a graph break raises), and eager; forward only.
+    Not GPT-2: its loss logs a warning, a graph break in transformers."""
+    b = _hf_batches(True)
+    torch._dynamo.reset()
+    eager, ours = _hf_pair("llama", num_hidden_layers=1)
+    compiled = torch.compile(ours, backend="eager", fullgraph=True)
+    inputs = {"packed": (b.packed, b.positions, None),
+              "padded": (b.padded, b.padded, b.real),
+              "positions": (b.positions, b.positions, None)}
+    runs = {}
+    for name, (batch, eager_batch, real) in inputs.items():
+        runs[name] = (_hf_run(compiled, batch, real, backward=False),
+                      _hf_run(eager, eager_batch, real, backward=False))
+    torch._dynamo.reset()
+    return runs
+
+
+@cases("batch", ["packed", "padded", "positions"])
+def test_hf_attention_compiled_logits_match_eager(batch):
+    _need_hf_on_cpu()
+    ours, eager = _hf_compiled_runs()[batch]
+    error = _rel(ours.logits, eager.logits)
+    assert error < 1e-4, error
+
+
+@cases("batch", ["packed", "padded", "positions"])
+def test_hf_attention_compiled_loss_matches_eager(batch):
+    _need_hf_on_cpu()
+    ours, eager = _hf_compiled_runs()[batch]
+    error = abs(ours.loss - eager.loss)
+    assert error <= 1e-4 * eager.loss, (ours.loss, eager.loss)
+
+
+def _hf_attention_misuse():
+    """{problem: (words, call)} of transformers models on our attention."""
+    _, ours = _hf_pair("gpt2")
     _, dropping = _hf_pair("gpt2", attn_pdrop=0.1)
-    for fn, words in [(lambda: ours(input_ids=ids, attention_mask=holes), "pad between real tokens"),
-                      (lambda: ours(input_ids=ids, attention_mask=torch.ones(2, 1, 9, 9, dtype=torch.bool)), "2-D"),
-                      (lambda: hf.hf_attention(ours.transformer.h[0].attn, torch.randn(1, 2, 3, 16),
-                                               torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), None), "KV cache"),
-                      (lambda: hf.register_hf_attention("my_flash"), "'flash'"),
-                      (lambda: dropping.train()(input_ids=ids), "dropout")]:
-        _expect(ValueError, [words], fn)
+    ids = torch.randint(HF_VOCAB, (2, 9))
+    holes = torch.ones(2, 9, dtype=torch.long)
+    holes[1, 4] = 0
+    mask_4d = torch.ones(2, 1, 9, 9, dtype=torch.bool)
+    attention = ours.transformer.h[0].attn
+    q, kv = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 5, 16)
+    return {
+        "holes": ("pad between real tokens",
+                  lambda: ours(input_ids=ids, attention_mask=holes)),
+        "4d_mask": ("2-D", lambda: ours(input_ids=ids, attention_mask=mask_4d)),
+        "kv_cache": ("KV cache",
+                     lambda: hf.hf_attention(attention, q, kv, kv, None)),
+        "other_name": ("'flash'",
+                       lambda: hf.register_hf_attention("my_flash")),
+        "dropout": ("dropout", lambda: dropping.train()(input_ids=ids)),
+    }
+
+
+@cases("problem", ["holes", "4d_mask", "kv_cache", "other_name", "dropout"])
+def test_hf_attention_errors_name_the_problem(problem):
+    words, call = _hf_attention_misuse()[problem]
+    _expect(ValueError, [words], call)
 
 
 # --- sample.py ---
