@@ -2661,183 +2661,507 @@ def test_hf_attention_errors_name_the_problem(problem):
 
 # --- sample.py ---
 
-def test_sample_next_follows_spec_and_generate_is_the_same_cached_batched_and_past_the_context():
-    logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.85, 0.05, 0.05, 0.05]]))
-    g = torch.Generator().manual_seed(0)
-    draws = lambda n, **kw: torch.stack([sample.sample_next(logits, generator=g, **kw) for _ in range(n)])
-    assert sample.sample_next(logits, temperature=0).tolist() == [1, 0]
-    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-3)):  # V(p) always holds the top id; T -> 0
-        assert (draws(20, **kw) == torch.tensor([1, 0])).all(), kw
-    # top_p 0.7 on row 0: sorted 0.5, 0.25 | 0.15, 0.1 -> V(p) = {1, 3} (the smallest prefix with mass >= 0.7)
-    top_p = draws(400, top_p=0.7)
-    assert set(top_p[:, 0].tolist()) == {1, 3} and set(top_p[:, 1].tolist()) == {0}
-    assert abs((top_p[:, 0] == 1).float().mean().item() - 0.5 / 0.75) < 0.08  # renormalised inside V(p)
-    same = [sample.sample_next(logits.repeat(50, 1), 1.0, generator=torch.Generator().manual_seed(5)) for _ in (0, 1)]
-    assert torch.equal(*same)
-    m = _tiny_lm(context_length=24)  # generate: greedy, cached or not, past the context, batched
+def _sample_logits():
+    probs = [[0.1, 0.5, 0.15, 0.25], [0.85, 0.05, 0.05, 0.05]]
+    return torch.log(torch.tensor(probs))
+
+
+def _sample_draws(n, **options):
+    """n draws of sample_next from both rows of _sample_logits."""
+    logits, gen = _sample_logits(), torch.Generator().manual_seed(0)
+    draws = [sample.sample_next(logits, generator=gen, **options)
+             for _ in range(n)]
+    return torch.stack(draws)
+
+
+def test_sample_next_at_temperature_0_takes_the_argmax():
+    draw = _sample_draws(1, temperature=0)[0]
+    assert draw.tolist() == [1, 0], draw
+
+
+@cases("option, value", [("top_k", 1), ("top_p", 1e-6),
+                         ("temperature", 1e-3)])
+def test_sample_next_narrowed_to_one_token_draws_the_top_one(option, value):
+    # V(p) always holds the top id; T -> 0 is the argmax
+    draws = _sample_draws(20, **{option: value})
+    assert (draws == torch.tensor([1, 0])).all(), draws
+
+
+@functools.cache
+def _top_p_draws():
+    # row 0 sorted: 0.5, 0.25 | 0.15, 0.1, so V(0.7) = {1, 3}:
+    # the smallest prefix of mass >= 0.7
+    return _sample_draws(400, top_p=0.7)
+
+
+def test_sample_next_top_p_draws_from_the_smallest_prefix_of_mass_p():
+    draws = _top_p_draws()
+    assert set(draws[:, 0].tolist()) == {1, 3}
+    assert set(draws[:, 1].tolist()) == {0}
+
+
+def test_sample_next_top_p_renormalises_inside_the_prefix():
+    share = (_top_p_draws()[:, 0] == 1).float().mean().item()
+    assert abs(share - 0.5 / 0.75) < 0.08, share
+
+
+def test_sample_next_draws_the_same_from_the_same_seed():
+    logits = _sample_logits().repeat(50, 1)
+
+    def draw():
+        gen = torch.Generator().manual_seed(5)
+        return sample.sample_next(logits, 1.0, generator=gen)
+    assert torch.equal(draw(), draw())
+
+
+@functools.cache
+def _greedy_case():
+    """A model of context 24, a 9-token prompt, and 30 tokens of the
+    plainest decoder: the argmax at the last position of the sequence
+    cropped to the context (9 + 30 > 24: the window slides)."""
+    m = _tiny_lm(context_length=24)
     prompt = torch.randint(0, 61, (9,)).tolist()
     seq = list(prompt)
-    for _ in range(30):  # the plainest decoder: the argmax of the last position of the (cropped) sequence
-        seq.append(int(m(torch.tensor([seq[-m.context_length:]]))[0, -1].argmax()))
-    ref = seq[len(prompt):]  # 9 + 30 > 24: the window slides past the context
-    assert sample.generate(m, prompt, 30, temperature=0, use_cache=False) == ref
+    for _ in range(30):
+        window = torch.tensor([seq[-m.context_length:]])
+        seq.append(int(m(window)[0, -1].argmax()))
+    return m, prompt, seq[len(prompt):]
+
+
+@cases("use_cache", [False, True])
+def test_generate_greedy_is_the_plainest_decoder(use_cache):
+    m, prompt, want = _greedy_case()
+    got = sample.generate(m, prompt, 30, temperature=0, use_cache=use_cache)
+    assert got == want, got
+
+
+@functools.cache
+def _cached_generate_calls():
+    """The token count of each model call of a cached greedy decode,
+    and the model's mode after it."""
+    m, prompt, _ = _greedy_case()
     calls = []
-    hook = m.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(args[0].shape[1]), with_kwargs=True)
-    assert sample.generate(m, prompt, 30, temperature=0, use_cache=True) == ref
+
+    def record(module, args, kwargs):
+        calls.append(args[0].shape[1])
+    hook = m.register_forward_pre_hook(record, with_kwargs=True)
+    sample.generate(m, prompt, 30, temperature=0, use_cache=True)
     hook.remove()
-    # prefill of 9, one position per step while the sequence fits (24 tokens), then 24-token windows; train mode back
-    assert calls == [9] + [1] * 15 + [24] * 14 and m.training, calls
-    # batched prompts (13 + 12 tokens slide past the context too) match each alone, stop at EOT, refuse long ones
-    prompts = [torch.randint(0, 61, (n,)).tolist() for n in (1, 8, 3, 13)]
-    alone = [sample.generate(m, p, 12, temperature=0, use_cache=False) for p in prompts]
-    assert sample.generate(m, prompts, 12, temperature=0) == alone
-    assert sample.generate(m, prompts, 12, temperature=0, use_cache=False) == alone
-    kw = dict(temperature=0.9, top_p=0.95, top_k=20)  # sampling: same seed, same ids with and without the cache
-    assert sample.generate(m, prompts, 12, generator=torch.Generator().manual_seed(7), **kw) == \
-        sample.generate(m, prompts, 12, generator=torch.Generator().manual_seed(7), use_cache=False, **kw)
-    eot = alone[1][2]  # pretend this id is <|endoftext|>: each row stops before its first one, the others go on
+    return calls, m.training
+
+
+def test_generate_prefills_then_feeds_a_token_a_step_then_windows():
+    # one token a step while the sequence fits (24), then 24-token windows
+    calls, _ = _cached_generate_calls()
+    assert calls == [9] + [1] * 15 + [24] * 14, calls
+
+
+def test_generate_gives_back_the_model_in_train_mode():
+    _, training = _cached_generate_calls()
+    assert training
+
+
+@functools.cache
+def _batched_prompts():
+    """Prompts of 1, 8, 3 and 13 tokens (13 + 12 slide past the
+    context), and 12 greedy tokens of each decoded alone."""
+    m = _greedy_case()[0]
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 61, (n,), generator=gen).tolist()
+               for n in (1, 8, 3, 13)]
+    alone = [sample.generate(m, p, 12, temperature=0, use_cache=False)
+             for p in prompts]
+    return prompts, alone
+
+
+@cases("use_cache", [True, False])
+def test_generate_batched_is_each_prompt_alone(use_cache):
+    m = _greedy_case()[0]
+    prompts, alone = _batched_prompts()
+    got = sample.generate(m, prompts, 12, temperature=0, use_cache=use_cache)
+    assert got == alone, got
+
+
+def test_generate_samples_the_same_with_and_without_the_cache():
+    m = _greedy_case()[0]
+    prompts, _ = _batched_prompts()
+    options = dict(temperature=0.9, top_p=0.95, top_k=20)
+    runs = [sample.generate(m, prompts, 12, use_cache=use_cache,
+                            generator=torch.Generator().manual_seed(7),
+                            **options)
+            for use_cache in (True, False)]
+    assert runs[0] == runs[1], runs
+
+
+def test_generate_stops_each_row_before_its_first_eot():
+    m = _greedy_case()[0]
+    prompts, alone = _batched_prompts()
+    eot = alone[1][2]  # pretend this id is <|endoftext|>
     stopped = [a[:a.index(eot)] if eot in a else a for a in alone]
-    assert sample.generate(m, prompts, 12, temperature=0, eot_id=eot) == stopped and len(stopped[1]) <= 2
-    _expect(ValueError, ["context_length", "crop_prompt"], sample.generate, m, list(range(40)), 3)
-    assert sample.generate(m, list(range(40)), 3, temperature=0, crop_prompt=True) == \
-        sample.generate(m, list(range(16, 40)), 3, temperature=0)
+    got = sample.generate(m, prompts, 12, temperature=0, eot_id=eot)
+    assert got == stopped, got
+    assert len(stopped[1]) <= 2, stopped  # the row stops early
 
 
-def test_load_model_strips_prefixes_reads_llama_directories_the_cli_samples_and_names_bad_input(tmp_path):
-    # a checkpoint like train.py's (names as torch.compile saves them); a BPE trained on the spot
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("the cat sat on the mat. the dog sat on the log.<|endoftext|>a cat and a dog.<|endoftext|>" * 20)
-    vocab, merges = bpe.train_bpe(str(corpus), 280, [EOT], num_workers=1, verbose=False)
-    (tok := bpe.Tokenizer(vocab, merges, [EOT])).save(str(tmp_path / "tok"))
-    model_args = dict(vocab_size=len(vocab), context_length=32, d_model=32, num_layers=2, num_heads=4, d_ff=64,
-                      rope_theta=10000.0, tie_embeddings=False, act_ckpt_every=0)
+def test_generate_refuses_a_prompt_past_the_context():
+    m = _greedy_case()[0]
+    words = ["context_length", "crop_prompt"]
+    _expect(ValueError, words, sample.generate, m, list(range(40)), 3)
+
+
+def test_generate_crop_prompt_keeps_the_prompts_end():
+    m = _greedy_case()[0]
+    cropped = sample.generate(m, list(range(40)), 3, temperature=0,
+                              crop_prompt=True)
+    want = sample.generate(m, list(range(16, 40)), 3, temperature=0)
+    assert cropped == want, cropped
+
+
+SAFETENSORS = importlib.util.find_spec("safetensors") is not None
+
+
+@functools.cache
+def _sample_checkpoint():
+    """A folder with ckpt.pt as train.py writes it after torch.compile
+    (names prefixed), with a BPE trained on the spot; beside it
+    checkpoints cut short (cut.pt), of another vocabulary (vocab.pt),
+    without their tokenizer (notok.pt), and a Llama export (llama/)."""
+    folder = Path(tempfile.mkdtemp())
+    corpus = folder / "corpus.txt"
+    text = ("the cat sat on the mat. the dog sat on the log.<|endoftext|>"
+            "a cat and a dog.<|endoftext|>")
+    corpus.write_text(text * 20)
+    vocab, merges = bpe.train_bpe(str(corpus), 280, [EOT],
+                                  num_workers=1, verbose=False)
+    tok = bpe.Tokenizer(vocab, merges, [EOT])
+    tok.save(str(folder / "tok"))
+    model_args = dict(vocab_size=len(vocab), context_length=32, d_model=32,
+                      num_layers=2, num_heads=4, d_ff=64, rope_theta=10000.0,
+                      tie_embeddings=False, act_ckpt_every=0)
     torch.manual_seed(0)
     m = TransformerLM(**model_args)
-    ckpt = {"model": {"_orig_mod." + k: v for k, v in m.state_dict().items()}, "model_args": model_args,
-            "tokenizer": {"vocab": str(tmp_path / "tok" / "vocab.json"), "merges": str(tmp_path / "tok" / "merges.txt"),
-                          "special_tokens": [EOT]}}
-    torch.save(ckpt, tmp_path / "ckpt.pt")
-    loaded, tokenizer, eot_id, _ = sample.load_model(str(tmp_path / "ckpt.pt"))
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), m.state_dict().values()))
-    assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat" and tokenizer.encode(EOT) == [eot_id]
-    assert not loaded.training
-    run = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={tmp_path}", "--prompt", "the cat",
-                          "--prompt", "a dog sat on", "--num_samples=2", "--max_new_tokens=8", "--device=cpu"],
-                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""), timeout=120)
-    assert run.returncode == 0, run.stderr
-    blocks = run.stdout.split("-" * 40 + "\n")
-    assert len(blocks) == 5 and blocks[0].startswith("the cat") and blocks[3].startswith("a dog sat on")
-    (tmp_path / "cut.pt").write_bytes((tmp_path / "ckpt.pt").read_bytes()[:10_000])
-    bad = dict(ckpt, model_args=dict(ckpt["model_args"], vocab_size=ckpt["model_args"]["vocab_size"] + 5))
-    torch.save(dict(bad, model=TransformerLM(**bad["model_args"]).state_dict()), tmp_path / "vocab.pt")
-    torch.save(dict(ckpt, tokenizer=dict(ckpt["tokenizer"], vocab="gone/vocab.json")), tmp_path / "notok.pt")
-    no_cuda = not torch.cuda.is_available()
-    _cli_errors("sample.py", [(["--top_p", "2"], ["--top_p must be in (0, 1]"]), (["--num_samples", "0"], ["--num"]),
-                              (["--temperature", "-1"], ["--temperature"]), (["--top_k", "x"], ["invalid int value"]),
-                              (["--device", "gpu"], ["--device must be"]), (["--nope"], ["unrecognized arguments"]),
-                              (["--out_dir", "empty"], ["no checkpoint at empty/ckpt.pt", "python train.py"]),
-                              (["--ckpt", "cut.pt"], ["cut.pt is truncated or corrupt"]),
-                              (["--ckpt", "vocab.pt"], ["mismatch"]),
-                              (["--ckpt", "notok.pt"], ["gone/vocab.json", "data/prepare.py NAME", "--input FILE"]),
-                              (["--out_dir", ".", "--prompt", "the cat " * 40], ["context_length", "--crop_prompt"]),
-                              *[(["--out_dir", ".", "--device", "cuda"], ["CUDA is not"])] * no_cuda], tmp_path)
-    _need("safetensors")  # a Llama directory (an optional extra) samples like the saved model
-    out = tmp_path / "llama"
-    hf.save_llama(m, str(out), tokenizer=tok)
-    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.special_ids[EOT]
-    loaded, tokenizer, eot_id, _ = sample.load_model(str(out))
-    assert eot_id == tok.special_ids[EOT] and tokenizer.encode("the cat sat") == tok.encode("the cat sat")
-    prompt = tok.encode("the cat")
-    assert sample.generate(loaded, prompt, 10, temperature=0) == sample.generate(m, prompt, 10, temperature=0)
-    with contextlib.redirect_stdout(out_text := io.StringIO()):
-        sample.main(["--ckpt", str(out), "--prompt", "the dog", "--max_new_tokens", "5", "--device", "cpu"])
-    assert out_text.getvalue().startswith("the dog")
-    (out / "merges.txt").unlink()
-    _expect(FileNotFoundError, ["has no merges.txt"], sample.load_model, str(out))
+    state = {"_orig_mod." + k: v for k, v in m.state_dict().items()}
+    files = {"vocab": str(folder / "tok" / "vocab.json"),
+             "merges": str(folder / "tok" / "merges.txt"),
+             "special_tokens": [EOT]}
+    ckpt = {"model": state, "model_args": model_args, "tokenizer": files}
+    torch.save(ckpt, folder / "ckpt.pt")
+    (folder / "cut.pt").write_bytes((folder / "ckpt.pt").read_bytes()[:10_000])
+    wider = dict(model_args, vocab_size=model_args["vocab_size"] + 5)
+    wider_state = TransformerLM(**wider).state_dict()
+    torch.save(dict(ckpt, model_args=wider, model=wider_state),
+               folder / "vocab.pt")
+    gone = dict(files, vocab="gone/vocab.json")
+    torch.save(dict(ckpt, tokenizer=gone), folder / "notok.pt")
+    if SAFETENSORS:
+        hf.save_llama(m, str(folder / "llama"), tokenizer=tok)
+    return SimpleNamespace(folder=folder, model=m, tokenizer=tok)
 
 
 def _flip_byte_inside(path, tensor):
-    """The bytes of `path` with one byte of `tensor` (a CPU tensor stored in it) inverted."""
+    """The bytes of `path` with one byte of `tensor` (a CPU tensor
+    stored in it) inverted."""
     data = bytearray(path.read_bytes())
     at = bytes(data).index(tensor.numpy().tobytes()) + 5
     data[at] ^= 0xFF
     return bytes(data)
 
 
-def _sample_refuses(cwd, table):
-    """sample.py --ckpt NAME for each (NAME, words) of table: status 2, one stderr line
-    holding the words, nothing sampled."""
-    runs = []
-    for name, words in table:
-        command = [sys.executable, str(ROOT / "sample.py"), "--ckpt", name, "--device=cpu"]
-        run = subprocess.Popen(command, cwd=cwd, text=True, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        runs.append((name, words, run))
-    for name, words, run in runs:
-        out, err = run.communicate(timeout=300)
-        assert run.returncode == 2, (name, run.returncode, err)
-        assert err.count("\n") == 1, (name, err)
-        assert err.startswith("sample.py: error: "), (name, err)
-        assert all(w in err for w in words), (name, words, err)
-        assert out == "", (name, out)
-
-
-def test_sample_help_shows_defaults_and_a_mistyped_flag_gets_a_suggestion(tmp_path):
-    command = [sys.executable, str(ROOT / "sample.py"), "--help"]
-    run = subprocess.run(command, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    flat = " ".join(run.stdout.split())  # argparse wraps the help column
-    defaults = {"--temperature": "0.8", "--top_p": "0.9", "--max_new_tokens": "256",
-                "--seed": "1337", "--out_dir": "out", "--device": "auto"}
-    for flag, default in defaults.items():
-        assert re.search(rf"{flag} \S+ [^-]*\(default: {default}\)", flat), (flag, flat)
-    assert "(default: None)" not in flat
-    _cli_errors("sample.py", [
-        (["--temprature=0.5"], ["unrecognized arguments", "did you mean --temperature?"]),
-        (["--max_tokens", "3"], ["did you mean --max_new_tokens?"]),
-        (["--nope"], ["unrecognized arguments: --nope"])], tmp_path)
-
-
-def test_sample_refuses_a_damaged_checkpoint_or_another_file_in_one_line(tmp_path):
-    # a checkpoint as train.py writes it; a byte flipped in a weight, cut short; other files
+@functools.cache
+def _damaged_files():
+    """A folder with good.pt as train.save_checkpoint writes it, and
+    damaged copies: a byte flipped in a weight (flip.pt), cut short
+    (cut.pt); other files (notes.txt, list.pt, plain.pkl); a Llama
+    export (llama/) and copies of it flipped, cut and replaced by text
+    (flip/, cut/, text/)."""
+    folder = Path(tempfile.mkdtemp())
     tok = _small_tokenizer()
-    vocab, merges = tok.save(str(tmp_path / "tok"))
+    vocab, merges = tok.save(str(folder / "tok"))
     torch.manual_seed(0)
-    model_args = dict(vocab_size=len(tok.vocab), context_length=32, d_model=32, num_layers=2,
-                      num_heads=4, d_ff=64)
+    model_args = dict(vocab_size=len(tok.vocab), context_length=32,
+                      d_model=32, num_layers=2, num_heads=4, d_ff=64)
     m = TransformerLM(**model_args)
-    files = {"vocab": vocab, "merges": merges, "special_tokens": list(tok.special_tokens)}
-    good = tmp_path / "good.pt"
-    train.save_checkpoint(m, None, 1, good, model_args=model_args, tokenizer=files)
+    files = {"vocab": vocab, "merges": merges,
+             "special_tokens": list(tok.special_tokens)}
+    good = folder / "good.pt"
+    train.save_checkpoint(m, None, 1, good, model_args=model_args,
+                          tokenizer=files)
     weight = m.layers[1].ffn.w2.weight.detach()
-    (tmp_path / "flip.pt").write_bytes(_flip_byte_inside(good, weight))
-    (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:good.stat().st_size // 2])
-    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
-    torch.save([1, 2, 3], tmp_path / "list.pt")
-    (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"model": {}}))
-    loaded = sample.load_model(str(good))[0]  # undamaged, it loads
-    assert torch.equal(loaded.layers[1].ffn.w2.weight, weight)
-    _sample_refuses(tmp_path, [
-        ("flip.pt", ["flip.pt is damaged", "does not match the CRC-32"]),
-        ("cut.pt", ["cut.pt is truncated or corrupt"]),
-        ("notes.txt", ["notes.txt is not a checkpoint", "zip archive", "b'not '"]),
-        ("plain.pkl", ["plain.pkl is not a checkpoint"]),
-        ("list.pt", ["list.pt is not a train.py checkpoint", "no model, model_args, tokenizer"])])
-    _need("safetensors")  # a Llama directory: our CRC-32s in the safetensors metadata
-    hf.save_llama(m, str(tmp_path / "llama"), tokenizer=tok)
-    for name in ("flip", "cut", "text"):
-        shutil.copytree(tmp_path / "llama", tmp_path / name)
-    weights = tmp_path / "llama" / "model.safetensors"
-    (tmp_path / "flip" / "model.safetensors").write_bytes(_flip_byte_inside(weights, weight))
-    half = weights.read_bytes()[:weights.stat().st_size // 2]
-    (tmp_path / "cut" / "model.safetensors").write_bytes(half)
-    (tmp_path / "text" / "model.safetensors").write_text("not a checkpoint\n")
-    cut_words = ["cut/model.safetensors", "truncated or corrupt", "incomplete metadata"]
-    _expect(RuntimeError, cut_words, hf.load_llama, str(tmp_path / "cut"))
-    text_words = ["text/model.safetensors", "not a safetensors file", "header too large"]
-    _expect(RuntimeError, text_words, hf.load_llama, str(tmp_path / "text"))
-    flip_words = ["flip/model.safetensors is damaged", "model.layers.1.mlp.down_proj.weight"]
-    _sample_refuses(tmp_path, [("flip", flip_words + ["CRC-32"])])
+    (folder / "flip.pt").write_bytes(_flip_byte_inside(good, weight))
+    half = good.read_bytes()[:good.stat().st_size // 2]
+    (folder / "cut.pt").write_bytes(half)
+    (folder / "notes.txt").write_text("not a checkpoint\n")
+    torch.save([1, 2, 3], folder / "list.pt")
+    (folder / "plain.pkl").write_bytes(pickle.dumps({"model": {}}))
+    if SAFETENSORS:  # our CRC-32s sit in the safetensors metadata
+        llama = folder / "llama"
+        hf.save_llama(m, str(llama), tokenizer=tok)
+        for name in ("flip", "cut", "text"):
+            shutil.copytree(llama, folder / name)
+        weights = llama / "model.safetensors"
+        flipped = _flip_byte_inside(weights, weight)
+        (folder / "flip" / "model.safetensors").write_bytes(flipped)
+        half = weights.read_bytes()[:weights.stat().st_size // 2]
+        (folder / "cut" / "model.safetensors").write_bytes(half)
+        (folder / "text" / "model.safetensors").write_text("not a checkpoint\n")
+    return SimpleNamespace(folder=folder, good=good, weight=weight)
+
+
+@functools.cache
+def _loaded_checkpoint():
+    ckpt = _sample_checkpoint().folder / "ckpt.pt"
+    return sample.load_model(str(ckpt))
+
+
+def test_load_model_strips_the_compile_prefix():
+    loaded = _loaded_checkpoint()[0].state_dict().values()
+    saved = _sample_checkpoint().model.state_dict().values()
+    pairs = enumerate(zip(loaded, saved, strict=True))
+    differ = [i for i, (a, b) in pairs if not torch.equal(a, b)]
+    assert not differ, differ
+
+
+def test_load_model_tokenizer_round_trips_text():
+    tokenizer = _loaded_checkpoint()[1]
+    text = tokenizer.decode(tokenizer.encode("the cat"))
+    assert text == "the cat", text
+
+
+def test_load_model_finds_the_eot_id():
+    _, tokenizer, eot_id, _ = _loaded_checkpoint()
+    assert tokenizer.encode(EOT) == [eot_id], eot_id
+
+
+def test_load_model_returns_an_eval_model():
+    assert not _loaded_checkpoint()[0].training
+
+
+def test_load_model_loads_an_undamaged_train_checkpoint():
+    files = _damaged_files()
+    loaded = sample.load_model(str(files.good))[0]
+    assert torch.equal(loaded.layers[1].ffn.w2.weight, files.weight)
+
+
+# sample.py's command lines that must fail: (folder, argv, words
+# that its one stderr line holds)
+SAMPLE_REFUSALS = {
+    "top_p": ("checkpoint", ["--top_p", "2"],
+              ["--top_p must be in (0, 1]"]),
+    "num_samples": ("checkpoint", ["--num_samples", "0"], ["--num"]),
+    "temperature": ("checkpoint", ["--temperature", "-1"],
+                    ["--temperature"]),
+    "top_k": ("checkpoint", ["--top_k", "x"], ["invalid int value"]),
+    "device": ("checkpoint", ["--device", "gpu"], ["--device must be"]),
+    "unknown_flag": ("checkpoint", ["--nope"],
+                     ["unrecognized arguments: --nope"]),
+    "misspelt_temperature": ("checkpoint", ["--temprature=0.5"], [
+        "unrecognized arguments", "did you mean --temperature?"]),
+    "misspelt_max_new_tokens": ("checkpoint", ["--max_tokens", "3"],
+                                ["did you mean --max_new_tokens?"]),
+    "no_checkpoint": ("checkpoint", ["--out_dir", "empty"],
+                      ["no checkpoint at empty/ckpt.pt", "python train.py"]),
+    "short_checkpoint": ("checkpoint", ["--ckpt", "cut.pt"],
+                         ["cut.pt is truncated or corrupt"]),
+    "vocab_mismatch": ("checkpoint", ["--ckpt", "vocab.pt"], ["mismatch"]),
+    "no_tokenizer": ("checkpoint", ["--ckpt", "notok.pt"], [
+        "gone/vocab.json", "data/prepare.py NAME", "--input FILE"]),
+    "long_prompt": ("checkpoint", ["--out_dir", ".", "--prompt", "the cat " * 40],
+                    ["context_length", "--crop_prompt"]),
+    "no_cuda": ("checkpoint", ["--out_dir", ".", "--device", "cuda"],
+                ["CUDA is not"]),
+    "flipped_byte": ("damaged", ["--ckpt", "flip.pt", "--device=cpu"],
+                     ["flip.pt is damaged", "does not match the CRC-32"]),
+    "half_checkpoint": ("damaged", ["--ckpt", "cut.pt", "--device=cpu"],
+                        ["cut.pt is truncated or corrupt"]),
+    "text_file": ("damaged", ["--ckpt", "notes.txt", "--device=cpu"], [
+        "notes.txt is not a checkpoint", "zip archive", "b'not '"]),
+    "plain_pickle": ("damaged", ["--ckpt", "plain.pkl", "--device=cpu"],
+                     ["plain.pkl is not a checkpoint"]),
+    "list_checkpoint": ("damaged", ["--ckpt", "list.pt", "--device=cpu"], [
+        "list.pt is not a train.py checkpoint",
+        "no model, model_args, tokenizer"]),
+    "flipped_llama": ("damaged", ["--ckpt", "flip", "--device=cpu"], [
+        "flip/model.safetensors is damaged",
+        "model.layers.1.mlp.down_proj.weight", "CRC-32"]),
+}
+
+
+def _refusal_runs_here(problem):
+    if problem == "flipped_llama":
+        return SAFETENSORS
+    if problem == "no_cuda":
+        return not torch.cuda.is_available()
+    return True
+
+
+def _folder_contents(folder):
+    return {p: p.read_bytes() if p.is_file() else None
+            for p in sorted(Path(folder).rglob("*"))}
+
+
+def _sample_popen(argv, cwd, env=None):
+    command = [sys.executable, str(ROOT / "sample.py"), *argv]
+    return subprocess.Popen(command, cwd=cwd, env=env, text=True,
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@functools.cache
+def _sample_cli_runs():
+    """Every sample.py command line of the tests at once: the refusals
+    and one that samples two prompts twice; {name: (returncode, stdout,
+    stderr)}, and the folders whose files changed meanwhile."""
+    folders = {"checkpoint": _sample_checkpoint().folder,
+               "damaged": _damaged_files().folder}
+    before = {name: _folder_contents(f) for name, f in folders.items()}
+    runs = {}
+    for problem, (folder, argv, _) in SAMPLE_REFUSALS.items():
+        if _refusal_runs_here(problem):
+            runs[problem] = _sample_popen(argv, folders[folder])
+    sampling = [f"--out_dir={folders['checkpoint']}", "--prompt", "the cat",
+                "--prompt", "a dog sat on", "--num_samples=2",
+                "--max_new_tokens=8", "--device=cpu"]
+    env = dict(os.environ, PYTHONPATH="")
+    runs["sampling"] = _sample_popen(sampling, None, env)
+    results = {}
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=300)
+        results[name] = (run.returncode, out, err)
+    changed = [name for name, f in folders.items()
+               if _folder_contents(f) != before[name]]
+    return results, changed
+
+
+@cases("problem", list(SAMPLE_REFUSALS))
+def test_sample_cli_refuses_in_one_line(problem):
+    if problem == "flipped_llama":
+        _need("safetensors")
+    if not _refusal_runs_here(problem):
+        raise unittest.SkipTest("CUDA is available here")
+    returncode, out, err = _sample_cli_runs()[0][problem]
+    assert returncode == 2, (returncode, err)
+    assert err.count("\n") == 1, err
+    assert err.startswith("sample.py: error: "), err
+    missing = [w for w in SAMPLE_REFUSALS[problem][2] if w not in err]
+    assert not missing, (missing, err)
+    assert out == "", out
+
+
+def test_sample_cli_refusals_touch_no_file():
+    changed = _sample_cli_runs()[1]
+    assert not changed, changed
+
+
+def test_sample_cli_samples():
+    returncode, _, err = _sample_cli_runs()[0]["sampling"]
+    assert returncode == 0, err
+
+
+def test_sample_cli_prints_each_sample_then_a_rule():
+    out = _sample_cli_runs()[0]["sampling"][1]
+    blocks = out.split("-" * 40 + "\n")
+    assert len(blocks) == 5, blocks  # 2 prompts x 2 samples, then ""
+
+
+@cases("block, prompt", [(0, "the cat"), (3, "a dog sat on")])
+def test_sample_cli_starts_each_sample_with_its_prompt(block, prompt):
+    out = _sample_cli_runs()[0]["sampling"][1]
+    text = out.split("-" * 40 + "\n")[block]
+    assert text.startswith(prompt), text
+
+
+@functools.cache
+def _loaded_llama_directory():
+    _need("safetensors")  # a Llama directory samples like the saved model
+    return sample.load_model(str(_sample_checkpoint().folder / "llama"))
+
+
+def test_llama_export_names_eot_the_eos_token():
+    _need("safetensors")
+    c = _sample_checkpoint()
+    config = json.loads((c.folder / "llama" / "config.json").read_text())
+    eos = config["eos_token_id"]
+    assert eos == c.tokenizer.special_ids[EOT], eos
+
+
+def test_load_model_finds_the_eot_id_of_a_llama_directory():
+    eot_id = _loaded_llama_directory()[2]
+    want = _sample_checkpoint().tokenizer.special_ids[EOT]
+    assert eot_id == want, eot_id
+
+
+def test_load_model_reads_the_tokenizer_of_a_llama_directory():
+    tokenizer = _loaded_llama_directory()[1]
+    want = _sample_checkpoint().tokenizer.encode("the cat sat")
+    assert tokenizer.encode("the cat sat") == want
+
+
+def test_llama_directory_generates_as_the_saved_model():
+    loaded = _loaded_llama_directory()[0]
+    c = _sample_checkpoint()
+    prompt = c.tokenizer.encode("the cat")
+    got = sample.generate(loaded, prompt, 10, temperature=0)
+    want = sample.generate(c.model, prompt, 10, temperature=0)
+    assert got == want, got
+
+
+def test_sample_main_samples_from_a_llama_directory():
+    _need("safetensors")
+    llama = str(_sample_checkpoint().folder / "llama")
+    argv = ["--ckpt", llama, "--prompt", "the dog",
+            "--max_new_tokens", "5", "--device", "cpu"]
+    with contextlib.redirect_stdout(printed := io.StringIO()):
+        sample.main(argv)
+    assert printed.getvalue().startswith("the dog"), printed.getvalue()
+
+
+def test_load_model_names_a_llama_directory_without_merges(tmp_path):
+    _need("safetensors")
+    llama = _sample_checkpoint().folder / "llama"
+    out = shutil.copytree(llama, tmp_path / "llama")
+    (out / "merges.txt").unlink()
+    words = ["has no merges.txt"]
+    _expect(FileNotFoundError, words, sample.load_model, str(out))
+
+
+BROKEN_SAFETENSORS = {
+    "cut": ["cut/model.safetensors", "truncated or corrupt",
+            "incomplete metadata"],
+    "text": ["text/model.safetensors", "not a safetensors file",
+             "header too large"]}
+
+
+@cases("name", list(BROKEN_SAFETENSORS))
+def test_load_llama_names_a_broken_safetensors_file(name):
+    _need("safetensors")
+    folder = _damaged_files().folder
+    words = BROKEN_SAFETENSORS[name]
+    _expect(RuntimeError, words, hf.load_llama, str(folder / name))
+
+
+@functools.cache
+def _sample_help():
+    command = [sys.executable, str(ROOT / "sample.py"), "--help"]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_sample_help_exits_0():
+    run = _sample_help()
+    assert run.returncode == 0, run.stderr
+
+
+@cases("flag, default", [
+    ("--temperature", "0.8"), ("--top_p", "0.9"),
+    ("--max_new_tokens", "256"), ("--seed", "1337"),
+    ("--out_dir", "out"), ("--device", "auto")])
+def test_sample_help_shows_the_default(flag, default):
+    flat = " ".join(_sample_help().stdout.split())  # argparse wraps
+    shown = rf"{flag} \S+ [^-]*\(default: {default}\)"
+    assert re.search(shown, flat), flat
+
+
+def test_sample_help_shows_no_none_default():
+    assert "(default: None)" not in _sample_help().stdout
 
 
 # ---------------------------------------------------------------------------------------------------------------
