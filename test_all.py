@@ -2210,8 +2210,8 @@ def _llama_export(tie):
 
 @functools.cache
 def _llama_in_transformers(tie):
-    from transformers import LlamaForCausalLM
     path = str(_llama_export(tie)[1])
+    from transformers import LlamaForCausalLM
     theirs = LlamaForCausalLM.from_pretrained(
         path, attn_implementation="eager", dtype=torch.float32)
     return theirs.eval()
@@ -2497,6 +2497,7 @@ def _hf_batches(flash_kwargs):
     """padded: right, left, both-sided and no padding; packed: the
     collator's row of five documents; positions: the packed row's ids,
     labels and position_ids, by which eager sees the packing."""
+    _need("transformers")
     from transformers import DataCollatorWithFlattening
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(HF_VOCAB, (4, 21), generator=gen)
@@ -2567,14 +2568,12 @@ def test_hf_attention_gradients_match_eager(kind, flash_kwargs, batch):
 
 @cases("flash_kwargs", [False, True])
 def test_hf_collator_packs_the_documents_in_one_row(flash_kwargs):
-    _need("transformers")
     shape = _hf_batches(flash_kwargs).packed["input_ids"].shape
     assert shape == (1, 43), shape
 
 
 @cases("flash_kwargs", [False, True])
 def test_hf_collator_passes_flash_kwargs_when_asked(flash_kwargs):
-    _need("transformers")
     packed = _hf_batches(flash_kwargs).packed
     assert ("cu_seq_lens_q" in packed) is flash_kwargs, list(packed)
 
