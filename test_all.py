@@ -1431,8 +1431,9 @@ def test_model_loss_from_targets_is_cross_entropy_of_logits(tie, packed):
 
 @cases("tie, packed", TIED_AND_PACKED)
 def test_model_loss_from_targets_has_its_gradients(tie, packed):
-    fused, plain = _model_losses(tie, packed)[1]
-    worst = max(_rel(a, b) for a, b in zip(fused, plain))
+    fused_grads, plain_grads = _model_losses(tie, packed)[1]
+    pairs = zip(fused_grads, plain_grads)
+    worst = max(_rel(a, b) for a, b in pairs)
     assert worst < 1e-5, worst
 
 
@@ -2107,10 +2108,9 @@ def test_recompute_keeps_the_gradients_bit_for_bit(impl, config):
 @cases("impl, config", RECOMPUTE_CASES)
 def test_recompute_reruns_both_rmsnorms_of_recomputed_blocks(impl, config):
     run = _recompute_run(impl, config)
-    whole = _whole_blocks(config, run.num_layers)
-    recomputed = whole
+    recomputed = _whole_blocks(config, run.num_layers)
     if RECOMPUTE[config].get("selective_recompute"):
-        recomputed = run.num_layers  # the others selectively
+        recomputed = run.num_layers  # the rest selectively
     extra = _extra_ops(impl, config, "rsqrt")  # an rsqrt per RMSNorm
     assert extra == 2 * recomputed, extra
 
