@@ -1188,26 +1188,18 @@ def dense_methods(cuda):
     return methods
 
 
-def padded(cu, length, num_heads):
-    """SDPA on packed (N, H, D) q, k, v laid out as right-padded (documents, H,
-    length, D), and back."""
-    lens = (cu[1:] - cu[:-1]).long()
-    docs = len(lens)
-    doc = torch.repeat_interleave(torch.arange(docs, device=cu.device), lens)
-    position = torch.arange(int(cu[-1]), device=cu.device) - cu[:-1].long()[doc]
-    index = doc * length + position
-
-    def pad(t):
-        rows = t.new_zeros(docs * length, num_heads, t.shape[-1]).index_copy(0, index, t)
-        return rows.view(docs, length, num_heads, -1).transpose(1, 2)
+def padded(cu, length):
+    """SDPA on packed (N, H, D) q, k, v laid out as right-padded
+    (documents, H, length, D), and back."""
+    documents = model_py.PaddedDocuments(cu, int(cu[-1]), length)
 
     def attend(q, k, v):
-        o = sdpa(pad(q), pad(k), pad(v)).transpose(1, 2)
-        return o.reshape(docs * length, num_heads, -1)[index]
+        q, k, v = (documents.pad(t).transpose(1, 2) for t in (q, k, v))
+        return documents.unpad(sdpa(q, k, v).transpose(1, 2))
     return attend
 
 
-def packed_methods(cu, max_seqlen, num_heads, pad_length):
+def packed_methods(cu, max_seqlen, pad_length):
     """dense_methods on packed (N, H, D): sdpa-pad and sdpa-dynamic pad to
     pad_length and to the longest; fa2-varlen: PyTorch's internal FA2."""
     N = int(cu[-1])
@@ -1228,8 +1220,8 @@ def packed_methods(cu, max_seqlen, num_heads, pad_length):
     methods = {
         "ours": ours,
         "flex": flex_packed,
-        "sdpa-pad": padded(cu, pad_length, num_heads),
-        "sdpa-dynamic": padded(cu, max_seqlen, num_heads),
+        "sdpa-pad": padded(cu, pad_length),
+        "sdpa-dynamic": padded(cu, max_seqlen),
     }
     if cu.is_cuda and flash.gluon and flash._is_sm90(cu.device.index):
         methods["ours-triton"] = on_backend("triton", ours)
@@ -1365,7 +1357,7 @@ def packed_case(d, wanted, device, gen, rep):
         h, pad_length, dtype = 2, 24, torch.float32
         lens = [1, 5, 17, 9]
     cu = torch.tensor([0] + lens).cumsum(0).to(device, torch.int32)
-    methods = packed_methods(cu, max(lens), h, pad_length)
+    methods = packed_methods(cu, max(lens), pad_length)
     chosen = {n: m for n, m in methods.items() if n in wanted}
     case = f"docs={len(lens)} max={max(lens)} tokens={sum(lens)} H={h} D={d}"
     return attention_rows("varlen", case, chosen, (sum(lens), h, d), dtype,
