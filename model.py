@@ -6,7 +6,7 @@ RoPE, no biases) from plain tensor ops.
   3. the model      CausalSelfAttention, TransformerBlock, TransformerLM
   4. loss           cross_entropy, linear_cross_entropy (the fused head)
   5. accounting     count_params, flops_per_token, PRESETS
-  6. checkpoints    read_checkpoint
+  6. checkpoints    read_checkpoint, unwrap
 
 Parameters carry the course's reference names (token_embeddings,
 layers.{i}.attn.q_proj, ..., lm_head), so checkpoints move both ways.
@@ -795,6 +795,17 @@ PRESETS = {
 
 # -----------------------------------------------------------------------------
 # 6. checkpoints
+
+def unwrap(model):
+    """The model under torch.compile's and data-parallel wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            return model
+
 
 def crc_failure(path):
     """The first part of a zip (torch.save's format) failing its CRC-32,
