@@ -19,10 +19,10 @@ from bpe import atomic_open, bytes_to_unicode
 from flash import flash_attention, flash_attn_varlen
 from model import RMSNorm, RotaryEmbedding, TransformerLM, unwrap
 
-# -----------------------------------------------------------------------------
-# 1. Llama-format checkpoints. Only RoPE's pairs differ: ours turns
-#    (x[2j], x[2j+1]), Llama's (x[j], x[j + d_k/2]); reordering the rows of
-#    q_proj and k_proj in each head maps one onto the other.
+# ---- 1. Llama-format checkpoints
+# Only RoPE's pairs differ: ours turns (x[2j], x[2j+1]), Llama's
+# (x[j], x[j + d_k/2]); reordering the rows of q_proj and k_proj in each
+# head maps one onto the other.
 
 LLAMA_WEIGHTS = "model.safetensors"
 LLAMA_INDEX = "model.safetensors.index.json"
@@ -383,15 +383,15 @@ def llama_init(path, vocab_size=None, context_length=None):
     return model_args, state
 
 
-# -----------------------------------------------------------------------------
-# 2. Hugging Face attention: hf_attention runs flash.py's kernels in a
-#    transformers model. A call attends to
-#    - cu_seq_lens_q (DataCollatorWithFlattening): those documents, with no
-#      host read (the path to compile);
-#    - a 2-D padding mask: each row as three segments, pads / real / pads;
-#    - position_ids alone: documents start where positions restart (a host
-#      read per forward; compiled, every token is a boundary);
-#    - none of these: dense flash_attention.
+# ---- 2. Hugging Face attention
+# hf_attention runs flash.py's kernels in a transformers model. A call
+# attends to
+# - cu_seq_lens_q (DataCollatorWithFlattening): those documents, with no
+#   host read (the path to compile);
+# - a 2-D padding mask: each row as three segments, pads / real / pads;
+# - position_ids alone: documents start where positions restart (a host
+#   read per forward; compiled, every token is a boundary);
+# - none of these: dense flash_attention.
 
 # eager: the last position_ids seen -> its documents (all layers share it)
 _HF_DOCS = {}

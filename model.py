@@ -54,8 +54,7 @@ def autocast_dtype(x):
     return torch.get_autocast_dtype(device)
 
 
-# -----------------------------------------------------------------------------
-# 1. basic modules
+# ---- 1. basic modules
 
 def weight_grad(g, x, dtype):
     """g^T x in dtype (the weight's): on CUDA one GEMM writes it, with no
@@ -226,8 +225,7 @@ class RotaryEmbedding(nn.Module):
         return apply_rope(x, self.cos[position_ids], self.sin[position_ids])
 
 
-# -----------------------------------------------------------------------------
-# 2. attention
+# ---- 2. attention
 
 def softmax(x, dim):
     """softmax along dim, less the max first (no inf / inf)."""
@@ -311,8 +309,7 @@ class KVCache:
         return self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]
 
 
-# -----------------------------------------------------------------------------
-# 3. the model
+# ---- 3. the model
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention, RoPE on q and k. Each projection
@@ -611,8 +608,7 @@ class TransformerLM(nn.Module):
         return x
 
 
-# -----------------------------------------------------------------------------
-# 4. loss
+# ---- 4. loss
 
 class _CrossEntropy(torch.autograd.Function):
     """loss = logsumexp(o) - o[target] in fp32; the backward written out,
@@ -762,8 +758,7 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk=None):
                                      need_grad)
 
 
-# -----------------------------------------------------------------------------
-# 5. accounting
+# ---- 5. accounting
 
 def count_params(model):
     """Number of parameters, shared (tied) tensors counted once."""
@@ -793,8 +788,7 @@ PRESETS = {
 }
 
 
-# -----------------------------------------------------------------------------
-# 6. checkpoints
+# ---- 6. checkpoints
 
 def unwrap(model):
     """The model under torch.compile's and data-parallel wrappers."""
