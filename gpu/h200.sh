@@ -15,14 +15,15 @@
 #   train_small, train_pack, train_graphs            train.py (needs data/shakespeare: data/prepare.py shakespeare)
 #   sweep, sweep_compiled, suite                     timing sweeps; precision, compile, profile, memory, RMSNorm
 #   tests_triton, tests_gluon, tests_model           the GPU tests, natively
+#   muon                                             Muon against AdamW, steps to AdamW's final loss
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RUNNER=gpu/h200.sh
 ALL_PARTS=(goals attention attention_sustained attention_work train nanogpt xl xl_graphs xl_memory adamw train_small
            train_pack train_graphs varlen hf leaderboard sweep sweep_compiled suite tests_triton tests_gluon
-           tests_model)
+           tests_model muon)
 source gpu/common.sh
-LIMITS+=([goals]=530 [attention_sustained]=300 [attention_work]=400 [xl_memory]=400 [adamw]=120 [train_graphs]=400)
+LIMITS+=([goals]=530 [attention_sustained]=300 [attention_work]=400 [xl_memory]=400 [adamw]=120 [train_graphs]=400 [muon]=420)
 
 GPT2=(model --size gpt2 --vocab_size 50304 --context_length 1024 --batch_size 12 --dtype bf16 --tie_embeddings
       --warmup 10 --steps 20)
@@ -153,6 +154,50 @@ part_suite() {
     run_md memory_xl 120 "$PY" bench.py model --size xl --context_length 512 --warmup 1 --steps 1 \
         --memory_snapshot @P@-xl_snapshot.pickle --json @JSON@
     run_md rmsnorm 60 "$PY" bench.py rmsnorm --json @JSON@
+}
+
+# Muon against AdamW on config/small.py's 300 steps, evaluated every 25: the step at which each Muon run first
+# reaches AdamW's final validation loss, and its ms/step against AdamW's (medians of the logged steps after 40)
+MUON_RUNS=("adamw" "muon_lr0.02 --optimizer=muon --muon_lr=0.02" "muon_lr0.05 --optimizer=muon --muon_lr=0.05")
+part_muon() {
+    local tmp spec
+    tmp=$(mktemp -d)
+    for spec in "${MUON_RUNS[@]}"; do
+        set -- $spec
+        run_log "$1" 150 "$TORCHRUN" --standalone --nproc_per_node=1 train.py config/small.py --eval_interval=25 \
+            --save_interval=100000 --out_dir="$tmp/$1" "${@:2}"
+        cp "$tmp/$1/log.jsonl" "$P.$1.jsonl" 2>/dev/null
+    done
+    rm -rf "$tmp"
+    "$PY" - "$P" "${MUON_RUNS[@]%% *}" >>"$P.md" <<'PYEOF'
+import json, os, statistics, sys
+prefix, names = sys.argv[1], sys.argv[2:]
+def read(name):
+    path = f"{prefix}.{name}.jsonl"
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+def val(log):
+    return [(r["step"], r["val_loss"]) for r in log if "val_loss" in r]
+def ms(log):
+    late = [r["ms_per_step"] for r in log if "ms_per_step" in r and r["step"] > 40]
+    return statistics.median(late) if late else None
+base = read(names[0])
+target = val(base)[-1] if val(base) else None
+print("`train.py config/small.py --eval_interval=25` on one GPU, 300 steps of 64k tokens, same seed.")
+print(f"AdamW's final validation loss: {target[1]:.4f} at step {target[0]}.\n" if target else "AdamW gave no result.\n")
+print("| run | final val loss | first step at AdamW's final val loss | of AdamW's steps | ms/step | vs AdamW |")
+print("|---|---|---|---|---|---|")
+for name in names:
+    log = read(name)
+    vals = val(log)
+    if not vals or target is None:
+        print(f"| {name} | (no result) | | | | |")
+        continue
+    first = next((s for s, v in vals if v <= target[1]), None)
+    share = f"{first / target[0]:.0%}" if first else "not reached"
+    step_ms, base_ms = ms(log), ms(base)
+    speed = f"{step_ms / base_ms:.3f}x" if step_ms and base_ms else "-"
+    print(f"| {name} | {vals[-1][1]:.4f} | {first or '-'} | {share} | {step_ms or 0:.1f} | {speed} |")
+PYEOF
 }
 
 # The GPU tests in three parts: tests_part WORDS... runs the tests whose names hold a word (test_all.py's rule)
