@@ -1109,27 +1109,45 @@ def test_prepare_shakespeare_keeps_the_whole_text():
 # flash.py
 # ---------------------------------------------------------------------------------------------------------------
 
-# On CPU the kernels run in the Triton interpreter (slow): tiny fp32 shapes, chosen so that every code path runs
-# (tiles there are 32 x 16 and 16 x 32: several diagonal sub-tiles, ragged last tiles, lengths 1 and 17).
+# On CPU the kernels run in the Triton interpreter (slow): tiny fp32
+# shapes that still take every code path (tiles there are 32 x 16 and
+# 16 x 32: several diagonal sub-tiles, ragged last tiles, lengths 1, 17).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and flash.gluon is not None
+HOPPER = (torch.cuda.is_available()
+          and torch.cuda.get_device_capability() == (9, 0)
+          and flash.gluon is not None)
 
 
 def _rel(a, b):
-    """||a - b|| / ||b||, absolute when the reference is ~0 (e.g. dQ with a single key); NaN never passes."""
+    """||a - b|| / ||b||, absolute when the reference is ~0 (dQ with a
+    single key); NaN never passes."""
     a, b = a.double(), b.double()
     err = (a - b).norm().item()
-    return err / max(b.norm().item(), 1.0) if not math.isnan(err) else float("inf")
+    if math.isnan(err):
+        return float("inf")
+    return err / max(b.norm().item(), 1.0)
+
+
+def _poison(t):
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(-7)
 
 
 @contextlib.contextmanager
 def _poisoned_empty():
-    """torch.empty / empty_like hand out NaN-filled memory while inside, so any output element a kernel fails to
-    write shows up as NaN in the comparison."""
-    poison = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)  # noqa: E731
+    """torch.empty and empty_like hand out NaN-filled memory while
+    inside: an output element a kernel fails to write shows as NaN."""
     empty, empty_like = torch.empty, torch.empty_like
-    with unittest.mock.patch.object(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw))), \
-            unittest.mock.patch.object(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw))):
+
+    def poisoned_empty(*args, **kwargs):
+        return _poison(empty(*args, **kwargs))
+
+    def poisoned_empty_like(*args, **kwargs):
+        return _poison(empty_like(*args, **kwargs))
+    patch = unittest.mock.patch.object
+    with patch(torch, "empty", poisoned_empty), \
+            patch(torch, "empty_like", poisoned_empty_like):
         yield
 
 
@@ -1137,177 +1155,402 @@ def _backend(name):  # FLASH_BACKEND=name while inside
     return unittest.mock.patch.object(flash, "BACKEND", name)
 
 
-def _check_attention(q, k, v, causal, tol, cu=None, max_len=0, cu_k=None, max_len_k=0):
-    """O, L, dQ, dK, dV of flash.attention_with_lse (outputs poisoned first) against float64 attention."""
+def _assert_below(errors, tol, case):
+    for name, err in errors.items():
+        assert err < tol, (case, name, err)
+
+
+def _attention_errors(q, k, v, causal, cu=None, max_len=0, cu_k=None,
+                      max_len_k=0):
+    """flash.attention_with_lse (outputs poisoned first) against float64
+    attention: (O, the relative errors of O, L, dQ, dK and dV)."""
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel())).to(q.device, q.dtype)
+    gen = torch.Generator().manual_seed(q.numel())
+    do = torch.randn(q.shape, generator=gen).to(q.device, q.dtype)
     with _poisoned_empty():
-        o, lse = flash.attention_with_lse(q, k, v, causal, cu, max_len, cu_k, max_len_k or max_len)
+        o, lse = flash.attention_with_lse(q, k, v, causal, cu, max_len,
+                                          cu_k, max_len_k or max_len)
         o.backward(do)
     ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
     if cu is None:
-        ro, rlse = flash.attention_reference(*ref, causal)
+        ref_o, ref_lse = flash.attention_reference(*ref, causal)
     else:
-        ro, rlse = flash.attention_varlen_reference(*ref, cu, causal, cu_k)
-    ro.backward(do.double())
-    errs = dict(o=_rel(o, ro), lse=_rel(lse, rlse), dq=_rel(q.grad, ref[0].grad), dk=_rel(k.grad, ref[1].grad),
-                dv=_rel(v.grad, ref[2].grad))
-    assert all(e < tol for e in errs.values()), (tuple(q.shape), tuple(k.shape), causal, errs)
+        ref_o, ref_lse = flash.attention_varlen_reference(
+            *ref, cu, causal, cu_k)
+    ref_o.backward(do.double())
+    errors = dict(o=_rel(o, ref_o), lse=_rel(lse, ref_lse))
+    for name, x, x64 in zip(("dq", "dk", "dv"), (q, k, v), ref):
+        errors[name] = _rel(x.grad, x64.grad)
+    return o, errors
+
+
+def _check_attention(q, k, v, causal, tol, cu=None, max_len=0, cu_k=None,
+                     max_len_k=0):
+    o, errors = _attention_errors(q, k, v, causal, cu, max_len, cu_k,
+                                  max_len_k)
+    _assert_below(errors, tol, (tuple(q.shape), tuple(k.shape), causal))
     return o
 
 
-def _check_dense(b, h, h_kv, s, s_k, d, causal, dtype=torch.float32, tol=1e-5, layout="bhsd", gen=None):
-    shape = lambda heads, n: (b, heads, n, d) if layout == "bhsd" else (b, n, heads, d)  # noqa: E731
-    q, k, v = (torch.randn(shape(hh, n), generator=gen, dtype=torch.float32).to(DEVICE, dtype)
-               for hh, n in ((h, s), (h_kv, s_k), (h_kv, s_k)))
-    if layout == "bshd":  # the (B, S, H, D) projection output seen as (B, H, S, D), no copy
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+def _dense_inputs(b, h, h_kv, s, s_k, d, dtype, layout, gen):
+    """q, k, v of shape (B, H, S, D); layout "bshd": views of
+    (B, S, H, D) memory, as the projections give them (no copy)."""
+    def draw(heads, n):
+        if layout == "bshd":
+            x = torch.randn(b, n, heads, d, generator=gen)
+            return x.to(DEVICE, dtype).transpose(1, 2)
+        return torch.randn(b, heads, n, d, generator=gen).to(DEVICE, dtype)
+    return draw(h, s), draw(h_kv, s_k), draw(h_kv, s_k)
+
+
+def _check_dense(b, h, h_kv, s, s_k, d, causal, dtype=torch.float32,
+                 tol=1e-5, layout="bhsd", gen=None):
+    q, k, v = _dense_inputs(b, h, h_kv, s, s_k, d, dtype, layout, gen)
     return _check_attention(q, k, v, causal, tol)
 
 
-def _check_varlen(lens, h, h_kv, d, causal, lens_k=None, gen=None, tol=1e-5, dtype=torch.float32):
-    cu_of = lambda ns: torch.tensor([0] + ns, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)  # noqa: E731
-    q = torch.randn(sum(lens), h, d, generator=gen).to(DEVICE, dtype)
-    k, v = (torch.randn(sum(lens_k or lens), h_kv, d, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    cu_k = None if lens_k is None else cu_of(lens_k)
-    o = _check_attention(q, k, v, causal, tol, cu_of(lens), max(lens), cu_k, max(lens_k or lens))
-    assert torch.equal(flash.flash_attn_varlen(q, k, v, cu_of(lens), max(lens), causal, cu_k, max(lens_k or lens)),
-                       o)  # the public entry point
+def _cu_seqlens(lens):
+    offsets = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
+    return offsets.to(torch.int32).to(DEVICE)
 
 
-@cases("twin", [True, False])
-def test_flash_reference_twin_matches_naive_attention(twin):
-    """The (batch, seq, d) interfaces against naive attention, O, L (saved once, (batch, seq_q), fp32 or wider) and
-    the gradients: FlashAttentionPyTorch, the readable twin, in float64; FlashAttentionTriton in fp32."""
-    fn, dtype, tol = (flash.FlashAttentionPyTorch, torch.float64, 1e-10) if twin else \
-        (flash.FlashAttentionTriton, torch.float32, 1e-5)
+def _varlen_run(lens, h, h_kv, d, causal, lens_k=None, gen=None,
+                dtype=torch.float32):
+    """Packed documents of lengths lens (keys: lens_k): the relative
+    errors, and whether the public flash_attn_varlen gives the same O."""
+    def draw(n, heads):
+        return torch.randn(n, heads, d, generator=gen).to(DEVICE, dtype)
+    keys = lens_k or lens
+    q = draw(sum(lens), h)
+    k, v = draw(sum(keys), h_kv), draw(sum(keys), h_kv)
+    cu = _cu_seqlens(lens)
+    cu_k = None if lens_k is None else _cu_seqlens(lens_k)
+    max_len, max_len_k = max(lens), max(keys)
+    o, errors = _attention_errors(q, k, v, causal, cu, max_len, cu_k,
+                                  max_len_k)
+    public = flash.flash_attn_varlen(q, k, v, cu, max_len, causal, cu_k,
+                                     max_len_k)
+    return errors, torch.equal(public, o)
+
+
+def _check_varlen(lens, h, h_kv, d, causal, lens_k=None, gen=None,
+                  tol=1e-5, dtype=torch.float32):
+    errors, same = _varlen_run(lens, h, h_kv, d, causal, lens_k, gen, dtype)
+    _assert_below(errors, tol, (lens, lens_k, h, h_kv, d, causal))
+    assert same, "flash_attn_varlen differs from attention_with_lse"
+
+
+REFERENCE_TOL = {"pytorch": 1e-10, "triton": 1e-5}
+
+
+@functools.cache
+def _reference_interface_runs(impl):
+    """The (batch, seq, d) interfaces against naive attention:
+    FlashAttentionPyTorch, the readable twin, in float64;
+    FlashAttentionTriton in fp32. A record per case: the L it saved
+    and the relative errors of O, L and the gradients."""
+    if impl == "pytorch":
+        fn, dtype = flash.FlashAttentionPyTorch, torch.float64
+        shapes = [(2, 1, 16), (1, 17, 32), (2, 100, 16), (1, 130, 64)]
+    else:
+        fn, dtype = flash.FlashAttentionTriton, torch.float32
+        shapes = [(3, 40, 32)]
     gen = torch.Generator().manual_seed(0)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype).to(DEVICE)
+    runs = []
     for causal in (False, True):
-        for batch, s, d in ((2, 1, 16), (1, 17, 32), (2, 100, 16), (1, 130, 64)) if twin else ((3, 40, 32),):
-            q, k, v = (torch.randn(batch, s, d, generator=gen, dtype=dtype).to(DEVICE).requires_grad_()
-                       for _ in range(3))
+        for batch, s, d in shapes:
+            q, k, v = (draw(batch, s, d).requires_grad_() for _ in range(3))
             o = fn.apply(q, k, v, causal)
             lse = o.grad_fn.saved_tensors[-1]
-            assert lse.shape == (batch, s) and lse.dtype in (torch.float32, torch.float64)
-            do = torch.randn(o.shape, generator=gen, dtype=dtype).to(DEVICE)
+            do = draw(*o.shape)
             ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
-            ro, rlse = flash.attention_reference(*ref, causal)
-            grads = torch.autograd.grad(o, (q, k, v), do) + torch.autograd.grad(ro, ref, do.double())
-            assert _rel(o, ro) < tol and _rel(lse, rlse) < tol
-            assert all(_rel(a, r) < tol for a, r in zip(grads[:3], grads[3:])), (causal, batch, s, d)
+            ref_o, ref_lse = flash.attention_reference(*ref, causal)
+            grads = torch.autograd.grad(o, (q, k, v), do)
+            ref_grads = torch.autograd.grad(ref_o, ref, do.double())
+            errors = dict(o=_rel(o, ref_o), lse=_rel(lse, ref_lse))
+            grad_errors = {name: _rel(a, b) for name, a, b
+                           in zip(("dq", "dk", "dv"), grads, ref_grads)}
+            runs.append(SimpleNamespace(
+                case=(causal, batch, s, d), lse=lse, errors=errors,
+                grad_errors=grad_errors))
+    return runs
 
 
-@cases("b, h, h_kv, s, s_k, d, layout", [
-    (2, 2, 2, 1, 1, 16, "bhsd"), (1, 2, 2, 17, 17, 32, "bhsd"), (1, 1, 1, 100, 100, 64, "bhsd"),
-    (1, 1, 1, 257, 257, 16, "bhsd"), (1, 2, 2, 128, 128, 16, "bhsd"),  # 128: no ragged tile (dK/dV's EVEN_Q)
-    (2, 4, 2, 45, 45, 32, "bshd"),  # grouped heads in the (B, S, H, D) memory of projections
+@cases("impl", ["pytorch", "triton"])
+def test_flash_reference_interfaces_save_l_per_query(impl):
+    # saved once, (batch, seq_q), fp32 or wider
+    for run in _reference_interface_runs(impl):
+        batch, s = run.case[1:3]
+        assert run.lse.shape == (batch, s), (run.case, run.lse.shape)
+        wide = (torch.float32, torch.float64)
+        assert run.lse.dtype in wide, (run.case, run.lse.dtype)
+
+
+@cases("impl", ["pytorch", "triton"])
+def test_flash_reference_interfaces_match_naive_attention(impl):
+    for run in _reference_interface_runs(impl):
+        _assert_below(run.errors, REFERENCE_TOL[impl], run.case)
+
+
+@cases("impl", ["pytorch", "triton"])
+def test_flash_reference_interfaces_match_naive_gradients(impl):
+    for run in _reference_interface_runs(impl):
+        _assert_below(run.grad_errors, REFERENCE_TOL[impl], run.case)
+
+
+DENSE_CASES = [
+    (2, 2, 2, 1, 1, 16, "bhsd"), (1, 2, 2, 17, 17, 32, "bhsd"),
+    (1, 1, 1, 100, 100, 64, "bhsd"), (1, 1, 1, 257, 257, 16, "bhsd"),
+    (1, 2, 2, 128, 128, 16, "bhsd"),  # no ragged tile (dK/dV's EVEN_Q)
+    (2, 4, 2, 45, 45, 32, "bshd"),  # grouped heads, projections' memory
     (1, 3, 1, 33, 33, 24, "bhsd"),  # head dim 24 runs zero-padded to 32
-    (1, 4, 2, 128, 128, 16, "bhsd"), (1, 2, 2, 20, 50, 16, "bhsd"), (1, 2, 1, 50, 20, 16, "bhsd"),
-    (1, 2, 2, 20, 70, 16, "bhsd"), (1, 2, 1, 128, 192, 16, "bhsd")])  # more keys than queries: zero dK, dV past them
-def test_flash_triton_dense_matches_float64(b, h, h_kv, s, s_k, d, layout):
+    (1, 4, 2, 128, 128, 16, "bhsd"), (1, 2, 2, 20, 50, 16, "bhsd"),
+    (1, 2, 1, 50, 20, 16, "bhsd"), (1, 2, 2, 20, 70, 16, "bhsd"),
+    # more keys than queries: zero dK, dV past them
+    (1, 2, 1, 128, 192, 16, "bhsd")]
+
+
+@functools.cache
+def _triton_dense_runs(b, h, h_kv, s, s_k, d, layout):
+    """Not causal, then causal: [(causal, relative errors, whether O
+    keeps the (B, S, H, D) memory)]."""
     gen = torch.Generator().manual_seed(1)
+    runs = []
     for causal in (False, True):
-        o = _check_dense(b, h, h_kv, s, s_k, d, causal, layout=layout, gen=gen)
-        if layout == "bshd":
-            assert o.transpose(1, 2).is_contiguous()  # the output keeps the (B, S, H, D) memory: the merge is free
+        q, k, v = _dense_inputs(b, h, h_kv, s, s_k, d, torch.float32,
+                                layout, gen)
+        o, errors = _attention_errors(q, k, v, causal)
+        runs.append((causal, errors, o.transpose(1, 2).is_contiguous()))
+    return runs
 
 
-@cases("lens, h, h_kv, d, lens_k", [
-    ([1, 2, 5, 1, 17, 3, 1, 9, 40, 1, 33, 70], 2, 2, 16, None),  # many in one tile, then several tiles long
-    ([3, 0, 40, 1, 0, 17, 0, 0], 2, 2, 16, None),  # empty documents (train.pad_packed makes them)
-    ([3, 50, 1, 18], 4, 2, 32, None),  # grouped-query heads
-    ([5, 30, 1, 12], 2, 1, 16, [40, 3, 17, 1]), ([20, 33, 7], 2, 2, 16, [20, 40, 3])])  # keys of their own lengths
-def test_flash_triton_varlen_matches_float64(lens, h, h_kv, d, lens_k):
+@cases("b, h, h_kv, s, s_k, d, layout", DENSE_CASES)
+def test_flash_triton_dense_matches_float64(b, h, h_kv, s, s_k, d, layout):
+    runs = _triton_dense_runs(b, h, h_kv, s, s_k, d, layout)
+    for causal, errors, _ in runs:
+        _assert_below(errors, 1e-5, causal)
+
+
+@cases("b, h, h_kv, s, s_k, d, layout",
+       [case for case in DENSE_CASES if case[-1] == "bshd"])
+def test_flash_triton_dense_output_keeps_the_bshd_memory(
+        b, h, h_kv, s, s_k, d, layout):
+    # the merge of the heads after attention is then free
+    runs = _triton_dense_runs(b, h, h_kv, s, s_k, d, layout)
+    for causal, _, keeps_memory in runs:
+        assert keeps_memory, causal
+
+
+VARLEN_CASES = [
+    # many in one tile, then several tiles long
+    ((1, 2, 5, 1, 17, 3, 1, 9, 40, 1, 33, 70), 2, 2, 16, None),
+    ((3, 0, 40, 1, 0, 17, 0, 0), 2, 2, 16, None),  # empty documents
+    ((3, 50, 1, 18), 4, 2, 32, None),  # grouped-query heads
+    ((5, 30, 1, 12), 2, 1, 16, (40, 3, 17, 1)),  # keys of their own
+    ((20, 33, 7), 2, 2, 16, (20, 40, 3))]  # lengths
+
+
+@functools.cache
+def _triton_varlen_runs(lens, h, h_kv, d, lens_k):
+    """Causal, then not: [(causal, relative errors, whether
+    flash_attn_varlen gives the same O)]."""
     gen = torch.Generator().manual_seed(4)
-    for causal in (True, False):
-        _check_varlen(lens, h, h_kv, d, causal, lens_k, gen=gen)
+    return [(causal, *_varlen_run(lens, h, h_kv, d, causal, lens_k, gen))
+            for causal in (True, False)]
 
 
-def test_flash_triton_bf16_matches_float64():
-    """bf16 q, k, v through the Triton kernels (forced), dense and packed, against float64 (Triton's interpreter
-    has no bf16 arithmetic: flash.py runs such calls in fp32 there and returns bf16)."""
+@cases("lens, h, h_kv, d, lens_k", VARLEN_CASES)
+def test_flash_triton_varlen_matches_float64(lens, h, h_kv, d, lens_k):
+    for causal, errors, _ in _triton_varlen_runs(lens, h, h_kv, d, lens_k):
+        _assert_below(errors, 1e-5, causal)
+
+
+@cases("lens, h, h_kv, d, lens_k", VARLEN_CASES)
+def test_flash_triton_varlen_entry_point_gives_the_same_output(
+        lens, h, h_kv, d, lens_k):
+    for causal, _, same in _triton_varlen_runs(lens, h, h_kv, d, lens_k):
+        assert same, causal
+
+
+# bf16 q, k, v through the Triton kernels (forced), against float64;
+# the interpreter has no bf16 arithmetic: flash.py runs such calls in
+# fp32 there and returns bf16
+
+def test_flash_triton_bf16_dense_matches_float64():
     gen = torch.Generator().manual_seed(6)
     with _backend("triton"):
         for causal in (True, False):
-            _check_dense(1, 2, 1, 37, 37, 32, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            _check_varlen([5, 1, 40], 2, 2, 16, causal, gen=gen, tol=2e-2, dtype=torch.bfloat16)
+            _check_dense(1, 2, 1, 37, 37, 32, causal, dtype=torch.bfloat16,
+                         tol=2e-2, gen=gen)
 
 
-@cases("lens, d", [(None, 16), (None, 12), ([1, 70, 5, 33], 16), ([1, 70, 5, 33], 12)])
-def test_flash_delta_pass_zeroes_the_dq_buffer_of_the_gluon_backward(lens, d):
-    """The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32 against float64, and the first dq_cols columns
-    of the fp32 dQ buffer (poisoned with NaN first) zeroed on every row of every document, the columns past them
-    left alone, dense and packed. A head dim below the tile width (12 of 16) reads only its own columns: O and dO
-    are views into NaN-filled rows 16 wide."""
+@functools.cache
+def _triton_bf16_varlen_runs():
+    gen = torch.Generator().manual_seed(7)
+    with _backend("triton"):
+        return [(causal, *_varlen_run((5, 1, 40), 2, 2, 16, causal, None,
+                                      gen, torch.bfloat16))
+                for causal in (True, False)]
+
+
+def test_flash_triton_bf16_varlen_matches_float64():
+    for causal, errors, _ in _triton_bf16_varlen_runs():
+        _assert_below(errors, 2e-2, causal)
+
+
+def test_flash_triton_bf16_varlen_entry_point_gives_the_same_output():
+    for causal, _, same in _triton_bf16_varlen_runs():
+        assert same, causal
+
+
+# The Gluon backward's pre-pass: Delta = rowsum(dO * O) in fp32, and the
+# first dq_cols columns of the fp32 dQ buffer (NaN first) zeroed on
+# every row of every document, dense and packed. A head dim below the
+# tile width (12 of 16) reads only its own columns: O and dO are views
+# into NaN-filled rows 16 wide.
+DELTA_CASES = [(None, 16), (None, 12), ((1, 70, 5, 33), 16),
+               ((1, 70, 5, 33), 12)]
+
+
+@functools.cache
+def _delta_pass(lens, d):
+    """(Delta, its float64 reference, the dQ buffer, dq_cols)."""
     gen = torch.Generator().manual_seed(8)
     varlen = lens is not None
     shape = (sum(lens), 3, 16) if varlen else (2, 3, 45, 16)
-    o, do = (torch.full(shape, float("nan"), device=DEVICE) for _ in range(2))
+
+    def nans(*size):
+        return torch.full(size, float("nan"), device=DEVICE)
+    o, do = nans(*shape), nans(*shape)
     for x in (o, do):
         x[..., :d] = torch.randn(shape[:-1] + (d,), generator=gen).to(DEVICE)
     o, do = o[..., :d], do[..., :d]
-    ref = (o.double() * do.double()).sum(-1)  # (B, H, S) dense, (total, H) packed
-    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE) if varlen else None
-    delta = torch.full((3, shape[0]) if varlen else shape[:3], float("nan"), device=DEVICE)
-    dq = torch.full(shape, float("nan"), device=DEVICE)
-    dq_cols = 8 if varlen else 16
-    lse_strides = (0, shape[0]) if varlen else (3 * 45, 45)
-    seqlen, batch = (max(lens), len(lens)) if varlen else (45, 2)
-    flash._attn_bwd_delta[(batch * 3, -(-seqlen // 16))](
-        o, do, delta, dq, cu if varlen else delta, *flash._strides(varlen, o, do, dq), *lse_strides, seqlen, 3, d,
-        dq_cols, HEAD_DIM=16, VARLEN=varlen, BLOCK_M=16)
-    assert torch.allclose(delta.double(), ref.T if varlen else ref, atol=1e-5)
-    assert torch.equal(dq[..., :dq_cols], torch.zeros_like(dq[..., :dq_cols])) and dq[..., dq_cols:].isnan().all()
+    ref = (o.double() * do.double()).sum(-1)  # (B, H, S) or (total, H)
+    dq = nans(*shape)
+    if varlen:
+        offsets = [0, *itertools.accumulate(lens)]
+        cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+        delta, ref = nans(3, shape[0]), ref.T
+        dq_cols, lse_strides = 8, (0, shape[0])
+        seqlen, batch = max(lens), len(lens)
+    else:
+        delta = nans(*shape[:3])
+        cu = delta  # unread when dense
+        dq_cols, lse_strides = 16, (3 * 45, 45)
+        seqlen, batch = 45, 2
+    grid = (batch * 3, -(-seqlen // 16))
+    strides = flash._strides(varlen, o, do, dq)
+    flash._attn_bwd_delta[grid](
+        o, do, delta, dq, cu, *strides, *lse_strides, seqlen, 3, d, dq_cols,
+        HEAD_DIM=16, VARLEN=varlen, BLOCK_M=16)
+    return delta, ref, dq, dq_cols
 
 
-def test_flash_compiles_without_graph_breaks():
-    # aot_eager traces through the fake kernels and the registered autograd formulas with fullgraph=True (a graph
-    # break would raise), then runs the real kernels; no C++ compiler needed
+@cases("lens, d", DELTA_CASES)
+def test_flash_delta_pass_matches_float64(lens, d):
+    delta, ref = _delta_pass(lens, d)[:2]
+    assert torch.allclose(delta.double(), ref, atol=1e-5)
+
+
+@cases("lens, d", DELTA_CASES)
+def test_flash_delta_pass_zeroes_the_first_dq_columns(lens, d):
+    dq, dq_cols = _delta_pass(lens, d)[2:]
+    zeroed = dq[..., :dq_cols]
+    assert torch.equal(zeroed, torch.zeros_like(zeroed))
+
+
+@cases("lens, d", DELTA_CASES)
+def test_flash_delta_pass_leaves_the_dq_columns_past_them(lens, d):
+    dq, dq_cols = _delta_pass(lens, d)[2:]
+    assert dq[..., dq_cols:].isnan().all()
+
+
+@functools.cache
+def _compiled_attention_errors():
+    """Dense and packed attention on one projection, compiled: aot_eager
+    traces the fake kernels and the registered autograd formulas with
+    fullgraph=True (a graph break would raise), then runs the real
+    kernels; no C++ compiler needed. Relative errors against eager of
+    the output and of the gradient."""
     gen = torch.Generator().manual_seed(6)
     b, s, h, d = 1, 24, 2, 16
-    x = torch.randn(b, s, 3 * h * d, generator=gen).to(DEVICE).requires_grad_()
+    x = torch.randn(b, s, 3 * h * d, generator=gen).to(DEVICE)
+    x.requires_grad_()
     cu = torch.tensor([0, 5, 24], dtype=torch.int32, device=DEVICE)
 
     def attend(x):
-        q, k, v = (t.view(b, s, h, d).transpose(1, 2) for t in x.split(h * d, dim=-1))
-        dense = flash.flash_attention(q, k, v, causal=True).transpose(1, 2).reshape(b, s, h * d)
-        packed = flash.flash_attn_varlen(q.transpose(1, 2)[0], k.transpose(1, 2)[0], v.transpose(1, 2)[0], cu, 19)
+        q, k, v = (t.view(b, s, h, d).transpose(1, 2)
+                   for t in x.split(h * d, dim=-1))
+        dense = flash.flash_attention(q, k, v, causal=True)
+        dense = dense.transpose(1, 2).reshape(b, s, h * d)
+        q, k, v = (t.transpose(1, 2)[0] for t in (q, k, v))
+        packed = flash.flash_attn_varlen(q, k, v, cu, 19)
         return dense + packed.reshape(b, s, h * d)
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    out, eager = compiled(x), attend(x)
+    grad, eager_grad = (torch.autograd.grad(o.square().sum(), x)[0]
+                        for o in (out, eager))
+    return _rel(out, eager), _rel(grad, eager_grad)
 
-    out, out2 = torch.compile(attend, backend="aot_eager", fullgraph=True)(x), attend(x)
-    gx, gx2 = (torch.autograd.grad(o.square().sum(), x)[0] for o in (out, out2))
-    assert _rel(out, out2) < 1e-6 and _rel(gx, gx2) < 1e-6
+
+def test_flash_compiles_to_the_eager_output():
+    err = _compiled_attention_errors()[0]
+    assert err < 1e-6, err
+
+
+def test_flash_compiles_to_the_eager_gradient():
+    err = _compiled_attention_errors()[1]
+    assert err < 1e-6, err
 
 
 def test_flash_says_when_triton_was_imported_before_it_without_a_gpu():
-    """Without a GPU, flash.py sets TRITON_INTERPRET=1 before it imports triton; when something imported triton
-    first (torch.compile's machinery, say), the kernels cannot run in the interpreter, and a call says so."""
+    """Without a GPU flash.py sets TRITON_INTERPRET=1 before it imports
+    triton; when something imported triton first (torch.compile's
+    machinery, say), the kernels cannot run, and a call says so."""
     if torch.cuda.is_available():
-        raise unittest.SkipTest("with a GPU the kernels do not need the interpreter")
+        raise unittest.SkipTest("with a GPU the kernels need no interpreter")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import triton, torch, flash\n"
-            "for call in (lambda q: flash.flash_attention(q, q, q), lambda q: flash.rms_norm(q, torch.ones(16))):\n"
+            "calls = (lambda q: flash.flash_attention(q, q, q),\n"
+            "         lambda q: flash.rms_norm(q, torch.ones(16)))\n"
+            "for call in calls:\n"
             "    try:\n"
             "        call(torch.randn(1, 2, 16, 16))\n"
             "    except RuntimeError as e:\n"
             "        print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                         text=True, env=env, cwd=ROOT,
                          stdin=subprocess.DEVNULL, timeout=300)
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 2 and all("triton was imported before flash.py" in line for line in lines), \
-        (out.stdout, out.stderr[-2000:])
+    assert len(lines) == 2, (out.stdout, out.stderr[-2000:])
+    for line in lines:
+        assert "triton was imported before flash.py" in line, line
 
 
-def test_flash_rejects_bad_input():
-    q = torch.randn(1, 3, 8, 16, device=DEVICE)
-    k = torch.randn(1, 2, 8, 16, device=DEVICE)
-    for fn, word in ((lambda: flash.flash_attention(q, k, k), "divide"),
-                     (lambda: flash.flash_attention(q, q.double(), q), "dtype"),
-                     (lambda: flash.flash_attention(q[0], q[0], q[0]), "4-D"),
-                     (lambda: flash.flash_attn_varlen(q[0], q[0], q[0], torch.tensor([0, 3], device=DEVICE), 3),
-                      "int32"),
-                     (lambda: flash.flash_attention(*(torch.randn(1, 1, 4, 300, device=DEVICE),) * 3), "head dim")):
-        _expect(ValueError, [word], fn)
+BAD_ATTENTION_WORDS = {
+    "heads_not_dividing": "divide", "mixed_dtypes": "dtype",
+    "not_4d": "4-D", "int64_cu_seqlens": "int32", "head_dim_300": "head dim"}
+
+
+@cases("problem", list(BAD_ATTENTION_WORDS))
+def test_flash_rejects_bad_input(problem):
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 3, 8, 16, generator=gen).to(DEVICE)
+    k = torch.randn(1, 2, 8, 16, generator=gen).to(DEVICE)
+    wide = torch.randn(1, 1, 4, 300, generator=gen).to(DEVICE)
+    cu = torch.tensor([0, 3], device=DEVICE)
+    q0 = q[0]
+    calls = dict(
+        heads_not_dividing=lambda: flash.flash_attention(q, k, k),
+        mixed_dtypes=lambda: flash.flash_attention(q, q.double(), q),
+        not_4d=lambda: flash.flash_attention(q0, q0, q0),
+        int64_cu_seqlens=lambda: flash.flash_attn_varlen(q0, q0, q0, cu, 3),
+        head_dim_300=lambda: flash.flash_attention(wide, wide, wide))
+    words = [BAD_ATTENTION_WORDS[problem]]
+    _expect(ValueError, words, calls[problem])
 
 
 def test_flash_gluon_kernels_leave_work_counts_unspecialized():
