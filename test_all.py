@@ -1553,110 +1553,198 @@ def test_flash_rejects_bad_input(problem):
     _expect(ValueError, words, calls[problem])
 
 
-def test_flash_gluon_kernels_leave_work_counts_unspecialized():
-    """The Gluon kernels take the work counts that change from batch to batch unspecialized, so a new number of
-    rows or documents never compiles them anew."""
+# the work counts that change from batch to batch: a new number of rows
+# or documents never compiles a Gluon kernel anew
+UNSPECIALIZED = {"_gl_attn_fwd": {"n_docs", "n_items", "m_tiles", "n_bh"},
+                 "_gl_attn_bwd": {"n_docs", "n_items", "n_tiles"}}
+
+
+@cases("kernel", ["_gl_attn_fwd", "_gl_attn_bwd"])
+def test_flash_gluon_kernels_leave_work_counts_unspecialized(kernel):
     if flash.gluon is None:
         raise unittest.SkipTest("this Triton has no Gluon")
-    free = lambda kernel: {p.name for p in kernel.params if p.do_not_specialize}  # noqa: E731
-    assert free(flash._gl_attn_fwd) == {"n_docs", "n_items", "m_tiles", "n_bh"}
-    assert free(flash._gl_attn_bwd) == {"n_docs", "n_items", "n_tiles"}
+    params = getattr(flash, kernel).params
+    free = {p.name for p in params if p.do_not_specialize}
+    assert free == UNSPECIALIZED[kernel], free
 
 
-def test_flash_d64_kernels_by_work_per_sm_and_direction():
-    """At head dims 33-64 the Gluon kernels take a call (flash._gluon_d64) forward from 15 query tiles per SM at
-    1024 tokens and more, backward from 31 at 2048, both from 4096 tokens; packed from 2048 tokens or 15 per SM."""
-    tiles = lambda b, h, s: b * h * -(-s // 128)  # noqa: E731
-    pick = lambda b, h, s: tuple(flash._gluon_d64(s, tiles(b, h, s), False, bwd, 132) for bwd in (False, True))  # noqa
-    assert pick(12, 12, 1024) == (False, False)  # GPT-2 small: the Triton kernels both ways
-    assert pick(4, 12, 2048) == (False, False) and pick(12, 12, 2048) == (True, False)
-    assert pick(16, 32, 1024) == (True, False) and pick(16, 16, 1024) == (True, False)
-    assert pick(16, 32, 2048) == (True, True) and pick(32, 32, 2048) == (True, True)
-    assert pick(4, 32, 4096) == (True, True) and pick(1, 1, 8192) == (True, True)
-    assert pick(4, 12, 512) == (False, False) and pick(32, 32, 512) == (False, False)
-    for bwd in (False, True):  # packed: from 2048 tokens in the longest document, or from 15 query tiles per SM
-        assert not flash._gluon_d64(2047, 0, True, bwd, 132) and flash._gluon_d64(2048, 0, True, bwd, 132)
-        assert flash._gluon_d64(300, 15 * 132, True, bwd, 132) and not flash._gluon_d64(300, 15 * 132 - 1, True,
-                                                                                          bwd, 132)
+# At head dims 33-64 the Gluon kernels take a call (flash._gluon_d64)
+# forward from 15 query tiles per SM at 1024 tokens and more, backward
+# from 31 at 2048, both from 4096 tokens; packed from 2048 tokens or
+# 15 tiles per SM.
+@cases("b, h, s, gluon_forward, gluon_backward", [
+    (12, 12, 1024, False, False),  # GPT-2 small: Triton both ways
+    (4, 12, 2048, False, False), (12, 12, 2048, True, False),
+    (16, 32, 1024, True, False), (16, 16, 1024, True, False),
+    (16, 32, 2048, True, True), (32, 32, 2048, True, True),
+    (4, 32, 4096, True, True), (1, 1, 8192, True, True),
+    (4, 12, 512, False, False), (32, 32, 512, False, False)])
+def test_flash_d64_dense_takes_gluon_by_work_per_sm(
+        b, h, s, gluon_forward, gluon_backward):
+    tiles = b * h * -(-s // 128)
+    forward = flash._gluon_d64(s, tiles, False, False, 132)
+    backward = flash._gluon_d64(s, tiles, False, True, 132)
+    assert forward == gluon_forward, forward
+    assert backward == gluon_backward, backward
+
+
+@cases("backward", [False, True])
+def test_flash_d64_packed_takes_gluon_from_2048_tokens(backward):
+    assert not flash._gluon_d64(2047, 0, True, backward, 132)
+    assert flash._gluon_d64(2048, 0, True, backward, 132)
+
+
+@cases("backward", [False, True])
+def test_flash_d64_packed_takes_gluon_from_15_tiles_per_sm(backward):
+    assert flash._gluon_d64(300, 15 * 132, True, backward, 132)
+    assert not flash._gluon_d64(300, 15 * 132 - 1, True, backward, 132)
 
 
 @cases("backend", ["triton", "gluon"])
 def test_flash_gpu_kernels_match_reference(backend):
-    """Each kernel family forced on a GPU against float64 attention: O, L, dQ, dK, dV; ragged lengths, causal and
-    not, GQA, the (B, S, H, D) memory of projections, fp16, more keys than queries, head dims 80 and 96 (tails of 16
-    and 32), 72 and 40 (read in place), 36 (rows not 16-byte aligned: padded copies), packed documents of 0 tokens
-    up to several tiles and 302 of them; the Triton kernels also at D=256 and in fp32. Work items fewer than the SMs
-    (one CTA per item) and more (the persistent grid: 408 forward items, 256 backward ones at D=80)."""
-    if not (HOPPER if backend == "gluon" else torch.cuda.is_available()):
-        raise unittest.SkipTest("needs a CUDA GPU (Gluon: an sm90 one and Triton's Gluon)")
+    """Each kernel family forced on a GPU against float64 attention: O,
+    L, dQ, dK, dV; ragged lengths, causal and not, GQA, the (B, S, H, D)
+    memory of projections, fp16, more keys than queries, head dims 80
+    and 96 (tails of 16 and 32), 72 and 40 (read in place), 36 (rows
+    not 16-byte aligned: padded copies), packed documents of 0 tokens
+    up to several tiles and 302 of them; the Triton kernels also at
+    D=256 and in fp32. Work items fewer than the SMs (one CTA per item)
+    and more (the persistent grid: 408 forward items, 256 backward ones
+    at D=80)."""
+    if backend == "gluon" and not HOPPER:
+        raise unittest.SkipTest("needs an sm90 GPU and Triton's Gluon")
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA GPU")
     gen = torch.Generator().manual_seed(12)
     bf16 = dict(dtype=torch.bfloat16, tol=2e-2, gen=gen)
+    fp16 = dict(dtype=torch.float16, tol=5e-3, gen=gen)
+    fp32 = dict(dtype=torch.float32, tol=2e-3, gen=gen)
+    dense = [(2, 4, 4, 1, 64), (1, 2, 2, 77, 128), (2, 4, 2, 1000, 64),
+             (1, 3, 1, 2049, 128), (1, 2, 2, 256, 128),
+             (3, 8, 4, 2049, 128), (4, 8, 8, 1000, 80),
+             (2, 4, 4, 1000, 80), (1, 4, 2, 700, 96), (1, 2, 1, 130, 36)]
+    bshd = [(2, 8, 2, 1025, 128), (1, 4, 2, 333, 80), (1, 2, 2, 300, 72),
+            (1, 2, 2, 200, 40)]
+    lens = [1, 7, 0, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3, 0, 0]
+    packed_heads = [(8, 8, 128), (8, 2, 64), (4, 4, 80), (4, 2, 96),
+                    (8, 8, 64)]
     with _backend(backend):
         for causal in (True, False):
-            for b, h, h_kv, s, d in ((2, 4, 4, 1, 64), (1, 2, 2, 77, 128), (2, 4, 2, 1000, 64), (1, 3, 1, 2049, 128),
-                                     (1, 2, 2, 256, 128), (3, 8, 4, 2049, 128), (4, 8, 8, 1000, 80),
-                                     (2, 4, 4, 1000, 80), (1, 4, 2, 700, 96), (1, 2, 1, 130, 36)):
+            for b, h, h_kv, s, d in dense:
                 _check_dense(b, h, h_kv, s, s, d, causal, **bf16)
-            for b, h, h_kv, s, d in ((2, 8, 2, 1025, 128), (1, 4, 2, 333, 80), (1, 2, 2, 300, 72),
-                                     (1, 2, 2, 200, 40)):
-                _check_dense(b, h, h_kv, s, s, d, causal, layout="bshd", **bf16)
-            _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float16, tol=5e-3, gen=gen)
+            for b, h, h_kv, s, d in bshd:
+                _check_dense(b, h, h_kv, s, s, d, causal, layout="bshd",
+                             **bf16)
+            _check_dense(1, 2, 2, 300, 300, 64, causal, **fp16)
             _check_dense(1, 2, 2, 100, 300, 64, causal, **bf16)  # more keys
             if backend == "triton":
                 _check_dense(1, 2, 2, 777, 777, 256, causal, **bf16)
-                _check_dense(1, 2, 2, 300, 300, 64, causal, dtype=torch.float32, tol=2e-3, gen=gen)
-            lens = [1, 7, 0, 300, 2, 1500, 64, 129, 1, 900, 1, 1, 3, 0, 0]
-            for h, h_kv, d in ((8, 8, 128), (8, 2, 64), (4, 4, 80), (4, 2, 96), (8, 8, 64)):
+                _check_dense(1, 2, 2, 300, 300, 64, causal, **fp32)
+            for h, h_kv, d in packed_heads:
                 _check_varlen(lens, h, h_kv, d, causal, **bf16)
-            many = torch.randint(1, 40, (300,), generator=gen).tolist() + [700, 1]  # more than 256 documents
-            _check_varlen(many, 2, 2, 128, causal, **bf16)
+            # more than 256 documents
+            many = torch.randint(1, 40, (300,), generator=gen).tolist()
+            _check_varlen(many + [700, 1], 2, 2, 128, causal, **bf16)
 
 
-def test_flash_gpu_gluon_compiles_once_across_batch_shapes():
-    """Dense batches of 1, 2, 3, 16 and 17 sequences of 200 tokens, then packed batches of 1, 3, 16 and 17
-    documents (the longest 300 tokens, totals of one class mod 16), through the Gluon kernels: one binary each
-    for dense and packed inputs (a new row or document count compiles nothing), every result against float64."""
+def _gluon_binaries():
+    kernels = (flash._gl_attn_fwd, flash._gl_attn_bwd)
+    return sum(len(cache[0]) for kernel in kernels
+               for cache in kernel.device_caches.values())
+
+
+# Through the Gluon kernels a new row or document count compiles
+# nothing: one binary each for dense and packed inputs, every result
+# against float64.
+
+def test_flash_gpu_gluon_compiles_once_across_dense_batches():
+    # 1, 2, 3, 16 and 17 sequences of 200 tokens: work items below the
+    # SM count, one kind of grid
     if not HOPPER:
-        raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
-    binaries = lambda: sum(len(cache[0]) for kernel in (flash._gl_attn_fwd, flash._gl_attn_bwd)  # noqa: E731
-                           for cache in kernel.device_caches.values())
+        raise unittest.SkipTest("needs an sm90 GPU and Triton's Gluon")
     gen = torch.Generator().manual_seed(15)
     counts = []
     with _backend("gluon"):
-        for b in (1, 2, 3, 16, 17):  # work items below the SM count: one kind of grid
-            _check_dense(b, 2, 2, 200, 200, 128, True, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-            counts.append(binaries())
-        for lens in ([300], [1, 7, 300], [16] * 15 + [300], [1] * 16 + [300]):  # 300, 308, 540, 316 tokens
-            _check_varlen(lens, 2, 2, 128, True, gen=gen, tol=2e-2, dtype=torch.bfloat16)
-            counts.append(binaries())
-    assert counts[1:5] == [counts[0]] * 4 and counts[6:] == [counts[5]] * 3, counts
+        for b in (1, 2, 3, 16, 17):
+            _check_dense(b, 2, 2, 200, 200, 128, True, dtype=torch.bfloat16,
+                         tol=2e-2, gen=gen)
+            counts.append(_gluon_binaries())
+    assert counts[1:] == [counts[0]] * 4, counts
 
 
-def test_flash_gpu_mixed_kernel_families_match_reference():
-    """At D=64 the forward and the backward may take different kernel families (flash._gluon_d64): a Gluon forward
-    with a Triton backward, and a Triton forward with a Gluon backward, against float64 attention (the two families
-    store the same natural-log L), dense, causal and not, GQA, and compiled."""
+def test_flash_gpu_gluon_compiles_once_across_packed_batches():
+    # 1, 3, 16 and 17 documents, the longest 300 tokens, totals of one
+    # class mod 16: 300, 308, 540 and 316 tokens
     if not HOPPER:
-        raise unittest.SkipTest("needs an sm90 (Hopper) GPU and Triton's Gluon")
+        raise unittest.SkipTest("needs an sm90 GPU and Triton's Gluon")
+    gen = torch.Generator().manual_seed(16)
+    counts = []
+    with _backend("gluon"):
+        for lens in ([300], [1, 7, 300], [16] * 15 + [300], [1] * 16 + [300]):
+            _check_varlen(lens, 2, 2, 128, True, gen=gen, tol=2e-2,
+                          dtype=torch.bfloat16)
+            counts.append(_gluon_binaries())
+    assert counts[1:] == [counts[0]] * 3, counts
+
+
+# At D=64 the forward and the backward may take different kernel
+# families (flash._gluon_d64): a Gluon forward with a Triton backward,
+# and a Triton forward with a Gluon backward. The two families store
+# the same natural-log L.
+MIXED = {"gluon_forward": ((0, 10 ** 9), 1100),  # tiles per SM, length
+         "triton_forward": ((10 ** 9, 0), 2100)}
+
+
+@cases("mix", ["gluon_forward", "triton_forward"])
+def test_flash_gpu_mixed_kernel_families_are_picked(mix):
+    if not HOPPER:
+        raise unittest.SkipTest("needs an sm90 GPU and Triton's Gluon")
+    tiles, s = MIXED[mix]
+    q = torch.empty(1, 4, s, 64, device="cuda", dtype=torch.bfloat16)
+    with unittest.mock.patch.object(flash, "GLUON_D64_TILES_PER_SM", tiles):
+        forward = flash._gluon_supported(q, q, q, None, None, 0)
+        backward = flash._gluon_supported(q, q, q, None, None, 0, q, q,
+                                          backward=True)
+    assert forward != backward, (forward, backward)
+
+
+@cases("mix", ["gluon_forward", "triton_forward"])
+def test_flash_gpu_mixed_kernel_families_match_reference(mix):
+    # dense, causal and not, GQA and the projections' memory
+    if not HOPPER:
+        raise unittest.SkipTest("needs an sm90 GPU and Triton's Gluon")
+    tiles, s = MIXED[mix]
     gen = torch.Generator().manual_seed(14)
-    for tiles, s in (((0, 10 ** 9), 1100), ((10 ** 9, 0), 2100)):
-        with unittest.mock.patch.object(flash, "GLUON_D64_TILES_PER_SM", tiles):
-            q = torch.empty(1, 4, s, 64, device="cuda", dtype=torch.bfloat16)
-            fwd, bwd = (flash._gluon_supported(q, q, q, None, None, 0, *more, backward=bool(more))
-                        for more in ((), (q, q)))
-            assert fwd != bwd, (tiles, fwd, bwd)
-            for causal in (True, False):
-                _check_dense(1, 4, 2, s, s, 64, causal, dtype=torch.bfloat16, tol=2e-2, gen=gen)
-                _check_dense(2, 4, 4, s, s, 64, causal, dtype=torch.bfloat16, tol=2e-2, layout="bshd", gen=gen)
-            torch._dynamo.reset()
-            q, k, v = (torch.randn(2, 4, s, 64, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
-            o = torch.compile(flash.flash_attention)(q, k, v)
-            o.backward(torch.ones_like(o))
-            ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
-            ro = flash.attention_reference(*ref, True)[0]
-            ro.backward(torch.ones_like(ro))
-            assert max(_rel(a, r) for a, r in zip((o, q.grad, k.grad, v.grad), [ro] + [x.grad for x in ref])) < 2e-2
+    bf16 = dict(dtype=torch.bfloat16, tol=2e-2, gen=gen)
+    with unittest.mock.patch.object(flash, "GLUON_D64_TILES_PER_SM", tiles):
+        for causal in (True, False):
+            _check_dense(1, 4, 2, s, s, 64, causal, **bf16)
+            _check_dense(2, 4, 4, s, s, 64, causal, layout="bshd", **bf16)
+
+
+@cases("mix", ["gluon_forward", "triton_forward"])
+def test_flash_gpu_mixed_kernel_families_compile_to_the_reference(mix):
+    if not HOPPER:
+        raise unittest.SkipTest("needs an sm90 GPU and Triton's Gluon")
+    tiles, s = MIXED[mix]
+    gen = torch.Generator().manual_seed(14)
+
+    def draw():
+        x = torch.randn(2, 4, s, 64, generator=gen).cuda().bfloat16()
+        return x.requires_grad_()
     torch._dynamo.reset()
+    with unittest.mock.patch.object(flash, "GLUON_D64_TILES_PER_SM", tiles):
+        q, k, v = draw(), draw(), draw()
+        o = torch.compile(flash.flash_attention)(q, k, v)
+        o.backward(torch.ones_like(o))
+    torch._dynamo.reset()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_o = flash.attention_reference(*ref, True)[0]
+    ref_o.backward(torch.ones_like(ref_o))
+    errors = dict(o=_rel(o, ref_o))
+    for name, x, x64 in zip(("dq", "dk", "dv"), (q, k, v), ref):
+        errors[name] = _rel(x.grad, x64.grad)
+    _assert_below(errors, 2e-2, mix)
 
 
 # --- AdamW: train.AdamW and its fused kernel (flash.adamw_step) ---
