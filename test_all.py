@@ -1750,90 +1750,150 @@ def test_flash_gpu_mixed_kernel_families_compile_to_the_reference(mix):
 # --- AdamW: train.AdamW and its fused kernel (flash.adamw_step) ---
 
 def _spec_adamw_step(params, grads, states, lr, betas, eps, wd):
-    """The AdamW algorithm written plainly, one tensor at a time: bias-corrected step size α_t, ε added after
-    sqrt(v), then decay θ ← θ − α·λ·θ."""
+    """AdamW written plainly, a tensor at a time: the bias-corrected
+    step size α_t, ε added after sqrt(v), then the decay θ ← θ − α·λ·θ."""
+    b1, b2 = betas
     for p, g, s in zip(params, grads, states):
         s["t"] += 1
-        s["m"] = betas[0] * s["m"] + (1 - betas[0]) * g
-        s["v"] = betas[1] * s["v"] + (1 - betas[1]) * g * g
-        alpha_t = lr * math.sqrt(1 - betas[1] ** s["t"]) / (1 - betas[0] ** s["t"])
+        s["m"] = b1 * s["m"] + (1 - b1) * g
+        s["v"] = b2 * s["v"] + (1 - b2) * g * g
+        alpha_t = lr * math.sqrt(1 - b2 ** s["t"]) / (1 - b1 ** s["t"])
         p -= alpha_t * s["m"] / (torch.sqrt(s["v"]) + eps)
         p -= lr * wd * p
 
 
-@cases("fused", [False, True])
-def test_adamw_matches_spec_algorithm(fused):
-    """The foreach step (float64) and the fused Triton step (interpreter on CPU; fp32 and bf16 parameters) against
-    the plain algorithm: two groups, a learning rate the schedule changes every step, ragged sizes around the
-    kernel's chunk size, and gradients reallocated between steps (the kernel must follow them), the last time as
-    unaligned views into one buffer."""
+@functools.cache
+def _adamw_against_spec(fused):
+    """The foreach step (float64) or the fused Triton step (interpreter
+    on CPU; fp32 and bf16 parameters) beside the plain algorithm, 4
+    steps: two groups, a learning rate changed every step, ragged sizes
+    around the kernel's chunk size, and gradients reallocated between
+    steps (the kernel must follow them), the last time as unaligned
+    views into one buffer. -> (ours, theirs, their states, optimizer);
+    the last of ours is bf16."""
     torch.manual_seed(4)
     device = DEVICE if fused else "cpu"
     block = flash.ADAMW_BLOCK
-    shapes = [(7, 5), (block + 3,), (1,), (2 * block,), (3, 17)] if fused else [(7, 5), (13,), (3,), (3, 4, 2), (5,)]
+    if fused:
+        shapes = [(7, 5), (block + 3,), (1,), (2 * block,), (3, 17)]
+    else:
+        shapes = [(7, 5), (13,), (3,), (3, 4, 2), (5,)]
     dtype = torch.float32 if fused else torch.float64
-    ours = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype)) for s in shapes]
-    ours += [torch.nn.Parameter(torch.randn(33, device=device).to(torch.bfloat16))]  # updated in fp32
+    ours = [nn.Parameter(torch.randn(s, device=device, dtype=dtype))
+            for s in shapes]
+    bf16 = torch.randn(33, device=device).to(torch.bfloat16)
+    ours.append(nn.Parameter(bf16))  # updated in fp32
     ref = [p.detach().double().clone() for p in ours]
     betas, eps = (0.9, 0.95), 1e-8
-    opt = train.AdamW([{"params": ours[:3] + ours[5:], "weight_decay": 0.1}, {"params": ours[3:5],
-                       "weight_decay": 0.0}], lr=1e-2, betas=betas, eps=eps, fused=fused)
-    states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ref]
+    groups = [{"params": ours[:3] + ours[5:], "weight_decay": 0.1},
+              {"params": ours[3:5], "weight_decay": 0.0}]
+    opt = train.AdamW(groups, lr=1e-2, betas=betas, eps=eps, fused=fused)
+    states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)}
+              for p in ref]
     for step in range(4):
         lr = 1e-2 * (0.5 + 0.1 * step)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        grads = [torch.randn(p.shape, device=device, dtype=torch.float64) for p in ours]
+        for group in opt.param_groups:
+            group["lr"] = lr
+        grads = [torch.randn(p.shape, device=device, dtype=torch.float64)
+                 for p in ours]
         for p, g in zip(ours, grads):
             p.grad = g.to(p.dtype)  # fresh tensors every step
-        if step == 3 and fused:  # views into one buffer at odd offsets: gradient offsets not 16-aligned
-            flat, at = torch.zeros(sum(g.numel() + 1 for g in grads), device=device), 1
+        if step == 3 and fused:  # views at offsets not 16-aligned
+            size = sum(g.numel() + 1 for g in grads)
+            flat, at = torch.zeros(size, device=device), 1
             for p, g in zip(ours[:5], grads):
                 p.grad = flat[at:at + g.numel()].view(g.shape)
                 p.grad.copy_(g)
                 at += g.numel() + 1
         opt.step()
         grads = [g.double() for g in grads]
-        _spec_adamw_step(ref[:3] + ref[5:], grads[:3] + grads[5:], states[:3] + states[5:], lr, betas, eps, 0.1)
-        _spec_adamw_step(ref[3:5], grads[3:5], states[3:5], lr, betas, eps, 0.0)
-    tol = dict(rtol=1e-5, atol=1e-6) if fused else dict(rtol=1e-12, atol=1e-12)
-    for p, r, s in zip(ours[:5], ref, states):
-        torch.testing.assert_close(p.detach().double(), r, **tol)
-        torch.testing.assert_close(opt.state[p]["exp_avg_sq"].double(), s["v"], rtol=1e-5, atol=1e-9)
-        assert opt.state[p]["step"] == s["t"] == 4
-    torch.testing.assert_close(ours[5].detach().double(), ref[5], rtol=1e-2, atol=1e-2)  # bf16: one rounding
-    assert ours[5].dtype == torch.bfloat16 and opt.state[ours[5]]["exp_avg"].dtype == torch.float32
+        _spec_adamw_step(ref[:3] + ref[5:], grads[:3] + grads[5:],
+                         states[:3] + states[5:], lr, betas, eps, 0.1)
+        _spec_adamw_step(ref[3:5], grads[3:5], states[3:5], lr, betas,
+                         eps, 0.0)
+    return ours, ref, states, opt
+
+
+@cases("fused", [False, True])
+def test_adamw_matches_spec_algorithm(fused):
+    ours, ref = _adamw_against_spec(fused)[:2]
+    tol = dict(rtol=1e-12, atol=1e-12)
     if fused:
-        bad = torch.nn.Parameter(torch.randn(4, 6, device=device).t())
-        bad.grad = torch.randn(6, 4, device=device)
-        _expect(ValueError, ["contiguous"], train.AdamW([bad], fused=True).step)
+        tol = dict(rtol=1e-5, atol=1e-6)
+    for p, r in zip(ours[:5], ref):
+        torch.testing.assert_close(p.detach().double(), r, **tol)
 
 
-def test_adamw_close_to_torch_adamw_and_keeps_state_per_parameter():
-    """Close to torch.optim.AdamW on a small network (torch decays before the update: they differ at second
-    order); a parameter without a gradient gets no state and stays as it is; a group added late keeps its own
-    step count t and steps like a fresh optimizer."""
+@cases("fused", [False, True])
+def test_adamw_second_moment_matches_spec_algorithm(fused):
+    ours, _, states, opt = _adamw_against_spec(fused)
+    for p, s in zip(ours[:5], states):
+        v = opt.state[p]["exp_avg_sq"].double()
+        torch.testing.assert_close(v, s["v"], rtol=1e-5, atol=1e-9)
+
+
+@cases("fused", [False, True])
+def test_adamw_counts_steps_like_spec_algorithm(fused):
+    ours, _, states, opt = _adamw_against_spec(fused)
+    for p, s in zip(ours[:5], states):
+        assert opt.state[p]["step"] == 4, opt.state[p]["step"]
+        assert s["t"] == 4, s["t"]
+
+
+@cases("fused", [False, True])
+def test_adamw_bf16_parameter_matches_spec_within_a_rounding(fused):
+    ours, ref = _adamw_against_spec(fused)[:2]
+    p = ours[5].detach().double()
+    torch.testing.assert_close(p, ref[5], rtol=1e-2, atol=1e-2)
+
+
+@cases("fused", [False, True])
+def test_adamw_keeps_a_bf16_parameter_with_fp32_moments(fused):
+    ours, _, _, opt = _adamw_against_spec(fused)
+    assert ours[5].dtype == torch.bfloat16, ours[5].dtype
+    exp_avg = opt.state[ours[5]]["exp_avg"]
+    assert exp_avg.dtype == torch.float32, exp_avg.dtype
+
+
+def test_adamw_fused_rejects_a_non_contiguous_parameter():
+    torch.manual_seed(4)
+    bad = nn.Parameter(torch.randn(4, 6, device=DEVICE).t())
+    bad.grad = torch.randn(6, 4, device=DEVICE)
+    step = train.AdamW([bad], fused=True).step
+    _expect(ValueError, ["contiguous"], step)
+
+
+def test_adamw_close_to_torch_adamw():
+    # torch decays before the update: they differ at second order
     torch.manual_seed(1)
-    net = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3))
+    net = nn.Sequential(nn.Linear(9, 17), nn.ReLU(), nn.Linear(17, 3))
     net_ref = copy.deepcopy(net)
     kw = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    runs = [(net, train.AdamW(net.parameters(), **kw)),
+            (net_ref, torch.optim.AdamW(net_ref.parameters(), **kw))]
     for _ in range(20):
         x, y = torch.randn(11, 9), torch.randn(11, 3)
-        for m, o in ((net, train.AdamW), (net_ref, torch.optim.AdamW)):
-            opt = m.__dict__.setdefault("opt", o(m.parameters(), **kw))
+        for m, opt in runs:
             opt.zero_grad()
             F.mse_loss(m(x), y).backward()
             opt.step()
     for p, r in zip(net.parameters(), net_ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-3, atol=5e-5)
-    a, b, frozen = (torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3))
-    opt = train.AdamW([a, frozen], lr=1e-2, weight_decay=0.1)
+
+
+@functools.cache
+def _adamw_with_a_frozen_and_a_late_parameter():
+    """a steps 3 times beside frozen (no gradient), then twice more
+    beside b, added in a group of its own; b_ref takes b's steps in an
+    optimizer of its own."""
+    torch.manual_seed(2)
+    a, b, frozen = (nn.Parameter(torch.randn(5, 3)) for _ in range(3))
     frozen_before = frozen.detach().clone()
+    opt = train.AdamW([a, frozen], lr=1e-2, weight_decay=0.1)
     for _ in range(3):
         a.grad = torch.randn(5, 3)
         opt.step()
-    assert frozen not in opt.state and torch.equal(frozen, frozen_before)
-    b_ref = torch.nn.Parameter(b.detach().clone())
+    b_ref = nn.Parameter(b.detach().clone())
     opt.add_param_group({"params": [b], "lr": 5e-3})
     opt_ref = train.AdamW([b_ref], lr=5e-3, weight_decay=0.1)
     for _ in range(2):
@@ -1841,21 +1901,47 @@ def test_adamw_close_to_torch_adamw_and_keeps_state_per_parameter():
         a.grad, b.grad, b_ref.grad = torch.randn(5, 3), g.clone(), g.clone()
         opt.step()
         opt_ref.step()
-    assert opt.state[a]["step"] == 5 and opt.state[b]["step"] == 2
-    torch.testing.assert_close(b, b_ref, rtol=0, atol=0)
+    return SimpleNamespace(opt=opt, a=a, b=b, b_ref=b_ref, frozen=frozen,
+                           frozen_before=frozen_before)
 
 
-def test_adamw_capturable_eager_matches_plain():
-    """AdamW(capturable=True) stepped eagerly (the kernel reads its step size and decay from a device tensor that
-    step() writes) gives the parameters and state of the plain fused step bit for bit, with the learning rate
-    changed between steps and two groups; advance() with no captured step refuses, naming the capture."""
+def test_adamw_gives_no_state_to_a_parameter_without_a_gradient():
+    run = _adamw_with_a_frozen_and_a_late_parameter()
+    assert run.frozen not in run.opt.state
+
+
+def test_adamw_leaves_a_parameter_without_a_gradient_as_it_was():
+    run = _adamw_with_a_frozen_and_a_late_parameter()
+    assert torch.equal(run.frozen, run.frozen_before)
+
+
+def test_adamw_group_added_late_counts_its_own_steps():
+    run = _adamw_with_a_frozen_and_a_late_parameter()
+    assert run.opt.state[run.a]["step"] == 5, run.opt.state[run.a]["step"]
+    assert run.opt.state[run.b]["step"] == 2, run.opt.state[run.b]["step"]
+
+
+def test_adamw_group_added_late_steps_like_a_fresh_optimizer():
+    run = _adamw_with_a_frozen_and_a_late_parameter()
+    torch.testing.assert_close(run.b, run.b_ref, rtol=0, atol=0)
+
+
+@functools.cache
+def _adamw_plain_and_capturable():
+    """The fused AdamW stepped 3 times eagerly, plain and with
+    capturable=True (the kernel reads its step size and decay from a
+    device tensor that step() writes): two groups, the learning rate
+    changed between steps. -> [(parameters, optimizer)], plain first."""
     torch.manual_seed(5)
-    start = [torch.randn(s, device=DEVICE) for s in ((9, 4), (flash.ADAMW_BLOCK + 5,), (3,))]
+    sizes = ((9, 4), (flash.ADAMW_BLOCK + 5,), (3,))
+    start = [torch.randn(s, device=DEVICE) for s in sizes]
     runs = []
     for capturable in (False, True):
-        ps = [torch.nn.Parameter(t.clone()) for t in start]
-        opt = train.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
-                          lr=1e-2, betas=(0.9, 0.95), fused=True, capturable=capturable)
+        ps = [nn.Parameter(t.clone()) for t in start]
+        groups = [{"params": ps[:2], "weight_decay": 0.1},
+                  {"params": ps[2:], "weight_decay": 0.0}]
+        opt = train.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), fused=True,
+                          capturable=capturable)
         gen = torch.Generator().manual_seed(0)
         for step in range(3):
             for group in opt.param_groups:
@@ -1864,15 +1950,39 @@ def test_adamw_capturable_eager_matches_plain():
                 p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
             opt.step()
         runs.append((ps, opt))
-    (plain, plain_opt), (cap, cap_opt) = runs
+    return runs
+
+
+def test_adamw_capturable_eager_matches_plain():
+    (plain, _), (capturable, _) = _adamw_plain_and_capturable()
+    for a, b in zip(plain, capturable):
+        assert torch.equal(a, b)
+
+
+def test_adamw_capturable_eager_state_matches_plain():
+    (plain, plain_opt), (cap, cap_opt) = _adamw_plain_and_capturable()
     for a, b in zip(plain, cap):
-        assert torch.equal(a, b) and cap_opt.state[b]["step"] == plain_opt.state[a]["step"] == 3
-        assert torch.equal(cap_opt.state[b]["exp_avg_sq"], plain_opt.state[a]["exp_avg_sq"])
-    p = torch.nn.Parameter(torch.ones(2))
+        state, cap_state = plain_opt.state[a], cap_opt.state[b]
+        assert cap_state["step"] == state["step"], cap_state["step"]
+        assert state["step"] == 3, state["step"]
+        assert torch.equal(cap_state["exp_avg_sq"], state["exp_avg_sq"])
+
+
+@cases("optimizer", ["capturable", "stepped_capturable", "plain"])
+def test_adamw_advance_refuses_without_a_captured_step(optimizer):
+    p = nn.Parameter(torch.ones(2))
     p.grad = torch.ones(2)
-    for opt in (train.AdamW([p], capturable=True), cap_opt, train.AdamW([p])):
-        _expect(RuntimeError, ["capture step() first"], opt.advance)
-    _expect(ValueError, ["capturable=True"], train.capture_step, lambda: None, train.AdamW([p]))
+    opt = train.AdamW([p], capturable=optimizer == "capturable")
+    if optimizer == "stepped_capturable":
+        opt = _adamw_plain_and_capturable()[1][1]
+    _expect(RuntimeError, ["capture step() first"], opt.advance)
+
+
+def test_adamw_capture_step_refuses_an_optimizer_not_capturable():
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    _expect(ValueError, ["capturable=True"], train.capture_step,
+            lambda: None, train.AdamW([p]))
 
 
 # --- RMSNorm: flash.rms_norm and add_rms_norm (model.RMSNorm with impl="triton") ---
