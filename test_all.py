@@ -1986,164 +1986,343 @@ def test_adamw_capture_step_refuses_an_optimizer_not_capturable():
 
 
 # --- RMSNorm: flash.rms_norm and add_rms_norm (model.RMSNorm with impl="triton") ---
-# On CPU the interpreter takes 128 rows per program and the backward runs 2 programs, so 300 rows give a ragged last
-# block and a backward program that steps over two blocks.
+# On CPU the interpreter takes 128 rows per program and the backward
+# runs 2 programs: 300 rows give a ragged last block and a backward
+# program that steps over two blocks.
 
-def _check_rms_norm(shape, dtype, tol, gen, add=False, r_dtype=None, y_dtype=None, grad_h=True, w_dtype=None,
+def _check_rms_norm(shape, dtype, tol, gen, add=False, r_dtype=None,
+                    y_dtype=None, grad_h=True, w_dtype=None,
                     row_stride=None, scale=1.0):
-    """flash.rms_norm, or (add) flash.add_rms_norm, against float64 PyTorch on fresh random inputs (outputs poisoned
-    first): h = x + r (x when r_dtype is None), y = rms_norm(h) * w in y_dtype, and the gradients of x, r and w;
-    add_rms_norm's backward takes both outputs' gradients (grad_h False: h's is None, as when only y is used).
-    row_stride: x is a view with that many elements between rows (a slice of a wider tensor)."""
+    """flash.rms_norm, or (add) flash.add_rms_norm, against float64
+    PyTorch on fresh random inputs (outputs poisoned first): h = x + r
+    (x when r_dtype is None), y = rms_norm(h) * w in y_dtype, and the
+    gradients of x, r and w. add_rms_norm's backward takes both
+    outputs' gradients (grad_h False: h's is None, as when only y is
+    used). row_stride: x is a view with that many elements between
+    rows (a slice of a wider tensor)."""
     d = shape[-1]
-    x = (torch.randn(*shape[:-1], row_stride or d, generator=gen) * scale).to(DEVICE, dtype)[..., :d].requires_grad_()
-    r = None if r_dtype is None else torch.randn(shape, generator=gen).to(DEVICE, r_dtype).requires_grad_()
-    w = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEVICE, w_dtype or dtype).requires_grad_()
+    x = torch.randn(*shape[:-1], row_stride or d, generator=gen) * scale
+    x = x.to(DEVICE, dtype)[..., :d].requires_grad_()
+    r = None
+    if r_dtype is not None:
+        r = torch.randn(shape, generator=gen).to(DEVICE, r_dtype)
+        r.requires_grad_()
+    w = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEVICE, w_dtype or dtype)
+    w.requires_grad_()
     dh, dy = (torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2))
-    grad_h, inputs = add and grad_h, (x, w) if r is None else (x, r, w)
+    grad_h = add and grad_h
+    inputs = (x, w) if r is None else (x, r, w)
     with _poisoned_empty():
-        h, y = flash.add_rms_norm(x, r, w, 1e-5, y_dtype) if add else (x, flash.rms_norm(x, w, 1e-5))
-        grads = torch.autograd.grad((h, y) if grad_h else (y,), inputs,
-                                    (dh.to(h.dtype), dy.to(y.dtype)) if grad_h else (dy.to(y.dtype),))
+        if add:
+            h, y = flash.add_rms_norm(x, r, w, 1e-5, y_dtype)
+        else:
+            h, y = x, flash.rms_norm(x, w, 1e-5)
+        outputs, out_grads = (y,), (dy.to(y.dtype),)
+        if grad_h:
+            outputs, out_grads = (h, y), (dh.to(h.dtype), dy.to(y.dtype))
+        grads = torch.autograd.grad(outputs, inputs, out_grads)
     h_dtype = dtype if r is None else torch.promote_types(dtype, r_dtype)
-    assert h.dtype == h_dtype and y.shape == x.shape and y.dtype == (y_dtype or h_dtype)
-    assert [g.dtype for g in grads] == [t.dtype for t in inputs]
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    r64 = None if r is None else r.detach().double().requires_grad_()
-    h64 = x64 if r is None else x64 + r64
+    case = (shape, dtype, r_dtype, y_dtype, w_dtype)
+    assert h.dtype == h_dtype, (case, h.dtype)
+    assert y.shape == x.shape, (case, y.shape)
+    assert y.dtype == (y_dtype or h_dtype), (case, y.dtype)
+    grad_dtypes = [g.dtype for g in grads]
+    assert grad_dtypes == [t.dtype for t in inputs], (case, grad_dtypes)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    x64, w64 = inputs64[0], inputs64[-1]
+    h64 = x64 if r is None else x64 + inputs64[1]
     y64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
-    # the gradients that reached the kernel, as rounded to the outputs' dtypes
-    loss64 = (y64 * dy.to(y.dtype).double()).sum() + ((h64 * dh.to(h.dtype).double()).sum() if grad_h else 0)
-    grads64 = torch.autograd.grad(loss64, (x64, w64) if r is None else (x64, r64, w64))
-    errs = dict(h=_rel(h, h64), y=_rel(y, y64), **{f"d{i}": _rel(a, b) for i, (a, b) in enumerate(zip(grads,
-                                                                                                    grads64))})
-    assert all(e < tol for e in errs.values()), (shape, dtype, r_dtype, y_dtype, w_dtype, errs)
+    # the gradients that reached the kernel, rounded to the outputs' dtypes
+    loss64 = (y64 * dy.to(y.dtype).double()).sum()
+    if grad_h:
+        loss64 = loss64 + (h64 * dh.to(h.dtype).double()).sum()
+    grads64 = torch.autograd.grad(loss64, inputs64)
+    errors = dict(h=_rel(h, h64), y=_rel(y, y64))
+    for i, (a, b) in enumerate(zip(grads, grads64)):
+        errors[f"d{i}"] = _rel(a, b)
+    _assert_below(errors, tol, case)
 
 
-def test_flash_rms_norm_matches_float64_reference_on_ragged_shapes():
-    gen = torch.Generator().manual_seed(31)
-    for shape in ((300, 80), (1, 80), (2, 3, 48), (64, 128), (7, 1), (130, 33), (0, 48)):
-        _check_rms_norm(shape, torch.float32, 1e-5, gen)
-    _check_rms_norm((300, 80), torch.float32, 1e-5, gen, row_stride=100)  # rows 100 elements apart
-    _check_rms_norm((300, 80), torch.bfloat16, 1e-2, gen)
-    _check_rms_norm((2, 3, 48), torch.bfloat16, 1e-2, gen, w_dtype=torch.float32)  # autocast-style: fp32 weight
-    _check_rms_norm((70, 96), torch.float16, 2e-3, gen, scale=300.0)  # x^2 = 90000 overflows fp16, not fp32
-    _check_rms_norm((300, 4100), torch.float32, 1e-5, gen)  # rows past 4096: the backward without its prefetch
-    norm = RMSNorm(80, impl="triton").to(DEVICE)  # the model's switch: same values as its PyTorch formula
+def _seeded(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# (300, 4100): rows past 4096, the backward without its prefetch
+@cases("shape", [[300, 80], [1, 80], [2, 3, 48], [64, 128], [7, 1],
+                 [130, 33], [0, 48], [300, 4100]])
+def test_flash_rms_norm_matches_float64_reference(shape):
+    _check_rms_norm(shape, torch.float32, 1e-5, _seeded(31))
+
+
+def test_flash_rms_norm_reads_rows_of_a_wider_tensor():
+    # rows 100 elements apart
+    _check_rms_norm((300, 80), torch.float32, 1e-5, _seeded(31),
+                    row_stride=100)
+
+
+HALF_RMS_NORM = {  # shape, dtype, tolerance, more arguments
+    "bf16": ((300, 80), torch.bfloat16, 1e-2, {}),
+    # autocast-style: an fp32 weight
+    "bf16_fp32_weight": ((2, 3, 48), torch.bfloat16, 1e-2,
+                         dict(w_dtype=torch.float32)),
+    # x^2 = 90000 overflows fp16, not fp32
+    "fp16_large": ((70, 96), torch.float16, 2e-3, dict(scale=300.0))}
+
+
+@cases("case", list(HALF_RMS_NORM))
+def test_flash_rms_norm_matches_float64_reference_in_half_precision(case):
+    shape, dtype, tol, more = HALF_RMS_NORM[case]
+    _check_rms_norm(shape, dtype, tol, _seeded(31), **more)
+
+
+def test_rms_norm_triton_impl_matches_the_torch_formula():
+    # the model's switch
+    gen = _seeded(31)
+    norm = RMSNorm(80, impl="triton").to(DEVICE)
     norm.weight.data = torch.randn(80, generator=gen).to(DEVICE)
     x = torch.randn(3, 50, 80, generator=gen).to(DEVICE)
     y = norm(x)
     norm.impl = "torch"
-    assert _rel(y, norm(x)) < 1e-6
+    err = _rel(y, norm(x))
+    assert err < 1e-6, err
 
 
-def test_flash_rms_norm_compiles_without_graph_breaks():
-    # fullgraph=True raises on a graph break; aot_eager traces the custom ops' fake kernels, then runs the kernels.
-    # The gradient of a sum arrives as an expanded (stride 0) tensor. opcheck checks the fakes against the kernels.
-    gen = torch.Generator().manual_seed(32)
+def _norm_twice(x, w):
+    once = flash.rms_norm(x * 2, w, 1e-5).sin().sum()
+    return once + flash.rms_norm(x, w, 1e-5).sum()
+
+
+@functools.cache
+def _compiled_rms_norm_errors():
+    """fullgraph=True raises on a graph break; aot_eager traces the
+    custom ops' fake kernels, then runs the kernels. The gradient of a
+    sum arrives as an expanded (stride 0) tensor. -> relative errors
+    against eager: the output's, and each gradient's."""
+    gen = _seeded(32)
     x = torch.randn(2, 9, 48, generator=gen).to(DEVICE).requires_grad_()
     w = torch.randn(48, generator=gen).to(DEVICE).requires_grad_()
-    f = lambda x, w: flash.rms_norm(x * 2, w, 1e-5).sin().sum() + flash.rms_norm(x, w, 1e-5).sum()
-    out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w)
+    compiled = torch.compile(_norm_twice, backend="aot_eager",
+                             fullgraph=True)
+    out = compiled(x, w)
     grads = torch.autograd.grad(out, (x, w))
-    want = f(x, w)
-    assert _rel(out, want) < 1e-6
-    assert all(_rel(a, b) < 1e-6 for a, b in zip(grads, torch.autograd.grad(want, (x, w))))
-    xs, ws = x.detach()[0], w.detach()
-    y, rstd, _ = flash._rms_norm_fwd_op(xs, ws, 1e-5)
-    _, _, h = flash._rms_norm_fwd_op(xs, ws, 1e-5, y, torch.bfloat16)
-    for op, args in ((flash._rms_norm_fwd_op, (xs, ws, 1e-5)), (flash._rms_norm_bwd_op, (y, xs, ws, rstd)),
-                     (flash._rms_norm_fwd_op, (xs, ws, 1e-5, y, torch.bfloat16)),
-                     (flash._rms_norm_bwd_op, (y, h, ws, rstd, xs))):
-        results = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-        assert all(v == "SUCCESS" for v in results.values()), results
+    want = _norm_twice(x, w)
+    want_grads = torch.autograd.grad(want, (x, w))
+    grad_errors = [_rel(a, b) for a, b in zip(grads, want_grads)]
+    return _rel(out, want), grad_errors
 
 
-def test_flash_add_rms_norm_matches_float64_reference():
-    gen = torch.Generator().manual_seed(33)
-    f32, bf16 = torch.float32, torch.bfloat16
-    for shape in ((300, 80), (2, 3, 48), (1, 33), (0, 48)):
-        _check_rms_norm(shape, f32, 1e-5, gen, True, f32)  # fp32 throughout
-        _check_rms_norm(shape, f32, 1e-5, gen, True)  # no residual: h is x, its gradient still added
-    _check_rms_norm((300, 80), f32, 1e-5, gen, True, f32, grad_h=False)
-    _check_rms_norm((300, 80), f32, 1e-2, gen, True, bf16, bf16)  # the autocast block: fp32 stream, bf16 matmuls
-    _check_rms_norm((130, 96), f32, 1e-2, gen, True, None, bf16)
-    _check_rms_norm((70, 64), bf16, 1e-2, gen, True, bf16, w_dtype=f32)
-    _check_rms_norm((300, 4100), f32, 1e-5, gen, True, f32)  # dh added without the backward's prefetch
+def test_flash_rms_norm_compiles_to_the_eager_output():
+    err = _compiled_rms_norm_errors()[0]
+    assert err < 1e-6, err
+
+
+def test_flash_rms_norm_compiles_to_the_eager_gradients():
+    errors = _compiled_rms_norm_errors()[1]
+    assert max(errors) < 1e-6, errors
+
+
+@functools.cache
+def _rms_norm_op_calls():
+    """Each custom op with arguments made by the forward op itself."""
+    gen = _seeded(32)
+    x = torch.randn(9, 48, generator=gen).to(DEVICE)
+    w = torch.randn(48, generator=gen).to(DEVICE)
+    fwd, bwd = flash._rms_norm_fwd_op, flash._rms_norm_bwd_op
+    y, rstd, _ = fwd(x, w, 1e-5)
+    h = fwd(x, w, 1e-5, y, torch.bfloat16)[2]
+    return {"fwd": (fwd, (x, w, 1e-5)),
+            "bwd": (bwd, (y, x, w, rstd)),
+            "add_fwd": (fwd, (x, w, 1e-5, y, torch.bfloat16)),
+            "add_bwd": (bwd, (y, h, w, rstd, x))}
+
+
+@cases("op", ["fwd", "bwd", "add_fwd", "add_bwd"])
+def test_flash_rms_norm_fake_kernels_pass_opcheck(op):
+    fn, args = _rms_norm_op_calls()[op]
+    checks = ("test_schema", "test_faketensor")
+    results = torch.library.opcheck(fn, args, test_utils=checks)
+    for check, result in results.items():
+        assert result == "SUCCESS", (check, result)
+
+
+# fp32 throughout; (300, 4100): dh added without the backward's prefetch
+@cases("shape", [[300, 80], [2, 3, 48], [1, 33], [0, 48], [300, 4100]])
+def test_flash_add_rms_norm_matches_float64_reference(shape):
+    fp32 = torch.float32
+    _check_rms_norm(shape, fp32, 1e-5, _seeded(33), True, fp32)
+
+
+# h is x; its gradient is still added
+@cases("shape", [[300, 80], [2, 3, 48], [1, 33], [0, 48]])
+def test_flash_add_rms_norm_without_a_residual_matches_float64(shape):
+    _check_rms_norm(shape, torch.float32, 1e-5, _seeded(33), True)
+
+
+def test_flash_add_rms_norm_with_only_y_used_matches_float64():
+    fp32 = torch.float32
+    _check_rms_norm((300, 80), fp32, 1e-5, _seeded(33), True, fp32,
+                    grad_h=False)
+
+
+MIXED_ADD_RMS_NORM = {  # shape, dtype, more arguments
+    # the autocast block: an fp32 stream, bf16 matmuls
+    "bf16_residual_and_y": ((300, 80), torch.float32, dict(
+        r_dtype=torch.bfloat16, y_dtype=torch.bfloat16)),
+    "bf16_y": ((130, 96), torch.float32, dict(y_dtype=torch.bfloat16)),
+    "bf16_fp32_weight": ((70, 64), torch.bfloat16, dict(
+        r_dtype=torch.bfloat16, w_dtype=torch.float32))}
+
+
+@cases("case", list(MIXED_ADD_RMS_NORM))
+def test_flash_add_rms_norm_matches_float64_in_mixed_precision(case):
+    shape, dtype, more = MIXED_ADD_RMS_NORM[case]
+    _check_rms_norm(shape, dtype, 1e-2, _seeded(33), True, **more)
+
+
+@contextlib.contextmanager
+def _rms_norm_backward_calls():
+    """The dh each call of flash._rms_norm_backward got, while inside."""
+    calls, real = [], flash._rms_norm_backward
+
+    def recording(dy, x, w, rstd, dh=None):
+        calls.append(dh)
+        return real(dy, x, w, rstd, dh)
+    with unittest.mock.patch.object(flash, "_rms_norm_backward", recording):
+        yield calls
+
+
+def _small_norm_inputs():
+    gen = _seeded(34)
+    x = torch.randn(6, 32, generator=gen).to(DEVICE).requires_grad_()
+    w = torch.randn(32, generator=gen).to(DEVICE).requires_grad_()
+    return x, w
 
 
 def test_flash_rms_norm_backward_reads_no_zero_filled_gradient():
-    # rms_norm's autograd Function also returns its input h (for add_rms_norm's residual); nothing uses it, so its
-    # gradient must reach the backward kernel as None, not as a tensor of zeros it would read and add
-    gen = torch.Generator().manual_seed(34)
-    calls, real = [], flash._rms_norm_backward
-    x = torch.randn(6, 32, generator=gen).to(DEVICE).requires_grad_()
-    w = torch.randn(32, generator=gen).to(DEVICE).requires_grad_()
-    with unittest.mock.patch.object(flash, "_rms_norm_backward", lambda dy, x, w, rstd, dh=None: calls.append(dh)
-                                    or real(dy, x, w, rstd, dh)):
+    # rms_norm's autograd Function also returns its input h (for
+    # add_rms_norm's residual); nothing uses it, so its gradient must
+    # reach the kernel as None, not as zeros it would read and add
+    x, w = _small_norm_inputs()
+    with _rms_norm_backward_calls() as calls:
         flash.rms_norm(x, w).square().sum().backward()
+    assert len(calls) == 1, calls
+    assert calls[0] is None, calls[0]
+
+
+def test_flash_add_rms_norm_backward_gets_the_gradient_of_h():
+    # both outputs used: the residual's gradient is added in the kernel
+    x, w = _small_norm_inputs()
+    with _rms_norm_backward_calls() as calls:
         h, y = flash.add_rms_norm(x, x.detach(), w, 1e-5)
-        (h.sum() + y.square().sum()).backward()  # both used: the residual's gradient is added in the kernel
-    assert len(calls) == 2 and calls[0] is None and calls[1] is not None
-    assert torch.equal(calls[1], torch.ones_like(calls[1]))
+        (h.sum() + y.square().sum()).backward()
+    assert len(calls) == 1, calls
+    assert calls[0] is not None
+    assert torch.equal(calls[0], torch.ones_like(calls[0])), calls[0]
 
 
-def test_triton_norm_block_matches_torch_block():
-    """TransformerBlock with both norms on impl="triton" (flash.add_rms_norm, each with its residual add) against
-    the PyTorch formulas: fp32 outputs and every gradient within 1e-5; under bf16 autocast within bf16's rounding
-    (against float64), eager and compiled (the custom ops trace without graph breaks)."""
+# TransformerBlock with both norms on impl="triton" (flash.add_rms_norm,
+# each with its residual add) against the PyTorch formulas
+
+@functools.cache
+def _norm_block():
     torch.manual_seed(34)
     block = model.TransformerBlock(32, 4, 48, 16).to(DEVICE)
     x = torch.randn(2, 16, 32, device=DEVICE, requires_grad=True)
+    return block, x
 
-    def run(impl, autocast=False, compiled=False, dtype=None):
-        b = model.set_norm_impl(copy.deepcopy(block).to(dtype=dtype) if dtype else block, impl)
-        xi = x.detach().to(dtype or x.dtype).requires_grad_()
-        f = torch.compile(b, backend="aot_eager", fullgraph=True) if compiled else b
-        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-            y = f(xi)
-        y.float().pow(2).sum().backward()
-        return [y, xi.grad] + [p.grad for p in b.parameters()]
 
-    ref64 = run("torch", dtype=torch.float64)
-    fp32 = run("triton")
+def _norm_block_run(impl, autocast=False, compiled=False, dtype=None):
+    """[the output, the input's gradient, every parameter's]"""
+    block, x = _norm_block()
     block.zero_grad(set_to_none=True)
-    torch32 = run("torch")
-    assert all(_rel(a, b) < 1e-5 for a, b in zip(fp32, torch32))
-    for compiled in (False, True):
-        block.zero_grad(set_to_none=True)
-        ours = run("triton", autocast=True, compiled=compiled)
-        errs = [_rel(a, b) for a, b in zip(ours, ref64)]
-        assert max(errs) < 3e-2, (compiled, errs)
+    if dtype is not None:
+        block = copy.deepcopy(block).to(dtype=dtype)
+    block = model.set_norm_impl(block, impl)
+    x = x.detach().to(dtype or x.dtype).requires_grad_()
+    run = block
+    if compiled:
+        run = torch.compile(block, backend="aot_eager", fullgraph=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        y = run(x)
+    y.float().pow(2).sum().backward()
+    return [y, x.grad] + [p.grad for p in block.parameters()]
 
 
-def test_flash_rms_norm_rejects_bad_input():
-    x = torch.randn(4, 16, device=DEVICE)
+@functools.cache
+def _norm_block_float64():
+    return _norm_block_run("torch", dtype=torch.float64)
+
+
+def test_triton_norm_block_matches_torch_block_in_fp32():
+    ours, theirs = _norm_block_run("triton"), _norm_block_run("torch")
+    errors = [_rel(a, b) for a, b in zip(ours, theirs)]
+    assert max(errors) < 1e-5, errors
+
+
+# within bf16's rounding; compiled: the custom ops trace without breaks
+@cases("compiled", [False, True])
+def test_triton_norm_block_matches_float64_under_bf16_autocast(compiled):
+    ours = _norm_block_run("triton", autocast=True, compiled=compiled)
+    errors = [_rel(a, b) for a, b in zip(ours, _norm_block_float64())]
+    assert max(errors) < 3e-2, errors
+
+
+BAD_RMS_NORM = {  # on x (4, 16) and w (16,): the words of the error
+    "short_weight": (
+        lambda x, w: flash.rms_norm(x, w[:15]),
+        ["weight must have shape (16,)", "(15,)"]),
+    "2d_weight": (
+        lambda x, w: flash.rms_norm(x, w[None]),
+        ["weight must have shape (16,)"]),
+    "int64_x": (
+        lambda x, w: flash.rms_norm(x.long(), w),
+        ["fp16, bf16 or fp32", "torch.int64"]),
+    "float64_x": (
+        lambda x, w: flash.rms_norm(x.double(), w), ["torch.float64"]),
+    "int32_weight": (
+        lambda x, w: flash.rms_norm(x, w.int()), ["torch.int32"]),
+    "rows_of_9000": (
+        lambda x, w: flash.rms_norm(x.new_ones(2, 9000), x.new_ones(9000)),
+        ["9000 >"]),
+    "unknown_impl": (
+        lambda x, w: RMSNorm(16, impl="cuda")(x),
+        ["impl='cuda'", "'triton'"]),
+    "residual_shape": (
+        lambda x, w: flash.add_rms_norm(x, x[:2], w),
+        ["add_rms_norm", "residual (2, 16)", "(4, 16)"]),
+    "int64_residual": (
+        lambda x, w: flash.add_rms_norm(x, x.long(), w),
+        ["residual must be an fp16, bf16 or fp32 tensor", "torch.int64"]),
+    "int8_out_dtype": (
+        lambda x, w: flash.add_rms_norm(x, x, w, out_dtype=torch.int8),
+        ["out_dtype", "torch.int8"]),
+    "list_residual": (
+        lambda x, w: flash.add_rms_norm(x, x.tolist(), w),
+        ["residual must be an fp16", "got list"])}
+
+
+@cases("problem", list(BAD_RMS_NORM))
+def test_flash_rms_norm_rejects_bad_input(problem):
+    call, words = BAD_RMS_NORM[problem]
+    x = torch.randn(4, 16, generator=_seeded(35)).to(DEVICE)
     w = torch.ones(16, device=DEVICE)
-    cases = [
-        (lambda: flash.rms_norm(x, torch.ones(15, device=DEVICE)), ["weight must have shape (16,)", "(15,)"]),
-        (lambda: flash.rms_norm(x, torch.ones(1, 16, device=DEVICE)), ["weight must have shape (16,)"]),
-        (lambda: flash.rms_norm(x.long(), w), ["fp16, bf16 or fp32", "torch.int64"]),
-        (lambda: flash.rms_norm(x.double(), w), ["torch.float64"]),
-        (lambda: flash.rms_norm(x, w.int()), ["torch.int32"]),
-        (lambda: flash.rms_norm(torch.randn(2, 9000, device=DEVICE), torch.ones(9000, device=DEVICE)), ["9000 >"]),
-        (lambda: RMSNorm(16, impl="cuda")(x), ["impl='cuda'", "'triton'"]),
-        (lambda: flash.add_rms_norm(x, x[:2], w), ["add_rms_norm", "residual (2, 16)", "(4, 16)"]),
-        (lambda: flash.add_rms_norm(x, x.long(), w), ["residual must be an fp16, bf16 or fp32 tensor", "torch.int64"]),
-        (lambda: flash.add_rms_norm(x, x, w, out_dtype=torch.int8), ["out_dtype", "torch.int8"]),
-        (lambda: flash.add_rms_norm(x, x.tolist(), w), ["residual must be an fp16", "got list"]),
-    ]
-    for fn, words in cases:
-        _expect(ValueError, words, fn)
+    _expect(ValueError, words, call, x, w)
 
 
-def test_flash_gpu_rms_norm_at_model_widths():
+RMS_NORM_DTYPES = {"bf16": (torch.bfloat16, 1e-2),
+                   "fp32": (torch.float32, 1e-5)}
+
+
+@cases("n, d, dtype", [
+    (n, d, dtype)
+    for n, d in ((4096, 4096), (3001, 768), (1000, 4608), (257, 8192),
+                 (1, 1600))
+    for dtype in RMS_NORM_DTYPES])
+def test_flash_gpu_rms_norm_at_model_widths(n, d, dtype):
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs CUDA")
-    gen = torch.Generator().manual_seed(33)
-    for n, d in ((4096, 4096), (3001, 768), (1000, 4608), (257, 8192), (1, 1600)):
-        _check_rms_norm((n, d), torch.bfloat16, 1e-2, gen)
-        _check_rms_norm((n, d), torch.float32, 1e-5, gen)
+    dtype, tol = RMS_NORM_DTYPES[dtype]
+    _check_rms_norm((n, d), dtype, tol, _seeded(33))
 
 
 # ---------------------------------------------------------------------------------------------------------------
