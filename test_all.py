@@ -269,7 +269,8 @@ def test_train_bpe_merges_nothing_across_a_special_token(tmp_path):
 
 
 def test_chunk_split_token_cannot_overlap_a_special_token():
-    # else a newline, or nowhere when a special token holds one
+    # EOT where nothing overlaps it, else a newline; none if a special
+    # token holds a newline
     assert chunk_split_token([EOT, EOT + EOT]) == b"\n"
     assert chunk_split_token([EOT, "<pad>"]) == EOT.encode()
     assert chunk_split_token(["a\nb", "a\nbc"]) is None
@@ -358,12 +359,13 @@ def test_bpe_cli_rejects_bad_input_in_one_line(tmp_path):
 def test_bpe_cli_encode_writes_the_tokenizers_ids(tmp_path):
     good = _write_text(tmp_path / "good.txt", _synthetic_text(3000, seed=5))
     out = tmp_path / "out.bin"
-    argv = _encode_argv(tmp_path)[:5] + ["--out", str(out), "--input", str(good)]
+    argv = _encode_argv(tmp_path)[:5]
+    argv += ["--out", str(out), "--input", str(good)]
     with contextlib.redirect_stdout(io.StringIO()):
         bpe.main(argv)
     ids = np.fromfile(out, dtype=np.uint16).tolist()
-    want = _small_tokenizer(specials=(EOT,)).encode(good.read_text(encoding="utf-8"))
-    assert ids == want
+    text = good.read_text(encoding="utf-8")
+    assert ids == _small_tokenizer(specials=(EOT,)).encode(text)
 
 
 SPECIALS = {"eot": [EOT], "none": [], "eot,pad": [EOT, "<|pad|>"]}
@@ -419,6 +421,7 @@ def test_file_chunks_splits_the_corpus_for_3_workers(text, specials):
 
 @functools.cache
 def _train_bpe_run(text, vocab_size, specials, workers):
+    """train_bpe on that many workers; workers None: the reference."""
     path, specials = _corpus_file(text), SPECIALS[specials]
     if workers is None:
         return train_bpe_reference(path, vocab_size, specials)
