@@ -4463,6 +4463,195 @@ def test_sample_help_shows_no_none_default():
 # train.py
 # ---------------------------------------------------------------------------------------------------------------
 
+# --- Muon: train.newton_schulz, orthogonalize and Muon ---
+
+# the model's matrices at the default shape: attention, w1 and w3, w2
+MODEL_SHAPES = [(256, 256), (704, 256), (256, 704)]
+
+
+def _quintic(s, steps=5):
+    """The scalar map Newton-Schulz applies to each singular value."""
+    a, b, c = train.NEWTON_SCHULZ
+    for _ in range(steps):
+        s = a * s + b * s ** 3 + c * s ** 5
+    return s
+
+
+def _svd(G):
+    """U, S / ||G||_F, V of G in float64."""
+    U, S, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return U, S / G.double().norm(), Vh.mT
+
+
+@cases("rows, cols", MODEL_SHAPES)
+def test_newton_schulz_keeps_the_singular_vectors_of_the_svd(rows, cols):
+    """In U's and V's basis the fp32 result is diagonal: U^T X V = S'."""
+    G = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    U, _, V = _svd(G)
+    D = U.mT @ train.newton_schulz(G).double() @ V
+    off_diagonal = D - torch.diag(torch.diagonal(D))
+    assert off_diagonal.abs().max() < 1e-5
+
+
+@cases("rows, cols", MODEL_SHAPES)
+def test_newton_schulz_maps_singular_values_into_the_band(rows, cols):
+    """The singular values of U^T X V lie in [0.68, 1.21] wherever the
+    input's exceed 2e-3 ||G||_F: from there up to 1, 5 steps of the
+    quintic end in [0.6818, 1.2024] (see _quintic); the few below (a
+    square random matrix's smallest) are still on their way up."""
+    G = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
+    U, s, V = _svd(G)
+    out = torch.diagonal(U.mT @ train.newton_schulz(G).double() @ V)
+    grown = out[s >= 2e-3]
+    assert grown.min() > 0.68, grown.min()
+    assert grown.max() < 1.21, grown.max()
+    assert len(grown) >= len(s) - 4
+
+
+@cases("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-9)])
+def test_newton_schulz_is_the_quintic_on_the_singular_values(dtype, tol):
+    """X = U p^5(S / ||G||_F) V^T: the float64 SVD's reference."""
+    gen = torch.Generator().manual_seed(2)
+    G = torch.randn(704, 256, generator=gen, dtype=dtype)
+    U, s, V = _svd(G)
+    want = U @ torch.diag(_quintic(s)) @ V.mT
+    got = train.newton_schulz(G).double()
+    assert (got - want).abs().max() < tol
+
+
+def test_orthogonalize_stacks_same_shapes_bit_for_bit():
+    """A matrix's update is the same bits alone or in a stack (so any
+    share of the matrices, on any rank, gives one process's bits), and
+    a tall one is scaled by sqrt(rows / cols), a wide one by 1."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(24, 16), (16, 40), (24, 16), (24, 16), (16, 40)]
+    ds = [torch.randn(s, generator=gen) for s in shapes]
+    together = train.orthogonalize(ds)
+    for d, u in zip(ds, together):
+        assert torch.equal(train.orthogonalize([d])[0], u)
+    tall = train.newton_schulz(ds[0]) * 1.5 ** 0.5
+    assert torch.equal(together[0], tall)
+    assert torch.equal(together[1], train.newton_schulz(ds[1]))
+
+
+def test_newton_schulz_compiles_without_graph_breaks():
+    G = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    compiled = torch.compile(train.newton_schulz, backend="eager",
+                             fullgraph=True)
+    torch.testing.assert_close(compiled(G), train.newton_schulz(G))
+    torch._dynamo.reset()
+
+
+def _muon_twin(p, g, b, lr, mu, wd):
+    """One Muon step written plainly, in float64: returns (p, b)."""
+    b = mu * b + g
+    d = g + mu * b
+    X = d / (d.norm() + 1e-7)
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    for _ in range(5):
+        A = X @ X.T
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+    if tall:
+        X = X.T
+    rows, cols = p.shape
+    update = X * max(1, rows / cols) ** 0.5
+    return (p - lr * update) * (1 - lr * wd), b
+
+
+def _muon_run(dtype, steps=3, **kw):
+    """Muon on three matrices (tall, wide, square) and a gain (AdamW),
+    lr changed every step: (matrices, gain, optimizer, [(lr, grads)])."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(24, 16), (16, 40), (20, 20)]
+    ps = [nn.Parameter(torch.randn(s, generator=gen, dtype=dtype))
+          for s in shapes]
+    gain = nn.Parameter(torch.randn(7, generator=gen, dtype=dtype))
+    groups = [{"params": ps, "weight_decay": 0.1},
+              {"params": [gain], "muon": False, "lr": 1e-2}]
+    opt = train.Muon(groups, lr=0.05, momentum=0.9, **kw)
+    history = []
+    for step in range(steps):
+        lr = 0.05 * (1 - 0.2 * step)
+        opt.param_groups[0]["lr"] = lr
+        grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64)
+                 for p in ps + [gain]]
+        for p, g in zip(ps + [gain], grads):
+            p.grad = g.to(dtype)
+        opt.step()
+        history.append((lr, grads))
+    return ps, gain, opt, history
+
+
+@cases("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_muon_steps_match_a_float64_twin(dtype, tol):
+    ps, _, opt, history = _muon_run(dtype)
+    want = [p.detach().double() for p in _muon_run(dtype, steps=0)[0]]
+    buffers = [torch.zeros_like(w) for w in want]
+    for lr, grads in history:
+        for i, g in enumerate(grads[:3]):
+            want[i], buffers[i] = _muon_twin(want[i], g, buffers[i],
+                                             lr, 0.9, 0.1)
+    for p, w in zip(ps, want):
+        assert (p.detach().double() - w).abs().max() < tol
+    for p, b in zip(ps, buffers):
+        momentum = opt.state[p]["momentum_buffer"].double()
+        assert (momentum - b).abs().max() < tol
+
+
+def test_muon_steps_its_adamw_groups_as_adamw():
+    _, gain, _, history = _muon_run(torch.float32)
+    twin = nn.Parameter(_muon_run(torch.float32, steps=0)[1].detach())
+    adamw = train.AdamW([twin], lr=1e-2, betas=(0.9, 0.95),
+                        weight_decay=0.0)
+    for _, grads in history:
+        twin.grad = grads[3].float()
+        adamw.step()
+    assert torch.equal(gain, twin)
+
+
+def test_muon_capturable_eager_matches_plain():
+    """lr and decay read from a device tensor: the same bits."""
+    plain, _, _, _ = _muon_run(torch.float32)
+    captured, _, opt, _ = _muon_run(torch.float32, capturable=True)
+    for a, b in zip(plain, captured):
+        assert torch.equal(a, b)
+    assert any(key[1] == "muon" for key in opt._scalars)
+
+
+MUON_BAD = {
+    "a 1-D weight": (lambda p: train.Muon([p]), ["2-D", "(7,)", "muon=False"]),
+    "momentum 1": (lambda p: train.Muon([p.view(1, 7)], momentum=1.0),
+                   ["[0, 1)"]),
+}
+
+
+@cases("case", list(MUON_BAD))
+def test_muon_bad_input_names_the_problem(case):
+    make, words = MUON_BAD[case]
+    _expect(ValueError, words, make, nn.Parameter(torch.zeros(7)))
+
+
+def test_gpu_muon_bf16_compiled_step_is_close_to_fp32():
+    """On CUDA: Newton-Schulz in bf16, compiled; near the fp32 twin."""
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA GPU")
+    cpu, _, _, history = _muon_run(torch.float32)
+    start = _muon_run(torch.float32, steps=0)[0]
+    ps = [nn.Parameter(p.detach().cuda()) for p in start]
+    opt = train.Muon([{"params": ps, "weight_decay": 0.1}], lr=0.05,
+                     momentum=0.9, compiled=True)
+    for lr, grads in history:
+        opt.param_groups[0]["lr"] = lr
+        for p, g in zip(ps, grads):
+            p.grad = g.float().cuda()
+        opt.step()
+    for p, want in zip(ps, cpu):
+        assert (p.cpu() - want).abs().max() < 2e-2
+
+
 def _write_dataset(data_dir, vocab_size=97, n_docs=(120, 30), seed=0):
     """A tiny dataset in data/prepare.py's format: documents of random length whose tokens follow a learnable
     rule (next = 3*prev + 1 mod (V-1)), each ending with eot = V-1. Returns its meta.json."""

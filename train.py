@@ -290,7 +290,7 @@ from model import (TransformerLM, auto_attn_impl, count_params, crc_failure, flo
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
 
 # -----------------------------------------------------------------------------------------------------------------
-# AdamW (its fused step: flash.adamw_step), schedule and clipping
+# AdamW (its fused step: flash.adamw_step), Muon, schedule and clipping
 
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay, t counted per parameter: m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
@@ -320,11 +320,14 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("AdamW(fused=True) needs contiguous parameters and gradients")
         return dense and (p.is_cuda or self.fused)
 
+    def _adamw_groups(self):  # (index, group) of the groups AdamW steps
+        return list(enumerate(self.param_groups))
+
     def _buckets(self, count):
         """{(group, fused, device, dtype, grad dtype): (t, params, grads, exp_avgs, exp_avg_sqs)} over the parameters
         with a gradient, their state made first; count: add this step to every t."""
         buckets = {}
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in self._adamw_groups():
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -430,6 +433,167 @@ class AdamW(torch.optim.Optimizer):
             torch._foreach_mul_(work, 1 - lr_wd)                         # θ ← θ − α·λ·θ
         if work is not params:
             torch._foreach_copy_(params, work)
+
+
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # p(s) = a s + b s^3 + c s^5
+
+
+def newton_schulz(G, steps=5, eps=1e-7):
+    """About U V^T of G = U S V^T, for a matrix or a stack of them:
+    X <- a X + b (X X^T) X + c (X X^T)^2 X, from X = G / ||G||_F.
+    A step maps each singular value s to p(s); the coefficients trade
+    exactness for a steep slope at 0, so 5 steps leave them in about
+    [0.68, 1.2] (those above 2e-3 ||G||_F), not at 1. A tall G is
+    iterated transposed: X X^T is then the smaller Gram matrix."""
+    a, b, c = NEWTON_SCHULZ
+    X = G / (G.norm(dim=(-2, -1), keepdim=True) + eps)
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if tall:
+        X = X.mT
+    return X
+
+
+def orthogonalize(directions, ns=newton_schulz):
+    """Muon's update of each whole 2-D direction: ns(d) sqrt(max(1,
+    rows / cols)), in bf16 on CUDA, else in fp32 (fp64 stays fp64);
+    same-shape matrices go through ns as one stack. The scale is
+    modded-nanogpt's, which its published rates assume: a matrix moves
+    outputs of RMS sqrt(cols / rows) |dW|_2 per unit input RMS, so
+    sqrt(rows / cols) evens the step out over shapes (never below 1)."""
+    by_shape = {}
+    for i, d in enumerate(directions):
+        by_shape.setdefault(tuple(d.shape), []).append(i)
+    updates = [None] * len(directions)
+    for (rows, cols), index in by_shape.items():
+        stack = torch.stack([directions[i] for i in index])
+        if stack.is_cuda:
+            work = stack.bfloat16()
+        else:
+            work = stack.to(torch.promote_types(stack.dtype, torch.float32))
+        scale = max(1.0, rows / cols) ** 0.5
+        out = ns(work).to(stack.dtype) * scale
+        for i, update in zip(index, out.unbind()):
+            updates[i] = update
+    return updates
+
+
+class Muon(AdamW):
+    """Muon on the groups marked muon=True (the default; 2-D weights),
+    AdamW on those marked False (embeddings, head, gains): one optimizer
+    for checkpoints, ZeRO-1, the schedule and CUDA graphs. Per matrix,
+    with momentum mu:
+        b <- mu b + g;  d = g + mu b                      (Nesterov)
+        p <- p - lr orthogonalize(d);  p <- p (1 - lr wd)
+    b in fp32 (fp64 for fp64 parameters). compiled=True: Newton-Schulz
+    compiled.
+    capturable=True: as AdamW's, lr and decay read from a device tensor."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95, betas=(0.9, 0.95),
+                 eps=1e-8, weight_decay=0.0, fused=None, capturable=False,
+                 compiled=False):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon: momentum must lie in [0, 1) "
+                             f"(got {momentum})")
+        self.muon_defaults = dict(muon=True, momentum=momentum)
+        super().__init__(params, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, fused=fused,
+                         capturable=capturable)
+        self.defaults.update(self.muon_defaults)
+        self.ns = newton_schulz
+        if compiled:
+            self.ns = torch.compile(newton_schulz, dynamic=False)
+
+    def add_param_group(self, param_group):
+        for key, value in self.muon_defaults.items():
+            param_group.setdefault(key, value)
+        flat = [p for p in param_group["params"] if p.dim() != 2]
+        if param_group["muon"] and flat:
+            raise ValueError(f"Muon orthogonalizes 2-D weights; a group "
+                             f"with muon=True holds shape "
+                             f"{tuple(flat[0].shape)}: mark it muon=False "
+                             f"(AdamW)")
+        super().add_param_group(param_group)
+
+    def _adamw_groups(self):
+        return [(i, g) for i, g in enumerate(self.param_groups)
+                if not g["muon"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)  # AdamW's groups
+        capturing = (torch.cuda.is_available()
+                     and torch.cuda.is_current_stream_capturing())
+        for gi, group in enumerate(self.param_groups):
+            if group["muon"]:
+                self._muon_step(gi, group, capturing)
+        return loss
+
+    def _momentum(self, params, capturing):
+        buffers = []
+        for p in params:
+            state = self.state[p]
+            if not state and capturing:
+                raise RuntimeError("Muon: capturing step() needs the "
+                                   "momentum first; take one eager step "
+                                   "before the capture")
+            if not state:
+                dtype = torch.promote_types(p.dtype, torch.float32)
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+            buffers.append(state["momentum_buffer"])
+        return buffers
+
+    def _muon_step(self, gi, group, capturing):
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        buffers = self._momentum(params, capturing)
+        grads = [p.grad.to(buffers[0].dtype) for p in params]
+        mu = group["momentum"]
+        torch._foreach_mul_(buffers, mu)             # b <- mu b + g
+        torch._foreach_add_(buffers, grads)
+        directions = torch._foreach_add(grads, buffers, alpha=mu)
+        updates = self._orthogonalize(directions)
+        neg_lr = -group["lr"]
+        decay = 1 - group["lr"] * group["weight_decay"]
+        if self.capturable:  # the values a replay reads: advance()'s
+            key = (gi, "muon", params[0].device)
+            scalars = self._muon_scalars(key, group, capturing)
+            neg_lr, decay = scalars[0], scalars[1]
+        torch._foreach_mul_(updates, neg_lr)
+        work = [p.to(buffers[0].dtype) for p in params]  # bf16: rounded once
+        torch._foreach_add_(work, updates)           # p <- p - lr u
+        torch._foreach_mul_(work, decay)             # p <- p (1 - lr wd)
+        for p, w in zip(params, work):
+            if w is not p:
+                p.copy_(w)
+
+    def _orthogonalize(self, directions):
+        return orthogonalize(directions, self.ns)
+
+    def _muon_scalars(self, key, group, capturing):
+        if not capturing:
+            lr = group["lr"]
+            return self._write_scalars(key, -lr, lr * group["weight_decay"])
+        if key not in self._scalars:
+            raise RuntimeError("Muon: capturing step() needs one eager "
+                               "step with capturable=True first")
+        self._captured.add(key)
+        return self._scalars[key]
+
+    @torch.no_grad()
+    def advance(self):
+        super().advance()
+        for key in self._captured:
+            if key[1] == "muon":
+                group = self.param_groups[key[0]]
+                lr = group["lr"]
+                self._write_scalars(key, -lr, lr * group["weight_decay"])
 
 
 def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iters, cosine_cycle_iters):
