@@ -7,7 +7,8 @@
     ZeRO-1          ShardedOptimizer: each rank keeps and steps the optimizer
                     state of 1/N of the parameters
     FSDP (ZeRO-3)   FSDP, clip_grad_norm, gather_full_params / load_full_params
-                    and the optimizer-state pair
+                    and the optimizer-state pair; orthogonalize_rows (Muon's
+                    whole matrices from rows)
     one factory     wrap() -> Parallel, the one interface train.py and bench.py
                     use (IMPLS: its choices)
 
@@ -329,7 +330,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if isinstance(first, dict):
             first = first["params"][0]
         # the inner class's defaults (betas, eps, ...): ours look unsharded
-        probe = torch.zeros(1, dtype=first.dtype, device=first.device,
+        probe = torch.zeros(1, 1, dtype=first.dtype, device=first.device,
                             requires_grad=True)
         defaults = optimizer_cls([probe], **kwargs).defaults
         super().__init__(params, defaults)  # calls add_param_group per group
@@ -814,6 +815,80 @@ def load_full_optimizer_state(model, optimizer, state_dict):
              for i, s in state_dict["state"].items()}
     optimizer.load_state_dict({"state": state,
                                "param_groups": state_dict["param_groups"]})
+
+
+def row_sharded(p):
+    """Whether p's rows are spread over the ranks: our FSDP's shards,
+    torch_fsdp's DTensors."""
+    return hasattr(p, "_fsdp_full_shape") or hasattr(p, "device_mesh")
+
+
+def _local(t):  # this rank's rows (a DTensor's local tensor, live)
+    if hasattr(t, "to_local"):
+        return t.to_local()
+    return t
+
+
+def _like(rows, t):  # rows as this rank's part of a tensor like t
+    if not hasattr(t, "device_mesh"):
+        return rows
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(rows, t.device_mesh, t.placements,
+                              run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+def _pad_rows(t, rows):
+    padding = t.new_zeros(rows - t.shape[0], *t.shape[1:])
+    return torch.cat([t, padding])
+
+
+def balanced_owners(sizes, world_size):
+    """The rank owning each item: largest first, each to the rank with
+    the least so far (ties: the lower rank)."""
+    load, owners = [0] * world_size, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owners[i] = load.index(min(load))
+        load[owners[i]] += sizes[i]
+    return owners
+
+
+def orthogonalize_rows(params, directions, orthogonalize):
+    """Muon's updates of matrices sharded by rows (FSDP, torch_fsdp):
+    each matrix's rows gathered on the rank that owns it (balanced_owners
+    by size), orthogonalize(its share of whole matrices) run there, each
+    update's rows scattered back. directions hold this rank's rows, like
+    params; so do the updates returned (collective)."""
+    rank, world_size = _rank_and_world()
+    shapes = [getattr(p, "_fsdp_full_shape", tuple(p.shape))
+              for p in params]
+    owners = balanced_owners([r * c for r, c in shapes], world_size)
+    blocks = [-(-r // world_size) for r, _ in shapes]  # rows per rank
+    parts, works = {}, []
+    for i, d in enumerate(directions):
+        mine = _pad_rows(_local(d), blocks[i])
+        if owners[i] == rank:
+            parts[i] = [torch.empty_like(mine) for _ in range(world_size)]
+        works.append(dist.gather(mine, parts.get(i), dst=owners[i],
+                                 async_op=True))
+    for work in works:
+        work.wait()
+    whole = [torch.cat(parts[i])[:shapes[i][0]] for i in parts]
+    done = dict(zip(parts, orthogonalize(whole)))
+    updates, works = [], []
+    for i, d in enumerate(directions):
+        rows = _local(d)
+        out = rows.new_empty(blocks[i], *rows.shape[1:])
+        chunks = None
+        if i in done:
+            padded = _pad_rows(done[i], blocks[i] * world_size)
+            chunks = list(padded.split(blocks[i]))
+        works.append(dist.scatter(out, chunks, src=owners[i],
+                                  async_op=True))
+        updates.append(_like(out[:rows.shape[0]], d))
+    for work in works:
+        work.wait()
+    return updates
 
 
 # ---- one factory for every data-parallel setup (train.py and bench.py) -------

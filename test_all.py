@@ -5662,6 +5662,103 @@ def test_fsdp_and_every_ddp_wrap_impl_match_one_process():
     _spawn(_check_fsdp, _check_wrap_exact, _check_wrap_bf16_and_fsdp_fused_checkpointed)
 
 
+# -- Muon: each rank orthogonalizes a share of the matrices -------------------------------------------------------
+
+def _muon_groups(named):
+    """Muon for the blocks' matrices, AdamW for the rest (train.setup's)."""
+    named = list(named)
+    hidden = {n for n, p in named if n.startswith("layers.") and p.dim() == 2}
+    rest = [p for n, p in named if n not in hidden]
+    muon = {"params": [p for n, p in named if n in hidden]}
+    return [muon, {"params": rest, "muon": False, "lr": 1e-2}]
+
+
+def _muon(groups):
+    return train.Muon(groups, lr=0.02, momentum=0.9, weight_decay=0.1)
+
+
+def _muon_wrapped(impl, seed, zero1=False, **wrap_kw):
+    w = ddp.wrap(_tiny_transformer(seed), impl, **wrap_kw)
+    return w, w.make_optimizer(_muon, _muon_groups, zero1=zero1)
+
+
+def _orthogonalized(opt):
+    """The sizes of the matrices this rank orthogonalizes, from now on."""
+    muon = getattr(opt, "optimizer", opt)  # ShardedOptimizer's inner one
+    sizes, plain = [], muon._orthogonalize
+
+    def counting(directions):
+        sizes.extend(d.numel() for d in directions)
+        return plain(directions)
+    muon._orthogonalize = counting
+    return sizes
+
+
+def _assert_shared(sizes, steps, matrices):
+    """Every matrix orthogonalized on one rank a step, balanced by size."""
+    loads = [None] * dist.get_world_size()
+    dist.all_gather_object(loads, sizes)
+    assert sum(map(len, loads)) == steps * len(matrices), loads
+    spread = max(map(sum, loads)) - min(map(sum, loads))
+    assert spread <= steps * max(matrices), loads
+
+
+def _check_muon(rank, world_size, setups, atol=0.0):
+    """Muon under each setup (impl, its keywords) against one process:
+    parameters within atol each step (0 on two ranks: bit for bit; more
+    ranks sum their gradients in another order), each matrix
+    orthogonalized on one rank (not with zero1=False under DDP: all of
+    them on every rank); then resumed from the setup before's full
+    state, one step on."""
+    torch.use_deterministic_algorithms(True)
+    exact = dict(atol=atol, rtol=0)
+    steps, data = 3, _batches(4, batch_size=4, seq=8)
+    ref = _tiny_transformer(0)
+    opt = _muon(_muon_groups(ref.named_parameters()))
+    *_, want = _reference(lambda: ref, data, lambda ps: opt, world_size)
+    matrices = [p.numel() for p in opt.param_groups[0]["params"]]
+    full = []
+    for impl, kw in setups:
+        what = f"Muon, {impl} {kw}"
+        w, opt = _muon_wrapped(impl, rank, **kw)
+        sizes = _orthogonalized(opt)
+        for step in range(steps):
+            _rank_step(w, opt, *data[step], rank, world_size)
+            _assert_close(w.state_dict(), want[step][0],
+                          f"{what} step {step}", **exact)
+        if kw.get("zero1") or w.sharded:
+            _assert_shared(sizes, steps, matrices)
+        full.append((w.state_dict(), w.optimizer_state_dict(opt)))
+        _assert_close(full[-1][1], want[steps - 1][1],
+                      f"{what} optimizer_state_dict", **exact)
+    for k, (impl, kw) in enumerate(setups):
+        w, opt = _muon_wrapped(impl, rank, **kw)
+        w.load_state_dict(full[k - 1][0])
+        w.load_optimizer_state_dict(opt, full[k - 1][1])
+        _rank_step(w, opt, *data[steps], rank, world_size)
+        what = f"Muon, {impl} {kw} resumed from {setups[k - 1]}"
+        _assert_close(w.state_dict(), want[steps][0], what, **exact)
+
+
+_ZERO1 = dict(zero1=True)
+_MUON_SETUPS = [("fsdp", {}), ("torch_fsdp", {}), ("naive", _ZERO1),
+                ("flat", _ZERO1), ("overlap", _ZERO1),
+                ("bucketed", dict(_ZERO1, bucket_size_mb=0.0005)),
+                ("torch", _ZERO1), ("bucketed", {})]
+
+
+def test_muon_under_every_impl_matches_one_process_bit_for_bit():
+    """On two ranks; the last, plain DDP, orthogonalizes everywhere."""
+    _spawn(functools.partial(_check_muon, setups=_MUON_SETUPS))
+
+
+def test_muon_shares_the_matrices_over_four_ranks():
+    """Rows padded unevenly under FSDP (19 rows: 5, 5, 5, 4); to 1e-6,
+    _check_ddp's tolerance for AdamW on four ranks."""
+    _spawn(functools.partial(_check_muon, setups=_MUON_SETUPS[:-1],
+                             atol=1e-6), world_size=4)
+
+
 def test_ddp_without_a_process_group_and_bad_input():
     """Without torchrun: one process, wrap(impl="none") the plain model; the wrappers and bad names: one-line errors."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

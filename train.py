@@ -490,8 +490,9 @@ class Muon(AdamW):
     with momentum mu:
         b <- mu b + g;  d = g + mu b                      (Nesterov)
         p <- p - lr orthogonalize(d);  p <- p (1 - lr wd)
-    b in fp32 (fp64 for fp64 parameters). compiled=True: Newton-Schulz
-    compiled.
+    b in fp32 (fp64 for fp64 parameters). Matrices whose rows are spread
+    over ranks (FSDP) are made whole by ddp.orthogonalize_rows, each rank
+    orthogonalizing its share. compiled=True: Newton-Schulz compiled.
     capturable=True: as AdamW's, lr and decay read from a device tensor."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, betas=(0.9, 0.95),
@@ -558,7 +559,11 @@ class Muon(AdamW):
         torch._foreach_mul_(buffers, mu)             # b <- mu b + g
         torch._foreach_add_(buffers, grads)
         directions = torch._foreach_add(grads, buffers, alpha=mu)
-        updates = self._orthogonalize(directions)
+        if any(ddp.row_sharded(p) for p in params):
+            updates = ddp.orthogonalize_rows(params, directions,
+                                             self._orthogonalize)
+        else:
+            updates = self._orthogonalize(directions)
         neg_lr = -group["lr"]
         decay = 1 - group["lr"] * group["weight_decay"]
         if self.capturable:  # the values a replay reads: advance()'s
