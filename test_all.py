@@ -5369,6 +5369,71 @@ def test_two_process_gloo_ddp_zero1_and_fsdp_train_save_and_resume_like_one_proc
         assert all(torch.allclose(got[k], w, rtol=0, atol=atol) for k, w in want["model"].items()), impl
 
 
+@contextlib.contextmanager
+def _threads(n):
+    """torch's CPU thread count inside (the ranks of _run_ranks: 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _weights(out_dir):
+    return torch.load(out_dir / "ckpt.pt", weights_only=True)["model"]
+
+
+def _muon_run_args(tmp_path, *args):
+    return _tiny(tmp_path, "--optimizer=muon", "--log_interval=1",
+                 "--eval_interval=3", "--grad_accum=2", "--max_iters=6",
+                 "--lr_decay_iters=6", *args)
+
+
+def test_a_muon_run_resumed_logs_the_uninterrupted_run_bit_for_bit(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    train.main(_muon_run_args(tmp_path, f"--out_dir={full}"))
+    train.main(_muon_run_args(tmp_path, f"--out_dir={part}",
+                              "--max_iters=3"))
+    train.main([f"--out_dir={part}", "--max_iters=6", "--init_from=resume"])
+    assert _losses(part) == _losses(full)
+    a, b = _weights(full), _weights(part)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@cases("impl", ["bucketed", "fsdp"])
+def test_two_process_muon_runs_end_at_one_process_weights(tmp_path, impl):
+    """2 gloo processes against 1 with 2-fold accumulation, every process
+    on one thread; no clipping (a sharded norm sums in another order)."""
+    args = _muon_run_args(tmp_path, "--batching=pack", "--grad_clip=0")
+    with _threads(1):
+        train.main(args + [f"--out_dir={tmp_path / 'one'}"])
+    _run_ranks(2, args + [f"--out_dir={tmp_path / impl}",
+                          f"--ddp_impl={impl}"])
+    assert _losses(tmp_path / impl) == _losses(tmp_path / "one")
+    want, got = _weights(tmp_path / "one"), _weights(tmp_path / impl)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_muon_config_errors_are_one_line(tmp_path):
+    """Before torch is imported, and a resume with another optimizer."""
+    _write_dataset(tmp_path / "d")
+    train.main(_tiny(tmp_path, f"--out_dir={tmp_path / 'o'}",
+                     "--max_iters=1"))
+    resume = ["--out_dir=o", "--init_from=resume"]
+    _cli_errors("train.py", [
+        (["--optimizer=sgd"], ["optimizer must be one of", "'sgd'"]),
+        (["--muon_momentum=1.0"], ["muon_momentum must lie in [0, 1)"]),
+        (["--muon_lr=-0.1"], ["muon_lr must be >= 0, got -0.1"]),
+        (["--optimizer=muon", "--learning_rate=0"],
+         ["learning_rate must be > 0"]),
+        (resume + ["--optimizer=muon"],
+         ["cannot resume exactly with optimizer='muon' (saved 'adamw')"]),
+    ], tmp_path)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ddp.py
 # ---------------------------------------------------------------------------------------------------------------

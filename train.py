@@ -66,6 +66,9 @@ beta1 = 0.9                     # AdamW first-moment decay
 beta2 = 0.95                    # AdamW second-moment decay
 eps = 1e-8                      # AdamW denominator epsilon
 grad_clip = 1.0                 # global-norm clip (0 = off; the norm is still logged)
+optimizer = "adamw"             # 'adamw' | 'muon' (Muon for the blocks' matrices)
+muon_lr = 0.02                  # Muon's peak rate, scheduled like learning_rate
+muon_momentum = 0.95            # Muon's Nesterov momentum
 # system
 device = "auto"                 # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...
 dtype = "auto"                  # 'auto' (bfloat16 on CUDA, float32 on CPU) | 'float32' | 'bfloat16' (autocast)
@@ -79,10 +82,11 @@ peak_flops = 0.0                # per-GPU peak FLOP/s for MFU (0 = PEAK_FLOPS of
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 
 BATCHING = ("concat", "pad", "dynamic_pad", "pack")
+OPTIMIZERS = ("adamw", "muon")
 DDP_IMPLS = ("naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")  # ddp.IMPLS but 'none'
 # keys a resumed run must keep: changing any of them would draw other batches or build another model
 RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length", "grad_accum", "seed", "d_model",
-                "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings")
+                "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings", "optimizer")
 # nanoGPT's keys (and our old ones) that ours differ from: the error for one names our key, or says why there is none
 NANOGPT = dict(block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
                ckpt_interval="save_interval", gradient_accumulation_steps="grad_accum",
@@ -196,6 +200,15 @@ def check_config(c, world_size):
          f"got compile={c.compile}, batching={c.batching!r}, pack_static={c.pack_static}, world size {world_size}")
     need(c.dtype in ("auto", "float32", "bfloat16"), f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss "
          f"scaling for float16), got {c.dtype!r}")
+    need(c.optimizer in OPTIMIZERS,
+         f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
+    need(0 <= c.muon_momentum < 1,
+         f"muon_momentum must lie in [0, 1), got {c.muon_momentum}")
+    need(c.muon_lr >= 0, f"muon_lr must be >= 0, got {c.muon_lr}")
+    need(c.optimizer != "muon" or c.learning_rate > 0,
+         f"optimizer='muon' scales muon_lr by the schedule's "
+         f"lr / learning_rate: learning_rate must be > 0, "
+         f"got {c.learning_rate}")
 
 
 def key_comments():
@@ -989,8 +1002,25 @@ def setup(config, given, rank, world_size, dev, log):
         gain = {p: any(part.startswith("ln") for part in name.split(".")) for name, p in named}
         return [{"params": [p for p in gain if gain[p] == g], "weight_decay": 0.0 if g else c.weight_decay}
                 for g in (False, True)]
-    optimizer = w.make_optimizer(AdamW, decay_groups, zero1=c.zero1, lr=c.learning_rate,
-                                 betas=(c.beta1, c.beta2), eps=c.eps, capturable=graphs == "whole")
+
+    def muon_groups(named):  # Muon for the blocks' matrices, then AdamW's groups
+        named = list(named)
+        hidden = {n for n, p in named if n.startswith("layers.") and p.dim() == 2}
+        muon = {"params": [p for n, p in named if n in hidden], "muon": True,
+                "weight_decay": c.weight_decay}
+        rest = decay_groups([(n, p) for n, p in named if n not in hidden])
+        return [muon] + [dict(g, muon=False, lr=c.learning_rate) for g in rest]
+
+    adamw = dict(betas=(c.beta1, c.beta2), eps=c.eps,
+                 capturable=graphs == "whole")
+    if c.optimizer == "muon":  # a rank orthogonalizes its share: ZeRO-1 unless FSDP
+        optimizer = w.make_optimizer(
+            Muon, muon_groups, zero1=not w.sharded, lr=c.muon_lr,
+            momentum=c.muon_momentum, compiled=c.compile, **adamw)
+    else:
+        optimizer = w.make_optimizer(
+            AdamW, decay_groups, zero1=c.zero1, lr=c.learning_rate,
+            **adamw)
     start_iter, loss_window = 0, {"from": 0, "loss_sum": 0.0}
     if ckpt is not None:
         w.load_state_dict(_clean_state_dict(ckpt["model"]))
@@ -1171,6 +1201,8 @@ def train(config, given, rank, world_size, dev, stops):
             lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters or c.max_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+                if group.get("muon"):  # the same schedule at Muon's peak
+                    group["lr"] = lr * c.muon_lr / c.learning_rate
             batches = [make_batch(r.train_tokens, r.train_docs, c, batch_generator(c.seed, it, rank * local_accum + j),
                                   dev, r.meta["eot_id"]) for j in range(local_accum)]  # this rank's micro-batches
             tokens_since += sum(b[-1] for b in batches)
