@@ -5417,6 +5417,25 @@ def test_two_process_muon_runs_end_at_one_process_weights(tmp_path, impl):
         assert torch.equal(got[name], want[name]), name
 
 
+def test_gpu_muon_cuda_graphs_train_like_the_compiled_step(tmp_path):
+    """train.py --optimizer=muon, compiled (Newton-Schulz too): with
+    cuda_graphs (Muon's lr and decay then read from the device) the
+    losses of the step without graphs, to bf16 noise."""
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA GPU")
+    args = _muon_run_args(tmp_path, "--device=cuda", "--compile=True",
+                          "--attn_impl=flash", "--max_iters=12",
+                          "--lr_decay_iters=12")
+    plain, graphs = tmp_path / "plain", tmp_path / "graphs"
+    train.main(args + [f"--out_dir={plain}"])
+    train.main(args + [f"--out_dir={graphs}", "--cuda_graphs=True"])
+    for a, b in zip(_log(plain), _log(graphs), strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-3
+    assert len(_log(plain)) == 12 + 5  # evaluations at 0, 3, 6, 9, 12
+
+
 def test_muon_config_errors_are_one_line(tmp_path):
     """Before torch is imported, and a resume with another optimizer."""
     _write_dataset(tmp_path / "d")

@@ -472,13 +472,14 @@ def newton_schulz(G, steps=5, eps=1e-7):
     return X
 
 
-def orthogonalize(directions, ns=newton_schulz):
-    """Muon's update of each whole 2-D direction: ns(d) sqrt(max(1,
-    rows / cols)), in bf16 on CUDA, else in fp32 (fp64 stays fp64);
-    same-shape matrices go through ns as one stack. The scale is
-    modded-nanogpt's, which its published rates assume: a matrix moves
-    outputs of RMS sqrt(cols / rows) |dW|_2 per unit input RMS, so
-    sqrt(rows / cols) evens the step out over shapes (never below 1)."""
+def orthogonalize(directions, iteration=newton_schulz):
+    """Muon's update of each whole 2-D direction: iteration(d) times
+    sqrt(max(1, rows / cols)), in bf16 on CUDA, else in fp32 (fp64
+    stays); same-shape matrices go through the iteration as one stack.
+    The scale is modded-nanogpt's, which its published rates assume: dW
+    moves an output's RMS by up to sqrt(cols / rows) |dW|_2 per unit of
+    input RMS, so sqrt(rows / cols) evens the step out over shapes (kept
+    from shrinking the wide ones)."""
     by_shape = {}
     for i, d in enumerate(directions):
         by_shape.setdefault(tuple(d.shape), []).append(i)
@@ -490,7 +491,7 @@ def orthogonalize(directions, ns=newton_schulz):
         else:
             work = stack.to(torch.promote_types(stack.dtype, torch.float32))
         scale = max(1.0, rows / cols) ** 0.5
-        out = ns(work).to(stack.dtype) * scale
+        out = iteration(work).to(stack.dtype) * scale
         for i, update in zip(index, out.unbind()):
             updates[i] = update
     return updates
@@ -514,17 +515,17 @@ class Muon(AdamW):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"Muon: momentum must lie in [0, 1) "
                              f"(got {momentum})")
-        self.muon_defaults = dict(muon=True, momentum=momentum)
+        self._muon_defaults = dict(muon=True, momentum=momentum)
         super().__init__(params, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, fused=fused,
                          capturable=capturable)
-        self.defaults.update(self.muon_defaults)
-        self.ns = newton_schulz
+        self.defaults.update(self._muon_defaults)
+        self.iteration = newton_schulz
         if compiled:
-            self.ns = torch.compile(newton_schulz, dynamic=False)
+            self.iteration = torch.compile(newton_schulz, dynamic=False)
 
     def add_param_group(self, param_group):
-        for key, value in self.muon_defaults.items():
+        for key, value in self._muon_defaults.items():
             param_group.setdefault(key, value)
         flat = [p for p in param_group["params"] if p.dim() != 2]
         if param_group["muon"] and flat:
@@ -592,7 +593,7 @@ class Muon(AdamW):
                 p.copy_(w)
 
     def _orthogonalize(self, directions):
-        return orthogonalize(directions, self.ns)
+        return orthogonalize(directions, self.iteration)
 
     def _muon_scalars(self, key, group, capturing):
         if not capturing:
