@@ -1,10 +1,13 @@
-"""All tests, a section per file: bpe.py and data/, flash.py, model.py, hf.py, sample.py, train.py, ddp.py, bench.py.
+"""All tests, a section per file: bpe.py and data/, flash.py, model.py,
+hf.py, sample.py, train.py, ddp.py, bench.py.
 
-    python test_all.py            # built-in runner (no pytest needed); prints "N passed, N failed, N skipped"
-    python test_all.py bpe flash  # only tests whose name contains one of the words (cases: 'test_x[gluon]')
+    python test_all.py            # every test, by its own runner
+    python test_all.py bpe flash  # the tests whose names hold a word
     python -m pytest test_all.py  # also works
 
-Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1) and the tests named "gpu" skip.
+The runner ends with "N passed, N failed, N skipped"; a word picks
+cases too ('test_x[gluon]'). Without CUDA the Triton kernels run in
+the interpreter (TRITON_INTERPRET=1) and the tests named "gpu" skip.
 """
 import collections
 import contextlib
@@ -44,11 +47,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-if not torch.cuda.is_available():  # before anything imports triton (flash.py would also set it)
+# before anything imports triton (flash.py would also set it)
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the optional transformers: no warnings,
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars
-PLOTS = importlib.util.find_spec("matplotlib") is not None  # optional: loss.png and bench plots
+# the optional transformers: no warnings, no progress bars
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# optional: loss.png and bench plots
+PLOTS = importlib.util.find_spec("matplotlib") is not None
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -61,12 +67,16 @@ import hf  # noqa: E402
 import model  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
-from bpe import (GPT2_PAT, Tokenizer, bytes_to_unicode, chunk_split_token, find_chunk_boundaries, train_bpe,
+from bpe import (GPT2_PAT, Tokenizer, bytes_to_unicode,  # noqa: E402
+                 chunk_split_token, find_chunk_boundaries, train_bpe,
                  train_bpe_reference)
 import data.prepare as data_prepare  # noqa: E402
-from data.prepare import SHAKESPEARE_VAL, download, fetch_gpt2_tokenizer, prepare, strip_gutenberg
-from model import (CausalSelfAttention, Embedding, Linear, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU,
-                   TransformerBlock, TransformerLM, count_params, cross_entropy, flops_per_token,
+from data.prepare import (SHAKESPEARE_VAL, download,  # noqa: E402
+                          fetch_gpt2_tokenizer, prepare, strip_gutenberg)
+from model import (CausalSelfAttention, Embedding, Linear,  # noqa: E402
+                   PRESETS, RMSNorm, RotaryEmbedding, SwiGLU,
+                   TransformerBlock, TransformerLM, count_params,
+                   cross_entropy, flops_per_token,
                    scaled_dot_product_attention, silu, softmax)
 
 
@@ -74,20 +84,25 @@ def _need(*packages):
     """Skip the test unless the optional packages are installed."""
     missing = [p for p in packages if importlib.util.find_spec(p) is None]
     if missing:
-        raise unittest.SkipTest(f"needs {' and '.join(missing)}: pip install -r requirements-extra.txt")
+        raise unittest.SkipTest(f"needs {' and '.join(missing)}: "
+                                "pip install -r requirements-extra.txt")
 
 
 def cases(names, values):
-    """@cases("d, causal", [(64, True), (80, False)]): test(d=64, causal=True) named test[64-True], and so on."""
+    """@cases("d, causal", [(64, True), (80, False)]): test(d=64,
+    causal=True) named test[64-True], and so on."""
     names = [n.strip() for n in names.split(",")]
     values = [v if isinstance(v, tuple) else (v,) for v in values]
 
     def wrap(fn):
         fn.cases = [dict(zip(names, v)) for v in values]
-        if "pytest" in sys.modules:
-            import pytest
-            return pytest.mark.parametrize(",".join(names), values if len(names) > 1 else [v[0] for v in values])(fn)
-        return fn
+        if "pytest" not in sys.modules:
+            return fn
+        import pytest
+        if len(names) == 1:
+            values_of_one = [v[0] for v in values]
+            return pytest.mark.parametrize(names[0], values_of_one)(fn)
+        return pytest.mark.parametrize(",".join(names), values)(fn)
     return wrap
 
 # ---------------------------------------------------------------------------------------------------------------
