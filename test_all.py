@@ -6453,358 +6453,1137 @@ def test_muon_shares_the_matrices_over_four_ranks():
 # bench.py
 # ---------------------------------------------------------------------------------------------------------------
 
-# Every subcommand at tiny CPU sizes: its Markdown and JSON rows agree, rates and ratios follow from the times.
+# Every subcommand at tiny CPU sizes: its Markdown and JSON rows agree,
+# and rates and ratios follow from the times.
 
-BENCH_TINY = "--size tiny --vocab_size 64 --context_length 16 --batch_size 2 --warmup 1 --steps 2".split()
+BENCH_TINY = ("--size tiny --vocab_size 64 --context_length 16 "
+              "--batch_size 2 --warmup 1 --steps 2").split()
 
 
 def run_bench(argv, tmp_path):
-    """bench.main(argv) with its output captured: (Markdown printed, JSON written, stderr)."""
-    out, err, path = io.StringIO(), io.StringIO(), tmp_path / "rows.json"
+    """bench.main(argv) with its output captured: (Markdown printed,
+    JSON written, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    path = tmp_path / "rows.json"
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         bench.main(list(argv) + ["--json", str(path)])
     return out.getvalue(), json.loads(path.read_text()), err.getvalue()
 
 
+def _md_cells(line):
+    r"""A table line's cells, stripped, "\|" inside a cell unescaped."""
+    cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+    return [c.strip().replace("\\|", "|") for c in cells]
+
+
 def _md_tables(text):
-    r"""Every Markdown table in text as (header, rows), the cells stripped ("\|" inside a cell unescaped)."""
-    cells = lambda line: [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-    blocks = [m.splitlines() for m in re.findall(r"(?:^\|.*\n?)+", text, re.M)]  # runs of lines starting with |
-    assert all(b[1:2] and b[1].startswith("|---") and {len(cells(r)) for r in b} == {len(cells(b[0]))} for b in blocks)
-    return [(cells(b[0]), [cells(r) for r in b[2:]]) for b in blocks]
+    """Every Markdown table in text as (header, rows of cells)."""
+    runs = re.findall(r"(?:^\|.*\n?)+", text, re.M)  # lines opening with |
+    tables = []
+    for block in (run.splitlines() for run in runs):
+        assert len(block) >= 2, block
+        assert block[1].startswith("|---"), block  # the header's rule
+        widths = {len(_md_cells(line)) for line in block}
+        assert widths == {len(_md_cells(block[0]))}, block
+        rows = [_md_cells(line) for line in block[2:]]
+        tables.append((_md_cells(block[0]), rows))
+    return tables
 
 
 def _num(cell):
-    """A table cell back to a number: '1,234' -> 1234.0, '2.50x' -> 2.5, '73%' -> 73.0, '1.2 ± 0.1' -> 1.2."""
+    """A table cell back to a number: '1,234' -> 1234.0, '2.50x' -> 2.5,
+    '73%' -> 73.0, '1.2 ± 0.1' -> 1.2."""
     return float(cell.split(" ± ")[0].replace(",", "").rstrip("x%"))
 
 
 def _close(cell, value, rel=0.02):
+    """Whether a cell shows value, to its rounding."""
     return math.isclose(_num(cell), value, rel_tol=rel, abs_tol=0.0051)
 
 
-def _bench_model(text, payload):
-    """bench.py model: a row per configuration, tokens/s and TFLOP/s from the mean ms, the peer's ratio."""
-    ((header, table),), rows = [t for t in _md_tables(text) if "ms/step" in t[0]], payload["rows"]
-    assert [r["model"] for r in rows] == ["ours", "gpt2"] and all(r["status"] == "ok" for r in rows)
-    for r, cells in zip(rows, table):
-        col = dict(zip(header, cells))
-        assert col["ms/step"] == f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}" and col["params"] == "0.1M"
-        assert math.isclose(r["tokens_per_s"], 2 * 16 / (r["mean_ms"] / 1e3)) and _close(col["tokens/s"],
-                                                                                         r["tokens_per_s"])
-        assert [_num(c) for c in col["fwd / bwd / opt ms"].split(" / ")] == [round(r["phase_ms"][p], 2) for p in
-                                                                           bench.PHASES]
-        assert sum(r["phase_ms"].values()) <= r["mean_ms"] + 1e-6 and r["first_step_ms"] > 0  # parts of the step
-        assert col["vs peer"] == (f"{r['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x" if r is rows[0] else "—")
-    ours = model.flops_per_token(64, 16, 64, 2, 192, causal=False)  # naive attention: every T^2 term counted
-    assert math.isclose(rows[0]["tflops"], ours * rows[0]["tokens_per_s"] / 1e12)
-    assert text.count("size tiny, ctx 16, batch 2, dtype fp32, compile none, recompute none, mode train") == 1
+BENCH_RUNS = {  # a run of each subcommand at tiny CPU sizes
+    "model": ["model", *BENCH_TINY, "--peer", "gpt2", "--plot", "PLOT"],
+    "attention": ["attention", "--parts", "anchors,varlen", "--rep", "1"],
+    "varlen": ["varlen", "--num_layers", "1", "--num_docs", "60",
+               "--context_length", "48", "--steps", "1",
+               "--phases", "train", "--strategies", "pad,dynamic_pad,pack"],
+    "hf": ["hf", "--num_layers", "1", "--num_heads", "2", "--d_model", "32",
+           "--strategies", "sdpa:pad,ours:pack:compiled"],
+    "rmsnorm": ["rmsnorm", "--shapes", "70x80,3x48",
+                "--methods", "ours,F.rms_norm,copy"],
+    "adamw": ["adamw"],
+    "bpe": ["bpe", "--input", "CORPUS", "--vocab_size", "300",
+            "--num_workers", "1", "--repeats", "1"]}
+_BENCH_PEERS = {"hf": "transformers", "bpe": "tokenizers"}  # optional
 
 
-def _bench_attention(text, payload):
-    """bench.py attention on the interpreter: ours and naive on a dense case, ours on packed documents."""
-    ((_, table),), rows = _md_tables(text), payload["rows"]
-    dense, packed = "B=1 H=2 S=40 D=16 float32", "docs=4 max=17 tokens=32 H=2 D=16"
-    assert [(r["case"], r["method"]) for r in rows] == [(dense, "ours"), (dense, "naive"), (packed, "ours")]
-    for r, cells in zip(rows, table):
-        flops = bench.attention_flops([1, 5, 17, 9] if r["case"] == packed else [40], 2, 16)
-        assert math.isclose(r["fwd_bwd_tflops"], 3.5 * flops / r["fwd_bwd_ms"] / 1e9)  # a time, not "n/a"
-        assert _close(cells[4], r["fwd_bwd_ms"]) and cells[8] == "—"  # the host's ms: CUDA only
-        ours = next(o for o in rows if o["case"] == r["case"])
-        vs = " / ".join(f"{ours[k] / r[k]:.2f}x" for k in ("fwd_tflops", "fwd_bwd_tflops"))
-        assert cells[7] == ("—" if r is ours else vs)
+@functools.cache
+def _bench_run(name):
+    """BENCH_RUNS[name] in a folder of its own (CORPUS and PLOT its
+    files): its Markdown, JSON and stderr, and the plot's path."""
+    if name in _BENCH_PEERS:
+        _need(_BENCH_PEERS[name])
+    folder = Path(tempfile.mkdtemp())
+    corpus, plot = folder / "corpus.txt", folder / "p.png"
+    if "CORPUS" in BENCH_RUNS[name]:
+        _write_text(corpus, _synthetic_text(30_000, seed=6))
+    files = {"CORPUS": str(corpus), "PLOT": str(plot)}
+    argv = [files.get(arg, arg) for arg in BENCH_RUNS[name]]
+    text, payload, err = run_bench(argv, folder)
+    return SimpleNamespace(text=text, payload=payload, err=err, plot=plot)
 
 
-def _bench_varlen(text, payload):
-    """varlen and hf: every row the same real tokens and first loss; speedup and real share follow from the rows."""
-    ((header, table),), rows = _md_tables(text), payload["rows"]
-    assert [c[header.index("strategy")] for c in table] == [r["strategy"] for r in rows] and len(rows) >= 2
-    ok = [r for r in rows if r["status"] == "ok"]
-    assert len({r["real_tokens"] for r in ok}) == 1 and np.ptp([r["loss_first_batch"] for r in ok]) < 1e-4
+@cases("name", list(BENCH_RUNS))
+def test_bench_markdown_opens_with_its_command(name):
+    text = _bench_run(name).text
+    assert text.startswith(f"`python bench.py {name} "), text[:200]
+
+
+@cases("name", list(BENCH_RUNS))
+def test_bench_json_holds_its_command(name):
+    command = _bench_run(name).payload["command"]
+    assert command.startswith("python bench.py"), command
+
+
+@cases("name", list(BENCH_RUNS))
+def test_bench_json_says_when_where_and_with_what(name):
+    payload = _bench_run(name).payload
+    assert payload["date"], payload
+    assert payload["device"], payload
+    assert "torch" in payload["versions"], payload["versions"]
+
+
+def test_bench_model_plots_a_png_exactly_with_matplotlib():
+    plot = _bench_run("model").plot
+    assert plot.exists() == PLOTS, plot
+    if PLOTS:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- bench.py model ---
+
+def _bench_model_rows():
+    """bench.py model's JSON rows, each with its table row as
+    {column: cell}."""
+    run = _bench_run("model")
+    tables = [t for t in _md_tables(run.text) if "ms/step" in t[0]]
+    ((header, table),) = tables
+    columns = [dict(zip(header, cells)) for cells in table]
+    return list(zip(run.payload["rows"], columns, strict=True))
+
+
+def test_bench_model_rows_are_ours_then_the_peer():
+    models = [r["model"] for r, _ in _bench_model_rows()]
+    assert models == ["ours", "gpt2"], models
+
+
+def test_bench_model_rows_all_ran():
+    statuses = [r["status"] for r, _ in _bench_model_rows()]
+    assert statuses == ["ok", "ok"], statuses
+
+
+def test_bench_model_ms_cell_is_the_mean_and_std():
+    for r, col in _bench_model_rows():
+        want = f"{r['mean_ms']:.2f} ± {r['std_ms']:.2f}"
+        assert col["ms/step"] == want, (col, want)
+
+
+def test_bench_model_counts_the_tiny_models_params():
+    for _, col in _bench_model_rows():
+        assert col["params"] == "0.1M", col
+
+
+def test_bench_model_tokens_per_s_follow_from_the_mean_ms():
+    for r, _ in _bench_model_rows():
+        want = 2 * 16 / (r["mean_ms"] / 1e3)  # batch 2, context 16
+        assert math.isclose(r["tokens_per_s"], want), (r, want)
+
+
+def test_bench_model_tokens_per_s_cell_is_the_rate():
+    for r, col in _bench_model_rows():
+        assert _close(col["tokens/s"], r["tokens_per_s"]), (r, col)
+
+
+def test_bench_model_phase_cells_are_the_phase_ms():
+    for r, col in _bench_model_rows():
+        cells = col["fwd / bwd / opt ms"].split(" / ")
+        want = [round(r["phase_ms"][p], 2) for p in bench.PHASES]
+        assert [_num(c) for c in cells] == want, (cells, want)
+
+
+def test_bench_model_phases_are_parts_of_the_step():
+    for r, _ in _bench_model_rows():
+        phases = sum(r["phase_ms"].values())
+        assert phases <= r["mean_ms"] + 1e-6, (phases, r["mean_ms"])
+
+
+def test_bench_model_times_the_first_step():
+    for r, _ in _bench_model_rows():
+        assert r["first_step_ms"] > 0, r
+
+
+def test_bench_model_vs_peer_is_the_tokens_per_s_ratio():
+    (ours, ours_col), (peer, peer_col) = _bench_model_rows()
+    ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
+    assert ours_col["vs peer"] == f"{ratio:.2f}x", ours_col
+    assert peer_col["vs peer"] == "—", peer_col
+
+
+def test_bench_model_tflops_count_every_attention_term():
+    ours = _bench_model_rows()[0][0]
+    # naive attention: every T^2 term counted
+    flops = model.flops_per_token(64, 16, 64, 2, 192, causal=False)
+    want = flops * ours["tokens_per_s"] / 1e12
+    assert math.isclose(ours["tflops"], want), (ours["tflops"], want)
+
+
+def test_bench_model_states_its_configuration_once():
+    setup = ("size tiny, ctx 16, batch 2, dtype fp32, compile none, "
+             "recompute none, mode train")
+    count = _bench_run("model").text.count(setup)
+    assert count == 1, count
+
+
+# --- bench.py attention ---
+
+ATTENTION_DENSE = "B=1 H=2 S=40 D=16 float32"
+ATTENTION_PACKED = "docs=4 max=17 tokens=32 H=2 D=16"
+
+
+def _bench_attention_rows():
+    """bench.py attention's JSON rows, each with its table row."""
+    run = _bench_run("attention")
+    ((_, table),) = _md_tables(run.text)
+    return list(zip(run.payload["rows"], table, strict=True))
+
+
+def test_bench_attention_runs_ours_and_naive_dense_then_ours_packed():
+    got = [(r["case"], r["method"]) for r, _ in _bench_attention_rows()]
+    want = [(ATTENTION_DENSE, "ours"), (ATTENTION_DENSE, "naive"),
+            (ATTENTION_PACKED, "ours")]
+    assert got == want, got
+
+
+def test_bench_attention_tflops_follow_from_the_time():
+    for r, _ in _bench_attention_rows():
+        lengths = [40]
+        if r["case"] == ATTENTION_PACKED:
+            lengths = [1, 5, 17, 9]
+        flops = bench.attention_flops(lengths, 2, 16)
+        # a time, not "n/a"
+        want = 3.5 * flops / r["fwd_bwd_ms"] / 1e9
+        assert math.isclose(r["fwd_bwd_tflops"], want), (r, want)
+
+
+def test_bench_attention_ms_cell_is_the_fwd_bwd_time():
+    for r, cells in _bench_attention_rows():
+        assert _close(cells[4], r["fwd_bwd_ms"]), (cells, r)
+
+
+def test_bench_attention_host_ms_cell_is_for_cuda_alone():
+    for _, cells in _bench_attention_rows():
+        assert cells[8] == "—", cells
+
+
+def test_bench_attention_vs_ours_is_the_tflops_ratio():
+    rows = _bench_attention_rows()
+    for r, cells in rows:
+        ours = next(o for o, _ in rows if o["case"] == r["case"])
+        ratios = [f"{ours[k] / r[k]:.2f}x"
+                  for k in ("fwd_tflops", "fwd_bwd_tflops")]
+        want = "—" if r is ours else " / ".join(ratios)
+        assert cells[7] == want, (cells, want)
+
+
+# --- bench.py varlen and hf: a row per batching strategy ---
+
+def _bench_strategies(name):
+    """(header, table, JSON rows) of bench.py varlen or hf."""
+    run = _bench_run(name)
+    ((header, table),) = _md_tables(run.text)
+    return header, table, run.payload["rows"]
+
+
+@cases("name", ["varlen", "hf"])
+def test_bench_strategies_have_a_row_each(name):
+    header, table, rows = _bench_strategies(name)
+    shown = [cells[header.index("strategy")] for cells in table]
+    assert shown == [r["strategy"] for r in rows], shown
+    assert len(rows) >= 2, rows
+
+
+@cases("name", ["varlen", "hf"])
+def test_bench_strategies_see_the_same_real_tokens(name):
+    rows = _bench_strategies(name)[2]
+    real = {r["real_tokens"] for r in rows if r["status"] == "ok"}
+    assert len(real) == 1, real
+
+
+@cases("name", ["varlen", "hf"])
+def test_bench_strategies_give_the_same_first_loss(name):
+    rows = _bench_strategies(name)[2]
+    losses = [r["loss_first_batch"] for r in rows if r["status"] == "ok"]
+    assert np.ptp(losses) < 1e-4, losses
+
+
+@cases("name", ["varlen", "hf"])
+def test_bench_strategies_speedup_is_the_tokens_per_s_ratio(name):
+    header, table, rows = _bench_strategies(name)
     speedup = next(h for h in header if h.startswith("speedup vs"))
     for r, cells in zip(rows, table):
-        col = dict(zip(header, cells))
-        assert col[speedup] == f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x"
-        assert col["real / slots"] == f"{100 * r['real_tokens'] / r['token_slots']:.0f}%"
-    assert any(":pack" in f":{r['strategy']}" and r["real_tokens"] >= 0.9 * r["token_slots"] for r in rows)
+        ratio = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+        cell = dict(zip(header, cells))[speedup]
+        assert cell == f"{ratio:.2f}x", (cell, ratio)
 
 
-def _bench_kernels(text, payload):
-    """rmsnorm and adamw: a row per (shape or size, method); bandwidths and ratios follow from the times."""
-    ((_, table),), rows = _md_tables(text), payload["rows"]
-    assert len(table) == len(rows) > 1
+@cases("name", ["varlen", "hf"])
+def test_bench_strategies_real_share_is_real_over_slots(name):
+    header, table, rows = _bench_strategies(name)
     for r, cells in zip(rows, table):
-        if "fwd_gb_s" in r:  # rmsnorm: GB/s = the bytes a direction must move over its time
-            n, d = map(int, r["shape"].split(" x "))
-            assert math.isclose(r["fwd_gb_s"], (2 * n * d * 4 + d * 4) / r["fwd_ms"] / 1e6)
-            assert (r["fwd_bwd_ms"] is None) == (r["method"] == "copy") and cells[4].endswith("%")
-        else:  # adamw: 28 bytes a parameter, each optimizer against torch's fused one
-            fused = next(o["ms"] for o in rows if o["optimizer"] == "torch fused=True" and o["size"] == r["size"])
-            assert cells[5] == f"{r['ms'] / fused:.2f}x" and math.isclose(r["tb_s"], 28 * r["params"] / r["ms"] / 1e9)
+        share = 100 * r["real_tokens"] / r["token_slots"]
+        cell = dict(zip(header, cells))["real / slots"]
+        assert cell == f"{share:.0f}%", (cell, share)
 
 
-def _bench_bpe(text, payload):
-    """bpe: both trainers' runs, the encoding rows' rates and ratios, the ids checked equal (or it exits)."""
-    (h1, train), (h2, encode) = _md_tables(text)
-    assert [r[0] for r in train] == ["bpe.train_bpe", "HF tokenizers BpeTrainer (ByteLevel)"]
-    assert all(x["vocab"] == 300 for runs in payload["train"].values() for x in runs) and len(encode) == 3
-    for e, cells in zip(payload["encode"], encode):
-        assert math.isclose(e["ours_mb_s"], payload["bytes"] / e["ours_s"] / 1e6)
-        assert _close(cells[3], e["ours_vs_tiktoken"]) and e["ours_vs_tiktoken"] == e["tiktoken_s"] / e["ours_s"]
+@cases("name", ["varlen", "hf"])
+def test_bench_strategies_packing_fills_nine_tenths(name):
+    rows = _bench_strategies(name)[2]
+    packed = [r for r in rows if ":pack" in f":{r['strategy']}"]
+    full = [r for r in packed if r["real_tokens"] >= 0.9 * r["token_slots"]]
+    assert full, packed
 
 
-BENCH_CASES = {  # a run of each subcommand at tiny CPU sizes, and what its tables must hold
-    "model": (["model"] + BENCH_TINY + ["--peer", "gpt2", "--plot", "PLOT"], _bench_model),
-    "attention": (["attention", "--parts", "anchors,varlen", "--rep", "1"], _bench_attention),
-    "varlen": (["varlen", "--num_layers", "1", "--num_docs", "60", "--context_length", "48", "--steps", "1",
-                "--phases", "train", "--strategies", "pad,dynamic_pad,pack"], _bench_varlen),
-    "hf": (["hf", "--num_layers", "1", "--num_heads", "2", "--d_model", "32", "--strategies",
-            "sdpa:pad,ours:pack:compiled"], _bench_varlen),
-    "rmsnorm": (["rmsnorm", "--shapes", "70x80,3x48", "--methods", "ours,F.rms_norm,copy"], _bench_kernels),
-    "adamw": (["adamw"], _bench_kernels),
-    "bpe": (["bpe", "--input", "CORPUS", "--vocab_size", "300", "--num_workers", "1", "--repeats", "1"], _bench_bpe)}
+# --- bench.py rmsnorm and adamw ---
+
+def _bench_kernel_rows(name):
+    """bench.py rmsnorm's or adamw's JSON rows, each with its table
+    row."""
+    run = _bench_run(name)
+    ((_, table),) = _md_tables(run.text)
+    return list(zip(run.payload["rows"], table))
 
 
-@cases("name", list(BENCH_CASES))
-def test_bench_subcommand_tables_follow_the_rows(name, tmp_path):
-    argv, check = BENCH_CASES[name]
-    peer_package = {"hf": "transformers", "bpe": "tokenizers"}.get(name)
-    if peer_package:
-        _need(peer_package)
-    plot = tmp_path / "p.png"
-    files = dict(CORPUS=str(_write_text(tmp_path / "corpus.txt", _synthetic_text(30_000, seed=6))), PLOT=str(plot))
-    text, payload, _ = run_bench([files.get(a, a) for a in argv], tmp_path)
-    if "--plot" in argv:  # a chart exactly when matplotlib is installed
-        assert plot.exists() == PLOTS
-    if plot.exists():
-        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert text.startswith(f"`python bench.py {argv[0]} ") and payload["command"].startswith("python bench.py")
-    assert payload["date"] and payload["device"] and "torch" in payload["versions"]
-    check(text, payload)
+@cases("name", ["rmsnorm", "adamw"])
+def test_bench_kernels_have_a_table_row_per_result(name):
+    run = _bench_run(name)
+    ((_, table),) = _md_tables(run.text)
+    rows = run.payload["rows"]
+    assert len(table) == len(rows), (table, rows)
+    assert len(rows) > 1, rows  # a row per (shape or size, method)
 
 
-def test_bench_model_compare_keeps_going_past_oom_and_errors(tmp_path):
-    # --sweep: a line per context, modes side by side; an injected OOM or error is a status and the sweep goes on
+def test_bench_rmsnorm_gb_s_is_the_bytes_over_the_time():
+    for r, _ in _bench_kernel_rows("rmsnorm"):
+        n, d = map(int, r["shape"].split(" x "))
+        moved = 2 * n * d * 4 + d * 4  # x read, y written, the weight
+        want = moved / r["fwd_ms"] / 1e6
+        assert math.isclose(r["fwd_gb_s"], want), (r, want)
+
+
+def test_bench_rmsnorm_copy_alone_has_no_backward():
+    for r, _ in _bench_kernel_rows("rmsnorm"):
+        no_backward = r["fwd_bwd_ms"] is None
+        assert no_backward == (r["method"] == "copy"), r
+
+
+def test_bench_rmsnorm_cells_give_a_share():
+    for _, cells in _bench_kernel_rows("rmsnorm"):
+        assert cells[4].endswith("%"), cells
+
+
+def test_bench_adamw_ratio_is_against_torch_fused():
+    rows = _bench_kernel_rows("adamw")
+    for r, cells in rows:
+        fused = next(o["ms"] for o, _ in rows
+                     if o["optimizer"] == "torch fused=True"
+                     and o["size"] == r["size"])
+        assert cells[5] == f"{r['ms'] / fused:.2f}x", (cells, r)
+
+
+def test_bench_adamw_tb_s_is_28_bytes_a_parameter_over_the_time():
+    for r, _ in _bench_kernel_rows("adamw"):
+        want = 28 * r["params"] / r["ms"] / 1e9
+        assert math.isclose(r["tb_s"], want), (r, want)
+
+
+# --- bench.py bpe ---
+
+def _bench_bpe_tables():
+    """bench.py bpe's training table, its encoding table, its JSON."""
+    run = _bench_run("bpe")
+    (_, training), (_, encoding) = _md_tables(run.text)
+    return training, encoding, run.payload
+
+
+def test_bench_bpe_times_both_trainers():
+    training = _bench_bpe_tables()[0]
+    trainers = [cells[0] for cells in training]
+    want = ["bpe.train_bpe", "HF tokenizers BpeTrainer (ByteLevel)"]
+    assert trainers == want, trainers
+
+
+def test_bench_bpe_trainers_reach_the_vocab_size():
+    payload = _bench_bpe_tables()[2]
+    runs = [run for trainer in payload["train"].values() for run in trainer]
+    sizes = {run["vocab"] for run in runs}
+    assert sizes == {300}, sizes
+
+
+def test_bench_bpe_has_three_encoding_rows():
+    encoding = _bench_bpe_tables()[1]
+    assert len(encoding) == 3, encoding
+
+
+def test_bench_bpe_mb_s_is_the_bytes_over_the_time():
+    payload = _bench_bpe_tables()[2]
+    for e in payload["encode"]:
+        want = payload["bytes"] / e["ours_s"] / 1e6
+        assert math.isclose(e["ours_mb_s"], want), (e, want)
+
+
+def test_bench_bpe_ratio_is_tiktokens_time_over_ours():
+    _, encoding, payload = _bench_bpe_tables()
+    for e, cells in zip(payload["encode"], encoding):
+        ratio = e["ours_vs_tiktoken"]
+        assert ratio == e["tiktoken_s"] / e["ours_s"], e
+        assert _close(cells[3], ratio), (cells, ratio)
+
+
+# --- bench.py model --sweep, its time budget, no matplotlib ---
+
+@functools.cache
+def _bench_sweep_with_failures():
+    """bench.py model --sweep over contexts 16 and 24 and modes fwd
+    and train, context 24 failing (fwd an error, train an OOM):
+    (header, table, JSON rows)."""
     real = bench.training_step
 
     def failing(par, optimizer, x, y, mode, *rest):
-        if x.shape[1] == 24:
-            raise (torch.OutOfMemoryError if mode == "train" else ValueError)("injected by the test")
-        return real(par, optimizer, x, y, mode, *rest)
+        if x.shape[1] != 24:
+            return real(par, optimizer, x, y, mode, *rest)
+        if mode == "train":
+            raise torch.OutOfMemoryError("injected by the test")
+        raise ValueError("injected by the test")
+    argv = ["model", "--sweep", "--size", "tiny",
+            "--context_length", "16,24", "--mode", "fwd,train",
+            "--vocab_size", "64", "--batch_size", "2",
+            "--warmup", "0", "--steps", "2"]
     with unittest.mock.patch.object(bench, "training_step", failing):
-        text, payload, _ = run_bench(["model", "--sweep", "--size", "tiny", "--context_length", "16,24", "--mode",
-                                      "fwd,train", "--vocab_size", "64", "--batch_size", "2", "--warmup", "0",
-                                      "--steps", "2"], tmp_path)
-    (fwd, train, *_), ((header, table),) = payload["rows"], _md_tables(text)
-    assert [(r["context_length"], r["mode"], r["status"]) for r in payload["rows"]] == \
-        [(16, "fwd", "ok"), (16, "train", "ok"), (24, "fwd", "error"), (24, "train", "OOM")]
-    assert header[:5] == ["ctx", "params", "fwd ms", "train ms", "fwd peak MiB"] and header[-1] == "train vs fwd"
-    assert [r[0] for r in table] == ["16", "24"] and _close(table[0][2], fwd["mean_ms"])
-    assert table[0][-1] == f"{fwd['mean_ms'] / train['mean_ms']:.2f}x" and table[1][-1] == "—"
-    assert table[1][2] == "error" and table[1][3] == table[1][5] == table[1][7] == "OOM"  # ms, peak, tokens/s
-    png = tmp_path / "p.png"  # past the time budget every row is skipped; without matplotlib, no plot
-    with unittest.mock.patch.dict(sys.modules, matplotlib=None):  # an import of matplotlib now fails
-        text, payload, err = run_bench(["model"] + BENCH_TINY + ["--time_budget", "0", "--plot", str(png)], tmp_path)
-    assert [r["status"] for r in payload["rows"]] == ["skipped"] and "skipped" in _md_tables(text)[0][1][0]
-    assert not png.exists() and err.endswith(f"matplotlib is not installed: {png} not written\n")
+        text, payload, _ = run_bench(argv, Path(tempfile.mkdtemp()))
+    ((header, table),) = _md_tables(text)
+    return header, table, payload["rows"]
 
 
-def test_bench_bad_input_is_one_line_and_status_2(tmp_path):
-    # all but model.py's names (checked once torch is there) and what needs the device, before torch is imported
-    _cli_errors("bench.py", [([], ["required: SUBCOMMAND"]), (["nope"], ["invalid choice: 'nope'"]),
-                             (["model", "--size", "huge"], ["unknown value"]), (["model", "--nope"], ["unrecognized"]),
-                             (["model", "--cuda_graphs", "--warmup", "1"], ["--cuda_graphs"]),
-                             (["model", "--steps", "0"], ["--steps"]), (["allreduce", "--nope"], ["unrecognized"]),
-                             (["model", "--profile", "t.json", "--peer"], ["single configuration"]),
-                             (["model", "--context_length", "8,x"], ["comma list of int"]),
-                             (["rmsnorm", "--shapes", "1000x"], ["TOKENSxD"]), (["bpe", "--input", "no"], ["missing"]),
-                             (["varlen", "--strategies", "pad,nope"], ["--strategies"]),
-                             (["hf", "--strategies", "sdpa:nope"], ["--strategies"])], tmp_path)
+def test_bench_sweep_keeps_going_past_oom_and_errors():
+    rows = _bench_sweep_with_failures()[2]
+    got = [(r["context_length"], r["mode"], r["status"]) for r in rows]
+    want = [(16, "fwd", "ok"), (16, "train", "ok"),
+            (24, "fwd", "error"), (24, "train", "OOM")]
+    assert got == want, got
 
 
-def test_bench_time_ms_counts_calls_and_measures_milliseconds():
-    calls, setups, clock = [], [], [0.0]
-    samples = bench.time_ms(lambda: calls.append(1), "cpu", warmup=2, steps=3, reps=4,
-                            setup=lambda: setups.append(len(calls)))
-    assert len(samples) == 3
-    assert len(calls) == 2 + 3 * 4
-    assert setups == [2, 6, 10]  # setup before each sample
+def test_bench_sweep_puts_the_modes_side_by_side():
+    header = _bench_sweep_with_failures()[0]
+    want = ["ctx", "params", "fwd ms", "train ms", "fwd peak MiB"]
+    assert header[:5] == want, header
+    assert header[-1] == "train vs fwd", header
 
-    def half_a_second():  # on a clock of the test's own: no load on the machine changes what is measured
+
+def test_bench_sweep_has_a_line_per_context():
+    table = _bench_sweep_with_failures()[1]
+    assert [cells[0] for cells in table] == ["16", "24"], table
+
+
+def test_bench_sweep_ms_cell_is_the_mean():
+    _, table, (fwd, *_) = _bench_sweep_with_failures()
+    assert _close(table[0][2], fwd["mean_ms"]), (table[0], fwd)
+
+
+def test_bench_sweep_ratio_is_fwd_over_train_where_both_ran():
+    _, table, (fwd, train, *_) = _bench_sweep_with_failures()
+    ratio = fwd["mean_ms"] / train["mean_ms"]
+    assert table[0][-1] == f"{ratio:.2f}x", table[0]
+    assert table[1][-1] == "—", table[1]
+
+
+def test_bench_sweep_failed_cells_say_how_it_failed():
+    failed = _bench_sweep_with_failures()[1][1]
+    assert failed[2] == "error", failed  # fwd ms
+    # train ms, train peak MiB, train tokens/s
+    assert [failed[i] for i in (3, 5, 7)] == ["OOM"] * 3, failed
+
+
+@functools.cache
+def _bench_past_budget_without_matplotlib():
+    """bench.py model --time_budget 0 --plot p.png where an import of
+    matplotlib fails: its Markdown, JSON, stderr and the plot's path."""
+    folder = Path(tempfile.mkdtemp())
+    png = folder / "p.png"
+    argv = ["model", *BENCH_TINY, "--time_budget", "0",
+            "--plot", str(png)]
+    with unittest.mock.patch.dict(sys.modules, matplotlib=None):
+        text, payload, err = run_bench(argv, folder)
+    return SimpleNamespace(text=text, payload=payload, err=err, png=png)
+
+
+def test_bench_past_its_time_budget_skips_every_row():
+    run = _bench_past_budget_without_matplotlib()
+    statuses = [r["status"] for r in run.payload["rows"]]
+    assert statuses == ["skipped"], statuses
+    cells = _md_tables(run.text)[0][1][0]
+    assert "skipped" in cells, cells
+
+
+def test_bench_without_matplotlib_says_so_and_plots_nothing():
+    run = _bench_past_budget_without_matplotlib()
+    assert not run.png.exists()
+    said = f"matplotlib is not installed: {run.png} not written\n"
+    assert run.err.endswith(said), run.err
+
+
+# --- bench.py's command line ---
+
+# command lines that must fail: (argv, words its one stderr line holds);
+# all but model.py's names (checked once torch is there) and what
+# needs the device fail before torch is imported
+BENCH_REFUSALS = {
+    "no_subcommand": ([], ["required: SUBCOMMAND"]),
+    "unknown_subcommand": (["nope"], ["invalid choice: 'nope'"]),
+    "unknown_size": (["model", "--size", "huge"], ["unknown value"]),
+    "unknown_flag": (["model", "--nope"], ["unrecognized"]),
+    "cuda_graphs_warmup": (["model", "--cuda_graphs", "--warmup", "1"],
+                           ["--cuda_graphs"]),
+    "no_steps": (["model", "--steps", "0"], ["--steps"]),
+    "allreduce_flag": (["allreduce", "--nope"], ["unrecognized"]),
+    "profile_of_several": (["model", "--profile", "t.json", "--peer"],
+                           ["single configuration"]),
+    "context_list": (["model", "--context_length", "8,x"],
+                     ["comma list of int"]),
+    "rmsnorm_shape": (["rmsnorm", "--shapes", "1000x"], ["TOKENSxD"]),
+    "missing_corpus": (["bpe", "--input", "no"], ["missing"]),
+    "varlen_strategy": (["varlen", "--strategies", "pad,nope"],
+                        ["--strategies"]),
+    "hf_strategy": (["hf", "--strategies", "sdpa:nope"],
+                    ["--strategies"])}
+
+
+@functools.cache
+def _bench_refusal_runs():
+    """Every BENCH_REFUSALS line at once, in an empty folder:
+    {problem: (returncode, stderr)}, and the files there after."""
+    folder = Path(tempfile.mkdtemp())
+    runs = {}
+    for problem, (argv, _) in BENCH_REFUSALS.items():
+        command = [sys.executable, str(ROOT / "bench.py"), *argv]
+        runs[problem] = subprocess.Popen(
+            command, cwd=folder, text=True, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    results = {}
+    for problem, run in runs.items():
+        err = run.communicate(timeout=300)[1]
+        results[problem] = (run.returncode, err)
+    return results, sorted(folder.rglob("*"))
+
+
+@cases("problem", list(BENCH_REFUSALS))
+def test_bench_cli_refuses_in_one_line(problem):
+    returncode, err = _bench_refusal_runs()[0][problem]
+    assert returncode == 2, (returncode, err)
+    assert err.count("\n") == 1, err
+    missing = [w for w in BENCH_REFUSALS[problem][1] if w not in err]
+    assert not missing, (missing, err)
+
+
+def test_bench_cli_refusals_write_no_file():
+    files = _bench_refusal_runs()[1]
+    assert not files, files
+
+
+# --- bench.time_ms ---
+
+@functools.cache
+def _time_ms_calls():
+    """time_ms(warmup=2, steps=3, reps=4) of a call and a setup that
+    note when they ran: (samples, calls, calls made before each setup)."""
+    calls, setups = [], []
+
+    def call():
+        calls.append(1)
+
+    def setup():
+        setups.append(len(calls))
+    samples = bench.time_ms(call, "cpu", warmup=2, steps=3, reps=4,
+                            setup=setup)
+    return samples, calls, setups
+
+
+def _time_ms_on_a_clock_of_its_own(**options):
+    """time_ms of a call taking half a second on a clock of the
+    test's own: no load on the machine changes what is measured."""
+    clock = [0.0]
+
+    def half_a_second():
         clock[0] += 0.5
-    with unittest.mock.patch.object(bench.time, "perf_counter", lambda: clock[0]):
-        assert bench.time_ms(half_a_second, "cpu", steps=2, reps=2) == [500.0, 500.0]  # ms per call
-        assert len(bench.time_ms(half_a_second, "cpu", steps=2, budget_ms=5000)) == 10  # as many as fit
+
+    def perf_counter():
+        return clock[0]
+    with unittest.mock.patch.object(bench.time, "perf_counter",
+                                    perf_counter):
+        return bench.time_ms(half_a_second, "cpu", **options)
+
+
+def test_bench_time_ms_gives_a_sample_per_step():
+    samples = _time_ms_calls()[0]
+    assert len(samples) == 3, samples
+
+
+def test_bench_time_ms_calls_warmup_then_reps_per_step():
+    calls = _time_ms_calls()[1]
+    assert len(calls) == 2 + 3 * 4, len(calls)
+
+
+def test_bench_time_ms_sets_up_before_each_sample():
+    setups = _time_ms_calls()[2]
+    assert setups == [2, 6, 10], setups
+
+
+def test_bench_time_ms_measures_ms_per_call():
+    samples = _time_ms_on_a_clock_of_its_own(steps=2, reps=2)
+    assert samples == [500.0, 500.0], samples
+
+
+def test_bench_time_ms_takes_as_many_samples_as_fit_its_budget():
+    samples = _time_ms_on_a_clock_of_its_own(steps=2, budget_ms=5000)
+    assert len(samples) == 10, samples
+
+
+# --- the native peer, bench.py ddp, bench.py sass ---
+
+_PEER_WEIGHTS = {  # PeerLM's weight: ours, concatenated
+    "qkv": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+    "up": ("ffn.w1", "ffn.w3"), "proj": ("attn.output_proj",),
+    "down": ("ffn.w2",), "ln1": ("ln1",), "ln2": ("ln2",)}
+
+
+def _peer_state(m):
+    """TransformerLM m's weights in PeerLM's names and layout."""
+    ours = m.state_dict()
+    state = {"emb.weight": ours["token_embeddings.weight"],
+             "head.weight": ours["lm_head.weight"],
+             "ln.weight": ours["ln_final.weight"]}
+    for i in range(m.num_layers):
+        for name, parts in _PEER_WEIGHTS.items():
+            weights = [ours[f"layers.{i}.{part}.weight"] for part in parts]
+            state[f"layers.{i}.{name}.weight"] = torch.cat(weights)
+    return state
 
 
 def test_bench_native_peer_computes_our_model():
-    # the PyTorch-native peer computes TransformerLM's function: our weights copied in (q/k/v and w1/w3 concatenated)
+    # the PyTorch-native peer with our weights: TransformerLM's function
     m = _tiny_lm(seed=5)
-    peer, sd = bench.PeerLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, 72), m.state_dict()
-    cat = lambda i, *names: torch.cat([sd[f"layers.{i}.{n}.weight"] for n in names])
-    names = dict(qkv=("attn.q_proj", "attn.k_proj", "attn.v_proj"), up=("ffn.w1", "ffn.w3"), proj=("attn.output_proj",),
-                 down=("ffn.w2",), ln1=("ln1",), ln2=("ln2",))
-    peer.load_state_dict({f"layers.{i}.{k}.weight": cat(i, *n) for i in range(m.num_layers) for k, n in names.items()}
-                         | {"emb.weight": sd["token_embeddings.weight"], "head.weight": sd["lm_head.weight"],
-                            "ln.weight": sd["ln_final.weight"]})
-    idx, y = torch.randint(0, m.vocab_size, (2, 17)), torch.randint(0, m.vocab_size, (2, 17))
-    assert abs(peer(idx, y).item() - cross_entropy(m(idx), y).item()) < 1e-5
+    peer = bench.PeerLM(m.vocab_size, m.context_length, m.d_model,
+                        m.num_layers, m.num_heads, 72)
+    peer.load_state_dict(_peer_state(m))
+    idx = torch.randint(0, m.vocab_size, (2, 17))
+    y = torch.randint(0, m.vocab_size, (2, 17))
+    got, want = peer(idx, y).item(), cross_entropy(m(idx), y).item()
+    assert abs(got - want) < 1e-5, (got, want)
 
 
-def test_bench_ddp_two_processes(tmp_path):
-    out = _run_ranks(2, ["ddp", "--preset", "tiny", "--context_length", "32", "--batch_size", "2", "--steps", "2",
-                         "--warmup", "1", "--variants", "none", "naive", "bucketed-1", "--allreduce_mb", "0.01", "0.5",
-                         "--json", str(tmp_path / "ddp.json")], script="bench.py", cwd=tmp_path)[0]
-    payload = json.loads((tmp_path / "ddp.json").read_text())
-    (h1, allreduce), (h2, table) = _md_tables(out)
-    for rec, cells in zip(payload["allreduce"], allreduce):  # busbw = algbw * 2 (N - 1) / N, bytes over the median
+@functools.cache
+def _bench_ddp_run():
+    """bench.py ddp on 2 processes, a tiny model, variants none, naive
+    and bucketed-1, all-reduces of 0.01 and 0.5 MiB: (Markdown, JSON)."""
+    folder = Path(tempfile.mkdtemp())
+    argv = ["ddp", "--preset", "tiny", "--context_length", "32",
+            "--batch_size", "2", "--steps", "2", "--warmup", "1",
+            "--variants", "none", "naive", "bucketed-1",
+            "--allreduce_mb", "0.01", "0.5",
+            "--json", str(folder / "ddp.json")]
+    out = _run_ranks(2, argv, script="bench.py", cwd=folder)[0]
+    return out, json.loads((folder / "ddp.json").read_text())
+
+
+def _bench_ddp_tables():
+    """bench.py ddp's all-reduce table and variant table."""
+    (_, allreduce), (_, variants) = _md_tables(_bench_ddp_run()[0])
+    return allreduce, variants
+
+
+def test_bench_ddp_allreduce_algbw_is_the_bytes_over_the_median():
+    for rec in _bench_ddp_run()[1]["allreduce"]:
         nbytes = int(rec["size_mib"] * 2**20) // 4 * 4
-        assert math.isclose(rec["algbw_gib_s"], nbytes / (rec["median_ms"] / 1e3) / 2**30)
-        assert math.isclose(rec["busbw_gib_s"], rec["algbw_gib_s"]) and cells[:2] == [f"{rec['size_mib']:g}", "2"]
-    results, local = payload["results"], payload["results"][0]["ms_per_step"]
-    assert [r[0] for r in table] == [r["variant"] for r in results] == ["none", "naive", "bucketed-1"]
-    assert all(cells[2] == f"{100 * local / r['ms_per_step']:.1f}%" for r, cells in zip(results, table))
-    assert [c[3] for c in table] == ["—"] + [bench.fmt(r["ms_per_step"] - local, 1) for r in results[1:]]  # comm
-    assert abs(results[1]["loss"] - results[2]["loss"]) < 1e-4  # the data-parallel variants train the same way
+        want = nbytes / (rec["median_ms"] / 1e3) / 2**30
+        assert math.isclose(rec["algbw_gib_s"], want), (rec, want)
+
+
+def test_bench_ddp_allreduce_busbw_of_two_ranks_is_the_algbw():
+    # busbw = algbw * 2 (N - 1) / N
+    for rec in _bench_ddp_run()[1]["allreduce"]:
+        assert math.isclose(rec["busbw_gib_s"], rec["algbw_gib_s"]), rec
+
+
+def test_bench_ddp_allreduce_rows_give_the_size_and_ranks():
+    records = _bench_ddp_run()[1]["allreduce"]
+    for rec, cells in zip(records, _bench_ddp_tables()[0], strict=True):
+        assert cells[:2] == [f"{rec['size_mib']:g}", "2"], (cells, rec)
+
+
+def test_bench_ddp_rows_are_the_variants_in_order():
+    table, results = _bench_ddp_tables()[1], _bench_ddp_run()[1]["results"]
+    want = ["none", "naive", "bucketed-1"]
+    assert [r["variant"] for r in results] == want, results
+    assert [cells[0] for cells in table] == want, table
+
+
+def test_bench_ddp_efficiency_is_the_local_ms_over_the_variants():
+    table, results = _bench_ddp_tables()[1], _bench_ddp_run()[1]["results"]
+    local = results[0]["ms_per_step"]
+    for r, cells in zip(results, table):
+        share = 100 * local / r["ms_per_step"]
+        assert cells[2] == f"{share:.1f}%", (cells, share)
+
+
+def test_bench_ddp_comm_is_the_ms_past_the_local_step():
+    table, results = _bench_ddp_tables()[1], _bench_ddp_run()[1]["results"]
+    local = results[0]["ms_per_step"]
+    comm = [bench.fmt(r["ms_per_step"] - local, 1) for r in results[1:]]
+    assert [cells[3] for cells in table] == ["—", *comm], table
+
+
+def test_bench_ddp_variants_train_alike():
+    results = _bench_ddp_run()[1]["results"]
+    losses = [r["loss"] for r in results[1:]]  # naive, bucketed-1
+    assert abs(losses[0] - losses[1]) < 1e-4, losses
+
+
+@functools.cache
+def _bench_sass_run():
+    """bench.py sass --head_dims 64,80,128 (no GPU needed: the
+    kernels compile for sm_90)."""
+    command = [sys.executable, str(ROOT / "bench.py"), "sass",
+               "--head_dims", "64,80,128"]
+    return subprocess.run(command, capture_output=True, text=True,
+                          timeout=900)
+
+
+def _bench_sass_table():
+    run = _bench_sass_run()
+    assert run.returncode == 0, run.stderr[-2000:]
+    ((header, table),) = _md_tables(run.stdout)
+    return header, table
 
 
 def test_bench_sass_compiles_the_kernels_for_sm90():
-    # no GPU needed: Triton and Gluon kernels compile for sm_90; no spill at D=64, 227 KiB smem, no wgmma serialized
-    out = subprocess.run([sys.executable, str(ROOT / "bench.py"), "sass", "--head_dims", "64,80,128"],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
-    ((header, table),) = _md_tables(out.stdout)
-    assert header[:2] == ["D", "kernel"] and header[-2:] == ["shared KiB", "wgmma serialized"]
-    assert [r[1] for r in table][:3] == ["fwd (Triton)", "dq (Triton)", "dkdv (Triton)"], table
-    gluon_80 = ["fwd (Gluon, sm90)", "bwd (Gluon, sm90)"] if flash.gluon is not None else []
-    assert [r[1] for r in table if r[0] == "80"] == gluon_80  # head dim 80: tiles 64 wide and a 16-wide tail
-    for r in table:
-        assert r[-1] == "no" and 0 < float(r[-2]) <= 227, r
-        if r[1] == "fwd (Triton)" and r[0] == "64":  # (the Gluon forwards' spills depend on the Triton: 3.6, the
-            assert r[5] == r[6] == "0", r  # GPU machine's, has none at D=64 and 80, 3.9 a few)
+    run = _bench_sass_run()
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
-def test_nanogpt_peer_reads_the_checkouts_time_and_refuses_bad_paths(tmp_path):
-    # gpu/nanogpt_peer.py runs bench.py of a nanoGPT checkout and reads its "time per iteration"; here a stand-in
+def test_bench_sass_columns_name_the_kernel_and_the_limits():
+    header = _bench_sass_table()[0]
+    assert header[:2] == ["D", "kernel"], header
+    want = ["shared KiB", "wgmma serialized"]
+    assert header[-2:] == want, header
+
+
+def test_bench_sass_lists_the_triton_kernels_first():
+    kernels = [r[1] for r in _bench_sass_table()[1]]
+    want = ["fwd (Triton)", "dq (Triton)", "dkdv (Triton)"]
+    assert kernels[:3] == want, kernels
+
+
+def test_bench_sass_head_dim_80_is_gluons_alone():
+    # tiles 64 wide and a 16-wide tail
+    kernels = [r[1] for r in _bench_sass_table()[1] if r[0] == "80"]
+    want = []
+    if flash.gluon is not None:
+        want = ["fwd (Gluon, sm90)", "bwd (Gluon, sm90)"]
+    assert kernels == want, kernels
+
+
+def test_bench_sass_serializes_no_wgmma():
+    for row in _bench_sass_table()[1]:
+        assert row[-1] == "no", row
+
+
+def test_bench_sass_shared_memory_fits_227_kib():
+    for row in _bench_sass_table()[1]:
+        assert 0 < float(row[-2]) <= 227, row
+
+
+def test_bench_sass_triton_forward_spills_nothing_at_d64():
+    # (the Gluon forwards' spills depend on the Triton: 3.6, the GPU
+    # machine's, has none at D=64 and 80, 3.9 a few)
+    for row in _bench_sass_table()[1]:
+        if row[1] == "fwd (Triton)" and row[0] == "64":
+            assert row[5:7] == ["0", "0"], row
+
+
+# --- gpu/nanogpt_peer.py and gpu/goals.py ---
+
+_NANOGPT_STAND_IN = """\
+import sys
+batch_size, block_size, compile, dtype = 12, 1024, True, 'bfloat16'
+assert sys.argv[1:] == ['--real_data=False']
+print('time per iteration: 26.6600ms, MFU: 1%')
+"""
+
+
+@functools.cache
+def _nanogpt_peer_runs():
+    """gpu/nanogpt_peer.py (it runs bench.py of a nanoGPT checkout and
+    reads its "time per iteration") on a stand-in, and on a folder
+    that is not there."""
+    folder = Path(tempfile.mkdtemp())
+    (folder / "bench.py").write_text(_NANOGPT_STAND_IN)
     script = str(ROOT / "gpu" / "nanogpt_peer.py")
-    (tmp_path / "bench.py").write_text("import sys\nbatch_size, block_size, compile, dtype = 12, 1024, True, "
-                                       "'bfloat16'\nassert sys.argv[1:] == ['--real_data=False']\n"
-                                       "print('time per iteration: 26.6600ms, MFU: 1%')\n")
-    run = lambda path: subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True, timeout=120)
-    lines = (out := run(tmp_path)).stdout.splitlines()
-    assert out.returncode == 0 and lines[-1] == f"nanoGPT tokens/s {12 * 1024 / 26.66e-3:.0f}", out.stderr[-2000:]
-    assert lines[0].startswith("nanoGPT: batch 12 x 1024, compile True, bfloat16, random data: 26.66 ms/step"), lines
-    assert (out := run(tmp_path / "nope")).returncode == 1
-    assert "usage: python gpu/nanogpt_peer.py PATH_TO_NANOGPT" in out.stderr
+
+    def run(path):
+        return subprocess.run([sys.executable, script, str(path)],
+                              capture_output=True, text=True, timeout=120)
+    return run(folder), run(folder / "nope")
 
 
-def _goal_files(tmp_path):
-    """The files of `PART=goals` as its steps write them: rows from bench.py's own code with GPU figures set in,
-    train.py's log lines, nanoGPT's; one step cut, one failed, one not run, one unreadable. -> (prefix, steps.txt)"""
-    _, payload, _ = run_bench(["model"] + BENCH_TINY + ["--peer", "native"], tmp_path)
+def test_nanogpt_peer_prints_the_tokens_per_s_of_the_checkout():
+    run = _nanogpt_peer_runs()[0]
+    assert run.returncode == 0, run.stderr[-2000:]
+    last = run.stdout.splitlines()[-1]
+    assert last == f"nanoGPT tokens/s {12 * 1024 / 26.66e-3:.0f}", last
+
+
+def test_nanogpt_peer_first_says_what_it_ran():
+    first = _nanogpt_peer_runs()[0].stdout.splitlines()[0]
+    want = ("nanoGPT: batch 12 x 1024, compile True, bfloat16, "
+            "random data: 26.66 ms/step")
+    assert first.startswith(want), first
+
+
+def test_nanogpt_peer_without_a_checkout_exits_1_with_its_usage():
+    run = _nanogpt_peer_runs()[1]
+    assert run.returncode == 1, run.returncode
+    usage = "usage: python gpu/nanogpt_peer.py PATH_TO_NANOGPT"
+    assert usage in run.stderr, run.stderr
+
+
+def _goal_attention_rounds(template):
+    """The attention step's two rounds of rows: ours, cuDNN and Flex
+    on five dense cases (S=32768 missing: the step was cut before
+    it), ours and Flex packed; the second round ours and cuDNN."""
+    tflops = {"ours": (600.0, 500.0), "sdpa-cudnn": (540.0, 500.0),
+              "flex": (400.0, 400.0)}
+    first, second = [], []
+    shapes = [(4, 16, 4096, 128), (1, 16, 16384, 128),
+              (16, 32, 1024, 64), (4, 32, 4096, 64), (1, 32, 16384, 64)]
+    for b, h, s, d in shapes:
+        case = f"B={b} H={h} S={s} D={d} bfloat16"
+        for method, (fwd, both) in tflops.items():
+            r = dict(template, case=case, method=method, fwd_tflops=fwd,
+                     fwd_bwd_tflops=both)
+            if method != "flex":
+                second.append(r)
+            if (s, method) == (4096, "sdpa-cudnn"):
+                # the noise: 500 / 490 in round 1, 500 / 500 in round 2
+                r = dict(r, fwd_bwd_tflops=490.0)
+            first.append(r)
+    packed = dict(template, case="docs=33 max=1939 tokens=16384 H=32 D=64")
+    first.append(dict(packed, method="ours", fwd_tflops=225.0,
+                      fwd_bwd_tflops=200.0))
+    first.append(dict(packed, method="flex", fwd_tflops=94.0,
+                      fwd_bwd_tflops=100.0))
+    return first, second
+
+
+def _goal_train_log():
+    """train.py's log of `train_small`, 120 ms a step, the evaluations
+    at steps 50 and 100 taking 0.6 s each."""
+    log, clock = [{"step": 0, "val_loss": 7.6, "time_s": 30.0}], 30.0
+    for step in range(10, 151, 10):
+        seconds = 1.2
+        if step in (60, 110):  # an evaluation in these 10 steps
+            seconds += 0.6
+        clock += seconds
+        log.append({"step": step, "loss": 4.0, "lr": 6e-4,
+                    "grad_norm": 0.5, "tokens_per_s": 65536 / 0.12,
+                    "mfu": 0.4, "ms_per_step": 120.0, "eta_s": 1.0,
+                    "time_s": clock})
+    return "".join(json.dumps(r) + "\n" for r in log)
+
+
+_NANOGPT_LOG = """\
+-- nanogpt (at most 110 s): python gpu/nanogpt_peer.py .nanogpt
+nanoGPT: batch 12 x 1024, compile True, bfloat16, random data: \
+32.94 ms/step, peak 9,287 MiB
+nanoGPT tokens/s 373022
+"""
+
+_GOAL_STEPS_ENDED = [  # adamw: never reached
+    "xl: exit 1 after 2 s", "attention: exit 124 after 170 s",
+    "attention_2: exit 0 after 31 s", "nanogpt: exit 0 after 61 s",
+    "gpt2: exit 0 after 50 s", "train_small: exit 0 after 99 s",
+    "bare_small: exit 0 after 40 s", "xl: exit 0 after 150 s",
+    "leaderboard: exit 0 after 90 s", "hf: exit 0 after 80 s",
+    "rmsnorm: not run (part time limit)"]
+
+
+@functools.cache
+def _goal_files():
+    """The files of `PART=goals` as its steps write them, in a folder
+    of their own: rows from bench.py's own code with GPU figures set
+    in, train.py's log lines, nanoGPT's; one step cut, one failed, one
+    not run, one unreadable. -> (prefix, steps.txt)"""
+    folder = Path(tempfile.mkdtemp())
+    argv = ["model", *BENCH_TINY, "--peer", "native"]
+    _, payload, _ = run_bench(argv, folder)
     ours, native = payload["rows"]
 
     def save(step, rows):
-        (tmp_path / f"goals.{step}.json").write_text(json.dumps(dict(payload, rows=rows)))
+        path = folder / f"goals.{step}.json"
+        path.write_text(json.dumps(dict(payload, rows=rows)))
     add = bench.made(lambda q, k, v: q + k + v)
-    (template,) = bench.attention_rows("anchors", "?", {"ours": add}, (1, 1, 8, 4), torch.float32, 1.0)
-    tflops = {"ours": (600.0, 500.0), "sdpa-cudnn": (540.0, 500.0), "flex": (400.0, 400.0)}
-    first, second = [], []  # S=32768 missing: the step was cut before it
-    for b, h, s, d in [(4, 16, 4096, 128), (1, 16, 16384, 128), (16, 32, 1024, 64), (4, 32, 4096, 64),
-                       (1, 32, 16384, 64)]:
-        for method, (fwd, both) in tflops.items():
-            r = dict(template, case=f"B={b} H={h} S={s} D={d} bfloat16", method=method, fwd_tflops=fwd,
-                     fwd_bwd_tflops=both)
-            second += [r] * (method != "flex")  # the second round: ours and cuDNN
-            if (s, method) == (4096, "sdpa-cudnn"):
-                r = dict(r, fwd_bwd_tflops=490.0)  # the noise: 500 / 490 in round 1, 500 / 500 in round 2
-            first.append(r)
-    packed = dict(template, case="docs=33 max=1939 tokens=16384 H=32 D=64")
-    save("attention", first + [dict(packed, method="ours", fwd_tflops=225.0, fwd_bwd_tflops=200.0),
-                               dict(packed, method="flex", fwd_tflops=94.0, fwd_bwd_tflops=100.0)])
+    (template,) = bench.attention_rows("anchors", "?", {"ours": add},
+                                       (1, 1, 8, 4), torch.float32, 1.0)
+    first, second = _goal_attention_rounds(template)
+    save("attention", first)
     save("attention_2", second)
     save("gpt2", [dict(ours, tokens_per_s=443144.0, peak_mib=6889.0)])
     save("bare_small", [dict(ours, tokens_per_s=520000.0)])
     save("xl", [dict(ours, mfu=0.513, mean_ms=343.7, tokens_per_s=23836.0),
                 dict(native, tokens_per_s=22438.0)])
     timed = ("mean_ms", "std_ms", "tokens_per_s", "mfu")
-    oom = {k: v for k, v in native.items() if k not in timed} | {"status": "OOM"}
-    save("leaderboard", [dict(ours, mean_ms=739.8, peak_mib=51200.0, mfu=0.529), oom])
-    save("hf", [{"strategy": "ours:pack:compiled", "phase": "train", "status": "ok"}])  # no times
-    (tmp_path / "goals.log").write_text(
-        "-- nanogpt (at most 110 s): python gpu/nanogpt_peer.py .nanogpt\n"
-        "nanoGPT: batch 12 x 1024, compile True, bfloat16, random data: 32.94 ms/step, peak 9,287 MiB\n"
-        "nanoGPT tokens/s 373022\n")
-    log, clock = [{"step": 0, "val_loss": 7.6, "time_s": 30.0}], 30.0  # 120 ms a step
-    for step in range(10, 151, 10):
-        clock += 1.2 + 0.6 * (step in (60, 110))  # the evaluations at steps 50 and 100: 0.6 s each
-        log.append({"step": step, "loss": 4.0, "lr": 6e-4, "grad_norm": 0.5, "tokens_per_s": 65536 / 0.12,
-                    "mfu": 0.4, "ms_per_step": 120.0, "eta_s": 1.0, "time_s": clock})
-    (tmp_path / "goals.train_small.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
-    ended = ["xl: exit 1 after 2 s", "attention: exit 124 after 170 s", "attention_2: exit 0 after 31 s",
-             "nanogpt: exit 0 after 61 s", "gpt2: exit 0 after 50 s", "train_small: exit 0 after 99 s",
-             "bare_small: exit 0 after 40 s", "xl: exit 0 after 150 s", "leaderboard: exit 0 after 90 s",
-             "hf: exit 0 after 80 s", "rmsnorm: not run (part time limit)"]  # adamw: never reached
-    (tmp_path / "steps.txt").write_text("".join(f"goals/{line}\n" for line in ended))
-    return tmp_path / "goals", tmp_path / "steps.txt"
+    oom = {k: v for k, v in native.items() if k not in timed}
+    oom["status"] = "OOM"
+    save("leaderboard",
+         [dict(ours, mean_ms=739.8, peak_mib=51200.0, mfu=0.529), oom])
+    no_times = {"strategy": "ours:pack:compiled", "phase": "train",
+                "status": "ok"}
+    save("hf", [no_times])
+    (folder / "goals.log").write_text(_NANOGPT_LOG)
+    (folder / "goals.train_small.jsonl").write_text(_goal_train_log())
+    steps = "".join(f"goals/{line}\n" for line in _GOAL_STEPS_ENDED)
+    (folder / "steps.txt").write_text(steps)
+    return folder / "goals", folder / "steps.txt"
 
 
-def test_goals_table_from_the_steps_says_what_did_not_run(tmp_path):
-    # gpu/goals.py (stdlib only, as the runner calls it): a row per goal, ours over its peer, or why none
-    prefix, steps = _goal_files(tmp_path)
-    header = ["--machine", "1 x NVIDIA H100 80GB HBM3", "--commit", "abc123", "--versions", "torch 2.11, triton 3.6"]
-    out = subprocess.run([sys.executable, str(ROOT / "gpu" / "goals.py"), str(prefix), str(steps)] + header,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    for line in ("- machine: 1 x NVIDIA H100 80GB HBM3", "- git commit: abc123", "- torch 2.11, triton 3.6"):
-        assert line + "\n" in out.stdout
-    assert "moved by at most 0.02 (median 0.00) between two rounds" in out.stdout  # S=4096 alone moved
-    ((columns, table),) = _md_tables(out.stdout)
-    assert columns == ["goal", "ours", "peer", "ratio", "noise", "met"]
-    rows = {r[0]: r[1:] for r in table}
-    assert len(rows) == len(table) == 26
-    d128, d64 = "attention B=4 H=16 S=4096 D=128", "attention B=16 H=32 S=1024 D=64"
-    assert rows[f"{d128}: fwd ≥ 1.10x, fwd+bwd ≥ 1.05x cuDNN"] == [
-        "600 / 500 TFLOP/s", "cuDNN 540 / 490", "1.11x / 1.02x", "0.00 / 0.02", "yes / no"]
-    assert rows[f"{d128}: fwd+bwd ≥ 1.3x Flex"][2:] == ["1.50x / 1.25x", "—", "— / no"]
-    assert rows[f"{d64}: fwd+bwd ≥ 1.00x cuDNN"][2:] == ["1.11x / 1.00x", "0.00 / 0.00", "— / yes"]
-    cut = "cut at its time limit (attention)"
-    assert rows["attention B=1 H=32 S=32768 D=128: fwd ≥ 1.10x, fwd+bwd ≥ 1.05x cuDNN"][0] == cut
-    packed = "packed documents, D={}: fwd+bwd ≥ 2x Flex's document mask"
-    assert rows[packed.format(64)][2:] == ["2.39x / 2.00x", "—", "— / yes"]
-    assert rows[packed.format(128)][0] == cut
-    speed = rows["GPT-2 small: tokens/s ≥ 1.25x nanoGPT's"]
-    assert speed[:3] == ["443,144 tok/s", "nanoGPT 373,022 tok/s", "1.19x"]
-    assert speed[4] == "no"
-    assert rows["GPT-2 small: peak memory ≤ nanoGPT's"] == ["6,889 MiB", "nanoGPT 9,287 MiB", "0.74x", "—", "yes"]
-    loop = 110 * 65536 / 14.4  # steps 41-150: 11 intervals of 1.2 s and two evaluations of 0.6 s
-    mfu = rows["`train.py config/small.py`, one GPU: ≥ 45% MFU, evaluation included"]
-    assert mfu[0] == f"{40 * loop / (65536 / 0.12):.1f}%; between evaluations 40.0%"
-    assert mfu[3:] == ["±0.0%", "no"]
-    bare = rows["same run: tokens/s ≥ 0.95x the bare step's (`bench.py model`, batch 16 x 1024)"]
-    assert bare == [f"{loop:,.0f} tok/s", "bare step 520,000 tok/s", f"{loop / 520000:.2f}x", "±0.0%", "yes"]
-    assert rows["2.7B (xl, ctx 2048, batch 4): ≥ 55% MFU"][0] == "51.3% (343.7 ms)"  # xl's last line wins
-    assert rows["2.7B: tokens/s ≥ the PyTorch-native peer's"][2::2] == ["1.06x", "yes"]
-    board = rows["8B proxy (4 layers, 32k tokens), one GPU: ms ≤ 0.77x the native step's"]
-    assert board[:2] == ["739.8 ms", "native: OOM: does not fit this GPU (leaderboard)"]
-    assert rows["hf"][0] == "unreadable result: KeyError('tokens_per_s')"
-    assert rows["AdamW step (gpt2): ≤ 1.2x torch's fused"][0] == "not run"
-    assert rows["RMSNorm (32768, 4096) bf16: fwd / fwd+bwd ≥ inductor"][0] == "not run (time)"
+@functools.cache
+def _goals_run():
+    """gpu/goals.py (stdlib only, as the runner calls it) on the files
+    of _goal_files: a row per goal, ours over its peer, or why none."""
+    prefix, steps = _goal_files()
+    machine = ["--machine", "1 x NVIDIA H100 80GB HBM3",
+               "--commit", "abc123", "--versions", "torch 2.11, triton 3.6"]
+    command = [sys.executable, str(ROOT / "gpu" / "goals.py"),
+               str(prefix), str(steps), *machine]
+    return subprocess.run(command, capture_output=True, text=True,
+                          timeout=60)
 
 
-def test_gpu_bench_model_cuda_graphs_and_host_ahead(tmp_path):
-    """On a GPU: ours and the peer each as one captured step; time_ms's host_ahead times the GPU's work alone."""
+def _goals_table():
+    run = _goals_run()
+    assert run.returncode == 0, run.stderr
+    ((columns, table),) = _md_tables(run.stdout)
+    return columns, table
+
+
+def _goal_rows():
+    """{goal: [ours, peer, ratio, noise, met]}"""
+    return {r[0]: r[1:] for r in _goals_table()[1]}
+
+
+GOAL_D128 = "attention B=4 H=16 S=4096 D=128"
+GOAL_PACKED = "packed documents, D={}: fwd+bwd ≥ 2x Flex's document mask"
+GOAL_CUT = "cut at its time limit (attention)"
+
+
+def test_goals_runs():
+    run = _goals_run()
+    assert run.returncode == 0, run.stderr
+
+
+GOAL_HEADER = {"machine": "- machine: 1 x NVIDIA H100 80GB HBM3",
+               "commit": "- git commit: abc123",
+               "versions": "- torch 2.11, triton 3.6"}
+
+
+@cases("what", list(GOAL_HEADER))
+def test_goals_names_the_machine_commit_and_versions(what):
+    out = _goals_run().stdout
+    assert GOAL_HEADER[what] + "\n" in out, out
+
+
+def test_goals_states_the_noise_between_two_rounds():
+    # S=4096 alone moved
+    noise = "moved by at most 0.02 (median 0.00) between two rounds"
+    out = _goals_run().stdout
+    assert noise in out, out
+
+
+def test_goals_columns():
+    columns = _goals_table()[0]
+    want = ["goal", "ours", "peer", "ratio", "noise", "met"]
+    assert columns == want, columns
+
+
+def test_goals_has_a_row_per_goal():
+    table = _goals_table()[1]
+    assert len(_goal_rows()) == len(table), table  # no goal twice
+    assert len(table) == 26, len(table)
+
+
+def test_goals_attention_against_cudnn_each_direction():
+    row = _goal_rows()[f"{GOAL_D128}: fwd ≥ 1.10x, fwd+bwd ≥ 1.05x cuDNN"]
+    want = ["600 / 500 TFLOP/s", "cuDNN 540 / 490", "1.11x / 1.02x",
+            "0.00 / 0.02", "yes / no"]
+    assert row == want, row
+
+
+def test_goals_attention_against_flex_of_round_one_alone():
+    row = _goal_rows()[f"{GOAL_D128}: fwd+bwd ≥ 1.3x Flex"]
+    assert row[2:] == ["1.50x / 1.25x", "—", "— / no"], row
+
+
+def test_goals_attention_d64_against_cudnn():
+    goal = "attention B=16 H=32 S=1024 D=64: fwd+bwd ≥ 1.00x cuDNN"
+    row = _goal_rows()[goal]
+    assert row[2:] == ["1.11x / 1.00x", "0.00 / 0.00", "— / yes"], row
+
+
+def test_goals_of_a_step_cut_short_say_so():
+    rows = _goal_rows()
+    goal = ("attention B=1 H=32 S=32768 D=128: "
+            "fwd ≥ 1.10x, fwd+bwd ≥ 1.05x cuDNN")
+    assert rows[goal][0] == GOAL_CUT, rows[goal]
+    packed = rows[GOAL_PACKED.format(128)]
+    assert packed[0] == GOAL_CUT, packed
+
+
+def test_goals_packed_documents_against_flex():
+    row = _goal_rows()[GOAL_PACKED.format(64)]
+    assert row[2:] == ["2.39x / 2.00x", "—", "— / yes"], row
+
+
+def test_goals_gpt2_tokens_per_s_against_nanogpt():
+    row = _goal_rows()["GPT-2 small: tokens/s ≥ 1.25x nanoGPT's"]
+    want = ["443,144 tok/s", "nanoGPT 373,022 tok/s", "1.19x"]
+    assert row[:3] == want, row
+    assert row[4] == "no", row
+
+
+def test_goals_gpt2_peak_memory_against_nanogpt():
+    row = _goal_rows()["GPT-2 small: peak memory ≤ nanoGPT's"]
+    want = ["6,889 MiB", "nanoGPT 9,287 MiB", "0.74x", "—", "yes"]
+    assert row == want, row
+
+
+# steps 41-150 of the train log: 11 intervals of 1.2 s and two
+# evaluations of 0.6 s
+GOAL_LOOP_TOKENS_PER_S = 110 * 65536 / 14.4
+
+
+def test_goals_train_mfu_counts_the_evaluations():
+    goal = ("`train.py config/small.py`, one GPU: "
+            "≥ 45% MFU, evaluation included")
+    row = _goal_rows()[goal]
+    mfu = 40 * GOAL_LOOP_TOKENS_PER_S / (65536 / 0.12)
+    assert row[0] == f"{mfu:.1f}%; between evaluations 40.0%", row
+    assert row[3:] == ["±0.0%", "no"], row
+
+
+def test_goals_train_tokens_per_s_against_the_bare_step():
+    goal = ("same run: tokens/s ≥ 0.95x the bare step's "
+            "(`bench.py model`, batch 16 x 1024)")
+    row = _goal_rows()[goal]
+    loop = GOAL_LOOP_TOKENS_PER_S
+    want = [f"{loop:,.0f} tok/s", "bare step 520,000 tok/s",
+            f"{loop / 520000:.2f}x", "±0.0%", "yes"]
+    assert row == want, row
+
+
+def test_goals_take_the_last_line_of_a_step_run_twice():
+    row = _goal_rows()["2.7B (xl, ctx 2048, batch 4): ≥ 55% MFU"]
+    assert row[0] == "51.3% (343.7 ms)", row
+
+
+def test_goals_xl_against_the_native_peer():
+    row = _goal_rows()["2.7B: tokens/s ≥ the PyTorch-native peer's"]
+    assert row[2::2] == ["1.06x", "yes"], row
+
+
+def test_goals_of_a_peer_out_of_memory_say_so():
+    goal = ("8B proxy (4 layers, 32k tokens), one GPU: "
+            "ms ≤ 0.77x the native step's")
+    row = _goal_rows()[goal]
+    want = ["739.8 ms", "native: OOM: does not fit this GPU (leaderboard)"]
+    assert row[:2] == want, row
+
+
+def test_goals_of_an_unreadable_result_say_why():
+    row = _goal_rows()["hf"]
+    assert row[0] == "unreadable result: KeyError('tokens_per_s')", row
+
+
+def test_goals_of_a_step_never_reached_are_not_run():
+    row = _goal_rows()["AdamW step (gpt2): ≤ 1.2x torch's fused"]
+    assert row[0] == "not run", row
+
+
+def test_goals_of_a_step_out_of_time_say_so():
+    goal = "RMSNorm (32768, 4096) bf16: fwd / fwd+bwd ≥ inductor"
+    row = _goal_rows()[goal]
+    assert row[0] == "not run (time)", row
+
+
+# --- on a GPU ---
+
+def _need_cuda():
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs CUDA")
-    argv = ["model"] + BENCH_TINY[:8] + ["--device", "cuda", "--dtype", "bf16", "--warmup", "3", "--steps", "3"]
-    text, payload, _ = run_bench(argv + ["--peer", "--cuda_graphs"], tmp_path)
-    rows = payload["rows"]
-    assert all(r["status"] == "ok" and r["phase_ms"] == {} and r["peak_mib"] > 0 for r in rows) and len(rows) == 2
+
+
+def test_gpu_bench_model_cuda_graphs_capture_ours_and_the_peer(tmp_path):
+    _need_cuda()
+    argv = ["model", *BENCH_TINY[:8], "--device", "cuda", "--dtype", "bf16",
+            "--warmup", "3", "--steps", "3", "--peer", "--cuda_graphs"]
+    rows = run_bench(argv, tmp_path)[1]["rows"]
+    assert len(rows) == 2, rows
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["phase_ms"] == {}, r  # one captured step: no phases
+        assert r["peak_mib"] > 0, r
+
+
+@functools.cache
+def _host_ahead_times():
+    """time_ms of a call that sleeps 3 ms on the host, then adds on
+    the GPU: the median ms plainly, with host_ahead, and host_ms."""
     x = torch.zeros(1024, device="cuda")
-    call = lambda: (time.sleep(3e-3), x.add_(1))
-    plain, host = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5)), []
-    ahead = statistics.median(bench.time_ms(call, "cuda", warmup=1, steps=5, host_ahead=True, host_ms=host))
-    assert plain >= 2.9 and ahead < 0.5 and len(host) == 5 and min(host) >= 2.9, (plain, ahead, host)
+
+    def call():
+        time.sleep(3e-3)
+        x.add_(1)
+    plain = bench.time_ms(call, "cuda", warmup=1, steps=5)
+    host = []
+    ahead = bench.time_ms(call, "cuda", warmup=1, steps=5,
+                          host_ahead=True, host_ms=host)
+    return statistics.median(plain), statistics.median(ahead), host
+
+
+def test_gpu_bench_time_ms_counts_the_hosts_time():
+    _need_cuda()
+    plain = _host_ahead_times()[0]
+    assert plain >= 2.9, plain
+
+
+def test_gpu_bench_time_ms_host_ahead_times_the_gpu_alone():
+    _need_cuda()
+    ahead = _host_ahead_times()[1]
+    assert ahead < 0.5, ahead
+
+
+def test_gpu_bench_time_ms_host_ahead_gives_the_hosts_ms():
+    _need_cuda()
+    host = _host_ahead_times()[2]
+    assert len(host) == 5, host
+    assert min(host) >= 2.9, host
 
 
 # ---------------------------------------------------------------------------------------------------------------
