@@ -7589,56 +7589,126 @@ def test_gpu_bench_time_ms_host_ahead_gives_the_hosts_ms():
 # ---------------------------------------------------------------------------------------------------------------
 # runner
 # ---------------------------------------------------------------------------------------------------------------
+# main() runs made-up tests too: no real test's name holds "test_that"
 
-def test_runner_names_and_runs_cases_and_fails_when_no_test_matches():
-    def test_that_exits():
-        raise SystemExit(2)
+def _exits():
+    raise SystemExit(2)
 
-    def test_that_needs_a_missing_package():
-        _need("no_such_package")
-    fakes = dict(test_that_exits=test_that_exits, test_that_needs_a_missing_package=test_that_needs_a_missing_package)
+
+def _needs_a_missing_package():
+    _need("no_such_package")
+
+
+@functools.cache
+def _runner_runs():
+    """main() on a word of a real test, on a word of none, and on
+    words of two made-up tests and the real one: (exit codes, stdout,
+    stderr)."""
+    fakes = {"test_that_exits": _exits,
+             "test_that_needs_a_missing_package": _needs_a_missing_package}
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), unittest.mock.patch.dict(globals(), fakes):
-        assert main(["test_transformer_lm_matches"]) == 0
-        assert main(["no_test_is_named_like_this"]) == 2
-        assert main(["test_that", "test_transformer_lm_matches"]) == 1
-    assert "ok   test_transformer_lm_matches_functional_reference[None]" in out.getvalue()  # a case gets its args
-    assert "ok   test_transformer_lm_matches_functional_reference[10000.0]" in out.getvalue()
-    assert "no test name contains any of: no_test_is_named_like_this" in err.getvalue()
-    assert "FAIL test_that_exits" in out.getvalue()
-    assert "SystemExit: 2" in out.getvalue()  # its traceback
-    assert "SKIP test_that_needs_a_missing_package: needs no_such_package: pip install -r requirements-extra.txt" \
-        in out.getvalue()
-    assert out.getvalue().endswith("failed: test_that_exits\n2 passed, 1 failed, 1 skipped\n")  # the run went on
+    with (contextlib.redirect_stdout(out), contextlib.redirect_stderr(err),
+          unittest.mock.patch.dict(globals(), fakes)):
+        codes = (main(["test_transformer_lm_matches"]),
+                 main(["no_test_is_named_like_this"]),
+                 main(["test_that", "test_transformer_lm_matches"]))
+    return codes, out.getvalue(), err.getvalue()
+
+
+def test_runner_exits_0_when_the_tests_pass():
+    codes = _runner_runs()[0]
+    assert codes[0] == 0, codes
+
+
+def test_runner_exits_2_when_no_test_name_holds_a_word():
+    codes, _, err = _runner_runs()
+    assert codes[1] == 2, codes
+    said = "no test name contains any of: no_test_is_named_like_this"
+    assert said in err, err
+
+
+def test_runner_exits_1_when_a_test_fails():
+    codes = _runner_runs()[0]
+    assert codes[2] == 1, codes
+
+
+@cases("rope_theta", [None, 10000.0])
+def test_runner_names_a_case_by_its_arguments(rope_theta):
+    out = _runner_runs()[1]
+    name = f"test_transformer_lm_matches_functional_reference[{rope_theta}]"
+    assert f"ok   {name}" in out, out
+
+
+def test_runner_fails_a_test_on_system_exit():
+    out = _runner_runs()[1]
+    assert "FAIL test_that_exits" in out, out
+    assert "SystemExit: 2" in out, out  # its traceback
+
+
+def test_runner_skips_a_test_with_its_reason():
+    out = _runner_runs()[1]
+    reason = ("needs no_such_package: "
+              "pip install -r requirements-extra.txt")
+    assert f"SKIP test_that_needs_a_missing_package: {reason}" in out, out
+
+
+def test_runner_goes_on_past_a_failure_to_its_summary():
+    out = _runner_runs()[1]
+    summary = "failed: test_that_exits\n2 passed, 1 failed, 1 skipped\n"
+    assert out.endswith(summary), out[-500:]
+
+
+def _all_tests():
+    """(name, test, kwargs) of every test, a case each: test_x[a-b]
+    for the case of arguments a and b."""
+    runs = []
+    for name, fn in globals().items():
+        if not name.startswith("test_") or not callable(fn):
+            continue
+        if not hasattr(fn, "cases"):
+            runs.append((name, fn, {}))
+        for kwargs in getattr(fn, "cases", []):
+            args = "-".join(map(str, kwargs.values()))
+            runs.append((f"{name}[{args}]", fn, kwargs))
+    return runs
+
+
+def _run_test(fn, kwargs):
+    """fn(**kwargs), in a new temporary folder if it takes tmp_path."""
+    code = fn.__code__
+    if "tmp_path" not in code.co_varnames[:code.co_argcount]:
+        return fn(**kwargs)
+    with tempfile.TemporaryDirectory() as folder:
+        return fn(tmp_path=Path(folder), **kwargs)
 
 
 def main(argv):
-    runs = [(f"{n}[{'-'.join(map(str, kw.values()))}]" if hasattr(f, "cases") else n, f, kw)
-            for n, f in globals().items() if n.startswith("test_") and callable(f) for kw in getattr(f, "cases", [{}])]
-    if argv:  # a word picks the tests (or the cases: test_x[gluon]) whose names contain it
-        runs = [r for r in runs if any(w in r[0] for w in argv)]
+    runs = _all_tests()
+    # a word picks the tests (or the cases: test_x[gluon]) whose names
+    # hold it
+    if argv:
+        runs = [r for r in runs if any(word in r[0] for word in argv)]
         if not runs:  # a typo must not pass as "0 passed"
-            print(f"no test name contains any of: {' '.join(argv)}", file=sys.stderr)
+            words = " ".join(argv)
+            print(f"no test name contains any of: {words}", file=sys.stderr)
             return 2
     passed, failed, skipped = 0, [], 0
     t_all = time.time()
     for name, fn, kwargs in runs:
         t0 = time.time()
         try:
-            if "tmp_path" in fn.__code__.co_varnames[:fn.__code__.co_argcount]:
-                with tempfile.TemporaryDirectory() as d:
-                    fn(tmp_path=Path(d), **kwargs)
-            else:
-                fn(**kwargs)
+            _run_test(fn, kwargs)
         except unittest.SkipTest as e:
             skipped += 1
             print(f"SKIP {name}: {e}", flush=True)
             continue
         except KeyboardInterrupt:
             raise
-        except BaseException:  # SystemExit too: that test fails, the run goes on
+        except BaseException:  # SystemExit too: it fails, the run goes on
             failed.append(name)
-            print(f"FAIL {name} ({time.time() - t0:.1f}s)\n{traceback.format_exc()}", flush=True)
+            seconds = time.time() - t0
+            print(f"FAIL {name} ({seconds:.1f}s)\n{traceback.format_exc()}",
+                  flush=True)
             continue
         passed += 1
         print(f"ok   {name} ({time.time() - t0:.1f}s)", flush=True)
