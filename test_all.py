@@ -4668,126 +4668,293 @@ def test_gpu_muon_bf16_compiled_step_is_close_to_fp32():
 
 
 def _write_dataset(data_dir, vocab_size=97, n_docs=(120, 30), seed=0):
-    """A tiny dataset in data/prepare.py's format: documents of random length whose tokens follow a learnable
-    rule (next = 3*prev + 1 mod (V-1)), each ending with eot = V-1. Returns its meta.json."""
+    """A tiny dataset in data/prepare.py's format: documents of random
+    length whose tokens follow a learnable rule (next = 3 prev + 1 mod
+    V - 1), each ending with eot = V - 1. Returns its meta.json."""
     rng, eot = np.random.default_rng(seed), vocab_size - 1
     os.makedirs(data_dir, exist_ok=True)
-    meta = {"dataset": os.path.basename(data_dir), "dtype": "uint16", "vocab_size": vocab_size, "eot_id": eot,
-            "special_tokens": ["<|endoftext|>"], "vocab": "vocab.json", "merges": "merges.txt"}
+    meta = {"dataset": os.path.basename(data_dir), "dtype": "uint16",
+            "vocab_size": vocab_size, "eot_id": eot,
+            "special_tokens": ["<|endoftext|>"],
+            "vocab": "vocab.json", "merges": "merges.txt"}
     for split, n in zip(("train", "val"), n_docs):
         docs = []
         for _ in range(n):
-            length, t = int(rng.integers(2, 70)), [int(rng.integers(0, eot))]
+            length = int(rng.integers(2, 70))
+            t = [int(rng.integers(0, eot))]
             while len(t) < length - 1:
                 t.append((3 * t[-1] + 1) % eot)
             docs.append(t + [eot])
-        np.array(sum(docs, []), dtype=np.uint16).tofile(os.path.join(data_dir, f"{split}.bin"))
-        np.save(os.path.join(data_dir, f"{split}_docs.npy"), np.cumsum([0] + [len(d) for d in docs]))
-        meta[f"{split}_tokens"], meta[f"{split}_docs"] = sum(len(d) for d in docs), n
-    for name, content in (("meta.json", meta), ("vocab.json", {str(i): i for i in range(vocab_size)})):
+        tokens = np.array(sum(docs, []), dtype=np.uint16)
+        tokens.tofile(os.path.join(data_dir, f"{split}.bin"))
+        offsets = np.cumsum([0] + [len(d) for d in docs])
+        np.save(os.path.join(data_dir, f"{split}_docs.npy"), offsets)
+        meta[f"{split}_tokens"] = sum(len(d) for d in docs)
+        meta[f"{split}_docs"] = n
+    vocab = {str(i): i for i in range(vocab_size)}
+    for name, content in (("meta.json", meta), ("vocab.json", vocab)):
         Path(data_dir, name).write_text(json.dumps(content))
     Path(data_dir, "merges.txt").write_text("")
     return meta
 
 
-TINY = ["--d_model=32", "--num_layers=2", "--num_heads=2", "--d_ff=64", "--context_length=24", "--batch_size=4",
-        "--learning_rate=1e-2", "--min_lr=1e-3", "--warmup_iters=2", "--eval_iters=2", "--device=cpu",
-        "--attn_impl=naive"]
+TINY = ["--d_model=32", "--num_layers=2", "--num_heads=2", "--d_ff=64",
+        "--context_length=24", "--batch_size=4", "--learning_rate=1e-2",
+        "--min_lr=1e-3", "--warmup_iters=2", "--eval_iters=2",
+        "--device=cpu", "--attn_impl=naive"]
 
 
 def _tiny(tmp_path, *args):
-    """TINY's arguments on the dataset in tmp_path/d (written on first use), then args."""
+    """TINY's arguments on the dataset in tmp_path/d (written on first
+    use), then args."""
     if not (tmp_path / "d").exists():
         _write_dataset(tmp_path / "d")
     return TINY + [f"--data_dir={tmp_path / 'd'}", *args]
 
 
-def test_gpu_whole_step_graph_trains_like_eager_steps():
-    """Two micro-batches' forward and backward, the clip and AdamW, run by train.whole_step_graph (two eager steps,
-    then captured and replayed), give the eager steps' weights, losses and gradient norms with a learning rate that
-    changes every step (a frozen one ends far off: the check can fail); for train.AdamW and for torch's capturable
-    AdamW, its lr a tensor."""
+def _need_cuda():
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA GPU")
+
+
+@functools.cache
+def _whole_step_batches():
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 97, (2, 4, 33), generator=gen).cuda() for _ in range(6)]
-
-    def run(torch_opt, graph, frozen=False):
-        torch.manual_seed(0)
-        net = model.TransformerLM(97, 32, 64, 2, 4, 192, attn_impl="sdpa", device="cuda")
-        opt = (torch.optim.AdamW(net.parameters(), lr=torch.tensor(1e-3, device="cuda"), weight_decay=0.1,
-                                 fused=True, capturable=True) if torch_opt else
-               train.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1, capturable=graph))
-        buffer, out = batches[0].clone(), []
-
-        def step():
-            losses = [net(micro[:, :-1], targets=micro[:, 1:]) for micro in buffer]
-            (sum(losses) / 2).backward()
-            norm = ddp.clip_grad_norm(list(net.parameters()), 0.5)
-            opt.step()
-            return torch.stack(losses).detach(), norm
-        graph_step = train.whole_step_graph(step, opt, "cuda")
-        for i, batch in enumerate(batches):
-            for group in opt.param_groups:
-                lr = 1e-3 if frozen else 1e-3 * (1 + i)
-                group["lr"].fill_(lr) if torch.is_tensor(group["lr"]) else group.update(lr=lr)
-            buffer.copy_(batch)
-            losses, norm = graph_step() if graph else step()
-            if not graph:
-                opt.zero_grad(set_to_none=True)
-            out.append(torch.cat([losses, norm[None]]).tolist())
-        assert all(int(s["step"]) == 6 for s in opt.state.values())
-        return torch.cat([p.detach().flatten() for p in net.parameters()]), torch.tensor(out)
-    for torch_opt in (True, False):  # ours last: the frozen run below is held to it
-        (eager, eager_log), (graph, graph_log) = run(torch_opt, False), run(torch_opt, True)
-        torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(graph_log, eager_log, rtol=1e-5, atol=1e-6)
-    assert (run(False, False, frozen=True)[0] - eager).abs().max() > 100 * (graph - eager).abs().max() + 1e-4
+    return [torch.randint(0, 97, (2, 4, 33), generator=gen).cuda()
+            for _ in range(6)]
 
 
-def test_autocast_linear_matches_autocast_and_writes_fp32_weight_grads():
-    """Linear under bf16 autocast (model._AutocastLinear): the output and input gradient of autocast's own
-    x @ W.T bit for bit, the weight gradient in fp32 (on CPU autocast's bf16 gradient cast; on CUDA written in
-    fp32 by the GEMM, so only within bf16 rounding of it) and close to float64."""
+def _whole_step_optimizer(net, optimizer, graph):
+    if optimizer == "torch":  # capturable: its lr a tensor
+        lr = torch.tensor(1e-3, device="cuda")
+        return torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1,
+                                 fused=True, capturable=True)
+    return train.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1,
+                       capturable=graph)
+
+
+def _set_lr(opt, lr):
+    for group in opt.param_groups:
+        if torch.is_tensor(group["lr"]):  # a captured graph reads it
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+@functools.cache
+def _whole_step_run(optimizer, graph, frozen):
+    """Six steps of two micro-batches' forward and backward, the clip and
+    AdamW ("torch" or "ours"), eager or by train.whole_step_graph (two
+    eager steps, then captured and replayed), the lr changed every step
+    unless frozen: (the weights, each step's losses and grad norm, the
+    optimizer's step counts)."""
+    _need_cuda()
+    torch.manual_seed(0)
+    net = model.TransformerLM(97, 32, 64, 2, 4, 192, attn_impl="sdpa",
+                              device="cuda")
+    opt = _whole_step_optimizer(net, optimizer, graph)
+    buffer, log = _whole_step_batches()[0].clone(), []
+
+    def step():
+        losses = [net(micro[:, :-1], targets=micro[:, 1:])
+                  for micro in buffer]
+        (sum(losses) / 2).backward()
+        norm = ddp.clip_grad_norm(list(net.parameters()), 0.5)
+        opt.step()
+        return torch.stack(losses).detach(), norm
+    graph_step = train.whole_step_graph(step, opt, "cuda")
+    for i, batch in enumerate(_whole_step_batches()):
+        _set_lr(opt, 1e-3 if frozen else 1e-3 * (1 + i))
+        buffer.copy_(batch)
+        if graph:
+            losses, norm = graph_step()
+        else:
+            losses, norm = step()
+            opt.zero_grad(set_to_none=True)
+        log.append(torch.cat([losses, norm[None]]).tolist())
+    weights = [p.detach().flatten() for p in net.parameters()]
+    steps = [int(s["step"]) for s in opt.state.values()]
+    return torch.cat(weights), torch.tensor(log), steps
+
+
+@cases("optimizer", ["torch", "ours"])
+def test_gpu_whole_step_graph_ends_at_the_eager_weights(optimizer):
+    eager = _whole_step_run(optimizer, False, False)[0]
+    graph = _whole_step_run(optimizer, True, False)[0]
+    torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-6)
+
+
+@cases("optimizer", ["torch", "ours"])
+def test_gpu_whole_step_graph_logs_the_eager_losses_and_norms(optimizer):
+    eager = _whole_step_run(optimizer, False, False)[1]
+    graph = _whole_step_run(optimizer, True, False)[1]
+    torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-6)
+
+
+@cases("optimizer, graph, frozen", [
+    ("torch", False, False), ("torch", True, False),
+    ("ours", False, False), ("ours", True, False), ("ours", False, True)])
+def test_gpu_whole_step_graph_counts_every_step(optimizer, graph, frozen):
+    steps = _whole_step_run(optimizer, graph, frozen)[2]
+    assert set(steps) == {6}, steps
+
+
+def test_gpu_whole_step_graph_with_a_frozen_lr_ends_far_off():
+    # so the checks above can fail: the lr must follow the schedule
+    eager = _whole_step_run("ours", False, False)[0]
+    graph = _whole_step_run("ours", True, False)[0]
+    frozen = _whole_step_run("ours", False, True)[0]
+    noise = (graph - eager).abs().max()
+    off = (frozen - eager).abs().max()
+    assert off > 100 * noise + 1e-4, (off, noise)
+
+
+@functools.cache
+def _autocast_linear_grads():
+    """Linear under bf16 autocast (model._AutocastLinear), then autocast's
+    own x @ W.T: (output, input grad, weight grad) of each; x; the
+    output's gradient."""
     torch.manual_seed(11)
-    device, outs = "cuda" if torch.cuda.is_available() else "cpu", []
-    lin = model.Linear(24, 40, device=device)
-    x, g = torch.randn(3, 7, 24, device=device, requires_grad=True), torch.randn(3, 7, 40, device=device)
-    for forward in (lin, lambda x: x @ lin.weight.T):
+    lin = model.Linear(24, 40, device=DEVICE)
+    x = torch.randn(3, 7, 24, device=DEVICE, requires_grad=True)
+    g = torch.randn(3, 7, 40, device=DEVICE)
+
+    def autocast_product(x):
+        return x @ lin.weight.T
+    outs = []
+    for forward in (lin, autocast_product):
         x.grad = lin.weight.grad = None
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             y = forward(x)
         y.backward(g)
         outs.append((y, x.grad, lin.weight.grad))
-    (y, gx, gw), (y_ref, gx_ref, gw_ref) = outs
-    assert y.dtype == torch.bfloat16 and gx.dtype == gw.dtype == torch.float32
-    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
-    torch.testing.assert_close(gw, gw_ref, rtol=1e-2 * (device == "cuda"), atol=1e-2 * (device == "cuda"))
-    want = g.double().reshape(-1, 40).t() @ x.detach().to(torch.bfloat16).double().reshape(-1, 24)
-    assert ((gw.double() - want).norm() / want.norm()).item() < 1e-2
+    return outs, x.detach(), g
 
 
-def test_lr_cosine_schedule_values_and_clip_grad_norm_matches_torch_and_skips_missing_grads():
-    f = lambda it: train.get_lr_cosine_schedule(it, 1.0, 0.1, 10, 110)
-    assert f(0) == 0.0 and abs(f(5) - 0.5) < 1e-12 and abs(f(10) - 1.0) < 1e-12
-    assert abs(f(60) - (0.1 + 0.5 * 0.9)) < 1e-12  # halfway through the cosine
-    assert abs(f(35) - (0.1 + 0.5 * (1 + math.cos(math.pi * 0.25)) * 0.9)) < 1e-12
-    assert abs(f(110) - 0.1) < 1e-12 and f(111) == 0.1 and f(10 ** 6) == 0.1
-    assert all(f(i) >= f(i + 1) for i in range(10, 120))
+def test_autocast_linear_output_is_autocasts_bit_for_bit():
+    (y, _, _), (want, _, _) = _autocast_linear_grads()[0]
+    assert y.dtype == torch.bfloat16, y.dtype
+    assert torch.equal(y, want)
+
+
+def test_autocast_linear_input_grad_is_autocasts_bit_for_bit():
+    (_, gx, _), (_, want, _) = _autocast_linear_grads()[0]
+    assert gx.dtype == torch.float32, gx.dtype
+    assert torch.equal(gx, want)
+
+
+def test_autocast_linear_writes_fp32_weight_grads():
+    gw = _autocast_linear_grads()[0][0][2]
+    assert gw.dtype == torch.float32, gw.dtype
+
+
+def test_autocast_linear_weight_grad_is_autocasts_cast_to_fp32():
+    # on CUDA the GEMM writes fp32: only within bf16 rounding of it
+    (_, _, gw), (_, _, want) = _autocast_linear_grads()[0]
+    tol = 1e-2 if DEVICE == "cuda" else 0.0
+    torch.testing.assert_close(gw, want, rtol=tol, atol=tol)
+
+
+def test_autocast_linear_weight_grad_is_close_to_float64():
+    outs, x, g = _autocast_linear_grads()
+    gw = outs[0][2].double()
+    x_bf16 = x.to(torch.bfloat16).double().reshape(-1, 24)
+    want = g.double().reshape(-1, 40).t() @ x_bf16
+    error = ((gw - want).norm() / want.norm()).item()
+    assert error < 1e-2, error
+
+
+def _lr(it):
+    """The cosine schedule from 1.0 to 0.1: warm-up 10, decay to 110."""
+    return train.get_lr_cosine_schedule(it, 1.0, 0.1, 10, 110)
+
+
+def test_lr_cosine_schedule_starts_at_zero():
+    assert _lr(0) == 0.0, _lr(0)
+
+
+COSINE_AT_35 = 0.1 + 0.5 * (1 + math.cos(math.pi * 0.25)) * 0.9
+
+
+@cases("it, want", [(5, 0.5), (10, 1.0), (35, COSINE_AT_35),
+                    (60, 0.1 + 0.5 * 0.9), (110, 0.1)])
+def test_lr_cosine_schedule_warms_up_then_follows_the_cosine(it, want):
+    assert abs(_lr(it) - want) < 1e-12, _lr(it)
+
+
+@cases("it", [111, 10 ** 6])
+def test_lr_cosine_schedule_stays_at_min_lr_after_the_decay(it):
+    assert _lr(it) == 0.1, _lr(it)
+
+
+def test_lr_cosine_schedule_never_rises_after_the_warmup():
+    rises = [i for i in range(10, 120) if _lr(i) < _lr(i + 1)]
+    assert not rises, rises
+
+
+def _grads_to_clip():
+    """Three parameters, the last without a gradient, and copies for
+    torch's clip_grad_norm_."""
     torch.manual_seed(4)
-    ps = [torch.nn.Parameter(torch.randn(s)) for s in ((4, 3), (7,), (2, 2))]
-    refs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    for p, r in zip(ps[:2], refs[:2]):  # the last parameter has no gradient
+    shapes = ((4, 3), (7,), (2, 2))
+    ps = [nn.Parameter(torch.randn(s)) for s in shapes]
+    refs = [nn.Parameter(p.detach().clone()) for p in ps]
+    for p, r in zip(ps[:2], refs[:2]):
         p.grad = torch.randn(p.shape) * 3
         r.grad = p.grad.clone()
-    torch.testing.assert_close(train.clip_grad_norm(ps, 1.0), torch.nn.utils.clip_grad_norm_(refs, 1.0))
-    assert all(torch.equal(p.grad, r.grad) for p, r in zip(ps[:2], refs[:2])) and ps[2].grad is None
-    total = math.sqrt(sum(float(p.grad.square().sum()) for p in ps[:2]))
-    assert abs(total - 1.0) < 1e-5  # lands at the limit (just under it in exact arithmetic)
+    return ps, refs
+
+
+def _grad_norm(ps):
+    return math.sqrt(sum(float(p.grad.square().sum()) for p in ps))
+
+
+def test_clip_grad_norm_returns_torchs_norm():
+    ps, refs = _grads_to_clip()
+    norm = train.clip_grad_norm(ps, 1.0)
+    torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(refs, 1.0))
+
+
+def test_clip_grad_norm_scales_the_grads_as_torch_does():
+    ps, refs = _grads_to_clip()
+    train.clip_grad_norm(ps, 1.0)
+    nn.utils.clip_grad_norm_(refs, 1.0)
+    for p, r in zip(ps[:2], refs[:2]):
+        assert torch.equal(p.grad, r.grad)
+
+
+def test_clip_grad_norm_skips_a_parameter_without_grad():
+    ps, _ = _grads_to_clip()
+    train.clip_grad_norm(ps, 1.0)
+    assert ps[2].grad is None
+
+
+def test_clip_grad_norm_lands_at_the_limit():
+    ps, _ = _grads_to_clip()
+    train.clip_grad_norm(ps, 1.0)
+    total = _grad_norm(ps[:2])
+    assert abs(total - 1.0) < 1e-5, total  # just under it, exactly
+
+
+def test_clip_grad_norm_below_the_limit_returns_the_norm():
+    ps, _ = _grads_to_clip()
+    train.clip_grad_norm(ps, 1.0)
+    norm = float(train.clip_grad_norm(ps, 10.0))
+    assert abs(norm - _grad_norm(ps[:2])) < 1e-5, norm
+
+
+def test_clip_grad_norm_below_the_limit_leaves_the_grads():
+    ps, _ = _grads_to_clip()
+    train.clip_grad_norm(ps, 1.0)
     before = [p.grad.clone() for p in ps[:2]]
-    assert abs(float(train.clip_grad_norm(ps, 10.0)) - total) < 1e-5  # below the limit: untouched
-    assert all(torch.equal(p.grad, b) for p, b in zip(ps[:2], before))
-    assert float(train.clip_grad_norm([torch.nn.Parameter(torch.ones(2))], 1.0)) == 0.0
+    train.clip_grad_norm(ps, 10.0)
+    for p, b in zip(ps[:2], before):
+        assert torch.equal(p.grad, b)
+
+
+def test_clip_grad_norm_without_any_grad_is_zero():
+    norm = train.clip_grad_norm([nn.Parameter(torch.ones(2))], 1.0)
+    assert float(norm) == 0.0, norm
 
 
 def test_load_dataset_checks_and_batches_of_windows_and_of_pieces_that_never_cross_documents(tmp_path):
