@@ -4957,62 +4957,6 @@ def test_clip_grad_norm_without_any_grad_is_zero():
     assert float(norm) == 0.0, norm
 
 
-def test_load_dataset_checks_and_batches_of_windows_and_of_pieces_that_never_cross_documents(tmp_path):
-    d = tmp_path / "tiny"
-    meta = _write_dataset(d)
-    tokens, docs, m = train.load_dataset(d, "train")
-    assert len(tokens) == meta["train_tokens"] and docs[-1] == len(tokens) and m["vocab_size"] == 97
-    # the hint is prepare.py's command for it: --input for local text, --out_dir away from data/NAME
-    for where, hint in ((tmp_path / "nothere", f"nothere --input <files> --out_dir {tmp_path / 'nothere'}`"),
-                        (ROOT / "data" / "nothere", "nothere --input <files>`"),
-                        (tmp_path / "owt", f"owt --out_dir {tmp_path / 'owt'}`")):  # owt: a download
-        _expect(FileNotFoundError, [f"`python data/prepare.py {hint} to create it"], train.load_dataset, where, "train")
-    _expect(ValueError, ["split"], train.load_dataset, d, "test")  # a damaged train.bin: the bad-input test below
-    np.save(d / "train_docs.npy", np.array([0, 5, 3, meta["train_tokens"]], dtype=np.int64))  # out of order
-    _expect(ValueError, ["document index"], train.load_dataset, d, "train")
-    os.remove(d / "val_docs.npy")
-    _expect(FileNotFoundError, ["val_docs.npy", f"python data/prepare.py tiny --input <files> --out_dir {d}"],
-            train.load_dataset, d, "val")
-    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "x.bin")
-    data = np.memmap(tmp_path / "x.bin", dtype=np.uint16, mode="r")
-    x, y = train.get_batch(data, 64, 17, "cpu", torch.Generator().manual_seed(0))
-    assert x.shape == y.shape == (64, 17) and x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
-    assert torch.equal(y, x + 1) and int(x.min()) >= 0 and int(y.max()) <= 999
-    assert torch.equal(x, train.get_batch(data, 64, 17, "cpu", torch.Generator().manual_seed(0))[0])
-    assert not torch.equal(x, train.get_batch(data, 64, 17, "cpu", torch.Generator().manual_seed(1))[0])
-    g = torch.Generator().manual_seed(5)  # every start in {0, ..., n - T - 1} occurs, nothing beyond
-    starts = {s for _ in range(50) for s in train.get_batch(data[:30], 64, 17, "cpu", g)[0][:, 0].tolist()}
-    assert starts == set(range(30 - 17))
-    _expect(ValueError, ["context_length"], train.get_batch, data[:17], 1, 17, "cpu")
-    eot = _write_dataset(tmp_path / "d", n_docs=(200, 10))["eot_id"]  # document batching
-    tokens, docs, _ = train.load_dataset(tmp_path / "d", "train")
-    ctx, budget, g, seen = 16, 100, torch.Generator().manual_seed(0), set()
-    # the pieces of every document: it split into ctx-sized pieces from its start (pieces of 1 token dropped)
-    partition = {(s, min(s + ctx, int(e))) for s, e in zip(docs[:-1], docs[1:]) for s in range(int(s), int(e), ctx)}
-    for _ in range(40):
-        spans = train.sample_documents(docs, budget, ctx, g)
-        real = sum(e - s - 1 for s, e in spans)
-        assert budget <= real < budget + ctx  # the budget is met, overshoot below one piece
-        assert all(sp in partition and sp[1] - sp[0] >= 2 for sp in spans)
-        seen.update(spans)
-        x, y = train.pad_batch(tokens, spans, ctx, eot)
-        assert x.shape == y.shape == (len(spans), ctx) and x.dtype == y.dtype == torch.int64
-        assert int((y != -100).sum()) == real
-        for i, (s, e) in enumerate(spans):
-            assert x[i, :e - s].tolist() == tokens[s:e].tolist() and (x[i, e - s:] == eot).all()
-            assert y[i, :e - s - 1].tolist() == tokens[s + 1:e].tolist() and (y[i, e - s - 1:] == -100).all()
-        xd, yd = train.pad_batch(tokens, spans, max(e - s for s, e in spans), eot)
-        assert torch.equal(xd, x[:, :xd.shape[1]]) and torch.equal(yd, y[:, :xd.shape[1]])
-        xp, yp, cu_seqlens, max_seqlen = train.pack_batch(tokens, spans)
-        assert xp.shape == yp.shape == (1, real) and cu_seqlens.dtype == torch.int32
-        assert cu_seqlens[0] == 0 and cu_seqlens[-1] == real and max_seqlen == max(e - s - 1 for s, e in spans)
-        for k, (s, e) in enumerate(spans):  # per piece: inputs piece[:-1], targets piece[1:]
-            a, b = int(cu_seqlens[k]), int(cu_seqlens[k + 1])
-            assert xp[0, a:b].tolist() == tokens[s:e - 1].tolist() and yp[0, a:b].tolist() == tokens[s + 1:e].tolist()
-    assert len(seen) > len(partition) // 3  # draws spread over the documents
-    _expect(ValueError, ["does not fit"], train.pad_batch, tokens, [(0, 20)], 16, 0)
-
-
 def _expect(exc, words, fn, *args):
     try:
         fn(*args)
@@ -5020,6 +4964,275 @@ def _expect(exc, words, fn, *args):
         assert all(w in str(e) for w in words), f"{e!r} lacks {words}"
         return
     raise AssertionError(f"expected {exc.__name__} mentioning {words}")
+
+
+@functools.cache
+def _tiny_dataset():
+    """_write_dataset's dataset in a folder named tiny: (its folder, its
+    meta, what load_dataset returns for the train split)."""
+    folder = Path(tempfile.mkdtemp()) / "tiny"
+    meta = _write_dataset(folder)
+    return folder, meta, train.load_dataset(folder, "train")
+
+
+def test_load_dataset_reads_every_token():
+    _, meta, (tokens, _, _) = _tiny_dataset()
+    assert len(tokens) == meta["train_tokens"], len(tokens)
+
+
+def test_load_dataset_offsets_end_at_the_last_token():
+    tokens, docs, _ = _tiny_dataset()[2]
+    assert docs[-1] == len(tokens), docs[-1]
+
+
+def test_load_dataset_returns_the_meta():
+    meta = _tiny_dataset()[2][2]
+    assert meta["vocab_size"] == 97, meta
+
+
+# prepare.py's command for a missing dataset: --input for local text
+# (owt: a download), --out_dir away from data/NAME
+@cases("name, in_repo", [("nothere", False), ("nothere", True),
+                         ("owt", False)])
+def test_load_dataset_names_the_command_that_prepares_it(
+        tmp_path, name, in_repo):
+    folder = ROOT / "data" / name if in_repo else tmp_path / name
+    command = f"python data/prepare.py {name}"
+    if name != "owt":
+        command += " --input <files>"
+    if not in_repo:
+        command += f" --out_dir {folder}"
+    words = [f"`{command}` to create it"]
+    _expect(FileNotFoundError, words, train.load_dataset, folder, "train")
+
+
+def test_load_dataset_refuses_an_unknown_split():
+    folder = _tiny_dataset()[0]
+    _expect(ValueError, ["split"], train.load_dataset, folder, "test")
+    # (a damaged train.bin: the command-line refusals below)
+
+
+def test_load_dataset_refuses_document_offsets_out_of_order(tmp_path):
+    meta = _write_dataset(tmp_path / "tiny")
+    offsets = np.array([0, 5, 3, meta["train_tokens"]], dtype=np.int64)
+    np.save(tmp_path / "tiny" / "train_docs.npy", offsets)
+    words = ["document index"]
+    _expect(ValueError, words, train.load_dataset, tmp_path / "tiny", "train")
+
+
+def test_load_dataset_names_missing_document_offsets(tmp_path):
+    folder = tmp_path / "tiny"
+    _write_dataset(folder)
+    os.remove(folder / "val_docs.npy")
+    command = f"python data/prepare.py tiny --input <files> --out_dir {folder}"
+    words = ["val_docs.npy", command]
+    _expect(FileNotFoundError, words, train.load_dataset, folder, "val")
+
+
+@functools.cache
+def _counting_tokens():
+    """0, 1, ..., 999 in a uint16 file, memory-mapped as train.py maps
+    its data."""
+    path = Path(tempfile.mkdtemp()) / "x.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _windows(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return train.get_batch(_counting_tokens(), 64, 17, "cpu", gen)
+
+
+def test_get_batch_gives_the_asked_shape():
+    x, y = _windows(0)
+    assert x.shape == (64, 17), x.shape
+    assert y.shape == (64, 17), y.shape
+
+
+def test_get_batch_gives_int64_cpu_tensors():
+    x, y = _windows(0)
+    assert x.dtype == torch.int64, x.dtype
+    assert y.dtype == torch.int64, y.dtype
+    assert x.device.type == "cpu", x.device
+
+
+def test_get_batch_targets_are_the_next_tokens():
+    x, y = _windows(0)
+    assert torch.equal(y, x + 1)
+
+
+def test_get_batch_stays_inside_the_data():
+    x, y = _windows(0)
+    assert int(x.min()) >= 0, x.min()
+    assert int(y.max()) <= 999, y.max()
+
+
+def test_get_batch_draws_the_same_from_the_same_seed():
+    assert torch.equal(_windows(0)[0], _windows(0)[0])
+
+
+def test_get_batch_draws_otherwise_from_another_seed():
+    assert not torch.equal(_windows(0)[0], _windows(1)[0])
+
+
+def test_get_batch_draws_every_start_and_none_past_the_end():
+    data, gen = _counting_tokens()[:30], torch.Generator().manual_seed(5)
+    starts = set()
+    for _ in range(50):
+        x = train.get_batch(data, 64, 17, "cpu", gen)[0]
+        starts.update(x[:, 0].tolist())
+    assert starts == set(range(30 - 17)), starts  # {0, ..., n - T - 1}
+
+
+def test_get_batch_refuses_data_shorter_than_the_context():
+    data = _counting_tokens()[:17]
+    args = (data, 1, 17, "cpu")
+    _expect(ValueError, ["context_length"], train.get_batch, *args)
+
+
+def _document_pieces(docs, ctx):
+    """Every document cut into ctx-token pieces from its start."""
+    pieces = set()
+    for start, end in zip(docs[:-1].tolist(), docs[1:].tolist()):
+        for s in range(start, end, ctx):
+            pieces.add((s, min(s + ctx, end)))
+    return pieces
+
+
+@functools.cache
+def _document_draws():
+    """40 draws of sample_documents (a budget of 100 targets, pieces of
+    at most 16 tokens) from 200 documents, each padded to 16, padded to
+    its widest piece and packed; and every piece a draw may hold."""
+    folder = Path(tempfile.mkdtemp()) / "d"
+    eot = _write_dataset(folder, n_docs=(200, 10))["eot_id"]
+    tokens, docs, _ = train.load_dataset(folder, "train")
+    ctx, budget, gen = 16, 100, torch.Generator().manual_seed(0)
+    draws = []
+    for _ in range(40):
+        spans = train.sample_documents(docs, budget, ctx, gen)
+        widest = max(e - s for s, e in spans)
+        draws.append(SimpleNamespace(
+            spans=spans, targets=sum(e - s - 1 for s, e in spans),
+            padded=train.pad_batch(tokens, spans, ctx, eot),
+            dynamic=train.pad_batch(tokens, spans, widest, eot),
+            packed=train.pack_batch(tokens, spans)))
+    return SimpleNamespace(tokens=tokens, eot=eot, ctx=ctx, budget=budget,
+                           pieces=_document_pieces(docs, ctx), draws=draws)
+
+
+def test_sample_documents_meets_the_budget_within_a_piece():
+    c = _document_draws()
+    for draw in c.draws:
+        assert c.budget <= draw.targets < c.budget + c.ctx, draw.targets
+
+
+def test_sample_documents_draws_pieces_cut_from_each_documents_start():
+    c = _document_draws()
+    for draw in c.draws:
+        stray = [sp for sp in draw.spans if sp not in c.pieces]
+        assert not stray, stray
+
+
+def test_sample_documents_drops_pieces_of_one_token():
+    for draw in _document_draws().draws:
+        short = [(s, e) for s, e in draw.spans if e - s < 2]
+        assert not short, short
+
+
+def test_sample_documents_spreads_over_the_documents():
+    c = _document_draws()
+    seen = set().union(*(draw.spans for draw in c.draws))
+    assert len(seen) > len(c.pieces) // 3, len(seen)
+
+
+def test_pad_batch_gives_a_row_of_context_length_per_piece():
+    c = _document_draws()
+    for draw in c.draws:
+        x, y = draw.padded
+        assert x.shape == (len(draw.spans), c.ctx), x.shape
+        assert y.shape == x.shape, y.shape
+
+
+def test_pad_batch_gives_int64():
+    for draw in _document_draws().draws:
+        x, y = draw.padded
+        assert x.dtype == torch.int64, x.dtype
+        assert y.dtype == torch.int64, y.dtype
+
+
+def test_pad_batch_has_a_target_per_token_but_the_last():
+    for draw in _document_draws().draws:
+        targets = int((draw.padded[1] != -100).sum())
+        assert targets == draw.targets, targets
+
+
+def test_pad_batch_rows_hold_the_piece_then_eot():
+    c = _document_draws()
+    for draw in c.draws:
+        x = draw.padded[0]
+        for i, (s, e) in enumerate(draw.spans):
+            assert x[i, :e - s].tolist() == c.tokens[s:e].tolist()
+            assert (x[i, e - s:] == c.eot).all(), x[i]
+
+
+def test_pad_batch_targets_are_the_next_tokens_then_none():
+    c = _document_draws()
+    for draw in c.draws:
+        y = draw.padded[1]
+        for i, (s, e) in enumerate(draw.spans):
+            assert y[i, :e - s - 1].tolist() == c.tokens[s + 1:e].tolist()
+            assert (y[i, e - s - 1:] == -100).all(), y[i]
+
+
+def test_pad_batch_to_the_widest_piece_cuts_the_padding():
+    for draw in _document_draws().draws:
+        (xd, yd), (x, y) = draw.dynamic, draw.padded
+        width = xd.shape[1]
+        assert torch.equal(xd, x[:, :width])
+        assert torch.equal(yd, y[:, :width])
+
+
+def test_pad_batch_refuses_a_piece_longer_than_the_row():
+    tokens = _document_draws().tokens
+    args = (tokens, [(0, 20)], 16, 0)
+    _expect(ValueError, ["does not fit"], train.pad_batch, *args)
+
+
+def test_pack_batch_gives_one_row_of_every_target():
+    for draw in _document_draws().draws:
+        xp, yp, _, _ = draw.packed
+        assert xp.shape == (1, draw.targets), xp.shape
+        assert yp.shape == xp.shape, yp.shape
+
+
+def test_pack_batch_offsets_are_int32():
+    for draw in _document_draws().draws:
+        cu_seqlens = draw.packed[2]
+        assert cu_seqlens.dtype == torch.int32, cu_seqlens.dtype
+
+
+def test_pack_batch_offsets_span_the_row():
+    for draw in _document_draws().draws:
+        cu_seqlens = draw.packed[2]
+        assert cu_seqlens[0] == 0, cu_seqlens
+        assert cu_seqlens[-1] == draw.targets, cu_seqlens
+
+
+def test_pack_batch_max_seqlen_is_the_longest_pieces_targets():
+    for draw in _document_draws().draws:
+        longest = max(e - s - 1 for s, e in draw.spans)
+        assert draw.packed[3] == longest, draw.packed[3]
+
+
+def test_pack_batch_holds_each_piece_but_its_last_then_its_targets():
+    c = _document_draws()
+    for draw in c.draws:
+        xp, yp, cu_seqlens, _ = draw.packed
+        for k, (s, e) in enumerate(draw.spans):
+            a, b = int(cu_seqlens[k]), int(cu_seqlens[k + 1])
+            assert xp[0, a:b].tolist() == c.tokens[s:e - 1].tolist()
+            assert yp[0, a:b].tolist() == c.tokens[s + 1:e].tolist()
 
 
 def test_pad_pack_and_pack_static_give_the_same_loss_and_gradients(tmp_path):
