@@ -5235,81 +5235,302 @@ def test_pack_batch_holds_each_piece_but_its_last_then_its_targets():
             assert yp[0, a:b].tolist() == c.tokens[s + 1:e].tolist()
 
 
-def test_pad_pack_and_pack_static_give_the_same_loss_and_gradients(tmp_path):
-    """pad_packed: the packed batch padded to a static length (the padding one document without targets) and its
-    offsets to a power of two (empty documents), a few shapes for all batches. One batch of pieces padded, packed
-    and packed at a static shape: the same loss and gradients, by the reference attention and the Triton kernels."""
-    eot = _write_dataset(tmp_path / "d")["eot_id"]
-    tokens, docs, _ = train.load_dataset(tmp_path / "d", "train")
-    g, ctx, budget, shapes = torch.Generator().manual_seed(3), 24, 72, set()
-    for _ in range(20):
-        x, y, cu, _ = train.pack_batch(tokens, train.sample_documents(docs, budget, ctx, g))
-        xs, ys, cus = train.pad_packed(x, y, cu, budget + ctx, eot)
-        n = x.shape[1]  # one document more: the padding (at most ctx tokens)
-        assert xs.shape == ys.shape == (1, budget + ctx) and 1 <= budget + ctx - n <= ctx
-        assert torch.equal(xs[:, :n], x) and torch.equal(ys[:, :n], y)
-        assert (xs[0, n:] == eot).all() and (ys[0, n:] == -100).all() and cus.dtype == torch.int32
-        assert cus[:len(cu)].tolist() == cu.tolist() and (cus[len(cu):] == budget + ctx).all()
-        assert len(cus) == 1 << len(cu).bit_length()
-        shapes.add(len(cus))
-    assert len(shapes) <= 2, shapes  # a few shapes, not one per batch
-    _expect(ValueError, ["does not fit"], train.pad_packed, x, y, cu, n - 1, 0)
-    xs, ys, cus = train.pad_packed(x, y, cu, n, 0)  # already full: no padding document, offsets to a power of two
-    assert torch.equal(xs, x) and cus[:len(cu)].tolist() == cu.tolist() and len(cus) & (len(cus) - 1) == 0
-    torch.manual_seed(0)
-    lm, spans = TransformerLM(97, ctx, 32, 2, 2, 64), train.sample_documents(docs, budget, ctx, g)
-    x, y, cu, m = train.pack_batch(tokens, spans)
-    xs, ys, cus = train.pad_packed(x, y, cu, budget + ctx, eot)
-    assert len(cus) > len(cu) + 1  # empty documents at the end
-    for impl in ("naive", "flash") if flash.INTERPRET else ("naive",):  # (with a GPU: test_gpu_flash_model_...)
-        lm.attn_impl, results = impl, []
-        padded = train.pad_batch(tokens, spans, ctx, eot)
-        for xb, yb, cub, mb in ((x, y, cu, m), (xs, ys, cus, ctx), (*padded, None, None)):
-            lm.zero_grad()
-            loss = lm(xb, cu_seqlens=cub, max_seqlen=mb, targets=yb)
-            loss.backward()
-            results.append([loss.detach()] + [p.grad.clone() for p in lm.parameters()])
-        for got, want in zip(results[1] + results[2], results[0] * 2):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+@functools.cache
+def _static_draws():
+    """21 batches of pieces (a budget of 72 targets, pieces of at most
+    24 tokens) packed, and padded by pad_packed to the static length
+    72 + 24: 20 to check the padding, the last for a model."""
+    folder = Path(tempfile.mkdtemp()) / "d"
+    eot = _write_dataset(folder)["eot_id"]
+    tokens, docs, _ = train.load_dataset(folder, "train")
+    ctx, budget, gen = 24, 72, torch.Generator().manual_seed(3)
+    draws = []
+    for _ in range(21):
+        spans = train.sample_documents(docs, budget, ctx, gen)
+        x, y, cu_seqlens, max_seqlen = train.pack_batch(tokens, spans)
+        static = train.pad_packed(x, y, cu_seqlens, budget + ctx, eot)
+        draws.append(SimpleNamespace(
+            spans=spans, packed=(x, y, cu_seqlens, max_seqlen),
+            static=static))
+    return SimpleNamespace(tokens=tokens, eot=eot, ctx=ctx,
+                           length=budget + ctx, draws=draws[:20],
+                           model_draw=draws[20])
 
 
-def test_checkpoint_round_trip_and_unloadable_files(tmp_path):
+def test_pad_packed_pads_to_the_static_length():
+    c = _static_draws()
+    for draw in c.draws:
+        xs, ys, _ = draw.static
+        assert xs.shape == (1, c.length), xs.shape
+        assert ys.shape == xs.shape, ys.shape
+
+
+def test_pad_packed_adds_one_document_of_at_most_context_length():
+    c = _static_draws()
+    for draw in c.draws:
+        padding = c.length - draw.packed[0].shape[1]
+        assert 1 <= padding <= c.ctx, padding
+
+
+def test_pad_packed_keeps_the_packed_tokens():
+    for draw in _static_draws().draws:
+        (xs, ys, _), (x, y, _, _) = draw.static, draw.packed
+        n = x.shape[1]
+        assert torch.equal(xs[:, :n], x)
+        assert torch.equal(ys[:, :n], y)
+
+
+def test_pad_packed_pads_with_eot_and_no_targets():
+    c = _static_draws()
+    for draw in c.draws:
+        (xs, ys, _), n = draw.static, draw.packed[0].shape[1]
+        assert (xs[0, n:] == c.eot).all(), xs
+        assert (ys[0, n:] == -100).all(), ys
+
+
+def test_pad_packed_offsets_are_int32():
+    for draw in _static_draws().draws:
+        cus = draw.static[2]
+        assert cus.dtype == torch.int32, cus.dtype
+
+
+def test_pad_packed_offsets_go_on_with_empty_documents_at_the_end():
+    c = _static_draws()
+    for draw in c.draws:
+        cus, cu = draw.static[2], draw.packed[2]
+        assert cus[:len(cu)].tolist() == cu.tolist(), cus
+        assert (cus[len(cu):] == c.length).all(), cus
+
+
+def test_pad_packed_pads_the_offsets_to_a_power_of_two():
+    for draw in _static_draws().draws:
+        cus, cu = draw.static[2], draw.packed[2]
+        assert len(cus) == 1 << len(cu).bit_length(), len(cus)
+
+
+def test_pad_packed_gives_a_few_shapes_not_one_per_batch():
+    shapes = {len(draw.static[2]) for draw in _static_draws().draws}
+    assert len(shapes) <= 2, shapes
+
+
+def test_pad_packed_refuses_a_batch_past_the_length():
+    x, y, cu, _ = _static_draws().draws[-1].packed
+    args = (x, y, cu, x.shape[1] - 1, 0)
+    _expect(ValueError, ["does not fit"], train.pad_packed, *args)
+
+
+def _pad_a_full_batch():
+    x, y, cu, _ = _static_draws().draws[-1].packed
+    return x, cu, train.pad_packed(x, y, cu, x.shape[1], 0)
+
+
+def test_pad_packed_adds_no_document_to_a_full_batch():
+    x, cu, (xs, _, cus) = _pad_a_full_batch()
+    assert torch.equal(xs, x)
+    assert cus[:len(cu)].tolist() == cu.tolist(), cus
+
+
+def test_pad_packed_pads_a_full_batchs_offsets_to_a_power_of_two():
+    cus = _pad_a_full_batch()[2][2]
+    assert len(cus) & (len(cus) - 1) == 0, len(cus)
+
+
+def test_pad_packed_model_batch_ends_with_empty_documents():
+    draw = _static_draws().model_draw
+    assert len(draw.static[2]) > len(draw.packed[2]) + 1, draw.static[2]
+
+
+@functools.cache
+def _batch_layout_grads(impl):
+    """[loss, then every gradient] of one model by impl on one batch of
+    pieces: packed, packed at the static length, padded."""
+    c = _static_draws()
+    x, y, cu, max_seqlen = c.model_draw.packed
+    xs, ys, cus = c.model_draw.static
+    xp, yp = train.pad_batch(c.tokens, c.model_draw.spans, c.ctx, c.eot)
+    layouts = {"packed": (x, y, cu, max_seqlen),
+               "static": (xs, ys, cus, c.ctx), "padded": (xp, yp, None, None)}
     torch.manual_seed(0)
-    lm, lm2 = TransformerLM(50, 16, 32, 2, 2, 64), TransformerLM(50, 16, 32, 2, 2, 64)
-    opt, opt2 = train.AdamW(lm.parameters(), lr=1e-3), train.AdamW(lm2.parameters(), lr=1e-3)
+    lm = TransformerLM(97, c.ctx, 32, 2, 2, 64)
+    lm.attn_impl, results = impl, {}
+    for name, (xb, yb, cub, mb) in layouts.items():
+        lm.zero_grad()
+        loss = lm(xb, cu_seqlens=cub, max_seqlen=mb, targets=yb)
+        loss.backward()
+        grads = [p.grad.clone() for p in lm.parameters()]
+        results[name] = [loss.detach()] + grads
+    return results
+
+
+@cases("impl, layout", [("naive", "static"), ("naive", "padded"),
+                        ("flash", "static"), ("flash", "padded")])
+def test_batch_layouts_give_the_packed_loss_and_gradients(impl, layout):
+    if impl == "flash" and not flash.INTERPRET:
+        raise unittest.SkipTest("with a GPU: test_gpu_flash_model_...")
+    results = _batch_layout_grads(impl)
+    got, want = results[layout], results["packed"]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def _small_lm_and_adamw():
+    lm = TransformerLM(50, 16, 32, 2, 2, 64)
+    return lm, train.AdamW(lm.parameters(), lr=1e-3)
+
+
+@functools.cache
+def _saved_checkpoint():
+    """A model after a step of train.AdamW, saved with its optimizer at
+    iteration 7 under torch.compile's names to ckpt.pt in a fresh
+    folder, and loaded into a second model and optimizer."""
+    folder = Path(tempfile.mkdtemp())
+    torch.manual_seed(0)
+    lm, opt = _small_lm_and_adamw()
+    lm2, opt2 = _small_lm_and_adamw()
     lm(torch.randint(0, 50, (2, 16))).sum().backward()
     opt.step()
-    path, compiled_like = tmp_path / "ckpt.pt", torch.nn.Module()  # names as torch.compile's wrapper reports them
+    compiled_like = torch.nn.Module()  # names as torch.compile's show
     compiled_like._orig_mod = lm
-    train.save_checkpoint(compiled_like, opt, 7, path, model_args={"vocab_size": 50})
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # the temp file was renamed away
-    ckpt = torch.load(path, weights_only=True)
-    assert not any("_orig_mod" in k for k in ckpt["model"]) and ckpt["model_args"] == {"vocab_size": 50}
-    assert train.load_checkpoint(path, lm2, opt2) == 7
-    assert all(torch.equal(a, b) for a, b in zip(lm.state_dict().values(), lm2.state_dict().values()))
-    s1, s2 = opt.state_dict(), opt2.state_dict()
-    assert s1["param_groups"] == s2["param_groups"]
-    assert all(torch.equal(s1["state"][i]["exp_avg_sq"], s2["state"][i]["exp_avg_sq"]) for i in s1["state"])
-    buf = io.BytesIO()  # file objects work too
-    train.save_checkpoint(lm, None, 3, buf)
+    path = folder / "ckpt.pt"
+    train.save_checkpoint(compiled_like, opt, 7, path,
+                          model_args={"vocab_size": 50})
+    files = sorted(os.listdir(folder))
+    iteration = train.load_checkpoint(path, lm2, opt2)
+    return SimpleNamespace(path=path, files=files, iteration=iteration,
+                           model=lm, optimizer=opt, loaded=lm2,
+                           loaded_optimizer=opt2)
+
+
+def test_save_checkpoint_leaves_no_temp_file():
+    files = _saved_checkpoint().files  # the temp file was renamed away
+    assert files == ["ckpt.pt"], files
+
+
+def test_save_checkpoint_drops_the_compile_prefix():
+    ckpt = torch.load(_saved_checkpoint().path, weights_only=True)
+    prefixed = [k for k in ckpt["model"] if "_orig_mod" in k]
+    assert not prefixed, prefixed
+
+
+def test_save_checkpoint_saves_the_extra_entries():
+    ckpt = torch.load(_saved_checkpoint().path, weights_only=True)
+    assert ckpt["model_args"] == {"vocab_size": 50}, ckpt["model_args"]
+
+
+def test_load_checkpoint_returns_the_iteration():
+    iteration = _saved_checkpoint().iteration
+    assert iteration == 7, iteration
+
+
+def test_load_checkpoint_restores_the_weights():
+    c = _saved_checkpoint()
+    saved = c.model.state_dict().values()
+    loaded = c.loaded.state_dict().values()
+    pairs = enumerate(zip(saved, loaded, strict=True))
+    differ = [i for i, (a, b) in pairs if not torch.equal(a, b)]
+    assert not differ, differ
+
+
+def test_load_checkpoint_restores_the_optimizer_groups():
+    c = _saved_checkpoint()
+    saved = c.optimizer.state_dict()["param_groups"]
+    loaded = c.loaded_optimizer.state_dict()["param_groups"]
+    assert loaded == saved, loaded
+
+
+def test_load_checkpoint_restores_the_optimizer_moments():
+    c = _saved_checkpoint()
+    saved = c.optimizer.state_dict()["state"]
+    loaded = c.loaded_optimizer.state_dict()["state"]
+    differ = [i for i in saved if not torch.equal(
+        saved[i]["exp_avg_sq"], loaded[i]["exp_avg_sq"])]
+    assert not differ, differ
+
+
+def test_checkpoint_round_trips_through_a_file_object():
+    buf = io.BytesIO()
+    train.save_checkpoint(_saved_checkpoint().model, None, 3, buf)
     buf.seek(0)
-    assert train.load_checkpoint(buf, lm2, None) == 3
-    (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:path.stat().st_size // 2])
-    torch.save({"model": {}, "iteration": 1, "extra": SimpleNamespace(a=1)}, tmp_path / "objects.pt")
-    for name, words in (("cut.pt", ["truncated or corrupt"]), ("objects.pt", ["Python objects", "not loaded"])):
-        try:  # (a missing or damaged checkpoint: the bad-input test below)
-            train.load_checkpoint(tmp_path / name, lm2, opt2)
-        except RuntimeError as e:  # no advice to load unsafely, even in the traceback
-            text = "".join(traceback.format_exception(e))
-            assert all(w in str(e) for w in words) and "weights_only" not in text, text
-        else:
-            raise AssertionError(f"{name} loaded")
-    data, real_save = path.read_bytes(), torch.save  # a write damaged on its way: the old checkpoint stays, no temp
-    at = data.index(ckpt["model"]["token_embeddings.weight"].numpy().tobytes())
-    with unittest.mock.patch.object(torch, "save", lambda obj, f: real_save(obj, f) or Path(f).write_bytes(
-            Path(f).read_bytes().replace(data[at:at + 64], bytes(64)))):
-        _expect(RuntimeError, ["ckpt.pt.tmp was damaged", "left as it was"], train.save_checkpoint, lm, opt, 8, path)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "cut.pt", "objects.pt"] and path.read_bytes() == data
+    iteration = train.load_checkpoint(buf, _small_lm_and_adamw()[0], None)
+    assert iteration == 3, iteration
+
+
+# (a missing or damaged checkpoint: the command-line refusals below)
+UNLOADABLE_CHECKPOINTS = {"cut": ["truncated or corrupt"],
+                          "objects": ["Python objects", "not loaded"]}
+
+
+def _load_error(name, folder):
+    """The RuntimeError of load_checkpoint on a checkpoint cut in half
+    (cut) or holding Python objects (objects)."""
+    path = folder / f"{name}.pt"
+    if name == "cut":
+        data = _saved_checkpoint().path.read_bytes()
+        path.write_bytes(data[:len(data) // 2])
+    else:
+        extra = SimpleNamespace(a=1)
+        torch.save({"model": {}, "iteration": 1, "extra": extra}, path)
+    try:
+        train.load_checkpoint(path, *_small_lm_and_adamw())
+    except RuntimeError as e:
+        return e
+    raise AssertionError(f"{name}.pt loaded")
+
+
+@cases("name", list(UNLOADABLE_CHECKPOINTS))
+def test_load_checkpoint_names_an_unloadable_file(tmp_path, name):
+    error = str(_load_error(name, tmp_path))
+    missing = [w for w in UNLOADABLE_CHECKPOINTS[name] if w not in error]
+    assert not missing, (missing, error)
+
+
+@cases("name", list(UNLOADABLE_CHECKPOINTS))
+def test_load_checkpoint_never_advises_loading_unsafely(tmp_path, name):
+    error = _load_error(name, tmp_path)  # not even in the traceback
+    text = "".join(traceback.format_exception(error))
+    assert "weights_only" not in text, text
+
+
+@functools.cache
+def _damaged_save():
+    """save_checkpoint over a good ckpt.pt, its write damaged on the way
+    (64 bytes of the embedding zeroed): (the error, the folder's files,
+    the good checkpoint's bytes, ckpt.pt's bytes after)."""
+    c, folder = _saved_checkpoint(), Path(tempfile.mkdtemp())
+    path = folder / "ckpt.pt"
+    shutil.copy(c.path, path)
+    good, real_save = path.read_bytes(), torch.save
+    weight = c.model.token_embeddings.weight.detach()
+    at = good.index(weight.numpy().tobytes())
+
+    def damaging_save(obj, f):
+        real_save(obj, f)
+        saved = Path(f).read_bytes()
+        Path(f).write_bytes(saved.replace(good[at:at + 64], bytes(64)))
+    with unittest.mock.patch.object(torch, "save", damaging_save):
+        try:
+            train.save_checkpoint(c.model, c.optimizer, 8, path)
+            error = None
+        except RuntimeError as e:
+            error = e
+    return error, sorted(os.listdir(folder)), good, path.read_bytes()
+
+
+def test_a_damaged_save_says_so():
+    error = _damaged_save()[0]
+    words = ["ckpt.pt.tmp was damaged", "left as it was"]
+    missing = [w for w in words if w not in str(error)]
+    assert not missing, (missing, error)
+
+
+def test_a_damaged_save_leaves_the_old_checkpoint():
+    _, _, good, after = _damaged_save()
+    assert after == good
+
+
+def test_a_damaged_save_leaves_no_temp_file():
+    files = _damaged_save()[1]
+    assert files == ["ckpt.pt"], files
 
 
 def _curve_batches(steps, batch_size=4, seq=32, vocab_size=64, seed=0):
