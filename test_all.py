@@ -5534,30 +5534,38 @@ def test_a_damaged_save_leaves_no_temp_file():
 
 
 def _curve_batches(steps, batch_size=4, seq=32, vocab_size=64, seed=0):
-    """Fixed (x, y) batches to learn: token t+1 = token t + a per-row stride (mod vocab), 10% of them random."""
+    """Fixed (x, y) batches to learn: token t+1 = token t + a per-row
+    stride (mod vocab), 10% of them random."""
     gen = torch.Generator().manual_seed(seed)
-    batches = []
+    shape, batches = (batch_size, seq + 1), []
     for _ in range(steps):
         start = torch.randint(0, vocab_size, (batch_size, 1), generator=gen)
         stride = torch.randint(1, 4, (batch_size, 1), generator=gen)
         seqs = (start + stride * torch.arange(seq + 1)) % vocab_size
-        noise = torch.rand(batch_size, seq + 1, generator=gen) < 0.1
-        seqs = torch.where(noise, torch.randint(0, vocab_size, (batch_size, seq + 1), generator=gen), seqs)
+        noise = torch.rand(shape, generator=gen) < 0.1
+        random = torch.randint(0, vocab_size, shape, generator=gen)
+        seqs = torch.where(noise, random, seqs)
         batches.append((seqs[:, :-1], seqs[:, 1:]))
     return batches
 
 
-def _loss_curve(batches, fused=True, norm_impl="torch", device="cpu", autocast=False):
-    """The loss of every step of train.AdamW on a tiny TransformerLM (fp32 weights, fixed seed): through the fused
-    head (model(x, targets=y), as train.py) or F.cross_entropy of the materialized logits; RMSNorms on norm_impl;
-    autocast: under bf16 autocast."""
-    m = model.set_norm_impl(_tiny_lm(seed=0, vocab_size=64, context_length=32, d_ff=64).to(device), norm_impl)
+def _loss_curve(batches, fused=True, norm_impl="torch", device="cpu",
+                autocast=False):
+    """The loss of every step of train.AdamW on a tiny TransformerLM
+    (fp32 weights, fixed seed): through the fused head, as train.py, or
+    F.cross_entropy of the logits; RMSNorms on norm_impl; autocast:
+    under bf16 autocast."""
+    lm = _tiny_lm(seed=0, vocab_size=64, context_length=32, d_ff=64)
+    m = model.set_norm_impl(lm.to(device), norm_impl)
     opt = train.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
     losses = []
     for x, y in batches:
         x, y = x.to(device), y.to(device)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-            loss = m(x, targets=y) if fused else F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+            if fused:
+                loss = m(x, targets=y)
+            else:
+                loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -5565,48 +5573,203 @@ def _loss_curve(batches, fused=True, norm_impl="torch", device="cpu", autocast=F
     return losses
 
 
-def test_loss_curves_of_the_fused_head_triton_rmsnorm_and_autocast_linear_match_their_references():
-    """AdamW steps on one model, seed and batches, each fast path against its reference, per-step losses within 1e-5
-    (other summation orders, which AdamW carries on): the fused head against F.cross_entropy of the logits, every
-    RMSNorm on flash.rms_norm's kernels against the formula; Linear's bf16 autocast product (model._AutocastLinear)
-    against autocast's x @ W.T: on CPU equal bit for bit, on a GPU (fp32 weight gradients) within bf16 noise."""
-    batches, n = _curve_batches(200), 200 if DEVICE == "cuda" else 40  # the interpreter and CPU bf16 are slow
-    fused = _loss_curve(batches)
-    assert fused[-1] < fused[0] - 2.5, (fused[0], fused[-1])  # it learns, so the curve means much
-    assert max(abs(a - b) for a, b in zip(fused, _loss_curve(batches, fused=False))) < 1e-5
-    ref = fused[:n] if DEVICE == "cpu" else _loss_curve(batches, device=DEVICE)
-    assert max(abs(a - b) for a, b in zip(_loss_curve(batches[:n], norm_impl="triton", device=DEVICE), ref)) < 1e-5
-    ours = _loss_curve(batches[:n], device=DEVICE, autocast=True)
-    with unittest.mock.patch.object(model.Linear, "forward", lambda self, x: x @ self.weight.T):
-        theirs = _loss_curve(batches[:n], device=DEVICE, autocast=True)
-    assert ours[-1] < ours[0] - 1 and (ours == theirs if DEVICE == "cpu" else
-                                       max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-2), (ours, theirs)
+# AdamW steps on one model, seed and batches: each fast path against its
+# reference, the losses of every step within 1e-5 (other summation
+# orders, which AdamW carries on). Shorter curves where the interpreter
+# and CPU bf16 are slow.
+CURVE_STEPS = 200 if DEVICE == "cuda" else 40
 
 
-def test_config_files_overrides_presets_and_checks(tmp_path):
-    """apply_config: config files, then --key=value or --key value, in order. (Every error: the bad-input test.)"""
-    cfg, given, f = train.default_config(), set(), tmp_path / "c.py"
-    f.write_text("batch_size = 3\nbatching = 'pack'\nlearning_rate = 1\n")
-    train.apply_config([str(f), "--max_iters", "7", "--out_dir=123", "--compile", "True", "--min_lr=2"], cfg, given)
-    assert cfg["batch_size"] == 3 and cfg["batching"] == "pack" and cfg["max_iters"] == 7
-    assert cfg["out_dir"] == "123" and cfg["compile"] is True  # strings verbatim
-    assert cfg["learning_rate"] == 1.0 and isinstance(cfg["min_lr"], float)  # int is fine for float
-    assert given == {"batch_size", "batching", "learning_rate", "max_iters", "out_dir", "compile", "min_lr"}
-    assert all(v in train.default_config() or " " in v for v in train.NANOGPT.values())  # ours, or a reason
-    for name in ("small", "medium", "large", "xl", "2.7B", "pack", "pad", "dynamic_pad"):  # the shipped files
-        cfg = train.apply_config([str(ROOT / "config" / f"{name}.py")], train.default_config())
-        assert cfg["out_dir"] == f"out-{name}" and cfg["batching"] == (name if name in train.BATCHING else "concat")
-        assert {k: cfg[k] for k in PRESETS.get(name, {})} == PRESETS.get(name, {}), name  # the model's presets
-    # attn_impl 'auto': the reference on CPU; on CUDA flash for packed documents, sdpa for dense batches
-    assert [model.auto_attn_impl(d, p) for d in ("cpu", "cuda") for p in (False, True)] == \
-        ["naive", "naive", "sdpa", "flash"]
-    check = lambda world, bad: train.check_config(SimpleNamespace(**{**train.default_config(), **bad}), world)
-    check(1, dict(cuda_graphs=True, compile=True, batching="pack", pack_static=True))  # static shapes: fine
-    check(3, dict(grad_accum=0))  # the default: one micro-batch per rank
-    assert train.DDP_IMPLS == tuple(i for i in ddp.IMPLS if i != "none")
-    with unittest.mock.patch.dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2"), \
-            contextlib.redirect_stderr(io.StringIO()) as err:  # under torchrun the first process of a node says it
-        assert train.cli(["--grad_accum=3"]) == 2 and err.getvalue() == ""
+@functools.cache
+def _curve(path):
+    """The loss curve of one fast path or reference: fused (the fused
+    head), logits (F.cross_entropy of the logits), rmsnorm_triton and
+    rmsnorm_formula, autocast_linear (model._AutocastLinear) and
+    autocast_product (autocast's x @ W.T)."""
+    batches = _curve_batches(200)
+    short = batches[:CURVE_STEPS]
+    if path == "fused":
+        return _loss_curve(batches)
+    if path == "logits":
+        return _loss_curve(batches, fused=False)
+    if path == "rmsnorm_triton":
+        return _loss_curve(short, norm_impl="triton", device=DEVICE)
+    if path == "rmsnorm_formula" and DEVICE == "cpu":
+        return _curve("fused")[:CURVE_STEPS]
+    if path == "rmsnorm_formula":
+        return _loss_curve(batches, device=DEVICE)
+    if path == "autocast_linear":
+        return _loss_curve(short, device=DEVICE, autocast=True)
+    assert path == "autocast_product", path
+    with unittest.mock.patch.object(model.Linear, "forward", _product):
+        return _loss_curve(short, device=DEVICE, autocast=True)
+
+
+def _product(self, x):
+    return x @ self.weight.T
+
+
+def _largest_gap(a, b):
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def test_loss_curves_learn():
+    fused = _curve("fused")  # so the curve means much
+    assert fused[-1] < fused[0] - 2.5, (fused[0], fused[-1])
+
+
+def test_loss_curves_of_the_fused_head_and_the_logits_match():
+    gap = _largest_gap(_curve("fused"), _curve("logits"))
+    assert gap < 1e-5, gap
+
+
+def test_loss_curves_of_the_triton_rmsnorm_and_the_formula_match():
+    gap = _largest_gap(_curve("rmsnorm_triton"), _curve("rmsnorm_formula"))
+    assert gap < 1e-5, gap
+
+
+def test_loss_curves_of_autocast_linear_learn():
+    ours = _curve("autocast_linear")
+    assert ours[-1] < ours[0] - 1, ours
+
+
+def test_loss_curves_of_autocast_linear_match_autocasts_product():
+    # on CPU equal bit for bit; on a GPU (fp32 weight gradients)
+    # within bf16 noise
+    ours, theirs = _curve("autocast_linear"), _curve("autocast_product")
+    if DEVICE == "cpu":
+        assert ours == theirs, (ours, theirs)
+    else:
+        assert _largest_gap(ours, theirs) < 1e-2, (ours, theirs)
+
+
+@functools.cache
+def _applied_config():
+    """apply_config on a config file, then flags (--key value and
+    --key=value), in order: (the config, the keys given). (Every error:
+    the command-line refusals below.)"""
+    path = Path(tempfile.mkdtemp()) / "c.py"
+    path.write_text("batch_size = 3\nbatching = 'pack'\nlearning_rate = 1\n")
+    flags = ["--max_iters", "7", "--out_dir=123", "--compile", "True",
+             "--min_lr=2"]
+    config, given = train.default_config(), set()
+    train.apply_config([str(path), *flags], config, given)
+    return config, given
+
+
+@cases("key, value", [("batch_size", 3), ("batching", "pack"),
+                      ("max_iters", 7)])
+def test_apply_config_takes_a_config_file_then_flags(key, value):
+    config = _applied_config()[0]
+    assert config[key] == value, config[key]
+
+
+def test_apply_config_keeps_a_string_verbatim():
+    out_dir = _applied_config()[0]["out_dir"]
+    assert out_dir == "123", repr(out_dir)
+
+
+def test_apply_config_reads_a_bool():
+    assert _applied_config()[0]["compile"] is True
+
+
+def test_apply_config_takes_an_int_for_a_float():
+    config = _applied_config()[0]
+    assert config["learning_rate"] == 1.0, config["learning_rate"]
+    assert isinstance(config["min_lr"], float), config["min_lr"]
+
+
+def test_apply_config_records_the_keys_given():
+    given = _applied_config()[1]
+    assert given == {"batch_size", "batching", "learning_rate",
+                     "max_iters", "out_dir", "compile", "min_lr"}, given
+
+
+def test_nanogpt_names_map_to_our_keys_or_a_reason():
+    defaults = train.default_config()
+    unknown = [v for v in train.NANOGPT.values()
+               if v not in defaults and " " not in v]
+    assert not unknown, unknown
+
+
+SHIPPED_CONFIGS = ["small", "medium", "large", "xl", "2.7B", "pack", "pad",
+                   "dynamic_pad"]
+
+
+@functools.cache
+def _shipped_config(name):
+    path = ROOT / "config" / f"{name}.py"
+    return train.apply_config([str(path)], train.default_config())
+
+
+@cases("name", SHIPPED_CONFIGS)
+def test_shipped_config_names_its_out_dir(name):
+    out_dir = _shipped_config(name)["out_dir"]
+    assert out_dir == f"out-{name}", out_dir
+
+
+@cases("name", SHIPPED_CONFIGS)
+def test_shipped_config_sets_its_batching(name):
+    want = name if name in train.BATCHING else "concat"
+    batching = _shipped_config(name)["batching"]
+    assert batching == want, batching
+
+
+@cases("name", SHIPPED_CONFIGS)
+def test_shipped_config_sets_the_models_preset(name):
+    preset = PRESETS.get(name, {})
+    config = _shipped_config(name)
+    assert {k: config[k] for k in preset} == preset, config
+
+
+# the reference on CPU; on CUDA flash for packed documents, sdpa for
+# dense batches
+@cases("device, packed, impl", [
+    ("cpu", False, "naive"), ("cpu", True, "naive"),
+    ("cuda", False, "sdpa"), ("cuda", True, "flash")])
+def test_auto_attn_impl_picks_by_device_and_packing(device, packed, impl):
+    picked = model.auto_attn_impl(device, packed)
+    assert picked == impl, picked
+
+
+def _check_config(world_size, **changes):
+    config = SimpleNamespace(**{**train.default_config(), **changes})
+    train.check_config(config, world_size)
+
+
+def test_check_config_takes_cuda_graphs_at_static_shapes():
+    _check_config(1, cuda_graphs=True, compile=True, batching="pack",
+                  pack_static=True)
+
+
+def test_check_config_takes_grad_accum_0_on_any_world_size():
+    _check_config(3, grad_accum=0)  # one micro-batch per rank
+
+
+def test_ddp_impls_of_train_are_ddps_but_none():
+    want = tuple(i for i in ddp.IMPLS if i != "none")
+    assert train.DDP_IMPLS == want, train.DDP_IMPLS
+
+
+@functools.cache
+def _cli_on_rank_1():
+    """train.cli's status and stderr on a bad command line under
+    torchrun, as the second process of a node."""
+    env = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2")
+    with unittest.mock.patch.dict(os.environ, env), \
+            contextlib.redirect_stderr(io.StringIO()) as err:
+        status = train.cli(["--grad_accum=3"])
+    return status, err.getvalue()
+
+
+def test_cli_on_rank_1_exits_2():
+    status = _cli_on_rank_1()[0]
+    assert status == 2, status
+
+
+def test_cli_on_rank_1_leaves_the_error_to_the_first_process():
+    err = _cli_on_rank_1()[1]  # the first process of a node says it
+    assert err == "", err
 
 
 def test_bad_input_to_the_command_line_is_one_line_and_touches_nothing(tmp_path):
