@@ -5772,97 +5772,301 @@ def test_cli_on_rank_1_leaves_the_error_to_the_first_process():
     assert err == "", err
 
 
-def test_bad_input_to_the_command_line_is_one_line_and_touches_nothing(tmp_path):
-    """Every bad input of `python train.py` (config, data, checkpoint, device, a run in the way): one line naming it,
-    status 2, no file written, changed or removed; config errors before torch and numpy are imported (here: can't)."""
-    meta = _write_dataset(tmp_path / "d")
-    _write_dataset(tmp_path / "other", vocab_size=50)
-    train.main(_tiny(tmp_path, f"--out_dir={tmp_path / 'o'}", "--max_iters=1"))
-    tokens, data = (tmp_path / "d" / "train.bin").read_bytes(), (tmp_path / "o" / "ckpt.pt").read_bytes()
-    at = data.index(torch.load(tmp_path / "o" / "ckpt.pt")["model"]["token_embeddings.weight"].numpy().tobytes())
-    for name, file, damaged in (("d_cut", "train.bin", tokens[:-2]), ("d_odd", "train.bin", tokens + b"\0"),
-                                ("d_big", "train.bin", tokens[:10] + (500).to_bytes(2, "little") + tokens[12:]),
-                                ("o_cut", "ckpt.pt", data[:len(data) // 2]), ("o_log", "ckpt.pt", None),
-                                ("o_zero", "ckpt.pt", data[:at] + bytes(5000) + data[at + 5000:])):  # 5 KB zeroed
-        shutil.copytree(tmp_path / name[0], tmp_path / name)
-        (tmp_path / name / file).unlink() if damaged is None else (tmp_path / name / file).write_bytes(damaged)
-    (fake := tmp_path / "no_heavy_imports").mkdir()  # torch and numpy that cannot be imported: early errors never try
+GRAPHS = ("cuda_graphs needs compile=True, static shapes (concat, or pack "
+          "with pack_static=True) and one process")
+
+# `python train.py` refusing a config before torch and numpy are imported
+# (_light_env: here they cannot be) as the first of 2 processes under
+# torchrun: name -> (argv, the words of its one stderr line)
+TRAIN_CONFIG_REFUSALS = {
+    "misspelt_key": (["--learnign_rate=1"], [
+        "unknown config key 'learnign_rate'",
+        "did you mean 'learning_rate'?"]),
+    "block_size": (["--block_size", "64"], ["did you mean 'context_length'?"]),
+    "n_embd": (["--n_embd=64"], ["'d_model'?"]),
+    "vocab_size": (["--vocab_size=50"], [
+        "python data/prepare.py NAME --vocab_size N"]),
+    "ckpt_interval": (["--ckpt_interval=5"], ["'save_interval'?"]),
+    "dropout": (["--dropout=0.1"], ["this model has no dropout"]),
+    "missing_config_file": (["nothere.py"], ["not found"]),
+    "key_in_config_file": (["c.py"], [
+        "unknown config key 'batchsize' (from c.py)"]),
+    "config_file_syntax": (["syntax.py"], [
+        "config file syntax.py, line 2: invalid syntax"]),
+    "config_file_import": (["imports.py"], [
+        "config file imports.py, line 3",
+        "No module named 'no_such_module'"]),
+    "config_file_name": (["name.py"], [
+        "config file name.py, line 1", "NameError", "undefined_name"]),
+    "bool_value": (["--compile=1"], ["'compile' expects bool"]),
+    "bare_bool_value": (["--force", "true"], [
+        "'force' expects bool, got 'true'"]),
+    "misspelt_bare_bool": (["--forse"], [
+        "unknown config key 'forse'", "did you mean 'force'?"]),
+    "int_value": (["--batch_size=2.5"], ["'batch_size' expects int"]),
+    "no_value": (["--max_iters"], ["--max_iters needs a value"]),
+    "batching": (["--batching", "nope"], ["batching must be one of"]),
+    "init_from": (["--init_from=nowhere"], ["Llama-format"]),
+    "ddp_impl": (["--ddp_impl=x"], ["ddp_impl must be one of"]),
+    "zero1_with_fsdp": (["--zero1=True", "--ddp_impl=fsdp"], ["zero1"]),
+    "max_iters": (["--max_iters=0"], ["max_iters must be >= 1"]),
+    "num_heads": (["--num_heads=3"], ["d_model=256 is not divisible"]),
+    "act_ckpt_layers": (["--act_ckpt_layers=5"], [
+        "act_ckpt_layers in [-1, num_layers=4]"]),
+    "act_ckpt_every": (["--act_ckpt_every=-1"], ["every"]),
+    "pack_static": (["--pack_static=True"], [
+        "pack_static applies to batching='pack'"]),
+    "float16": (["--dtype=float16"], ["scaling"]),
+    "graphs_without_compile": (["--cuda_graphs=True"], [
+        GRAPHS, "compile=False"]),
+    "graphs_with_dynamic_packing": (
+        ["--cuda_graphs=True", "--compile=True", "--batching=pack"],
+        [GRAPHS, "pack_static=False"]),
+    "grad_accum_per_rank": (["--grad_accum=3"], [
+        "grad_accum=3 must be a multiple of the world size 2"]),
+    "graphs_on_two_ranks": (
+        ["--cuda_graphs=True", "--compile=True", "--grad_accum=2"],
+        [GRAPHS, "world size 2"]),
+}
+
+# `python train.py` refusing data, a checkpoint or a run in the way, in
+# the folder of _train_cli_fixtures: name -> (argv, words)
+CLI_RUN = TINY + ["--data_dir=d", "--max_iters=1"]
+CLI_RESUME = ["--out_dir=o", "--init_from=resume"]
+TRAIN_RUN_REFUSALS = {
+    "unknown_dataset": (["--dataset=nosuch", "--out_dir=new"], [
+        "`python data/prepare.py nosuch --input <files>` to create it"]),
+    "run_in_the_way": (CLI_RUN + ["--out_dir=o"], [
+        "o already holds a run (ckpt.pt, log.jsonl)",
+        "--init_from=resume", "--force=True"]),
+    "stopped_run_in_the_way": (CLI_RUN + ["--out_dir=o_log"], [
+        "o_log already holds a run (log.jsonl)"]),  # before its checkpoint
+    "no_checkpoint": (["--out_dir=none", "--init_from=resume"], [
+        "none/ckpt.pt not found"]),
+    "cut_checkpoint": (["--out_dir=o_cut", "--init_from=resume"], [
+        "o_cut/ckpt.pt is truncated or corrupt"]),
+    "zeroed_checkpoint": (["--out_dir=o_zero", "--init_from=resume"], [
+        "o_zero/ckpt.pt is damaged", "CRC-32"]),
+    "resume_batch_size": (CLI_RESUME + ["--batch_size=5"], [
+        "cannot resume exactly with batch_size=5 (saved 4)"]),
+    "resume_other_vocabulary": (CLI_RESUME + ["--data_dir=other"], [
+        "vocab_size 97 but dataset other has 50"]),
+    "cut_tokens": (CLI_RUN + ["--data_dir=d_cut", "--out_dir=x"], [
+        "tokens but meta.json says"]),  # how many: a test below
+    "odd_bytes": (CLI_RUN + ["--data_dir=d_odd", "--out_dir=x"], [
+        "not a multiple of 2", "--input <files> --out_dir d_odd`"]),
+    "token_past_the_vocabulary": (
+        CLI_RUN + ["--data_dir=d_big", "--out_dir=x"],
+        ["contains token id 500 >= vocab_size 97"]),
+    "context_past_the_split": (
+        CLI_RUN + ["--context_length=5000", "--out_dir=x"],
+        ["split has", "fewer than context_length + 1 = 5001"]),
+    "graphs_without_cuda": (  # with a GPU it would train
+        CLI_RUN + ["--compile=True", "--cuda_graphs=True", "--out_dir=x"],
+        ["cuda_graphs needs a CUDA device"]),
+}
+
+
+@functools.cache
+def _no_heavy_imports():
+    """A folder of a torch and a numpy that cannot be imported."""
+    folder = Path(tempfile.mkdtemp())
     for module in ("torch", "numpy"):
-        (fake / f"{module}.py").write_text(f"raise ImportError('{module} imported')")
-    run, resume = TINY + ["--data_dir=d", "--max_iters=1"], ["--out_dir=o", "--init_from=resume"]
-    (tmp_path / "c.py").write_text("batchsize = 3\n")
-    graphs = "cuda_graphs needs compile=True, static shapes (concat, or pack with pack_static=True) and one process"
-    early = [(["--learnign_rate=1"], ["unknown config key 'learnign_rate'", "did you mean 'learning_rate'?"]),
-             (["--block_size", "64"], ["did you mean 'context_length'?"]), (["--n_embd=64"], ["'d_model'?"]),
-             (["--vocab_size=50"], ["python data/prepare.py NAME --vocab_size N"]), (["nothere.py"], ["not found"]),
-             (["--dropout=0.1"], ["this model has no dropout"]), (["--ckpt_interval=5"], ["'save_interval'?"]),
-             (["c.py"], ["unknown config key 'batchsize' (from c.py)"]), (["--compile=1"], ["'compile' expects bool"]),
-             (["--batch_size=2.5"], ["'batch_size' expects int"]), (["--max_iters"], ["--max_iters needs a value"]),
-             (["--batching", "nope"], ["batching must be one of"]), (["--init_from=nowhere"], ["Llama-format"]),
-             (["--ddp_impl=x"], ["ddp_impl must be one of"]), (["--zero1=True", "--ddp_impl=fsdp"], ["zero1"]),
-             (["--max_iters=0"], ["max_iters must be >= 1"]), (["--num_heads=3"], ["d_model=256 is not divisible"]),
-             (["--act_ckpt_layers=5"], ["act_ckpt_layers in [-1, num_layers=4]"]), (["--act_ckpt_every=-1"], ["every"]),
-             (["--pack_static=True"], ["pack_static applies to batching='pack'"]), (["--dtype=float16"], ["scaling"]),
-             (["--cuda_graphs=True"], [graphs, "compile=False"]), (["--cuda_graphs=True", "--compile=True",
-                                                                   "--batching=pack"], [graphs, "pack_static=False"]),
-             (["--grad_accum=3"], ["grad_accum=3 must be a multiple of the world size 2"]),  # under torchrun
-             (["--cuda_graphs=True", "--compile=True", "--grad_accum=2"], [graphs, "world size 2"])]
-    with unittest.mock.patch.dict(os.environ, PYTHONPATH=str(fake), RANK="0", LOCAL_RANK="0", WORLD_SIZE="2"):
-        _cli_errors("train.py", early, tmp_path)
-        help_text = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True)
-    assert help_text.returncode == 0 and "--context_length=128" in help_text.stdout, help_text.stderr
+        error = f"raise ImportError('{module} imported')"
+        (folder / f"{module}.py").write_text(error)
+    return folder
+
+
+def _light_env():
+    """The first of 2 processes under torchrun, torch and numpy on the
+    path unimportable: early errors never try."""
+    return dict(os.environ, PYTHONPATH=str(_no_heavy_imports()),
+                RANK="0", LOCAL_RANK="0", WORLD_SIZE="2")
+
+
+CONFIG_FILES = {
+    "c.py": "batchsize = 3\n",
+    "syntax.py": "batch_size = 3\nlearning_rate = 1e-3 +\n",
+    "imports.py": "batch_size = 3\n\nimport no_such_module\n",
+    "name.py": "batch_size = 2 * undefined_name\n"}
+
+
+@functools.cache
+def _train_cli_fixtures():
+    """A folder to run train.py in: datasets d and other (of another
+    vocabulary); o, a run of one step; copies of them damaged: d_cut,
+    d_odd, d_big (train.bin cut by a token, by a byte, an id past the
+    vocabulary), o_cut (ckpt.pt cut in half), o_log (no ckpt.pt),
+    o_zero (5 KB of weights zeroed); CONFIG_FILES. Returns the folder
+    and d's meta."""
+    folder = Path(tempfile.mkdtemp())
+    meta = _write_dataset(folder / "d")
+    _write_dataset(folder / "other", vocab_size=50)
+    train.main(_tiny(folder, f"--out_dir={folder / 'o'}", "--max_iters=1"))
+    tokens = (folder / "d" / "train.bin").read_bytes()
+    ckpt = (folder / "o" / "ckpt.pt").read_bytes()
+    weights = torch.load(folder / "o" / "ckpt.pt")["model"]
+    at = ckpt.index(weights["token_embeddings.weight"].numpy().tobytes())
+    big_id = (500).to_bytes(2, "little")
+    zeroed = ckpt[:at] + bytes(5000) + ckpt[at + 5000:]
+    damaged = {"d_cut": ("train.bin", tokens[:-2]),
+               "d_odd": ("train.bin", tokens + b"\0"),
+               "d_big": ("train.bin", tokens[:10] + big_id + tokens[12:]),
+               "o_cut": ("ckpt.pt", ckpt[:len(ckpt) // 2]),
+               "o_log": ("ckpt.pt", None),
+               "o_zero": ("ckpt.pt", zeroed)}
+    for name, (file, data) in damaged.items():
+        shutil.copytree(folder / name[0], folder / name)
+        if data is None:
+            (folder / name / file).unlink()
+        else:
+            (folder / name / file).write_bytes(data)
+    for name, text in CONFIG_FILES.items():
+        (folder / name).write_text(text)
+    return folder, meta
+
+
+def _train_refusal_runs_here(problem):
+    return problem != "graphs_without_cuda" or not torch.cuda.is_available()
+
+
+def _train_popen(argv, cwd, env=None):
+    command = [sys.executable, str(ROOT / "train.py"), *argv]
+    return subprocess.Popen(command, cwd=cwd, env=env, text=True,
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@functools.cache
+def _train_cli_runs():
+    """Every refused train.py command line at once, in the fixtures'
+    folder, and one naming a CUDA device past the last (cuda_index):
+    {name: (returncode, stderr)}, and whether a file there changed."""
+    folder = _train_cli_fixtures()[0]
+    before = _folder_contents(folder)
+    runs = {}
+    for problem, (argv, _) in TRAIN_CONFIG_REFUSALS.items():
+        runs[problem] = _train_popen(argv, folder, _light_env())
+    for problem, (argv, _) in TRAIN_RUN_REFUSALS.items():
+        if _train_refusal_runs_here(problem):
+            runs[problem] = _train_popen(argv, folder)
+    cuda_index = f"--device=cuda:{torch.cuda.device_count()}"
+    runs["cuda_index"] = _train_popen([cuda_index], folder)
+    results = {}
+    for problem, run in runs.items():
+        err = run.communicate(timeout=300)[1]
+        results[problem] = (run.returncode, err)
+    return results, _folder_contents(folder) != before
+
+
+def _assert_refused(problem, words):
+    returncode, err = _train_cli_runs()[0][problem]
+    assert returncode == 2, (returncode, err)
+    assert err.count("\n") == 1, err
+    missing = [w for w in words if w not in err]
+    assert not missing, (missing, err)
+
+
+@cases("problem", list(TRAIN_CONFIG_REFUSALS))
+def test_train_cli_refuses_a_bad_config_before_importing_torch(problem):
+    _assert_refused(problem, TRAIN_CONFIG_REFUSALS[problem][1])
+
+
+@cases("problem", list(TRAIN_RUN_REFUSALS))
+def test_train_cli_refuses_bad_input_in_one_line(problem):
+    if not _train_refusal_runs_here(problem):
+        raise unittest.SkipTest("CUDA is available here")
+    _assert_refused(problem, TRAIN_RUN_REFUSALS[problem][1])
+
+
+def test_train_cli_counts_the_tokens_of_a_cut_train_bin():
+    n = _train_cli_fixtures()[1]["train_tokens"]
+    _assert_refused("cut_tokens", [f"holds {n - 1} tokens but meta.json says"])
+
+
+def test_train_cli_names_a_cuda_device_past_the_last():
     n_gpus = torch.cuda.device_count()
-    _cli_errors("train.py", [
-        (["--dataset=nosuch", "--out_dir=new"], ["`python data/prepare.py nosuch --input <files>` to create it"]),
-        ([f"--device=cuda:{n_gpus}"], ["CUDA is not available" if not n_gpus else f"has {n_gpus} CUDA devices"]),
-        (run + ["--out_dir=o"], ["o already holds a run (ckpt.pt, log.jsonl)", "--init_from=resume", "--force=True"]),
-        (run + ["--out_dir=o_log"], ["o_log already holds a run (log.jsonl)"]),  # stopped before its checkpoint
-        (["--out_dir=none", "--init_from=resume"], ["none/ckpt.pt not found"]),
-        (["--out_dir=o_cut", "--init_from=resume"], ["o_cut/ckpt.pt is truncated or corrupt"]),
-        (["--out_dir=o_zero", "--init_from=resume"], ["o_zero/ckpt.pt is damaged", "CRC-32"]),
-        (resume + ["--batch_size=5"], ["cannot resume exactly with batch_size=5 (saved 4)"]),
-        (resume + ["--data_dir=other"], ["vocab_size 97 but dataset other has 50"]),
-        (run + ["--data_dir=d_cut", "--out_dir=x"], [f"holds {meta['train_tokens'] - 1} tokens but meta.json says"]),
-        (run + ["--data_dir=d_odd", "--out_dir=x"], ["not a multiple of 2", "--input <files> --out_dir d_odd`"]),
-        (run + ["--data_dir=d_big", "--out_dir=x"], ["contains token id 500 >= vocab_size 97"]),
-        (run + ["--context_length=5000", "--out_dir=x"], ["split has", "fewer than context_length + 1 = 5001"]),
-    ] + [(run + ["--compile=True", "--cuda_graphs=True", "--out_dir=x"], ["cuda_graphs needs a CUDA device"])] * (
-        not n_gpus), tmp_path)
+    if n_gpus:
+        words = [f"has {n_gpus} CUDA devices"]
+    else:
+        words = ["CUDA is not available"]
+    _assert_refused("cuda_index", words)
+
+
+def test_train_cli_refusals_touch_no_file():
+    assert not _train_cli_runs()[1]
+
+
+def test_train_cli_refusals_create_no_dataset_folder():
+    _train_cli_runs()
     assert not (ROOT / "data" / "nosuch").exists()
 
 
-def test_config_file_errors_a_bare_bool_flag_and_help_through_the_command_line(tmp_path):
-    """A config file's syntax error or exception names its line (status 2); --force alone
-    means True (here it moves a run aside); --help shows each key's comment from the globals
-    at the top of train.py."""
-    (tmp_path / "syntax.py").write_text("batch_size = 3\nlearning_rate = 1e-3 +\n")
-    (tmp_path / "imports.py").write_text("batch_size = 3\n\nimport no_such_module\n")
-    (tmp_path / "name.py").write_text("batch_size = 2 * undefined_name\n")
-    _cli_errors("train.py", [
-        (["syntax.py"], ["config file syntax.py, line 2: invalid syntax"]),
-        (["imports.py"], ["config file imports.py, line 3", "No module named 'no_such_module'"]),
-        (["name.py"], ["config file name.py, line 1", "NameError", "undefined_name"]),
-        (["--force", "true"], ["'force' expects bool, got 'true'"]),
-        (["--forse"], ["unknown config key 'forse'", "did you mean 'force'?"])], tmp_path)
-    flags = ["--force", "--compile", "False", "--cuda_graphs"]
-    config = train.apply_config(flags, train.default_config())
-    assert config["force"] is True
-    assert config["compile"] is False
-    assert config["cuda_graphs"] is True
-    (tmp_path / "o").mkdir()
-    (tmp_path / "o" / "log.jsonl").write_text("")  # a run in the way
-    args = _tiny(tmp_path, "--out_dir=o", "--force", "--max_iters=1", "--eval_iters=1")
-    run = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path,
-                         capture_output=True, text=True)
+@functools.cache
+def _train_help():
+    """`python train.py --help` where torch and numpy cannot be
+    imported."""
+    command = [sys.executable, str(ROOT / "train.py"), "--help"]
+    return subprocess.run(command, capture_output=True, text=True,
+                          env=_light_env())
+
+
+def test_train_help_answers_before_importing_torch():
+    run = _train_help()
     assert run.returncode == 0, run.stderr
-    assert "force: moved the run that was in o to o/old/1" in run.stdout
+
+
+def test_train_help_shows_the_defaults():
+    assert "--context_length=128" in _train_help().stdout
+
+
+def test_train_help_shows_each_keys_comment():
+    # the comment of each config global at the top of train.py
     source = (ROOT / "train.py").read_text()
     comments = dict(re.findall(r"^(\w+) = .+?  # (.+)$", source, re.M))
-    command = [sys.executable, str(ROOT / "train.py"), "--help"]
-    help_lines = subprocess.run(command, capture_output=True, text=True).stdout.splitlines()
+    lines = _train_help().stdout.splitlines()
     for key, value in train.default_config().items():
-        line = next(line for line in help_lines if line.startswith(f"  --{key}="))
-        assert line.split() == [f"--{key}={value!r}", *comments[key].split()], line
+        line = next(l for l in lines if l.startswith(f"  --{key}="))
+        want = [f"--{key}={value!r}", *comments[key].split()]
+        assert line.split() == want, line
+
+
+def _bool_flags():
+    flags = ["--force", "--compile", "False", "--cuda_graphs"]
+    return train.apply_config(flags, train.default_config())
+
+
+@cases("flag", ["force", "cuda_graphs"])
+def test_apply_config_reads_a_bare_bool_flag_as_true(flag):
+    assert _bool_flags()[flag] is True
+
+
+def test_apply_config_reads_a_bool_flags_value():
+    assert _bool_flags()["compile"] is False
+
+
+@functools.cache
+def _forced_cli_run():
+    """`python train.py --force` (alone: True) on a run in the way (a
+    log.jsonl)."""
+    folder = Path(tempfile.mkdtemp())
+    (folder / "o").mkdir()
+    (folder / "o" / "log.jsonl").write_text("")
+    args = _tiny(folder, "--out_dir=o", "--force", "--max_iters=1",
+                 "--eval_iters=1")
+    command = [sys.executable, str(ROOT / "train.py"), *args]
+    return subprocess.run(command, cwd=folder, capture_output=True,
+                          text=True)
+
+
+def test_train_cli_runs_with_a_bare_force_flag():
+    run = _forced_cli_run()
+    assert run.returncode == 0, run.stderr
+
+
+def test_train_cli_force_moves_the_run_in_the_way():
+    stdout = _forced_cli_run().stdout
+    assert "force: moved the run that was in o to o/old/1" in stdout, stdout
 
 
 def _log(out_dir):
