@@ -6075,158 +6075,477 @@ def _log(out_dir):
 
 
 def _losses(out_dir):
-    """The logged (step, train loss, grad norm) and (step, val loss): two runs log the same only if bit for bit."""
-    return [(r["step"], r["loss"], r["grad_norm"]) if "loss" in r else (r["step"], r["val_loss"])
-            for r in _log(out_dir) if "resumed_from" not in r]
+    """The logged (step, train loss, grad norm) and (step, val loss):
+    two runs log the same only if bit for bit."""
+    records = []
+    for r in _log(out_dir):
+        if "resumed_from" in r:
+            continue
+        if "loss" in r:
+            records.append((r["step"], r["loss"], r["grad_norm"]))
+        else:
+            records.append((r["step"], r["val_loss"]))
+    return records
 
 
-@cases("batching", ["concat", "pad", "dynamic_pad", "pack"])
-def test_short_training_run_logs_saves_and_learns(tmp_path, batching):
-    """Every batching trains, logs and saves (pack at static shapes: packed at dynamic ones elsewhere below); concat
-    learns the data's rule. The ETA is the mean step time since the first log line: a slow step (a fake clock)
-    moves it little, not 100-fold."""
-    iters, out, clock, make_step = 30 if batching == "concat" else 4, tmp_path / "o", [0.0], train.make_step
-    args = _tiny(tmp_path, f"--batching={batching}", f"--max_iters={iters}", "--grad_accum=2", "--log_interval=1",
-                 "--eval_interval=20", f"--pack_static={batching == 'pack'}")
+def _val_losses(out_dir):
+    return [r["val_loss"] for r in _log(out_dir) if "val_loss" in r]
 
-    def slow_tenth_step(*args):  # each step takes 1 s, the 10th 100 s
-        step = make_step(*args)
-        return lambda batches: clock.__setitem__(0, clock[0] + (100 if clock[0] == 9 else 1)) or step(batches)
-    with unittest.mock.patch.multiple(train, make_step=slow_tenth_step, time=SimpleNamespace(time=lambda: clock[0])):
-        train.main(args + [f"--out_dir={out}"])
-    losses, vals = ([r[key] for r in _log(out) if key in r] for key in ("loss", "val_loss"))
-    assert len(losses) == iters and len(vals) == 2 + (iters > 20) and all(map(math.isfinite, losses + vals))
-    assert all(r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 for r in _log(out) if "loss" in r)
-    assert all(math.isclose(r["eta_s"], (iters - s) * (1 + 99 * (s >= 10) / max(1, s - 1)))
-               for s, r in enumerate((r for r in _log(out) if "loss" in r), 1))
-    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ckpt["iteration"] == iters and ckpt["config"]["batching"] == batching
-    assert set(ckpt["tokenizer"]) == {"vocab", "merges", "special_tokens"}
-    if batching == "concat":  # the rule is learnable: loss far below the start (ln 97 = 4.6)
-        assert losses[-1] < 0.6 * losses[0] and vals[-1] < 0.6 * vals[0], (losses, vals)
-    assert (out / "loss.png").exists() == PLOTS
+
+def _saved_weights(out_dir):
+    ckpt = torch.load(out_dir / "ckpt.pt", weights_only=True)
+    return ckpt["model"]
+
+
+class _FakeClock:
+    """train.time for a run whose steps take 1 s each, the 10th 100 s."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def time(self):
+        return self.now
+
+    def timed(self, make_step):
+        """make_step whose steps advance this clock."""
+        def make_slow_step(*args):
+            step = make_step(*args)
+
+            def slow_step(batches):
+                self.now += 100 if self.now == 9 else 1
+                return step(batches)
+            return slow_step
+        return make_slow_step
+
+
+SHORT_RUN_ITERS = {"concat": 30, "pad": 4, "dynamic_pad": 4, "pack": 4}
+
+
+@functools.cache
+def _short_run(batching):
+    """A run of each batching, logging every step (pack at static shapes:
+    packed at dynamic ones below), timed by a _FakeClock: its out_dir."""
+    folder = Path(tempfile.mkdtemp())
+    args = _tiny(folder, f"--batching={batching}",
+                 f"--max_iters={SHORT_RUN_ITERS[batching]}",
+                 "--grad_accum=2", "--log_interval=1", "--eval_interval=20",
+                 f"--pack_static={batching == 'pack'}",
+                 f"--out_dir={folder / 'o'}")
+    clock = _FakeClock()
+    slow = clock.timed(train.make_step)
+    with unittest.mock.patch.multiple(train, make_step=slow, time=clock):
+        train.main(args)
+    return folder / "o"
+
+
+def _short_run_records(batching, key):
+    return [r for r in _log(_short_run(batching)) if key in r]
+
+
+@cases("batching", list(SHORT_RUN_ITERS))
+def test_short_training_run_logs_every_step(batching):
+    steps = [r["step"] for r in _short_run_records(batching, "loss")]
+    assert len(steps) == SHORT_RUN_ITERS[batching], steps
+
+
+@cases("batching", list(SHORT_RUN_ITERS))
+def test_short_training_run_evaluates_first_every_20_steps_and_last(
+        batching):
+    steps = [r["step"] for r in _short_run_records(batching, "val_loss")]
+    iters = SHORT_RUN_ITERS[batching]
+    assert len(steps) == 2 + (iters > 20), steps
+
+
+@cases("batching", list(SHORT_RUN_ITERS))
+def test_short_training_run_logs_finite_losses(batching):
+    losses = [r["loss"] for r in _short_run_records(batching, "loss")]
+    vals = _val_losses(_short_run(batching))
+    assert all(map(math.isfinite, losses + vals)), (losses, vals)
+
+
+@cases("batching", list(SHORT_RUN_ITERS))
+def test_short_training_run_logs_its_speed(batching):
+    for r in _short_run_records(batching, "loss"):
+        assert r["tokens_per_s"] > 0, r
+        assert r["ms_per_step"] > 0, r
+
+
+def _eta(step, iters):
+    """(iters - step) times the mean step time since step 1's line:
+    1 s, and once past the 10th step its extra 99 s."""
+    slow = 99 if step >= 10 else 0
+    return (iters - step) * (1 + slow / max(1, step - 1))
+
+
+@cases("batching", list(SHORT_RUN_ITERS))
+def test_short_training_run_eta_is_the_mean_step_time_since_its_first_line(
+        batching):
+    # a slow step moves it little, not 100-fold
+    iters = SHORT_RUN_ITERS[batching]
+    records = enumerate(_short_run_records(batching, "loss"), 1)
+    wrong = [(s, r["eta_s"]) for s, r in records
+             if not math.isclose(r["eta_s"], _eta(s, iters))]
+    assert not wrong, wrong
+
+
+@functools.cache
+def _short_run_checkpoint(batching):
+    return torch.load(_short_run(batching) / "ckpt.pt", weights_only=True)
+
+
+@cases("batching", list(SHORT_RUN_ITERS))
+def test_short_training_run_saves_its_last_step(batching):
+    iteration = _short_run_checkpoint(batching)["iteration"]
+    assert iteration == SHORT_RUN_ITERS[batching], iteration
+
+
+@cases("batching", list(SHORT_RUN_ITERS))
+def test_short_training_run_saves_its_config(batching):
+    config = _short_run_checkpoint(batching)["config"]
+    assert config["batching"] == batching, config
+
+
+@cases("batching", list(SHORT_RUN_ITERS))
+def test_short_training_run_saves_its_tokenizer_files(batching):
+    files = set(_short_run_checkpoint(batching)["tokenizer"])
+    assert files == {"vocab", "merges", "special_tokens"}, files
+
+
+@cases("batching", list(SHORT_RUN_ITERS))
+def test_short_training_run_plots_its_loss_given_matplotlib(batching):
+    plotted = (_short_run(batching) / "loss.png").exists()
+    assert plotted == PLOTS, plotted
+
+
+def test_short_training_run_learns_the_datas_rule():
+    # the loss far below the start (ln 97 = 4.6)
+    losses = [r["loss"] for r in _short_run_records("concat", "loss")]
+    vals = _val_losses(_short_run("concat"))
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert vals[-1] < 0.6 * vals[0], vals
+
+
+@functools.cache
+def _stopped_runs(batching):
+    """Three runs of one config (30 steps, grad_accum 2): full/,
+    uninterrupted; part/, stopped at max_iters 3 and resumed with other
+    recomputation (which may change on resume); sigint/, `python
+    train.py` stopped by SIGINT in step 4, then resumed. Returns the
+    folder, what the stopped command printed and its checkpoint's
+    step."""
+    folder = Path(tempfile.mkdtemp())
+    common = _tiny(folder, "--log_interval=1", "--eval_interval=10",
+                   "--max_iters=30", "--lr_decay_iters=30",
+                   f"--batching={batching}", "--grad_accum=2")
+    full, part, sig = folder / "full", folder / "part", folder / "sigint"
+    train.main(common + [f"--out_dir={full}"])
+    train.main(common + [f"--out_dir={part}", "--max_iters=3"])
+    recompute = ["--selective_recompute=True", "--act_ckpt_every=1",
+                 "--act_ckpt_layers=1"]
+    train.main([f"--out_dir={part}", "--max_iters=30",
+                "--init_from=resume", *recompute])
+    command = [sys.executable, "train.py", *common, f"--out_dir={sig}"]
+    text, step = _interrupted([command], signal.SIGINT, sig)
+    train.main([f"--out_dir={sig}", "--init_from=resume"])
+    return folder, text, step
 
 
 @cases("batching", ["concat", "pack"])
-def test_a_run_stopped_and_resumed_logs_the_uninterrupted_run_bit_for_bit(tmp_path, batching):
-    """Three runs of one config log the same bits and end at the same weights: one uninterrupted; one stopped at
-    max_iters and resumed (recomputation may change on resume and changes no bit); `python train.py` stopped by
-    SIGINT (after the step in progress: a checkpoint of it, the command that continues it, no traceback), resumed."""
-    common = _tiny(tmp_path, "--log_interval=1", "--eval_interval=10", "--max_iters=30", "--lr_decay_iters=30",
-                   f"--batching={batching}", "--grad_accum=2")
-    full, part, sig = (tmp_path / name for name in ("full", "part", "sigint"))
-    train.main(common + [f"--out_dir={full}"])
-    train.main(common + [f"--out_dir={part}", "--max_iters=3"])
-    train.main([f"--out_dir={part}", "--max_iters=30", "--init_from=resume", "--selective_recompute=True",
-                "--act_ckpt_every=1", "--act_ckpt_layers=1"])
-    text, step = _interrupted([[sys.executable, "train.py", *common, f"--out_dir={sig}"]], signal.SIGINT, sig)
-    assert step == 4 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
-    assert f"stopped by SIGINT after step {step}: checkpoint in {sig / 'ckpt.pt'}; continue with `python train.py " \
-           f"--out_dir={sig} --init_from=resume`" in text, text[-3000:]
-    train.main([f"--out_dir={sig}", "--init_from=resume"])
-    # 30 train records and the evaluations at 0, 10, 20, 30 (the first part also evaluated at its end, step 3)
-    assert [r for r in _losses(part) if r[0] != 3 or len(r) == 3] == _losses(sig) == _losses(full)
-    a, b, c = (torch.load(d / "ckpt.pt", weights_only=True)["model"] for d in (full, part, sig))
-    assert len(_losses(full)) == 30 + 4 and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+def test_sigint_stops_after_the_step_in_progress(batching):
+    _, text, step = _stopped_runs(batching)
+    assert step == 4, text[-3000:]
+
+
+@cases("batching", ["concat", "pack"])
+def test_sigint_prints_no_traceback(batching):
+    text = _stopped_runs(batching)[1]
+    assert "Traceback" not in text, text[-3000:]
+    assert "KeyboardInterrupt" not in text, text[-3000:]
+
+
+@cases("batching", ["concat", "pack"])
+def test_sigint_names_the_checkpoint_and_the_command_to_continue(batching):
+    folder, text, step = _stopped_runs(batching)
+    sig = folder / "sigint"
+    said = (f"stopped by SIGINT after step {step}: checkpoint in "
+            f"{sig / 'ckpt.pt'}; continue with `python train.py "
+            f"--out_dir={sig} --init_from=resume`")
+    assert said in text, text[-3000:]
+
+
+@cases("batching", ["concat", "pack"])
+def test_an_uninterrupted_run_logs_every_step_and_evaluation(batching):
+    # 30 train records and the evaluations at 0, 10, 20, 30
+    records = _losses(_stopped_runs(batching)[0] / "full")
+    assert len(records) == 30 + 4, records
+
+
+@cases("batching", ["concat", "pack"])
+def test_a_run_resumed_after_max_iters_logs_the_uninterrupted_run(batching):
+    # but the first part's evaluation at its end, step 3
+    folder = _stopped_runs(batching)[0]
+    part = [r for r in _losses(folder / "part") if r[0] != 3 or len(r) == 3]
+    assert part == _losses(folder / "full"), part
+
+
+@cases("batching", ["concat", "pack"])
+def test_a_run_resumed_after_sigint_logs_the_uninterrupted_run(batching):
+    folder = _stopped_runs(batching)[0]
+    sig = _losses(folder / "sigint")
+    assert sig == _losses(folder / "full"), sig
+
+
+@cases("batching, stopped", list(itertools.product(
+    ["concat", "pack"], ["part", "sigint"])))
+def test_a_resumed_run_ends_at_the_uninterrupted_runs_weights(
+        batching, stopped):
+    folder = _stopped_runs(batching)[0]
+    want = _saved_weights(folder / "full")
+    got = _saved_weights(folder / stopped)
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, differ
 
 
 def _train_losses(out_dir):
     return {r["step"]: r["loss"] for r in _log(out_dir) if "loss" in r}
 
 
-def test_the_first_log_line_after_a_resume_is_the_uninterrupted_runs(tmp_path):
-    """log_interval 4: a run ended at step 6 (its last line averages steps 5-6) and resumed
-    logs steps 8 and 10 bit for bit as the uninterrupted run (the window 5-8 goes on from the
-    checkpoint); log.jsonl marks the resume."""
-    schedule = ["--log_interval=4", "--max_iters=10", "--lr_decay_iters=10"]
-    common = _tiny(tmp_path, "--eval_interval=100", *schedule)
-    full, part = tmp_path / "full", tmp_path / "part"
+@functools.cache
+def _logged_every_4():
+    """Runs logging every 4 steps: full/, 10 steps; part/, ended at step
+    6 (its last line averages steps 5-6) and resumed to 10."""
+    folder = Path(tempfile.mkdtemp())
+    common = _tiny(folder, "--eval_interval=100", "--log_interval=4",
+                   "--max_iters=10", "--lr_decay_iters=10")
+    full, part = folder / "full", folder / "part"
     train.main(common + [f"--out_dir={full}"])
     train.main(common + [f"--out_dir={part}", "--max_iters=6"])
     train.main([f"--out_dir={part}", "--max_iters=10", "--init_from=resume"])
-    want, got = _train_losses(full), _train_losses(part)
-    assert sorted(want) == [4, 8, 10]
-    assert sorted(got) == [4, 6, 8, 10]
-    assert got[8] == want[8]
-    assert got[10] == want[10]
+    return full, part
+
+
+def test_a_run_logs_every_log_interval_and_its_last_step():
+    steps = sorted(_train_losses(_logged_every_4()[0]))
+    assert steps == [4, 8, 10], steps
+
+
+def test_a_run_stopped_and_resumed_logs_where_it_stopped():
+    steps = sorted(_train_losses(_logged_every_4()[1]))
+    assert steps == [4, 6, 8, 10], steps
+
+
+@cases("step", [8, 10])
+def test_the_log_lines_after_a_resume_are_the_uninterrupted_runs(step):
+    # the window 5-8 goes on from the checkpoint
+    full, part = _logged_every_4()
+    loss = _train_losses(part)[step]
+    assert loss == _train_losses(full)[step], loss
+
+
+def test_a_resume_is_marked_in_the_log():
+    part = _logged_every_4()[1]
     marks = [r for r in _log(part) if "resumed_from" in r]
     assert marks == [{"step": 6, "resumed_from": str(part / "ckpt.pt")}]
-    steps = [r["step"] for r in _log(part)]
-    assert steps.index(6) < steps.index(8)  # the mark sits between the two runs' records
 
 
-def test_resume_restores_the_saved_config_and_force_keeps_every_earlier_run(tmp_path):
-    """A resume takes the saved config and this command line's changes, naming each, and refuses inexact ones.
-    --force=True moves out_dir's run whole to out_dir/old/1, then old/2, ..., saying where; without matplotlib a run
-    says once that it writes no loss.png and how to get it. A fresh CPU run ends at the first one's weights bit for
-    bit: the 512 x 64 embedding gradient takes torch's parallel index_put_, which is deterministic only if asked."""
-    out, printed = tmp_path / "o", io.StringIO()
-    base = _tiny(tmp_path, f"--out_dir={out}", "--max_iters=2", "--batch_size=16", "--context_length=32",
-                 "--d_model=64", "--eval_interval=100", "--save_interval=1")
+def test_the_resume_mark_sits_between_the_two_runs_records():
+    steps = [r["step"] for r in _log(_logged_every_4()[1])]
+    assert steps.index(6) < steps.index(8), steps
+
+
+# the config keys a resume cannot change exactly
+INEXACT_RESUMES = [("batch_size", 4), ("d_model", 16), ("grad_accum", 2),
+                   ("seed", 1), ("batching", "pack")]
+
+
+@functools.cache
+def _resumed_and_forced():
+    """A run of 2 steps (o/), saving every step; resumes of it that
+    change a key they cannot (INEXACT_RESUMES: their errors); one to 3
+    steps with another learning_rate (what it printed, its config); then
+    two --force=True runs, the first with seed 2, the second the first
+    run again, without matplotlib (what they printed)."""
+    folder = Path(tempfile.mkdtemp())
+    out = folder / "o"
+    base = _tiny(folder, f"--out_dir={out}", "--max_iters=2",
+                 "--batch_size=16", "--context_length=32", "--d_model=64",
+                 "--eval_interval=100", "--save_interval=1")
     train.main(base)
-    fresh = train.read_checkpoint(out / "ckpt.pt")["model"]
-    for flag, value in (("batch_size", 4), ("d_model", 16), ("grad_accum", 2), ("seed", 1), ("batching", "pack")):
-        _expect(train.ConfigError, ["cannot resume exactly", f"{flag}={value!r}", "saved"], train.main,
-                [f"--out_dir={out}", "--init_from=resume", f"--{flag}={value}"])
-    with contextlib.redirect_stdout(printed):  # an unchanged fixed key is fine; changes are applied and named
-        train.main([f"--out_dir={out}", "--init_from=resume", "--max_iters=3", "--batch_size=16",
+    first_weights = train.read_checkpoint(out / "ckpt.pt")["model"]
+    errors = {}
+    for key, value in INEXACT_RESUMES:
+        change = f"--{key}={value}"
+        try:
+            train.main([f"--out_dir={out}", "--init_from=resume", change])
+            errors[key] = None
+        except train.ConfigError as e:
+            errors[key] = str(e)
+    resumed = io.StringIO()
+    with contextlib.redirect_stdout(resumed):  # a fixed key unchanged
+        train.main([f"--out_dir={out}", "--init_from=resume",
+                    "--max_iters=3", "--batch_size=16",
                     "--learning_rate=0.02"])
-    assert "warning: resume changes learning_rate from 0.01 to 0.02" in printed.getvalue()
-    assert "max_iters from 2 to 3" in printed.getvalue() and "changes batch_size" not in printed.getvalue()
-    c = torch.load(out / "ckpt.pt", weights_only=True)["config"]
-    assert (c["max_iters"], c["batch_size"], c["save_interval"], c["learning_rate"]) == (3, 16, 1, 0.02)
-    assert c["data_dir"] == str(tmp_path / "d")
+    config = torch.load(out / "ckpt.pt", weights_only=True)["config"]
     run_files = ["ckpt.pt", "log.jsonl"] + ["loss.png"] * PLOTS
-    first, printed = {n: (out / n).read_bytes() for n in run_files}, io.StringIO()
-    with contextlib.redirect_stdout(printed), unittest.mock.patch.dict(sys.modules, {"matplotlib": None}):
+    files = {n: (out / n).read_bytes() for n in run_files}
+    forced = io.StringIO()
+    no_matplotlib = {"matplotlib": None}
+    with contextlib.redirect_stdout(forced), \
+            unittest.mock.patch.dict(sys.modules, no_matplotlib):
         train.main(base + ["--force=True", "--seed=2"])
         train.main(base + ["--force=True"])
-    for n in (1, 2):
-        assert f"force: moved the run that was in {out} to {out / 'old' / str(n)}\n" in printed.getvalue()
-    assert {n: (out / "old" / "1" / n).read_bytes() for n in first} == first
-    assert train.read_checkpoint(out / "old" / "2" / "ckpt.pt")["config"]["seed"] == 2
-    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "old"] and sorted(os.listdir(out / "old")) == ["1", "2"]
-    assert printed.getvalue().count("matplotlib is not installed: no loss.png is written (pip install matplotlib") == 2
-    again = train.read_checkpoint(out / "ckpt.pt")["model"]
-    assert all(torch.equal(fresh[k], again[k]) for k in fresh) and not torch.are_deterministic_algorithms_enabled()
+    return SimpleNamespace(
+        out=out, data_dir=folder / "d", first_weights=first_weights,
+        errors=errors, resumed=resumed.getvalue(), config=config,
+        files=files, forced=forced.getvalue(),
+        deterministic=torch.are_deterministic_algorithms_enabled())
 
 
-def test_init_from_a_llama_directory_fine_tunes_the_exported_model(tmp_path):
-    """Train, export to the Hugging Face Llama layout, fine-tune from that directory: the fine-tune starts from the
-    exported weights (its step-0 validation loss is the first run's final one) and then trains on."""
+@cases("key, value", INEXACT_RESUMES)
+def test_resume_refuses_an_inexact_change(key, value):
+    error = _resumed_and_forced().errors[key]
+    assert error is not None, f"resumed with {key}={value!r}"
+    words = ["cannot resume exactly", f"{key}={value!r}", "saved"]
+    missing = [w for w in words if w not in error]
+    assert not missing, (missing, error)
+
+
+@cases("change", ["learning_rate from 0.01 to 0.02", "max_iters from 2 to 3"])
+def test_resume_names_each_change(change):
+    printed = _resumed_and_forced().resumed
+    assert f"warning: resume changes {change}" in printed, printed
+
+
+def test_resume_says_nothing_of_a_key_it_leaves():
+    printed = _resumed_and_forced().resumed
+    assert "changes batch_size" not in printed, printed
+
+
+def test_resume_saves_the_config_with_its_changes():
+    c = _resumed_and_forced().config
+    saved = (c["max_iters"], c["batch_size"], c["save_interval"],
+             c["learning_rate"])
+    assert saved == (3, 16, 1, 0.02), saved
+
+
+def test_resume_keeps_the_saved_data_dir():
+    r = _resumed_and_forced()
+    assert r.config["data_dir"] == str(r.data_dir), r.config["data_dir"]
+
+
+@cases("n", [1, 2])
+def test_force_says_where_it_moved_the_run(n):
+    r = _resumed_and_forced()
+    old = r.out / "old" / str(n)
+    said = f"force: moved the run that was in {r.out} to {old}\n"
+    assert said in r.forced, r.forced
+
+
+def test_force_moves_the_whole_run():
+    r = _resumed_and_forced()
+    moved = {n: (r.out / "old" / "1" / n).read_bytes() for n in r.files}
+    assert moved == r.files
+
+
+def test_force_keeps_every_earlier_run():
+    old = _resumed_and_forced().out / "old"
+    seed = train.read_checkpoint(old / "2" / "ckpt.pt")["config"]["seed"]
+    assert seed == 2, seed
+
+
+def test_force_leaves_the_new_run_beside_old():
+    out = _resumed_and_forced().out
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "old"]
+    assert sorted(os.listdir(out / "old")) == ["1", "2"]
+
+
+def test_a_run_without_matplotlib_says_once_how_to_get_loss_png():
+    said = ("matplotlib is not installed: no loss.png is written "
+            "(pip install matplotlib")
+    count = _resumed_and_forced().forced.count(said)
+    assert count == 2, count  # once in each of the two runs
+
+
+def test_a_fresh_cpu_run_ends_at_the_first_runs_weights():
+    # the 512 x 64 embedding gradient takes torch's parallel index_put_,
+    # which is deterministic only if asked
+    r = _resumed_and_forced()
+    again = train.read_checkpoint(r.out / "ckpt.pt")["model"]
+    differ = [k for k in r.first_weights
+              if not torch.equal(r.first_weights[k], again[k])]
+    assert not differ, differ
+
+
+def test_a_run_leaves_deterministic_algorithms_off():
+    assert not _resumed_and_forced().deterministic
+
+
+@functools.cache
+def _llama_fine_tune():
+    """A run of 3 steps, exported to the Hugging Face Llama layout, then
+    fine-tuned from that directory: the first run's validation losses,
+    then the fine-tune's."""
     _need("safetensors")
-    common = _tiny(tmp_path, "--eval_interval=3", "--max_iters=3")
-    first, llama, tuned = (tmp_path / n for n in ("first", "llama", "tuned"))
+    folder = Path(tempfile.mkdtemp())
+    common = _tiny(folder, "--eval_interval=3", "--max_iters=3")
+    first, llama, tuned = (folder / n for n in ("first", "llama", "tuned"))
     train.main(common + [f"--out_dir={first}"])
     ckpt = train.read_checkpoint(first / "ckpt.pt")
     m = TransformerLM(**ckpt["model_args"])
     m.load_state_dict(ckpt["model"])
     hf.save_llama(m, str(llama))
     train.main(common + [f"--out_dir={tuned}", f"--init_from={llama}"])
-    final_val = [r["val_loss"] for r in _log(first) if "val_loss" in r][-1]
-    tuned_vals = [r["val_loss"] for r in _log(tuned) if "val_loss" in r]
-    assert abs(tuned_vals[0] - final_val) < 1e-5 and tuned_vals[-1] < tuned_vals[0], (final_val, tuned_vals)
+    return _val_losses(first), _val_losses(tuned)
 
 
-def test_gpu_cuda_graphs_train_like_the_compiled_step(tmp_path):
-    """train.py with cuda_graphs logs the losses and gradient norms of the compiled step without graphs, to bf16
-    noise, with grad_accum 2: for concat batches (the whole step one graph from the third step on, so its learning
-    rate must follow the schedule) and for packed ones at static shapes (pack_static: every micro-step replayed, the
-    gradients of two replays must add up) against packing at dynamic shapes."""
-    if not torch.cuda.is_available():
-        raise unittest.SkipTest("needs a CUDA GPU")
-    base = _tiny(tmp_path, "--device=cuda", "--compile=True", "--grad_accum=2", "--max_iters=12", "--log_interval=1",
+def test_init_from_a_llama_directory_starts_at_the_exported_weights():
+    first, tuned = _llama_fine_tune()
+    # the fine-tune's step-0 validation loss: the first run's last
+    assert abs(tuned[0] - first[-1]) < 1e-5, (first, tuned)
+
+
+def test_init_from_a_llama_directory_trains_on():
+    tuned = _llama_fine_tune()[1]
+    assert tuned[-1] < tuned[0], tuned
+
+
+@functools.cache
+def _cuda_graph_logs(batching):
+    """train.py's log of the compiled step with grad_accum 2, without
+    and with cuda_graphs: for concat batches (the whole step one graph
+    from the third step on, so its lr must follow the schedule) and for
+    packed ones at static shapes (pack_static: every micro-step
+    replayed, the gradients of two replays must add up) against packing
+    at dynamic shapes."""
+    _need_cuda()
+    folder = Path(tempfile.mkdtemp())
+    base = _tiny(folder, "--device=cuda", "--compile=True",
+                 "--grad_accum=2", "--max_iters=12", "--log_interval=1",
                  "--eval_interval=6", "--attn_impl=flash")
-    for name, more in (("concat", []), ("pack", ["--batching=pack"])):
-        train.main(base + more + [f"--out_dir={tmp_path / name}"])
-        train.main(base + more + [f"--out_dir={tmp_path / (name + '-graphs')}", "--cuda_graphs=True"]
-                   + ["--pack_static=True"] * bool(more))
-        plain, graphs = _log(tmp_path / name), _log(tmp_path / (name + "-graphs"))
-        assert [r["step"] for r in plain] == [r["step"] for r in graphs]
-        for a, b in zip(plain, graphs):
-            for key in ("loss", "grad_norm", "val_loss"):
-                if key in a:
-                    assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-3, (name, key, a, b)
+    pack = ["--batching=pack"] if batching == "pack" else []
+    static = ["--pack_static=True"] if batching == "pack" else []
+    plain, graphs = folder / batching, folder / f"{batching}-graphs"
+    train.main(base + pack + [f"--out_dir={plain}"])
+    train.main(base + pack + [f"--out_dir={graphs}", "--cuda_graphs=True"]
+               + static)
+    return _log(plain), _log(graphs)
+
+
+@cases("batching", ["concat", "pack"])
+def test_gpu_cuda_graphs_log_the_same_steps(batching):
+    plain, graphs = _cuda_graph_logs(batching)
+    steps = [r["step"] for r in graphs]
+    assert steps == [r["step"] for r in plain], steps
+
+
+@cases("batching, key", list(itertools.product(
+    ["concat", "pack"], ["loss", "grad_norm", "val_loss"])))
+def test_gpu_cuda_graphs_log_the_compiled_steps_values(batching, key):
+    # to bf16 noise
+    plain, graphs = _cuda_graph_logs(batching)
+    for a, b in zip(plain, graphs):
+        if key in a:
+            assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-3, (a, b)
 
 
 SIGNAL_IN_STEP_4 = '''"""train.py whose 4th step begins with the signal named by argv[1], sent to this process or, under
