@@ -6548,16 +6548,20 @@ def test_gpu_cuda_graphs_log_the_compiled_steps_values(batching, key):
             assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-3, (a, b)
 
 
-SIGNAL_IN_STEP_4 = '''"""train.py whose 4th step begins with the signal named by argv[1], sent to this process or, under
-torchrun, by the last rank to its node's agent; that rank waits until the signal reached it, so every rank stops
+SIGNAL_IN_STEP_4 = '''"""train.py whose 4th step begins with the signal named by argv[1],
+sent to this process or, under torchrun, by the last rank to its node's
+agent; that rank waits until the signal reached it, so every rank stops
 after step 4 at any load."""
 import itertools, os, signal, sys, time
 sys.path.insert(0, os.getcwd())
 import train
 
-sig, stops, step_number = signal.Signals[sys.argv.pop(1)], [], itertools.count(1)
+sig = signal.Signals[sys.argv.pop(1)]
+stops, step_number = [], itertools.count(1)
 install, make_step = train.StopSignals.install, train.make_step
-last_rank = os.environ.get("RANK", "0") == str(int(os.environ.get("WORLD_SIZE", "1")) - 1)
+world_size = int(os.environ.get("WORLD_SIZE", "1"))
+last_rank = os.environ.get("RANK", "0") == str(world_size - 1)
+under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def install_and_keep(self):
@@ -6570,105 +6574,233 @@ def make_signalling_step(*args):
 
     def signalling_step(batches):
         if next(step_number) == 4 and last_rank:
-            os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), sig)
-            while not stops[0].signum:  # the handler runs in this thread, between two sleeps
+            os.kill(os.getppid() if under_torchrun else os.getpid(), sig)
+            # the handler runs in this thread, between two sleeps
+            while not stops[0].signum:
                 time.sleep(0.01)
         return step(batches)
     return signalling_step
 
 
-train.StopSignals.install, train.make_step = install_and_keep, make_signalling_step
+train.StopSignals.install = install_and_keep
+train.make_step = make_signalling_step
 sys.exit(train.cli(sys.argv[1:]))
 '''
 
 
 def _interrupted(cmds, sig, out, env=None):
-    """Run every command (all print to files), its train.py one whose 4th step begins with sig (SIGNAL_IN_STEP_4),
-    and return (everything they printed, the step of out's checkpoint); none may hang."""
+    """Run every command (all print to files), its train.py one whose
+    4th step begins with sig (SIGNAL_IN_STEP_4), and return (everything
+    they printed, the step of out's checkpoint); none may hang."""
     script = out.with_name("signal_in_step_4.py")
     script.write_text(SIGNAL_IN_STEP_4)
     logs = [out.with_name(f"{out.name}.{i}.txt") for i in range(len(cmds))]
 
-    def signalling(cmd):  # train.py's arguments follow the script and the signal's name
+    def signalling(cmd):
+        # train.py's arguments follow the script and the signal's name
         i = cmd.index("train.py")
         return cmd[:i] + [str(script), sig.name] + cmd[i + 1:]
-    procs = [subprocess.Popen(signalling(cmd), cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def printed():
+        return "".join(log.read_text() for log in logs)
+    procs = [subprocess.Popen(signalling(cmd), cwd=ROOT, env=env,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
              for cmd, log in zip(cmds, logs)]
-    text = lambda: "".join(log.read_text() for log in logs)
     try:
         for p in procs:
             p.wait(timeout=300)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"the signalled run did not end: a rank hangs\n{text()[-3000:]}")
+        raise AssertionError("the signalled run did not end: a rank hangs\n"
+                             + printed()[-3000:])
     finally:
         for p in procs:
             p.kill()
-    return text(), torch.load(out / "ckpt.pt", weights_only=True)["iteration"]
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    return printed(), ckpt["iteration"]
 
 
-def test_two_nodes_train_as_one_stop_together_on_sigterm_and_resume_on_one(tmp_path):
-    """torchrun as two nodes (2 agents x 2 processes, c10d rendezvous, gloo) logs the losses of one node with 4
-    processes bit for bit, grad_accum at its default (one micro-batch per rank); global rank 0 alone writes the log
-    and checkpoint. SIGTERM to one node's agent ends every rank of both after the same step, with a checkpoint and
-    no hang; the run resumes in one process (the saved grad_accum=4) within fp32 rounding of the 4-process run."""
-    run = _tiny(tmp_path, "--max_iters=40", "--log_interval=1", "--eval_interval=1000", "--batching=pack",
+@functools.cache
+def _two_node_runs():
+    """torchrun as two nodes (2 agents x 2 processes, c10d rendezvous,
+    gloo), grad_accum at its default (one micro-batch per rank), SIGTERM
+    to one node's agent in step 4, then resumed in one process (the
+    saved grad_accum=4); beside it one node of 4 processes. The logged
+    losses of the 4-process run (one), of the two nodes (two), of the
+    resumed run (resumed); what the nodes printed; the step of their
+    checkpoint."""
+    folder = Path(tempfile.mkdtemp())
+    run = _tiny(folder, "--max_iters=40", "--log_interval=1",
+                "--eval_interval=1000", "--batching=pack",
                 "--context_length=16", "--batch_size=2")
-    env, out = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""), tmp_path / "two"
-    _run_ranks(4, run + [f"--out_dir={tmp_path / 'one'}"])  # the reference: one node
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = folder / "two"
+    _run_ranks(4, run + [f"--out_dir={folder / 'one'}"])  # one node
     store = _rendezvous_store()  # held until both nodes are done
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+            "--nproc_per_node=2", "--rdzv_backend=c10d",
             f"--rdzv_endpoint=127.0.0.1:{store.port}"]
-    text, step = _interrupted([node + [f"--node_rank={i}", "train.py", *run, f"--out_dir={out}"] for i in (0, 1)],
-                              signal.SIGTERM, out, env)
-    assert text.count("received SIGTERM") == 2 and text.count(f"stopped by SIGTERM after step {step}:") == 1, text
-    assert "torchrun --nproc_per_node=2 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=HOST0:PORT train.py" in text
-    one, two = _losses(tmp_path / "one"), _losses(out)
-    assert step == 4 and two == one[:step + 1], (one, two)  # step 0's evaluation, a record per step, once
-    train.main([f"--out_dir={out}", "--init_from=resume", "--device=cpu"])  # the CPU the 4 processes ran on
-    assert [r[0] for r in _losses(out)] == [r[0] for r in one] and _losses(out)[:step + 1] == one[:step + 1]
-    assert all(math.isclose(x, y, rel_tol=1e-4) for a, b in zip(_losses(out), one) for x, y in zip(a[1:], b[1:]))
+    commands = [node + [f"--node_rank={i}", "train.py", *run,
+                        f"--out_dir={out}"] for i in (0, 1)]
+    text, step = _interrupted(commands, signal.SIGTERM, out, env)
+    two = _losses(out)
+    # on the CPU the 4 processes ran on
+    train.main([f"--out_dir={out}", "--init_from=resume", "--device=cpu"])
+    return SimpleNamespace(one=_losses(folder / "one"), two=two,
+                           resumed=_losses(out), text=text, step=step)
+
+
+def test_two_nodes_each_receive_sigterm():
+    text = _two_node_runs().text
+    assert text.count("received SIGTERM") == 2, text
+
+
+def test_two_nodes_say_once_where_they_stopped():
+    # global rank 0 alone writes the log and the checkpoint
+    r = _two_node_runs()
+    said = f"stopped by SIGTERM after step {r.step}:"
+    assert r.text.count(said) == 1, r.text
+
+
+def test_two_nodes_print_the_command_that_continues_them():
+    text = _two_node_runs().text
+    said = ("torchrun --nproc_per_node=2 --nnodes=2 --rdzv_backend=c10d "
+            "--rdzv_endpoint=HOST0:PORT train.py")
+    assert said in text, text
+
+
+def test_two_nodes_stop_together_after_step_4():
+    step = _two_node_runs().step
+    assert step == 4, step
+
+
+def test_two_nodes_log_the_losses_of_one_node_bit_for_bit():
+    # step 0's evaluation, then a record per step, once
+    r = _two_node_runs()
+    assert r.two == r.one[:r.step + 1], (r.one, r.two)
+
+
+def test_two_nodes_resumed_in_one_process_log_every_step():
+    r = _two_node_runs()
+    steps = [record[0] for record in r.resumed]
+    assert steps == [record[0] for record in r.one], steps
+
+
+def test_two_nodes_resumed_in_one_process_keep_their_log():
+    r = _two_node_runs()
+    kept = r.resumed[:r.step + 1]
+    assert kept == r.one[:r.step + 1], kept
+
+
+def test_two_nodes_resumed_in_one_process_train_within_fp32_rounding():
+    r = _two_node_runs()
+    for a, b in zip(r.resumed, r.one):
+        for x, y in zip(a[1:], b[1:]):
+            assert math.isclose(x, y, rel_tol=1e-4), (a, b)
 
 
 def _rendezvous_store():
-    """A TCP store of this process on a port it bound itself, for torchrun's c10d rendezvous: each agent, failing to
-    bind that port, joins it. (A port found free and let go can be taken before an agent binds it.)"""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    """A TCP store of this process on a port it bound itself, for
+    torchrun's c10d rendezvous: each agent, failing to bind that port,
+    joins it. (A port found free and let go can be taken before an
+    agent binds it.)"""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True,
+                         wait_for_workers=False)
 
 
 def _run_ranks(world_size, args, timeout=300, script="train.py", cwd=ROOT):
-    """`torchrun --standalone --nproc_per_node=world_size script args` (gloo on CPU; torchrun finds a free port):
-    [everything the ranks printed]. A failure fails the test, with the output."""
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc_per_node={world_size}", str(ROOT / script), *args], cwd=cwd, capture_output=True,
-                         text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
-    assert run.returncode == 0, f"{world_size}-process {script} run failed:\n{(run.stdout + run.stderr)[-4000:]}"
-    return [run.stdout + run.stderr]
+    """`torchrun --standalone --nproc_per_node=world_size script args`
+    (gloo on CPU; torchrun finds a free port): [everything the ranks
+    printed]. A failure fails the test, with the output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world_size}", str(ROOT / script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    printed = run.stdout + run.stderr
+    failed = f"{world_size}-process {script} run failed:\n{printed[-4000:]}"
+    assert run.returncode == 0, failed
+    return [printed]
 
 
-def test_two_process_gloo_ddp_zero1_and_fsdp_train_save_and_resume_like_one_process(tmp_path):
-    """2 processes against 1 with 2-fold accumulation: torch's DDP logs the global batch's losses and ends at the
-    weights bit for bit, our bucketed DDP with ZeRO-1 within fp32 rounding (optimizer state consolidated in the
-    checkpoint); our FSDP saves full weights and optimizer state at step 2, and torch's FSDP2 resumes from them to the
-    weights bit for bit. No clipping: a sharded norm sums squares in another order (an ulp of the clip scale)."""
-    common = _tiny(tmp_path, "--log_interval=1", "--eval_interval=100", "--grad_accum=2", "--batching=pack",
-                   "--bucket_size_mb=0.01", "--grad_clip=0", "--lr_decay_iters=4")
-    train.main(common + [f"--out_dir={tmp_path / 'single'}", "--max_iters=4"])
-    want = torch.load(tmp_path / "single" / "ckpt.pt", weights_only=True)
-    for impl, zero1 in (("torch", False), ("bucketed", True), ("fsdp", False)):
-        out = tmp_path / impl
-        _run_ranks(2, common + [f"--out_dir={out}", f"--ddp_impl={impl}", f"--zero1={zero1}",
-                                f"--max_iters={2 if impl == 'fsdp' else 4}"])
-        got = torch.load(out / "ckpt.pt", weights_only=True)
-        assert got["world_size"] == 2
-        assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"] + ["loss.png"] * PLOTS
-        assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()  # full, as one process saves it
-        assert all(got["optimizer"]["state"][i][k].shape == s[k].shape for i, s in want["optimizer"]["state"].items()
-                   for k in ("exp_avg", "exp_avg_sq"))
-    assert _losses(tmp_path / "single") == _losses(tmp_path / "torch")  # the logged loss is the global batch's
-    _run_ranks(2, [f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=4", "--init_from=resume", "--ddp_impl=torch_fsdp"])
-    for impl, atol in (("torch", 0), ("bucketed", 1e-5), ("fsdp", 0)):
-        got = torch.load(tmp_path / impl / "ckpt.pt", weights_only=True)["model"]
-        assert all(torch.allclose(got[k], w, rtol=0, atol=atol) for k, w in want["model"].items()), impl
+# 2 processes: each data-parallel impl, with ZeRO-1 or not
+TWO_PROCESS_RUNS = {"torch": False, "bucketed": True, "fsdp": False}
+
+
+@functools.cache
+def _two_process_runs():
+    """One process (single/, 4 steps) and 2 processes (torch/ and
+    bucketed/ 4 steps, fsdp/ 2 steps, then resumed to 4 by torch's
+    FSDP2), with 2-fold accumulation and no clipping (a sharded norm
+    sums squares in another order: an ulp of the clip scale). Returns
+    the folder, and each 2-process checkpoint and file list as saved
+    (fsdp's before its resume)."""
+    folder = Path(tempfile.mkdtemp())
+    common = _tiny(folder, "--log_interval=1", "--eval_interval=100",
+                   "--grad_accum=2", "--batching=pack",
+                   "--bucket_size_mb=0.01", "--grad_clip=0",
+                   "--lr_decay_iters=4")
+    train.main(common + [f"--out_dir={folder / 'single'}", "--max_iters=4"])
+    saved, files = {}, {}
+    for impl, zero1 in TWO_PROCESS_RUNS.items():
+        out, iters = folder / impl, 2 if impl == "fsdp" else 4
+        _run_ranks(2, common + [f"--out_dir={out}", f"--ddp_impl={impl}",
+                                f"--zero1={zero1}", f"--max_iters={iters}"])
+        saved[impl] = torch.load(out / "ckpt.pt", weights_only=True)
+        files[impl] = sorted(os.listdir(out))
+    _run_ranks(2, [f"--out_dir={folder / 'fsdp'}", "--max_iters=4",
+                   "--init_from=resume", "--ddp_impl=torch_fsdp"])
+    return folder, saved, files
+
+
+def _one_process_checkpoint():
+    single = _two_process_runs()[0] / "single" / "ckpt.pt"
+    return torch.load(single, weights_only=True)
+
+
+@cases("impl", list(TWO_PROCESS_RUNS))
+def test_two_process_runs_save_their_world_size(impl):
+    world_size = _two_process_runs()[1][impl]["world_size"]
+    assert world_size == 2, world_size
+
+
+@cases("impl", list(TWO_PROCESS_RUNS))
+def test_two_process_runs_write_one_runs_files(impl):
+    files = _two_process_runs()[2][impl]
+    assert files == ["ckpt.pt", "log.jsonl"] + ["loss.png"] * PLOTS, files
+
+
+@cases("impl", list(TWO_PROCESS_RUNS))
+def test_two_process_runs_save_every_parameters_optimizer_state(impl):
+    # the full state, as one process saves it
+    got = _two_process_runs()[1][impl]["optimizer"]["state"]
+    want = _one_process_checkpoint()["optimizer"]["state"]
+    assert got.keys() == want.keys(), got.keys()
+
+
+@cases("impl", list(TWO_PROCESS_RUNS))
+def test_two_process_runs_save_unsharded_moments(impl):
+    got = _two_process_runs()[1][impl]["optimizer"]["state"]
+    want = _one_process_checkpoint()["optimizer"]["state"]
+    for i, state in want.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert got[i][key].shape == state[key].shape, (i, key)
+
+
+def test_two_process_torch_ddp_logs_the_global_batchs_losses():
+    folder = _two_process_runs()[0]
+    torch_ddp = _losses(folder / "torch")
+    assert torch_ddp == _losses(folder / "single"), torch_ddp
+
+
+# torch's DDP bit for bit; our bucketed DDP with ZeRO-1 within fp32
+# rounding; torch's FSDP2 resumed from our FSDP's step 2 bit for bit
+@cases("impl, atol", [("torch", 0), ("bucketed", 1e-5), ("fsdp", 0)])
+def test_two_process_runs_end_at_one_processs_weights(impl, atol):
+    got = _saved_weights(_two_process_runs()[0] / impl)
+    want = _one_process_checkpoint()["model"]
+    differ = [k for k, w in want.items()
+              if not torch.allclose(got[k], w, rtol=0, atol=atol)]
+    assert not differ, differ
 
 
 @contextlib.contextmanager
