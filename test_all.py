@@ -4933,7 +4933,7 @@ def test_clip_grad_norm_lands_at_the_limit():
     ps, _ = _grads_to_clip()
     train.clip_grad_norm(ps, 1.0)
     total = _grad_norm(ps[:2])
-    assert abs(total - 1.0) < 1e-5, total  # just under it, exactly
+    assert abs(total - 1.0) < 1e-5, total  # under it in exact arithmetic
 
 
 def test_clip_grad_norm_below_the_limit_returns_the_norm():
@@ -5006,10 +5006,10 @@ def test_load_dataset_names_the_command_that_prepares_it(
     _expect(FileNotFoundError, words, train.load_dataset, folder, "train")
 
 
+# (a damaged train.bin: the command-line refusals below)
 def test_load_dataset_refuses_an_unknown_split():
     folder = _tiny_dataset()[0]
     _expect(ValueError, ["split"], train.load_dataset, folder, "test")
-    # (a damaged train.bin: the command-line refusals below)
 
 
 def test_load_dataset_refuses_document_offsets_out_of_order(tmp_path):
@@ -5941,7 +5941,7 @@ def _train_popen(argv, cwd, env=None):
 def _train_cli_runs():
     """Every refused train.py command line at once, in the fixtures'
     folder, and one naming a CUDA device past the last (cuda_index):
-    {name: (returncode, stderr)}, and whether a file there changed."""
+    {name: (returncode, stderr)}, and the files there that changed."""
     folder = _train_cli_fixtures()[0]
     before = _folder_contents(folder)
     runs = {}
@@ -5956,7 +5956,9 @@ def _train_cli_runs():
     for problem, run in runs.items():
         err = run.communicate(timeout=300)[1]
         results[problem] = (run.returncode, err)
-    return results, _folder_contents(folder) != before
+    after = _folder_contents(folder)
+    changed = set(before.items()) ^ set(after.items())
+    return results, sorted({path for path, _ in changed})
 
 
 def _assert_refused(problem, words):
@@ -5994,7 +5996,8 @@ def test_train_cli_names_a_cuda_device_past_the_last():
 
 
 def test_train_cli_refusals_touch_no_file():
-    assert not _train_cli_runs()[1]
+    changed = _train_cli_runs()[1]
+    assert not changed, changed
 
 
 def test_train_cli_refusals_create_no_dataset_folder():
@@ -6026,7 +6029,7 @@ def test_train_help_shows_each_keys_comment():
     comments = dict(re.findall(r"^(\w+) = .+?  # (.+)$", source, re.M))
     lines = _train_help().stdout.splitlines()
     for key, value in train.default_config().items():
-        line = next(l for l in lines if l.startswith(f"  --{key}="))
+        line = next(row for row in lines if row.startswith(f"  --{key}="))
         want = [f"--{key}={value!r}", *comments[key].split()]
         assert line.split() == want, line
 
@@ -6455,8 +6458,9 @@ def test_force_keeps_every_earlier_run():
 
 def test_force_leaves_the_new_run_beside_old():
     out = _resumed_and_forced().out
-    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "old"]
-    assert sorted(os.listdir(out / "old")) == ["1", "2"]
+    files, old = sorted(os.listdir(out)), sorted(os.listdir(out / "old"))
+    assert files == ["ckpt.pt", "log.jsonl", "old"], files
+    assert old == ["1", "2"], old
 
 
 def test_a_run_without_matplotlib_says_once_how_to_get_loss_png():
