@@ -88,6 +88,11 @@ def _need(*packages):
                                 "pip install -r requirements-extra.txt")
 
 
+def _need_cuda():
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA GPU")
+
+
 def cases(names, values):
     """@cases("d, causal", [(64, True), (80, False)]): test(d=64,
     causal=True) named test[64-True], and so on."""
@@ -4712,11 +4717,6 @@ def _tiny(tmp_path, *args):
     return TINY + [f"--data_dir={tmp_path / 'd'}", *args]
 
 
-def _need_cuda():
-    if not torch.cuda.is_available():
-        raise unittest.SkipTest("needs a CUDA GPU")
-
-
 @functools.cache
 def _whole_step_batches():
     gen = torch.Generator().manual_seed(0)
@@ -8956,11 +8956,6 @@ def test_goals_of_a_step_out_of_time_say_so():
 
 
 # --- on a GPU ---
-
-def _need_cuda():
-    if not torch.cuda.is_available():
-        raise unittest.SkipTest("needs CUDA")
-
 
 def test_gpu_bench_model_cuda_graphs_capture_ours_and_the_peer(tmp_path):
     _need_cuda()
