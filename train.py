@@ -8,10 +8,12 @@ Train a TransformerLM on a tokenized dataset.
     torchrun --standalone --nproc_per_node=4 train.py config/small.py   # 4 GPUs; --ddp_impl=..., --zero1=True
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py  # on each host
 
-The file: the config globals and the command line (main, cli: judged before torch is imported); the library,
-importable without side effects (AdamW, schedule, clipping, data and batches, checkpoints, make_step: one training
-step, eager or as CUDA graphs); the run (setup, then train: the loop). SIGINT (Ctrl-C) or SIGTERM end a run after the
-step in progress, with a checkpoint and the command that continues it.
+The file, top-down: the config globals; train(), the loop; the parts it calls: set-up (setup,
+StopSignals, log_record), the step (make_step: eager or as CUDA graphs), data and batches,
+checkpoints; the command line (main, cli), which answers --help and bad flags before torch is
+imported; then AdamW, Muon, the schedule and clipping. Importing the file has no side effects.
+SIGINT (Ctrl-C) or SIGTERM end a run after the step in progress, with a checkpoint and the
+command that continues it.
 """
 import ast
 import builtins
@@ -84,9 +86,631 @@ config_keys = [k for k, v in globals().items() if not k.startswith("_") and isin
 BATCHING = ("concat", "pad", "dynamic_pad", "pack")
 OPTIMIZERS = ("adamw", "muon")
 DDP_IMPLS = ("naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")  # ddp.IMPLS but 'none'
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the run: the training loop
+
+def train(config, given, rank, world_size, dev, stops):
+    """The run on this rank; returns 0, or 128 + the number of the signal that stopped it (after a checkpoint)."""
+    master = rank == 0
+    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+    r = setup(config, given, rank, world_size, dev, log)
+    c, w, optimizer = r.c, r.w, r.optimizer
+    autocast = torch.autocast(dev.type, dtype=r.ptdtype, enabled=r.ptdtype != torch.float32)
+    local_accum = c.grad_accum // world_size
+    # fp64: each micro-batch loss enters the sum exactly: any number of ranks logs the same loss.
+    # The sum runs from step loss_from: a resume continues its checkpoint's window (on rank 0).
+    loss_from = r.loss_window["from"]
+    carried = r.loss_window["loss_sum"] if master else 0.0
+    loss_sum = torch.full((), carried, dtype=torch.float64, device=dev)
+
+    def micro_step(j, batch):  # forward and backward of one micro-batch; the gradients sync after the last
+        x, y, cu_seqlens, max_seqlen = batch
+        with w.no_sync() if j < local_accum - 1 else contextlib.nullcontext():
+            with autocast:  # targets given: the mean loss through the fused head, never the full logits
+                loss = w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y)
+            (loss / local_accum).backward()  # the wrappers average over ranks: 1/grad_accum overall
+        loss_sum.add_(loss.detach())
+    train_step = make_step(w, optimizer, micro_step, c.grad_clip if c.grad_clip > 0 else float("inf"), r.graphs)
+
+    def sum_over_ranks(*values):  # one all-reduce of a few numbers, in fp64
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        if world_size > 1:
+            torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def evaluate(step):  # the validation loss over the fixed batches (every rank); returns the seconds it took
+        t0, model = time.time(), w.module if r.graphs else w  # graphs: the eager model, not a second graph set
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        model.eval()
+        with torch.no_grad(), autocast:
+            for x, y, cu_seqlens, max_seqlen, n_real in r.val_batches:
+                loss = model(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y)
+                total, count = total + loss.double().cpu() * n_real, count + n_real
+        model.train()
+        total, count = sum_over_ranks(total.item(), count)
+        log(f"step {step}: val loss {total / count:.4f}, perplexity {math.exp(total / count):.2f}")
+        if master:
+            log_record(r.log_path, {"step": step, "val_loss": total / count, "time_s": time.time() - t_start})
+        return time.time() - t0
+
+    def save(step):  # collective under sharding (every rank calls it); rank 0 writes the full state dicts
+        state, opt_state = w.state_dict(), w.optimizer_state_dict(optimizer)
+        window_sum = sum_over_ranks(loss_sum.item())[0]
+        loss_window = {"from": loss_from, "loss_sum": window_sum}
+        if master:
+            tokenizer = {"vocab": os.path.join(r.data_dir, r.meta["vocab"]), "special_tokens":
+                         list(r.meta["special_tokens"]), "merges": os.path.join(r.data_dir, r.meta["merges"])}
+            rng = {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(dev)} if dev.type == "cuda"
+                                                      else {})}
+            save_checkpoint(state, opt_state, step, r.ckpt_path, model_args=r.model_args, config=vars(c),
+                            tokenizer=tokenizer, rng=rng, world_size=world_size,
+                            loss_window=loss_window)
+
+    saved_at = r.start_iter if c.init_from == "resume" else None
+    stops.install()
+    # on CPU the same seed gives the same bits: else the embedding's backward adds rows in threads' order
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu", warn_only=True)
+    t_start = time.time()
+    t_last, it_last, tokens_since, eta_from = t_start, r.start_iter, 0, None
+    w.train()
+    try:
+        for it in range(r.start_iter, c.max_iters):
+            stop = stops.requested()
+            if it % c.eval_interval == 0 and not (it == r.start_iter and c.init_from == "resume"):
+                t_last += evaluate(it)  # evaluation time is not training time (and a resumed run skips this one)
+            if stop:  # `it` steps are complete: keep them, and say how to continue
+                if saved_at != it:
+                    save(it)
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this node
+                launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={local} " + (
+                    "--standalone" if local == world_size else f"--nnodes={world_size // local} --rdzv_backend=c10d "
+                    "--rdzv_endpoint=HOST0:PORT")
+                log(f"stopped by {signal.Signals(stop).name} after step {it}: checkpoint in {r.ckpt_path}; continue "
+                    f"with `{launcher} train.py --out_dir={c.out_dir} --init_from=resume`")
+                return 128 + stop
+
+            lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters or c.max_iters)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+                if group.get("muon"):  # the same schedule at Muon's peak
+                    group["lr"] = lr * c.muon_lr / c.learning_rate
+            batches = [make_batch(r.train_tokens, r.train_docs, c, batch_generator(c.seed, it, rank * local_accum + j),
+                                  dev, r.meta["eot_id"]) for j in range(local_accum)]  # this rank's micro-batches
+            tokens_since += sum(b[-1] for b in batches)
+            grad_norm = train_step([b[:-1] for b in batches])
+
+            step = it + 1
+            if step % c.log_interval == 0 or step == c.max_iters:
+                # the loss of the whole global batch: every rank's micro-batch losses, summed in one all-reduce
+                loss_total, tokens = sum_over_ranks(loss_sum.item(), tokens_since)
+                now = time.time()
+                train_loss = loss_total / c.grad_accum / (step - loss_from)
+                dt = (now - t_last) / (step - it_last)
+                tok_s = tokens / (now - t_last)
+                mfu = r.flops_tok * tok_s / (r.peak * world_size) if r.peak else None
+                t0, step0 = eta_from or (t_last, it_last)  # the mean since this run's first log line (after warm-up)
+                eta, eta_from = (now - t0) / (step - step0) * (c.max_iters - step), eta_from or (now, step)
+                log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, grad norm {float(grad_norm):.3f}"
+                    f", {tok_s:,.0f} tok/s, " + (f"MFU {100 * mfu:.1f}%, " if mfu is not None else "")
+                    + f"{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min")
+                if master:
+                    log_record(r.log_path, {"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
+                                            "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1000 * dt,
+                                            "eta_s": eta, "time_s": now - t_start})
+                t_last, it_last, tokens_since = now, step, 0
+                if step % c.log_interval == 0:  # a last, shorter window stays open for a resume
+                    loss_sum.zero_()
+                    loss_from = step
+            if step == c.max_iters:
+                evaluate(step)
+            if step % c.save_interval == 0 or step == c.max_iters:
+                save(step)
+                saved_at = step
+                log(f"saved {r.ckpt_path} at step {step}")
+        log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
+        return 0
+    finally:
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the run: set-up
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
+
 # keys a resumed run must keep: changing any of them would draw other batches or build another model
 RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length", "grad_accum", "seed", "d_model",
                 "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings", "optimizer")
+
+
+def resume_config(config, given, saved, log):
+    """The saved config under the keys this command line gives: a change is warned of, one of RESUME_FIXED refused."""
+    this_run = ("init_from", "force", "out_dir")  # where the checkpoint is now, and how this run starts
+    merged = dict(config, **{k: v for k, v in saved.items() if k in config and k not in this_run})
+    merged.update({k: config[k] for k in given if k not in this_run})
+    changed = [k for k in sorted(given - set(this_run)) if k in saved and config[k] != saved[k]]
+    refused = [f"{k}={config[k]!r} (saved {saved[k]!r})" for k in changed if k in RESUME_FIXED]
+    _require(not refused, f"cannot resume exactly with {', '.join(refused)}: drop these flags, or start a new run "
+             f"in another out_dir", ConfigError)
+    for key in changed:
+        log(f"warning: resume changes {key} from {saved[key]!r} to {config[key]!r}")
+    return merged
+
+
+def claim_out_dir(c, master, log):
+    """A scratch run must not destroy a run in out_dir: refuse, or with force=True move it to a new out_dir/old/N."""
+    old = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(c.out_dir, n))]
+    if c.init_from != "resume" and old:
+        _require(c.force, f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to continue "
+                 f"it, or --force=True to start over (that run is then moved to {c.out_dir}/old/N)", ConfigError)
+        if master:
+            done = os.listdir(os.path.join(c.out_dir, "old")) if os.path.isdir(os.path.join(c.out_dir, "old")) else []
+            keep = os.path.join(c.out_dir, "old", str(1 + max((int(n) for n in done if n.isdigit()), default=0)))
+            os.makedirs(keep)
+            for name in old + ["loss.png"] * os.path.exists(os.path.join(c.out_dir, "loss.png")):
+                os.replace(os.path.join(c.out_dir, name), os.path.join(keep, name))
+            log(f"force: moved the run that was in {c.out_dir} to {keep}")
+    os.makedirs(c.out_dir, exist_ok=True)
+
+
+def _user_input(load, *args):
+    """load(*args), its errors about a missing or damaged dataset or checkpoint as ConfigError (one line, cli)."""
+    try:
+        return load(*args)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(e) from None
+
+
+def setup(config, given, rank, world_size, dev, log):
+    """Everything the loop needs, as a namespace; every input is judged before anything is written."""
+    c, ckpt = SimpleNamespace(**config), None
+    ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
+    if c.init_from == "resume":  # the saved config, with this command line's changes (or refusals)
+        ckpt = _user_input(read_checkpoint, ckpt_path)
+        c = SimpleNamespace(**resume_config(config, given, ckpt.get("config", {}), log))
+    check_config(c, world_size)
+    c.grad_accum = c.grad_accum or world_size  # saved resolved: a resume on another world size keeps the batch
+    _require(not c.cuda_graphs or dev.type == "cuda", f"cuda_graphs needs a CUDA device, got {dev}", ConfigError)
+    ptdtype = torch.bfloat16 if c.dtype == "bfloat16" or c.dtype == "auto" and dev.type == "cuda" else torch.float32
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+    data_dir = c.data_dir or os.path.join(_ROOT, "data", c.dataset)
+    if not os.path.isfile(os.path.join(data_dir, "meta.json")) and c.dataset == "shakespeare" and not c.data_dir:
+        if rank == 0:  # the default data, prepared on first use (the other ranks wait)
+            log(f"{data_dir} is missing: running `python data/prepare.py shakespeare`")
+            subprocess.run([sys.executable, os.path.join(_ROOT, "data", "prepare.py"), "shakespeare"], check=True)
+        if world_size > 1:
+            torch.distributed.barrier()
+    (train_tokens, train_docs, meta), (val_tokens, val_docs, _) = (_user_input(load_dataset, data_dir, s)
+                                                                    for s in ("train", "val"))
+    vocab_size = meta["vocab_size"]
+    for name, toks in (("train", train_tokens), ("val", val_tokens)):
+        _require(c.batching != "concat" or len(toks) > c.context_length, f"{name} split has {len(toks)} tokens, "
+                 f"fewer than context_length + 1 = {c.context_length + 1}: lower context_length or prepare more data",
+                 ConfigError)
+
+    # the model: from scratch, with the checkpoint's model_args, or a Llama directory's weights
+    model_args = dict(vocab_size=vocab_size, context_length=c.context_length, d_model=c.d_model,
+                      num_layers=c.num_layers, num_heads=c.num_heads, d_ff=c.d_ff, rope_theta=c.rope_theta,
+                      tie_embeddings=c.tie_embeddings)
+    # how much is recomputed is a run setting, not part of the architecture: never saved with model_args
+    recompute = dict(act_ckpt_every=c.act_ckpt_every, act_ckpt_layers=None if c.act_ckpt_layers < 0 else
+                     c.act_ckpt_layers, selective_recompute=c.selective_recompute)
+    if ckpt is not None:
+        model_args = {k: v for k, v in ckpt["model_args"].items() if k not in recompute}
+        _require(model_args["vocab_size"] == vocab_size, f"checkpoint {ckpt_path} has vocab_size "
+                 f"{model_args['vocab_size']} but dataset {data_dir} has {vocab_size}: resume on the data it was "
+                 f"trained on", ConfigError)
+    llama_state = None
+    if c.init_from not in ("scratch", "resume"):
+        model_args, llama_state = _user_input(llama_init, c.init_from, vocab_size, c.context_length)
+    claim_out_dir(c, rank == 0, log)  # every input judged: from here on the run writes
+    attn = c.attn_impl if c.attn_impl != "auto" else auto_attn_impl(dev.type, packed=c.batching == "pack")
+    torch.manual_seed(c.seed)
+    model = TransformerLM(**model_args, **recompute, attn_impl=attn, device=dev)
+    if llama_state is not None:
+        model.load_state_dict(llama_state)
+    impl = c.ddp_impl if world_size > 1 else "none"
+    flops_tok = flops_per_token(vocab_size, model_args["context_length"], model_args["d_model"],
+                                model_args["num_layers"], model_args["d_ff"], causal=True)
+    peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
+                            if dev.type == "cuda" else 0.0)  # MFU's denominator, per GPU
+    log(f"model: {count_params(model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token (training, "
+        f"causal), attn_impl={attn}, dtype={ptdtype}, device={dev}, world_size={world_size}, ddp_impl={impl}"
+        f"{' + zero1' if c.zero1 and world_size > 1 else ''}, batching={c.batching}")
+
+    # CUDA graphs: the whole step for concat batches, else one per micro-step (torch.compile's reduce-overhead);
+    # document batches change shape every step: compiled for dynamic shapes at once rather than on the second
+    graphs = None if not c.cuda_graphs else "whole" if c.batching == "concat" else "micro"
+    static = c.batching == "concat" or c.pack_static  # (pack_static needs batching='pack': check_config)
+    compile_kwargs = dict(dynamic=not static, **({"mode": "reduce-overhead"} if graphs == "micro" else {}))
+    w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb, compute_dtype=None if ptdtype == torch.float32
+                 else ptdtype, compile=c.compile, compile_kwargs=compile_kwargs)
+    def decay_groups(named):  # weight decay on the matrices, none on the RMSNorm gains (ln1, ln2, ln_final)
+        gain = {p: any(part.startswith("ln") for part in name.split(".")) for name, p in named}
+        return [{"params": [p for p in gain if gain[p] == g], "weight_decay": 0.0 if g else c.weight_decay}
+                for g in (False, True)]
+
+    def muon_groups(named):  # Muon for the blocks' matrices, then AdamW's groups
+        named = list(named)
+        hidden = {n for n, p in named if n.startswith("layers.") and p.dim() == 2}
+        muon = {"params": [p for n, p in named if n in hidden], "muon": True,
+                "weight_decay": c.weight_decay}
+        rest = decay_groups([(n, p) for n, p in named if n not in hidden])
+        return [muon] + [dict(g, muon=False, lr=c.learning_rate) for g in rest]
+
+    adamw = dict(betas=(c.beta1, c.beta2), eps=c.eps,
+                 capturable=graphs == "whole")
+    if c.optimizer == "muon":  # a rank orthogonalizes its share: ZeRO-1 unless FSDP
+        optimizer = w.make_optimizer(
+            Muon, muon_groups, zero1=not w.sharded, lr=c.muon_lr,
+            momentum=c.muon_momentum, compiled=c.compile, **adamw)
+    else:
+        optimizer = w.make_optimizer(
+            AdamW, decay_groups, zero1=c.zero1, lr=c.learning_rate,
+            **adamw)
+    start_iter, loss_window = 0, {"from": 0, "loss_sum": 0.0}
+    if ckpt is not None:
+        w.load_state_dict(_clean_state_dict(ckpt["model"]))
+        w.load_optimizer_state_dict(optimizer, ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if dev.type == "cuda" and "cuda" in ckpt["rng"]:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], dev)
+        start_iter = ckpt["iteration"]
+        # the open log window's loss sum (older checkpoints have none: the window starts here)
+        loss_window = ckpt.get("loss_window", {"from": start_iter, "loss_sum": 0.0})
+        log(f"resumed from {ckpt_path} at iteration {start_iter}")
+
+    # fixed validation batches, every world_size-th one here; all ranks run as many (FSDP), the extras count 0 tokens
+    val_batches = []
+    for i in range(rank, -(-c.eval_iters // world_size) * world_size, world_size):
+        b = make_batch(val_tokens, val_docs, c, batch_generator(c.seed, -1 - (i % c.eval_iters), 0), dev,
+                       meta["eot_id"])
+        val_batches.append(b if i < c.eval_iters else b[:4] + (0,))
+    log_path = os.path.join(c.out_dir, "log.jsonl")
+    if rank == 0 and c.init_from == "resume":
+        log_record(log_path, {"step": start_iter, "resumed_from": ckpt_path})
+    if rank == 0 and c.init_from != "resume":
+        open(log_path, "w").close()  # claim_out_dir made sure no run's log is here
+        counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, vocab_size {vocab_size}; "
+            f"unigram entropy {-(p * np.log(p)).sum():.3f} nats/token (the loss of a model that ignores context)")
+    if importlib.util.find_spec("matplotlib") is None:
+        log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
+    return SimpleNamespace(c=c, w=w, optimizer=optimizer, graphs=graphs, start_iter=start_iter, meta=meta,
+                           data_dir=data_dir, train_tokens=train_tokens, train_docs=train_docs, peak=peak,
+                           val_batches=val_batches, model_args=model_args, flops_tok=flops_tok, ptdtype=ptdtype,
+                           ckpt_path=ckpt_path, log_path=log_path, loss_window=loss_window)
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning) only set a flag, asked for before each step; under several
+    processes it is all-reduced (max) over a CPU gloo group: every rank stops at the same step, no GPU sync."""
+
+    def __init__(self, world_size):
+        self.signum, self.previous = 0, {}
+        self.group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
+
+    def install(self):  # before it (set-up, data preparation) Ctrl-C interrupts at once
+        if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame):
+        if not self.signum:  # a second signal (torchrun forwards the terminal's Ctrl-C too) changes nothing
+            self.signum = signum
+            print(f"received {signal.Signals(signum).name}: stopping after the current step and saving a "
+                  f"checkpoint", file=sys.stderr, flush=True)
+
+    def requested(self):
+        """The signal to stop for (the same on every rank), or 0."""
+        if self.group is None:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return int(flag)
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def log_record(log_path, record):
+    """Append a record to log.jsonl and redraw loss.png beside it (when matplotlib is installed)."""
+    with open(log_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if "val_loss" not in record:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # train() said so once
+        return
+    with open(log_path) as f:
+        records = [json.loads(line) for line in f]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style, label in (("loss", "-", "train"), ("val_loss", "o-", "val (fixed batches)")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set(xlabel="step", ylabel="loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(os.path.dirname(log_path), "loss.png"), dpi=100)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the training step, eager or as CUDA graphs
+
+def make_step(w, optimizer, micro_step, max_norm, graphs=None):
+    """step(batches) -> gradient norm: micro_step(j, batch) per micro-batch, sync, clip, optimizer step. graphs: None,
+    'micro' (compiled with mode='reduce-overhead') or 'whole' (whole_step_graph over buffers each call fills)."""
+    if graphs == "micro":  # a gradient left None would be a replay's output, overwritten by the next micro-step
+        for p in w.parameters():
+            p.grad = torch.zeros_like(p)
+
+    def step(batches):
+        for j, batch in enumerate(batches):
+            if graphs == "micro":  # a replay's outputs live until the next one: each forward starts a new step
+                torch.compiler.cudagraph_mark_step_begin()
+            micro_step(j, batch)
+        w.finish()
+        norm = w.clip_grad_norm(max_norm)
+        optimizer.step()
+        return norm
+
+    def eager(batches):
+        norm = step(batches)
+        optimizer.zero_grad(set_to_none=graphs is None)
+        return norm
+
+    buffers, replay = [], []
+
+    def whole(batches):
+        if not replay:
+            buffers.extend([t.clone() if torch.is_tensor(t) else t for t in b] for b in batches)
+            replay.append(whole_step_graph(lambda: step(buffers), optimizer, buffers[0][0].device))
+        for buffer, batch in zip(buffers, batches):
+            for b, t in zip(buffer, batch):
+                if torch.is_tensor(t):
+                    b.copy_(t)
+        return replay[0]()
+    return whole if graphs == "whole" else eager
+
+
+def whole_step_graph(step, optimizer, device, eager_steps=2):
+    """step() (ending in optimizer.step(), optimizer capturable) as one CUDA graph: eager_steps calls on a side stream
+    (to compile, autotune, make the optimizer state), then capture_step, then replays."""
+    side, calls, replay = torch.cuda.Stream(device), [0], []
+
+    def run():
+        calls[0] += 1
+        if calls[0] <= eager_steps:  # after the work queued before, before the work queued after
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                out = step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            optimizer.zero_grad(set_to_none=True)
+            return out
+        if not replay:
+            replay.append(capture_step(step, optimizer))
+        return replay[0]()
+    return run
+
+
+def capture_step(step, optimizer):
+    """step() (its batch in tensors that stay in place; optimizer capturable and stepped once) as a CUDA graph:
+    replay() advances the optimizer's step count on the host, replays, and returns step()'s outputs (same tensors)."""
+    _require(getattr(optimizer, "capturable", False) or all(g.get("capturable", False) for g in
+             optimizer.param_groups), "capture_step needs an optimizer made with capturable=True")
+    advance = getattr(optimizer, "advance", lambda: None)
+    optimizer.zero_grad(set_to_none=True)  # each replay's first backward writes the gradients
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+
+    def replay():
+        advance()
+        graph.replay()
+        return outputs
+    return replay
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# data
+
+def load_dataset(data_dir, split):
+    """(tokens: data_dir/{split}.bin as a read-only memmap, docs: its document offsets, meta.json), all checked."""
+    _require(split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}")
+    name = os.path.basename(os.path.normpath(data_dir))  # prepare.py's command for it: a download, or local text
+    make = (f"run `python data/prepare.py {name}" + " --input <files>" * (name not in ("shakespeare", "tinystories",
+            "owt")) + f" --out_dir {data_dir}" * (os.path.abspath(data_dir) != os.path.join(_ROOT, "data", name))
+            + "` to create it")
+    meta_path, bin_path, docs_path = (os.path.join(data_dir, f) for f in ("meta.json", f"{split}.bin",
+                                                                            f"{split}_docs.npy"))
+    for path in (meta_path, bin_path, docs_path):
+        _require(os.path.isfile(path), f"dataset file {path} is missing: {make}", FileNotFoundError)
+    with open(meta_path) as f:
+        meta = json.load(f)
+    missing = [k for k in ("dtype", "vocab_size", "eot_id", "special_tokens", "vocab", "merges", f"{split}_tokens",
+                           f"{split}_docs") if k not in meta]
+    _require(not missing, f"{meta_path} lacks {missing}: {make}")
+    np_dtype, nbytes = np.dtype(meta["dtype"]), os.path.getsize(bin_path)
+    _require(np_dtype in (np.uint16, np.uint32), f"{meta_path}: dtype {meta['dtype']!r} is neither uint16 nor uint32")
+    _require(nbytes % np_dtype.itemsize == 0, f"{bin_path} has {nbytes} bytes, not a multiple of "
+             f"{np_dtype.itemsize} ({np_dtype}): truncated or written with another dtype; {make}")
+    n = nbytes // np_dtype.itemsize
+    _require(n == meta[f"{split}_tokens"], f"{bin_path} holds {n} tokens but meta.json says "
+             f"{meta[f'{split}_tokens']}; {make}")
+    _require(n > 0, f"{bin_path} is empty; {make}")
+    tokens = np.memmap(bin_path, dtype=np_dtype, mode="r", shape=(n,))
+    _require((top := int(tokens.max())) < meta["vocab_size"], f"{bin_path} contains token id {top} >= vocab_size "
+             f"{meta['vocab_size']}; {make}")
+    docs = np.load(docs_path)
+    _require(docs.ndim == 1 and docs.dtype == np.int64 and len(docs) == meta[f"{split}_docs"] + 1 and docs[0] == 0
+             and docs[-1] == n and np.all(np.diff(docs) > 0), f"{docs_path} is not a valid document index for {n} "
+             f"tokens and {meta[f'{split}_docs']} documents (int64, from 0, strictly increasing, to {n}); {make}")
+    _require(np.all(tokens[docs[1:] - 1] == meta["eot_id"]),
+             f"{bin_path}: not every document ends with eot_id {meta['eot_id']}; {make}")
+    return tokens, docs, meta
+
+
+def _to_device(t, device):  # to a GPU from pinned memory: the copy runs asynchronously
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+
+
+def get_batch(dataset, batch_size, context_length, device, generator=None):
+    """batch_size random windows, starts uniform in {0, ..., n - context_length - 1}: int64 inputs and next-token
+    targets (B, T) on device. Only the windows are read from the memmap."""
+    n = len(dataset)
+    _require(n >= context_length + 1, f"dataset has {n} tokens, fewer than context_length + 1 = {context_length + 1}")
+    starts = torch.randint(0, n - context_length, (batch_size,), generator=generator).tolist()
+    rows = np.stack([np.asarray(dataset[s:s + context_length + 1], dtype=np.int64) for s in starts])
+    x, y = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
+    return _to_device(x, device), _to_device(y, device)
+
+
+def sample_documents(docs, token_budget, context_length, generator):
+    """Random document pieces until they hold at least token_budget targets (overshooting by less than one piece):
+    their (start, end) token ranges. Documents are cut into context_length-sized pieces, drawn uniformly (each token
+    equally likely, as with concat windows); a piece of L tokens has L - 1 targets, so one-token pieces are skipped."""
+    docs = np.asarray(docs, dtype=np.int64)
+    _require(context_length >= 2, f"context_length must be >= 2, got {context_length}")
+    lengths = np.diff(docs)
+    _require(len(lengths) and lengths.max() >= 2, "no document has 2 or more tokens: nothing to predict")
+    first_piece = np.concatenate([[0], np.cumsum((lengths + context_length - 1) // context_length)])
+    drawn, spans = 0, []
+    while drawn < token_budget:
+        draw = torch.randint(0, int(first_piece[-1]), (max(8, 2 * token_budget // context_length),),
+                             generator=generator).numpy()
+        d = np.searchsorted(first_piece, draw, side="right") - 1
+        starts = docs[d] + (draw - first_piece[d]) * context_length
+        ends = np.minimum(starts + context_length, docs[d + 1])
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            if e - s < 2:
+                continue
+            spans.append((s, e))
+            drawn += e - s - 1
+            if drawn >= token_budget:
+                break
+    return spans
+
+
+def pad_batch(tokens, spans, length, pad_id):
+    """One row per piece, right-padded to `length` with pad_id: x (B, length) int64 holds the piece, y the next
+    token inside the piece and -100 on padding and at the piece's last position (no target crosses its end)."""
+    x = np.full((len(spans), length), pad_id, dtype=np.int64)
+    y = np.full((len(spans), length), -100, dtype=np.int64)
+    for i, (s, e) in enumerate(spans):
+        _require(e - s <= length, f"piece ({s}, {e}) of {e - s} tokens does not fit a row of length {length}")
+        x[i, :e - s] = tokens[s:e]
+        y[i, :e - s - 1] = tokens[s + 1:e]
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def pack_batch(tokens, spans):
+    """All pieces in one row: x = concat(piece[:-1]), y = concat(piece[1:]) as (1, N) int64, with int32
+    cu_seqlens (num_pieces + 1 offsets) over those N positions and max_seqlen (a Python int)."""
+    pieces = [np.asarray(tokens[s:e], dtype=np.int64) for s, e in spans]
+    _require(pieces and min(len(p) for p in pieces) >= 2, "pack_batch needs at least one piece, each of at least "
+             "2 tokens")
+    seqlens = np.array([len(p) - 1 for p in pieces])
+    x = torch.from_numpy(np.concatenate([p[:-1] for p in pieces]))[None]
+    y = torch.from_numpy(np.concatenate([p[1:] for p in pieces]))[None]
+    cu_seqlens = torch.from_numpy(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
+    return x, y, cu_seqlens, int(seqlens.max())
+
+
+def pad_packed(x, y, cu_seqlens, length, pad_id):
+    """A packed batch at a static shape, same loss and gradients: padded to `length` (a document of its own), and
+    cu_seqlens to a power of two of entries by repeating its last offset (empty documents)."""
+    n = x.shape[1]
+    _require(n <= length, f"a packed batch of {n} tokens does not fit a static length of {length}")
+    if n < length:
+        x = torch.cat([x, x.new_full((1, length - n), pad_id)], 1)
+        y = torch.cat([y, y.new_full((1, length - n), -100)], 1)
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([length])])
+    entries = 1 << (len(cu_seqlens) - 1).bit_length()  # the next power of two >= len(cu_seqlens)
+    return x, y, torch.cat([cu_seqlens, cu_seqlens[-1:].expand(entries - len(cu_seqlens))])
+
+
+def make_batch(tokens, docs, c, generator, device, pad_id):
+    """One micro-batch of c.batching, (x, y, cu_seqlens or None, max_seqlen or None, real targets): concat, windows of
+    the stream; pad / dynamic_pad, a document piece per row padded to context_length / the longest; pack, one row."""
+    if c.batching == "concat":
+        x, y = get_batch(tokens, c.batch_size, c.context_length, device, generator)
+        return x, y, None, None, c.batch_size * c.context_length
+    spans = sample_documents(docs, c.batch_size * c.context_length, c.context_length, generator)
+    n_real = sum(e - s - 1 for s, e in spans)
+    if c.batching != "pack":
+        x, y = pad_batch(tokens, spans, c.context_length if c.batching == "pad" else max(e - s for s, e in spans),
+                         pad_id)
+        return _to_device(x, device), _to_device(y, device), None, None, n_real
+    x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
+    if c.pack_static:  # the pieces overshoot the budget by less than one: at most context_length of padding
+        x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, (c.batch_size + 1) * c.context_length, pad_id)
+        max_seqlen = c.context_length
+    return _to_device(x, device), _to_device(y, device), _to_device(cu_seqlens, device), max_seqlen, n_real
+
+
+def batch_generator(seed, iteration, micro):
+    """The data RNG of one micro-batch, a pure function of (seed, iteration (validation: negative), global micro-batch
+    index): a resumed run draws the uninterrupted one's batches, N ranks those of 1 process accumulating N-fold."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_000_003 + micro) & (2 ** 63 - 1))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+def _unwrap(model):  # the plain model under torch.compile's and data-parallel wrappers
+    while hasattr(model, "_orig_mod") or isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
+    return model
+
+
+def _clean_state_dict(state_dict):
+    return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}  # torch.compile's wrapper's names
+
+
+def save_checkpoint(model, optimizer, iteration, out, **extra):
+    """torch.save {"model", "optimizer", "iteration", **extra} to a path (a temp file, read back, then os.replace) or
+    a file object. model: a module (wrappers unwrapped) or a state dict; optimizer: one, its state dict or None."""
+    state_dict = model if isinstance(model, dict) else _unwrap(model).state_dict()
+    ckpt = {"model": _clean_state_dict(state_dict),
+            "optimizer": optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer,
+            "iteration": int(iteration), **extra}
+    if not isinstance(out, (str, os.PathLike)):
+        return torch.save(ckpt, out)
+    tmp = os.fspath(out) + ".tmp"
+    torch.save(ckpt, tmp)
+    if crc_failure(tmp):  # what reached the file does not read back as written: the old checkpoint stays
+        os.remove(tmp)
+        raise RuntimeError(f"checkpoint {tmp} was damaged on its way to the disk; {out} is left as it was")
+    os.replace(tmp, out)
+
+
+def load_checkpoint(src, model, optimizer):
+    """Load a save_checkpoint file into model (and optimizer, unless None); returns the iteration."""
+    ckpt = read_checkpoint(src)
+    _unwrap(model).load_state_dict(_clean_state_dict(ckpt["model"]))
+    if optimizer is not None:
+        _require(ckpt.get("optimizer") is not None, f"checkpoint {src} holds no optimizer state", RuntimeError)
+        optimizer.load_state_dict(ckpt["optimizer"])
+    return ckpt["iteration"]
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the command line
+
 # nanoGPT's keys (and our old ones) that ours differ from: the error for one names our key, or says why there is none
 NANOGPT = dict(block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
                ckpt_interval="save_interval", gradient_accumulation_steps="grad_accum",
@@ -300,7 +924,6 @@ from hf import llama_init
 from model import (TransformerLM, auto_attn_impl, count_params, crc_failure, flops_per_token,
                    read_checkpoint)
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
 
 # -----------------------------------------------------------------------------------------------------------------
 # AdamW (its fused step: flash.adamw_step), Muon, schedule and clipping
@@ -628,619 +1251,6 @@ def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iter
 def clip_grad_norm(parameters, max_l2_norm):
     """Scale all gradients to a global L2 norm of at most max_l2_norm; returns the norm before (ddp.clip_grad_norm)."""
     return ddp.clip_grad_norm(list(parameters), max_l2_norm)
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# data
-
-def load_dataset(data_dir, split):
-    """(tokens: data_dir/{split}.bin as a read-only memmap, docs: its document offsets, meta.json), all checked."""
-    _require(split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}")
-    name = os.path.basename(os.path.normpath(data_dir))  # prepare.py's command for it: a download, or local text
-    make = (f"run `python data/prepare.py {name}" + " --input <files>" * (name not in ("shakespeare", "tinystories",
-            "owt")) + f" --out_dir {data_dir}" * (os.path.abspath(data_dir) != os.path.join(_ROOT, "data", name))
-            + "` to create it")
-    meta_path, bin_path, docs_path = (os.path.join(data_dir, f) for f in ("meta.json", f"{split}.bin",
-                                                                            f"{split}_docs.npy"))
-    for path in (meta_path, bin_path, docs_path):
-        _require(os.path.isfile(path), f"dataset file {path} is missing: {make}", FileNotFoundError)
-    with open(meta_path) as f:
-        meta = json.load(f)
-    missing = [k for k in ("dtype", "vocab_size", "eot_id", "special_tokens", "vocab", "merges", f"{split}_tokens",
-                           f"{split}_docs") if k not in meta]
-    _require(not missing, f"{meta_path} lacks {missing}: {make}")
-    np_dtype, nbytes = np.dtype(meta["dtype"]), os.path.getsize(bin_path)
-    _require(np_dtype in (np.uint16, np.uint32), f"{meta_path}: dtype {meta['dtype']!r} is neither uint16 nor uint32")
-    _require(nbytes % np_dtype.itemsize == 0, f"{bin_path} has {nbytes} bytes, not a multiple of "
-             f"{np_dtype.itemsize} ({np_dtype}): truncated or written with another dtype; {make}")
-    n = nbytes // np_dtype.itemsize
-    _require(n == meta[f"{split}_tokens"], f"{bin_path} holds {n} tokens but meta.json says "
-             f"{meta[f'{split}_tokens']}; {make}")
-    _require(n > 0, f"{bin_path} is empty; {make}")
-    tokens = np.memmap(bin_path, dtype=np_dtype, mode="r", shape=(n,))
-    _require((top := int(tokens.max())) < meta["vocab_size"], f"{bin_path} contains token id {top} >= vocab_size "
-             f"{meta['vocab_size']}; {make}")
-    docs = np.load(docs_path)
-    _require(docs.ndim == 1 and docs.dtype == np.int64 and len(docs) == meta[f"{split}_docs"] + 1 and docs[0] == 0
-             and docs[-1] == n and np.all(np.diff(docs) > 0), f"{docs_path} is not a valid document index for {n} "
-             f"tokens and {meta[f'{split}_docs']} documents (int64, from 0, strictly increasing, to {n}); {make}")
-    _require(np.all(tokens[docs[1:] - 1] == meta["eot_id"]),
-             f"{bin_path}: not every document ends with eot_id {meta['eot_id']}; {make}")
-    return tokens, docs, meta
-
-
-def _to_device(t, device):  # to a GPU from pinned memory: the copy runs asynchronously
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
-
-
-def get_batch(dataset, batch_size, context_length, device, generator=None):
-    """batch_size random windows, starts uniform in {0, ..., n - context_length - 1}: int64 inputs and next-token
-    targets (B, T) on device. Only the windows are read from the memmap."""
-    n = len(dataset)
-    _require(n >= context_length + 1, f"dataset has {n} tokens, fewer than context_length + 1 = {context_length + 1}")
-    starts = torch.randint(0, n - context_length, (batch_size,), generator=generator).tolist()
-    rows = np.stack([np.asarray(dataset[s:s + context_length + 1], dtype=np.int64) for s in starts])
-    x, y = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
-    return _to_device(x, device), _to_device(y, device)
-
-
-def sample_documents(docs, token_budget, context_length, generator):
-    """Random document pieces until they hold at least token_budget targets (overshooting by less than one piece):
-    their (start, end) token ranges. Documents are cut into context_length-sized pieces, drawn uniformly (each token
-    equally likely, as with concat windows); a piece of L tokens has L - 1 targets, so one-token pieces are skipped."""
-    docs = np.asarray(docs, dtype=np.int64)
-    _require(context_length >= 2, f"context_length must be >= 2, got {context_length}")
-    lengths = np.diff(docs)
-    _require(len(lengths) and lengths.max() >= 2, "no document has 2 or more tokens: nothing to predict")
-    first_piece = np.concatenate([[0], np.cumsum((lengths + context_length - 1) // context_length)])
-    drawn, spans = 0, []
-    while drawn < token_budget:
-        draw = torch.randint(0, int(first_piece[-1]), (max(8, 2 * token_budget // context_length),),
-                             generator=generator).numpy()
-        d = np.searchsorted(first_piece, draw, side="right") - 1
-        starts = docs[d] + (draw - first_piece[d]) * context_length
-        ends = np.minimum(starts + context_length, docs[d + 1])
-        for s, e in zip(starts.tolist(), ends.tolist()):
-            if e - s < 2:
-                continue
-            spans.append((s, e))
-            drawn += e - s - 1
-            if drawn >= token_budget:
-                break
-    return spans
-
-
-def pad_batch(tokens, spans, length, pad_id):
-    """One row per piece, right-padded to `length` with pad_id: x (B, length) int64 holds the piece, y the next
-    token inside the piece and -100 on padding and at the piece's last position (no target crosses its end)."""
-    x = np.full((len(spans), length), pad_id, dtype=np.int64)
-    y = np.full((len(spans), length), -100, dtype=np.int64)
-    for i, (s, e) in enumerate(spans):
-        _require(e - s <= length, f"piece ({s}, {e}) of {e - s} tokens does not fit a row of length {length}")
-        x[i, :e - s] = tokens[s:e]
-        y[i, :e - s - 1] = tokens[s + 1:e]
-    return torch.from_numpy(x), torch.from_numpy(y)
-
-
-def pack_batch(tokens, spans):
-    """All pieces in one row: x = concat(piece[:-1]), y = concat(piece[1:]) as (1, N) int64, with int32
-    cu_seqlens (num_pieces + 1 offsets) over those N positions and max_seqlen (a Python int)."""
-    pieces = [np.asarray(tokens[s:e], dtype=np.int64) for s, e in spans]
-    _require(pieces and min(len(p) for p in pieces) >= 2, "pack_batch needs at least one piece, each of at least "
-             "2 tokens")
-    seqlens = np.array([len(p) - 1 for p in pieces])
-    x = torch.from_numpy(np.concatenate([p[:-1] for p in pieces]))[None]
-    y = torch.from_numpy(np.concatenate([p[1:] for p in pieces]))[None]
-    cu_seqlens = torch.from_numpy(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
-    return x, y, cu_seqlens, int(seqlens.max())
-
-
-def pad_packed(x, y, cu_seqlens, length, pad_id):
-    """A packed batch at a static shape, same loss and gradients: padded to `length` (a document of its own), and
-    cu_seqlens to a power of two of entries by repeating its last offset (empty documents)."""
-    n = x.shape[1]
-    _require(n <= length, f"a packed batch of {n} tokens does not fit a static length of {length}")
-    if n < length:
-        x = torch.cat([x, x.new_full((1, length - n), pad_id)], 1)
-        y = torch.cat([y, y.new_full((1, length - n), -100)], 1)
-        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([length])])
-    entries = 1 << (len(cu_seqlens) - 1).bit_length()  # the next power of two >= len(cu_seqlens)
-    return x, y, torch.cat([cu_seqlens, cu_seqlens[-1:].expand(entries - len(cu_seqlens))])
-
-
-def make_batch(tokens, docs, c, generator, device, pad_id):
-    """One micro-batch of c.batching, (x, y, cu_seqlens or None, max_seqlen or None, real targets): concat, windows of
-    the stream; pad / dynamic_pad, a document piece per row padded to context_length / the longest; pack, one row."""
-    if c.batching == "concat":
-        x, y = get_batch(tokens, c.batch_size, c.context_length, device, generator)
-        return x, y, None, None, c.batch_size * c.context_length
-    spans = sample_documents(docs, c.batch_size * c.context_length, c.context_length, generator)
-    n_real = sum(e - s - 1 for s, e in spans)
-    if c.batching != "pack":
-        x, y = pad_batch(tokens, spans, c.context_length if c.batching == "pad" else max(e - s for s, e in spans),
-                         pad_id)
-        return _to_device(x, device), _to_device(y, device), None, None, n_real
-    x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
-    if c.pack_static:  # the pieces overshoot the budget by less than one: at most context_length of padding
-        x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, (c.batch_size + 1) * c.context_length, pad_id)
-        max_seqlen = c.context_length
-    return _to_device(x, device), _to_device(y, device), _to_device(cu_seqlens, device), max_seqlen, n_real
-
-
-def batch_generator(seed, iteration, micro):
-    """The data RNG of one micro-batch, a pure function of (seed, iteration (validation: negative), global micro-batch
-    index): a resumed run draws the uninterrupted one's batches, N ranks those of 1 process accumulating N-fold."""
-    return torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_000_003 + micro) & (2 ** 63 - 1))
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# checkpoints
-
-def _unwrap(model):  # the plain model under torch.compile's and data-parallel wrappers
-    while hasattr(model, "_orig_mod") or isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
-    return model
-
-
-def _clean_state_dict(state_dict):
-    return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}  # torch.compile's wrapper's names
-
-
-def save_checkpoint(model, optimizer, iteration, out, **extra):
-    """torch.save {"model", "optimizer", "iteration", **extra} to a path (a temp file, read back, then os.replace) or
-    a file object. model: a module (wrappers unwrapped) or a state dict; optimizer: one, its state dict or None."""
-    state_dict = model if isinstance(model, dict) else _unwrap(model).state_dict()
-    ckpt = {"model": _clean_state_dict(state_dict),
-            "optimizer": optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer,
-            "iteration": int(iteration), **extra}
-    if not isinstance(out, (str, os.PathLike)):
-        return torch.save(ckpt, out)
-    tmp = os.fspath(out) + ".tmp"
-    torch.save(ckpt, tmp)
-    if crc_failure(tmp):  # what reached the file does not read back as written: the old checkpoint stays
-        os.remove(tmp)
-        raise RuntimeError(f"checkpoint {tmp} was damaged on its way to the disk; {out} is left as it was")
-    os.replace(tmp, out)
-
-
-def load_checkpoint(src, model, optimizer):
-    """Load a save_checkpoint file into model (and optimizer, unless None); returns the iteration."""
-    ckpt = read_checkpoint(src)
-    _unwrap(model).load_state_dict(_clean_state_dict(ckpt["model"]))
-    if optimizer is not None:
-        _require(ckpt.get("optimizer") is not None, f"checkpoint {src} holds no optimizer state", RuntimeError)
-        optimizer.load_state_dict(ckpt["optimizer"])
-    return ckpt["iteration"]
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# the training step, eager or as CUDA graphs
-
-def make_step(w, optimizer, micro_step, max_norm, graphs=None):
-    """step(batches) -> gradient norm: micro_step(j, batch) per micro-batch, sync, clip, optimizer step. graphs: None,
-    'micro' (compiled with mode='reduce-overhead') or 'whole' (whole_step_graph over buffers each call fills)."""
-    if graphs == "micro":  # a gradient left None would be a replay's output, overwritten by the next micro-step
-        for p in w.parameters():
-            p.grad = torch.zeros_like(p)
-
-    def step(batches):
-        for j, batch in enumerate(batches):
-            if graphs == "micro":  # a replay's outputs live until the next one: each forward starts a new step
-                torch.compiler.cudagraph_mark_step_begin()
-            micro_step(j, batch)
-        w.finish()
-        norm = w.clip_grad_norm(max_norm)
-        optimizer.step()
-        return norm
-
-    def eager(batches):
-        norm = step(batches)
-        optimizer.zero_grad(set_to_none=graphs is None)
-        return norm
-
-    buffers, replay = [], []
-
-    def whole(batches):
-        if not replay:
-            buffers.extend([t.clone() if torch.is_tensor(t) else t for t in b] for b in batches)
-            replay.append(whole_step_graph(lambda: step(buffers), optimizer, buffers[0][0].device))
-        for buffer, batch in zip(buffers, batches):
-            for b, t in zip(buffer, batch):
-                if torch.is_tensor(t):
-                    b.copy_(t)
-        return replay[0]()
-    return whole if graphs == "whole" else eager
-
-
-def whole_step_graph(step, optimizer, device, eager_steps=2):
-    """step() (ending in optimizer.step(), optimizer capturable) as one CUDA graph: eager_steps calls on a side stream
-    (to compile, autotune, make the optimizer state), then capture_step, then replays."""
-    side, calls, replay = torch.cuda.Stream(device), [0], []
-
-    def run():
-        calls[0] += 1
-        if calls[0] <= eager_steps:  # after the work queued before, before the work queued after
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                out = step()
-            torch.cuda.current_stream(device).wait_stream(side)
-            optimizer.zero_grad(set_to_none=True)
-            return out
-        if not replay:
-            replay.append(capture_step(step, optimizer))
-        return replay[0]()
-    return run
-
-
-def capture_step(step, optimizer):
-    """step() (its batch in tensors that stay in place; optimizer capturable and stepped once) as a CUDA graph:
-    replay() advances the optimizer's step count on the host, replays, and returns step()'s outputs (same tensors)."""
-    _require(getattr(optimizer, "capturable", False) or all(g.get("capturable", False) for g in
-             optimizer.param_groups), "capture_step needs an optimizer made with capturable=True")
-    advance = getattr(optimizer, "advance", lambda: None)
-    optimizer.zero_grad(set_to_none=True)  # each replay's first backward writes the gradients
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-
-    def replay():
-        advance()
-        graph.replay()
-        return outputs
-    return replay
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# the run: set-up
-
-def resume_config(config, given, saved, log):
-    """The saved config under the keys this command line gives: a change is warned of, one of RESUME_FIXED refused."""
-    this_run = ("init_from", "force", "out_dir")  # where the checkpoint is now, and how this run starts
-    merged = dict(config, **{k: v for k, v in saved.items() if k in config and k not in this_run})
-    merged.update({k: config[k] for k in given if k not in this_run})
-    changed = [k for k in sorted(given - set(this_run)) if k in saved and config[k] != saved[k]]
-    refused = [f"{k}={config[k]!r} (saved {saved[k]!r})" for k in changed if k in RESUME_FIXED]
-    _require(not refused, f"cannot resume exactly with {', '.join(refused)}: drop these flags, or start a new run "
-             f"in another out_dir", ConfigError)
-    for key in changed:
-        log(f"warning: resume changes {key} from {saved[key]!r} to {config[key]!r}")
-    return merged
-
-
-def claim_out_dir(c, master, log):
-    """A scratch run must not destroy a run in out_dir: refuse, or with force=True move it to a new out_dir/old/N."""
-    old = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(c.out_dir, n))]
-    if c.init_from != "resume" and old:
-        _require(c.force, f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to continue "
-                 f"it, or --force=True to start over (that run is then moved to {c.out_dir}/old/N)", ConfigError)
-        if master:
-            done = os.listdir(os.path.join(c.out_dir, "old")) if os.path.isdir(os.path.join(c.out_dir, "old")) else []
-            keep = os.path.join(c.out_dir, "old", str(1 + max((int(n) for n in done if n.isdigit()), default=0)))
-            os.makedirs(keep)
-            for name in old + ["loss.png"] * os.path.exists(os.path.join(c.out_dir, "loss.png")):
-                os.replace(os.path.join(c.out_dir, name), os.path.join(keep, name))
-            log(f"force: moved the run that was in {c.out_dir} to {keep}")
-    os.makedirs(c.out_dir, exist_ok=True)
-
-
-def _user_input(load, *args):
-    """load(*args), its errors about a missing or damaged dataset or checkpoint as ConfigError (one line, cli)."""
-    try:
-        return load(*args)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ConfigError(e) from None
-
-
-def setup(config, given, rank, world_size, dev, log):
-    """Everything the loop needs, as a namespace; every input is judged before anything is written."""
-    c, ckpt = SimpleNamespace(**config), None
-    ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
-    if c.init_from == "resume":  # the saved config, with this command line's changes (or refusals)
-        ckpt = _user_input(read_checkpoint, ckpt_path)
-        c = SimpleNamespace(**resume_config(config, given, ckpt.get("config", {}), log))
-    check_config(c, world_size)
-    c.grad_accum = c.grad_accum or world_size  # saved resolved: a resume on another world size keeps the batch
-    _require(not c.cuda_graphs or dev.type == "cuda", f"cuda_graphs needs a CUDA device, got {dev}", ConfigError)
-    ptdtype = torch.bfloat16 if c.dtype == "bfloat16" or c.dtype == "auto" and dev.type == "cuda" else torch.float32
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-
-    data_dir = c.data_dir or os.path.join(_ROOT, "data", c.dataset)
-    if not os.path.isfile(os.path.join(data_dir, "meta.json")) and c.dataset == "shakespeare" and not c.data_dir:
-        if rank == 0:  # the default data, prepared on first use (the other ranks wait)
-            log(f"{data_dir} is missing: running `python data/prepare.py shakespeare`")
-            subprocess.run([sys.executable, os.path.join(_ROOT, "data", "prepare.py"), "shakespeare"], check=True)
-        if world_size > 1:
-            torch.distributed.barrier()
-    (train_tokens, train_docs, meta), (val_tokens, val_docs, _) = (_user_input(load_dataset, data_dir, s)
-                                                                    for s in ("train", "val"))
-    vocab_size = meta["vocab_size"]
-    for name, toks in (("train", train_tokens), ("val", val_tokens)):
-        _require(c.batching != "concat" or len(toks) > c.context_length, f"{name} split has {len(toks)} tokens, "
-                 f"fewer than context_length + 1 = {c.context_length + 1}: lower context_length or prepare more data",
-                 ConfigError)
-
-    # the model: from scratch, with the checkpoint's model_args, or a Llama directory's weights
-    model_args = dict(vocab_size=vocab_size, context_length=c.context_length, d_model=c.d_model,
-                      num_layers=c.num_layers, num_heads=c.num_heads, d_ff=c.d_ff, rope_theta=c.rope_theta,
-                      tie_embeddings=c.tie_embeddings)
-    # how much is recomputed is a run setting, not part of the architecture: never saved with model_args
-    recompute = dict(act_ckpt_every=c.act_ckpt_every, act_ckpt_layers=None if c.act_ckpt_layers < 0 else
-                     c.act_ckpt_layers, selective_recompute=c.selective_recompute)
-    if ckpt is not None:
-        model_args = {k: v for k, v in ckpt["model_args"].items() if k not in recompute}
-        _require(model_args["vocab_size"] == vocab_size, f"checkpoint {ckpt_path} has vocab_size "
-                 f"{model_args['vocab_size']} but dataset {data_dir} has {vocab_size}: resume on the data it was "
-                 f"trained on", ConfigError)
-    llama_state = None
-    if c.init_from not in ("scratch", "resume"):
-        model_args, llama_state = _user_input(llama_init, c.init_from, vocab_size, c.context_length)
-    claim_out_dir(c, rank == 0, log)  # every input judged: from here on the run writes
-    attn = c.attn_impl if c.attn_impl != "auto" else auto_attn_impl(dev.type, packed=c.batching == "pack")
-    torch.manual_seed(c.seed)
-    model = TransformerLM(**model_args, **recompute, attn_impl=attn, device=dev)
-    if llama_state is not None:
-        model.load_state_dict(llama_state)
-    impl = c.ddp_impl if world_size > 1 else "none"
-    flops_tok = flops_per_token(vocab_size, model_args["context_length"], model_args["d_model"],
-                                model_args["num_layers"], model_args["d_ff"], causal=True)
-    peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
-                            if dev.type == "cuda" else 0.0)  # MFU's denominator, per GPU
-    log(f"model: {count_params(model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token (training, "
-        f"causal), attn_impl={attn}, dtype={ptdtype}, device={dev}, world_size={world_size}, ddp_impl={impl}"
-        f"{' + zero1' if c.zero1 and world_size > 1 else ''}, batching={c.batching}")
-
-    # CUDA graphs: the whole step for concat batches, else one per micro-step (torch.compile's reduce-overhead);
-    # document batches change shape every step: compiled for dynamic shapes at once rather than on the second
-    graphs = None if not c.cuda_graphs else "whole" if c.batching == "concat" else "micro"
-    static = c.batching == "concat" or c.pack_static  # (pack_static needs batching='pack': check_config)
-    compile_kwargs = dict(dynamic=not static, **({"mode": "reduce-overhead"} if graphs == "micro" else {}))
-    w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb, compute_dtype=None if ptdtype == torch.float32
-                 else ptdtype, compile=c.compile, compile_kwargs=compile_kwargs)
-    def decay_groups(named):  # weight decay on the matrices, none on the RMSNorm gains (ln1, ln2, ln_final)
-        gain = {p: any(part.startswith("ln") for part in name.split(".")) for name, p in named}
-        return [{"params": [p for p in gain if gain[p] == g], "weight_decay": 0.0 if g else c.weight_decay}
-                for g in (False, True)]
-
-    def muon_groups(named):  # Muon for the blocks' matrices, then AdamW's groups
-        named = list(named)
-        hidden = {n for n, p in named if n.startswith("layers.") and p.dim() == 2}
-        muon = {"params": [p for n, p in named if n in hidden], "muon": True,
-                "weight_decay": c.weight_decay}
-        rest = decay_groups([(n, p) for n, p in named if n not in hidden])
-        return [muon] + [dict(g, muon=False, lr=c.learning_rate) for g in rest]
-
-    adamw = dict(betas=(c.beta1, c.beta2), eps=c.eps,
-                 capturable=graphs == "whole")
-    if c.optimizer == "muon":  # a rank orthogonalizes its share: ZeRO-1 unless FSDP
-        optimizer = w.make_optimizer(
-            Muon, muon_groups, zero1=not w.sharded, lr=c.muon_lr,
-            momentum=c.muon_momentum, compiled=c.compile, **adamw)
-    else:
-        optimizer = w.make_optimizer(
-            AdamW, decay_groups, zero1=c.zero1, lr=c.learning_rate,
-            **adamw)
-    start_iter, loss_window = 0, {"from": 0, "loss_sum": 0.0}
-    if ckpt is not None:
-        w.load_state_dict(_clean_state_dict(ckpt["model"]))
-        w.load_optimizer_state_dict(optimizer, ckpt["optimizer"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if dev.type == "cuda" and "cuda" in ckpt["rng"]:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], dev)
-        start_iter = ckpt["iteration"]
-        # the open log window's loss sum (older checkpoints have none: the window starts here)
-        loss_window = ckpt.get("loss_window", {"from": start_iter, "loss_sum": 0.0})
-        log(f"resumed from {ckpt_path} at iteration {start_iter}")
-
-    # fixed validation batches, every world_size-th one here; all ranks run as many (FSDP), the extras count 0 tokens
-    val_batches = []
-    for i in range(rank, -(-c.eval_iters // world_size) * world_size, world_size):
-        b = make_batch(val_tokens, val_docs, c, batch_generator(c.seed, -1 - (i % c.eval_iters), 0), dev,
-                       meta["eot_id"])
-        val_batches.append(b if i < c.eval_iters else b[:4] + (0,))
-    log_path = os.path.join(c.out_dir, "log.jsonl")
-    if rank == 0 and c.init_from == "resume":
-        log_record(log_path, {"step": start_iter, "resumed_from": ckpt_path})
-    if rank == 0 and c.init_from != "resume":
-        open(log_path, "w").close()  # claim_out_dir made sure no run's log is here
-        counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64)
-        p = counts[counts > 0] / counts.sum()
-        log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, vocab_size {vocab_size}; "
-            f"unigram entropy {-(p * np.log(p)).sum():.3f} nats/token (the loss of a model that ignores context)")
-    if importlib.util.find_spec("matplotlib") is None:
-        log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
-    return SimpleNamespace(c=c, w=w, optimizer=optimizer, graphs=graphs, start_iter=start_iter, meta=meta,
-                           data_dir=data_dir, train_tokens=train_tokens, train_docs=train_docs, peak=peak,
-                           val_batches=val_batches, model_args=model_args, flops_tok=flops_tok, ptdtype=ptdtype,
-                           ckpt_path=ckpt_path, log_path=log_path, loss_window=loss_window)
-
-
-class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning) only set a flag, asked for before each step; under several
-    processes it is all-reduced (max) over a CPU gloo group: every rank stops at the same step, no GPU sync."""
-
-    def __init__(self, world_size):
-        self.signum, self.previous = 0, {}
-        self.group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
-
-    def install(self):  # before it (set-up, data preparation) Ctrl-C interrupts at once
-        if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def _handle(self, signum, frame):
-        if not self.signum:  # a second signal (torchrun forwards the terminal's Ctrl-C too) changes nothing
-            self.signum = signum
-            print(f"received {signal.Signals(signum).name}: stopping after the current step and saving a "
-                  f"checkpoint", file=sys.stderr, flush=True)
-
-    def requested(self):
-        """The signal to stop for (the same on every rank), or 0."""
-        if self.group is None:
-            return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return int(flag)
-
-    def restore(self):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def log_record(log_path, record):
-    """Append a record to log.jsonl and redraw loss.png beside it (when matplotlib is installed)."""
-    with open(log_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    if "val_loss" not in record:
-        return
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # train() said so once
-        return
-    with open(log_path) as f:
-        records = [json.loads(line) for line in f]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style, label in (("loss", "-", "train"), ("val_loss", "o-", "val (fixed batches)")):
-        points = [(r["step"], r[key]) for r in records if key in r]
-        if points:
-            ax.plot(*zip(*points), style, label=label)
-    ax.set(xlabel="step", ylabel="loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(os.path.dirname(log_path), "loss.png"), dpi=100)
-    plt.close(fig)
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# the run: the training loop
-
-def train(config, given, rank, world_size, dev, stops):
-    """The run on this rank; returns 0, or 128 + the number of the signal that stopped it (after a checkpoint)."""
-    master = rank == 0
-    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
-    r = setup(config, given, rank, world_size, dev, log)
-    c, w, optimizer = r.c, r.w, r.optimizer
-    autocast = torch.autocast(dev.type, dtype=r.ptdtype, enabled=r.ptdtype != torch.float32)
-    local_accum = c.grad_accum // world_size
-    # fp64: each micro-batch loss enters the sum exactly: any number of ranks logs the same loss.
-    # The sum runs from step loss_from: a resume continues its checkpoint's window (on rank 0).
-    loss_from = r.loss_window["from"]
-    carried = r.loss_window["loss_sum"] if master else 0.0
-    loss_sum = torch.full((), carried, dtype=torch.float64, device=dev)
-
-    def micro_step(j, batch):  # forward and backward of one micro-batch; the gradients sync after the last
-        x, y, cu_seqlens, max_seqlen = batch
-        with w.no_sync() if j < local_accum - 1 else contextlib.nullcontext():
-            with autocast:  # targets given: the mean loss through the fused head, never the full logits
-                loss = w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y)
-            (loss / local_accum).backward()  # the wrappers average over ranks: 1/grad_accum overall
-        loss_sum.add_(loss.detach())
-    train_step = make_step(w, optimizer, micro_step, c.grad_clip if c.grad_clip > 0 else float("inf"), r.graphs)
-
-    def sum_over_ranks(*values):  # one all-reduce of a few numbers, in fp64
-        t = torch.tensor(values, dtype=torch.float64, device=dev)
-        if world_size > 1:
-            torch.distributed.all_reduce(t)
-        return t.tolist()
-
-    def evaluate(step):  # the validation loss over the fixed batches (every rank); returns the seconds it took
-        t0, model = time.time(), w.module if r.graphs else w  # graphs: the eager model, not a second graph set
-        total, count = torch.zeros((), dtype=torch.float64), 0
-        model.eval()
-        with torch.no_grad(), autocast:
-            for x, y, cu_seqlens, max_seqlen, n_real in r.val_batches:
-                loss = model(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y)
-                total, count = total + loss.double().cpu() * n_real, count + n_real
-        model.train()
-        total, count = sum_over_ranks(total.item(), count)
-        log(f"step {step}: val loss {total / count:.4f}, perplexity {math.exp(total / count):.2f}")
-        if master:
-            log_record(r.log_path, {"step": step, "val_loss": total / count, "time_s": time.time() - t_start})
-        return time.time() - t0
-
-    def save(step):  # collective under sharding (every rank calls it); rank 0 writes the full state dicts
-        state, opt_state = w.state_dict(), w.optimizer_state_dict(optimizer)
-        window_sum = sum_over_ranks(loss_sum.item())[0]
-        loss_window = {"from": loss_from, "loss_sum": window_sum}
-        if master:
-            tokenizer = {"vocab": os.path.join(r.data_dir, r.meta["vocab"]), "special_tokens":
-                         list(r.meta["special_tokens"]), "merges": os.path.join(r.data_dir, r.meta["merges"])}
-            rng = {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(dev)} if dev.type == "cuda"
-                                                      else {})}
-            save_checkpoint(state, opt_state, step, r.ckpt_path, model_args=r.model_args, config=vars(c),
-                            tokenizer=tokenizer, rng=rng, world_size=world_size,
-                            loss_window=loss_window)
-
-    saved_at = r.start_iter if c.init_from == "resume" else None
-    stops.install()
-    # on CPU the same seed gives the same bits: else the embedding's backward adds rows in threads' order
-    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu", warn_only=True)
-    t_start = time.time()
-    t_last, it_last, tokens_since, eta_from = t_start, r.start_iter, 0, None
-    w.train()
-    try:
-        for it in range(r.start_iter, c.max_iters):
-            stop = stops.requested()
-            if it % c.eval_interval == 0 and not (it == r.start_iter and c.init_from == "resume"):
-                t_last += evaluate(it)  # evaluation time is not training time (and a resumed run skips this one)
-            if stop:  # `it` steps are complete: keep them, and say how to continue
-                if saved_at != it:
-                    save(it)
-                local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this node
-                launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={local} " + (
-                    "--standalone" if local == world_size else f"--nnodes={world_size // local} --rdzv_backend=c10d "
-                    "--rdzv_endpoint=HOST0:PORT")
-                log(f"stopped by {signal.Signals(stop).name} after step {it}: checkpoint in {r.ckpt_path}; continue "
-                    f"with `{launcher} train.py --out_dir={c.out_dir} --init_from=resume`")
-                return 128 + stop
-
-            lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters or c.max_iters)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-                if group.get("muon"):  # the same schedule at Muon's peak
-                    group["lr"] = lr * c.muon_lr / c.learning_rate
-            batches = [make_batch(r.train_tokens, r.train_docs, c, batch_generator(c.seed, it, rank * local_accum + j),
-                                  dev, r.meta["eot_id"]) for j in range(local_accum)]  # this rank's micro-batches
-            tokens_since += sum(b[-1] for b in batches)
-            grad_norm = train_step([b[:-1] for b in batches])
-
-            step = it + 1
-            if step % c.log_interval == 0 or step == c.max_iters:
-                # the loss of the whole global batch: every rank's micro-batch losses, summed in one all-reduce
-                loss_total, tokens = sum_over_ranks(loss_sum.item(), tokens_since)
-                now = time.time()
-                train_loss = loss_total / c.grad_accum / (step - loss_from)
-                dt = (now - t_last) / (step - it_last)
-                tok_s = tokens / (now - t_last)
-                mfu = r.flops_tok * tok_s / (r.peak * world_size) if r.peak else None
-                t0, step0 = eta_from or (t_last, it_last)  # the mean since this run's first log line (after warm-up)
-                eta, eta_from = (now - t0) / (step - step0) * (c.max_iters - step), eta_from or (now, step)
-                log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, grad norm {float(grad_norm):.3f}"
-                    f", {tok_s:,.0f} tok/s, " + (f"MFU {100 * mfu:.1f}%, " if mfu is not None else "")
-                    + f"{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min")
-                if master:
-                    log_record(r.log_path, {"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
-                                            "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1000 * dt,
-                                            "eta_s": eta, "time_s": now - t_start})
-                t_last, it_last, tokens_since = now, step, 0
-                if step % c.log_interval == 0:  # a last, shorter window stays open for a resume
-                    loss_sum.zero_()
-                    loss_from = step
-            if step == c.max_iters:
-                evaluate(step)
-            if step % c.save_interval == 0 or step == c.max_iters:
-                save(step)
-                saved_at = step
-                log(f"saved {r.ckpt_path} at step {step}")
-        log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
-        return 0
-    finally:
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
 if __name__ == "__main__":
