@@ -8,26 +8,34 @@ Train a TransformerLM on a tokenized dataset.
     torchrun --standalone --nproc_per_node=4 train.py config/small.py   # 4 GPUs; --ddp_impl=..., --zero1=True
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py  # on each host
 
-The file, top-down: the config globals; train(), the loop; the parts it calls: set-up (setup,
-StopSignals, log_record), the step (make_step: eager or as CUDA graphs), data and batches,
-checkpoints; the command line (main, cli), which answers --help and bad flags before torch is
-imported; then AdamW, Muon, the schedule and clipping. Importing the file has no side effects.
-SIGINT (Ctrl-C) or SIGTERM end a run after the step in progress, with a checkpoint and the
+The file, top-down: the config globals; train(), the loop; the parts it
+calls: set-up, the step (make_step: eager or as CUDA graphs), data and
+batches, checkpoints; the command line (main, cli), which answers --help
+and bad flags before torch is imported; then AdamW, Muon, the schedule and
+clipping. Importing the file has no side effects. SIGINT (Ctrl-C) or
+SIGTERM end a run after the step in progress, with a checkpoint and the
 command that continues it.
 """
 import ast
 import builtins
+import contextlib
 import difflib
-import io
+import importlib.util
+import json
+import math
 import os
+import re
+import signal
+import subprocess
 import sys
-import tokenize
+import threading
+import time
 import traceback
 from types import SimpleNamespace
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# -----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # config: defaults are a CPU run
 # I/O
 out_dir = "out"                 # checkpoint (ckpt.pt), log.jsonl and loss.png
@@ -80,39 +88,53 @@ ddp_impl = "bucketed"           # under torchrun: one of DDP_IMPLS
 zero1 = False                   # shard AdamW state across ranks (ddp.ShardedOptimizer; not with fsdp)
 bucket_size_mb = 25.0           # bucket size of ddp_impl='bucketed'
 peak_flops = 0.0                # per-GPU peak FLOP/s for MFU (0 = PEAK_FLOPS of the GPU, else no MFU)
-# -----------------------------------------------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items()
+               if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 
 BATCHING = ("concat", "pad", "dynamic_pad", "pack")
 OPTIMIZERS = ("adamw", "muon")
-DDP_IMPLS = ("naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")  # ddp.IMPLS but 'none'
+# ddp.IMPLS but 'none'
+DDP_IMPLS = ("naive", "flat", "overlap", "bucketed", "fsdp", "torch", "torch_fsdp")
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# the run: the training loop
+# -----------------------------------------------------------------------------
+# the training loop
 
 def train(config, given, rank, world_size, dev, stops):
-    """The run on this rank; returns 0, or 128 + the number of the signal that stopped it (after a checkpoint)."""
+    """The run on this rank; returns 0, or 128 + the number of the signal
+    that stopped it (after a checkpoint)."""
     master = rank == 0
-    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+
+    def log(*args):
+        if master:
+            print(*args, flush=True)
+
     r = setup(config, given, rank, world_size, dev, log)
     c, w, optimizer = r.c, r.w, r.optimizer
-    autocast = torch.autocast(dev.type, dtype=r.ptdtype, enabled=r.ptdtype != torch.float32)
     local_accum = c.grad_accum // world_size
-    # fp64: each micro-batch loss enters the sum exactly: any number of ranks logs the same loss.
-    # The sum runs from step loss_from: a resume continues its checkpoint's window (on rank 0).
+    autocast = torch.autocast(dev.type, dtype=r.ptdtype,
+                              enabled=r.ptdtype != torch.float32)
+    # the train loss summed since step loss_from, in fp64: each micro-batch
+    # loss enters exactly, so any number of ranks logs the same loss; a
+    # resume carries its checkpoint's sum on rank 0
     loss_from = r.loss_window["from"]
     carried = r.loss_window["loss_sum"] if master else 0.0
     loss_sum = torch.full((), carried, dtype=torch.float64, device=dev)
 
-    def micro_step(j, batch):  # forward and backward of one micro-batch; the gradients sync after the last
+    def micro_step(j, batch):  # forward and backward of one micro-batch
         x, y, cu_seqlens, max_seqlen = batch
-        with w.no_sync() if j < local_accum - 1 else contextlib.nullcontext():
-            with autocast:  # targets given: the mean loss through the fused head, never the full logits
-                loss = w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y)
-            (loss / local_accum).backward()  # the wrappers average over ranks: 1/grad_accum overall
+        last = j == local_accum - 1  # the gradients sync after the last
+        with contextlib.nullcontext() if last else w.no_sync():
+            with autocast:  # given targets: the loss, never the full logits
+                loss = w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                         targets=y)
+            # the wrappers average over ranks: 1 / grad_accum overall
+            (loss / local_accum).backward()
         loss_sum.add_(loss.detach())
-    train_step = make_step(w, optimizer, micro_step, c.grad_clip if c.grad_clip > 0 else float("inf"), r.graphs)
+
+    max_norm = c.grad_clip if c.grad_clip > 0 else float("inf")
+    train_step = make_step(w, optimizer, micro_step, max_norm, r.graphs)
 
     def sum_over_ranks(*values):  # one all-reduce of a few numbers, in fp64
         t = torch.tensor(values, dtype=torch.float64, device=dev)
@@ -120,240 +142,257 @@ def train(config, given, rank, world_size, dev, stops):
             torch.distributed.all_reduce(t)
         return t.tolist()
 
-    def evaluate(step):  # the validation loss over the fixed batches (every rank); returns the seconds it took
-        t0, model = time.time(), w.module if r.graphs else w  # graphs: the eager model, not a second graph set
-        total, count = torch.zeros((), dtype=torch.float64), 0
+    def evaluate(step):  # on every rank; returns the seconds it took
+        t0 = time.time()
+        model = w.module if r.graphs else w  # not a second set of graphs
+        total = torch.zeros((), dtype=torch.float64)
+        count = 0
         model.eval()
         with torch.no_grad(), autocast:
             for x, y, cu_seqlens, max_seqlen, n_real in r.val_batches:
-                loss = model(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, targets=y)
-                total, count = total + loss.double().cpu() * n_real, count + n_real
+                loss = model(x, cu_seqlens=cu_seqlens,
+                             max_seqlen=max_seqlen, targets=y)
+                total = total + loss.double().cpu() * n_real
+                count = count + n_real
         model.train()
         total, count = sum_over_ranks(total.item(), count)
-        log(f"step {step}: val loss {total / count:.4f}, perplexity {math.exp(total / count):.2f}")
+        val_loss = total / count
+        log(f"step {step}: val loss {val_loss:.4f}, "
+            f"perplexity {math.exp(val_loss):.2f}")
         if master:
-            log_record(r.log_path, {"step": step, "val_loss": total / count, "time_s": time.time() - t_start})
+            elapsed = time.time() - t_start
+            log_record(r.log_path, {"step": step, "val_loss": val_loss,
+                                    "time_s": elapsed})
         return time.time() - t0
 
-    def save(step):  # collective under sharding (every rank calls it); rank 0 writes the full state dicts
-        state, opt_state = w.state_dict(), w.optimizer_state_dict(optimizer)
+    def save(step):  # every rank calls it (collective under sharding)
+        state = w.state_dict()
+        opt_state = w.optimizer_state_dict(optimizer)
         window_sum = sum_over_ranks(loss_sum.item())[0]
         loss_window = {"from": loss_from, "loss_sum": window_sum}
-        if master:
-            tokenizer = {"vocab": os.path.join(r.data_dir, r.meta["vocab"]), "special_tokens":
-                         list(r.meta["special_tokens"]), "merges": os.path.join(r.data_dir, r.meta["merges"])}
-            rng = {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(dev)} if dev.type == "cuda"
-                                                      else {})}
-            save_checkpoint(state, opt_state, step, r.ckpt_path, model_args=r.model_args, config=vars(c),
-                            tokenizer=tokenizer, rng=rng, world_size=world_size,
-                            loss_window=loss_window)
+        if not master:
+            return
+        rng = {"torch": torch.get_rng_state()}
+        if dev.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(dev)
+        save_checkpoint(state, opt_state, step, r.ckpt_path,
+                        model_args=r.model_args, config=vars(c),
+                        tokenizer=r.tokenizer, rng=rng,
+                        world_size=world_size, loss_window=loss_window)
 
-    saved_at = r.start_iter if c.init_from == "resume" else None
+    def log_progress(step, lr, grad_norm):
+        nonlocal t_last, step_last, tokens_since, eta_from, loss_from
+        # the loss of the whole global batch: every rank's micro-batches
+        loss_total, tokens = sum_over_ranks(loss_sum.item(), tokens_since)
+        train_loss = loss_total / c.grad_accum / (step - loss_from)
+        now = time.time()
+        seconds = now - t_last
+        dt = seconds / (step - step_last)
+        tok_s = tokens / seconds
+        mfu, mfu_text = None, ""
+        if r.peak:
+            mfu = r.flops_tok * tok_s / (r.peak * world_size)
+            mfu_text = f"MFU {100 * mfu:.1f}%, "
+        # the ETA: the mean step since the first log line (after warm-up)
+        t0, step0 = eta_from or (t_last, step_last)
+        eta = (now - t0) / (step - step0) * (c.max_iters - step)
+        eta_from = eta_from or (now, step)
+        log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, "
+            f"lr {lr:.2e}, grad norm {grad_norm:.3f}, {tok_s:,.0f} tok/s, "
+            f"{mfu_text}{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min")
+        if master:
+            log_record(r.log_path, {
+                "step": step, "loss": train_loss, "lr": lr,
+                "grad_norm": grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
+                "ms_per_step": 1000 * dt, "eta_s": eta,
+                "time_s": now - t_start})
+        t_last, step_last, tokens_since = now, step, 0
+        if step % c.log_interval == 0:  # else it stays open for a resume
+            loss_sum.zero_()
+            loss_from = step
+
+    resumed = c.init_from == "resume"
+    saved_at = r.start_iter if resumed else None
+    decay_end = c.lr_decay_iters or c.max_iters
+    pad_id = r.meta["eot_id"]
     stops.install()
-    # on CPU the same seed gives the same bits: else the embedding's backward adds rows in threads' order
-    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu", warn_only=True)
-    t_start = time.time()
-    t_last, it_last, tokens_since, eta_from = t_start, r.start_iter, 0, None
+    # on CPU the same seed gives the same bits: else the embedding's backward
+    # adds rows in the threads' order
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu",
+                                       warn_only=True)
+    t_start = t_last = time.time()
+    step_last, tokens_since, eta_from = r.start_iter, 0, None
     w.train()
     try:
         for it in range(r.start_iter, c.max_iters):
             stop = stops.requested()
-            if it % c.eval_interval == 0 and not (it == r.start_iter and c.init_from == "resume"):
-                t_last += evaluate(it)  # evaluation time is not training time (and a resumed run skips this one)
-            if stop:  # `it` steps are complete: keep them, and say how to continue
+            if it % c.eval_interval == 0:
+                if not (resumed and it == r.start_iter):  # done before
+                    t_last += evaluate(it)  # not counted as training time
+            if stop:  # `it` steps are complete: keep them
                 if saved_at != it:
                     save(it)
-                local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # processes on this node
-                launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={local} " + (
-                    "--standalone" if local == world_size else f"--nnodes={world_size // local} --rdzv_backend=c10d "
-                    "--rdzv_endpoint=HOST0:PORT")
-                log(f"stopped by {signal.Signals(stop).name} after step {it}: checkpoint in {r.ckpt_path}; continue "
-                    f"with `{launcher} train.py --out_dir={c.out_dir} --init_from=resume`")
+                log(f"stopped by {signal.Signals(stop).name} after step "
+                    f"{it}: checkpoint in {r.ckpt_path}; continue with "
+                    f"`{launcher(world_size)} train.py --out_dir="
+                    f"{c.out_dir} --init_from=resume`")
                 return 128 + stop
 
-            lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters or c.max_iters)
+            lr = get_lr_cosine_schedule(it, c.learning_rate, c.min_lr,
+                                        c.warmup_iters, decay_end)
             for group in optimizer.param_groups:
                 group["lr"] = lr
                 if group.get("muon"):  # the same schedule at Muon's peak
                     group["lr"] = lr * c.muon_lr / c.learning_rate
-            batches = [make_batch(r.train_tokens, r.train_docs, c, batch_generator(c.seed, it, rank * local_accum + j),
-                                  dev, r.meta["eot_id"]) for j in range(local_accum)]  # this rank's micro-batches
-            tokens_since += sum(b[-1] for b in batches)
-            grad_norm = train_step([b[:-1] for b in batches])
+
+            batches = []
+            for j in range(local_accum):  # this rank's micro-batches
+                draw = batch_generator(c.seed, it, rank * local_accum + j)
+                batches.append(make_batch(r.train_tokens, r.train_docs, c,
+                                          draw, dev, pad_id))
+            tokens_since += sum(batch[-1] for batch in batches)
+            grad_norm = train_step([batch[:-1] for batch in batches])
 
             step = it + 1
-            if step % c.log_interval == 0 or step == c.max_iters:
-                # the loss of the whole global batch: every rank's micro-batch losses, summed in one all-reduce
-                loss_total, tokens = sum_over_ranks(loss_sum.item(), tokens_since)
-                now = time.time()
-                train_loss = loss_total / c.grad_accum / (step - loss_from)
-                dt = (now - t_last) / (step - it_last)
-                tok_s = tokens / (now - t_last)
-                mfu = r.flops_tok * tok_s / (r.peak * world_size) if r.peak else None
-                t0, step0 = eta_from or (t_last, it_last)  # the mean since this run's first log line (after warm-up)
-                eta, eta_from = (now - t0) / (step - step0) * (c.max_iters - step), eta_from or (now, step)
-                log(f"step {step}/{c.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, grad norm {float(grad_norm):.3f}"
-                    f", {tok_s:,.0f} tok/s, " + (f"MFU {100 * mfu:.1f}%, " if mfu is not None else "")
-                    + f"{1000 * dt:.1f} ms/step, ETA {eta / 60:.1f} min")
-                if master:
-                    log_record(r.log_path, {"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
-                                            "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1000 * dt,
-                                            "eta_s": eta, "time_s": now - t_start})
-                t_last, it_last, tokens_since = now, step, 0
-                if step % c.log_interval == 0:  # a last, shorter window stays open for a resume
-                    loss_sum.zero_()
-                    loss_from = step
-            if step == c.max_iters:
+            last = step == c.max_iters
+            if step % c.log_interval == 0 or last:
+                log_progress(step, lr, float(grad_norm))
+            if last:
                 evaluate(step)
-            if step % c.save_interval == 0 or step == c.max_iters:
+            if step % c.save_interval == 0 or last:
                 save(step)
                 saved_at = step
                 log(f"saved {r.ckpt_path} at step {step}")
-        log(f"done: {c.max_iters - r.start_iter} steps in {(time.time() - t_start) / 60:.1f} min")
+        minutes = (time.time() - t_start) / 60
+        log(f"done: {c.max_iters - r.start_iter} steps in {minutes:.1f} min")
         return 0
     finally:
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.use_deterministic_algorithms(deterministic[0],
+                                           warn_only=deterministic[1])
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# the run: set-up
+# -----------------------------------------------------------------------------
+# set-up
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s (datasheets, SXM), matched by device name
-
-# keys a resumed run must keep: changing any of them would draw other batches or build another model
-RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length", "grad_accum", "seed", "d_model",
-                "num_layers", "num_heads", "d_ff", "rope_theta", "tie_embeddings", "optimizer")
-
-
-def resume_config(config, given, saved, log):
-    """The saved config under the keys this command line gives: a change is warned of, one of RESUME_FIXED refused."""
-    this_run = ("init_from", "force", "out_dir")  # where the checkpoint is now, and how this run starts
-    merged = dict(config, **{k: v for k, v in saved.items() if k in config and k not in this_run})
-    merged.update({k: config[k] for k in given if k not in this_run})
-    changed = [k for k in sorted(given - set(this_run)) if k in saved and config[k] != saved[k]]
-    refused = [f"{k}={config[k]!r} (saved {saved[k]!r})" for k in changed if k in RESUME_FIXED]
-    _require(not refused, f"cannot resume exactly with {', '.join(refused)}: drop these flags, or start a new run "
-             f"in another out_dir", ConfigError)
-    for key in changed:
-        log(f"warning: resume changes {key} from {saved[key]!r} to {config[key]!r}")
-    return merged
-
-
-def claim_out_dir(c, master, log):
-    """A scratch run must not destroy a run in out_dir: refuse, or with force=True move it to a new out_dir/old/N."""
-    old = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(c.out_dir, n))]
-    if c.init_from != "resume" and old:
-        _require(c.force, f"{c.out_dir} already holds a run ({', '.join(old)}): pass --init_from=resume to continue "
-                 f"it, or --force=True to start over (that run is then moved to {c.out_dir}/old/N)", ConfigError)
-        if master:
-            done = os.listdir(os.path.join(c.out_dir, "old")) if os.path.isdir(os.path.join(c.out_dir, "old")) else []
-            keep = os.path.join(c.out_dir, "old", str(1 + max((int(n) for n in done if n.isdigit()), default=0)))
-            os.makedirs(keep)
-            for name in old + ["loss.png"] * os.path.exists(os.path.join(c.out_dir, "loss.png")):
-                os.replace(os.path.join(c.out_dir, name), os.path.join(keep, name))
-            log(f"force: moved the run that was in {c.out_dir} to {keep}")
-    os.makedirs(c.out_dir, exist_ok=True)
-
-
-def _user_input(load, *args):
-    """load(*args), its errors about a missing or damaged dataset or checkpoint as ConfigError (one line, cli)."""
-    try:
-        return load(*args)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ConfigError(e) from None
+# dense bf16 FLOP/s (datasheets, SXM), matched by the device's name
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}
+# keys a resumed run must keep: another value would draw other batches or
+# build another model
+RESUME_FIXED = ("dataset", "batching", "batch_size", "context_length",
+                "grad_accum", "seed", "d_model", "num_layers", "num_heads",
+                "d_ff", "rope_theta", "tie_embeddings", "optimizer")
 
 
 def setup(config, given, rank, world_size, dev, log):
-    """Everything the loop needs, as a namespace; every input is judged before anything is written."""
-    c, ckpt = SimpleNamespace(**config), None
+    """Everything the loop needs, as a namespace; every input is judged
+    before anything is written."""
+    c = SimpleNamespace(**config)
+    ckpt = None
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
-    if c.init_from == "resume":  # the saved config, with this command line's changes (or refusals)
+    if c.init_from == "resume":  # the saved config, with this command line
         ckpt = _user_input(read_checkpoint, ckpt_path)
-        c = SimpleNamespace(**resume_config(config, given, ckpt.get("config", {}), log))
+        saved = ckpt.get("config", {})
+        c = SimpleNamespace(**resume_config(config, given, saved, log))
     check_config(c, world_size)
-    c.grad_accum = c.grad_accum or world_size  # saved resolved: a resume on another world size keeps the batch
-    _require(not c.cuda_graphs or dev.type == "cuda", f"cuda_graphs needs a CUDA device, got {dev}", ConfigError)
-    ptdtype = torch.bfloat16 if c.dtype == "bfloat16" or c.dtype == "auto" and dev.type == "cuda" else torch.float32
+    # saved resolved: a resume on another world size keeps the batch
+    c.grad_accum = c.grad_accum or world_size
+    _require(not c.cuda_graphs or dev.type == "cuda",
+             f"cuda_graphs needs a CUDA device, got {dev}", ConfigError)
+    ptdtype = torch.float32
+    if c.dtype == "bfloat16" or c.dtype == "auto" and dev.type == "cuda":
+        ptdtype = torch.bfloat16
     if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
     data_dir = c.data_dir or os.path.join(_ROOT, "data", c.dataset)
-    if not os.path.isfile(os.path.join(data_dir, "meta.json")) and c.dataset == "shakespeare" and not c.data_dir:
-        if rank == 0:  # the default data, prepared on first use (the other ranks wait)
-            log(f"{data_dir} is missing: running `python data/prepare.py shakespeare`")
-            subprocess.run([sys.executable, os.path.join(_ROOT, "data", "prepare.py"), "shakespeare"], check=True)
+    has_meta = os.path.isfile(os.path.join(data_dir, "meta.json"))
+    if not has_meta and c.dataset == "shakespeare" and not c.data_dir:
+        if rank == 0:  # the default data, made on first use
+            log(f"{data_dir} is missing: running "
+                f"`python data/prepare.py shakespeare`")
+            prepare = os.path.join(_ROOT, "data", "prepare.py")
+            subprocess.run([sys.executable, prepare, "shakespeare"],
+                           check=True)
         if world_size > 1:
             torch.distributed.barrier()
-    (train_tokens, train_docs, meta), (val_tokens, val_docs, _) = (_user_input(load_dataset, data_dir, s)
-                                                                    for s in ("train", "val"))
+    train_tokens, train_docs, meta = _user_input(load_dataset, data_dir,
+                                                 "train")
+    val_tokens, val_docs, _ = _user_input(load_dataset, data_dir, "val")
     vocab_size = meta["vocab_size"]
-    for name, toks in (("train", train_tokens), ("val", val_tokens)):
-        _require(c.batching != "concat" or len(toks) > c.context_length, f"{name} split has {len(toks)} tokens, "
-                 f"fewer than context_length + 1 = {c.context_length + 1}: lower context_length or prepare more data",
-                 ConfigError)
+    for name, tokens in (("train", train_tokens), ("val", val_tokens)):
+        _require(c.batching != "concat" or len(tokens) > c.context_length,
+                 f"{name} split has {len(tokens)} tokens, fewer than "
+                 f"context_length + 1 = {c.context_length + 1}: lower "
+                 f"context_length or prepare more data", ConfigError)
 
-    # the model: from scratch, with the checkpoint's model_args, or a Llama directory's weights
-    model_args = dict(vocab_size=vocab_size, context_length=c.context_length, d_model=c.d_model,
-                      num_layers=c.num_layers, num_heads=c.num_heads, d_ff=c.d_ff, rope_theta=c.rope_theta,
+    # the model: from scratch, with the checkpoint's model_args, or a Llama
+    # directory's weights
+    model_args = dict(vocab_size=vocab_size, context_length=c.context_length,
+                      d_model=c.d_model, num_layers=c.num_layers,
+                      num_heads=c.num_heads, d_ff=c.d_ff,
+                      rope_theta=c.rope_theta,
                       tie_embeddings=c.tie_embeddings)
-    # how much is recomputed is a run setting, not part of the architecture: never saved with model_args
-    recompute = dict(act_ckpt_every=c.act_ckpt_every, act_ckpt_layers=None if c.act_ckpt_layers < 0 else
-                     c.act_ckpt_layers, selective_recompute=c.selective_recompute)
+    # how much is recomputed is a run setting: never saved with model_args
+    recompute = dict(act_ckpt_every=c.act_ckpt_every,
+                     act_ckpt_layers=c.act_ckpt_layers,
+                     selective_recompute=c.selective_recompute)
+    if c.act_ckpt_layers < 0:  # all blocks
+        recompute["act_ckpt_layers"] = None
     if ckpt is not None:
-        model_args = {k: v for k, v in ckpt["model_args"].items() if k not in recompute}
-        _require(model_args["vocab_size"] == vocab_size, f"checkpoint {ckpt_path} has vocab_size "
-                 f"{model_args['vocab_size']} but dataset {data_dir} has {vocab_size}: resume on the data it was "
-                 f"trained on", ConfigError)
+        model_args = {k: v for k, v in ckpt["model_args"].items()
+                      if k not in recompute}
+        _require(model_args["vocab_size"] == vocab_size,
+                 f"checkpoint {ckpt_path} has vocab_size "
+                 f"{model_args['vocab_size']} but dataset {data_dir} has "
+                 f"{vocab_size}: resume on the data it was trained on",
+                 ConfigError)
     llama_state = None
     if c.init_from not in ("scratch", "resume"):
-        model_args, llama_state = _user_input(llama_init, c.init_from, vocab_size, c.context_length)
-    claim_out_dir(c, rank == 0, log)  # every input judged: from here on the run writes
-    attn = c.attn_impl if c.attn_impl != "auto" else auto_attn_impl(dev.type, packed=c.batching == "pack")
+        model_args, llama_state = _user_input(llama_init, c.init_from,
+                                              vocab_size, c.context_length)
+    claim_out_dir(c, rank == 0, log)  # every input judged: the run writes
+    attn = c.attn_impl
+    if attn == "auto":
+        attn = auto_attn_impl(dev.type, packed=c.batching == "pack")
     torch.manual_seed(c.seed)
-    model = TransformerLM(**model_args, **recompute, attn_impl=attn, device=dev)
+    model = TransformerLM(**model_args, **recompute, attn_impl=attn,
+                          device=dev)
     if llama_state is not None:
         model.load_state_dict(llama_state)
     impl = c.ddp_impl if world_size > 1 else "none"
-    flops_tok = flops_per_token(vocab_size, model_args["context_length"], model_args["d_model"],
-                                model_args["num_layers"], model_args["d_ff"], causal=True)
-    peak = c.peak_flops or (next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(dev)), 0.0)
-                            if dev.type == "cuda" else 0.0)  # MFU's denominator, per GPU
-    log(f"model: {count_params(model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token (training, "
-        f"causal), attn_impl={attn}, dtype={ptdtype}, device={dev}, world_size={world_size}, ddp_impl={impl}"
-        f"{' + zero1' if c.zero1 and world_size > 1 else ''}, batching={c.batching}")
+    flops_tok = flops_per_token(
+        vocab_size, model_args["context_length"], model_args["d_model"],
+        model_args["num_layers"], model_args["d_ff"], causal=True)
+    peak = c.peak_flops or gpu_peak_flops(dev)  # MFU's denominator
+    zero1 = " + zero1" if c.zero1 and world_size > 1 else ""
+    log(f"model: {count_params(model) / 1e6:.2f}M parameters, "
+        f"{flops_tok / 1e6:.1f} MFLOP/token (training, causal), "
+        f"attn_impl={attn}, dtype={ptdtype}, device={dev}, "
+        f"world_size={world_size}, ddp_impl={impl}{zero1}, "
+        f"batching={c.batching}")
 
-    # CUDA graphs: the whole step for concat batches, else one per micro-step (torch.compile's reduce-overhead);
-    # document batches change shape every step: compiled for dynamic shapes at once rather than on the second
-    graphs = None if not c.cuda_graphs else "whole" if c.batching == "concat" else "micro"
-    static = c.batching == "concat" or c.pack_static  # (pack_static needs batching='pack': check_config)
-    compile_kwargs = dict(dynamic=not static, **({"mode": "reduce-overhead"} if graphs == "micro" else {}))
-    w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb, compute_dtype=None if ptdtype == torch.float32
-                 else ptdtype, compile=c.compile, compile_kwargs=compile_kwargs)
-    def decay_groups(named):  # weight decay on the matrices, none on the RMSNorm gains (ln1, ln2, ln_final)
-        gain = {p: any(part.startswith("ln") for part in name.split(".")) for name, p in named}
-        return [{"params": [p for p in gain if gain[p] == g], "weight_decay": 0.0 if g else c.weight_decay}
-                for g in (False, True)]
+    # CUDA graphs: the whole step for concat batches, else one per
+    # micro-step (torch.compile's mode reduce-overhead)
+    graphs = None
+    if c.cuda_graphs:
+        graphs = "whole" if c.batching == "concat" else "micro"
+    # document batches change shape every step: compiled for dynamic
+    # shapes at once rather than on the second
+    static = c.batching == "concat" or c.pack_static
+    compile_kwargs = dict(dynamic=not static)
+    if graphs == "micro":
+        compile_kwargs["mode"] = "reduce-overhead"
+    compute_dtype = None if ptdtype == torch.float32 else ptdtype
+    w = ddp.wrap(model, impl, bucket_size_mb=c.bucket_size_mb,
+                 compute_dtype=compute_dtype, compile=c.compile,
+                 compile_kwargs=compile_kwargs)
+    optimizer = make_optimizer(c, w, graphs)
 
-    def muon_groups(named):  # Muon for the blocks' matrices, then AdamW's groups
-        named = list(named)
-        hidden = {n for n, p in named if n.startswith("layers.") and p.dim() == 2}
-        muon = {"params": [p for n, p in named if n in hidden], "muon": True,
-                "weight_decay": c.weight_decay}
-        rest = decay_groups([(n, p) for n, p in named if n not in hidden])
-        return [muon] + [dict(g, muon=False, lr=c.learning_rate) for g in rest]
-
-    adamw = dict(betas=(c.beta1, c.beta2), eps=c.eps,
-                 capturable=graphs == "whole")
-    if c.optimizer == "muon":  # a rank orthogonalizes its share: ZeRO-1 unless FSDP
-        optimizer = w.make_optimizer(
-            Muon, muon_groups, zero1=not w.sharded, lr=c.muon_lr,
-            momentum=c.muon_momentum, compiled=c.compile, **adamw)
-    else:
-        optimizer = w.make_optimizer(
-            AdamW, decay_groups, zero1=c.zero1, lr=c.learning_rate,
-            **adamw)
-    start_iter, loss_window = 0, {"from": 0, "loss_sum": 0.0}
+    start_iter = 0
+    loss_window = {"from": 0, "loss_sum": 0.0}
     if ckpt is not None:
         w.load_state_dict(_clean_state_dict(ckpt["model"]))
         w.load_optimizer_state_dict(optimizer, ckpt["optimizer"])
@@ -361,57 +400,183 @@ def setup(config, given, rank, world_size, dev, log):
         if dev.type == "cuda" and "cuda" in ckpt["rng"]:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"], dev)
         start_iter = ckpt["iteration"]
-        # the open log window's loss sum (older checkpoints have none: the window starts here)
-        loss_window = ckpt.get("loss_window", {"from": start_iter, "loss_sum": 0.0})
+        # the open log window (older checkpoints have none: it starts here)
+        loss_window = ckpt.get("loss_window",
+                               {"from": start_iter, "loss_sum": 0.0})
         log(f"resumed from {ckpt_path} at iteration {start_iter}")
+    val_batches = validation_batches(val_tokens, val_docs, c, rank,
+                                     world_size, dev, meta["eot_id"])
 
-    # fixed validation batches, every world_size-th one here; all ranks run as many (FSDP), the extras count 0 tokens
-    val_batches = []
-    for i in range(rank, -(-c.eval_iters // world_size) * world_size, world_size):
-        b = make_batch(val_tokens, val_docs, c, batch_generator(c.seed, -1 - (i % c.eval_iters), 0), dev,
-                       meta["eot_id"])
-        val_batches.append(b if i < c.eval_iters else b[:4] + (0,))
     log_path = os.path.join(c.out_dir, "log.jsonl")
     if rank == 0 and c.init_from == "resume":
         log_record(log_path, {"step": start_iter, "resumed_from": ckpt_path})
-    if rank == 0 and c.init_from != "resume":
-        open(log_path, "w").close()  # claim_out_dir made sure no run's log is here
-        counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64)
+    elif rank == 0:
+        open(log_path, "w").close()  # claim_out_dir cleared the way
+        counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size)
         p = counts[counts > 0] / counts.sum()
-        log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, vocab_size {vocab_size}; "
-            f"unigram entropy {-(p * np.log(p)).sum():.3f} nats/token (the loss of a model that ignores context)")
+        entropy = -(p * np.log(p)).sum()
+        log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val "
+            f"tokens, vocab_size {vocab_size}; unigram entropy "
+            f"{entropy:.3f} nats/token (the loss of a model that ignores "
+            f"context)")
     if importlib.util.find_spec("matplotlib") is None:
-        log("matplotlib is not installed: no loss.png is written (pip install matplotlib to get it)")
-    return SimpleNamespace(c=c, w=w, optimizer=optimizer, graphs=graphs, start_iter=start_iter, meta=meta,
-                           data_dir=data_dir, train_tokens=train_tokens, train_docs=train_docs, peak=peak,
-                           val_batches=val_batches, model_args=model_args, flops_tok=flops_tok, ptdtype=ptdtype,
-                           ckpt_path=ckpt_path, log_path=log_path, loss_window=loss_window)
+        log("matplotlib is not installed: no loss.png is written "
+            "(pip install matplotlib to get it)")
+    tokenizer = {"vocab": os.path.join(data_dir, meta["vocab"]),
+                 "special_tokens": list(meta["special_tokens"]),
+                 "merges": os.path.join(data_dir, meta["merges"])}
+    return SimpleNamespace(
+        c=c, w=w, optimizer=optimizer, graphs=graphs, ptdtype=ptdtype,
+        start_iter=start_iter, loss_window=loss_window, meta=meta,
+        train_tokens=train_tokens, train_docs=train_docs,
+        val_batches=val_batches, model_args=model_args,
+        tokenizer=tokenizer, flops_tok=flops_tok, peak=peak,
+        ckpt_path=ckpt_path, log_path=log_path)
+
+
+def resume_config(config, given, saved, log):
+    """The saved config under the keys this command line gives: a change
+    is warned of, one of RESUME_FIXED refused."""
+    this_run = ("init_from", "force", "out_dir")  # where and how it starts
+    kept = {k: v for k, v in saved.items()
+            if k in config and k not in this_run}
+    merged = dict(config, **kept)
+    merged.update({k: config[k] for k in given if k not in this_run})
+    changed = [k for k in sorted(given - set(this_run))
+               if k in saved and config[k] != saved[k]]
+    refused = [f"{k}={config[k]!r} (saved {saved[k]!r})"
+               for k in changed if k in RESUME_FIXED]
+    _require(not refused, f"cannot resume exactly with "
+             f"{', '.join(refused)}: drop these flags, or start a new run "
+             f"in another out_dir", ConfigError)
+    for key in changed:
+        log(f"warning: resume changes {key} from {saved[key]!r} "
+            f"to {config[key]!r}")
+    return merged
+
+
+def claim_out_dir(c, master, log):
+    """A scratch run must not destroy a run in out_dir: refuse, or with
+    force=True move it to a new out_dir/old/N."""
+    def inside(name):
+        return os.path.join(c.out_dir, name)
+
+    old = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(inside(n))]
+    if c.init_from != "resume" and old:
+        _require(c.force, f"{c.out_dir} already holds a run "
+                 f"({', '.join(old)}): pass --init_from=resume to continue "
+                 f"it, or --force=True to start over (that run is then "
+                 f"moved to {c.out_dir}/old/N)", ConfigError)
+        if master:
+            numbers = [0]
+            if os.path.isdir(inside("old")):
+                numbers += [int(n) for n in os.listdir(inside("old"))
+                            if n.isdigit()]
+            keep = os.path.join(c.out_dir, "old", str(1 + max(numbers)))
+            os.makedirs(keep)
+            if os.path.exists(inside("loss.png")):
+                old.append("loss.png")
+            for name in old:
+                os.replace(inside(name), os.path.join(keep, name))
+            log(f"force: moved the run that was in {c.out_dir} to {keep}")
+    os.makedirs(c.out_dir, exist_ok=True)
+
+
+def _user_input(load, *args):
+    """load(*args), its errors about a missing or damaged dataset or
+    checkpoint as ConfigError (one line, cli)."""
+    try:
+        return load(*args)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(e) from None
+
+
+def gpu_peak_flops(dev):
+    """PEAK_FLOPS of this device by its name, else 0 (no MFU)."""
+    if dev.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(dev)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), 0.0)
+
+
+def make_optimizer(c, w, graphs):
+    """AdamW, or Muon for the blocks' matrices beside AdamW for the rest;
+    weight decay on the matrices only."""
+    def decay_groups(named):  # none on the RMSNorm gains (ln1, ln2, ...)
+        decayed, gains = [], []
+        for name, p in named:
+            is_gain = any(part.startswith("ln") for part in name.split("."))
+            (gains if is_gain else decayed).append(p)
+        return [{"params": decayed, "weight_decay": c.weight_decay},
+                {"params": gains, "weight_decay": 0.0}]
+
+    def muon_groups(named):  # Muon's group, then AdamW's
+        named = list(named)
+        hidden = {n for n, p in named
+                  if n.startswith("layers.") and p.dim() == 2}
+        muon = {"params": [p for n, p in named if n in hidden],
+                "muon": True, "weight_decay": c.weight_decay}
+        rest = decay_groups([(n, p) for n, p in named if n not in hidden])
+        return [muon] + [dict(g, muon=False, lr=c.learning_rate)
+                         for g in rest]
+
+    adamw = dict(betas=(c.beta1, c.beta2), eps=c.eps,
+                 capturable=graphs == "whole")
+    if c.optimizer == "muon":  # a rank orthogonalizes its share: ZeRO-1
+        return w.make_optimizer(Muon, muon_groups, zero1=not w.sharded,
+                                lr=c.muon_lr, momentum=c.muon_momentum,
+                                compiled=c.compile, **adamw)
+    return w.make_optimizer(AdamW, decay_groups, zero1=c.zero1,
+                            lr=c.learning_rate, **adamw)
+
+
+def validation_batches(tokens, docs, c, rank, world_size, dev, pad_id):
+    """The fixed validation batches, every world_size-th one here. Every
+    rank runs as many (FSDP): the extras count 0 tokens."""
+    per_rank = -(-c.eval_iters // world_size)
+    batches = []
+    for i in range(rank, per_rank * world_size, world_size):
+        draw = batch_generator(c.seed, -1 - (i % c.eval_iters), 0)
+        batch = make_batch(tokens, docs, c, draw, dev, pad_id)
+        if i >= c.eval_iters:
+            batch = batch[:4] + (0,)
+        batches.append(batch)
+    return batches
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning) only set a flag, asked for before each step; under several
-    processes it is all-reduced (max) over a CPU gloo group: every rank stops at the same step, no GPU sync."""
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning) only set a flag,
+    asked for before each step; under several processes it is all-reduced
+    (max) over a CPU gloo group: every rank stops at the same step."""
 
     def __init__(self, world_size):
-        self.signum, self.previous = 0, {}
-        self.group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
+        self.signum = 0
+        self.previous = {}
+        self.group = None
+        if world_size > 1:
+            self.group = torch.distributed.new_group(backend="gloo")
 
-    def install(self):  # before it (set-up, data preparation) Ctrl-C interrupts at once
-        if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def install(self):  # before this, Ctrl-C interrupts at once
+        # Python runs signal handlers in the main thread only
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle)
+                             for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum, frame):
-        if not self.signum:  # a second signal (torchrun forwards the terminal's Ctrl-C too) changes nothing
-            self.signum = signum
-            print(f"received {signal.Signals(signum).name}: stopping after the current step and saving a "
-                  f"checkpoint", file=sys.stderr, flush=True)
+        if self.signum:  # a second one (torchrun forwards Ctrl-C too)
+            return
+        self.signum = signum
+        print(f"received {signal.Signals(signum).name}: stopping after the "
+              f"current step and saving a checkpoint", file=sys.stderr,
+              flush=True)
 
     def requested(self):
         """The signal to stop for (the same on every rank), or 0."""
         if self.group is None:
             return self.signum
         flag = torch.tensor([self.signum], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        torch.distributed.all_reduce(flag, group=self.group,
+                                     op=torch.distributed.ReduceOp.MAX)
         return int(flag)
 
     def restore(self):
@@ -419,8 +584,21 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
+def launcher(world_size):
+    """The command that starts train.py again on as many processes."""
+    if world_size == 1:
+        return "python"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # per node
+    command = f"torchrun --nproc_per_node={local} "
+    if local == world_size:
+        return command + "--standalone"
+    return (command + f"--nnodes={world_size // local} "
+            "--rdzv_backend=c10d --rdzv_endpoint=HOST0:PORT")
+
+
 def log_record(log_path, record):
-    """Append a record to log.jsonl and redraw loss.png beside it (when matplotlib is installed)."""
+    """Append a record to log.jsonl and redraw loss.png beside it (when
+    matplotlib is installed)."""
     with open(log_path, "a") as f:
         f.write(json.dumps(record) + "\n")
     if "val_loss" not in record:
@@ -429,12 +607,13 @@ def log_record(log_path, record):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:  # train() said so once
+    except ImportError:  # setup said so once
         return
     with open(log_path) as f:
         records = [json.loads(line) for line in f]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style, label in (("loss", "-", "train"), ("val_loss", "o-", "val (fixed batches)")):
+    for key, style, label in (("loss", "-", "train"),
+                              ("val_loss", "o-", "val (fixed batches)")):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:
             ax.plot(*zip(*points), style, label=label)
@@ -446,19 +625,21 @@ def log_record(log_path, record):
     plt.close(fig)
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # the training step, eager or as CUDA graphs
 
 def make_step(w, optimizer, micro_step, max_norm, graphs=None):
-    """step(batches) -> gradient norm: micro_step(j, batch) per micro-batch, sync, clip, optimizer step. graphs: None,
-    'micro' (compiled with mode='reduce-overhead') or 'whole' (whole_step_graph over buffers each call fills)."""
-    if graphs == "micro":  # a gradient left None would be a replay's output, overwritten by the next micro-step
+    """step(batches) -> gradient norm: micro_step(j, batch) per micro-batch,
+    sync, clip, optimizer step. graphs: None, 'micro' (compiled with mode
+    reduce-overhead) or 'whole' (whole_step_graph over buffers each call
+    fills)."""
+    if graphs == "micro":  # a None gradient would be a replay's output
         for p in w.parameters():
             p.grad = torch.zeros_like(p)
 
     def step(batches):
         for j, batch in enumerate(batches):
-            if graphs == "micro":  # a replay's outputs live until the next one: each forward starts a new step
+            if graphs == "micro":  # a replay's outputs live until the next
                 torch.compiler.cudagraph_mark_step_begin()
             micro_step(j, batch)
         w.finish()
@@ -475,24 +656,31 @@ def make_step(w, optimizer, micro_step, max_norm, graphs=None):
 
     def whole(batches):
         if not replay:
-            buffers.extend([t.clone() if torch.is_tensor(t) else t for t in b] for b in batches)
-            replay.append(whole_step_graph(lambda: step(buffers), optimizer, buffers[0][0].device))
+            for batch in batches:
+                buffers.append([t.clone() if torch.is_tensor(t) else t
+                                for t in batch])
+            device = buffers[0][0].device
+            replay.append(whole_step_graph(lambda: step(buffers), optimizer,
+                                           device))
         for buffer, batch in zip(buffers, batches):
             for b, t in zip(buffer, batch):
                 if torch.is_tensor(t):
                     b.copy_(t)
         return replay[0]()
+
     return whole if graphs == "whole" else eager
 
 
 def whole_step_graph(step, optimizer, device, eager_steps=2):
-    """step() (ending in optimizer.step(), optimizer capturable) as one CUDA graph: eager_steps calls on a side stream
-    (to compile, autotune, make the optimizer state), then capture_step, then replays."""
+    """step() (ending in optimizer.step(), optimizer capturable) as one CUDA
+    graph: eager_steps calls on a side stream (to compile, autotune, make
+    the optimizer state), then capture_step, then replays."""
     side, calls, replay = torch.cuda.Stream(device), [0], []
 
     def run():
         calls[0] += 1
-        if calls[0] <= eager_steps:  # after the work queued before, before the work queued after
+        if calls[0] <= eager_steps:
+            # after the work queued before, before the work queued after
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 out = step()
@@ -506,14 +694,17 @@ def whole_step_graph(step, optimizer, device, eager_steps=2):
 
 
 def capture_step(step, optimizer):
-    """step() (its batch in tensors that stay in place; optimizer capturable and stepped once) as a CUDA graph:
-    replay() advances the optimizer's step count on the host, replays, and returns step()'s outputs (same tensors)."""
-    _require(getattr(optimizer, "capturable", False) or all(g.get("capturable", False) for g in
-             optimizer.param_groups), "capture_step needs an optimizer made with capturable=True")
+    """step() (its batch in tensors that stay in place; optimizer capturable
+    and stepped once) as a CUDA graph: replay() advances the optimizer's
+    step count on the host, replays, and returns step()'s outputs."""
+    capturable = getattr(optimizer, "capturable", False) or all(
+        g.get("capturable", False) for g in optimizer.param_groups)
+    _require(capturable,
+             "capture_step needs an optimizer made with capturable=True")
     advance = getattr(optimizer, "advance", lambda: None)
-    optimizer.zero_grad(set_to_none=True)  # each replay's first backward writes the gradients
+    optimizer.zero_grad(set_to_none=True)  # each replay's backward writes
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
+    torch.cuda.empty_cache()  # the eager steps' blocks: the graph has a pool
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outputs = step()
@@ -525,72 +716,109 @@ def capture_step(step, optimizer):
     return replay
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # data
 
 def load_dataset(data_dir, split):
-    """(tokens: data_dir/{split}.bin as a read-only memmap, docs: its document offsets, meta.json), all checked."""
-    _require(split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}")
-    name = os.path.basename(os.path.normpath(data_dir))  # prepare.py's command for it: a download, or local text
-    make = (f"run `python data/prepare.py {name}" + " --input <files>" * (name not in ("shakespeare", "tinystories",
-            "owt")) + f" --out_dir {data_dir}" * (os.path.abspath(data_dir) != os.path.join(_ROOT, "data", name))
-            + "` to create it")
-    meta_path, bin_path, docs_path = (os.path.join(data_dir, f) for f in ("meta.json", f"{split}.bin",
-                                                                            f"{split}_docs.npy"))
+    """(tokens: data_dir/{split}.bin as a read-only memmap, docs: its
+    document offsets, meta.json), all checked."""
+    _require(split in ("train", "val"),
+             f"split must be 'train' or 'val', got {split!r}")
+    make = prepare_command(data_dir)
+    meta_path = os.path.join(data_dir, "meta.json")
+    bin_path = os.path.join(data_dir, f"{split}.bin")
+    docs_path = os.path.join(data_dir, f"{split}_docs.npy")
     for path in (meta_path, bin_path, docs_path):
-        _require(os.path.isfile(path), f"dataset file {path} is missing: {make}", FileNotFoundError)
+        _require(os.path.isfile(path),
+                 f"dataset file {path} is missing: {make}", FileNotFoundError)
     with open(meta_path) as f:
         meta = json.load(f)
-    missing = [k for k in ("dtype", "vocab_size", "eot_id", "special_tokens", "vocab", "merges", f"{split}_tokens",
-                           f"{split}_docs") if k not in meta]
+    needed = ("dtype", "vocab_size", "eot_id", "special_tokens", "vocab",
+              "merges", f"{split}_tokens", f"{split}_docs")
+    missing = [k for k in needed if k not in meta]
     _require(not missing, f"{meta_path} lacks {missing}: {make}")
-    np_dtype, nbytes = np.dtype(meta["dtype"]), os.path.getsize(bin_path)
-    _require(np_dtype in (np.uint16, np.uint32), f"{meta_path}: dtype {meta['dtype']!r} is neither uint16 nor uint32")
-    _require(nbytes % np_dtype.itemsize == 0, f"{bin_path} has {nbytes} bytes, not a multiple of "
-             f"{np_dtype.itemsize} ({np_dtype}): truncated or written with another dtype; {make}")
+    np_dtype = np.dtype(meta["dtype"])
+    nbytes = os.path.getsize(bin_path)
+    _require(np_dtype in (np.uint16, np.uint32), f"{meta_path}: dtype "
+             f"{meta['dtype']!r} is neither uint16 nor uint32")
+    _require(nbytes % np_dtype.itemsize == 0, f"{bin_path} has {nbytes} "
+             f"bytes, not a multiple of {np_dtype.itemsize} ({np_dtype}): "
+             f"truncated or written with another dtype; {make}")
     n = nbytes // np_dtype.itemsize
-    _require(n == meta[f"{split}_tokens"], f"{bin_path} holds {n} tokens but meta.json says "
-             f"{meta[f'{split}_tokens']}; {make}")
+    n_meta = meta[f"{split}_tokens"]
+    _require(n == n_meta, f"{bin_path} holds {n} tokens but meta.json says "
+             f"{n_meta}; {make}")
     _require(n > 0, f"{bin_path} is empty; {make}")
     tokens = np.memmap(bin_path, dtype=np_dtype, mode="r", shape=(n,))
-    _require((top := int(tokens.max())) < meta["vocab_size"], f"{bin_path} contains token id {top} >= vocab_size "
-             f"{meta['vocab_size']}; {make}")
+    top = int(tokens.max())
+    _require(top < meta["vocab_size"], f"{bin_path} contains token id "
+             f"{top} >= vocab_size {meta['vocab_size']}; {make}")
     docs = np.load(docs_path)
-    _require(docs.ndim == 1 and docs.dtype == np.int64 and len(docs) == meta[f"{split}_docs"] + 1 and docs[0] == 0
-             and docs[-1] == n and np.all(np.diff(docs) > 0), f"{docs_path} is not a valid document index for {n} "
-             f"tokens and {meta[f'{split}_docs']} documents (int64, from 0, strictly increasing, to {n}); {make}")
+    n_docs = meta[f"{split}_docs"]
+    valid = (docs.ndim == 1 and docs.dtype == np.int64
+             and len(docs) == n_docs + 1 and docs[0] == 0 and docs[-1] == n
+             and np.all(np.diff(docs) > 0))
+    _require(valid, f"{docs_path} is not a valid document index for {n} "
+             f"tokens and {n_docs} documents (int64, from 0, strictly "
+             f"increasing, to {n}); {make}")
     _require(np.all(tokens[docs[1:] - 1] == meta["eot_id"]),
-             f"{bin_path}: not every document ends with eot_id {meta['eot_id']}; {make}")
+             f"{bin_path}: not every document ends with eot_id "
+             f"{meta['eot_id']}; {make}")
     return tokens, docs, meta
 
 
-def _to_device(t, device):  # to a GPU from pinned memory: the copy runs asynchronously
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+def prepare_command(data_dir):
+    """What makes data_dir: prepare.py downloads the known datasets and
+    tokenizes local text for any other."""
+    name = os.path.basename(os.path.normpath(data_dir))
+    command = f"python data/prepare.py {name}"
+    if name not in ("shakespeare", "tinystories", "owt"):
+        command += " --input <files>"
+    if os.path.abspath(data_dir) != os.path.join(_ROOT, "data", name):
+        command += f" --out_dir {data_dir}"
+    return f"run `{command}` to create it"
+
+
+def _to_device(t, device):
+    if torch.device(device).type == "cuda":  # pinned: an asynchronous copy
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def get_batch(dataset, batch_size, context_length, device, generator=None):
-    """batch_size random windows, starts uniform in {0, ..., n - context_length - 1}: int64 inputs and next-token
-    targets (B, T) on device. Only the windows are read from the memmap."""
+    """batch_size random windows, starts uniform in {0, ..., n -
+    context_length - 1}: int64 inputs and next-token targets (B, T) on
+    device. Only the windows are read from the memmap."""
     n = len(dataset)
-    _require(n >= context_length + 1, f"dataset has {n} tokens, fewer than context_length + 1 = {context_length + 1}")
-    starts = torch.randint(0, n - context_length, (batch_size,), generator=generator).tolist()
-    rows = np.stack([np.asarray(dataset[s:s + context_length + 1], dtype=np.int64) for s in starts])
-    x, y = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
+    _require(n >= context_length + 1, f"dataset has {n} tokens, fewer "
+             f"than context_length + 1 = {context_length + 1}")
+    starts = torch.randint(0, n - context_length, (batch_size,),
+                           generator=generator).tolist()
+    rows = np.stack([np.asarray(dataset[s:s + context_length + 1],
+                                dtype=np.int64) for s in starts])
+    x = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))
+    y = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
     return _to_device(x, device), _to_device(y, device)
 
 
 def sample_documents(docs, token_budget, context_length, generator):
-    """Random document pieces until they hold at least token_budget targets (overshooting by less than one piece):
-    their (start, end) token ranges. Documents are cut into context_length-sized pieces, drawn uniformly (each token
-    equally likely, as with concat windows); a piece of L tokens has L - 1 targets, so one-token pieces are skipped."""
+    """Random document pieces until they hold at least token_budget targets
+    (overshooting by less than one piece): their (start, end) token ranges.
+    Documents are cut into context_length-sized pieces, drawn uniformly
+    (each token equally likely, as with concat windows); a piece of L tokens
+    has L - 1 targets, so one-token pieces are skipped."""
     docs = np.asarray(docs, dtype=np.int64)
-    _require(context_length >= 2, f"context_length must be >= 2, got {context_length}")
+    _require(context_length >= 2,
+             f"context_length must be >= 2, got {context_length}")
     lengths = np.diff(docs)
-    _require(len(lengths) and lengths.max() >= 2, "no document has 2 or more tokens: nothing to predict")
-    first_piece = np.concatenate([[0], np.cumsum((lengths + context_length - 1) // context_length)])
+    _require(len(lengths) and lengths.max() >= 2,
+             "no document has 2 or more tokens: nothing to predict")
+    pieces = (lengths + context_length - 1) // context_length
+    first_piece = np.concatenate([[0], np.cumsum(pieces)])
+    draws = max(8, 2 * token_budget // context_length)
     drawn, spans = 0, []
     while drawn < token_budget:
-        draw = torch.randint(0, int(first_piece[-1]), (max(8, 2 * token_budget // context_length),),
+        draw = torch.randint(0, int(first_piece[-1]), (draws,),
                              generator=generator).numpy()
         d = np.searchsorted(first_piece, draw, side="right") - 1
         starts = docs[d] + (draw - first_piece[d]) * context_length
@@ -606,124 +834,152 @@ def sample_documents(docs, token_budget, context_length, generator):
 
 
 def pad_batch(tokens, spans, length, pad_id):
-    """One row per piece, right-padded to `length` with pad_id: x (B, length) int64 holds the piece, y the next
-    token inside the piece and -100 on padding and at the piece's last position (no target crosses its end)."""
+    """One row per piece, right-padded to `length` with pad_id: x (B,
+    length) int64 holds the piece, y the next token inside the piece and
+    -100 on padding and at the piece's last position."""
     x = np.full((len(spans), length), pad_id, dtype=np.int64)
     y = np.full((len(spans), length), -100, dtype=np.int64)
     for i, (s, e) in enumerate(spans):
-        _require(e - s <= length, f"piece ({s}, {e}) of {e - s} tokens does not fit a row of length {length}")
+        _require(e - s <= length, f"piece ({s}, {e}) of {e - s} tokens "
+                 f"does not fit a row of length {length}")
         x[i, :e - s] = tokens[s:e]
         y[i, :e - s - 1] = tokens[s + 1:e]
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
 def pack_batch(tokens, spans):
-    """All pieces in one row: x = concat(piece[:-1]), y = concat(piece[1:]) as (1, N) int64, with int32
-    cu_seqlens (num_pieces + 1 offsets) over those N positions and max_seqlen (a Python int)."""
+    """All pieces in one row: x = concat(piece[:-1]), y = concat(piece[1:])
+    as (1, N) int64, with int32 cu_seqlens (num_pieces + 1 offsets) over
+    those N positions and max_seqlen (a Python int)."""
     pieces = [np.asarray(tokens[s:e], dtype=np.int64) for s, e in spans]
-    _require(pieces and min(len(p) for p in pieces) >= 2, "pack_batch needs at least one piece, each of at least "
-             "2 tokens")
+    _require(pieces and min(len(p) for p in pieces) >= 2, "pack_batch needs"
+             " at least one piece, each of at least 2 tokens")
     seqlens = np.array([len(p) - 1 for p in pieces])
     x = torch.from_numpy(np.concatenate([p[:-1] for p in pieces]))[None]
     y = torch.from_numpy(np.concatenate([p[1:] for p in pieces]))[None]
-    cu_seqlens = torch.from_numpy(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
-    return x, y, cu_seqlens, int(seqlens.max())
+    offsets = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
+    return x, y, torch.from_numpy(offsets), int(seqlens.max())
 
 
 def pad_packed(x, y, cu_seqlens, length, pad_id):
-    """A packed batch at a static shape, same loss and gradients: padded to `length` (a document of its own), and
-    cu_seqlens to a power of two of entries by repeating its last offset (empty documents)."""
+    """A packed batch at a static shape, same loss and gradients: padded to
+    `length` (a document of its own), and cu_seqlens to a power of two of
+    entries by repeating its last offset (empty documents)."""
     n = x.shape[1]
-    _require(n <= length, f"a packed batch of {n} tokens does not fit a static length of {length}")
+    _require(n <= length, f"a packed batch of {n} tokens does not fit a "
+             f"static length of {length}")
     if n < length:
         x = torch.cat([x, x.new_full((1, length - n), pad_id)], 1)
         y = torch.cat([y, y.new_full((1, length - n), -100)], 1)
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([length])])
-    entries = 1 << (len(cu_seqlens) - 1).bit_length()  # the next power of two >= len(cu_seqlens)
-    return x, y, torch.cat([cu_seqlens, cu_seqlens[-1:].expand(entries - len(cu_seqlens))])
+    entries = 1 << (len(cu_seqlens) - 1).bit_length()  # a power of two
+    repeats = cu_seqlens[-1:].expand(entries - len(cu_seqlens))
+    return x, y, torch.cat([cu_seqlens, repeats])
 
 
 def make_batch(tokens, docs, c, generator, device, pad_id):
-    """One micro-batch of c.batching, (x, y, cu_seqlens or None, max_seqlen or None, real targets): concat, windows of
-    the stream; pad / dynamic_pad, a document piece per row padded to context_length / the longest; pack, one row."""
+    """One micro-batch of c.batching, (x, y, cu_seqlens or None, max_seqlen
+    or None, real targets): concat, windows of the stream; pad /
+    dynamic_pad, a document piece per row padded to context_length / the
+    longest; pack, one row."""
     if c.batching == "concat":
-        x, y = get_batch(tokens, c.batch_size, c.context_length, device, generator)
+        x, y = get_batch(tokens, c.batch_size, c.context_length, device,
+                         generator)
         return x, y, None, None, c.batch_size * c.context_length
-    spans = sample_documents(docs, c.batch_size * c.context_length, c.context_length, generator)
+    spans = sample_documents(docs, c.batch_size * c.context_length,
+                             c.context_length, generator)
     n_real = sum(e - s - 1 for s, e in spans)
     if c.batching != "pack":
-        x, y = pad_batch(tokens, spans, c.context_length if c.batching == "pad" else max(e - s for s, e in spans),
-                         pad_id)
+        if c.batching == "pad":
+            length = c.context_length
+        else:
+            length = max(e - s for s, e in spans)
+        x, y = pad_batch(tokens, spans, length, pad_id)
         return _to_device(x, device), _to_device(y, device), None, None, n_real
     x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
-    if c.pack_static:  # the pieces overshoot the budget by less than one: at most context_length of padding
-        x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, (c.batch_size + 1) * c.context_length, pad_id)
+    if c.pack_static:  # the pieces overshoot by less than one: padding fits
+        static_length = (c.batch_size + 1) * c.context_length
+        x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, static_length,
+                                      pad_id)
         max_seqlen = c.context_length
-    return _to_device(x, device), _to_device(y, device), _to_device(cu_seqlens, device), max_seqlen, n_real
+    return (_to_device(x, device), _to_device(y, device),
+            _to_device(cu_seqlens, device), max_seqlen, n_real)
 
 
 def batch_generator(seed, iteration, micro):
-    """The data RNG of one micro-batch, a pure function of (seed, iteration (validation: negative), global micro-batch
-    index): a resumed run draws the uninterrupted one's batches, N ranks those of 1 process accumulating N-fold."""
-    return torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_000_003 + micro) & (2 ** 63 - 1))
+    """The data RNG of one micro-batch, a pure function of (seed, iteration
+    (validation: negative), global micro-batch index): a resumed run draws
+    the uninterrupted one's batches, N ranks those of 1 process
+    accumulating N-fold."""
+    key = (seed * 1_000_003 + iteration) * 1_000_003 + micro
+    return torch.Generator().manual_seed(key & (2 ** 63 - 1))
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # checkpoints
 
-def _unwrap(model):  # the plain model under torch.compile's and data-parallel wrappers
-    while hasattr(model, "_orig_mod") or isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
-    return model
-
-
-def _clean_state_dict(state_dict):
-    return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}  # torch.compile's wrapper's names
+def _clean_state_dict(state_dict):  # without torch.compile's prefix
+    return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
 
 
 def save_checkpoint(model, optimizer, iteration, out, **extra):
-    """torch.save {"model", "optimizer", "iteration", **extra} to a path (a temp file, read back, then os.replace) or
-    a file object. model: a module (wrappers unwrapped) or a state dict; optimizer: one, its state dict or None."""
-    state_dict = model if isinstance(model, dict) else _unwrap(model).state_dict()
-    ckpt = {"model": _clean_state_dict(state_dict),
-            "optimizer": optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer,
+    """torch.save {"model", "optimizer", "iteration", **extra} to a path (a
+    temp file, read back, then os.replace) or a file object. model: a module
+    (wrappers unwrapped) or a state dict; optimizer: one, its state dict or
+    None."""
+    if not isinstance(model, dict):
+        model = unwrap(model).state_dict()
+    if hasattr(optimizer, "state_dict"):
+        optimizer = optimizer.state_dict()
+    ckpt = {"model": _clean_state_dict(model), "optimizer": optimizer,
             "iteration": int(iteration), **extra}
     if not isinstance(out, (str, os.PathLike)):
         return torch.save(ckpt, out)
     tmp = os.fspath(out) + ".tmp"
     torch.save(ckpt, tmp)
-    if crc_failure(tmp):  # what reached the file does not read back as written: the old checkpoint stays
+    if crc_failure(tmp):  # damaged on its way: the old checkpoint stays
         os.remove(tmp)
-        raise RuntimeError(f"checkpoint {tmp} was damaged on its way to the disk; {out} is left as it was")
+        raise RuntimeError(f"checkpoint {tmp} was damaged on its way to the "
+                           f"disk; {out} is left as it was")
     os.replace(tmp, out)
 
 
 def load_checkpoint(src, model, optimizer):
-    """Load a save_checkpoint file into model (and optimizer, unless None); returns the iteration."""
+    """Load a save_checkpoint file into model (and optimizer, unless None);
+    returns the iteration."""
     ckpt = read_checkpoint(src)
-    _unwrap(model).load_state_dict(_clean_state_dict(ckpt["model"]))
+    unwrap(model).load_state_dict(_clean_state_dict(ckpt["model"]))
     if optimizer is not None:
-        _require(ckpt.get("optimizer") is not None, f"checkpoint {src} holds no optimizer state", RuntimeError)
+        _require(ckpt.get("optimizer") is not None,
+                 f"checkpoint {src} holds no optimizer state", RuntimeError)
         optimizer.load_state_dict(ckpt["optimizer"])
     return ckpt["iteration"]
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # the command line
 
-# nanoGPT's keys (and our old ones) that ours differ from: the error for one names our key, or says why there is none
-NANOGPT = dict(block_size="context_length", n_layer="num_layers", n_head="num_heads", n_embd="d_model",
-               ckpt_interval="save_interval", gradient_accumulation_steps="grad_accum",
-               always_save_checkpoint="save_interval",
-               vocab_size="the dataset sets the vocabulary: `python data/prepare.py NAME --vocab_size N`",
-               dropout="this model has no dropout", bias="this model has no biases", eval_only="no eval-only mode",
-               decay_lr="the cosine schedule is always on (min_lr=learning_rate keeps the rate constant)",
-               backend="NCCL on CUDA, gloo on CPU", **dict.fromkeys(("wandb_log", "wandb_project", "wandb_run_name"),
-                                                                     "no wandb: see out_dir/log.jsonl"))
+# nanoGPT's keys (and our old ones) that ours differ from: the error for one
+# names our key, or says why there is none
+NANOGPT = dict(
+    block_size="context_length", n_layer="num_layers", n_head="num_heads",
+    n_embd="d_model", ckpt_interval="save_interval",
+    gradient_accumulation_steps="grad_accum",
+    always_save_checkpoint="save_interval",
+    vocab_size="the dataset sets the vocabulary: "
+               "`python data/prepare.py NAME --vocab_size N`",
+    dropout="this model has no dropout", bias="this model has no biases",
+    eval_only="no eval-only mode",
+    decay_lr="the cosine schedule is always on "
+             "(min_lr=learning_rate keeps the rate constant)",
+    backend="NCCL on CUDA, gloo on CPU",
+    **dict.fromkeys(("wandb_log", "wandb_project", "wandb_run_name"),
+                    "no wandb: see out_dir/log.jsonl"))
 
 
 class ConfigError(ValueError):
-    """A bad config key or value, dataset, checkpoint or device, or a run in the way: cli() prints one line."""
+    """A bad config key or value, dataset, checkpoint or device, or a run in
+    the way: cli() prints one line."""
 
 
 def _require(ok, message, error=ValueError):
@@ -736,18 +992,21 @@ def default_config():
 
 
 def apply_config(argv, config, given=None):
-    """nanoGPT's configurator: config files (run with the current values in scope) and --key=value / --key value
-    (ast.literal_eval; strings verbatim) in order, into `config`; the keys set go into `given`. An unknown key or a
-    value of another type than the default (int is fine for float) raises ConfigError."""
+    """nanoGPT's configurator: config files (run with the current values in
+    scope) and --key=value / --key value (ast.literal_eval; strings
+    verbatim) in order, into `config`; the keys set go into `given`. An
+    unknown key or a value of another type than the default (int is fine
+    for float) raises ConfigError."""
     def checked(key, value, source):
         if key not in config:
-            hint = NANOGPT.get(key) or next(iter(difflib.get_close_matches(key, config, n=1)), "")
-            raise ConfigError(f"unknown config key {key!r} (from {source})" + (
-                f"; did you mean {hint!r}?" if hint in config else f"; {hint}" if hint else ""))
-        if isinstance(config[key], float) and isinstance(value, int) and not isinstance(value, bool):
+            raise unknown_key(key, source, config)
+        default = config[key]
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if isinstance(default, float) and is_int:
             value = float(value)
-        _require(type(value) is type(config[key]), f"config key {key!r} expects {type(config[key]).__name__}, "
-                 f"got {value!r} ({type(value).__name__}) from {source}", ConfigError)
+        _require(type(value) is type(default), f"config key {key!r} "
+                 f"expects {type(default).__name__}, got {value!r} "
+                 f"({type(value).__name__}) from {source}", ConfigError)
         if given is not None:
             given.add(key)
         return value
@@ -755,135 +1014,168 @@ def apply_config(argv, config, given=None):
     args = list(argv)
     while args:
         arg = args.pop(0)
-        if arg.startswith("--"):
-            key, eq, text = arg[2:].partition("=")
-            if key not in config:  # a bare --forse: the unknown key's error, not a missing value's
-                checked(key, text, arg)
-            takes_next = not eq
-            if takes_next and isinstance(config.get(key), bool):
-                text = "True"  # a bare flag, unless True or False follows
-                takes_next = bool(args) and args[0].lower() in ("true", "false")
-            if takes_next:
-                _require(args, f"{arg} needs a value: {arg}=VALUE or {arg} VALUE", ConfigError)
-                text = args.pop(0)
-            try:
-                value = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                value = text
-            source = f"{arg} {text}" if takes_next else arg
-            config[key] = checked(key, text if isinstance(config.get(key), str) else value, source)
+        if not arg.startswith("--"):
+            _require(os.path.isfile(arg), f"config file {arg!r} not found",
+                     ConfigError)
+            # __file__: a config file can build on a sibling
+            scope = dict(config, __file__=os.path.abspath(arg))
+            run_config_file(arg, scope)
+            for key, value in scope.items():
+                is_module = type(value).__name__ == "module"
+                if key.startswith("_") or is_module or callable(value):
+                    continue
+                if key not in config or value is not config[key]:
+                    config[key] = checked(key, value, arg)
             continue
-        _require(os.path.isfile(arg), f"config file {arg!r} not found", ConfigError)
-        scope = dict(config, __file__=os.path.abspath(arg))  # so a config file can build on a sibling
-        run_config_file(arg, scope)
-        for key, value in scope.items():
-            if key.startswith("_") or type(value).__name__ == "module" or callable(value):
-                continue
-            if key not in config or value is not config[key]:
-                config[key] = checked(key, value, arg)
+        key, eq, text = arg[2:].partition("=")
+        if key not in config:  # a bare --forse: the unknown key's error
+            checked(key, text, arg)
+        takes_next = not eq
+        if takes_next and isinstance(config[key], bool):
+            text = "True"  # a bare flag, unless True or False follows
+            takes_next = bool(args) and args[0].lower() in ("true", "false")
+        source = arg
+        if takes_next:
+            _require(args, f"{arg} needs a value: {arg}=VALUE or {arg} VALUE",
+                     ConfigError)
+            text = args.pop(0)
+            source = f"{arg} {text}"
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        if isinstance(config[key], str):
+            value = text
+        config[key] = checked(key, value, source)
     return config
 
 
+def unknown_key(key, source, config):
+    """The error for a key that is not ours: our name for it, why there
+    is none, or the closest of ours."""
+    close = difflib.get_close_matches(key, config, n=1)
+    hint = NANOGPT.get(key) or next(iter(close), "")
+    message = f"unknown config key {key!r} (from {source})"
+    if hint in config:
+        message += f"; did you mean {hint!r}?"
+    elif hint:
+        message += f"; {hint}"
+    return ConfigError(message)
+
+
 def run_config_file(path, scope):
-    """Run a config file in scope; an error in it is a ConfigError naming the line."""
+    """Run a config file in scope; an error in it is a ConfigError naming
+    the line."""
     with open(path) as f:
         source = f.read()
     try:  # (the config global `compile` shadows the builtin)
         exec(builtins.compile(source, path, "exec"), scope)
     except SyntaxError as e:
-        raise ConfigError(f"config file {path}, line {e.lineno}: {e.msg}") from None
+        message = f"config file {path}, line {e.lineno}: {e.msg}"
+        raise ConfigError(message) from None
     except Exception as e:
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        trace = traceback.extract_tb(e.__traceback__)
+        frames = [f for f in trace if f.filename == path]
         where = f", line {frames[-1].lineno}" if frames else ""
-        raise ConfigError(f"config file {path}{where}: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"config file {path}{where}: "
+                          f"{type(e).__name__}: {e}") from None
 
 
 def check_config(c, world_size):
-    """Values apply_config cannot judge alone; raises ConfigError naming the key."""
+    """Values apply_config cannot judge alone; raises ConfigError naming
+    the key."""
     def need(ok, message):
         _require(ok, message, ConfigError)
-    need(c.init_from in ("scratch", "resume") or os.path.isfile(os.path.join(c.init_from, "config.json")),
-         f"init_from must be 'scratch', 'resume' or a Llama-format checkpoint directory (config.json + "
-         f"model.safetensors, as hf.save_llama writes), got {c.init_from!r}")
-    need(c.batching in BATCHING, f"batching must be one of {BATCHING}, got {c.batching!r}")
-    need(c.ddp_impl in DDP_IMPLS, f"ddp_impl must be one of {DDP_IMPLS}, got {c.ddp_impl!r}")
-    need(not (c.zero1 and c.ddp_impl in ("fsdp", "torch_fsdp")), f"zero1 shards optimizer state on top of "
-         f"replicated DDP; ddp_impl={c.ddp_impl!r} shards it already")
-    need(c.grad_accum >= 0 and c.grad_accum % world_size == 0, f"grad_accum={c.grad_accum} must be a multiple of "
-         f"the world size {world_size} (micro-batches are split across ranks), or 0 for one per rank")
-    for key in ("batch_size", "context_length", "max_iters", "eval_iters", "log_interval", "eval_interval",
-                "save_interval"):
-        need(getattr(c, key) >= 1, f"{key} must be >= 1, got {getattr(c, key)}")
-    need(c.d_model % c.num_heads == 0, f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}")
-    need(c.act_ckpt_every >= 0 and -1 <= c.act_ckpt_layers <= c.num_layers, f"act_ckpt_every must be >= 0 and "
-         f"act_ckpt_layers in [-1, num_layers={c.num_layers}], got {c.act_ckpt_every} and {c.act_ckpt_layers}")
-    need(not c.pack_static or c.batching == "pack", f"pack_static applies to batching='pack', got "
-         f"batching={c.batching!r}")
-    need(not c.cuda_graphs or (c.compile and (c.batching == "concat" or c.pack_static) and world_size == 1),
-         f"cuda_graphs needs compile=True, static shapes (concat, or pack with pack_static=True) and one process, "
-         f"got compile={c.compile}, batching={c.batching!r}, pack_static={c.pack_static}, world size {world_size}")
-    need(c.dtype in ("auto", "float32", "bfloat16"), f"dtype must be 'auto', 'float32' or 'bfloat16' (no loss "
-         f"scaling for float16), got {c.dtype!r}")
+
+    llama_dir = os.path.isfile(os.path.join(c.init_from, "config.json"))
+    need(c.init_from in ("scratch", "resume") or llama_dir,
+         f"init_from must be 'scratch', 'resume' or a Llama-format "
+         f"checkpoint directory (config.json + model.safetensors, as "
+         f"hf.save_llama writes), got {c.init_from!r}")
+    need(c.batching in BATCHING,
+         f"batching must be one of {BATCHING}, got {c.batching!r}")
+    need(c.ddp_impl in DDP_IMPLS,
+         f"ddp_impl must be one of {DDP_IMPLS}, got {c.ddp_impl!r}")
+    need(not (c.zero1 and c.ddp_impl in ("fsdp", "torch_fsdp")),
+         f"zero1 shards optimizer state on top of replicated DDP; "
+         f"ddp_impl={c.ddp_impl!r} shards it already")
+    need(c.grad_accum >= 0 and c.grad_accum % world_size == 0,
+         f"grad_accum={c.grad_accum} must be a multiple of the world size "
+         f"{world_size} (micro-batches are split across ranks), or 0 for "
+         f"one per rank")
+    for key in ("batch_size", "context_length", "max_iters", "eval_iters",
+                "log_interval", "eval_interval", "save_interval"):
+        value = getattr(c, key)
+        need(value >= 1, f"{key} must be >= 1, got {value}")
+    need(c.d_model % c.num_heads == 0, f"d_model={c.d_model} is not "
+         f"divisible by num_heads={c.num_heads}")
+    layers_ok = -1 <= c.act_ckpt_layers <= c.num_layers
+    need(c.act_ckpt_every >= 0 and layers_ok,
+         f"act_ckpt_every must be >= 0 and act_ckpt_layers in [-1, "
+         f"num_layers={c.num_layers}], got {c.act_ckpt_every} and "
+         f"{c.act_ckpt_layers}")
+    need(not c.pack_static or c.batching == "pack", f"pack_static applies "
+         f"to batching='pack', got batching={c.batching!r}")
+    static = c.batching == "concat" or c.pack_static
+    need(not c.cuda_graphs or (c.compile and static and world_size == 1),
+         f"cuda_graphs needs compile=True, static shapes (concat, or pack "
+         f"with pack_static=True) and one process, got compile={c.compile}, "
+         f"batching={c.batching!r}, pack_static={c.pack_static}, world size "
+         f"{world_size}")
+    need(c.dtype in ("auto", "float32", "bfloat16"), f"dtype must be "
+         f"'auto', 'float32' or 'bfloat16' (no loss scaling for float16), "
+         f"got {c.dtype!r}")
     need(c.optimizer in OPTIMIZERS,
          f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
     need(0 <= c.muon_momentum < 1,
          f"muon_momentum must lie in [0, 1), got {c.muon_momentum}")
     need(c.muon_lr >= 0, f"muon_lr must be >= 0, got {c.muon_lr}")
     need(c.optimizer != "muon" or c.learning_rate > 0,
-         f"optimizer='muon' scales muon_lr by the schedule's "
-         f"lr / learning_rate: learning_rate must be > 0, "
-         f"got {c.learning_rate}")
-
-
-def key_comments():
-    """{config key: the comment beside its global}, read from this file's source."""
-    with open(os.path.abspath(__file__), encoding="utf-8") as f:
-        source = f.read()
-    comments = {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("# ")
-    keys = {}
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            key = node.targets[0].id
-            if key in config_keys and node.lineno in comments:
-                keys[key] = comments[node.lineno]
-    return keys
+         f"optimizer='muon' scales muon_lr by the schedule's lr / "
+         f"learning_rate: learning_rate must be > 0, got {c.learning_rate}")
 
 
 def help_keys():
-    """--help's table: each config key, its default and its comment."""
-    comments, defaults = key_comments(), default_config()
-    rows = [(f"--{key}={value!r}", comments.get(key, "")) for key, value in defaults.items()]
+    """--help's table: each config key, its default and the comment beside
+    its global."""
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:
+        comments = dict(re.findall(r"^(\w+) = .+?  # (.+)$", f.read(), re.M))
+    rows = [(f"--{key}={value!r}", comments.get(key, ""))
+            for key, value in default_config().items()]
     width = max(len(flag) for flag, _ in rows)
-    header = "config keys (--key=value or --key value; a bool alone, --force, means True):"
-    return "\n".join([header] + [f"  {flag:<{width}}  {comment}" for flag, comment in rows])
+    header = ("config keys (--key=value or --key value; a bool alone, "
+              "--force, means True):")
+    lines = [f"  {flag:<{width}}  {comment}" for flag, comment in rows]
+    return "\n".join([header] + lines)
 
 
 def main(argv, check_only=False):
-    """Run train.py with command-line arguments; returns the exit status, raising ConfigError. check_only (before
-    torch is imported): judge them as far as they can be without data and checkpoint, and return None."""
+    """Run train.py with command-line arguments; returns the exit status,
+    raising ConfigError. check_only (before torch is imported): judge them
+    as far as they can be without data and checkpoint, and return None."""
     if "-h" in argv or "--help" in argv:
         print(f"{__doc__}\n{help_keys()}")
         return 0
     given = set()
     config = apply_config(argv, default_config(), given)
-    if config["init_from"] != "resume":  # torchrun's world size: init_distributed takes the same
-        check_config(SimpleNamespace(**config), int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+    if config["init_from"] != "resume":  # a resume judges the saved config
+        world_size = 1
+        if "RANK" in os.environ:  # torchrun's, as init_distributed reads it
+            world_size = int(os.environ.get("WORLD_SIZE", 1))
+        check_config(SimpleNamespace(**config), world_size)
     if check_only:
         return None
     rank, _, world_size, dev = ddp.init_distributed()
-    stops = StopSignals(world_size)  # held until the group is gone: torchrun signals a node's ranks one after another
+    # held until the group is gone: torchrun signals a node's ranks one
+    # after another
+    stops = StopSignals(world_size)
     try:
         if config["device"] != "auto" and world_size == 1:
-            dev, n = _user_input(torch.device, config["device"]), torch.cuda.device_count()
-            _require(dev.type != "cuda" or (dev.index or 0) < n, f"--device={config['device']}: " + (
-                f"this machine has {n} CUDA devices" if n else "CUDA is not available on this machine"), ConfigError)
+            dev = chosen_device(config["device"])
         status = train(config, given, rank, world_size, dev, stops)
         ddp.cleanup_distributed()
         return status
-    except BaseException:  # no barrier: the other ranks may never reach it (a dataset missing on one node only)
+    except BaseException:  # no barrier: the other ranks may never reach it
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise
@@ -891,29 +1183,38 @@ def main(argv, check_only=False):
         stops.restore()
 
 
+def chosen_device(name):
+    """--device on one process; a CUDA device must exist here."""
+    dev = _user_input(torch.device, name)
+    n = torch.cuda.device_count()
+    if dev.type == "cuda" and (dev.index or 0) >= n:
+        why = "CUDA is not available on this machine"
+        if n:
+            why = f"this machine has {n} CUDA devices"
+        raise ConfigError(f"--device={name}: {why}")
+    return dev
+
+
 def cli(argv, check_only=False):
-    """main() for the command line: a ConfigError is one line on stderr and status 2 (argparse's convention), a
-    Ctrl-C before the training loop one line and status 130; printed by the first process of each node only."""
+    """main() for the command line: a ConfigError is one line on stderr and
+    status 2 (argparse's convention), a Ctrl-C before the training loop one
+    line and status 130; printed by the first process of each node only."""
     try:
         return main(argv, check_only)
-    except (ConfigError, KeyboardInterrupt) as e:
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"train.py: error: {e}" if isinstance(e, ConfigError) else
-                  "train.py: interrupted before training started; nothing was saved", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 130
+    except ConfigError as e:
+        status, message = 2, f"train.py: error: {e}"
+    except KeyboardInterrupt:
+        status, message = 130, ("train.py: interrupted before training "
+                                 "started; nothing was saved")
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(message, file=sys.stderr)
+    return status
 
 
-if __name__ == "__main__" and (status := cli(sys.argv[1:], check_only=True)) is not None:
-    sys.exit(status)  # --help or a bad command line: answered before the heavy imports below
-
-import contextlib
-import importlib.util
-import json
-import math
-import signal
-import subprocess
-import threading
-import time
+if __name__ == "__main__":
+    status = cli(sys.argv[1:], check_only=True)
+    if status is not None:  # --help or a bad command line
+        sys.exit(status)  # answered before the heavy imports below
 
 import numpy as np
 import torch
@@ -921,31 +1222,43 @@ import torch
 import ddp
 from flash import adamw_step
 from hf import llama_init
-from model import (TransformerLM, auto_attn_impl, count_params, crc_failure, flops_per_token,
-                   read_checkpoint)
+from model import (TransformerLM, auto_attn_impl, count_params, crc_failure,
+                   flops_per_token, read_checkpoint, unwrap)
 
 
-# -----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # AdamW (its fused step: flash.adamw_step), Muon, schedule and clipping
 
-class AdamW(torch.optim.Optimizer):
-    """AdamW with decoupled weight decay, t counted per parameter: m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
-    p <- p - a_t m / (sqrt(v) + eps) with a_t = lr sqrt(1 - b2^t) / (1 - b1^t); then p <- p (1 - lr wd). m and v in
-    fp32 (fp64 for fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded once. fused=None: the kernel
-    on CUDA, torch._foreach_* ops elsewhere; True: the kernel always (the interpreter on CPU); False: never.
-    capturable=True: step() can be captured in a CUDA graph (capture_step), the kernel reading its step size and
-    decay from a device tensor (advance())."""
+def _capturing():  # inside a CUDA graph's capture
+    return (torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing())
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None,
-                 capturable=False):
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with decoupled weight decay, t counted per parameter:
+        m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+        p <- p - a_t m / (sqrt(v) + eps);  p <- p (1 - lr wd)
+    with a_t = lr sqrt(1 - b2^t) / (1 - b1^t). m and v in fp32 (fp64 for
+    fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded
+    once. fused=None: the kernel on CUDA, torch._foreach_* ops elsewhere;
+    True: the kernel always (the interpreter on CPU); False: never.
+    capturable=True: step() can be captured in a CUDA graph, the kernel
+    reading its step size and decay from a device tensor (advance())."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.01, fused=None, capturable=False):
         if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"AdamW: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
+            raise ValueError(f"AdamW: lr, eps and weight_decay must be >= 0 "
+                             f"(got {lr}, {eps}, {weight_decay})")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"AdamW: betas must lie in [0, 1) (got {betas})")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.fused, self.capturable = fused, capturable
-        self._tables = {}  # bucket -> adamw_step's cache (chunk table, gradient offsets)
-        self._scalars = {}  # bucket -> (neg_step, decay) on the device (capturable)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.fused = fused
+        self.capturable = capturable
+        self._tables = {}  # bucket -> adamw_step's cache (chunk table, ...)
+        self._scalars = {}  # bucket -> (neg_step, decay) on the device
         self._captured = set()  # the buckets a captured step() launches for
 
     def _use_kernel(self, p):
@@ -953,60 +1266,75 @@ class AdamW(torch.optim.Optimizer):
             return False
         dense = p.is_contiguous() and p.grad.is_contiguous()
         if self.fused and not dense:
-            raise ValueError("AdamW(fused=True) needs contiguous parameters and gradients")
+            raise ValueError("AdamW(fused=True) needs contiguous parameters "
+                             "and gradients")
         return dense and (p.is_cuda or self.fused)
 
     def _adamw_groups(self):  # (index, group) of the groups AdamW steps
         return list(enumerate(self.param_groups))
 
     def _buckets(self, count):
-        """{(group, fused, device, dtype, grad dtype): (t, params, grads, exp_avgs, exp_avg_sqs)} over the parameters
-        with a gradient, their state made first; count: add this step to every t."""
+        """{(group, fused, device, dtype, grad dtype): (t, params, grads,
+        exp_avgs, exp_avg_sqs)} over the parameters with a gradient, their
+        state made first; count: add this step to every t."""
         buckets = {}
         for gi, group in self._adamw_groups():
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
+                    raise RuntimeError("AdamW does not support sparse "
+                                       "gradients")
                 state = self.state[p]
                 if not state:
                     if not count:
-                        raise RuntimeError("AdamW: capturing step() needs the optimizer state first; take one eager "
-                                           "step before the capture")
-                    dtype = torch.promote_types(p.dtype, torch.float32)  # fp32, fp64 for fp64 parameters
-                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=dtype),
+                        raise RuntimeError(
+                            "AdamW: capturing step() needs the optimizer "
+                            "state first; take one eager step before the "
+                            "capture")
+                    dtype = torch.promote_types(p.dtype, torch.float32)
+                    state.update(step=0,
+                                 exp_avg=torch.zeros_like(p, dtype=dtype),
                                  exp_avg_sq=torch.zeros_like(p, dtype=dtype))
                 state["step"] += count
-                key = (gi, self._use_kernel(p), p.device, p.dtype, p.grad.dtype, state["step"])
-                b = buckets.setdefault(key, ([], [], [], []))
-                for lst, t in zip(b, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
-                    lst.append(t)
+                key = (gi, self._use_kernel(p), p.device, p.dtype,
+                       p.grad.dtype, state["step"])
+                columns = buckets.setdefault(key, ([], [], [], []))
+                tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+                for column, t in zip(columns, tensors):
+                    column.append(t)
         by_bucket = {}
         for (*key, t), columns in buckets.items():
-            if tuple(key) in by_bucket:
+            key = tuple(key)
+            if key in by_bucket:
                 if self.capturable:
-                    raise RuntimeError(f"AdamW(capturable=True): parameters of group {key[0]} are at different "
-                                       f"step counts ({by_bucket[tuple(key)][0]} and {t}); one kernel launch reads "
-                                       f"one step size")
+                    raise RuntimeError(
+                        f"AdamW(capturable=True): parameters of group "
+                        f"{key[0]} are at different step counts "
+                        f"({by_bucket[key][0]} and {t}); one kernel launch "
+                        f"reads one step size")
                 key = (*key, t)  # eager: its own launch
-            by_bucket[tuple(key)] = (t, *columns)
+            by_bucket[key] = (t, *columns)
         return by_bucket
 
     @staticmethod
     def _step_size(group, t):
-        """(-α_t, α·λ) of a group at step t: -α_t = -lr sqrt(1 - β2^t) / (1 - β1^t)."""
+        """(-α_t, α·λ) of a group at step t."""
         lr, (beta1, beta2) = group["lr"], group["betas"]
-        return -lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t), lr * group["weight_decay"]
+        neg_step = -lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+        return neg_step, lr * group["weight_decay"]
 
     def _write_scalars(self, key, neg_step, lr_wd):
-        """The kernel's (neg_step, decay) of a bucket into its device tensor, by a pinned copy the host need not wait
-        for; returns the tensor."""
+        """A bucket's (neg_step, decay) into its device tensor, by a pinned
+        copy the host need not wait for; returns the tensor."""
         scalars = self._scalars.get(key)
         if scalars is None:
-            scalars = self._scalars[key] = torch.empty(2, dtype=torch.float32, device=key[2])
+            scalars = torch.empty(2, dtype=torch.float32, device=key[2])
+            self._scalars[key] = scalars
         host = torch.tensor([neg_step, 1 - lr_wd], dtype=torch.float32)
-        scalars.copy_(host.pin_memory() if scalars.is_cuda else host, non_blocking=True)
+        if scalars.is_cuda:
+            host = host.pin_memory()
+        scalars.copy_(host, non_blocking=True)
         return scalars
 
     @torch.no_grad()
@@ -1015,58 +1343,78 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        capturing = _capturing()
         if capturing and not self.capturable:
-            raise RuntimeError("AdamW.step() is being captured in a CUDA graph: make the optimizer with "
-                               "capturable=True (its step size then comes from the device)")
-        for key, (t, *columns) in self._buckets(count=0 if capturing else 1).items():
+            raise RuntimeError("AdamW.step() is being captured in a CUDA "
+                               "graph: make the optimizer with "
+                               "capturable=True (its step size then comes "
+                               "from the device)")
+        buckets = self._buckets(count=0 if capturing else 1)
+        for key, (t, *columns) in buckets.items():
             group = self.param_groups[key[0]]
-            fused, beta1, beta2, eps = key[1], *group["betas"], group["eps"]
+            fused = key[1]
+            beta1, beta2 = group["betas"]
+            eps = group["eps"]
             neg_step, lr_wd = self._step_size(group, t)
             if not fused:
                 if capturing:
-                    raise RuntimeError(f"AdamW(capturable=True) captures the fused kernel only; group {key[0]} has "
-                                       f"{key[3]} parameters on {key[2]} that take the foreach path")
-                self._foreach_step(*columns, neg_step, beta1, beta2, eps, lr_wd)
+                    raise RuntimeError(
+                        f"AdamW(capturable=True) captures the fused kernel "
+                        f"only; group {key[0]} has {key[3]} parameters on "
+                        f"{key[2]} that take the foreach path")
+                self._foreach_step(*columns, neg_step, beta1, beta2, eps,
+                                   lr_wd)
                 continue
             scalars = None
             if capturing:
                 scalars = self._scalars.get(key)
                 if scalars is None:
-                    raise RuntimeError("AdamW: capturing step() needs one eager step with capturable=True first")
+                    raise RuntimeError("AdamW: capturing step() needs one "
+                                       "eager step with capturable=True "
+                                       "first")
                 self._captured.add(key)
             elif self.capturable:
                 scalars = self._write_scalars(key, neg_step, lr_wd)
-            cache = self._tables.setdefault(key, {})  # the kernel's chunk table kept between steps
-            adamw_step(cache, *columns, neg_step, beta1, beta2, eps, 1 - lr_wd, scalars=scalars)
+            cache = self._tables.setdefault(key, {})  # kept between steps
+            adamw_step(cache, *columns, neg_step, beta1, beta2, eps,
+                       1 - lr_wd, scalars=scalars)
         return loss
 
     @torch.no_grad()
     def advance(self):
-        """The host's part of a captured step(), before each replay: every t + 1, and each bucket's step size and decay
-        (the groups' lr now) written where the captured kernels read them."""
+        """The host's part of a captured step(), before each replay: every
+        t + 1, and each bucket's step size and decay (the groups' lr now)
+        written where the captured kernels read them."""
         if not self._captured:
-            raise RuntimeError("AdamW.advance() is the host's part of a replayed step: capture step() first, with "
+            raise RuntimeError("AdamW.advance() is the host's part of a "
+                               "replayed step: capture step() first, with "
                                "capturable=True")
         for key, (t, *_) in self._buckets(count=1).items():
             if key not in self._captured:
-                raise RuntimeError(f"AdamW.advance(): the captured step() does not step group {key[0]}'s "
+                raise RuntimeError(f"AdamW.advance(): the captured step() "
+                                   f"does not step group {key[0]}'s "
                                    f"{key[3]} parameters on {key[2]}")
-            self._write_scalars(key, *self._step_size(self.param_groups[key[0]], t))
+            group = self.param_groups[key[0]]
+            self._write_scalars(key, *self._step_size(group, t))
 
     @staticmethod
-    def _foreach_step(params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1, beta2, eps, lr_wd):
-        work = params if params[0].dtype == exp_avgs[0].dtype else [p.float() for p in params]
+    def _foreach_step(params, grads, exp_avgs, exp_avg_sqs, neg_step, beta1,
+                      beta2, eps, lr_wd):
+        work = params  # fp32 copies of bf16 parameters, rounded once
+        if params[0].dtype != exp_avgs[0].dtype:
+            work = [p.float() for p in params]
         if grads[0].dtype != exp_avgs[0].dtype:
             grads = [g.to(exp_avgs[0].dtype) for g in grads]
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)                 # m ← β1·m + (1−β1)·g
-        torch._foreach_mul_(exp_avg_sqs, beta2)                          # v ← β2·v + (1−β2)·g²
+        # m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        # θ ← θ − α_t·m/(sqrt(v)+ε);  θ ← θ − α·λ·θ
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(work, exp_avgs, denom, neg_step)         # θ ← θ − α_t·m/(sqrt(v)+ε)
+        torch._foreach_addcdiv_(work, exp_avgs, denom, neg_step)
         if lr_wd != 0:
-            torch._foreach_mul_(work, 1 - lr_wd)                         # θ ← θ − α·λ·θ
+            torch._foreach_mul_(work, 1 - lr_wd)
         if work is not params:
             torch._foreach_copy_(params, work)
 
@@ -1078,9 +1426,8 @@ def newton_schulz(G, steps=5, eps=1e-7):
     """About U V^T of G = U S V^T, for a matrix or a stack of them:
     X <- a X + b (X X^T) X + c (X X^T)^2 X, from X = G / ||G||_F.
     A step maps each singular value s to p(s); the coefficients trade
-    exactness for a steep slope at 0, so 5 steps leave them in about
-    [0.68, 1.2] (those above 2e-3 ||G||_F), not at 1. A tall G is
-    iterated transposed: X X^T is then the smaller Gram matrix."""
+    exactness for a steep slope at 0: they end in a band around 1, not
+    at 1. A tall G is iterated transposed (the smaller Gram matrix)."""
     a, b, c = NEWTON_SCHULZ
     X = G / (G.norm(dim=(-2, -1), keepdim=True) + eps)
     tall = G.size(-2) > G.size(-1)
@@ -1099,10 +1446,8 @@ def orthogonalize(directions, iteration=newton_schulz):
     """Muon's update of each whole 2-D direction: iteration(d) times
     sqrt(max(1, rows / cols)), in bf16 on CUDA, else in fp32 (fp64
     stays); same-shape matrices go through the iteration as one stack.
-    The scale is modded-nanogpt's, which its published rates assume: dW
-    moves an output's RMS by up to sqrt(cols / rows) |dW|_2 per unit of
-    input RMS, so sqrt(rows / cols) evens the step out over shapes (kept
-    from shrinking the wide ones)."""
+    The scale is modded-nanogpt's (its rates assume it): dW moves an
+    output's RMS by up to sqrt(cols / rows) |dW|_2 per unit of input RMS."""
     by_shape = {}
     for i, d in enumerate(directions):
         by_shape.setdefault(tuple(d.shape), []).append(i)
@@ -1165,8 +1510,7 @@ class Muon(AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         loss = super().step(closure)  # AdamW's groups
-        capturing = (torch.cuda.is_available()
-                     and torch.cuda.is_current_stream_capturing())
+        capturing = _capturing()
         for gi, group in enumerate(self.param_groups):
             if group["muon"]:
                 self._muon_step(gi, group, capturing)
@@ -1205,7 +1549,7 @@ class Muon(AdamW):
         decay = 1 - group["lr"] * group["weight_decay"]
         if self.capturable:  # the values a replay reads: advance()'s
             key = (gi, "muon", params[0].device)
-            scalars = self._muon_scalars(key, group, capturing)
+            scalars = self._muon_scalars(key, capturing)
             neg_lr, decay = scalars[0], scalars[1]
         torch._foreach_mul_(updates, neg_lr)
         work = [p.to(buffers[0].dtype) for p in params]  # bf16: rounded once
@@ -1218,10 +1562,14 @@ class Muon(AdamW):
     def _orthogonalize(self, directions):
         return orthogonalize(directions, self.iteration)
 
-    def _muon_scalars(self, key, group, capturing):
+    def _write_lr(self, key):  # a Muon group's -lr and decay, for replays
+        group = self.param_groups[key[0]]
+        lr = group["lr"]
+        return self._write_scalars(key, -lr, lr * group["weight_decay"])
+
+    def _muon_scalars(self, key, capturing):
         if not capturing:
-            lr = group["lr"]
-            return self._write_scalars(key, -lr, lr * group["weight_decay"])
+            return self._write_lr(key)
         if key not in self._scalars:
             raise RuntimeError("Muon: capturing step() needs one eager "
                                "step with capturable=True first")
@@ -1233,23 +1581,27 @@ class Muon(AdamW):
         super().advance()
         for key in self._captured:
             if key[1] == "muon":
-                group = self.param_groups[key[0]]
-                lr = group["lr"]
-                self._write_scalars(key, -lr, lr * group["weight_decay"])
+                self._write_lr(key)
 
 
-def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate, warmup_iters, cosine_cycle_iters):
-    """Linear warm-up to max over warmup_iters, cosine down to min at cosine_cycle_iters, then min."""
+def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate,
+                           warmup_iters, cosine_cycle_iters):
+    """Linear warm-up to max over warmup_iters, cosine down to min at
+    cosine_cycle_iters, then min."""
     if it < warmup_iters:
         return it / warmup_iters * max_learning_rate
     if it <= cosine_cycle_iters:
-        progress = (it - warmup_iters) / max(1, cosine_cycle_iters - warmup_iters)
-        return min_learning_rate + 0.5 * (1 + math.cos(math.pi * progress)) * (max_learning_rate - min_learning_rate)
+        progress = ((it - warmup_iters)
+                    / max(1, cosine_cycle_iters - warmup_iters))
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        span = max_learning_rate - min_learning_rate
+        return min_learning_rate + cosine * span
     return min_learning_rate
 
 
 def clip_grad_norm(parameters, max_l2_norm):
-    """Scale all gradients to a global L2 norm of at most max_l2_norm; returns the norm before (ddp.clip_grad_norm)."""
+    """Scale all gradients to a global L2 norm of at most max_l2_norm;
+    returns the norm before (ddp.clip_grad_norm)."""
     return ddp.clip_grad_norm(list(parameters), max_l2_norm)
 
 
