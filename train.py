@@ -9,12 +9,11 @@ Train a TransformerLM on a tokenized dataset.
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 train.py  # on each host
 
 The file, top-down: the config globals; train(), the loop; the parts it
-calls: set-up, the step (make_step: eager or as CUDA graphs), data and
-batches, checkpoints; the command line (main, cli), which answers --help
-and bad flags before torch is imported; then AdamW, Muon, the schedule and
-clipping. Importing the file has no side effects. SIGINT (Ctrl-C) or
-SIGTERM end a run after the step in progress, with a checkpoint and the
-command that continues it.
+calls: set-up, the step (eager or as CUDA graphs), data, checkpoints; the
+command line (main, cli: --help and bad flags are answered before torch is
+imported); AdamW, Muon, the schedule and clipping. Importing it has no side
+effects. SIGINT (Ctrl-C) or SIGTERM end a run after the step in progress,
+with a checkpoint and the command that continues it.
 """
 import ast
 import builtins
@@ -115,18 +114,17 @@ def train(config, given, rank, world_size, dev, stops):
     local_accum = c.grad_accum // world_size
     autocast = torch.autocast(dev.type, dtype=r.ptdtype,
                               enabled=r.ptdtype != torch.float32)
-    # the train loss summed since step loss_from, in fp64: each micro-batch
-    # loss enters exactly, so any number of ranks logs the same loss; a
-    # resume carries its checkpoint's sum on rank 0
+    # the loss summed since step loss_from (a resume's on rank 0), in fp64:
+    # exact, so any number of ranks logs the same loss
     loss_from = r.loss_window["from"]
     carried = r.loss_window["loss_sum"] if master else 0.0
     loss_sum = torch.full((), carried, dtype=torch.float64, device=dev)
 
-    def micro_step(j, batch):  # forward and backward of one micro-batch
+    def micro_step(j, batch):
         x, y, cu_seqlens, max_seqlen = batch
         last = j == local_accum - 1  # the gradients sync after the last
         with contextlib.nullcontext() if last else w.no_sync():
-            with autocast:  # given targets: the loss, never the full logits
+            with autocast:  # targets given: no full logits
                 loss = w(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                          targets=y)
             # the wrappers average over ranks: 1 / grad_accum overall
@@ -136,7 +134,7 @@ def train(config, given, rank, world_size, dev, stops):
     max_norm = c.grad_clip if c.grad_clip > 0 else float("inf")
     train_step = make_step(w, optimizer, micro_step, max_norm, r.graphs)
 
-    def sum_over_ranks(*values):  # one all-reduce of a few numbers, in fp64
+    def sum_over_ranks(*values):  # in fp64, one all-reduce
         t = torch.tensor(values, dtype=torch.float64, device=dev)
         if world_size > 1:
             torch.distributed.all_reduce(t)
@@ -182,7 +180,7 @@ def train(config, given, rank, world_size, dev, stops):
 
     def log_progress(step, lr, grad_norm):
         nonlocal t_last, step_last, tokens_since, eta_from, loss_from
-        # the loss of the whole global batch: every rank's micro-batches
+        # the whole global batch's loss: every rank's micro-batches
         loss_total, tokens = sum_over_ranks(loss_sum.item(), tokens_since)
         train_loss = loss_total / c.grad_accum / (step - loss_from)
         now = time.time()
@@ -193,7 +191,7 @@ def train(config, given, rank, world_size, dev, stops):
         if r.peak:
             mfu = r.flops_tok * tok_s / (r.peak * world_size)
             mfu_text = f"MFU {100 * mfu:.1f}%, "
-        # the ETA: the mean step since the first log line (after warm-up)
+        # the ETA from the mean step since the first log line (warmed up)
         t0, step0 = eta_from or (t_last, step_last)
         eta = (now - t0) / (step - step0) * (c.max_iters - step)
         eta_from = eta_from or (now, step)
@@ -216,8 +214,8 @@ def train(config, given, rank, world_size, dev, stops):
     decay_end = c.lr_decay_iters or c.max_iters
     pad_id = r.meta["eot_id"]
     stops.install()
-    # on CPU the same seed gives the same bits: else the embedding's backward
-    # adds rows in the threads' order
+    # the same bits on CPU: else the embedding's backward adds rows in the
+    # threads' order
     deterministic = (torch.are_deterministic_algorithms_enabled(),
                      torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(deterministic[0] or dev.type == "cpu",
@@ -228,9 +226,9 @@ def train(config, given, rank, world_size, dev, stops):
     try:
         for it in range(r.start_iter, c.max_iters):
             stop = stops.requested()
-            if it % c.eval_interval == 0:
-                if not (resumed and it == r.start_iter):  # done before
-                    t_last += evaluate(it)  # not counted as training time
+            resuming = resumed and it == r.start_iter
+            if it % c.eval_interval == 0 and not resuming:
+                t_last += evaluate(it)  # not counted as training time
             if stop:  # `it` steps are complete: keep them
                 if saved_at != it:
                     save(it)
@@ -483,8 +481,7 @@ def claim_out_dir(c, master, log):
 
 
 def _user_input(load, *args):
-    """load(*args), its errors about a missing or damaged dataset or
-    checkpoint as ConfigError (one line, cli)."""
+    """load(*args); a bad dataset or checkpoint is a ConfigError."""
     try:
         return load(*args)
     except (OSError, ValueError, RuntimeError) as e:
@@ -492,7 +489,6 @@ def _user_input(load, *args):
 
 
 def gpu_peak_flops(dev):
-    """PEAK_FLOPS of this device by its name, else 0 (no MFU)."""
     if dev.type != "cuda":
         return 0.0
     name = torch.cuda.get_device_name(dev)
@@ -505,8 +501,10 @@ def make_optimizer(c, w, graphs):
     def decay_groups(named):  # none on the RMSNorm gains (ln1, ln2, ...)
         decayed, gains = [], []
         for name, p in named:
-            is_gain = any(part.startswith("ln") for part in name.split("."))
-            (gains if is_gain else decayed).append(p)
+            if any(part.startswith("ln") for part in name.split(".")):
+                gains.append(p)
+            else:
+                decayed.append(p)
         return [{"params": decayed, "weight_decay": c.weight_decay},
                 {"params": gains, "weight_decay": 0.0}]
 
@@ -545,9 +543,9 @@ def validation_batches(tokens, docs, c, rank, world_size, dev, pad_id):
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning) only set a flag,
-    asked for before each step; under several processes it is all-reduced
-    (max) over a CPU gloo group: every rank stops at the same step."""
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's warning) set a flag that
+    each step asks for first, all-reduced (max) over a CPU gloo group under
+    several processes: every rank stops at the same step."""
 
     def __init__(self, world_size):
         self.signum = 0
@@ -584,8 +582,7 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def launcher(world_size):
-    """The command that starts train.py again on as many processes."""
+def launcher(world_size):  # the command that starts as many processes
     if world_size == 1:
         return "python"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # per node
@@ -630,9 +627,8 @@ def log_record(log_path, record):
 
 def make_step(w, optimizer, micro_step, max_norm, graphs=None):
     """step(batches) -> gradient norm: micro_step(j, batch) per micro-batch,
-    sync, clip, optimizer step. graphs: None, 'micro' (compiled with mode
-    reduce-overhead) or 'whole' (whole_step_graph over buffers each call
-    fills)."""
+    sync, clip, optimizer step. graphs: None, 'micro' (one per micro-step,
+    torch.compile's reduce-overhead) or 'whole' (whole_step_graph)."""
     if graphs == "micro":  # a None gradient would be a replay's output
         for p in w.parameters():
             p.grad = torch.zeros_like(p)
@@ -672,9 +668,9 @@ def make_step(w, optimizer, micro_step, max_norm, graphs=None):
 
 
 def whole_step_graph(step, optimizer, device, eager_steps=2):
-    """step() (ending in optimizer.step(), optimizer capturable) as one CUDA
-    graph: eager_steps calls on a side stream (to compile, autotune, make
-    the optimizer state), then capture_step, then replays."""
+    """step() (ending in a capturable optimizer's step) as one CUDA graph:
+    eager_steps calls on a side stream (compiling, autotuning, making the
+    optimizer state), then capture_step, then replays."""
     side, calls, replay = torch.cuda.Stream(device), [0], []
 
     def run():
@@ -694,9 +690,9 @@ def whole_step_graph(step, optimizer, device, eager_steps=2):
 
 
 def capture_step(step, optimizer):
-    """step() (its batch in tensors that stay in place; optimizer capturable
-    and stepped once) as a CUDA graph: replay() advances the optimizer's
-    step count on the host, replays, and returns step()'s outputs."""
+    """step() (its batch in tensors that stay in place; the optimizer
+    capturable, stepped once) as a CUDA graph: replay() advances the
+    optimizer on the host, replays, and returns step()'s outputs."""
     capturable = getattr(optimizer, "capturable", False) or all(
         g.get("capturable", False) for g in optimizer.param_groups)
     _require(capturable,
@@ -768,8 +764,6 @@ def load_dataset(data_dir, split):
 
 
 def prepare_command(data_dir):
-    """What makes data_dir: prepare.py downloads the known datasets and
-    tokenizes local text for any other."""
     name = os.path.basename(os.path.normpath(data_dir))
     command = f"python data/prepare.py {name}"
     if name not in ("shakespeare", "tinystories", "owt"):
@@ -786,9 +780,8 @@ def _to_device(t, device):
 
 
 def get_batch(dataset, batch_size, context_length, device, generator=None):
-    """batch_size random windows, starts uniform in {0, ..., n -
-    context_length - 1}: int64 inputs and next-token targets (B, T) on
-    device. Only the windows are read from the memmap."""
+    """batch_size uniform random windows: int64 inputs and next-token
+    targets (B, T) on device; only the windows are read from the memmap."""
     n = len(dataset)
     _require(n >= context_length + 1, f"dataset has {n} tokens, fewer "
              f"than context_length + 1 = {context_length + 1}")
@@ -802,11 +795,10 @@ def get_batch(dataset, batch_size, context_length, device, generator=None):
 
 
 def sample_documents(docs, token_budget, context_length, generator):
-    """Random document pieces until they hold at least token_budget targets
-    (overshooting by less than one piece): their (start, end) token ranges.
-    Documents are cut into context_length-sized pieces, drawn uniformly
-    (each token equally likely, as with concat windows); a piece of L tokens
-    has L - 1 targets, so one-token pieces are skipped."""
+    """(start, end) of random document pieces holding token_budget targets
+    or less than one piece more. Documents are cut into context_length
+    pieces drawn uniformly (each token equally likely, as with concat);
+    one-token pieces have no target and are skipped."""
     docs = np.asarray(docs, dtype=np.int64)
     _require(context_length >= 2,
              f"context_length must be >= 2, got {context_length}")
@@ -834,9 +826,8 @@ def sample_documents(docs, token_budget, context_length, generator):
 
 
 def pad_batch(tokens, spans, length, pad_id):
-    """One row per piece, right-padded to `length` with pad_id: x (B,
-    length) int64 holds the piece, y the next token inside the piece and
-    -100 on padding and at the piece's last position."""
+    """One row per piece, right-padded to `length`: x (B, length) int64
+    holds the piece (then pad_id), y its next tokens (then -100)."""
     x = np.full((len(spans), length), pad_id, dtype=np.int64)
     y = np.full((len(spans), length), -100, dtype=np.int64)
     for i, (s, e) in enumerate(spans):
@@ -849,8 +840,7 @@ def pad_batch(tokens, spans, length, pad_id):
 
 def pack_batch(tokens, spans):
     """All pieces in one row: x = concat(piece[:-1]), y = concat(piece[1:])
-    as (1, N) int64, with int32 cu_seqlens (num_pieces + 1 offsets) over
-    those N positions and max_seqlen (a Python int)."""
+    (1, N) int64, int32 cu_seqlens (num_pieces + 1 offsets), max_seqlen."""
     pieces = [np.asarray(tokens[s:e], dtype=np.int64) for s, e in spans]
     _require(pieces and min(len(p) for p in pieces) >= 2, "pack_batch needs"
              " at least one piece, each of at least 2 tokens")
@@ -862,9 +852,9 @@ def pack_batch(tokens, spans):
 
 
 def pad_packed(x, y, cu_seqlens, length, pad_id):
-    """A packed batch at a static shape, same loss and gradients: padded to
-    `length` (a document of its own), and cu_seqlens to a power of two of
-    entries by repeating its last offset (empty documents)."""
+    """A packed batch at a static shape with the same loss and gradients:
+    padded to `length` (a document of its own), cu_seqlens to a power of
+    two of entries (empty documents)."""
     n = x.shape[1]
     _require(n <= length, f"a packed batch of {n} tokens does not fit a "
              f"static length of {length}")
@@ -878,10 +868,8 @@ def pad_packed(x, y, cu_seqlens, length, pad_id):
 
 
 def make_batch(tokens, docs, c, generator, device, pad_id):
-    """One micro-batch of c.batching, (x, y, cu_seqlens or None, max_seqlen
-    or None, real targets): concat, windows of the stream; pad /
-    dynamic_pad, a document piece per row padded to context_length / the
-    longest; pack, one row."""
+    """One micro-batch of c.batching: (x, y, cu_seqlens, max_seqlen, real
+    targets), cu_seqlens and max_seqlen None unless packed."""
     if c.batching == "concat":
         x, y = get_batch(tokens, c.batch_size, c.context_length, device,
                          generator)
@@ -907,10 +895,9 @@ def make_batch(tokens, docs, c, generator, device, pad_id):
 
 
 def batch_generator(seed, iteration, micro):
-    """The data RNG of one micro-batch, a pure function of (seed, iteration
-    (validation: negative), global micro-batch index): a resumed run draws
-    the uninterrupted one's batches, N ranks those of 1 process
-    accumulating N-fold."""
+    """The data RNG of one micro-batch, a function of (seed, iteration
+    (negative: validation), global micro-batch) only: a resume draws the
+    same batches, and N ranks those of one process accumulating N-fold."""
     key = (seed * 1_000_003 + iteration) * 1_000_003 + micro
     return torch.Generator().manual_seed(key & (2 ** 63 - 1))
 
@@ -923,10 +910,9 @@ def _clean_state_dict(state_dict):  # without torch.compile's prefix
 
 
 def save_checkpoint(model, optimizer, iteration, out, **extra):
-    """torch.save {"model", "optimizer", "iteration", **extra} to a path (a
-    temp file, read back, then os.replace) or a file object. model: a module
-    (wrappers unwrapped) or a state dict; optimizer: one, its state dict or
-    None."""
+    """torch.save {"model", "optimizer", "iteration", **extra} to a file
+    object, or to a path through a temp file checked and then renamed.
+    model: a module or a state dict; optimizer: one, a state dict or None."""
     if not isinstance(model, dict):
         model = unwrap(model).state_dict()
     if hasattr(optimizer, "state_dict"):
@@ -992,11 +978,10 @@ def default_config():
 
 
 def apply_config(argv, config, given=None):
-    """nanoGPT's configurator: config files (run with the current values in
-    scope) and --key=value / --key value (ast.literal_eval; strings
-    verbatim) in order, into `config`; the keys set go into `given`. An
-    unknown key or a value of another type than the default (int is fine
-    for float) raises ConfigError."""
+    """nanoGPT's configurator: config files (run with the values so far)
+    and --key=value / --key value (ast.literal_eval; strings verbatim), in
+    order, into `config`; the keys set into `given`. An unknown key or a
+    value of another type than the default's raises ConfigError."""
     def checked(key, value, source):
         if key not in config:
             raise unknown_key(key, source, config)
@@ -1051,8 +1036,6 @@ def apply_config(argv, config, given=None):
 
 
 def unknown_key(key, source, config):
-    """The error for a key that is not ours: our name for it, why there
-    is none, or the closest of ours."""
     close = difflib.get_close_matches(key, config, n=1)
     hint = NANOGPT.get(key) or next(iter(close), "")
     message = f"unknown config key {key!r} (from {source})"
@@ -1064,8 +1047,7 @@ def unknown_key(key, source, config):
 
 
 def run_config_file(path, scope):
-    """Run a config file in scope; an error in it is a ConfigError naming
-    the line."""
+    """Run a config file; an error in it is a ConfigError naming the line."""
     with open(path) as f:
         source = f.read()
     try:  # (the config global `compile` shadows the builtin)
@@ -1136,8 +1118,7 @@ def check_config(c, world_size):
 
 
 def help_keys():
-    """--help's table: each config key, its default and the comment beside
-    its global."""
+    """--help's table: each config key, its default and its comment."""
     with open(os.path.abspath(__file__), encoding="utf-8") as f:
         comments = dict(re.findall(r"^(\w+) = .+?  # (.+)$", f.read(), re.M))
     rows = [(f"--{key}={value!r}", comments.get(key, ""))
@@ -1150,9 +1131,9 @@ def help_keys():
 
 
 def main(argv, check_only=False):
-    """Run train.py with command-line arguments; returns the exit status,
-    raising ConfigError. check_only (before torch is imported): judge them
-    as far as they can be without data and checkpoint, and return None."""
+    """train.py with these arguments; returns the exit status or raises
+    ConfigError. check_only (before torch is imported): judge them as far
+    as can be without data and checkpoint, and return None."""
     if "-h" in argv or "--help" in argv:
         print(f"{__doc__}\n{help_keys()}")
         return 0
@@ -1184,7 +1165,6 @@ def main(argv, check_only=False):
 
 
 def chosen_device(name):
-    """--device on one process; a CUDA device must exist here."""
     dev = _user_input(torch.device, name)
     n = torch.cuda.device_count()
     if dev.type == "cuda" and (dev.index or 0) >= n:
@@ -1196,9 +1176,9 @@ def chosen_device(name):
 
 
 def cli(argv, check_only=False):
-    """main() for the command line: a ConfigError is one line on stderr and
-    status 2 (argparse's convention), a Ctrl-C before the training loop one
-    line and status 130; printed by the first process of each node only."""
+    """main(), its ConfigError one line on stderr and status 2 (argparse's
+    convention), a Ctrl-C before the loop one line and status 130; printed
+    by the first process of each node."""
     try:
         return main(argv, check_only)
     except ConfigError as e:
@@ -1238,12 +1218,10 @@ class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay, t counted per parameter:
         m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
         p <- p - a_t m / (sqrt(v) + eps);  p <- p (1 - lr wd)
-    with a_t = lr sqrt(1 - b2^t) / (1 - b1^t). m and v in fp32 (fp64 for
-    fp64 parameters); bf16/fp16 parameters are updated in fp32 and rounded
-    once. fused=None: the kernel on CUDA, torch._foreach_* ops elsewhere;
-    True: the kernel always (the interpreter on CPU); False: never.
-    capturable=True: step() can be captured in a CUDA graph, the kernel
-    reading its step size and decay from a device tensor (advance())."""
+    with a_t = lr sqrt(1 - b2^t) / (1 - b1^t); m and v in fp32 (fp64 for
+    fp64 parameters), bf16 parameters updated in fp32 and rounded once.
+    fused: the kernel (None: on CUDA only), else torch._foreach_* ops.
+    capturable=True: step() can be captured in a CUDA graph (advance())."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, fused=None, capturable=False):
@@ -1276,7 +1254,8 @@ class AdamW(torch.optim.Optimizer):
     def _buckets(self, count):
         """{(group, fused, device, dtype, grad dtype): (t, params, grads,
         exp_avgs, exp_avg_sqs)} over the parameters with a gradient, their
-        state made first; count: add this step to every t."""
+        state made first; count: add this step to every t. A parameter at
+        another t than its bucket's gets a bucket of its own (eager)."""
         buckets = {}
         for gi, group in self._adamw_groups():
             for p in group["params"]:
@@ -1297,25 +1276,22 @@ class AdamW(torch.optim.Optimizer):
                                  exp_avg=torch.zeros_like(p, dtype=dtype),
                                  exp_avg_sq=torch.zeros_like(p, dtype=dtype))
                 state["step"] += count
+                t = state["step"]
                 key = (gi, self._use_kernel(p), p.device, p.dtype,
-                       p.grad.dtype, state["step"])
-                columns = buckets.setdefault(key, ([], [], [], []))
+                       p.grad.dtype)
+                if key in buckets and buckets[key][0] != t:
+                    if self.capturable:
+                        raise RuntimeError(
+                            f"AdamW(capturable=True): parameters of group "
+                            f"{gi} are at different step counts "
+                            f"({buckets[key][0]} and {t}); one kernel "
+                            f"launch reads one step size")
+                    key = (*key, t)
+                bucket = buckets.setdefault(key, (t, [], [], [], []))
                 tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
-                for column, t in zip(columns, tensors):
-                    column.append(t)
-        by_bucket = {}
-        for (*key, t), columns in buckets.items():
-            key = tuple(key)
-            if key in by_bucket:
-                if self.capturable:
-                    raise RuntimeError(
-                        f"AdamW(capturable=True): parameters of group "
-                        f"{key[0]} are at different step counts "
-                        f"({by_bucket[key][0]} and {t}); one kernel launch "
-                        f"reads one step size")
-                key = (*key, t)  # eager: its own launch
-            by_bucket[key] = (t, *columns)
-        return by_bucket
+                for column, tensor in zip(bucket[1:], tensors):
+                    column.append(tensor)
+        return buckets
 
     @staticmethod
     def _step_size(group, t):
@@ -1336,6 +1312,17 @@ class AdamW(torch.optim.Optimizer):
             host = host.pin_memory()
         scalars.copy_(host, non_blocking=True)
         return scalars
+
+    def _device_scalars(self, key, capturing, neg_step, lr_wd, who):
+        """The tensor a captured launch reads its step size and decay
+        from: written by eager steps, taken as it is by the capture."""
+        if not capturing:
+            return self._write_scalars(key, neg_step, lr_wd)
+        if key not in self._scalars:
+            raise RuntimeError(f"{who}: capturing step() needs one eager "
+                               f"step with capturable=True first")
+        self._captured.add(key)
+        return self._scalars[key]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1366,15 +1353,9 @@ class AdamW(torch.optim.Optimizer):
                                    lr_wd)
                 continue
             scalars = None
-            if capturing:
-                scalars = self._scalars.get(key)
-                if scalars is None:
-                    raise RuntimeError("AdamW: capturing step() needs one "
-                                       "eager step with capturable=True "
-                                       "first")
-                self._captured.add(key)
-            elif self.capturable:
-                scalars = self._write_scalars(key, neg_step, lr_wd)
+            if self.capturable:
+                scalars = self._device_scalars(key, capturing, neg_step,
+                                               lr_wd, "AdamW")
             cache = self._tables.setdefault(key, {})  # kept between steps
             adamw_step(cache, *columns, neg_step, beta1, beta2, eps,
                        1 - lr_wd, scalars=scalars)
@@ -1467,15 +1448,13 @@ def orthogonalize(directions, iteration=newton_schulz):
 
 class Muon(AdamW):
     """Muon on the groups marked muon=True (the default; 2-D weights),
-    AdamW on those marked False (embeddings, head, gains): one optimizer
-    for checkpoints, ZeRO-1, the schedule and CUDA graphs. Per matrix,
-    with momentum mu:
+    AdamW on those marked False: one optimizer for checkpoints, ZeRO-1,
+    the schedule and CUDA graphs. Per matrix, with momentum mu:
         b <- mu b + g;  d = g + mu b                      (Nesterov)
         p <- p - lr orthogonalize(d);  p <- p (1 - lr wd)
-    b in fp32 (fp64 for fp64 parameters). Matrices whose rows are spread
-    over ranks (FSDP) are made whole by ddp.orthogonalize_rows, each rank
-    orthogonalizing its share. compiled=True: Newton-Schulz compiled.
-    capturable=True: as AdamW's, lr and decay read from a device tensor."""
+    b in fp32 (fp64 for fp64 parameters). Matrices sharded by rows (FSDP)
+    go through ddp.orthogonalize_rows. compiled=True: Newton-Schulz
+    compiled; capturable=True: as AdamW's."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, betas=(0.9, 0.95),
                  eps=1e-8, weight_decay=0.0, fused=None, capturable=False,
@@ -1549,7 +1528,8 @@ class Muon(AdamW):
         decay = 1 - group["lr"] * group["weight_decay"]
         if self.capturable:  # the values a replay reads: advance()'s
             key = (gi, "muon", params[0].device)
-            scalars = self._muon_scalars(key, capturing)
+            scalars = self._device_scalars(
+                key, capturing, *self._muon_step_size(group), "Muon")
             neg_lr, decay = scalars[0], scalars[1]
         torch._foreach_mul_(updates, neg_lr)
         work = [p.to(buffers[0].dtype) for p in params]  # bf16: rounded once
@@ -1562,26 +1542,17 @@ class Muon(AdamW):
     def _orthogonalize(self, directions):
         return orthogonalize(directions, self.iteration)
 
-    def _write_lr(self, key):  # a Muon group's -lr and decay, for replays
-        group = self.param_groups[key[0]]
-        lr = group["lr"]
-        return self._write_scalars(key, -lr, lr * group["weight_decay"])
-
-    def _muon_scalars(self, key, capturing):
-        if not capturing:
-            return self._write_lr(key)
-        if key not in self._scalars:
-            raise RuntimeError("Muon: capturing step() needs one eager "
-                               "step with capturable=True first")
-        self._captured.add(key)
-        return self._scalars[key]
+    @staticmethod
+    def _muon_step_size(group):  # (-lr, lr wd), as AdamW's _step_size
+        return -group["lr"], group["lr"] * group["weight_decay"]
 
     @torch.no_grad()
     def advance(self):
         super().advance()
         for key in self._captured:
             if key[1] == "muon":
-                self._write_lr(key)
+                group = self.param_groups[key[0]]
+                self._write_scalars(key, *self._muon_step_size(group))
 
 
 def get_lr_cosine_schedule(it, max_learning_rate, min_learning_rate,
