@@ -877,21 +877,22 @@ def make_batch(tokens, docs, c, generator, device, pad_id):
     spans = sample_documents(docs, c.batch_size * c.context_length,
                              c.context_length, generator)
     n_real = sum(e - s - 1 for s, e in spans)
-    if c.batching != "pack":
-        if c.batching == "pad":
-            length = c.context_length
-        else:
+    cu_seqlens = max_seqlen = None
+    if c.batching == "pack":
+        x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
+        if c.pack_static:  # the budget plus one piece holds the pieces
+            static_length = (c.batch_size + 1) * c.context_length
+            x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, static_length,
+                                          pad_id)
+            max_seqlen = c.context_length
+        cu_seqlens = _to_device(cu_seqlens, device)
+    else:
+        length = c.context_length
+        if c.batching != "pad":  # dynamic_pad: the longest piece
             length = max(e - s for s, e in spans)
         x, y = pad_batch(tokens, spans, length, pad_id)
-        return _to_device(x, device), _to_device(y, device), None, None, n_real
-    x, y, cu_seqlens, max_seqlen = pack_batch(tokens, spans)
-    if c.pack_static:  # the pieces overshoot by less than one: padding fits
-        static_length = (c.batch_size + 1) * c.context_length
-        x, y, cu_seqlens = pad_packed(x, y, cu_seqlens, static_length,
-                                      pad_id)
-        max_seqlen = c.context_length
-    return (_to_device(x, device), _to_device(y, device),
-            _to_device(cu_seqlens, device), max_seqlen, n_real)
+    x, y = _to_device(x, device), _to_device(y, device)
+    return x, y, cu_seqlens, max_seqlen, n_real
 
 
 def batch_generator(seed, iteration, micro):
