@@ -1415,36 +1415,62 @@ def newton_schulz(G, steps=5, eps=1e-7):
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
+    # beta C + alpha A B in one GEMM: no pass over X to add a X
+    gemm = torch.baddbmm if X.dim() == 3 else torch.addmm
     for _ in range(steps):
         A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        B = gemm(A, A, A, beta=b, alpha=c)  # b A + c A A
+        X = gemm(X, B, X, beta=a)           # a X + B X
     if tall:
         X = X.mT
     return X
 
 
-def orthogonalize(directions, iteration=newton_schulz):
-    """Muon's update of each whole 2-D direction: iteration(d) times
-    sqrt(max(1, rows / cols)), in bf16 on CUDA, else in fp32 (fp64
-    stays); same-shape matrices go through the iteration as one stack.
-    The scale is modded-nanogpt's (its rates assume it): dW moves an
-    output's RMS by up to sqrt(cols / rows) |dW|_2 per unit of input RMS."""
+def orthogonalize_stack(directions, scale):
+    """newton_schulz of same-shape matrices as one stack, in bf16 on
+    CUDA, else in fp32 (fp64 stays); each result times scale."""
+    stack = torch.stack(directions)
+    if stack.is_cuda:
+        work = stack.bfloat16()
+    else:
+        work = stack.to(torch.promote_types(stack.dtype, torch.float32))
+    return (newton_schulz(work).to(stack.dtype) * scale).unbind()
+
+
+def orthogonalize(directions, by_stack=orthogonalize_stack):
+    """Muon's update of each whole 2-D direction: newton_schulz(d) times
+    sqrt(max(1, rows / cols)); same-shape matrices go through by_stack
+    as one stack. The scale is modded-nanogpt's (its rates assume it):
+    dW moves an output's RMS by up to sqrt(cols / rows) |dW|_2 per unit
+    of input RMS."""
     by_shape = {}
     for i, d in enumerate(directions):
         by_shape.setdefault(tuple(d.shape), []).append(i)
     updates = [None] * len(directions)
     for (rows, cols), index in by_shape.items():
-        stack = torch.stack([directions[i] for i in index])
-        if stack.is_cuda:
-            work = stack.bfloat16()
-        else:
-            work = stack.to(torch.promote_types(stack.dtype, torch.float32))
         scale = max(1.0, rows / cols) ** 0.5
-        out = iteration(work).to(stack.dtype) * scale
-        for i, update in zip(index, out.unbind()):
+        out = by_stack([directions[i] for i in index], scale)
+        for i, update in zip(index, out):
             updates[i] = update
     return updates
+
+
+def nesterov(buffers, grads, mu):
+    """b <- mu b + g in place; returns g + mu b, the direction."""
+    torch._foreach_mul_(buffers, mu)
+    torch._foreach_add_(buffers, grads)
+    return torch._foreach_add(grads, buffers, alpha=mu)
+
+
+def apply_updates(params, updates, neg_lr, decay):
+    """p <- (p - lr u)(1 - lr wd) in the updates' dtype, in place."""
+    work = [p.to(updates[0].dtype) for p in params]  # bf16: rounded once
+    torch._foreach_mul_(updates, neg_lr)
+    torch._foreach_add_(work, updates)
+    torch._foreach_mul_(work, decay)
+    for p, w in zip(params, work):
+        if w is not p:
+            p.copy_(w)
 
 
 class Muon(AdamW):
@@ -1454,8 +1480,10 @@ class Muon(AdamW):
         b <- mu b + g;  d = g + mu b                      (Nesterov)
         p <- p - lr orthogonalize(d);  p <- p (1 - lr wd)
     b in fp32 (fp64 for fp64 parameters). Matrices sharded by rows (FSDP)
-    go through ddp.orthogonalize_rows. compiled=True: Newton-Schulz
-    compiled; capturable=True: as AdamW's."""
+    go through ddp.orthogonalize_rows. compiled=True: the momentum, each
+    stack's Newton-Schulz and the update compiled (fewer passes over the
+    weights; step sizes from a device tensor); capturable=True: as
+    AdamW's."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, betas=(0.9, 0.95),
                  eps=1e-8, weight_decay=0.0, fused=None, capturable=False,
@@ -1468,9 +1496,14 @@ class Muon(AdamW):
                          weight_decay=weight_decay, fused=fused,
                          capturable=capturable)
         self.defaults.update(self._muon_defaults)
-        self.iteration = newton_schulz
+        self.compiled = compiled
+        self.nesterov = nesterov
+        self.by_stack = orthogonalize_stack
+        self.apply_updates = apply_updates
         if compiled:
-            self.iteration = torch.compile(newton_schulz, dynamic=False)
+            self.nesterov = torch.compile(nesterov, dynamic=False)
+            self.by_stack = torch.compile(orthogonalize_stack, dynamic=False)
+            self.apply_updates = torch.compile(apply_updates, dynamic=False)
 
     def add_param_group(self, param_group):
         for key, value in self._muon_defaults.items():
@@ -1516,10 +1549,7 @@ class Muon(AdamW):
             return
         buffers = self._momentum(params, capturing)
         grads = [p.grad.to(buffers[0].dtype) for p in params]
-        mu = group["momentum"]
-        torch._foreach_mul_(buffers, mu)             # b <- mu b + g
-        torch._foreach_add_(buffers, grads)
-        directions = torch._foreach_add(grads, buffers, alpha=mu)
+        directions = self.nesterov(buffers, grads, group["momentum"])
         if any(ddp.row_sharded(p) for p in params):
             updates = ddp.orthogonalize_rows(params, directions,
                                              self._orthogonalize)
@@ -1527,21 +1557,15 @@ class Muon(AdamW):
             updates = self._orthogonalize(directions)
         neg_lr = -group["lr"]
         decay = 1 - group["lr"] * group["weight_decay"]
-        if self.capturable:  # the values a replay reads: advance()'s
+        if self.capturable or self.compiled:  # read from the device
             key = (gi, "muon", params[0].device)
             scalars = self._device_scalars(
                 key, capturing, *self._muon_step_size(group), "Muon")
             neg_lr, decay = scalars[0], scalars[1]
-        torch._foreach_mul_(updates, neg_lr)
-        work = [p.to(buffers[0].dtype) for p in params]  # bf16: rounded once
-        torch._foreach_add_(work, updates)           # p <- p - lr u
-        torch._foreach_mul_(work, decay)             # p <- p (1 - lr wd)
-        for p, w in zip(params, work):
-            if w is not p:
-                p.copy_(w)
+        self.apply_updates(params, updates, neg_lr, decay)
 
     def _orthogonalize(self, directions):
-        return orthogonalize(directions, self.iteration)
+        return orthogonalize(directions, self.by_stack)
 
     @staticmethod
     def _muon_step_size(group):  # (-lr, lr wd), as AdamW's _step_size

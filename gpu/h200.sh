@@ -23,7 +23,7 @@ ALL_PARTS=(goals attention attention_sustained attention_work train nanogpt xl x
            train_pack train_graphs varlen hf leaderboard sweep sweep_compiled suite tests_triton tests_gluon
            tests_model muon)
 source gpu/common.sh
-LIMITS+=([goals]=530 [attention_sustained]=300 [attention_work]=400 [xl_memory]=400 [adamw]=120 [train_graphs]=400 [muon]=420)
+LIMITS+=([goals]=530 [attention_sustained]=300 [attention_work]=400 [xl_memory]=400 [adamw]=120 [train_graphs]=400 [muon]=440)
 
 GPT2=(model --size gpt2 --vocab_size 50304 --context_length 1024 --batch_size 12 --dtype bf16 --tie_embeddings
       --warmup 10 --steps 20)
@@ -158,7 +158,8 @@ part_suite() {
 
 # Muon against AdamW on config/small.py's 300 steps, evaluated every 25: the step at which each Muon run first
 # reaches AdamW's final validation loss, and its ms/step against AdamW's (medians of the logged steps after 40)
-MUON_RUNS=("adamw" "muon_lr0.02 --optimizer=muon --muon_lr=0.02" "muon_lr0.05 --optimizer=muon --muon_lr=0.05")
+MUON_RUNS=("adamw" "muon_lr0.02 --optimizer=muon --muon_lr=0.02" "muon_lr0.05 --optimizer=muon --muon_lr=0.05"
+           "muon_lr0.01 --optimizer=muon --muon_lr=0.01")
 part_muon() {
     local tmp spec
     tmp=$(mktemp -d)
