@@ -13,3 +13,4 @@ eval_interval = 50
 eval_iters = 20
 save_interval = 1000
 compile = True
+muon_lr = 0.05  # with --optimizer=muon: 0.01, 0.02 and 0.05 tried here, 0.05 first to the loss
