@@ -338,11 +338,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        # a stable sort: equal sizes keep their order
-        for p in sorted(group["params"], key=lambda p: -p.numel()):
-            r = self.owned_numel.index(min(self.owned_numel))
-            self.owner[p] = r
-            self.owned_numel[r] += p.numel()
+        sizes = [p.numel() for p in group["params"]]
+        owners = balanced_owners(sizes, self.owned_numel)
+        self.owner.update(zip(group["params"], owners))
         self._flatten(group["params"])
         mine = [p for p in group["params"] if self.owner[p] == self.rank]
         owned = {**group, "params": mine}  # maybe no parameters
@@ -727,9 +725,7 @@ def clip_grad_norm(parameters, max_l2_norm, sharded=()):
 def _own_rows(full, shape):
     """This rank's row block of `full`, zero-padded to `shape` (a shard's)."""
     start = _rank_and_world()[0] * shape[0]
-    rows = full[start:start + shape[0]]
-    padding = rows.new_zeros(shape[0] - rows.shape[0], *shape[1:])
-    return torch.cat([rows, padding])
+    return _pad_rows(full[start:start + shape[0]], shape[0])
 
 
 def _full(t, p):
@@ -843,10 +839,10 @@ def _pad_rows(t, rows):
     return torch.cat([t, padding])
 
 
-def balanced_owners(sizes, world_size):
+def balanced_owners(sizes, load):
     """The rank owning each item: largest first, each to the rank with
-    the least so far (ties: the lower rank)."""
-    load, owners = [0] * world_size, [0] * len(sizes)
+    the least in `load` so far (ties: the lower rank); adds to load."""
+    owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         owners[i] = load.index(min(load))
         load[owners[i]] += sizes[i]
@@ -862,7 +858,8 @@ def orthogonalize_rows(params, directions, orthogonalize):
     rank, world_size = _rank_and_world()
     shapes = [getattr(p, "_fsdp_full_shape", tuple(p.shape))
               for p in params]
-    owners = balanced_owners([r * c for r, c in shapes], world_size)
+    sizes = [r * c for r, c in shapes]
+    owners = balanced_owners(sizes, [0] * world_size)
     blocks = [-(-r // world_size) for r, _ in shapes]  # rows per rank
     parts, works = {}, []
     for i, d in enumerate(directions):
