@@ -501,10 +501,9 @@ class Tokenizer:
             merges.append(tuple(unmap(part, where) for part in parts))
         return cls(vocab, merges, special_tokens)
 
-    def save(self, out_dir):
-        """Writes vocab.json and merges.txt (GPT-2 format, special tokens as
-        their literal text)."""
-        os.makedirs(out_dir, exist_ok=True)
+    def gpt2_strings(self):
+        """(vocab.json's {string: id}, merges.txt's "a b" lines): bytes in
+        the bytes_to_unicode encoding, special tokens as their text."""
         enc = bytes_to_unicode()
 
         def text(token):
@@ -519,9 +518,15 @@ class Tokenizer:
                 raise ValueError(f"tokens {mapped[s]} and {i} have the same "
                                  f"vocab.json string {s!r}")
             mapped[s] = i
+        # no mapped byte is a space
+        return mapped, [f"{text(a)} {text(b)}" for a, b in self.merges]
+
+    def save(self, out_dir):
+        """Writes vocab.json and merges.txt (GPT-2 format)."""
+        os.makedirs(out_dir, exist_ok=True)
+        mapped, merge_lines = self.gpt2_strings()
         paths = (os.path.join(out_dir, "vocab.json"),
                  os.path.join(out_dir, "merges.txt"))
-        merge_lines = [f"{text(a)} {text(b)}" for a, b in self.merges]
         contents = (json.dumps(mapped, ensure_ascii=False, indent=0),
                     "\n".join(["#version: 0.2"] + merge_lines) + "\n")
         for path, content in zip(paths, contents):

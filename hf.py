@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from bpe import atomic_open, bytes_to_unicode
+from bpe import atomic_open
 from flash import flash_attention, flash_attn_varlen
 from model import RMSNorm, RotaryEmbedding, TransformerLM, unwrap
 
@@ -191,17 +191,11 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def hf_tokenizer_files(tokenizer, max_length):
     """(tokenizer.json, tokenizer_config.json) dicts for a bpe.Tokenizer:
     GPT-2's byte-level BPE, the special tokens as added tokens."""
-    byte_char = bytes_to_unicode()
-
-    def text(token):
-        return "".join(byte_char[x] for x in token)
-    # as vocab.json: specials verbatim (an added token takes its text's id)
+    mapped, merges = tokenizer.gpt2_strings()
+    # as vocab.json, the specials last (an added token takes its text's id)
     special_ids = set(tokenizer.special_ids.values())
-    ordinary = sorted(i for i in tokenizer.vocab if i not in special_ids)
-    vocab = {text(tokenizer.vocab[i]): i for i in ordinary}
+    vocab = {s: i for s, i in mapped.items() if i not in special_ids}
     vocab.update(tokenizer.special_ids)
-    # no mapped byte is a space
-    merges = [f"{text(a)} {text(b)}" for a, b in tokenizer.merges]
     by_id = sorted(tokenizer.special_ids.items(), key=lambda item: item[1])
     added = [dict(id=i, content=content, single_word=False, lstrip=False,
                   rstrip=False, normalized=False, special=True)
