@@ -2024,22 +2024,22 @@ def sass_rows(flash, d, varlen, causal):
         layout = flash._smem_layout(tuple(block), torch.float32 if dtype == "fp32" else torch.bfloat16, swizzle)
         return f"tensordesc<{dtype}{block},{layout!r}>"
 
+    def descs(cols, **rows):  # name=rows: tiles of (rows x cols)
+        return {name: desc(r, cols) for name, r in rows.items()}
+
     m, n, stages, q_bufs = flash.GLUON_FWD_CONFIGS[main + tail]
     cx = dict(NUM_STAGES=stages, Q_BUFS=q_bufs, CAUSAL=causal, HEAD_MAJOR=not varlen, DYNAMIC=True, O_TMA=tail == 0)
-    types = dict(SASS_TYPES, q_desc=desc(m, main), k_desc=desc(n, main),
-                 v_desc=desc(n, main), qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main),
-                 vt_desc=desc(n, tail or main), o_desc=desc(m, main))
+    types = dict(SASS_TYPES, **descs(main, q_desc=m, k_desc=n, v_desc=n, o_desc=m),
+                 **descs(tail or main, qt_desc=m, kt_desc=n, vt_desc=n))
     rows.append([d, "fwd (Gluon, sm90)", str((2 * m, n, 9, stages))] + sass_stats(
         flash._gl_attn_fwd, types, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
     m, n, stages, split, persistent, dq_swizzle = flash.GLUON_BWD_CONFIGS[main + tail]
     cx = dict(NUM_STAGES=stages, CAUSAL=causal, DYNAMIC=persistent,
               DKV_TMA=flash._gluon_bwd_dkv_tma(tail, persistent, 1024, split))
     dq = desc(m, main // split, "fp32", dq_swizzle)  # (a tail's dQ tiles: the default swizzle)
-    types = dict(SASS_TYPES, q_desc=desc(m, main),
-                 k_desc=desc(n, main), v_desc=desc(n, main), do_desc=desc(m, main), dq_desc=dq,
-                 qt_desc=desc(m, tail or main), kt_desc=desc(n, tail or main), vt_desc=desc(n, tail or main),
-                 dot_desc=desc(m, tail or main), dqt_desc=desc(m, tail, "fp32") if tail else dq, dk_desc=desc(n, main),
-                 dv_desc=desc(n, main))
+    types = dict(SASS_TYPES, dq_desc=dq, dqt_desc=desc(m, tail, "fp32") if tail else dq,
+                 **descs(main, q_desc=m, k_desc=n, v_desc=n, do_desc=m, dk_desc=n, dv_desc=n),
+                 **descs(tail or main, qt_desc=m, kt_desc=n, vt_desc=n, dot_desc=m))
     rows.append([d, "bwd (Gluon, sm90)", str((m, 2 * n, 10, stages))] + sass_stats(
         flash._gl_attn_bwd, types, cx, {"num_warps": 4, "maxnreg": 168}, gluon_source=True))
     return rows
