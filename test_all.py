@@ -4554,6 +4554,19 @@ def test_orthogonalize_stacks_same_shapes_bit_for_bit():
     assert torch.equal(together[1], train.newton_schulz(ds[1]))
 
 
+def test_newton_schulz_bits_hold_in_any_stack_on_any_thread_count():
+    """Ranks orthogonalize other stacks, on their own thread counts: a
+    tall matrix's bits alone, in a stack, on one thread or several."""
+    G = torch.randn(4, 256, 64, generator=torch.Generator().manual_seed(5))
+    with _threads(1):
+        want = train.newton_schulz(G)
+        alone = train.newton_schulz(G[:1])
+    with _threads(16):
+        many_threads = train.newton_schulz(G)
+    assert torch.equal(alone[0], want[0])
+    assert torch.equal(many_threads, want)
+
+
 def test_newton_schulz_compiles_without_graph_breaks():
     G = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(4))
     torch._dynamo.reset()

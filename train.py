@@ -1413,8 +1413,8 @@ def newton_schulz(G, steps=5, eps=1e-7):
     a, b, c = NEWTON_SCHULZ
     X = G / (G.norm(dim=(-2, -1), keepdim=True) + eps)
     tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT
+    if tall:  # contiguous: baddbmm on a view rounds by thread count
+        X = X.mT.contiguous()
     # beta C + alpha A B in one GEMM: no pass over X to add a X
     gemm = torch.baddbmm if X.dim() == 3 else torch.addmm
     for _ in range(steps):
