@@ -110,7 +110,7 @@ def train(config, given, rank, world_size, dev, stops):
             print(*args, flush=True)
 
     r = setup(config, given, rank, world_size, dev, log)
-    c, w, optimizer = r.c, r.w, r.optimizer
+    c, w, optimizer, dev = r.c, r.w, r.optimizer, r.dev
     local_accum = c.grad_accum // world_size
     autocast = torch.autocast(dev.type, dtype=r.ptdtype,
                               enabled=r.ptdtype != torch.float32)
@@ -293,6 +293,8 @@ def setup(config, given, rank, world_size, dev, log):
         ckpt = _user_input(read_checkpoint, ckpt_path)
         saved = ckpt.get("config", {})
         c = SimpleNamespace(**resume_config(config, given, saved, log))
+        if c.device != "auto" and world_size == 1:  # the saved device
+            dev = chosen_device(c.device)
     check_config(c, world_size)
     # saved resolved: a resume on another world size keeps the batch
     c.grad_accum = c.grad_accum or world_size
@@ -429,7 +431,7 @@ def setup(config, given, rank, world_size, dev, log):
         train_tokens=train_tokens, train_docs=train_docs,
         val_batches=val_batches, model_args=model_args,
         tokenizer=tokenizer, flops_tok=flops_tok, peak=peak,
-        ckpt_path=ckpt_path, log_path=log_path)
+        ckpt_path=ckpt_path, log_path=log_path, dev=dev)
 
 
 def resume_config(config, given, saved, log):
