@@ -25,14 +25,14 @@ import argparse
 import contextlib
 import heapq
 import json
-import multiprocessing
 import os
 import re
 import sys
 import time
 import warnings
 from collections import Counter, defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import (ProcessPoolExecutor, ThreadPoolExecutor,
+                                as_completed)
 
 
 def cli(argv):
@@ -253,12 +253,20 @@ def _pretokenize_chunk(args):
 
 
 def _map_unordered(fn, jobs, workers):
-    """fn over jobs, on a pool of processes when workers > 1."""
+    """fn over jobs, on a pool of processes when workers > 1. Not
+    multiprocessing.Pool: its terminate(), which its with-block calls
+    after a worker's error, can deadlock (a known CPython bug)."""
     if workers <= 1:
         yield from map(fn, jobs)
         return
-    with multiprocessing.get_context().Pool(workers) as pool:
-        yield from pool.imap_unordered(fn, jobs)
+    with ProcessPoolExecutor(workers) as pool:
+        futures = [pool.submit(fn, job) for job in jobs]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:  # after an error the jobs not yet started never run
+            for future in futures:
+                future.cancel()
 
 
 def pretokenize(input_path, special_tokens, num_workers=None, verbose=True):
