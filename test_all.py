@@ -320,6 +320,15 @@ def test_bpe_cli_train_says_when_the_corpus_runs_out_of_pairs(
     assert (got < vocab_size) is runs_out, got
 
 
+def _script_popen(script, argv, cwd, env=None):
+    """The repository's script with argv, started: no standard input,
+    its output piped."""
+    command = [sys.executable, str(ROOT / script), *argv]
+    return subprocess.Popen(command, cwd=cwd, env=env, text=True,
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
 def _cli_errors(script, table, cwd):
     """Each (argv, words) of table: status 2, one stderr line holding
     every word, no file in cwd touched."""
@@ -327,13 +336,9 @@ def _cli_errors(script, table, cwd):
         paths = sorted(Path(cwd).rglob("*"))
         return {p: p.read_bytes() if p.is_file() else None for p in paths}
 
-    def start(argv):
-        command = [sys.executable, str(ROOT / script), *argv]
-        return subprocess.Popen(
-            command, cwd=cwd, text=True, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     before = files()
-    runs = [(argv, words, start(argv)) for argv, words in table]
+    runs = [(argv, words, _script_popen(script, argv, cwd))
+            for argv, words in table]
     for argv, words, run in runs:
         err = run.communicate(timeout=300)[1]
         assert run.returncode == 2, (argv, run.returncode, err)
@@ -4314,13 +4319,6 @@ def _folder_contents(folder):
             for p in sorted(Path(folder).rglob("*"))}
 
 
-def _sample_popen(argv, cwd, env=None):
-    command = [sys.executable, str(ROOT / "sample.py"), *argv]
-    return subprocess.Popen(command, cwd=cwd, env=env, text=True,
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
 @functools.cache
 def _sample_cli_runs():
     """Every sample.py command line of the tests at once: the refusals
@@ -4332,12 +4330,12 @@ def _sample_cli_runs():
     runs = {}
     for problem, (folder, argv, _) in SAMPLE_REFUSALS.items():
         if _refusal_runs_here(problem):
-            runs[problem] = _sample_popen(argv, folders[folder])
+            runs[problem] = _script_popen("sample.py", argv, folders[folder])
     sampling = [f"--out_dir={folders['checkpoint']}", "--prompt", "the cat",
                 "--prompt", "a dog sat on", "--num_samples=2",
                 "--max_new_tokens=8", "--device=cpu"]
     env = dict(os.environ, PYTHONPATH="")
-    runs["sampling"] = _sample_popen(sampling, None, env)
+    runs["sampling"] = _script_popen("sample.py", sampling, None, env)
     results = {}
     for name, run in runs.items():
         out, err = run.communicate(timeout=300)
@@ -5943,13 +5941,6 @@ def _train_refusal_runs_here(problem):
     return problem != "graphs_without_cuda" or not torch.cuda.is_available()
 
 
-def _train_popen(argv, cwd, env=None):
-    command = [sys.executable, str(ROOT / "train.py"), *argv]
-    return subprocess.Popen(command, cwd=cwd, env=env, text=True,
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
 @functools.cache
 def _train_cli_runs():
     """Every refused train.py command line at once, in the fixtures'
@@ -5959,12 +5950,12 @@ def _train_cli_runs():
     before = _folder_contents(folder)
     runs = {}
     for problem, (argv, _) in TRAIN_CONFIG_REFUSALS.items():
-        runs[problem] = _train_popen(argv, folder, _light_env())
+        runs[problem] = _script_popen("train.py", argv, folder, _light_env())
     for problem, (argv, _) in TRAIN_RUN_REFUSALS.items():
         if _train_refusal_runs_here(problem):
-            runs[problem] = _train_popen(argv, folder)
+            runs[problem] = _script_popen("train.py", argv, folder)
     cuda_index = f"--device=cuda:{torch.cuda.device_count()}"
-    runs["cuda_index"] = _train_popen([cuda_index], folder)
+    runs["cuda_index"] = _script_popen("train.py", [cuda_index], folder)
     results = {}
     for problem, run in runs.items():
         err = run.communicate(timeout=300)[1]
