@@ -38,6 +38,10 @@ import weakref
 
 import torch
 import torch.distributed as dist
+# before any group: imported later (optimizers and torch.compile import it),
+# its defaults hold the group past destroy_process_group, gloo's threads run
+# on and can abort the interpreter's exit
+import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 
 # newer torch renamed the single-tensor collectives (same signatures)

@@ -7697,6 +7697,34 @@ def test_init_distributed_picks_cuda_when_there():
     assert device.type == want, device
 
 
+# a rank's threads, counted after an optimizer's first import
+GROUP_THREADS = """
+import os, torch, ddp
+def threads():
+    return len(os.listdir("/proc/self/task"))
+before = threads()
+ddp.init_distributed()
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+ddp.cleanup_distributed()
+print(before, threads())
+"""
+
+
+def test_cleanup_distributed_ends_the_groups_threads():
+    # the first import of torch.distributed.nn bound the group then alive:
+    # gloo's threads outlived the group and now and then aborted the exit
+    if not os.path.isdir("/proc/self/task"):
+        raise unittest.SkipTest("counts threads in /proc")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    run = subprocess.run([sys.executable, "-c", GROUP_THREADS], cwd=ROOT,
+                         env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    before, after = run.stdout.split()
+    assert after == before, run.stdout
+
+
 @functools.cache
 def _wrapped_alone():
     """ddp.wrap(impl="none") of the tiny transformer after a backward
