@@ -7716,7 +7716,8 @@ def test_cleanup_distributed_ends_the_groups_threads():
     if not os.path.isdir("/proc/self/task"):
         raise unittest.SkipTest("counts threads in /proc")
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
+               CUDA_VISIBLE_DEVICES="")  # gloo, as on CI
     run = subprocess.run([sys.executable, "-c", GROUP_THREADS], cwd=ROOT,
                          env=env, capture_output=True, text=True,
                          timeout=120)
